@@ -1,0 +1,47 @@
+"""Attention for H3: dense kernels with log-sum-exp, the VDN-H3 window softmax, and its geometry."""
+
+from .kernels import KERNELS, AttnOut, dense_attention, force_kernel, probed_kernels, resolve_kernel
+from .layout import (
+    ANCHOR_MODES,
+    SequenceLayout,
+    Span,
+    WindowSpec,
+    anchor_frames,
+    is_full_cover,
+    window_bounds,
+)
+from .merge import merge_partials, merge_partials_reference
+from .window import (
+    BACKENDS,
+    WindowBackend,
+    WindowRun,
+    force_window_backend,
+    last_window_run,
+    resolve_window_backend,
+    window_softmax,
+)
+
+__all__ = [
+    "ANCHOR_MODES",
+    "AttnOut",
+    "BACKENDS",
+    "KERNELS",
+    "SequenceLayout",
+    "Span",
+    "WindowBackend",
+    "WindowRun",
+    "WindowSpec",
+    "anchor_frames",
+    "dense_attention",
+    "force_kernel",
+    "force_window_backend",
+    "is_full_cover",
+    "last_window_run",
+    "merge_partials",
+    "merge_partials_reference",
+    "probed_kernels",
+    "resolve_kernel",
+    "resolve_window_backend",
+    "window_bounds",
+    "window_softmax",
+]

@@ -1,0 +1,47 @@
+"""Copying rows into another float dtype with a device-side scale, in one pass.
+
+``scale_convert(src, dst, scale, saturate)`` writes ``dst = cast(src · scale)``, the product taken in
+float32; ``scale`` is a float32 tensor of shape [1] on the device (so no host sync is needed to pick
+it) or None; ``saturate`` clamps to the finite range of ``dst``'s dtype before the cast. Shapes:
+``[N, H, D]`` with any strides and a contiguous last dim. One fused Triton pass on CUDA; the eager
+version below is the reference and the path everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["scale_convert", "scale_convert_reference"]
+
+
+def scale_convert_reference(src, dst, scale=None, saturate=False) -> torch.Tensor:
+    x = src.float()
+    if scale is not None:
+        x = x * scale
+    if saturate:
+        limit = torch.finfo(dst.dtype).max
+        x = x.clamp(-limit, limit)
+    dst.copy_(x)
+    return dst
+
+
+_fused = None
+
+
+def _fused_convert():
+    global _fused
+    if _fused is None:
+        try:
+            from ._convert_triton import scale_convert_triton
+        except ImportError:
+            scale_convert_triton = False
+        _fused = scale_convert_triton
+    return _fused or None
+
+
+def scale_convert(src, dst, scale=None, saturate=False) -> torch.Tensor:
+    if dst.is_cuda and dst.dim() == 3 and src.shape == dst.shape and dst.numel():
+        fused = _fused_convert()
+        if fused is not None:
+            return fused(src, dst, scale, saturate)
+    return scale_convert_reference(src, dst, scale, saturate)

@@ -1,0 +1,187 @@
+"""``window_softmax``: the VDN-H3 window softmax over a packed sequence, on the backend you choose.
+
+Backends share one signature ``(q, k, v, layout, window, scale) -> out`` on token-major ``[T, H, D]``:
+  * ``ref`` — per-frame loop of dense attention (the oracle; any device, any dtype);
+  * ``flex`` — FlexAttention with a cached block mask;
+  * ``decomposed`` — dense calls over strided window views merged by log-sum-exp (no mask, no copies);
+  * ``auto`` — decomposed on CUDA when a fused dense kernel with log-sum-exp is available, else flex on
+    CUDA, else ref. ``last_window_run()`` tells what actually ran.
+When every window covers all frames the rule keeps every pair and any backend but ``ref`` runs one dense
+call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from ..errors import H3BackendUnavailable, H3InputError
+from . import window_flex
+from .kernels import dense_attention, resolve_kernel
+from .layout import SequenceLayout, WindowSpec, is_full_cover, window_bounds
+from .window_decomposed import window_softmax_decomposed
+from .window_ref import window_softmax_ref
+
+__all__ = [
+    "WindowBackend",
+    "BACKENDS",
+    "WindowRun",
+    "window_softmax",
+    "resolve_window_backend",
+    "force_window_backend",
+    "last_window_run",
+]
+
+log = logging.getLogger(__name__)
+
+
+class WindowBackend(str, Enum):
+    AUTO = "auto"
+    DECOMPOSED = "decomposed"
+    FLEX = "flex"
+    REF = "ref"
+
+
+BACKENDS = tuple(b.value for b in WindowBackend)
+
+
+@dataclass(frozen=True)
+class WindowRun:
+    """What the last ``window_softmax`` call ran: the backend asked for, the one resolved, and the kernel
+    underneath (a dense kernel name, or flex's ``triton`` / ``flash`` / ``eager``)."""
+
+    requested: str
+    backend: str
+    kernel: str
+
+
+_last_run: WindowRun | None = None
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("h3_forced_window_backend", default=None)
+_auto_logged: set = set()
+
+
+def last_window_run() -> WindowRun | None:
+    return _last_run
+
+
+def _check_backend(name) -> str:
+    value = name.value if isinstance(name, WindowBackend) else name
+    if value not in BACKENDS:
+        raise H3InputError(f"unknown window softmax backend {name!r}; valid backends: {list(BACKENDS)}")
+    return value
+
+
+@contextlib.contextmanager
+def force_window_backend(name: str):
+    """Make every ``window_softmax(backend="auto")`` inside the block use ``name``."""
+    token = _forced.set(_check_backend(name))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def resolve_window_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The concrete backend for a request; an explicit choice that cannot run raises."""
+    name = _check_backend(backend)
+    if name == "auto":
+        name = _forced.get() or "auto"
+    if name == "flex" and not window_flex.is_available():
+        raise H3BackendUnavailable(
+            "window softmax backend 'flex' needs torch.nn.attention.flex_attention (PyTorch >= 2.5); "
+            "use backend 'decomposed' or upgrade PyTorch"
+        )
+    if name != "auto":
+        return name
+    device = torch.device(device)
+    if device.type == "cuda":
+        kernel = resolve_kernel(device, dtype, head_dim)
+        if kernel != "math":
+            resolved = "decomposed"
+        else:
+            resolved = "flex" if window_flex.is_available() else "ref"
+    else:
+        resolved = "ref"
+    key = (str(device), dtype, head_dim)
+    if key not in _auto_logged:
+        _auto_logged.add(key)
+        log.info("window softmax backend 'auto' on %s %s d=%d resolved to %s", device, dtype, head_dim, resolved)
+    return resolved
+
+
+def _validate(q, k, v, layout, window):
+    if not isinstance(layout, SequenceLayout):
+        raise H3InputError(f"layout must be a SequenceLayout, got {type(layout).__name__}")
+    if not isinstance(window, WindowSpec):
+        raise H3InputError(f"window must be a WindowSpec, got {type(window).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise H3InputError(f"{name} must be a token-major [T, H, D] tensor, got {shape}")
+        if not x.is_floating_point():
+            raise H3InputError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if x.stride(-1) != 1:
+            raise H3InputError(f"{name} must have a contiguous last dim, got strides {x.stride()}")
+    if not (q.shape == k.shape == v.shape):
+        raise H3InputError(
+            f"q, k, v must have the same [T, H, D] shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise H3InputError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype}")
+    if q.shape[0] != layout.seq_len:
+        raise H3InputError(f"q has {q.shape[0]} rows but layout.seq_len is {layout.seq_len}")
+
+
+_RUNNERS = {
+    "ref": window_softmax_ref,
+    "flex": window_flex.window_softmax_flex,
+    "decomposed": window_softmax_decomposed,
+}
+
+
+def window_softmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SequenceLayout,
+    window: WindowSpec,
+    backend: str = "auto",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention under the VDN-H3 window rule.
+
+    Args:
+        q, k, v: ``[T, H, D]`` token-major, any float dtype, ``T == layout.seq_len``.
+        layout: where global rows and video frames sit.
+        window: radius, chunk and anchors of the window rule.
+        backend: one of ``BACKENDS``. Default: ``"auto"``.
+        scale: score scale. Default: ``D ** -0.5``.
+    Returns:
+        ``[T, H, D]`` in q's dtype.
+    """
+    global _last_run
+    _validate(q, k, v, layout, window)
+    requested = _check_backend(backend)
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    name = resolve_window_backend(requested, q.device, q.dtype, head_dim)
+    F = layout.num_frames
+    full = is_full_cover(window_bounds(F, window.radius, window.chunk), F)
+    if full and name != "ref":
+        out = dense_attention(q, k, v, scale=scale).out
+        kernel = resolve_kernel(q.device, q.dtype, head_dim)
+    else:
+        out = _RUNNERS[name](q, k, v, layout, window, scale)
+        if name == "flex":
+            kernel = window_flex.last_kernel
+        elif name == "decomposed":
+            kernel = resolve_kernel(q.device, q.dtype, head_dim)
+        else:
+            kernel = "sdpa"
+    _last_run = WindowRun(requested, name, kernel)
+    return out

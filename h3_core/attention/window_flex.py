@@ -1,0 +1,176 @@
+"""Window softmax through FlexAttention and a block mask built from the layout.
+
+The mask is a pure ``mask_mod`` over four per-row tables (the row's frame, the clamped window of a query
+row, and whether a key row is an anchor column), so one compiled kernel serves every geometry of the
+same length. Block masks are cached (bounded LRU) by geometry, block size and device.
+
+On CUDA the kernel is compiled once per shape; when flash-attn-4 is importable on sm90+ it runs through
+flex's FLASH backend (FA4), falling back to Triton for the rest of the process if FLASH fails. On other
+devices flex runs eagerly (it materialises the scores: fine for tests, not for long sequences).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import warnings
+from collections import OrderedDict
+
+import torch
+
+from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
+
+__all__ = ["window_softmax_flex", "build_window_block_mask", "block_mask_cache_info", "MAX_CACHED_MASKS"]
+
+log = logging.getLogger(__name__)
+
+MAX_CACHED_MASKS = 16
+FLEX_KERNELS = ("auto", "triton", "flash")
+# "auto": FLASH (FA4) where usable, else Triton. Benchmarks pin one of the others.
+preferred_kernel = "auto"
+_masks: OrderedDict = OrderedDict()
+_compiled = None
+_flash_failed = False
+# Flex kernels index with int32: one call may hold at most this many elements per q/k/v tensor.
+_MAX_ELEMENTS = 2**31 - 1
+
+
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def is_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def block_size_for(device: torch.device):
+    """(Q, KV) block: 256×128 on datacenter Blackwell (sm100/sm103), where FA4 needs it; 128 elsewhere."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) in ((10, 0), (10, 3)):
+        return (256, 128)
+    return 128
+
+
+def _row_tables(layout: SequenceLayout, window: WindowSpec, device):
+    T, F = layout.seq_len, layout.num_frames
+    S = layout.tokens_per_frame
+    row_frame = torch.full((T,), -1, dtype=torch.int32)
+    row_lo = torch.zeros(T, dtype=torch.int32)
+    row_hi = torch.full((T,), max(F - 1, 0), dtype=torch.int32)
+    is_column_anchor = torch.zeros(T, dtype=torch.bool)
+    v0 = layout.video_start
+    if F:
+        row_frame[v0 : layout.video_stop] = torch.arange(F, dtype=torch.int32).repeat_interleave(S)
+        anchors = anchor_frames(F)
+        for frame, bounds in enumerate(window_bounds(F, window.radius, window.chunk)):
+            if window.anchor_rows and frame in anchors:
+                continue
+            a, b = layout.frame_rows(frame)
+            row_lo[a:b], row_hi[a:b] = clamped_window(bounds, F)
+        if window.anchor_columns:
+            for frame in anchors:
+                a, b = layout.frame_rows(frame)
+                is_column_anchor[a:b] = True
+    return tuple(t.to(device) for t in (row_frame, row_lo, row_hi, is_column_anchor))
+
+
+def build_window_block_mask(layout: SequenceLayout, window: WindowSpec, device, block_size=None):
+    """The FlexAttention ``BlockMask`` of the window rule for ``layout`` (uncached)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    device = torch.device(device)
+    row_frame, row_lo, row_hi, is_column_anchor = _row_tables(layout, window, device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        key_frame = row_frame[kv_idx]
+        in_window = (key_frame >= row_lo[q_idx]) & (key_frame <= row_hi[q_idx])
+        return (key_frame < 0) | in_window | is_column_anchor[kv_idx]
+
+    T = layout.seq_len
+    with warnings.catch_warnings():
+        # torch >= 2.10 deprecates the flag in favour of torch.compile(create_block_mask); both build the
+        # mask blockwise instead of materialising T×T.
+        warnings.filterwarnings("ignore", message=".*_compile flag on create_block_mask.*")
+        return create_block_mask(
+            mask_mod, None, None, T, T, device=device,
+            BLOCK_SIZE=block_size or block_size_for(device), _compile=device.type == "cuda",
+        )
+
+
+def cached_block_mask(layout: SequenceLayout, window: WindowSpec, device):
+    device = torch.device(device)
+    block = block_size_for(device)
+    key = (layout, window, str(device), block)
+    mask = _masks.get(key)
+    if mask is None:
+        mask = build_window_block_mask(layout, window, device, block)
+        _masks[key] = mask
+        while len(_masks) > MAX_CACHED_MASKS:
+            _masks.popitem(last=False)
+    else:
+        _masks.move_to_end(key)
+    return mask
+
+
+def block_mask_cache_info() -> dict:
+    return {"size": len(_masks), "max": MAX_CACHED_MASKS}
+
+
+def _flash_usable(device) -> bool:
+    if preferred_kernel == "flash":
+        return True
+    return (
+        preferred_kernel == "auto"
+        and not _flash_failed
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and importlib.util.find_spec("flash_attn") is not None
+        and importlib.util.find_spec("flash_attn.cute") is not None
+    )
+
+
+def _run(q4, k4, v4, mask, scale, device):
+    global _compiled, _flash_failed
+    if device.type != "cuda":
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"
+    if _compiled is None:
+        # One compiled kernel per sequence length: allow more than dynamo's default 8 geometries.
+        config = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(config, name):
+                setattr(config, name, max(getattr(config, name), 64))
+        _compiled = torch.compile(_flex(), dynamic=False)
+    if _flash_usable(device):
+        try:
+            return _compiled(q4, k4, v4, block_mask=mask, scale=scale, kernel_options={"BACKEND": "FLASH"}), "flash"
+        except Exception as exc:  # FLASH lowering or FA4 failed: use Triton from now on
+            if preferred_kernel == "flash":
+                raise
+            _flash_failed = True
+            log.warning("flex FLASH backend failed (%s); using the Triton backend from now on", exc)
+    return _compiled(q4, k4, v4, block_mask=mask, scale=scale), "triton"
+
+
+last_kernel = None
+
+
+def window_softmax_flex(q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float) -> torch.Tensor:
+    global last_kernel
+    T, H, D = q.shape
+    mask = cached_block_mask(layout, window, q.device)
+    # Heads are split only when one call would overflow int32 indexing.
+    heads_per_call = max(1, min(H, _MAX_ELEMENTS // max(1, T * D)))
+    if heads_per_call == H:
+        q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        res, last_kernel = _run(q4, k4, v4, mask, scale, q.device)
+        return res[0].transpose(0, 1)
+    out = torch.empty_like(q)
+    for h0 in range(0, H, heads_per_call):
+        h1 = min(H, h0 + heads_per_call)
+        q4, k4, v4 = (x[:, h0:h1].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        res, last_kernel = _run(q4, k4, v4, mask, scale, q.device)
+        out[:, h0:h1] = res[0].transpose(0, 1)
+    return out
