@@ -17,12 +17,12 @@ shape whose windows advance by a constant step form a *batch*. Two strategies co
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import H3InputError
+from ._lru import BoundedLRU
 from .convert import scale_convert
 from .kernels import dense_attention
 from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, is_full_cover, window_bounds
@@ -33,7 +33,7 @@ __all__ = ["DecomposedPlan", "WindowBatch", "plan_decomposed", "window_softmax_d
 MAX_CACHED_PLANS = 16
 DEFAULT_SLAB_BYTES = 256 * 2**20
 DEFAULT_STAGE_BYTES = 384 * 2**20
-_plans: OrderedDict = OrderedDict()
+_plans = BoundedLRU(MAX_CACHED_PLANS)
 
 
 @dataclass(frozen=True)
@@ -127,19 +127,11 @@ def plan_decomposed(layout: SequenceLayout, window: WindowSpec) -> DecomposedPla
 
 
 def cached_plan(layout: SequenceLayout, window: WindowSpec) -> DecomposedPlan:
-    key = (layout, window)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = plan_decomposed(layout, window)
-        while len(_plans) > MAX_CACHED_PLANS:
-            _plans.popitem(last=False)
-    else:
-        _plans.move_to_end(key)
-    return plan
+    return _plans.get_or_build((layout, window), lambda: plan_decomposed(layout, window))
 
 
 def plan_cache_info() -> dict:
-    return {"size": len(_plans), "max": MAX_CACHED_PLANS}
+    return _plans.info()
 
 
 def _rows(x: torch.Tensor, runs) -> torch.Tensor:

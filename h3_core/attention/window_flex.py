@@ -14,10 +14,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import warnings
-from collections import OrderedDict
 
 import torch
 
+from ._lru import BoundedLRU
 from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
 
 __all__ = ["window_softmax_flex", "build_window_block_mask", "block_mask_cache_info", "MAX_CACHED_MASKS"]
@@ -28,7 +28,7 @@ MAX_CACHED_MASKS = 16
 FLEX_KERNELS = ("auto", "triton", "flash")
 # "auto": FLASH (FA4) where usable, else Triton. Benchmarks pin one of the others.
 preferred_kernel = "auto"
-_masks: OrderedDict = OrderedDict()
+_masks = BoundedLRU(MAX_CACHED_MASKS)
 _compiled = None
 _flash_failed = False
 # Flex kernels index with int32: one call may hold at most this many elements per q/k/v tensor.
@@ -102,19 +102,11 @@ def cached_block_mask(layout: SequenceLayout, window: WindowSpec, device):
     device = torch.device(device)
     block = block_size_for(device)
     key = (layout, window, str(device), block)
-    mask = _masks.get(key)
-    if mask is None:
-        mask = build_window_block_mask(layout, window, device, block)
-        _masks[key] = mask
-        while len(_masks) > MAX_CACHED_MASKS:
-            _masks.popitem(last=False)
-    else:
-        _masks.move_to_end(key)
-    return mask
+    return _masks.get_or_build(key, lambda: build_window_block_mask(layout, window, device, block))
 
 
 def block_mask_cache_info() -> dict:
-    return {"size": len(_masks), "max": MAX_CACHED_MASKS}
+    return _masks.info()
 
 
 def _flash_usable(device) -> bool:

@@ -44,7 +44,7 @@ def test_repeated_geometry_hits_the_plan_cache():
 
 
 def test_plan_cache_evicts_least_recently_used(monkeypatch):
-    monkeypatch.setattr(window_decomposed, "MAX_CACHED_PLANS", 3)
+    monkeypatch.setattr(window_decomposed._plans, "maxsize", 3)
     a = cached_plan(layout(5, text=71), WIN)
     b = cached_plan(layout(6, text=71), WIN)
     cached_plan(layout(7, text=71), WIN)
@@ -74,7 +74,7 @@ def test_window_softmax_plans_a_geometry_once(monkeypatch):
 
 
 def test_block_mask_cache_stays_bounded(monkeypatch):
-    monkeypatch.setattr(window_flex, "MAX_CACHED_MASKS", 2)
+    monkeypatch.setattr(window_flex._masks, "maxsize", 2)
     for frames in range(3, 7):
         lay = layout(frames, text=5)
         q, k, v = qkv(lay.seq_len, frames)
@@ -85,7 +85,7 @@ def test_block_mask_cache_stays_bounded(monkeypatch):
 
 
 def test_repeated_geometry_hits_the_block_mask_cache(monkeypatch):
-    monkeypatch.setattr(window_flex, "MAX_CACHED_MASKS", 2)
+    monkeypatch.setattr(window_flex._masks, "maxsize", 2)
     built = []
     real = window_flex.build_window_block_mask
 
