@@ -1,4 +1,5 @@
-"""Attention for H3: dense kernels with log-sum-exp, the VDN-H3 window softmax, and its geometry."""
+"""Attention for H3: dense kernels with log-sum-exp, the VDN-H3 window softmax and its geometry, and the
+attention of the two VAEs."""
 
 from .kernels import KERNELS, AttnOut, dense_attention, force_kernel, probed_kernels, resolve_kernel
 from .layout import (
@@ -11,6 +12,7 @@ from .layout import (
     window_bounds,
 )
 from .merge import merge_partials, merge_partials_reference
+from .vae import VAE_BACKENDS, VAE_COMPONENTS, check_vae_overrides, resolve_vae_attention, vae_attention
 from .window import (
     BACKENDS,
     WindowBackend,
@@ -23,6 +25,11 @@ from .window import (
 
 __all__ = [
     "ANCHOR_MODES",
+    "VAE_BACKENDS",
+    "VAE_COMPONENTS",
+    "check_vae_overrides",
+    "resolve_vae_attention",
+    "vae_attention",
     "AttnOut",
     "BACKENDS",
     "KERNELS",

@@ -56,14 +56,15 @@ class DeviceFacts:
     type: str
     capability: tuple[int, int] | None = None
     rocm: bool = False
+    arch: str | None = None  # the ROCm gfx name, e.g. "gfx950"
 
 
 def device_facts(device: torch.device) -> DeviceFacts:
     if device.type != "cuda":
         return DeviceFacts(device.type)
-    return DeviceFacts(
-        "cuda", tuple(torch.cuda.get_device_capability(device)), rocm=torch.version.hip is not None
-    )
+    rocm = torch.version.hip is not None
+    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", None) if rocm else None
+    return DeviceFacts("cuda", tuple(torch.cuda.get_device_capability(device)), rocm=rocm, arch=arch)
 
 
 def _optional_module(name: str):
@@ -73,11 +74,12 @@ def _optional_module(name: str):
         return None
 
 
-# Every kernel below takes token-major [B, T, H, D] views (and an optional preallocated output it may
-# write into) and returns (out [B, Tq, H, D], lse [B, Tq, H]).
+# Every kernel below takes token-major [B, T, H, D] views, the scale, whether attention is causal (query
+# i sees keys 0..i; Tq == Tk) and an optional preallocated output it may write into, and returns
+# (out [B, Tq, H, D], lse [B, Tq, H]).
 
 
-def _math(q, k, v, scale, out=None):
+def _math(q, k, v, scale, causal=False, out=None):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     qh, kh, vh = (x.transpose(1, 2).to(acc) for x in (q, k, v))
     B, H, Tq, _ = qh.shape
@@ -87,6 +89,9 @@ def _math(q, k, v, scale, out=None):
     step = max(1, (1 << 26) // max(1, B * H * kh.shape[2]))
     for s in range(0, Tq, step):
         scores = torch.matmul(qh[:, :, s : s + step], kh.transpose(-1, -2)) * scale
+        if causal:
+            rows = torch.arange(s, s + scores.shape[2], device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(kh.shape[2], device=q.device)[None, :] > rows, float("-inf"))
         lse_block = torch.logsumexp(scores, dim=-1)
         lse[:, :, s : s + step] = lse_block
         out[:, :, s : s + step] = torch.matmul(torch.exp(scores - lse_block.unsqueeze(-1)), vh)
@@ -97,21 +102,25 @@ def _head_major(*xs):
     return tuple(x.transpose(1, 2) for x in xs)
 
 
-def _cudnn(q, k, v, scale, out=None):
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(*_head_major(q, k, v), None, True, scale=scale)
+def _cudnn(q, k, v, scale, causal=False, out=None):
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        *_head_major(q, k, v), None, True, is_causal=causal, scale=scale
+    )
     out, lse = res[0], res[1]
     if lse.dim() == 4:  # some releases return [B, H, T, 1]
         lse = lse.squeeze(-1)
     return out.transpose(1, 2), lse.transpose(1, 2)
 
 
-def _flash(q, k, v, scale, out=None):
-    res = torch.ops.aten._scaled_dot_product_flash_attention(*_head_major(q, k, v), scale=scale)
+def _flash(q, k, v, scale, causal=False, out=None):
+    res = torch.ops.aten._scaled_dot_product_flash_attention(*_head_major(q, k, v), is_causal=causal, scale=scale)
     return res[0].transpose(1, 2), res[1].transpose(1, 2)
 
 
-def _efficient(q, k, v, scale, out=None):
-    res = torch.ops.aten._scaled_dot_product_efficient_attention(*_head_major(q, k, v), None, True, scale=scale)
+def _efficient(q, k, v, scale, causal=False, out=None):
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(
+        *_head_major(q, k, v), None, True, is_causal=causal, scale=scale
+    )
     # The log-sum-exp comes padded to a multiple of 32 rows.
     return res[0].transpose(1, 2), res[1][:, :, : q.shape[1]].transpose(1, 2)
 
@@ -121,24 +130,26 @@ def _lse_from_flash_attn(res):
     return out, lse.transpose(1, 2)
 
 
-def _fa2(q, k, v, scale, out=None):
+def _fa2(q, k, v, scale, causal=False, out=None):
     fa = importlib.import_module("flash_attn")
-    return _lse_from_flash_attn(fa.flash_attn_func(q, k, v, softmax_scale=scale, return_attn_probs=True))
-
-
-def _fa3(q, k, v, scale, out=None):
-    fa = importlib.import_module("flash_attn_interface")
-    res = fa.flash_attn_func(q, k, v, softmax_scale=scale, return_attn_probs=True)
+    res = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
     return _lse_from_flash_attn(res)
 
 
-def _fa4(q, k, v, scale, out=None):
+def _fa3(q, k, v, scale, causal=False, out=None):
+    fa = importlib.import_module("flash_attn_interface")
+    res = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    return _lse_from_flash_attn(res)
+
+
+def _fa4(q, k, v, scale, causal=False, out=None):
     if out is None:
         fa = importlib.import_module("flash_attn.cute")
-        return _lse_from_flash_attn(fa.flash_attn_func(q, k, v, softmax_scale=scale, return_lse=True))
+        res = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+        return _lse_from_flash_attn(res)
     # The forward entry point takes a preallocated output, which spares a copy per call.
     fwd = importlib.import_module("flash_attn.cute.interface")._flash_attn_fwd
-    return _lse_from_flash_attn(fwd(q, k, v, softmax_scale=scale, return_lse=True, out=out))
+    return _lse_from_flash_attn(fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True, out=out))
 
 
 def _cuda_only(facts: DeviceFacts, dtype, min_cc=(8, 0), dtypes=_HALF):
@@ -274,7 +285,7 @@ def _trial_passes(kernel: _Kernel, device, dtype, head_dim) -> str | None:
     view = kv.as_strided((2, Tk, H, head_dim), (stride * H * head_dim, H * head_dim, head_dim, 1))
     scale = head_dim**-0.5
     try:
-        out, lse = kernel.run(q, view, view, scale, None)
+        out, lse = kernel.run(q, view, view, scale)
     except Exception as exc:  # any failure just rules the kernel out
         return f"trial call failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     ref_out, ref_lse = _math(q, view, view, scale)
@@ -342,6 +353,7 @@ def dense_attention(
     scale: float | None = None,
     head_major: bool = False,
     kernel: str | None = None,
+    causal: bool = False,
     out: torch.Tensor | None = None,
 ) -> AttnOut:
     """Full (unmasked) attention of every query over every key, with the log-sum-exp.
@@ -352,6 +364,7 @@ def dense_attention(
         scale: score scale. Default: ``D ** -0.5``.
         head_major: inputs are ``[.., H, T, D]``.
         kernel: force one of ``KERNELS``. Default: the probed choice (or ``force_kernel``'s).
+        causal: query i attends to keys 0..i only (needs Tq == Tk). Default: False.
         out: a preallocated output (q's shape and layout) that kernels able to do so write into; the
             result is that tensor when ``result.out is out``, else a new one.
     Returns:
@@ -371,6 +384,8 @@ def dense_attention(
             f"dense_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, heads and "
             f"head dim, and k needs at least one row"
         )
+    if causal and q4.shape[1] != k4.shape[1]:
+        raise H3InputError(f"causal attention needs as many queries as keys, got {q4.shape[1]} and {k4.shape[1]}")
     head_dim = q4.shape[-1]
     scale = head_dim**-0.5 if scale is None else float(scale)
     name = resolve_kernel(q.device, q.dtype, head_dim, kernel)
@@ -381,7 +396,7 @@ def dense_attention(
                           device=q.device)
     else:
         target = None if out is None or out.shape != q.shape else _as_batched_token_major(out, head_major)
-        res, lse = _KERNELS[name].run(q4, k4, v4, scale, target)
+        res, lse = _KERNELS[name].run(q4, k4, v4, scale, causal, target)
         if target is not None and res.data_ptr() == target.data_ptr() and res.stride() == target.stride():
             return AttnOut(given, _unbatch(lse, head_major, batched))
     if head_major:

@@ -162,3 +162,42 @@ def test_dense_attention_writes_into_out_when_the_kernel_can():
     if res.out is target:
         assert name == "fa4"
     assert torch.equal(res.out, ref)
+
+
+@pytest.mark.parametrize("name", ["fa4", "fa3", "fa2", "cudnn", "flash", "efficient", "math"])
+def test_causal_kernels_match_fp32(name):
+    if not usable(name, head_dim=64):
+        pytest.skip(f"{name} not usable here")
+    g = torch.Generator(device=DEV).manual_seed(11)
+    q, k, v = (torch.randn(2, 777, 4, 64, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    out, lse = dense_attention(q, k, v, causal=True, kernel=name)
+    ref_out, ref_lse = dense_attention(q.float(), k.float(), v.float(), causal=True, kernel="math")
+    assert rel(out, ref_out) < 1e-2
+    assert (lse - ref_lse).abs().max().item() < 1e-2
+
+
+def test_vae_attention_contract_on_cuda():
+    from h3_core.attention.vae import resolve_vae_attention, vae_attention
+
+    g = torch.Generator(device=DEV).manual_seed(12)
+    # video: the ViT3D decoder's 32 heads of 64 over one 16x16x7 tile plus 5 suffix tokens
+    q, k, v = (torch.randn(1, 32, 1797, 64, device=DEV, dtype=torch.float16, generator=g) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    out = vae_attention(q, k, v, component="video_vae")
+    assert resolve_vae_attention("video_vae", DEV, torch.float16, 64).backend in ("fa4", "fa3", "fa2", "cudnn")
+    assert out.dtype == torch.float16 and rel(out, ref) < 5e-3
+    out32 = vae_attention(q.float(), k.float(), v.float(), component="video_vae", overrides={"video_vae": "flash_attn"})
+    assert rel(out32, ref) < 1e-5  # fp32 stays on SDPA at full precision
+    # audio: the encoder's causal 8 heads of 256, fp32
+    q, k, v = (torch.randn(2, 8, 400, 256, device=DEV, generator=g) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    out = vae_attention(q, k, v, component="audio_vae")
+    assert out.dtype == torch.float32 and rel(out, ref) < 1e-5
+    for backend in ("cudnn", "flash", "flash_attn"):
+        try:
+            choice = resolve_vae_attention("audio_vae", DEV, torch.float32, 256, backend)
+        except H3BackendUnavailable:
+            continue
+        fused = vae_attention(q, k, v, component="audio_vae", overrides={"audio_vae": backend})
+        assert choice.compute_dtype == torch.float16
+        assert fused.dtype == torch.float32 and rel(fused, ref) < 2e-3, backend

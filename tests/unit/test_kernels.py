@@ -1,10 +1,8 @@
 """Dense attention with log-sum-exp (h3_core.attention.kernels): the math kernel, the probe, and the
 flash-attn legs driven through injected fake modules on CPU."""
 
-import math
 import re
 import sys
-import types
 
 import pytest
 import torch
@@ -12,6 +10,8 @@ import torch
 from h3_core.attention import kernels
 from h3_core.attention.kernels import KERNELS, DeviceFacts, dense_attention, force_kernel, probed_kernels
 from h3_core.errors import H3BackendUnavailable, H3InputError
+
+from fake_flash import LEGS, LOG2_E, FakeFlash, install_fa3, install_fa4, pretend_gpu
 
 
 @pytest.fixture(autouse=True)
@@ -215,102 +215,6 @@ def test_probe_on_cpu_picks_math():
 
 # --- flash-attn legs through injected fake modules -------------------------------------------------
 
-LOG2_E = 1.0 / math.log(2.0)
-
-
-class FakeFlash:
-    """Exact attention in float64 standing in for a flash-attn build; records every call's layout."""
-
-    def __init__(self, lse_factor=1.0, fail=None):
-        self.calls = []
-        self.problems = []
-        self.lse_factor = lse_factor
-        self.fail = fail
-
-    def compute(self, q, k, v, softmax_scale):
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if x.dim() != 4 or x.stride(-1) != 1:
-                self.problems.append(f"{name} shape {tuple(x.shape)} strides {x.stride()}")
-        if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or k.shape != v.shape:
-            self.problems.append(f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-        self.calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), k_stride=k.stride(), scale=softmax_scale))
-        if self.fail is not None:
-            raise self.fail
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale
-        lse = torch.logsumexp(scores, dim=-1)  # [B, H, S]
-        out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse[..., None]), v.double())
-        return out.to(q.dtype), (lse * self.lse_factor).float()
-
-
-def install_fa3(monkeypatch, fake):
-    mod = types.ModuleType("flash_attn_interface")
-
-    def flash_attn_func(q, k, v, softmax_scale=None, return_attn_probs=False):
-        out, lse = fake.compute(q, k, v, softmax_scale)
-        return (out, lse) if return_attn_probs else out
-
-    mod.flash_attn_func = flash_attn_func
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", mod)
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
-
-
-def install_fa2(monkeypatch, fake):
-    mod = types.ModuleType("flash_attn")
-
-    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, return_attn_probs=False):
-        if dropout_p != 0.0 or causal:
-            fake.problems.append(f"dropout_p={dropout_p} causal={causal}")
-        out, lse = fake.compute(q, k, v, softmax_scale)
-        return (out, lse, None) if return_attn_probs else out
-
-    mod.flash_attn_func = flash_attn_func
-    monkeypatch.setitem(sys.modules, "flash_attn", mod)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
-
-
-def install_fa4(monkeypatch, fake):
-    pkg = types.ModuleType("flash_attn")
-    pkg.__path__ = []
-    cute = types.ModuleType("flash_attn.cute")
-
-    def flash_attn_func(q, k, v, softmax_scale=None, return_lse=False):
-        out, lse = fake.compute(q, k, v, softmax_scale)
-        return out, (lse if return_lse else None)
-
-    interface = types.ModuleType("flash_attn.cute.interface")
-
-    def _flash_attn_fwd(q, k, v, softmax_scale=None, return_lse=False, out=None):
-        res, lse = fake.compute(q, k, v, softmax_scale)
-        if out is not None:
-            fake.calls[-1]["out"] = (out.data_ptr(), out.stride())
-            out.copy_(res)
-            res = out
-        return res, (lse if return_lse else None), None, None, None
-
-    cute.flash_attn_func = flash_attn_func
-    interface._flash_attn_fwd = _flash_attn_fwd
-    cute.interface = interface
-    pkg.cute = cute
-    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
-
-
-LEGS = {
-    "fa3": ((9, 0), install_fa3),
-    "fa2": ((8, 0), install_fa2),
-    "fa4": ((10, 0), install_fa4),
-}
-
-
-def pretend_gpu(monkeypatch, capability):
-    monkeypatch.setattr(kernels, "device_facts", lambda device: DeviceFacts("cuda", capability))
-
-
 @pytest.mark.parametrize("leg", list(LEGS))
 def test_probe_picks_injected_flash_kernel(monkeypatch, leg):
     capability, install = LEGS[leg]
@@ -461,3 +365,40 @@ def test_out_is_only_a_hint_for_kernels_that_cannot():
     res = dense_attention(q, k, v, out=target, kernel="math")
     assert res.out is not target and (target == -7.0).all()
     assert torch.equal(res.out, dense_attention(q, k, v, kernel="math").out)
+
+
+def direct_causal(q, k, v, scale):
+    scores = torch.einsum("...qhd,...khd->...hqk", q, k) * scale
+    scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("...hqk,...khd->...qhd", torch.softmax(scores, dim=-1), v), torch.logsumexp(scores, -1)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_math_causal_equals_masked_softmax(batched):
+    shape = (2, 11, 3, 8) if batched else (11, 3, 8)
+    q, k, v = (randn(*shape, seed=s) for s in (1, 2, 3))
+    res = dense_attention(q, k, v, causal=True, kernel="math")
+    out, lse = direct_causal(q, k, v, 8**-0.5)
+    assert (res.out - out).abs().max() <= 1e-12
+    assert (res.lse - lse.transpose(-1, -2)).abs().max() <= 1e-12
+    # the first query sees only the first key
+    assert torch.allclose(res.out[..., 0, :, :], v[..., 0, :, :])
+
+
+def test_causal_needs_square_attention():
+    q, k = randn(4, 2, 8), randn(6, 2, 8)
+    with pytest.raises(H3InputError, match="causal attention needs as many queries as keys, got 4 and 6"):
+        dense_attention(q, k, k, causal=True)
+
+
+@pytest.mark.parametrize("leg", list(LEGS))
+def test_injected_kernels_receive_causal(monkeypatch, leg):
+    capability, install = LEGS[leg]
+    fake = FakeFlash()
+    install(monkeypatch, fake)
+    pretend_gpu(monkeypatch, capability)
+    q, k, v = (randn(2, 9, 3, 16, dtype=torch.bfloat16, seed=s) for s in (4, 5, 6))
+    res = dense_attention(q, k, v, causal=True)
+    assert fake.calls[-1]["causal"] is True and not fake.problems
+    expected = dense_attention(q, k, v, causal=True, kernel="math")
+    assert torch.equal(res.out, expected.out)
