@@ -1,0 +1,325 @@
+"""Tiled decoding of H3 video latents, as the decoder was trained: 7-latent temporal windows cross-faded
+over 5 frames, 256 px spatial tiles with tile-local positions, composed by a normalised overlap-add.
+
+Temporal windows follow the released decoder exactly (the encoder saw 17-frame clips that each became 5
+latents, with the last 3 latents of every clip dropped): window i decodes latents [5i, 5i + 7) into 28
+frames; frames 0–2 are the causal pre-padding and frames 20–22 the pre-padding of the *next* clip, both
+dropped; frames 3–19 are output, and frames 23–27 are the next window's first 5 frames, cross-faded with
+them linearly (the previous window's weight falls 1, 0.8, …, 0.2). 5k + 2 latents give 17k + 5 frames; other
+lengths are padded by repeating the last latent and the extra frames cut. A single latent frame is decoded
+padded to two latents and its first frame returned.
+
+Spatial tiles follow the released plan (``split_tiles``), but overlaps are composed by a normalised
+overlap-add over EVERY tile covering a pixel, each tile weighted by the separable product of its ramps, so
+corners where four tiles meet are blended correctly. Rows are accumulated in fp32 in a band one tile high
+and written out as soon as no later tile can reach them, so device memory does not grow with the clip.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .errors import H3InputError
+
+__all__ = [
+    "TRAINED_TILE_PX",
+    "TRAINED_OVERLAP_PX",
+    "TileGrid",
+    "TemporalPlan",
+    "split_tiles",
+    "ramp_weights",
+    "temporal_plan",
+    "decode_tiled",
+]
+
+log = logging.getLogger(__name__)
+
+TRAINED_TILE_PX = 256
+TRAINED_OVERLAP_PX = 64
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    """Tiles along one axis, in pixels: tile i covers ``[starts[i], starts[i] + sizes[i])``;
+    ``overlaps[i]`` is shared by tiles i and i + 1."""
+
+    length: int
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    overlaps: tuple[int, ...]
+
+
+def split_tiles(length: int, tile: int = TRAINED_TILE_PX, min_overlap: int = TRAINED_OVERLAP_PX, unit: int = 16) -> TileGrid:
+    """Lay ``tile``-wide tiles over ``length`` pixels as the released VAE does: the fewest tiles whose
+    overlaps are all at least ``min_overlap``, the slack spread round-robin over the overlaps in whole
+    ``unit`` steps (one latent), first overlaps first. A length within one tile is one tile."""
+    if tile <= 0 or min_overlap < 0 or min_overlap >= tile:
+        raise H3InputError(f"tile size {tile} and overlap {min_overlap} must satisfy 0 <= overlap < tile")
+    if tile >= length:
+        return TileGrid(length, (0,), (length,), ())
+    count = math.ceil(length / tile)
+    while tile * count - min_overlap * (count - 1) < length:
+        count += 1
+    overlaps = [min_overlap] * (count - 1)
+    for i in range((tile * count - sum(overlaps) - length) // unit):
+        overlaps[i % (count - 1)] += unit
+    starts = [0]
+    for overlap in overlaps:
+        starts.append(starts[-1] + tile - overlap)
+    return TileGrid(length, tuple(starts), (tile,) * count, tuple(overlaps))
+
+
+def ramp_weights(grid: TileGrid) -> list[torch.Tensor]:
+    """Per tile, its fp32 weight along the axis: rising p/n over the overlap with the previous tile and
+    falling 1 - p/n over the overlap with the next one (p = 0..n-1), 1 elsewhere — the released linear
+    blend, as weights of an overlap-add."""
+    weights = []
+    for i, size in enumerate(grid.sizes):
+        w = torch.ones(size, dtype=torch.float32)
+        if i > 0:
+            n = min(grid.overlaps[i - 1], size)
+            w[:n] *= torch.arange(n, dtype=torch.float32) / n
+        if i + 1 < len(grid.sizes):
+            n = min(grid.overlaps[i], size)
+            w[size - n :] *= 1 - torch.arange(n, dtype=torch.float32) / n
+        weights.append(w)
+    return weights
+
+
+def _axis_total(grid: TileGrid, weights: list[torch.Tensor]) -> torch.Tensor:
+    total = torch.zeros(grid.length, dtype=torch.float32)
+    for start, w in zip(grid.starts, weights):
+        total[start : start + w.numel()] += w
+    return total
+
+
+@dataclass(frozen=True)
+class TemporalPlan:
+    """How a latent video is cut into decoder windows and joined back.
+
+    ``windows`` are latent ranges ``(start, stop)`` of the padded latents (``pad`` repeats of the last
+    latent appended). From each window's decoded frames, ``keep`` is output and ``tail`` is cross-faded
+    into the next window's first ``fade`` kept frames (the last window's tail is output as is); the first
+    ``cut`` frames of the joined video are all that is returned."""
+
+    num_latents: int
+    pad: int
+    windows: tuple[tuple[int, int], ...]
+    keep: tuple[int, int]
+    tail: tuple[int, int] | None
+    fade: int
+    num_frames: int
+
+    def output_start(self, window: int) -> int:
+        """The output frame where window ``window``'s kept frames begin."""
+        return window * (self.keep[1] - self.keep[0])
+
+
+def temporal_plan(num_latents: int, clip_length: int = 17, temporal_ratio: int = 4, token_drop: int = 3) -> TemporalPlan:
+    """The released decoder's temporal windows for ``num_latents`` latent frames (module docstring)."""
+    if num_latents < 1:
+        raise H3InputError(f"latent video needs at least 1 frame, got {num_latents}")
+    chunk = math.ceil(clip_length / temporal_ratio)  # latents per encoded clip (5)
+    pre_pad = (-clip_length) % temporal_ratio  # leading frames the causal encoder padded (3)
+    overlap = (-token_drop) % chunk  # latents two windows share (2)
+    fade = max(overlap * temporal_ratio - pre_pad, 0)  # frames cross-faded (5)
+    if num_latents == 1:
+        # One latent frame decodes badly alone; two copies decode cleanly and the first frame is the image.
+        return TemporalPlan(1, 1, ((0, 2),), (pre_pad, pre_pad + 1), None, 0, 1)
+    tokens = num_latents + token_drop
+    pad = (-tokens) % chunk
+    windows = (tokens + pad) // chunk - int(token_drop > 0)
+    clip_frames = chunk * temporal_ratio
+    if windows == 0:
+        # Fewer latents than one window (5k + 2 with k = 0): one window whose frames after the pre-padding
+        # are all output.
+        frames = (num_latents + pad) * temporal_ratio - pre_pad
+        return TemporalPlan(num_latents, pad, ((0, num_latents + pad),), (pre_pad, pre_pad + frames), None, 0,
+                            _cut(num_latents, pad, frames, clip_length, temporal_ratio, chunk))
+    span = chunk + overlap
+    tail = (clip_frames + pre_pad, span * temporal_ratio) if token_drop > 0 else None
+    total = windows * (clip_frames - pre_pad) + ((tail[1] - tail[0]) if tail else 0)
+    return TemporalPlan(
+        num_latents, pad, tuple((i * chunk, i * chunk + span) for i in range(windows)),
+        (pre_pad, clip_frames), tail, fade if windows > 1 or tail else 0,
+        _cut(num_latents, pad, total, clip_length, temporal_ratio, chunk),
+    )
+
+
+def _cut(num_latents, pad, total, clip_length, temporal_ratio, chunk):
+    """Frames left after dropping those the padding latents produced: a clip's last latent covers only
+    ``clip_length % temporal_ratio`` frames, the others ``temporal_ratio``."""
+    tail_frames = clip_length % temporal_ratio
+    extra = sum(
+        tail_frames if tail_frames and (num_latents + k) % chunk == 0 else temporal_ratio for k in range(pad)
+    )
+    return total - extra
+
+
+class DecodeOutOfMemory(RuntimeError):
+    """Decoding ran out of device memory even at the lowest-memory setting."""
+
+
+def decode_tiled(
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    latents: torch.Tensor,
+    *,
+    spatial_ratio: int = 16,
+    temporal_ratio: int = 4,
+    tile_px: int = TRAINED_TILE_PX,
+    overlap_px: int = TRAINED_OVERLAP_PX,
+    tiles_per_batch: int = 4,
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    check_cancel: Callable[[], None] | None = None,
+    offload: Callable[[], str] | None = None,
+    report: Callable[[str], None] | None = None,
+) -> torch.Tensor:
+    """Decode ``latents`` ``[C, T, h, w]`` window by window and tile by tile.
+
+    Args:
+        decode: latent tiles ``[N, C, t, th, tw]`` → pixels ``[N, 3, t·temporal_ratio, th·r, tw·r]``, the
+            decoder's own output space (composition is linear, so it happens there).
+        latents: one latent video on the decoder's device.
+        tile_px, overlap_px: spatial tile and minimum overlap in pixels. Default: the trained 256 / 64.
+        tiles_per_batch: tiles per ``decode`` call (a tile row at most).
+        finish: applied to finished pixels ``[3, f, rows, W]`` (fp32) before they are stored, e.g. the
+            de-normalisation and clamp. Default: none.
+        out: where to store the video, ``[F, H, W, 3]``. Default: a new fp32 CPU tensor.
+        progress: called with (tiles done, tiles total) after every tile.
+        check_cancel: called before every batch of tiles (every tile, with ``tiles_per_batch=1``); it
+            raises to stop, and nothing more is decoded.
+        offload: called once if a single tile still runs out of memory, to move weights off the device;
+            returns what it did. Without it, or if it fails to help, ``DecodeOutOfMemory`` is raised.
+        report: receives a sentence whenever the decode changes its settings to fit.
+    Returns:
+        ``out``: ``[F, H, W, 3]`` with F from ``temporal_plan``.
+    """
+    if latents.dim() != 4:
+        raise H3InputError(f"latents must be [C, T, h, w], got shape {tuple(latents.shape)}")
+    C, T, h, w = latents.shape
+    plan = temporal_plan(T, temporal_ratio=temporal_ratio)
+    H, W = h * spatial_ratio, w * spatial_ratio
+    grid_y = split_tiles(H, tile_px, overlap_px, spatial_ratio)
+    grid_x = split_tiles(W, tile_px, overlap_px, spatial_ratio)
+    wy, wx = ramp_weights(grid_y), ramp_weights(grid_x)
+    total_y, total_x = _axis_total(grid_y, wy), _axis_total(grid_x, wx)
+    if out is None:
+        out = torch.empty(plan.num_frames, H, W, 3, dtype=torch.float32)
+    elif tuple(out.shape) != (plan.num_frames, H, W, 3):
+        raise H3InputError(f"out must have shape {(plan.num_frames, H, W, 3)}, got {tuple(out.shape)}")
+    if plan.pad:
+        latents = torch.cat([latents, latents[:, -1:].expand(C, plan.pad, h, w)], dim=1)
+    state = _DecodeState(decode, tiles_per_batch, offload, report)
+    device = latents.device
+    weights = [
+        [wy_t.to(device)[:, None] * wx_t.to(device)[None, :] for wx_t in wx] for wy_t in wy
+    ]  # separable tile weights [th, tw]
+    band_rows = max(grid_y.sizes)
+    tiles_total = len(plan.windows) * len(grid_y.starts) * len(grid_x.starts)
+    done = 0
+    held_tail = None  # the previous window's tail, raw, [3, f, H, W] on the CPU
+    for index, (z0, z1) in enumerate(plan.windows):
+        window = latents[:, z0:z1]
+        # Accumulates rows [band_top, band_top + band_rows); every tile row starts at band_top.
+        band = torch.zeros(3, (z1 - z0) * temporal_ratio, band_rows, W, dtype=torch.float32, device=device)
+        band_top = 0
+        last = index == len(plan.windows) - 1
+        new_tail = None if plan.tail is None or last else torch.empty(3, plan.tail[1] - plan.tail[0], H, W)
+        for ty, (y0, th) in enumerate(zip(grid_y.starts, grid_y.sizes)):
+            r0, r1 = y0 // spatial_ratio, (y0 + th) // spatial_ratio
+            tiles = [
+                window[:, :, r0:r1, x0 // spatial_ratio : (x0 + tw) // spatial_ratio]
+                for x0, tw in zip(grid_x.starts, grid_x.sizes)
+            ]
+            tx = 0
+            while tx < len(tiles):
+                if check_cancel is not None:
+                    check_cancel()
+                count = state.tiles_per_batch
+                for k, pixels in enumerate(state.run(torch.stack(tiles[tx : tx + count]))):
+                    x0, tw = grid_x.starts[tx + k], grid_x.sizes[tx + k]
+                    band[:, :, :th, x0 : x0 + tw] += pixels.float() * weights[ty][tx + k]
+                    done += 1
+                    if progress is not None:
+                        progress(done, tiles_total)
+                tx += count
+            # Rows above the next tile row's start can no longer change.
+            final = (grid_y.starts[ty + 1] if ty + 1 < len(grid_y.starts) else H) - band_top
+            _emit_rows(band[:, :, :final], band_top, total_y, total_x, plan, index, held_tail, new_tail, finish, out)
+            band = torch.cat([band[:, :, final:], torch.zeros_like(band[:, :, :final])], dim=2)
+            band_top += final
+        held_tail = new_tail
+    return out
+
+
+def _emit_rows(rows, top, total_y, total_x, plan, index, held_tail, new_tail, finish, out):
+    """Normalise finished rows ``[top, top + rows)`` of one window and store its kept frames (cross-fading
+    the first ones with the previous window's tail) and its tail (held raw for the next window)."""
+    stop = top + rows.shape[2]
+    norm = (total_y[top:stop, None] * total_x[None, :]).to(rows.device)
+    pixels = (rows / norm).cpu()  # [3, frames, rows, W]
+    kept = pixels[:, plan.keep[0] : plan.keep[1]].clone()
+    if index > 0 and plan.fade:
+        fade = torch.arange(plan.fade, dtype=torch.float32) / plan.fade  # weight of the new window
+        previous = held_tail[:, :, top:stop]
+        kept[:, : plan.fade] = previous * (1 - fade)[None, :, None, None] + kept[:, : plan.fade] * fade[None, :, None, None]
+    _store(kept, plan.output_start(index), top, stop, finish, out)
+    if plan.tail is not None:
+        tail = pixels[:, plan.tail[0] : plan.tail[1]]
+        if new_tail is not None:
+            new_tail[:, :, top:stop] = tail
+        else:
+            _store(tail, plan.output_start(index + 1), top, stop, finish, out)
+
+
+def _store(pixels, frame0, top, stop, finish, out):
+    """Write ``pixels`` ``[3, f, rows, W]`` to ``out[frame0:, top:stop]``, dropping frames past the end."""
+    count = max(0, min(pixels.shape[1], out.shape[0] - frame0))
+    if count == 0:
+        return
+    pixels = pixels[:, :count]
+    if finish is not None:
+        pixels = finish(pixels)
+    out[frame0 : frame0 + count, top:stop] = pixels.permute(1, 2, 3, 0).to(out.dtype)
+
+
+class _DecodeState:
+    """Runs tile batches, stepping down to fewer tiles per batch and then to offloaded weights on OOM."""
+
+    def __init__(self, decode, tiles_per_batch, offload, report):
+        if tiles_per_batch < 1:
+            raise H3InputError(f"tiles_per_batch must be >= 1, got {tiles_per_batch}")
+        self.decode, self.tiles_per_batch, self.offload, self.report = decode, tiles_per_batch, offload, report
+        self.offloaded = False
+
+    def _say(self, message):
+        log.warning(message)
+        if self.report is not None:
+            self.report(message)
+
+    def run(self, tiles: torch.Tensor) -> torch.Tensor:
+        while True:
+            try:
+                return torch.cat([self.decode(part) for part in tiles.split(self.tiles_per_batch)])
+            except torch.OutOfMemoryError:
+                if tiles.is_cuda:
+                    torch.cuda.empty_cache()
+                if self.tiles_per_batch > 1:
+                    self.tiles_per_batch = max(1, self.tiles_per_batch // 2)
+                    self._say(f"video decode ran out of memory; retrying with {self.tiles_per_batch} tile(s) per batch")
+                elif self.offload is not None and not self.offloaded:
+                    self.offloaded = True
+                    self._say(f"video decode ran out of memory with 1 tile per batch; {self.offload()}")
+                else:
+                    raise DecodeOutOfMemory(
+                        "video decode ran out of memory with 1 tile per batch"
+                        + (" and the weights offloaded" if self.offloaded else "")
+                        + "; free memory (unload other models) or decode on a larger card"
+                    ) from None
