@@ -171,6 +171,8 @@ def decode_tiled(
     *,
     spatial_ratio: int = 16,
     temporal_ratio: int = 4,
+    clip_length: int = 17,
+    token_drop: int = 3,
     tile_px: int = TRAINED_TILE_PX,
     overlap_px: int = TRAINED_OVERLAP_PX,
     tiles_per_batch: int = 4,
@@ -187,7 +189,9 @@ def decode_tiled(
         decode: latent tiles ``[N, C, t, th, tw]`` → pixels ``[N, 3, t·temporal_ratio, th·r, tw·r]``, the
             decoder's own output space (composition is linear, so it happens there).
         latents: one latent video on the decoder's device.
-        tile_px, overlap_px: spatial tile and minimum overlap in pixels. Default: the trained 256 / 64.
+        spatial_ratio, temporal_ratio, clip_length, token_drop: the VAE's geometry (module docstring).
+        tile_px, overlap_px: spatial tile and minimum overlap in pixels. Default: the trained 256 / 64;
+            other sizes leave the regime the decoder was trained in (seams and a 16 px lattice appear).
         tiles_per_batch: tiles per ``decode`` call (a tile row at most).
         finish: applied to finished pixels ``[3, f, rows, W]`` (fp32) before they are stored, e.g. the
             de-normalisation and clamp. Default: none.
@@ -204,7 +208,7 @@ def decode_tiled(
     if latents.dim() != 4:
         raise H3InputError(f"latents must be [C, T, h, w], got shape {tuple(latents.shape)}")
     C, T, h, w = latents.shape
-    plan = temporal_plan(T, temporal_ratio=temporal_ratio)
+    plan = temporal_plan(T, clip_length, temporal_ratio, token_drop)
     H, W = h * spatial_ratio, w * spatial_ratio
     grid_y = split_tiles(H, tile_px, overlap_px, spatial_ratio)
     grid_x = split_tiles(W, tile_px, overlap_px, spatial_ratio)
@@ -323,3 +327,24 @@ class _DecodeState:
                         + (" and the weights offloaded" if self.offloaded else "")
                         + "; free memory (unload other models) or decode on a larger card"
                     ) from None
+
+
+def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrides=None, **options) -> torch.Tensor:
+    """Latents of one video ``[24, T, h, w]`` → RGB frames ``[F, H, W, 3]`` in [0, 1] on the CPU.
+
+    ``vae`` is a ``h3_core.models.video_vae.VideoVAE``; ``normalized`` latents are in model space (the
+    sampler's output). ``overrides`` picks the decoder's attention backend (``h3_core.attention.vae``);
+    ``options`` go to ``decode_tiled`` (tile size, tiles per batch, progress, cancel, ...)."""
+    from .models.video_vae import IMAGENET_MEAN, IMAGENET_STD
+
+    z = vae.denormalize_latents(latents) if normalized else latents
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1, 1)
+    cfg = vae.cfg
+    with torch.inference_mode():
+        return decode_tiled(
+            lambda tiles: vae.decode_tiles(tiles, overrides), z,
+            spatial_ratio=cfg.spatial_ratio, temporal_ratio=cfg.temporal_ratio,
+            clip_length=cfg.clip_length, token_drop=cfg.token_drop,
+            finish=lambda pixels: (pixels * std + mean).clamp(0, 1), **options,
+        )

@@ -1,0 +1,180 @@
+"""Loading safetensors weights into our modules through table-driven key maps.
+
+A ``KeyMap`` names one checkpoint layout. Each ``Rule`` matches keys of OUR module (a full-match regex)
+and names the file keys that produce it (templates filled from the regex's groups), with an optional
+``combine`` for keys that are fused or reshaped on the way in; a module key no rule matches is read
+under its own name. The map is checked against the module itself: every module key must be produced,
+every file key consumed, every shape must fit, or the file is refused with a message naming it, the
+layout it resembled and the first offending keys. Files are memory-mapped and each tensor goes straight
+to the target device and dtype; the module is built on the meta device, so nothing is held twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+from safetensors import safe_open
+
+from .errors import H3InputError
+
+__all__ = ["Rule", "KeyMap", "CheckpointFiles", "load_into", "match_layout", "QUANTIZED_DTYPES"]
+
+QUANTIZED_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "I4", "U4"}
+_SHOW = 5
+
+
+@dataclass(frozen=True)
+class Rule:
+    target: str
+    sources: tuple[str, ...]
+    combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+
+    def match(self, key: str):
+        return re.fullmatch(self.target, key)
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    name: str
+    rules: tuple[Rule, ...] = ()
+    prefix: str = ""  # a prefix every file key carries (e.g. "vae."), stripped before matching
+
+    def sources_for(self, key: str) -> tuple[tuple[str, ...], Callable | None]:
+        for rule in self.rules:
+            m = rule.match(key)
+            if m:
+                groups = m.groupdict()
+                return tuple(self.prefix + s.format(**groups) for s in rule.sources), rule.combine
+        return (self.prefix + key,), None
+
+
+class CheckpointFiles:
+    """The safetensors files of one checkpoint (a file, or a folder of shards), opened lazily."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if self.path.is_dir():
+            files = sorted(self.path.glob("*.safetensors"))
+        elif self.path.suffix == ".safetensors" and self.path.is_file():
+            files = [self.path]
+        else:
+            raise H3InputError(f"{self.path}: not a .safetensors file or a folder holding them")
+        if not files:
+            raise H3InputError(f"{self.path}: the folder holds no .safetensors files")
+        self.files = files
+        self._where: dict[str, Path] = {}
+        self.dtypes: dict[str, str] = {}
+        self.metadata: dict[str, str] = {}
+        for f in files:
+            header = _read_header(f)
+            self.metadata.update(header.pop("__metadata__", None) or {})
+            for key, info in header.items():
+                self._where[key] = f
+                self.dtypes[key] = info["dtype"]
+        self._handles: dict[Path, object] = {}
+
+    @property
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def config(self) -> dict:
+        """``config.json`` beside the weights (a diffusers folder), or {}."""
+        folder = self.path if self.path.is_dir() else self.path.parent
+        cfg = folder / "config.json"
+        return json.loads(cfg.read_text()) if self.path.is_dir() and cfg.is_file() else {}
+
+    def get(self, key: str) -> torch.Tensor:
+        f = self._where[key]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        return self._handles[f].get_tensor(key)
+
+
+def _read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file, read without touching the tensors."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise H3InputError(f"{path}: too short to be a safetensors file")
+        size = int.from_bytes(head, "little")
+        if size <= 0 or size > 100 * 2**20:
+            raise H3InputError(f"{path}: not a safetensors file (header size {size})")
+        try:
+            return json.loads(fh.read(size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise H3InputError(f"{path}: not a safetensors file ({exc.__class__.__name__} in its header)") from None
+
+
+def _plan(keymap: KeyMap, targets: Iterable[str], available: set[str]):
+    plan, missing = {}, []
+    for key in targets:
+        sources, combine = keymap.sources_for(key)
+        plan[key] = (sources, combine)
+        missing += [s for s in sources if s not in available]
+    used = {s for sources, _ in plan.values() for s in sources}
+    unexpected = sorted(available - used)
+    return plan, missing, unexpected
+
+
+def match_layout(files: CheckpointFiles, targets: Sequence[str], keymaps: Sequence[KeyMap], what: str):
+    """The key map whose plan the file fits exactly, or an error naming the closest one."""
+    available = files.keys
+    quantized = sorted({d for d in files.dtypes.values() if d in QUANTIZED_DTYPES})
+    if quantized:
+        raise H3InputError(
+            f"{files.path}: a quantized {what} ({', '.join(quantized)} tensors) is not supported; "
+            f"use the fp16/bf16/fp32 file"
+        )
+    scored = []
+    for keymap in keymaps:
+        plan, missing, unexpected = _plan(keymap, targets, available)
+        if not missing and not unexpected:
+            return keymap, plan
+        scored.append((len(missing) + len(unexpected), keymap.name, missing, unexpected))
+    _, name, missing, unexpected = min(scored, key=lambda s: s[0])
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)} keys, first {missing[:_SHOW]}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected keys, first {unexpected[:_SHOW]}")
+    raise H3InputError(
+        f"{files.path}: not a {what} checkpoint this pack can load; it is closest to the {name} layout but "
+        + " and ".join(parts)
+    )
+
+
+def load_into(
+    module: torch.nn.Module,
+    path: str | Path,
+    keymaps: Sequence[KeyMap],
+    *,
+    what: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    keep_fp32: Callable[[str], bool] = lambda key: False,
+) -> str:
+    """Fill ``module`` (built on the meta device) from ``path``; return the layout's name.
+
+    Floating-point tensors go to ``dtype`` (default: as stored), except keys ``keep_fp32`` selects."""
+    files = CheckpointFiles(path)
+    expected = module.state_dict()
+    keymap, plan = match_layout(files, list(expected), keymaps, what)
+    state = {}
+    for key, (sources, combine) in plan.items():
+        tensors = [files.get(s) for s in sources]
+        value = tensors[0] if combine is None else combine(tensors)
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise H3InputError(
+                f"{files.path}: {what} key {sources[0]!r} has shape {tuple(value.shape)}, the {keymap.name} "
+                f"layout needs {tuple(expected[key].shape)} for {key!r}"
+            )
+        target_dtype = torch.float32 if keep_fp32(key) else (dtype or value.dtype)
+        state[key] = value.to(device=device, dtype=target_dtype if value.is_floating_point() else value.dtype)
+        del tensors, value
+    module.load_state_dict(state, strict=True, assign=True)
+    return keymap.name

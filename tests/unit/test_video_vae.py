@@ -1,0 +1,170 @@
+"""The video VAE (h3_core.models.video_vae) against diffusers 0.42.1's AutoencoderKLMiniMaxH3: modules,
+checkpoint layouts and refusals, and the tiled decode of a whole clip."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from h3_core.errors import H3InputError
+from h3_core.models.video_vae import IMAGENET_MEAN, IMAGENET_STD, VideoVAEConfig, keeps_fp32, load_video_vae
+from h3_core.tiling import decode_video
+
+diffusers = pytest.importorskip("diffusers")
+
+STATS = dict(latents_mean=tuple(0.1 * i for i in range(24)), latents_std=tuple(1.0 + 0.05 * i for i in range(24)))
+TINY = dict(decoder_layers=2, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6, norm_groups=4)
+TINY_DIFFUSERS = dict(
+    decoder_num_layers=2, decoder_num_attention_heads=2, decoder_attention_head_dim=16,
+    block_out_channels=(8,) * 6, norm_num_groups=4,
+)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    model = diffusers.AutoencoderKLMiniMaxH3(**TINY_DIFFUSERS, **STATS).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folder(reference, tmp_path_factory):
+    path = tmp_path_factory.mktemp("vae")
+    reference.save_pretrained(path)
+    return path
+
+
+def tiny_cfg():
+    return VideoVAEConfig(**TINY, **STATS)
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_released_defaults():
+    cfg = VideoVAEConfig()
+    assert (cfg.spatial_ratio, cfg.temporal_ratio, cfg.decoder_dim, cfg.rope_dim) == (16, 4, 2048, 48)
+    assert cfg.decoder_layers == 36 and len(cfg.latents_mean) == 24
+
+
+def test_diffusers_folder_loads_and_decodes_identically(reference, folder):
+    vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
+    assert vae.layout == "diffusers"
+    for shape in [(2, 24, 3, 2, 3), (1, 24, 7, 4, 1)]:
+        z = randn(*shape, seed=shape[2])
+        with torch.no_grad():
+            ours = vae.decode_tiles(z)
+            ref = reference.decoder(reference.post_quant_conv(z))
+        assert ours.shape == ref.shape and (ours - ref).abs().max() <= 1e-5
+
+
+def test_encoder_moments_match(reference, folder):
+    vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
+    for frames in (17, 1):
+        x = randn(1, 3, frames, 48, 32, seed=frames)
+        with torch.no_grad():
+            ours = vae.encode_moments(x)
+            ref = reference.quant_conv(reference.encoder(x))
+        assert ours.shape == ref.shape == (1, 48, 5 if frames == 17 else 1, 3, 2)
+        assert (ours[:, :24] - ref[:, :24]).abs().max() <= 1e-5
+        assert (ours[:, 24:] - ref[:, 24:].clamp(-30, 20)).abs().max() <= 1e-5
+
+
+def test_config_json_supplies_the_latent_statistics(folder):
+    sizes = VideoVAEConfig(**TINY)  # released statistics, replaced by the folder's
+    vae = load_video_vae(folder, dtype=torch.float32, cfg=sizes)
+    assert vae.cfg.latents_mean == pytest.approx(STATS["latents_mean"])
+    assert vae.cfg.latents_std == pytest.approx(STATS["latents_std"])
+    z = randn(24, 2, 1, 1)
+    assert torch.allclose(vae.denormalize_latents(vae.normalize_latents(z)), z, atol=1e-6)
+
+
+def test_half_precision_keeps_the_released_fp32_islands(reference, folder):
+    vae = load_video_vae(folder, dtype=torch.float16, cfg=tiny_cfg())
+    dtypes = {k: v.dtype for k, v in vae.state_dict().items()}
+    assert all((dt == torch.float32) == keeps_fp32(k) for k, dt in dtypes.items())
+    assert dtypes["decoder.transformer_blocks.0.attn.to_qkv.weight"] == torch.float16
+    assert dtypes["decoder.proj_out.weight"] == torch.float32
+    z = randn(1, 24, 2, 2, 2)
+    with torch.no_grad():
+        err = (vae.decode_tiles(z) - reference.decoder(reference.post_quant_conv(z))).abs().max()
+    assert err < 5e-3
+
+
+def test_whole_clip_decode_matches_the_released_decoder(reference, folder):
+    vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
+    latents = randn(24, 7, 2, 20, seed=5)  # model space; one row of 2 tiles
+    frames = decode_video(vae, latents, tiles_per_batch=2)
+    with torch.no_grad():
+        raw = vae.denormalize_latents(latents)
+        ref = reference._decode(raw[None])[0]
+    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1, 1)
+    expected = (ref * std + mean).clamp(0, 1).permute(1, 2, 3, 0)
+    assert frames.shape == (22, 32, 320, 3)
+    assert (frames - expected).abs().max() <= 1e-5
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def weights(folder):
+    return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+
+
+def test_missing_key_names_the_file_layout_and_key(folder, tmp_path):
+    sd = weights(folder)
+    del sd["decoder.transformer_blocks.1.attn.to_k.bias"]
+    path = tmp_path / "broken.safetensors"
+    save_file(sd, str(path))
+    with pytest.raises(H3InputError, match=r"broken\.safetensors: not a MiniMax H3 video VAE checkpoint.*closest to "
+                       r"the diffusers layout but missing 1 keys, first \['decoder\.transformer_blocks\.1\.attn\.to_k\.bias'\]"):
+        load_video_vae(path, cfg=tiny_cfg())
+
+
+def test_unexpected_key_is_refused(folder, tmp_path):
+    sd = weights(folder)
+    sd["decoder.extra.weight"] = torch.zeros(2)
+    path = tmp_path / "extra.safetensors"
+    save_file(sd, str(path))
+    with pytest.raises(H3InputError, match=r"1 unexpected keys, first \['decoder\.extra\.weight'\]"):
+        load_video_vae(path, cfg=tiny_cfg())
+
+
+def test_wrong_shape_is_refused(folder, tmp_path):
+    sd = weights(folder)
+    sd["decoder.proj_in.weight"] = torch.zeros(32, 25)
+    path = tmp_path / "shape.safetensors"
+    save_file(sd, str(path))
+    with pytest.raises(H3InputError, match=r"key 'decoder\.proj_in\.weight' has shape \(32, 25\).*needs \(32, 24\)"):
+        load_video_vae(path, cfg=tiny_cfg())
+
+
+def test_quantized_file_is_refused_by_format(folder, tmp_path):
+    sd = weights(folder)
+    sd["decoder.proj_out.weight"] = sd["decoder.proj_out.weight"].to(torch.int8)
+    path = tmp_path / "int8.safetensors"
+    save_file(sd, str(path))
+    with pytest.raises(H3InputError, match=r"int8\.safetensors: a quantized MiniMax H3 video VAE \(I8 tensors\)"):
+        load_video_vae(path, cfg=tiny_cfg())
+
+
+def test_an_audio_vae_is_not_a_video_vae(tmp_path):
+    audio = diffusers.AutoencoderKLMiniMaxH3Audio()
+    path = tmp_path / "audio.safetensors"
+    save_file({k: v.contiguous() for k, v in audio.state_dict().items()}, str(path))
+    with pytest.raises(H3InputError, match=r"audio\.safetensors: not a MiniMax H3 video VAE checkpoint"):
+        load_video_vae(path, cfg=tiny_cfg())
+
+
+def test_not_a_safetensors_file(tmp_path):
+    path = tmp_path / "notes.safetensors"
+    path.write_bytes(b"\x00\x01hello")
+    with pytest.raises(H3InputError, match="notes.safetensors: too short to be a safetensors file"):
+        load_video_vae(path)
+    other = tmp_path / "model.ckpt"
+    other.write_bytes(b"x" * 100)
+    with pytest.raises(H3InputError, match=r"model\.ckpt: not a \.safetensors file"):
+        load_video_vae(other)
