@@ -43,6 +43,7 @@ class KeyMap:
     name: str
     rules: tuple[Rule, ...] = ()
     prefix: str = ""  # a prefix every file key carries (e.g. "vae."), stripped before matching
+    ignore: tuple[str, ...] = ()  # file keys (full-match regexes) that may be present and are not weights
 
     def sources_for(self, key: str) -> tuple[tuple[str, ...], Callable | None]:
         for rule in self.rules:
@@ -88,6 +89,15 @@ class CheckpointFiles:
         cfg = folder / "config.json"
         return json.loads(cfg.read_text()) if self.path.is_dir() and cfg.is_file() else {}
 
+    def latent_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Per-channel latent mean and std, from tensors in the file or a folder's ``config.json``."""
+        if {"latents_mean", "latents_std"} <= self.keys:
+            return tuple(tuple(self.get(k).double().tolist()) for k in ("latents_mean", "latents_std"))
+        cfg = self.config()
+        if cfg.get("latents_mean") and cfg.get("latents_std"):
+            return tuple(cfg["latents_mean"]), tuple(cfg["latents_std"])
+        return None
+
     def get(self, key: str) -> torch.Tensor:
         f = self._where[key]
         if f not in self._handles:
@@ -117,7 +127,7 @@ def _plan(keymap: KeyMap, targets: Iterable[str], available: set[str]):
         plan[key] = (sources, combine)
         missing += [s for s in sources if s not in available]
     used = {s for sources, _ in plan.values() for s in sources}
-    unexpected = sorted(available - used)
+    unexpected = sorted(k for k in available - used if not any(re.fullmatch(p, k) for p in keymap.ignore))
     return plan, missing, unexpected
 
 

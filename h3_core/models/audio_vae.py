@@ -346,22 +346,38 @@ def _fold_weight_norm(parts):
     return torch._weight_norm(v, g, 0)
 
 
+def comfy_layout() -> KeyMap:
+    """ComfyUI's repackaged single file (``minimax_h3_audio_vae_fp32.safetensors``): weight norm already
+    folded, so our own names, plus the latent statistics (read separately)."""
+    return KeyMap("ComfyUI", ignore=(r"latents_(mean|std)",))
+
+
 def diffusers_layout() -> KeyMap:
-    """diffusers ``AutoencoderKLMiniMaxH3Audio`` names; weight norm as ``weight_g`` / ``weight_v``."""
-    return KeyMap("diffusers", (Rule(_WEIGHT_NORMED, ("{m}.weight_g", "{m}.weight_v"), _fold_weight_norm),))
+    """diffusers ``AutoencoderKLMiniMaxH3Audio`` names, which the official ``audio_vae/model.safetensors``
+    shares: weight norm as ``weight_g`` / ``weight_v``."""
+    return KeyMap("diffusers/official", (Rule(_WEIGHT_NORMED, ("{m}.weight_g", "{m}.weight_v"), _fold_weight_norm),))
+
+
+def parametrized_layout() -> KeyMap:
+    """The official module saved with ``torch.nn.utils.parametrizations.weight_norm``."""
+    return KeyMap(
+        "parametrized weight norm",
+        (Rule(_WEIGHT_NORMED, ("{m}.parametrizations.weight.original0", "{m}.parametrizations.weight.original1"),
+              _fold_weight_norm),),
+    )
 
 
 def layouts() -> tuple[KeyMap, ...]:
     """Every checkpoint layout an audio VAE file may have."""
-    return (diffusers_layout(),)
+    return (comfy_layout(), diffusers_layout(), parametrized_layout())
 
 
 def load_audio_vae(path, *, device="cpu", cfg: AudioVAEConfig | None = None) -> AudioVAE:
     """Load an audio VAE checkpoint (a single file or a diffusers folder), in fp32."""
     cfg = cfg or AudioVAEConfig()
-    stats = CheckpointFiles(path).config()
-    if stats.get("latents_mean") and stats.get("latents_std"):
-        cfg = replace(cfg, latents_mean=tuple(stats["latents_mean"]), latents_std=tuple(stats["latents_std"]))
+    stats = CheckpointFiles(path).latent_stats()
+    if stats is not None:
+        cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])
     with torch.device("meta"):
         model = AudioVAE(cfg)
     model.layout = load_into(model, path, layouts(), what="MiniMax H3 audio VAE", device=device,

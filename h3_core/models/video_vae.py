@@ -137,12 +137,12 @@ class ResBlock3d(nn.Module):
         self.conv1 = _conv3(cin, cout)
         self.norm2 = FrameGroupNorm(groups, cout, eps=eps)
         self.conv2 = _conv3(cout, cout)
-        self.conv_shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
+        self.nin_shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
 
     def forward(self, x):
         h = self.conv1(F.silu(self.norm1(x)))
         h = self.conv2(F.silu(self.norm2(h)))
-        return (x if self.conv_shortcut is None else self.conv_shortcut(x)) + h
+        return (x if self.nin_shortcut is None else self.nin_shortcut(x)) + h
 
 
 class Downsample3d(nn.Module):
@@ -163,15 +163,13 @@ class Downsample3d(nn.Module):
 class DownBlock3d(nn.Module):
     def __init__(self, cin, cout, layers, temporal, spatial, groups, eps):
         super().__init__()
-        self.resnets = nn.ModuleList(ResBlock3d(cin if i == 0 else cout, cout, groups, eps) for i in range(layers))
-        self.downsamplers = nn.ModuleList([Downsample3d(cout, temporal, spatial)]) if temporal * spatial > 1 else None
+        self.block = nn.ModuleList(ResBlock3d(cin if i == 0 else cout, cout, groups, eps) for i in range(layers))
+        self.downsample = Downsample3d(cout, temporal, spatial) if temporal * spatial > 1 else None
 
     def forward(self, x):
-        for block in self.resnets:
+        for block in self.block:
             x = block(x)
-        for down in self.downsamplers or ():
-            x = down(x)
-        return x
+        return x if self.downsample is None else self.downsample(x)
 
 
 class Encoder3d(nn.Module):
@@ -180,7 +178,7 @@ class Encoder3d(nn.Module):
         ch = cfg.block_out_channels
         self.conv_in = _conv3(3, ch[0])
         ins = (ch[0],) + tuple(ch[:-1])
-        self.down_blocks = nn.ModuleList(
+        self.down = nn.ModuleList(
             DownBlock3d(ins[i], ch[i], cfg.layers_per_block, cfg.temporal_factors[i], cfg.spatial_factors[i],
                         cfg.norm_groups, cfg.norm_eps)
             for i in range(len(ch))
@@ -190,8 +188,8 @@ class Encoder3d(nn.Module):
 
     def forward(self, x):
         x = self.conv_in(x)
-        for block in self.down_blocks:
-            x = block(x)
+        for level in self.down:
+            x = level(x)
         return self.conv_out(F.silu(self.norm_out(x)))
 
 
@@ -237,25 +235,36 @@ class DecoderAttention(nn.Module):
         return self.to_out(out.transpose(1, 2).reshape(B, T, -1))
 
 
+class GatedFFN(nn.Module):
+    """``w2(silu(gate) · up)`` with ``w1`` producing ``[gate | up]``."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, 2 * hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        gate, up = self.w1(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: VideoVAEConfig):
         super().__init__()
-        dim, hidden = cfg.decoder_dim, cfg.decoder_dim * cfg.ffn_mult
+        dim = cfg.decoder_dim
         self.norm1 = nn.RMSNorm(dim, eps=cfg.decoder_eps)
         self.attn = DecoderAttention(cfg)
         self.scale1 = nn.Parameter(torch.zeros(dim))
         self.norm2 = nn.RMSNorm(dim, eps=cfg.decoder_eps)
-        self.ff_in = nn.Linear(dim, 2 * hidden)  # [value | gate]
-        self.ff_out = nn.Linear(hidden, dim)
+        self.ff = GatedFFN(dim, dim * cfg.ffn_mult)
         self.scale2 = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x, cos, sin, overrides=None):
         """``x``: the fp32 residual stream ``[B, T, dim]``."""
-        dtype = self.ff_in.weight.dtype
+        dtype = self.ff.w1.weight.dtype
         h = self.attn(self.norm1(x).to(dtype), cos, sin, overrides)
         x = x + h.float() * self.scale1.float()
-        value, gate = self.ff_in(self.norm2(x).to(dtype)).chunk(2, dim=-1)
-        return x + self.ff_out(value * F.silu(gate)).float() * self.scale2.float()
+        return x + self.ff(self.norm2(x).to(dtype)).float() * self.scale2.float()
 
 
 class ViTDecoder3d(nn.Module):
@@ -263,7 +272,7 @@ class ViTDecoder3d(nn.Module):
         super().__init__()
         self.cfg = cfg
         dim = cfg.decoder_dim
-        self.proj_in = nn.Linear(cfg.latent_channels, dim)
+        self.x_embedder = nn.Linear(cfg.latent_channels, dim)
         self.register_tokens = nn.Parameter(torch.zeros(1, cfg.register_tokens, dim))
         self.transformer_blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.decoder_layers))
         self.norm_out = nn.LayerNorm(dim, eps=cfg.decoder_eps)
@@ -274,12 +283,12 @@ class ViTDecoder3d(nn.Module):
         cfg = self.cfg
         B, C, t, h, w = z.shape
         tokens = z.permute(0, 2, 3, 4, 1).reshape(B, t * h * w, C)
-        x = F.linear(tokens.float(), self.proj_in.weight.float(), self.proj_in.bias.float())
+        x = F.linear(tokens.float(), self.x_embedder.weight.float(), self.x_embedder.bias.float())
         suffix = torch.cat([self.register_tokens.float().expand(B, -1, -1), x.new_zeros(B, 1, x.shape[2])], dim=1)
         x = torch.cat([x, suffix], dim=1)
         angles = rope_angles(t, h, w, suffix.shape[1], cfg, z.device)
         # RoPE is applied in the blocks' compute dtype, like the released decoder.
-        dtype = self.transformer_blocks[0].ff_in.weight.dtype if len(self.transformer_blocks) else torch.float32
+        dtype = self.transformer_blocks[0].ff.w1.weight.dtype if len(self.transformer_blocks) else torch.float32
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         for block in self.transformer_blocks:
             x = block(x, cos, sin, overrides)
@@ -342,27 +351,45 @@ def _fuse_qkv_per_head(head_dim: int):
     return combine
 
 
-def _block(rest: str) -> str:
-    return r"decoder\.transformer_blocks\.(?P<i>\d+)\." + rest
+def _swap_halves(parts):
+    """[a | b] → [b | a] along the rows: diffusers' SwiGLU is [up | gate], ours [gate | up]."""
+    first, second = parts[0].chunk(2, dim=0)
+    return torch.cat([second, first])
+
+
+_BLOCK = r"decoder\.transformer_blocks\.(?P<i>\d+)\."
+_RESNET = r"encoder\.down\.(?P<l>\d+)\.block\.(?P<j>\d+)\."
+
+
+def comfy_layout() -> KeyMap:
+    """ComfyUI's repackaged single file (``minimax_h3_video_vae_fp16.safetensors``) and the official
+    ``video_vae/source/model.safetensors``: our own names. ``decoder.mask_token`` (unused at inference)
+    and the latent statistics (read separately) may be present."""
+    return KeyMap("ComfyUI/official", ignore=(r"decoder\.mask_token", r"latents_(mean|std)"))
 
 
 def diffusers_layout(cfg: VideoVAEConfig) -> KeyMap:
-    """diffusers ``AutoencoderKLMiniMaxH3`` names (its folder layout, ``vae/`` of the diffusers repo)."""
+    """diffusers ``AutoencoderKLMiniMaxH3`` names (the ``vae/`` folder of a diffusers repository)."""
+    block = "decoder.transformer_blocks.{i}."
     return KeyMap(
         "diffusers",
         (
-            Rule(_block(r"attn\.to_qkv\.(?P<p>weight|bias)"),
-                 tuple(f"decoder.transformer_blocks.{{i}}.attn.to_{x}.{{p}}" for x in "qkv"),
-                 _fuse_qkv_per_head(cfg.decoder_head_dim)),
-            Rule(_block(r"attn\.to_out\.(?P<p>weight|bias)"), ("decoder.transformer_blocks.{i}.attn.to_out.0.{p}",)),
-            Rule(_block(r"ff_in\.(?P<p>weight|bias)"), ("decoder.transformer_blocks.{i}.ff.net.0.proj.{p}",)),
-            Rule(_block(r"ff_out\.(?P<p>weight|bias)"), ("decoder.transformer_blocks.{i}.ff.net.2.{p}",)),
+            Rule(_RESNET + r"nin_shortcut\.(?P<p>weight|bias)",
+                 ("encoder.down_blocks.{l}.resnets.{j}.conv_shortcut.{p}",)),
+            Rule(_RESNET + r"(?P<rest>.+)", ("encoder.down_blocks.{l}.resnets.{j}.{rest}",)),
+            Rule(r"encoder\.down\.(?P<l>\d+)\.downsample\.(?P<rest>.+)", ("encoder.down_blocks.{l}.downsamplers.0.{rest}",)),
+            Rule(r"decoder\.x_embedder\.(?P<p>weight|bias)", ("decoder.proj_in.{p}",)),
+            Rule(_BLOCK + r"attn\.to_qkv\.(?P<p>weight|bias)",
+                 tuple(block + f"attn.to_{x}.{{p}}" for x in "qkv"), _fuse_qkv_per_head(cfg.decoder_head_dim)),
+            Rule(_BLOCK + r"attn\.to_out\.(?P<p>weight|bias)", (block + "attn.to_out.0.{p}",)),
+            Rule(_BLOCK + r"ff\.w1\.(?P<p>weight|bias)", (block + "ff.net.0.proj.{p}",), _swap_halves),
+            Rule(_BLOCK + r"ff\.w2\.(?P<p>weight|bias)", (block + "ff.net.2.{p}",)),
         ),
     )
 
 
 _FP32_KEYS = re.compile(
-    r"(encoder\.|quant_conv\.|post_quant_conv\.|decoder\.(proj_in|proj_out|norm_out|register_tokens)"
+    r"(encoder\.|quant_conv\.|post_quant_conv\.|decoder\.(x_embedder|proj_out|norm_out|register_tokens)"
     r"|decoder\.transformer_blocks\.\d+\.(norm1|norm2|scale1|scale2))"
 )
 
@@ -377,12 +404,12 @@ def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cf
 
     The decoder's blocks are held in ``dtype``; the encoder, the latent convs, the first and last
     decoder projections, the norms and the LayerScales stay fp32. ``cfg`` gives the sizes (default: the
-    released model); a folder's ``config.json`` supplies the latent statistics."""
+    released model); the file's ``latents_mean`` / ``latents_std`` tensors or a folder's ``config.json``
+    supply the latent statistics."""
     cfg = cfg or VideoVAEConfig()
-    stats = CheckpointFiles(path).config()
-    if "latents_mean" in stats and "latents_std" in stats:
-        # A diffusers folder states the statistics in full precision.
-        cfg = replace(cfg, latents_mean=tuple(stats["latents_mean"]), latents_std=tuple(stats["latents_std"]))
+    stats = CheckpointFiles(path).latent_stats()
+    if stats is not None:
+        cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])
     with torch.device("meta"):
         model = VideoVAE(cfg)
     model.layout = load_into(model, path, layouts(cfg), what="MiniMax H3 video VAE", device=device, dtype=dtype,
@@ -392,4 +419,4 @@ def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cf
 
 def layouts(cfg: VideoVAEConfig) -> tuple[KeyMap, ...]:
     """Every checkpoint layout a video VAE file may have."""
-    return (diffusers_layout(cfg),)
+    return (comfy_layout(), diffusers_layout(cfg))

@@ -42,7 +42,7 @@ def test_released_defaults():
 
 def test_loads_diffusers_folder_with_its_statistics(folder):
     vae = load_audio_vae(folder, cfg=tiny_cfg())
-    assert vae.layout == "diffusers"
+    assert vae.layout == "diffusers/official"
     assert vae.cfg.latents_mean == pytest.approx(tuple(STATS["latents_mean"]))
     assert all(p.dtype == torch.float32 for p in vae.parameters())
     z = torch.randn(2, 8, 3)
@@ -99,3 +99,40 @@ def test_missing_weight_norm_half_is_named(folder, tmp_path):
     save_file(sd, str(path))
     with pytest.raises(H3InputError, match=r"missing 1 keys, first \['decoder\.conv_post\.weight_v'\]"):
         load_audio_vae(path, cfg=tiny_cfg())
+
+
+def test_comfy_single_file_with_folded_weights_and_statistics(reference, folder, tmp_path):
+    sd = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+    comfy = {}
+    for key, value in sd.items():
+        if key.endswith(".weight_v"):
+            stem = key[: -len(".weight_v")]
+            g = sd[stem + ".weight_g"]
+            comfy[stem + ".weight"] = g * value / value.norm(dim=(1, 2), keepdim=True)
+        elif not key.endswith(".weight_g"):
+            comfy[key] = value
+    comfy["latents_mean"] = torch.tensor(STATS["latents_mean"])
+    comfy["latents_std"] = torch.tensor(STATS["latents_std"])
+    path = tmp_path / "minimax_h3_audio_vae_fp32.safetensors"
+    save_file(comfy, str(path))
+    vae = load_audio_vae(path, cfg=tiny_cfg())
+    assert vae.layout == "ComfyUI"
+    assert vae.cfg.latents_std == pytest.approx(tuple(STATS["latents_std"]))
+    z = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (vae.decode(z) - reference.decode(z).sample).abs().max() <= 1e-5
+
+
+def test_parametrized_weight_norm_names(reference, folder, tmp_path):
+    sd = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+    renamed = {
+        k.replace(".weight_g", ".parametrizations.weight.original0").replace(".weight_v", ".parametrizations.weight.original1"): v
+        for k, v in sd.items()
+    }
+    path = tmp_path / "parametrized.safetensors"
+    save_file(renamed, str(path))
+    vae = load_audio_vae(path, cfg=tiny_cfg())
+    assert vae.layout == "parametrized weight norm"
+    z = torch.randn(1, 8, 2)
+    with torch.no_grad():
+        assert (vae.decode(z) - reference.decode(z).sample).abs().max() <= 1e-5

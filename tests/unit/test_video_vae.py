@@ -168,3 +168,56 @@ def test_not_a_safetensors_file(tmp_path):
     other.write_bytes(b"x" * 100)
     with pytest.raises(H3InputError, match=r"model\.ckpt: not a \.safetensors file"):
         load_video_vae(other)
+
+
+def comfy_file(folder, path, dtype=torch.float16):
+    """The diffusers weights rewritten as ComfyUI's single file, written out independently of the loader:
+    renamed encoder levels, per-head interleaved qkv, [gate; up] w1, a mask token and the statistics."""
+    sd = weights(folder)
+    out = {}
+    heads, dim_head = 2, 16
+    for key, value in sd.items():
+        k = key
+        k = k.replace("encoder.down_blocks.", "encoder.down.").replace(".resnets.", ".block.")
+        k = k.replace(".conv_shortcut.", ".nin_shortcut.").replace(".downsamplers.0.", ".downsample.")
+        k = k.replace("decoder.proj_in.", "decoder.x_embedder.").replace(".attn.to_out.0.", ".attn.to_out.")
+        k = k.replace(".ff.net.2.", ".ff.w2.")
+        if ".ff.net.0.proj." in k:
+            up, gate = value.chunk(2)
+            out[k.replace(".ff.net.0.proj.", ".ff.w1.")] = torch.cat([gate, up])
+        elif ".attn.to_q." in k:
+            parts = [sd[key.replace("to_q", x)] for x in ("to_q", "to_k", "to_v")]
+            rows = [p.view(heads, dim_head, *p.shape[1:]) for p in parts]
+            out[k.replace(".to_q.", ".to_qkv.")] = torch.stack(rows, 1).reshape(-1, *parts[0].shape[1:])
+        elif ".attn.to_k." in k or ".attn.to_v." in k:
+            continue
+        else:
+            out[k] = value
+    out = {k: v.to(dtype) for k, v in out.items()}
+    out["decoder.mask_token"] = torch.zeros(1, 1, 32, dtype=dtype)
+    out["latents_mean"] = torch.tensor(STATS["latents_mean"], dtype=dtype)
+    out["latents_std"] = torch.tensor(STATS["latents_std"], dtype=dtype)
+    save_file(out, str(path))
+    return path
+
+
+def test_comfy_single_file_loads_and_decodes_identically(reference, folder, tmp_path):
+    path = comfy_file(folder, tmp_path / "minimax_h3_video_vae_fp16.safetensors", dtype=torch.float32)
+    vae = load_video_vae(path, dtype=torch.float32, cfg=VideoVAEConfig(**TINY))
+    assert vae.layout == "ComfyUI/official"
+    assert vae.cfg.latents_mean == pytest.approx(STATS["latents_mean"], abs=1e-6)
+    z = randn(1, 24, 3, 2, 2, seed=8)
+    with torch.no_grad():
+        assert (vae.decode_tiles(z) - reference.decoder(reference.post_quant_conv(z))).abs().max() <= 1e-5
+        x = randn(1, 3, 17, 32, 32, seed=9)
+        assert (vae.encode_moments(x)[:, :24] - reference.quant_conv(reference.encoder(x))[:, :24]).abs().max() <= 1e-5
+
+
+def test_comfy_fp16_file(reference, folder, tmp_path):
+    path = comfy_file(folder, tmp_path / "fp16.safetensors")
+    vae = load_video_vae(path, dtype=torch.float16, cfg=VideoVAEConfig(**TINY))
+    assert vae.encoder.conv_in.weight.dtype == torch.float32  # the fp32 islands are widened from fp16
+    z = randn(1, 24, 2, 2, 2, seed=10)
+    with torch.no_grad():
+        err = (vae.decode_tiles(z) - reference.decoder(reference.post_quant_conv(z))).abs().max()
+    assert err < 2e-2
