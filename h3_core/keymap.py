@@ -115,9 +115,17 @@ def _read_header(path: Path) -> dict:
         if size <= 0 or size > 100 * 2**20:
             raise H3InputError(f"{path}: not a safetensors file (header size {size})")
         try:
-            return json.loads(fh.read(size))
+            header = json.loads(fh.read(size))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise H3InputError(f"{path}: not a safetensors file ({exc.__class__.__name__} in its header)") from None
+    if not isinstance(header, dict):
+        raise H3InputError(f"{path}: not a safetensors file (its header is not a table of tensors)")
+    needed = 8 + size + max((info["data_offsets"][1] for k, info in header.items() if k != "__metadata__"), default=0)
+    actual = path.stat().st_size
+    if actual < needed:
+        raise H3InputError(f"{path}: truncated: the header describes {needed} bytes but the file has {actual}; "
+                           f"download it again")
+    return header
 
 
 def _plan(keymap: KeyMap, targets: Iterable[str], available: set[str]):

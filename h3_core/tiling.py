@@ -11,8 +11,9 @@ padded to two latents and its first frame returned.
 
 Spatial tiles follow the released plan (``split_tiles``), but overlaps are composed by a normalised
 overlap-add over EVERY tile covering a pixel, each tile weighted by the separable product of its ramps, so
-corners where four tiles meet are blended correctly. Rows are accumulated in fp32 in a band one tile high
-and written out as soon as no later tile can reach them, so device memory does not grow with the clip.
+corners where four tiles meet are blended correctly. The overlap-add is kept as a running weighted mean
+in fp32, in a band one tile high, and rows are written out as soon as no later tile can reach them, so
+device memory does not grow with the clip.
 """
 
 from __future__ import annotations
@@ -89,13 +90,6 @@ def ramp_weights(grid: TileGrid) -> list[torch.Tensor]:
             w[size - n :] *= 1 - torch.arange(n, dtype=torch.float32) / n
         weights.append(w)
     return weights
-
-
-def _axis_total(grid: TileGrid, weights: list[torch.Tensor]) -> torch.Tensor:
-    total = torch.zeros(grid.length, dtype=torch.float32)
-    for start, w in zip(grid.starts, weights):
-        total[start : start + w.numel()] += w
-    return total
 
 
 @dataclass(frozen=True)
@@ -213,7 +207,6 @@ def decode_tiled(
     grid_y = split_tiles(H, tile_px, overlap_px, spatial_ratio)
     grid_x = split_tiles(W, tile_px, overlap_px, spatial_ratio)
     wy, wx = ramp_weights(grid_y), ramp_weights(grid_x)
-    total_y, total_x = _axis_total(grid_y, wy), _axis_total(grid_x, wx)
     if out is None:
         out = torch.empty(plan.num_frames, H, W, 3, dtype=torch.float32)
     elif tuple(out.shape) != (plan.num_frames, H, W, 3):
@@ -231,8 +224,10 @@ def decode_tiled(
     held_tail = None  # the previous window's tail, raw, [3, f, H, W] on the CPU
     for index, (z0, z1) in enumerate(plan.windows):
         window = latents[:, z0:z1]
-        # Accumulates rows [band_top, band_top + band_rows); every tile row starts at band_top.
+        # The running weighted mean of rows [band_top, band_top + band_rows) and the weight it holds;
+        # every tile row starts at band_top.
         band = torch.zeros(3, (z1 - z0) * temporal_ratio, band_rows, W, dtype=torch.float32, device=device)
+        held = torch.zeros(band_rows, W, dtype=torch.float32, device=device)
         band_top = 0
         last = index == len(plan.windows) - 1
         new_tail = None if plan.tail is None or last else torch.empty(3, plan.tail[1] - plan.tail[0], H, W)
@@ -249,26 +244,37 @@ def decode_tiled(
                 count = state.tiles_per_batch
                 for k, pixels in enumerate(state.run(torch.stack(tiles[tx : tx + count]))):
                     x0, tw = grid_x.starts[tx + k], grid_x.sizes[tx + k]
-                    band[:, :, :th, x0 : x0 + tw] += pixels.float() * weights[ty][tx + k]
+                    _blend_into(band[:, :, :th, x0 : x0 + tw], held[:th, x0 : x0 + tw], pixels, weights[ty][tx + k])
                     done += 1
                     if progress is not None:
                         progress(done, tiles_total)
                 tx += count
             # Rows above the next tile row's start can no longer change.
             final = (grid_y.starts[ty + 1] if ty + 1 < len(grid_y.starts) else H) - band_top
-            _emit_rows(band[:, :, :final], band_top, total_y, total_x, plan, index, held_tail, new_tail, finish, out)
+            _emit_rows(band[:, :, :final], band_top, plan, index, held_tail, new_tail, finish, out)
             band = torch.cat([band[:, :, final:], torch.zeros_like(band[:, :, :final])], dim=2)
+            held = torch.cat([held[final:], torch.zeros_like(held[:final])])
             band_top += final
         held_tail = new_tail
     return out
 
 
-def _emit_rows(rows, top, total_y, total_x, plan, index, held_tail, new_tail, finish, out):
-    """Normalise finished rows ``[top, top + rows)`` of one window and store its kept frames (cross-fading
-    the first ones with the previous window's tail) and its tail (held raw for the next window)."""
-    stop = top + rows.shape[2]
-    norm = (total_y[top:stop, None] * total_x[None, :]).to(rows.device)
-    pixels = (rows / norm).cpu()  # [3, frames, rows, W]
+def _blend_into(mean, held, tile, weight):
+    """Fold one tile into a running weighted mean: ``mean += w / (held + w) · (tile − mean)``.
+
+    The result is the normalised overlap-add of every tile added so far, and a value every tile agrees
+    on is kept exactly (the update is then zero), so constant tiles give an exactly constant canvas."""
+    total = held + weight
+    share = torch.where(total > 0, weight / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    mean += share * (tile.float() - mean)
+    held.copy_(total)
+
+
+def _emit_rows(pixels, top, plan, index, held_tail, new_tail, finish, out):
+    """Store finished rows ``[top, top + rows)`` of one window: its kept frames (cross-fading the first
+    ones with the previous window's tail) and its tail (held raw for the next window)."""
+    stop = top + pixels.shape[2]
+    pixels = pixels.cpu()  # [3, frames, rows, W]
     kept = pixels[:, plan.keep[0] : plan.keep[1]].clone()
     if index > 0 and plan.fade:
         fade = torch.arange(plan.fade, dtype=torch.float32) / plan.fade  # weight of the new window

@@ -1,6 +1,8 @@
 """Tiled video decode (h3_core.tiling) against the released geometry, as diffusers 0.42.1's
 AutoencoderKLMiniMaxH3 implements it, and against a direct normalised overlap-add."""
 
+import os
+
 import pytest
 import torch
 
@@ -149,11 +151,25 @@ def test_a_context_free_decoder_tiles_seamlessly():
     assert (ours - whole).abs().max() <= 1e-5
 
 
-def test_constant_tiles_compose_to_a_constant_canvas():
-    z = latents(7, 30, 50)
-    out = decode_tiled(lambda t: torch.full((t.shape[0], 3, t.shape[2] * 4, t.shape[3] * 16, t.shape[4] * 16), 0.375), z)
-    # Normalising in fp32 leaves a few rounding steps of the value at most: no seam, no grid.
-    assert (out - 0.375).abs().max() <= 0.375 * 2**-21
+@pytest.mark.parametrize("h, w", [(30, 50), (16, 16), (17, 83), (48, 84), (5, 41)])
+@pytest.mark.parametrize("tile, overlap", [(256, 64), (320, 64), (192, 96)])
+def test_constant_tiles_compose_to_an_exactly_constant_canvas(h, w, tile, overlap):
+    z = latents(2, h, w)
+    value = 0.3  # not a short binary fraction: any rounding in the composition would show
+    out = decode_tiled(lambda t: torch.full((t.shape[0], 3, t.shape[2] * 4, t.shape[3] * 16, t.shape[4] * 16), value),
+                       z, tile_px=tile, overlap_px=overlap)
+    assert torch.equal(out, torch.full_like(out, value))
+
+
+def test_ramp_weights_are_a_partition_of_unity_on_every_canvas():
+    for length in range(16, 1600, 16):  # decoded canvases are whole latents
+        grid = split_tiles(length)
+        covered = torch.zeros(length)
+        for start, weight in zip(grid.starts, ramp_weights(grid)):
+            covered[start : start + weight.numel()] += weight
+        # every pixel has weight (no hole), and with two tiles per overlap the ramps sum to exactly one
+        assert (covered > 0).all(), length
+        assert torch.equal(covered, torch.ones(length)) or any(o > t / 2 for o, t in zip(grid.overlaps, grid.sizes))
 
 
 def test_finish_progress_and_output_buffer():
@@ -219,3 +235,61 @@ def test_bad_inputs():
         decode_tiled(local_decode, latents(7, 2, 2), out=torch.zeros(21, 32, 32, 3))
     with pytest.raises(H3InputError, match="tiles_per_batch must be >= 1"):
         decode_tiled(local_decode, latents(7, 2, 2), tiles_per_batch=0)
+
+
+@pytest.mark.parametrize("T", [7, 12])
+def test_a_canvas_of_one_tile_decodes_exactly_as_the_direct_decode(vae, T):
+    z = latents(T, 16, 11, seed=T)  # 256 × 176 px: one tile
+    ours = decode_tiled(decoder_of(vae), z)
+    vae.use_tiling = False
+    try:
+        direct = reference_decode(vae, z)
+    finally:
+        vae.use_tiling = True
+    assert torch.equal(ours, direct)
+
+
+MEMORY_PROBE = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+from h3_core.tiling import decode_tiled
+
+def decode(z):
+    weight = torch.linspace(-1, 1, 24 * 3).view(3, 24)
+    pixels = torch.einsum("oc,nct...->not...", weight, z)
+    return pixels.repeat_interleave(4, 2).repeat_interleave(16, 3).repeat_interleave(16, 4)
+
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+torch.set_num_threads(1)
+decode_tiled(decode, torch.randn(24, 7, 2, 2))  # load everything once
+latents = torch.randn(24, {T}, 32, 64)
+before = rss_kib()
+out = decode_tiled(decode, latents, tiles_per_batch=2)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print("WORKING_KIB", peak - before - out.numel() * out.element_size() // 1024)
+"""
+
+
+def working_memory_kib(T):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    # Large blocks straight from mmap, so freed memory leaves the resident set at once and the high-water
+    # mark is the peak of live tensors rather than of the allocator's caches.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_ARENA_MAX="1")
+    proc = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(root=root, T=T)], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout.split("WORKING_KIB")[-1])
+
+
+def test_working_memory_does_not_grow_with_the_clip():
+    # 512 × 1024 px: a 2-window clip (12 latents, 39 frames) and a 6-window clip (32 latents, 107 frames).
+    two, six = working_memory_kib(12), working_memory_kib(32)
+    # Holding one more window's frames would add 28 × 3 × 512 × 1024 × 4 B = 168 MiB.
+    assert six <= two * 1.01, (two, six)

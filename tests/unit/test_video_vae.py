@@ -221,3 +221,12 @@ def test_comfy_fp16_file(reference, folder, tmp_path):
     with torch.no_grad():
         err = (vae.decode_tiles(z) - reference.decoder(reference.post_quant_conv(z))).abs().max()
     assert err < 2e-2
+
+
+def test_truncated_file_says_so(folder, tmp_path):
+    data = (folder / "diffusion_pytorch_model.safetensors").read_bytes()
+    path = tmp_path / "partial.safetensors"
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(H3InputError, match=rf"partial\.safetensors: truncated: the header describes {len(data)} bytes "
+                       rf"but the file has {len(data) - 1000}; download it again"):
+        load_video_vae(path, cfg=tiny_cfg())
