@@ -221,7 +221,7 @@ def decode_tiled(
     band_rows = max(grid_y.sizes)
     tiles_total = len(plan.windows) * len(grid_y.starts) * len(grid_x.starts)
     done = 0
-    held_tail = None  # the previous window's tail, raw, [3, f, H, W] on the CPU
+    held_tail = None  # the previous window's tail, raw, [3, f, H, W] on the decoder's device
     for index, (z0, z1) in enumerate(plan.windows):
         window = latents[:, z0:z1]
         # The running weighted mean of rows [band_top, band_top + band_rows) and the weight it holds;
@@ -230,7 +230,7 @@ def decode_tiled(
         held = torch.zeros(band_rows, W, dtype=torch.float32, device=device)
         band_top = 0
         last = index == len(plan.windows) - 1
-        new_tail = None if plan.tail is None or last else torch.empty(3, plan.tail[1] - plan.tail[0], H, W)
+        new_tail = None if plan.tail is None or last else torch.empty(3, plan.tail[1] - plan.tail[0], H, W, device=device)
         for ty, (y0, th) in enumerate(zip(grid_y.starts, grid_y.sizes)):
             r0, r1 = y0 // spatial_ratio, (y0 + th) // spatial_ratio
             tiles = [
@@ -273,11 +273,10 @@ def _blend_into(mean, held, tile, weight):
 def _emit_rows(pixels, top, plan, index, held_tail, new_tail, finish, out):
     """Store finished rows ``[top, top + rows)`` of one window: its kept frames (cross-fading the first
     ones with the previous window's tail) and its tail (held raw for the next window)."""
-    stop = top + pixels.shape[2]
-    pixels = pixels.cpu()  # [3, frames, rows, W]
+    stop = top + pixels.shape[2]  # pixels: [3, frames, rows, W], on the decoder's device
     kept = pixels[:, plan.keep[0] : plan.keep[1]].clone()
     if index > 0 and plan.fade:
-        fade = torch.arange(plan.fade, dtype=torch.float32) / plan.fade  # weight of the new window
+        fade = torch.arange(plan.fade, dtype=torch.float32, device=pixels.device) / plan.fade  # the new window's weight
         previous = held_tail[:, :, top:stop]
         kept[:, : plan.fade] = previous * (1 - fade)[None, :, None, None] + kept[:, : plan.fade] * fade[None, :, None, None]
     _store(kept, plan.output_start(index), top, stop, finish, out)
@@ -290,14 +289,15 @@ def _emit_rows(pixels, top, plan, index, held_tail, new_tail, finish, out):
 
 
 def _store(pixels, frame0, top, stop, finish, out):
-    """Write ``pixels`` ``[3, f, rows, W]`` to ``out[frame0:, top:stop]``, dropping frames past the end."""
+    """Write ``pixels`` ``[3, f, rows, W]`` to ``out[frame0:, top:stop]``, dropping frames past the end;
+    ``finish`` and the move to channels-last happen on the decoder's device, before the copy out."""
     count = max(0, min(pixels.shape[1], out.shape[0] - frame0))
     if count == 0:
         return
     pixels = pixels[:, :count]
     if finish is not None:
         pixels = finish(pixels)
-    out[frame0 : frame0 + count, top:stop] = pixels.permute(1, 2, 3, 0).to(out.dtype)
+    out[frame0 : frame0 + count, top:stop] = pixels.permute(1, 2, 3, 0).to(out.dtype).contiguous().to(out.device)
 
 
 class _DecodeState:
@@ -344,8 +344,8 @@ def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrid
     from .models.video_vae import IMAGENET_MEAN, IMAGENET_STD
 
     z = vae.denormalize_latents(latents) if normalized else latents
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1, 1)
+    mean = torch.tensor(IMAGENET_MEAN, device=z.device).view(3, 1, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=z.device).view(3, 1, 1, 1)
     cfg = vae.cfg
     with torch.inference_mode():
         return decode_tiled(
@@ -354,3 +354,111 @@ def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrid
             clip_length=cfg.clip_length, token_drop=cfg.token_drop,
             finish=lambda pixels: (pixels * std + mean).clamp(0, 1), **options,
         )
+
+
+def _blend_edge(previous: torch.Tensor, tile: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``tile`` with its first ``width`` entries along ``dim`` faded in over ``previous``'s last ones
+    (weight of ``tile`` p / width, p = 0..width-1), as the released stitch does."""
+    width = min(previous.shape[dim], tile.shape[dim], width)
+    if width == 0:
+        return tile
+    ramp = torch.arange(width, dtype=tile.dtype, device=tile.device) / width
+    shape = [1] * tile.dim()
+    shape[dim] = width
+    ramp = ramp.view(shape)
+    head = previous.narrow(dim, previous.shape[dim] - width, width) * (1 - ramp) + tile.narrow(dim, 0, width) * ramp
+    return torch.cat([head, tile.narrow(dim, width, tile.shape[dim] - width)], dim=dim)
+
+
+def _stitch_released(tiles: list[list[torch.Tensor]], overlaps_y, overlaps_x) -> torch.Tensor:
+    """The released encoder's stitch of latent tiles: each tile faded over its raw upper and left
+    neighbours, trailing overlaps cropped. Encoded conditioning must match what the model was trained on,
+    so this keeps the released behaviour (the decoder side uses the full overlap-add instead)."""
+    rows = []
+    for i, row in enumerate(tiles):
+        out_row = []
+        for j, tile in enumerate(row):
+            if i > 0:
+                tile = _blend_edge(tiles[i - 1][j], tile, overlaps_y[i - 1], dim=-2)
+            if j > 0:
+                tile = _blend_edge(row[j - 1], tile, overlaps_x[j - 1], dim=-1)
+            if i + 1 < len(tiles):
+                tile = tile[..., : tile.shape[-2] - overlaps_y[i], :]
+            if j + 1 < len(row):
+                tile = tile[..., : tile.shape[-1] - overlaps_x[j]]
+            out_row.append(tile)
+        rows.append(torch.cat(out_row, dim=-1))
+    return torch.cat(rows, dim=-2)
+
+
+def encode_tiled(
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    pixels: torch.Tensor,
+    *,
+    spatial_ratio: int = 16,
+    temporal_ratio: int = 4,
+    clip_length: int = 17,
+    token_drop: int = 3,
+    check_cancel: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Encode ``pixels`` ``[3, F, H, W]`` (the encoder's input space) to moments ``[2C, T, h, w]`` as
+    released: clips of ``clip_length`` frames (the last padded by repeating its last frame), each in
+    trained 256 px tiles stitched by the released blend, and the last ``token_drop`` latents dropped;
+    a single frame is one image, encoded spatially only. ``encode`` maps ``[1, 3, f, th, tw]`` to
+    ``[1, 2C, t, th/16, tw/16]``."""
+    if pixels.dim() != 4 or pixels.shape[0] != 3:
+        raise H3InputError(f"pixels must be [3, F, H, W], got shape {tuple(pixels.shape)}")
+    _, F, H, W = pixels.shape
+    if H % spatial_ratio or W % spatial_ratio:
+        raise H3InputError(f"frame size {W}x{H} must be a multiple of {spatial_ratio} px on both sides")
+    grid_y, grid_x = split_tiles(H), split_tiles(W)
+
+    def encode_clip(clip):
+        tiles = []
+        for y0, th in zip(grid_y.starts, grid_y.sizes):
+            row = []
+            for x0, tw in zip(grid_x.starts, grid_x.sizes):
+                if check_cancel is not None:
+                    check_cancel()
+                row.append(encode(clip[None, :, :, y0 : y0 + th, x0 : x0 + tw])[0])
+            tiles.append(row)
+        return _stitch_released(tiles, [o // spatial_ratio for o in grid_y.overlaps],
+                                [o // spatial_ratio for o in grid_x.overlaps])
+
+    if F == 1:
+        return encode_clip(pixels)
+    pad = -F % clip_length
+    if pad:
+        pixels = torch.cat([pixels, pixels[:, -1:].expand(3, pad, H, W)], dim=1)
+    moments = torch.cat([encode_clip(pixels[:, i : i + clip_length]) for i in range(0, F + pad, clip_length)], dim=1)
+    return moments[:, : moments.shape[1] - token_drop] if token_drop else moments
+
+
+# The released conditioning encode: posterior sampled with this seed, rounded to fp16, then normalised.
+CONDITION_SEED = 42
+
+
+def encode_video(vae, frames: torch.Tensor, *, sample: bool = True, seed: int = CONDITION_SEED, **options) -> torch.Tensor:
+    """RGB frames ``[F, H, W, 3]`` in [0, 1] → latents in model space ``[24, T, h, w]`` (fp32).
+
+    As H3 encodes keyframes and references: the posterior is sampled with ``seed`` (the mean with
+    ``sample=False``) and rounded to fp16 before normalisation. 17k + 5 frames give 5k + 2 latents, one
+    frame one latent."""
+    from .models.video_vae import IMAGENET_MEAN, IMAGENET_STD
+
+    device = next(vae.parameters()).device
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(3, 1, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=device).view(3, 1, 1, 1)
+    pixels = (frames.to(device=device, dtype=torch.float32).permute(3, 0, 1, 2) - mean) / std
+    cfg = vae.cfg
+    with torch.inference_mode():
+        moments = encode_tiled(vae.encode_moments, pixels, spatial_ratio=cfg.spatial_ratio,
+                               temporal_ratio=cfg.temporal_ratio, clip_length=cfg.clip_length,
+                               token_drop=cfg.token_drop, **options)
+        z_mean, logvar = moments.chunk(2, dim=0)
+        if sample:
+            noise = torch.randn(z_mean.shape, generator=torch.Generator(device="cpu").manual_seed(seed))
+            z = z_mean + torch.exp(0.5 * logvar) * noise.to(device)
+        else:
+            z = z_mean
+        return vae.normalize_latents(z.half().float())

@@ -230,3 +230,38 @@ def test_truncated_file_says_so(folder, tmp_path):
     with pytest.raises(H3InputError, match=rf"partial\.safetensors: truncated: the header describes {len(data)} bytes "
                        rf"but the file has {len(data) - 1000}; download it again"):
         load_video_vae(path, cfg=tiny_cfg())
+
+
+@pytest.mark.parametrize("frames, size", [(1, (48, 32)), (22, (32, 48)), (39, (320, 288)), (17, (32, 64))])
+def test_encode_matches_the_released_encoder(reference, folder, frames, size):
+    from h3_core.tiling import encode_tiled
+
+    vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
+    pixels = randn(3, frames, *size, seed=frames)
+    with torch.no_grad():
+        ours = encode_tiled(vae.encode_moments, pixels)
+        ref = reference._encode(pixels[None])[0]
+    expected_t = 1 if frames == 1 else (frames + (-frames % 17)) // 17 * 5 - 3
+    assert ours.shape == ref.shape == (48, expected_t, size[0] // 16, size[1] // 16)
+    assert (ours[:24] - ref[:24]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_encode_shapes_on_the_frame_grid(folder, k):
+    from h3_core.tiling import encode_video
+
+    vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
+    z = encode_video(vae, torch.rand(17 * k + 5, 32, 48, 3))
+    assert z.shape == (24, 5 * k + 2, 2, 3) and torch.isfinite(z).all()
+
+
+def test_conditioning_encode_is_seeded_and_fp16_rounded(folder):
+    from h3_core.tiling import encode_video
+
+    vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
+    image = torch.rand(1, 48, 32, 3, generator=torch.Generator().manual_seed(3))
+    a, b = encode_video(vae, image), encode_video(vae, image)
+    assert torch.equal(a, b) and a.shape == (24, 1, 3, 2)
+    raw = vae.denormalize_latents(a)
+    assert torch.allclose(raw, raw.half().float(), atol=1e-5)
+    assert not torch.equal(a, encode_video(vae, image, sample=False))
