@@ -1,0 +1,154 @@
+"""VAE decode at the release geometry: 345 frames at 1344×768 (102 latents of 48×84) and 14.4 s of
+stereo audio, with random weights of the released shapes (timings do not depend on the values).
+
+Reports, per attention backend of the video decoder: seconds for the whole clip (trained 256/64 tiles,
+tiles batched), peak GPU memory above the weights, and the same peak for a 2-window clip (memory must
+not grow with the clip); a profile of one window split into attention, linear layers and the rest; and
+the audio decoder's seconds and peak for the same duration.
+
+    python3 bench/vae_decode.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from h3_core.attention.vae import resolve_vae_attention  # noqa: E402
+from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32  # noqa: E402
+from h3_core.tiling import decode_video  # noqa: E402
+
+GiB = 2**30
+
+
+def random_video_vae(device, dtype=torch.float16, cfg=VideoVAEConfig()):
+    with torch.device("meta"):
+        vae = VideoVAE(cfg)
+    vae = vae.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            p.normal_(0, 0.02, generator=gen)
+            if not keeps_fp32(name):
+                p.data = p.data.to(dtype)
+    return vae.eval()
+
+
+def random_audio_vae(device):
+    with torch.device("meta"):
+        vae = AudioVAE(AudioVAEConfig())
+    vae = vae.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            p.normal_(0, 0.02)
+        for name, b in vae.named_buffers():
+            if name.endswith("filter"):
+                from h3_core.models.audio_vae import kaiser_sinc
+
+                b.copy_(kaiser_sinc(0.25, 0.3, 12))
+            else:
+                b.zero_()
+    return vae.eval()
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, (torch.cuda.max_memory_allocated() - base) / GiB
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--frames", type=int, default=345)
+    parser.add_argument("--tiles-per-batch", type=int, default=4)
+    parser.add_argument("--backends", nargs="*", default=["auto", "efficient", "flash", "sdpa"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    report = dict(environment=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                   cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
+                                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+                  command=" ".join(["python3"] + sys.argv), video=[], audio=None)
+
+    # A tiny decoder first, so a broken path fails in seconds.
+    tiny = random_video_vae(device, cfg=VideoVAEConfig(decoder_layers=1, decoder_heads=2, block_out_channels=(8,) * 6,
+                                                       norm_groups=4))
+    assert torch.isfinite(decode_video(tiny, torch.randn(24, 7, 4, 4, device=device))).all()
+    del tiny
+
+    vae = random_video_vae(device)
+    weights = torch.cuda.memory_allocated() / GiB
+    latents = (args.frames - 5) // 17 * 5 + 2
+    z = torch.randn(24, latents, 48, 84, device=device)
+    out = torch.empty(args.frames, 768, 1344, 3, pin_memory=True)
+    print(f"video VAE weights {weights:.2f} GiB; {latents} latents → {args.frames} frames", flush=True)
+    for backend in args.backends:
+        overrides = None if backend == "auto" else {"video_vae": backend}
+        try:
+            kernel = resolve_vae_attention("video_vae", device, torch.float16, 64, backend).backend
+            decode_video(vae, z[:, :7, :16, :16], overrides=overrides)  # warm-up: kernels, probes
+            frames, seconds, peak = timed(lambda: decode_video(vae, z, overrides=overrides, out=out,
+                                                               tiles_per_batch=args.tiles_per_batch))
+            _, _, peak_two = timed(lambda: decode_video(vae, z[:, :12], overrides=overrides,
+                                                        tiles_per_batch=args.tiles_per_batch))
+            ok = bool(torch.isfinite(frames).all())
+            row = dict(backend=backend, kernel=kernel, seconds=seconds, peak_gib=peak, peak_two_windows_gib=peak_two,
+                       finite=ok)
+        except Exception as exc:  # one failing backend must not hide the others
+            row = dict(backend=backend, error=f"{type(exc).__name__}: {exc}"[:300])
+        report["video"].append(row)
+        print(row, flush=True)
+        torch.cuda.empty_cache()
+
+    # Where one window's time goes (28 tiles at the release geometry).
+    window = z[:, :7]
+    from torch.profiler import ProfilerActivity, profile
+
+    decode_video(vae, window)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode_video(vae, window)
+        torch.cuda.synchronize()
+    buckets = {"attention": 0.0, "linear (gemm)": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        name, t = e.key.lower(), e.device_time_total / 1e3
+        if any(s in name for s in ("attention", "fmha", "flash", "cudnn", "sdpa")):
+            buckets["attention"] += t
+        elif any(s in name for s in ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet")):
+            buckets["linear (gemm)"] += t
+        else:
+            buckets["other"] += t
+    report["window_profile_ms"] = buckets
+    report["top_kernels"] = [
+        (e.key[:80], round(e.device_time_total / 1e3, 2))
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
+    ]
+    print(report["window_profile_ms"], flush=True)
+    del vae, z, out
+    torch.cuda.empty_cache()
+
+    audio = random_audio_vae(device)
+    latents = torch.randn(2, 32, round(args.frames / 24 * 40), device=device)
+    with torch.inference_mode():
+        audio.decode(latents[:, :, :40])
+        wave, seconds, peak = timed(lambda: audio.decode(latents))
+    report["audio"] = dict(seconds=seconds, peak_gib=peak, samples=wave.shape[-1], finite=bool(torch.isfinite(wave).all()))
+    print(report["audio"], flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
