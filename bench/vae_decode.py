@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from h3_core.attention.vae import resolve_vae_attention  # noqa: E402
 from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
-from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32  # noqa: E402
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32  # noqa: E402
 from h3_core.tiling import decode_video  # noqa: E402
 
 GiB = 2**30
@@ -75,13 +75,15 @@ def main():
     parser.add_argument("--frames", type=int, default=345)
     parser.add_argument("--tiles-per-batch", type=int, default=4)
     parser.add_argument("--backends", nargs="*", default=["auto", "efficient", "flash", "sdpa"])
+    parser.add_argument("--compile", action="store_true", help="fuse the blocks' elementwise work (torch.compile)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    compile_decoder_blocks(args.compile)
     device = torch.device("cuda")
     report = dict(environment=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                    cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
                                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-                  command=" ".join(["python3"] + sys.argv), video=[], audio=None)
+                  command=" ".join(["python3"] + sys.argv), compiled_blocks=args.compile, video=[], audio=None)
 
     # A tiny decoder first, so a broken path fails in seconds.
     tiny = random_video_vae(device, cfg=VideoVAEConfig(decoder_layers=1, decoder_heads=2, block_out_channels=(8,) * 6,
@@ -99,7 +101,7 @@ def main():
         overrides = None if backend == "auto" else {"video_vae": backend}
         try:
             kernel = resolve_vae_attention("video_vae", device, torch.float16, 64, backend).backend
-            decode_video(vae, z[:, :7, :16, :16], overrides=overrides)  # warm-up: kernels, probes
+            decode_video(vae, z[:, :7, :32, :32], overrides=overrides, tiles_per_batch=args.tiles_per_batch)  # warm-up
             frames, seconds, peak = timed(lambda: decode_video(vae, z, overrides=overrides, out=out,
                                                                tiles_per_batch=args.tiles_per_batch))
             _, _, peak_two = timed(lambda: decode_video(vae, z[:, :12], overrides=overrides,

@@ -24,6 +24,7 @@ from ..attention.vae import vae_attention
 from ..keymap import CheckpointFiles, KeyMap, Rule, load_into
 
 __all__ = [
+    "compile_decoder_blocks",
     "VideoVAEConfig",
     "VideoVAE",
     "load_video_vae",
@@ -215,43 +216,68 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([first * cos - second * sin, second * cos + first * sin, rest], dim=-1)
 
 
+def block_attention_inputs(x, norm1_w, qkv_w, qkv_b, cos, sin, heads: int, head_dim: int, eps: float):
+    """The first half of a decoder block up to attention: RMSNorm of the fp32 stream, the fused qkv (laid
+    out per head as [q, k, v]), non-affine RMSNorm of q and k in fp32 as released, and RoPE.
+    Returns head-major q, k, v ``[B, H, T, D]`` in the weights' dtype."""
+    B, T, _ = x.shape
+    h = F.rms_norm(x, (x.shape[-1],), norm1_w, eps).to(qkv_w.dtype)
+    q, k, v = F.linear(h, qkv_w, qkv_b).view(B, T, heads, 3, head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+    q = apply_rope(F.rms_norm(q.float(), (head_dim,), eps=eps).to(v.dtype), cos, sin)
+    k = apply_rope(F.rms_norm(k.float(), (head_dim,), eps=eps).to(v.dtype), cos, sin)
+    return q, k, v
+
+
+def block_finish(x, attn, out_w, out_b, scale1, norm2_w, w1_w, w1_b, w2_w, w2_b, scale2, eps: float):
+    """The rest of a decoder block: output projection and LayerScale into the fp32 stream, then the gated
+    FFN (``w1`` gives ``[gate | up]``) and its LayerScale."""
+    B, H, T, D = attn.shape
+    x = x + F.linear(attn.transpose(1, 2).reshape(B, T, H * D), out_w, out_b).float() * scale1
+    h = F.rms_norm(x, (x.shape[-1],), norm2_w, eps).to(w1_w.dtype)
+    gate, up = F.linear(h, w1_w, w1_b).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w2_w, w2_b).float() * scale2
+
+
+# The two halves every block runs; ``compile_decoder_blocks`` swaps in compiled versions (one graph each,
+# shared by all blocks, as the weights are arguments).
+_block_fns = {"attention_inputs": block_attention_inputs, "finish": block_finish}
+
+
+def compile_decoder_blocks(enabled: bool = True) -> None:
+    """Run the decoder blocks' elementwise work (norms, RoPE, casts, LayerScale) fused by ``torch.compile``;
+    attention stays on the kernel layer. Idempotent; ``enabled=False`` restores the eager functions."""
+    if not enabled:
+        _block_fns.update(attention_inputs=block_attention_inputs, finish=block_finish)
+        return
+    if _block_fns["finish"] is block_finish:
+        _block_fns["attention_inputs"] = torch.compile(block_attention_inputs, dynamic=False)
+        _block_fns["finish"] = torch.compile(block_finish, dynamic=False)
+
+
 class DecoderAttention(nn.Module):
-    """Fused qkv laid out per head as [q, k, v]; non-affine RMSNorm on q and k; RoPE; full attention."""
+    """Fused qkv laid out per head as [q, k, v] and the output projection (weights only; the math is in
+    ``block_attention_inputs`` / ``block_finish``)."""
 
     def __init__(self, cfg: VideoVAEConfig):
         super().__init__()
-        self.heads, self.head_dim, self.eps = cfg.decoder_heads, cfg.decoder_head_dim, cfg.decoder_eps
         self.to_qkv = nn.Linear(cfg.decoder_dim, 3 * cfg.decoder_dim)
         self.to_out = nn.Linear(cfg.decoder_dim, cfg.decoder_dim)
 
-    def forward(self, x, cos, sin, overrides=None):
-        B, T, _ = x.shape
-        qkv = self.to_qkv(x).view(B, T, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)  # [3, B, H, T, D]
-        q, k, v = qkv.unbind(0)
-        # q and k are normalised in fp32 whatever the compute dtype, as released.
-        q = apply_rope(F.rms_norm(q.float(), (self.head_dim,), eps=self.eps).to(v.dtype), cos, sin)
-        k = apply_rope(F.rms_norm(k.float(), (self.head_dim,), eps=self.eps).to(v.dtype), cos, sin)
-        out = vae_attention(q, k, v, component="video_vae", overrides=overrides)
-        return self.to_out(out.transpose(1, 2).reshape(B, T, -1))
-
 
 class GatedFFN(nn.Module):
-    """``w2(silu(gate) · up)`` with ``w1`` producing ``[gate | up]``."""
+    """``w2(silu(gate) · up)`` with ``w1`` producing ``[gate | up]`` (weights only, see ``block_finish``)."""
 
     def __init__(self, dim, hidden):
         super().__init__()
         self.w1 = nn.Linear(dim, 2 * hidden)
         self.w2 = nn.Linear(hidden, dim)
 
-    def forward(self, x):
-        gate, up = self.w1(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
-
 
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: VideoVAEConfig):
         super().__init__()
         dim = cfg.decoder_dim
+        self.heads, self.head_dim, self.eps = cfg.decoder_heads, cfg.decoder_head_dim, cfg.decoder_eps
         self.norm1 = nn.RMSNorm(dim, eps=cfg.decoder_eps)
         self.attn = DecoderAttention(cfg)
         self.scale1 = nn.Parameter(torch.zeros(dim))
@@ -261,10 +287,12 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x, cos, sin, overrides=None):
         """``x``: the fp32 residual stream ``[B, T, dim]``."""
-        dtype = self.ff.w1.weight.dtype
-        h = self.attn(self.norm1(x).to(dtype), cos, sin, overrides)
-        x = x + h.float() * self.scale1.float()
-        return x + self.ff(self.norm2(x).to(dtype)).float() * self.scale2.float()
+        attn, ff = self.attn, self.ff
+        q, k, v = _block_fns["attention_inputs"](x, self.norm1.weight, attn.to_qkv.weight, attn.to_qkv.bias, cos, sin,
+                                                 self.heads, self.head_dim, self.eps)
+        out = vae_attention(q, k, v, component="video_vae", overrides=overrides)
+        return _block_fns["finish"](x, out, attn.to_out.weight, attn.to_out.bias, self.scale1, self.norm2.weight,
+                                    ff.w1.weight, ff.w1.bias, ff.w2.weight, ff.w2.bias, self.scale2, self.eps)
 
 
 class ViTDecoder3d(nn.Module):
