@@ -101,7 +101,7 @@ def main():
         overrides = None if backend == "auto" else {"video_vae": backend}
         try:
             kernel = resolve_vae_attention("video_vae", device, torch.float16, 64, backend).backend
-            decode_video(vae, z[:, :7, :32, :32], overrides=overrides, tiles_per_batch=args.tiles_per_batch)  # warm-up
+            decode_video(vae, z[:, :7, :16, :], overrides=overrides, tiles_per_batch=args.tiles_per_batch)  # warm-up
             frames, seconds, peak = timed(lambda: decode_video(vae, z, overrides=overrides, out=out,
                                                                tiles_per_batch=args.tiles_per_batch))
             _, _, peak_two = timed(lambda: decode_video(vae, z[:, :12], overrides=overrides,
