@@ -60,7 +60,8 @@ class CheckpointFiles:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if self.path.is_dir():
-            files = sorted(self.path.glob("*.safetensors"))
+            # The official video VAE folder keeps its weights in source/ beside a config.json.
+            files = sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("source/*.safetensors"))
         elif self.path.suffix == ".safetensors" and self.path.is_file():
             files = [self.path]
         else:

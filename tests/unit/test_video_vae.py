@@ -280,3 +280,23 @@ def test_compiled_blocks_equal_the_eager_blocks(reference, folder):
         finally:
             compile_decoder_blocks(False)
     assert (compiled - eager).abs().max() <= 1e-5
+
+
+def test_official_folder_with_weights_in_source(reference, folder, tmp_path):
+    import json
+
+    official = tmp_path / "video_vae"
+    (official / "source").mkdir(parents=True)
+    comfy_file(folder, official / "source" / "model.safetensors", dtype=torch.float32)
+    # the official wrapper config carries the statistics; its file has none
+    from safetensors.torch import load_file as _load
+
+    sd = _load(str(official / "source" / "model.safetensors"))
+    del sd["latents_mean"], sd["latents_std"]
+    save_file(sd, str(official / "source" / "model.safetensors"))
+    (official / "config.json").write_text(json.dumps({"latents_mean": [0.5] * 24, "latents_std": [3.0] * 24}))
+    vae = load_video_vae(official, dtype=torch.float32, cfg=VideoVAEConfig(**TINY))
+    assert vae.layout == "ComfyUI/official" and vae.cfg.latents_std == (3.0,) * 24
+    z = randn(1, 24, 2, 2, 2, seed=12)
+    with torch.no_grad():
+        assert (vae.decode_tiles(z) - reference.decoder(reference.post_quant_conv(z))).abs().max() <= 1e-5
