@@ -169,7 +169,7 @@ def match_layout(files: CheckpointFiles, targets: Sequence[str], keymaps: Sequen
 
 def load_into(
     module: torch.nn.Module,
-    path: str | Path,
+    path: str | Path | CheckpointFiles,
     keymaps: Sequence[KeyMap],
     *,
     what: str,
@@ -180,7 +180,7 @@ def load_into(
     """Fill ``module`` (built on the meta device) from ``path``; return the layout's name.
 
     Floating-point tensors go to ``dtype`` (default: as stored), except keys ``keep_fp32`` selects."""
-    files = CheckpointFiles(path)
+    files = path if isinstance(path, CheckpointFiles) else CheckpointFiles(path)
     expected = module.state_dict()
     keymap, plan = match_layout(files, list(expected), keymaps, what)
     state = {}

@@ -13,14 +13,15 @@ folded into one plain weight when loaded, so no re-normalisation runs per call.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.vae import vae_attention
-from ..keymap import CheckpointFiles, KeyMap, Rule, load_into
+from ..keymap import KeyMap, Rule
+from ._common import LatentStats, load_model
 
 __all__ = ["AudioVAEConfig", "AudioVAE", "load_audio_vae", "layouts", "AUDIO_LATENTS_MEAN", "AUDIO_LATENTS_STD"]
 
@@ -294,7 +295,9 @@ class BigVGAN(nn.Module):
         return self.conv_post(self.activation_post(x)).clamp(-1.0, 1.0)
 
 
-class AudioVAE(nn.Module):
+class AudioVAE(LatentStats, nn.Module):
+    """Latents ``[B, 32, frames]``."""
+
     def __init__(self, cfg: AudioVAEConfig = AudioVAEConfig()):
         super().__init__()
         self.cfg = cfg
@@ -319,17 +322,6 @@ class AudioVAE(nn.Module):
         """Raw latents ``[B, 32, frames]`` → waveform ``[B, 1, frames · 800]`` in [-1, 1]."""
         return self.decoder(self.dec_in_proj(latents.float()))
 
-    def _stats(self, z):
-        return tuple(torch.tensor(s, dtype=z.dtype, device=z.device).view(-1, 1)
-                     for s in (self.cfg.latents_mean, self.cfg.latents_std))
-
-    def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(z)
-        return (z - mean) / std
-
-    def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(z)
-        return z * std + mean
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -373,13 +365,6 @@ def layouts() -> tuple[KeyMap, ...]:
 
 
 def load_audio_vae(path, *, device="cpu", cfg: AudioVAEConfig | None = None) -> AudioVAE:
-    """Load an audio VAE checkpoint (a single file or a diffusers folder), in fp32."""
-    cfg = cfg or AudioVAEConfig()
-    stats = CheckpointFiles(path).latent_stats()
-    if stats is not None:
-        cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])
-    with torch.device("meta"):
-        model = AudioVAE(cfg)
-    model.layout = load_into(model, path, layouts(), what="MiniMax H3 audio VAE", device=device,
-                             dtype=torch.float32)
-    return model.eval()
+    """Load an audio VAE checkpoint (a single file or a folder) in any supported layout, in fp32."""
+    return load_model(AudioVAE, cfg or AudioVAEConfig(), path, lambda cfg: layouts(), what="MiniMax H3 audio VAE",
+                      device=device, dtype=torch.float32)

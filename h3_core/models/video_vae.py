@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.vae import vae_attention
-from ..keymap import CheckpointFiles, KeyMap, Rule, load_into
+from ..keymap import KeyMap, Rule
+from ._common import LatentStats, load_model
 
 __all__ = [
     "compile_decoder_blocks",
@@ -328,8 +329,11 @@ class ViTDecoder3d(nn.Module):
         return x.reshape(B, 3, t * rt, h * r, w * r)
 
 
-class VideoVAE(nn.Module):
-    """Encoder, decoder and the 1×1×1 convs around the latent, with the released normalisations."""
+class VideoVAE(LatentStats, nn.Module):
+    """Encoder, decoder and the 1×1×1 convs around the latent, with the released normalisations.
+    Latents ``[.., 24, T, h, w]``."""
+
+    LATENT_TRAILING_DIMS = 3
 
     def __init__(self, cfg: VideoVAEConfig = VideoVAEConfig()):
         super().__init__()
@@ -351,18 +355,6 @@ class VideoVAE(nn.Module):
         z = F.conv3d(z.float(), self.post_quant_conv.weight.float(), self.post_quant_conv.bias.float())
         return self.decoder(z, overrides)
 
-    def _latent_stats(self, z):
-        return tuple(torch.tensor(s, dtype=z.dtype, device=z.device).view(-1, 1, 1, 1)
-                     for s in (self.cfg.latents_mean, self.cfg.latents_std))
-
-    def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        """Raw latents ``[.., 24, T, h, w]`` → model space."""
-        mean, std = self._latent_stats(z)
-        return (z - mean) / std
-
-    def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        mean, std = self._latent_stats(z)
-        return z * std + mean
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -428,21 +420,14 @@ def keeps_fp32(key: str) -> bool:
 
 
 def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cfg: VideoVAEConfig | None = None) -> VideoVAE:
-    """Load a video VAE checkpoint (a single file or a diffusers folder) in any supported layout.
+    """Load a video VAE checkpoint (a single file or a folder) in any supported layout.
 
     The decoder's blocks are held in ``dtype``; the encoder, the latent convs, the first and last
     decoder projections, the norms and the LayerScales stay fp32. ``cfg`` gives the sizes (default: the
     released model); the file's ``latents_mean`` / ``latents_std`` tensors or a folder's ``config.json``
     supply the latent statistics."""
-    cfg = cfg or VideoVAEConfig()
-    stats = CheckpointFiles(path).latent_stats()
-    if stats is not None:
-        cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])
-    with torch.device("meta"):
-        model = VideoVAE(cfg)
-    model.layout = load_into(model, path, layouts(cfg), what="MiniMax H3 video VAE", device=device, dtype=dtype,
-                             keep_fp32=keeps_fp32)
-    return model.eval()
+    return load_model(VideoVAE, cfg or VideoVAEConfig(), path, layouts, what="MiniMax H3 video VAE",
+                      device=device, dtype=dtype, keep_fp32=keeps_fp32)
 
 
 def layouts(cfg: VideoVAEConfig) -> tuple[KeyMap, ...]:

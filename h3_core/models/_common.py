@@ -1,0 +1,54 @@
+"""What the two VAEs share: latent statistics and loading a module from a checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+
+from ..keymap import CheckpointFiles, KeyMap, load_into
+
+
+class LatentStats:
+    """Per-channel latent normalisation from ``self.cfg.latents_mean`` / ``latents_std``; latents have the
+    channel axis ``LATENT_TRAILING_DIMS`` axes from the end."""
+
+    LATENT_TRAILING_DIMS = 1
+
+    def _stats(self, z: torch.Tensor):
+        shape = (-1,) + (1,) * self.LATENT_TRAILING_DIMS
+        return tuple(torch.tensor(s, dtype=z.dtype, device=z.device).view(shape)
+                     for s in (self.cfg.latents_mean, self.cfg.latents_std))
+
+    def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
+        """Raw latents → model space ``(z − mean) / std``."""
+        mean, std = self._stats(z)
+        return (z - mean) / std
+
+    def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(z)
+        return z * std + mean
+
+
+def load_model(
+    model_cls,
+    cfg,
+    path,
+    layouts: Callable[[object], Sequence[KeyMap]],
+    *,
+    what: str,
+    device,
+    dtype: torch.dtype | None,
+    keep_fp32: Callable[[str], bool] = lambda key: False,
+):
+    """Build ``model_cls(cfg)`` on the meta device and fill it from ``path``; the file's latent statistics
+    (tensors, or a folder's ``config.json``) replace the config's. ``model.layout`` names the layout found."""
+    files = CheckpointFiles(path)
+    stats = files.latent_stats()
+    if stats is not None:
+        cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    model.layout = load_into(model, files, layouts(cfg), what=what, device=device, dtype=dtype, keep_fp32=keep_fp32)
+    return model.eval()
