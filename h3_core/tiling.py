@@ -340,13 +340,16 @@ def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrid
 
     ``vae`` is a ``h3_core.models.video_vae.VideoVAE``; ``normalized`` latents are in model space (the
     sampler's output). ``overrides`` picks the decoder's attention backend (``h3_core.attention.vae``);
-    ``options`` go to ``decode_tiled`` (tile size, tiles per batch, progress, cancel, ...)."""
+    ``options`` go to ``decode_tiled`` (tile size, tiles per batch, progress, cancel, report, ...). If a
+    single tile runs out of memory, the decoder's blocks are streamed from host memory (unless ``offload``
+    is given)."""
     from .models.video_vae import IMAGENET_MEAN, IMAGENET_STD
 
     z = vae.denormalize_latents(latents) if normalized else latents
     mean = torch.tensor(IMAGENET_MEAN, device=z.device).view(3, 1, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=z.device).view(3, 1, 1, 1)
     cfg = vae.cfg
+    options.setdefault("offload", vae.offload_decoder_blocks)
     with torch.inference_mode():
         return decode_tiled(
             lambda tiles: vae.decode_tiles(tiles, overrides), z,

@@ -350,6 +350,36 @@ class VideoVAE(LatentStats, nn.Module):
         mean, logvar = moments.chunk(2, dim=1)
         return torch.cat([mean, logvar.clamp(-30.0, 20.0)], dim=1)
 
+    def offload_decoder_blocks(self) -> str:
+        """Keep the decoder blocks' weights in (pinned) host memory and stream each block to the device
+        just for its own forward: the lowest-memory way to decode, used when even one tile does not fit.
+        Returns what it did, for the user."""
+        device = self.decoder.x_embedder.weight.device
+        blocks = self.decoder.transformer_blocks
+        if getattr(self, "_offloaded", False) or len(blocks) == 0:
+            return "decoder blocks were already streamed from host memory"
+        for block in blocks:
+            host = {}
+            for name, param in block.named_parameters():
+                copy = param.detach().to("cpu")
+                host[name] = copy.pin_memory() if device.type == "cuda" else copy
+                param.data = host[name]
+
+            def fetch(module, args, host=host):
+                for name, param in module.named_parameters():
+                    param.data = host[name].to(device, non_blocking=True)
+
+            def release(module, args, output, host=host):
+                for name, param in module.named_parameters():
+                    param.data = host[name]
+
+            block.register_forward_pre_hook(fetch)
+            block.register_forward_hook(release)
+        self._offloaded = True
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return f"the decoder's {len(blocks)} blocks now stay in host memory and are streamed to {device} one at a time"
+
     def decode_tiles(self, z: torch.Tensor, overrides=None) -> torch.Tensor:
         """Raw latent tiles ``[B, 24, t, h, w]`` → ImageNet-normalised pixels ``[B, 3, 4t, 16h, 16w]``."""
         z = F.conv3d(z.float(), self.post_quant_conv.weight.float(), self.post_quant_conv.bias.float())

@@ -300,3 +300,33 @@ def test_official_folder_with_weights_in_source(reference, folder, tmp_path):
     z = randn(1, 24, 2, 2, 2, seed=12)
     with torch.no_grad():
         assert (vae.decode_tiles(z) - reference.decoder(reference.post_quant_conv(z))).abs().max() <= 1e-5
+
+
+def test_streamed_decoder_blocks_decode_identically(folder):
+    vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
+    z = randn(1, 24, 2, 2, 2, seed=13)
+    with torch.no_grad():
+        before = vae.decode_tiles(z)
+        said = vae.offload_decoder_blocks()
+        after = vae.decode_tiles(z)
+    assert "2 blocks now stay in host memory" in said
+    assert "already" in vae.offload_decoder_blocks()
+    assert torch.equal(before, after)
+
+
+def test_decode_falls_back_to_streamed_blocks_when_a_tile_does_not_fit(folder, monkeypatch):
+    vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
+    latents = randn(24, 7, 2, 2, seed=14)
+    expected = decode_video(vae, latents)
+    real = vae.decode_tiles
+
+    def tight(tiles, overrides=None):
+        if not getattr(vae, "_offloaded", False):
+            raise torch.OutOfMemoryError("fake: the weights fill the card")
+        return real(tiles, overrides)
+
+    monkeypatch.setattr(vae, "decode_tiles", tight)
+    said = []
+    frames = decode_video(vae, latents, tiles_per_batch=2, report=said.append)
+    assert torch.equal(frames, expected)
+    assert said[-1].startswith("video decode ran out of memory with 1 tile per batch; the decoder's 2 blocks")
