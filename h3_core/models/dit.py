@@ -1,0 +1,330 @@
+"""The MiniMax H3 Omni-Transformer (dense path): one stack of blocks over one packed sequence.
+
+The packed sequence ``[T, hidden]`` holds text rows (projected and refined by a 2-block token refiner),
+conditioning/reference rows, audio rows and video rows; attention is full self-attention over all of
+it. Every row carries a modality tag (0 video, 1 text, 2 audio) and the index of its timestep; each
+block's AdaLN table has one row per (timestep, modality). Timesteps are ``t = 1 − σ`` in [0, 1], t = 1
+clean, not scaled by 1000. The output is the data-ward velocity of the video and audio rows
+(``x0 = x_t + σ · v``).
+
+Module names follow the native checkpoint (ComfyUI's repackaged files use them, with ``qkv_proj`` stacked
+as [q; k; v] and ``fc1`` as [gate; up]). Precision as released: the patch projections, the timestep MLP
+and the output heads in fp32, everything else in the compute dtype (bf16).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..attention.kernels import dense_attention
+from ..keymap import KeyMap, Rule, load_into
+
+__all__ = ["DiTConfig", "H3DiT", "load_dit", "layouts", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
+           "rope_cos_sin"]
+
+MODALITY_VIDEO, MODALITY_TEXT, MODALITY_AUDIO = 0, 1, 2
+MODALITIES = 3
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """Sizes of the DiT; the defaults are the released model."""
+
+    hidden: int = 5376
+    layers: int = 50
+    heads: int = 56
+    head_dim: int = 128
+    ffn: int = 14336
+    refiner_layers: int = 2
+    video_channels: int = 24
+    patch: tuple[int, int, int] = (1, 2, 2)
+    audio_channels: int = 32
+    text_dim: int = 5120
+    freq_dim: int = 256
+    time_hidden: int = 5376
+    time_embed: int = 2688
+    rope_freqs: int = 16
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def video_row(self) -> int:
+        return self.video_channels * math.prod(self.patch)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 ``[cos(t·f), sin(t·f)]`` with ``f_k = 10000^(−k / (dim/2))`` — cosines first, t unscaled."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    angles = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin ``[T, 6·F]`` for ``(t, h, w)`` positions ``[T, 3]``: each axis times the shared F
+    frequencies, the three concatenated and then repeated (rotate-half pairs i and i + 3F)."""
+    angles = (positions.float()[:, :, None] * inv_freq.float()[None, None]).flatten(1)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first ``cos.shape[-1]`` channels of ``x`` ``[T, H, D]``."""
+    n = cos.shape[-1]
+    half = n // 2
+    rot, rest = x[..., :n], x[..., n:]
+    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+    turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + turned * sin, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    """Fused ``qkv_proj`` (stacked [q; k; v], no bias), per-head RMSNorm on q and k, optional RoPE, full
+    attention, ``out_proj``."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden, 3 * cfg.inner, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
+        self.out_proj = nn.Linear(cfg.inner, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).view(T, 3, self.heads, self.head_dim).unbind(1)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        return self.out_proj(dense_attention(q, k, v).out.reshape(T, -1))
+
+
+class SwiGLU(nn.Module):
+    """``fc2(silu(gate) · up)`` with ``fc1`` giving ``[gate; up]`` (no biases)."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden, 2 * cfg.ffn, bias=False)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * up)
+
+
+class RefinerBlock(nn.Module):
+    """A plain pre-norm block over the text rows: no AdaLN, no RoPE."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.norm1, self.attn = nn.RMSNorm(cfg.hidden, eps=cfg.eps), Attention(cfg)
+        self.norm2, self.mlp = nn.RMSNorm(cfg.hidden, eps=cfg.eps), SwiGLU(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TokenRefiner(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(RefinerBlock(cfg) for _ in range(cfg.refiner_layers))
+        self.final_norm = nn.RMSNorm(cfg.hidden, eps=cfg.eps)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.final_norm(x)
+
+
+class AdaLNProjection(nn.Module):
+    """``linear(silu(t_emb))`` → a table ``[timesteps · 3, parts · hidden]`` with one row per (timestep, modality)
+    (``per_modality``) or per timestep; the activation runs at the embedding's fp32, only its result is cast."""
+
+    def __init__(self, cfg: DiTConfig, parts: int, per_modality: bool):
+        super().__init__()
+        self.parts, self.hidden = parts, cfg.hidden
+        self.linear = nn.Linear(cfg.time_embed, parts * cfg.hidden * (MODALITIES if per_modality else 1))
+
+    def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        table = self.linear(F.silu(temb).to(self.linear.weight.dtype))
+        return table.view(-1, self.parts * self.hidden).chunk(self.parts, dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.norm1, self.attn = nn.RMSNorm(cfg.hidden, eps=cfg.eps), Attention(cfg)
+        self.norm2, self.mlp = nn.RMSNorm(cfg.hidden, eps=cfg.eps), SwiGLU(cfg)
+        self.adaln_proj = AdaLNProjection(cfg, 6, per_modality=True)
+
+    def forward(self, x, temb, rows, rope):
+        """``rows``: each packed row's AdaLN table row, ``t_index · 3 + tag``."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = (m.index_select(0, rows) for m in self.adaln_proj(temb))
+        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1, rope)
+        return x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
+
+
+class TimeEmbedder(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.proj_in = nn.Linear(cfg.freq_dim, cfg.time_hidden)
+        self.proj_out = nn.Linear(cfg.time_hidden, cfg.time_embed)
+
+    def forward(self, t):
+        return self.proj_out(F.silu(self.proj_in(timestep_embedding(t, self.proj_in.in_features))))
+
+
+class Rope(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        inv_freq = cfg.rope_theta ** -(torch.arange(0, 2 * cfg.rope_freqs, 2, dtype=torch.float32) / (2 * cfg.rope_freqs))
+        self.register_buffer("inv_freq", inv_freq)
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.eps)
+        self.adaln_proj = AdaLNProjection(cfg, 2, per_modality=False)
+        self.video_out = nn.Linear(cfg.hidden, cfg.video_row)
+        self.audio_out = nn.Linear(cfg.hidden, cfg.audio_channels)
+
+
+class H3DiT(nn.Module):
+    def __init__(self, cfg: DiTConfig = DiTConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.video_patch_proj = nn.Linear(cfg.video_row, cfg.hidden)
+        self.audio_patch_proj = nn.Linear(cfg.audio_channels, cfg.hidden)
+        self.condition_proj = nn.Linear(cfg.text_dim, cfg.hidden)
+        self.time_embedder = TimeEmbedder(cfg)
+        self.rope = Rope(cfg)
+        self.token_refiner = TokenRefiner(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.final_layer = FinalLayer(cfg)
+
+    def forward(
+        self,
+        video_rows: torch.Tensor,
+        audio_rows: torch.Tensor,
+        text_rows: torch.Tensor,
+        timesteps: torch.Tensor,
+        timestep_index: torch.Tensor,
+        tags: torch.Tensor,
+        positions: torch.Tensor,
+        video_index: torch.Tensor,
+        audio_index: torch.Tensor,
+        text_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One model evaluation over one packed sequence of ``T`` rows.
+
+        Args:
+            video_rows ``[Nv, 96]``, audio_rows ``[Na, 32]``, text_rows ``[L, 5120]``: the rows of each kind, in
+                the order of ``video_index`` / ``audio_index`` / ``text_index`` (their places in the sequence).
+            timesteps ``[K]``: the distinct timesteps in the sequence; ``timestep_index`` ``[T]`` picks one per row.
+            tags ``[T]``: each row's modality (0 video, 1 text, 2 audio); positions ``[T, 3]``: RoPE (t, h, w).
+        Returns:
+            The velocity of the video rows ``[Nv, 96]`` and of the audio rows ``[Na, 32]`` (fp32).
+        """
+        T = positions.shape[0]
+        text = self.token_refiner(self.condition_proj(text_rows.to(self.condition_proj.weight.dtype)))
+        dtype = text.dtype
+        x = text.new_zeros(T, self.cfg.hidden)
+        x.index_copy_(0, text_index, text)
+        x.index_copy_(0, video_index, self.video_patch_proj(video_rows.to(self.video_patch_proj.weight.dtype)).to(dtype))
+        x.index_copy_(0, audio_index, self.audio_patch_proj(audio_rows.to(self.audio_patch_proj.weight.dtype)).to(dtype))
+        temb = self.time_embedder(timesteps)
+        rows = timestep_index * MODALITIES + tags
+        rope = rope_cos_sin(positions, self.rope.inv_freq)
+        for block in self.blocks:
+            x = block(x, temb, rows, rope)
+        final = self.final_layer
+        shift, scale = (m.index_select(0, timestep_index) for m in final.adaln_proj(temb))
+        x = (final.norm(x) * (1 + scale) + shift).to(final.video_out.weight.dtype)
+        return final.video_out(x.index_select(0, video_index)), final.audio_out(x.index_select(0, audio_index))
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+
+def _stack_qkv(parts):
+    return torch.cat(parts)
+
+
+def _swap_halves(parts):
+    """[a; b] → [b; a]: diffusers' SwiGLU keeps [up; gate], the native fc1 [gate; up]."""
+    first, second = parts[0].chunk(2, dim=0)
+    return torch.cat([second, first])
+
+
+def rope_inv_freq(cfg: DiTConfig) -> torch.Tensor:
+    return cfg.rope_theta ** -(torch.arange(0, 2 * cfg.rope_freqs, 2, dtype=torch.float32) / (2 * cfg.rope_freqs))
+
+
+def diffusers_layout(cfg: DiTConfig) -> KeyMap:
+    """diffusers ``MiniMaxH3Transformer3DModel`` names (its ``transformer/`` folder)."""
+    rules = [
+        Rule(r"video_patch_proj\.(?P<p>weight|bias)", ("proj_in.{p}",)),
+        Rule(r"audio_patch_proj\.(?P<p>weight|bias)", ("audio_proj_in.{p}",)),
+        Rule(r"condition_proj\.(?P<p>weight|bias)", ("context_embedder.{p}",)),
+        Rule(r"time_embedder\.proj_in\.(?P<p>weight|bias)", ("time_embedder.linear_1.{p}",)),
+        Rule(r"time_embedder\.proj_out\.(?P<p>weight|bias)", ("time_embedder.linear_2.{p}",)),
+        Rule(r"rope\.inv_freq", (), lambda parts: rope_inv_freq(cfg)),
+        Rule(r"final_layer\.norm\.weight", ("norm_out.norm.weight",)),
+        Rule(r"final_layer\.adaln_proj\.linear\.(?P<p>weight|bias)", ("norm_out.linear.{p}",)),
+        Rule(r"final_layer\.video_out\.(?P<p>weight|bias)", ("proj_out.{p}",)),
+        Rule(r"final_layer\.audio_out\.(?P<p>weight|bias)", ("audio_proj_out.{p}",)),
+    ]
+    for stack_re, stack_src in ((r"blocks\.(?P<n>\d+)\.", "transformer_blocks.{n}."),
+                                (r"token_refiner\.blocks\.(?P<n>\d+)\.", "token_refiner.refiner_blocks.{n}.")):
+        rules += [
+            Rule(stack_re + r"attn\.qkv_proj\.weight", tuple(stack_src + f"attn.to_{x}.weight" for x in "qkv"), _stack_qkv),
+            Rule(stack_re + r"attn\.q_norm\.weight", (stack_src + "attn.norm_q.weight",)),
+            Rule(stack_re + r"attn\.k_norm\.weight", (stack_src + "attn.norm_k.weight",)),
+            Rule(stack_re + r"attn\.out_proj\.weight", (stack_src + "attn.to_out.0.weight",)),
+            Rule(stack_re + r"mlp\.fc1\.weight", (stack_src + "ff.net.0.proj.weight",), _swap_halves),
+            Rule(stack_re + r"mlp\.fc2\.weight", (stack_src + "ff.net.2.weight",)),
+            Rule(stack_re + r"(?P<rest>norm1\.weight|norm2\.weight|adaln_proj\.linear\.(weight|bias))",
+                 (stack_src + "{rest}",)),
+        ]
+    return KeyMap("diffusers", tuple(rules))
+
+
+def native_layout() -> KeyMap:
+    """Native names with ``qkv_proj`` stacked [q; k; v]: ComfyUI's repackaged files, with or without the
+    ``model.diffusion_model.`` prefix."""
+    return KeyMap("ComfyUI")
+
+
+_FP32 = re.compile(r"(video_patch_proj|audio_patch_proj|time_embedder|final_layer\.(video_out|audio_out)|rope)\.")
+
+
+def keeps_fp32(key: str) -> bool:
+    """The released fp32 islands: patch projections, timestep MLP, output heads, RoPE frequencies."""
+    return _FP32.match(key) is not None
+
+
+def layouts(cfg: DiTConfig) -> tuple[KeyMap, ...]:
+    return (native_layout(), KeyMap("ComfyUI", prefix="model.diffusion_model."), diffusers_layout(cfg))
+
+
+def load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None) -> H3DiT:
+    """Load a DiT checkpoint (a file or a folder of shards) in any supported layout; blocks in ``dtype``,
+    the fp32 islands in fp32."""
+    cfg = cfg or DiTConfig()
+    with torch.device("meta"):
+        model = H3DiT(cfg)
+    model.layout = load_into(model, path, layouts(cfg), what="MiniMax H3 DiT", device=device, dtype=dtype,
+                             keep_fp32=keeps_fp32)
+    return model.eval()

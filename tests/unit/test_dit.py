@@ -1,0 +1,112 @@
+"""The H3 DiT (h3_core.models.dit) against diffusers 0.42.1's MiniMaxH3Transformer3DModel on the same random
+weights, loaded through our key maps, and its native (ComfyUI) layout."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from h3_core.errors import H3InputError
+from h3_core.models.dit import DiTConfig, keeps_fp32, load_dit, timestep_embedding
+
+diffusers = pytest.importorskip("diffusers")
+
+TINY = dict(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, refiner_layers=2, text_dim=40, freq_dim=16,
+            time_hidden=24, time_embed=20, rope_freqs=4)
+TINY_DIFFUSERS = dict(num_attention_heads=2, attention_head_dim=32, hidden_size=48, num_layers=2, num_refiner_layers=2,
+                      ffn_dim=64, text_dim=40, freq_dim=16, time_embed_hidden_dim=24, time_embed_dim=20, rope_freq_dim=4)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    model = diffusers.MiniMaxH3Transformer3DModel(**TINY_DIFFUSERS).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folder(reference, tmp_path_factory):
+    path = tmp_path_factory.mktemp("transformer")
+    reference.save_pretrained(path)
+    return path
+
+
+def packed(seed=0, L=5, Na=6, Nv=8):
+    """A T2VA-like sequence [text | audio | video] with the audio at another timestep than the video."""
+    g = torch.Generator().manual_seed(seed)
+    T = L + Na + Nv
+    text_index, audio_index, video_index = torch.arange(L), torch.arange(L, L + Na), torch.arange(L + Na, T)
+    tags = torch.zeros(T, dtype=torch.long)
+    tags[text_index], tags[audio_index] = 1, 2
+    timestep_index = torch.zeros(T, dtype=torch.long)
+    timestep_index[audio_index] = 1
+    return dict(
+        video_rows=torch.randn(Nv, 96, generator=g), audio_rows=torch.randn(Na, 32, generator=g),
+        text_rows=torch.randn(L, 40, generator=g), timesteps=torch.tensor([0.3, 0.8]), timestep_index=timestep_index,
+        tags=tags, positions=torch.randn(T, 3, generator=g) * 5, video_index=video_index, audio_index=audio_index,
+        text_index=text_index,
+    )
+
+
+def reference_forward(reference, x):
+    with torch.no_grad():
+        out = reference(x["video_rows"][None], x["audio_rows"][None], x["text_rows"][None], x["timesteps"],
+                        x["timestep_index"], x["tags"], x["positions"], x["video_index"], x["audio_index"],
+                        x["text_index"])
+    return out.sample[0], out.audio_sample[0]
+
+
+def test_released_defaults():
+    cfg = DiTConfig()
+    assert (cfg.inner, cfg.video_row, cfg.layers, cfg.heads) == (7168, 96, 50, 56)
+
+
+def test_timestep_embedding_puts_cosines_first():
+    emb = timestep_embedding(torch.tensor([0.0, 0.5]), 8)
+    assert torch.equal(emb[0], torch.tensor([1.0] * 4 + [0.0] * 4))
+    assert torch.allclose(emb[1, 0], torch.cos(torch.tensor(0.5)))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_forward_equals_diffusers(reference, folder, seed):
+    model = load_dit(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    assert model.layout == "diffusers"
+    x = packed(seed)
+    with torch.no_grad():
+        video, audio = model(**x)
+    ref_video, ref_audio = reference_forward(reference, x)
+    assert video.shape == (8, 96) and audio.shape == (6, 32)
+    assert (video - ref_video).abs().max() <= 1e-4 * ref_video.abs().max()
+    assert (audio - ref_audio).abs().max() <= 1e-4 * ref_audio.abs().max()
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_native_file_loads_to_identical_tensors(folder, tmp_path, prefix):
+    model = load_dit(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    path = tmp_path / "minimax_h3_t2va_bf16.safetensors"
+    save_file({prefix + k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    again = load_dit(path, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    assert again.layout == "ComfyUI"
+    for (k, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), k
+    x = packed(3)
+    with torch.no_grad():
+        assert all(torch.equal(p, q) for p, q in zip(model(**x), again(**x)))
+
+
+def test_bf16_keeps_the_fp32_islands(folder):
+    model = load_dit(folder, dtype=torch.bfloat16, cfg=DiTConfig(**TINY))
+    for key, value in model.state_dict().items():
+        assert (value.dtype == torch.float32) == keeps_fp32(key), key
+    with torch.no_grad():
+        video, audio = model(**packed(4))
+    assert video.dtype == torch.float32 and torch.isfinite(video).all() and torch.isfinite(audio).all()
+
+
+def test_a_vae_is_not_a_dit(tmp_path):
+    path = tmp_path / "vae.safetensors"
+    save_file({"encoder.conv_in.weight": torch.zeros(1), "decoder.proj_out.weight": torch.zeros(1)}, str(path))
+    with pytest.raises(H3InputError, match=r"vae\.safetensors: not a MiniMax H3 DiT checkpoint this pack can load"):
+        load_dit(path, cfg=DiTConfig(**TINY))
