@@ -1,0 +1,150 @@
+"""The packed sequence of one T2VA / I2VA / L2VA / FL2VA request: ``[text | keyframe rows | audio | video]``.
+
+Every row gets a modality tag (0 video, 1 text, 2 audio; the vision rows inside the text span are tagged
+video by the text encoder's tags), and a rotary ``(t, h, w)`` position in float64, as released:
+  * text row i sits at ``(i, 0, 0)``; the media clock starts at ``origin = L`` (the text length);
+  * video latent frame k at ``origin + Σ_{j<k} 5/3 · (1, 4, 4, 4, 4)[j mod 5]`` — 5/3 rotary units per pixel
+    frame, so 40 units per second at 24 fps;
+  * the spatial axes are area-normalised: an axis of ``n`` patches over ``dim`` latents spans
+    ``[(1 − ρ)/2, (1 + ρ)/2) · 32`` with ``ρ = dim / √(h · w)`` (a square canvas spans [0, 32));
+  * audio latent j of both channels at time ``origin + j`` (the same clock at 40 latents/s), no height,
+    the left channel at the first width coordinate and the right one at the last;
+  * a keyframe block takes the target frame grid, at the first latent's time ("first") or the last's
+    ("last", summed pairwise as released).
+Audio rows are channel-major (all left-channel latents, then all right). Video rows are t-major, then
+rows of 2×2 latent patches (``patchify``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention.layout import SequenceLayout, Span
+from ..errors import H3InputError
+
+__all__ = ["PackedSequence", "pack_sequence", "patchify", "unpatchify", "AUDIO_TAG", "VIDEO_TAG", "TEXT_TAG"]
+
+VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
+FRAME_RESCALE = 5.0 / 3.0  # rotary units per pixel frame
+FRAMES_PER_LATENT = (1, 4, 4, 4, 4)  # pixel frames each latent of a 17-frame clip covers
+SPATIAL_SCALE = 32
+
+
+def patchify(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    """Video latents ``[C, T, h, w]`` → rows ``[T/pt · h/ph · w/pw, C·pt·ph·pw]`` (t-major; feature index
+    ``c·pt·ph·pw + ...``)."""
+    pt, ph, pw = patch
+    C, T, h, w = latents.shape
+    if T % pt or h % ph or w % pw:
+        raise H3InputError(f"latents of shape {tuple(latents.shape)} do not divide into {patch} patches")
+    x = latents.reshape(C, T // pt, pt, h // ph, ph, w // pw, pw).permute(1, 3, 5, 0, 2, 4, 6)
+    return x.reshape(-1, C * pt * ph * pw)
+
+
+def unpatchify(rows: torch.Tensor, channels: int, frames: int, height: int, width: int,
+               patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    """The inverse of ``patchify``: rows → ``[C, T, h, w]``."""
+    pt, ph, pw = patch
+    x = rows.reshape(frames // pt, height // ph, width // pw, channels, pt, ph, pw).permute(3, 0, 4, 1, 5, 2, 6)
+    return x.reshape(channels, frames, height, width)
+
+
+def _spatial_axis(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:
+    ratio = dim / sqrt_area
+    left = (1.0 - ratio) / 2.0
+    # numpy's endpoint-free linspace (start + i · step), which is the float64 grid the model was trained on
+    return torch.from_numpy(np.linspace(left, left + ratio, dim // patch, endpoint=False) * SPATIAL_SCALE)
+
+
+def _frame_grid(h: int, w: int, ph: int, pw: int) -> tuple[torch.Tensor, torch.Tensor]:
+    root = float(np.sqrt(h * w))
+    ys, xs = _spatial_axis(h, ph, root), _spatial_axis(w, pw, root)
+    gy, gx = torch.meshgrid(ys, xs, indexing="ij")
+    return torch.stack([gy.reshape(-1), gx.reshape(-1)], dim=-1), xs
+
+
+def _frame_times(frames: int, origin: float) -> torch.Tensor:
+    spans = torch.tensor([FRAME_RESCALE * FRAMES_PER_LATENT[i % 5] for i in range(frames)], dtype=torch.float64)
+    return origin + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
+
+
+def _last_frame_time(frames: int, origin: float) -> float:
+    spans = np.ones(frames, dtype=np.float64) * FRAME_RESCALE
+    for offset in range(5):
+        spans[offset::5] *= FRAMES_PER_LATENT[offset]
+    return origin + float(spans.sum()) - FRAME_RESCALE
+
+
+@dataclass(frozen=True)
+class PackedSequence:
+    """Positions ``[T, 3]`` (float64), tags ``[T]``, the row indices of each kind, and the geometry."""
+
+    positions: torch.Tensor
+    tags: torch.Tensor
+    video_index: torch.Tensor  # keyframe rows first, then the target video rows
+    audio_index: torch.Tensor
+    text_index: torch.Tensor
+    condition_rows: int
+    layout: SequenceLayout  # for the window softmax: globals = text, keyframes and audio
+
+
+def pack_sequence(
+    text_tags: torch.Tensor,
+    frames: int,
+    height: int,
+    width: int,
+    audio_latents: int,
+    *,
+    keyframes: tuple[str, ...] = (),
+    patch: tuple[int, int, int] = (1, 2, 2),
+    audio_channels: int = 2,
+) -> PackedSequence:
+    """Lay out one request (module docstring). ``frames``/``height``/``width`` are the target latent
+    geometry; ``keyframes`` lists "first" / "last" per keyframe block, in packed order."""
+    _, ph, pw = patch
+    if height % ph or width % pw:
+        raise H3InputError(f"latent size {height}x{width} must be a multiple of the patch {ph}x{pw}")
+    for anchor in keyframes:
+        if anchor not in ("first", "last"):
+            raise H3InputError(f"a keyframe anchor must be 'first' or 'last', got {anchor!r}")
+    L = int(text_tags.shape[0])
+    per_frame = (height // ph) * (width // pw)
+    cond_rows = len(keyframes) * per_frame
+    audio_rows = audio_latents * audio_channels
+    cond0, audio0 = L, L + cond_rows
+    video0 = audio0 + audio_rows
+    T = video0 + frames * per_frame
+
+    positions = torch.zeros(T, 3, dtype=torch.float64)
+    positions[:L, 0] = torch.arange(L, dtype=torch.float64)
+    grid, xs = _frame_grid(height, width, ph, pw)
+    for i, anchor in enumerate(keyframes):
+        rows = slice(cond0 + i * per_frame, cond0 + (i + 1) * per_frame)
+        positions[rows, 0] = float(L) if anchor == "first" else _last_frame_time(frames, float(L))
+        positions[rows, 1:] = grid
+    positions[audio0:video0, 0] = (float(L) + torch.arange(audio_latents, dtype=torch.float64)).repeat(audio_channels)
+    positions[audio0:video0, 2] = torch.cat([
+        torch.full((audio_latents,), float(xs[0]), dtype=torch.float64),
+        torch.full((audio_rows - audio_latents,), float(xs[-1]), dtype=torch.float64),
+    ])
+    video = torch.empty(frames, per_frame, 3, dtype=torch.float64)
+    video[:, :, 0] = _frame_times(frames, float(L))[:, None]
+    video[:, :, 1:] = grid[None]
+    positions[video0:] = video.reshape(-1, 3)
+
+    video_index = torch.cat([torch.arange(cond0, audio0), torch.arange(video0, T)])
+    audio_index = torch.arange(audio0, video0)
+    text_index = torch.arange(L)
+    tags = torch.empty(T, dtype=torch.long)
+    tags[text_index] = text_tags.to(torch.long)
+    tags[audio_index] = AUDIO_TAG
+    tags[video_index] = VIDEO_TAG
+    layout = SequenceLayout(
+        seq_len=T, video=Span("video", video0, T - video0), num_frames=frames, tokens_per_frame=per_frame,
+        frame_h=height // ph, frame_w=width // pw,
+        global_spans=(Span("text", 0, L), Span("conditioning", cond0, cond_rows), Span("audio", audio0, audio_rows)),
+    )
+    return PackedSequence(positions, tags, video_index, audio_index, text_index, cond_rows, layout)
