@@ -301,10 +301,28 @@ def diffusers_layout(cfg: DiTConfig) -> KeyMap:
     return KeyMap("diffusers", tuple(rules))
 
 
-def native_layout() -> KeyMap:
-    """Native names with ``qkv_proj`` stacked [q; k; v]: ComfyUI's repackaged files, with or without the
-    ``model.diffusion_model.`` prefix."""
-    return KeyMap("ComfyUI")
+def native_layout(prefix: str = "") -> KeyMap:
+    """Native names with ``qkv_proj`` stacked [q; k; v]: ComfyUI's repackaged files (also with the
+    ``model.diffusion_model.`` prefix)."""
+    return KeyMap("ComfyUI", prefix=prefix)
+
+
+def _deinterleave_qkv(heads: int, head_dim: int):
+    """Rows ``[h: q, k, v]`` (the official shards) → stacked ``[q; k; v]``."""
+
+    def combine(parts):
+        w = parts[0]
+        return w.view(heads, 3, head_dim, -1).transpose(0, 1).reshape(3 * heads * head_dim, -1)
+
+    return combine
+
+
+def official_layout(cfg: DiTConfig) -> KeyMap:
+    """The official FL2VA / Ref2VA shards: native names, ``qkv_proj`` interleaved per head. Its keys are the
+    same as ComfyUI's, so it is chosen by ``load_dit(..., qkv_interleaved=True)``, never guessed."""
+    stack = r"(?P<s>(token_refiner\.)?blocks\.\d+)\."
+    return KeyMap("official", (Rule(stack + r"attn\.qkv_proj\.weight", ("{s}.attn.qkv_proj.weight",),
+                                    _deinterleave_qkv(cfg.heads, cfg.head_dim)),))
 
 
 _FP32 = re.compile(r"(video_patch_proj|audio_patch_proj|time_embedder|final_layer\.(video_out|audio_out)|rope)\.")
@@ -315,16 +333,20 @@ def keeps_fp32(key: str) -> bool:
     return _FP32.match(key) is not None
 
 
-def layouts(cfg: DiTConfig) -> tuple[KeyMap, ...]:
-    return (native_layout(), KeyMap("ComfyUI", prefix="model.diffusion_model."), diffusers_layout(cfg))
+def layouts(cfg: DiTConfig, qkv_interleaved: bool = False) -> tuple[KeyMap, ...]:
+    if qkv_interleaved:
+        return (official_layout(cfg),)
+    return (native_layout(), native_layout("model.diffusion_model."), diffusers_layout(cfg))
 
 
-def load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None) -> H3DiT:
+def load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
+             qkv_interleaved: bool = False) -> H3DiT:
     """Load a DiT checkpoint (a file or a folder of shards) in any supported layout; blocks in ``dtype``,
-    the fp32 islands in fp32."""
+    the fp32 islands in fp32. ``qkv_interleaved`` marks the official shards, whose keys match ComfyUI's
+    but whose ``qkv_proj`` rows are interleaved per head."""
     cfg = cfg or DiTConfig()
     with torch.device("meta"):
         model = H3DiT(cfg)
-    model.layout = load_into(model, path, layouts(cfg), what="MiniMax H3 DiT", device=device, dtype=dtype,
-                             keep_fp32=keeps_fp32)
+    model.layout = load_into(model, path, layouts(cfg, qkv_interleaved), what="MiniMax H3 DiT", device=device,
+                             dtype=dtype, keep_fp32=keeps_fp32)
     return model.eval()
