@@ -22,10 +22,17 @@ from safetensors import safe_open
 
 from .errors import H3InputError
 
-__all__ = ["Rule", "KeyMap", "CheckpointFiles", "load_into", "match_layout", "QUANTIZED_DTYPES"]
+__all__ = ["Rule", "KeyMap", "CheckpointFiles", "load_into", "match_layout", "swap_halves", "QUANTIZED_DTYPES"]
 
 QUANTIZED_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "I4", "U4"}
 _SHOW = 5
+
+
+def swap_halves(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``combine`` for a gated MLP whose file stores its input projection ``[up; gate]`` while the module
+    wants ``[gate; up]`` (or the reverse): swap the two row halves."""
+    first, second = parts[0].chunk(2, dim=0)
+    return torch.cat([second, first])
 
 
 @dataclass(frozen=True)

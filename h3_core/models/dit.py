@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
-from ..keymap import KeyMap, Rule, load_into
+from ..keymap import KeyMap, Rule, load_into, swap_halves
 
 __all__ = ["DiTConfig", "H3DiT", "load_dit", "layouts", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
            "rope_cos_sin"]
@@ -262,12 +262,6 @@ def _stack_qkv(parts):
     return torch.cat(parts)
 
 
-def _swap_halves(parts):
-    """[a; b] → [b; a]: diffusers' SwiGLU keeps [up; gate], the native fc1 [gate; up]."""
-    first, second = parts[0].chunk(2, dim=0)
-    return torch.cat([second, first])
-
-
 def rope_inv_freq(cfg: DiTConfig) -> torch.Tensor:
     return cfg.rope_theta ** -(torch.arange(0, 2 * cfg.rope_freqs, 2, dtype=torch.float32) / (2 * cfg.rope_freqs))
 
@@ -293,7 +287,7 @@ def diffusers_layout(cfg: DiTConfig) -> KeyMap:
             Rule(stack_re + r"attn\.q_norm\.weight", (stack_src + "attn.norm_q.weight",)),
             Rule(stack_re + r"attn\.k_norm\.weight", (stack_src + "attn.norm_k.weight",)),
             Rule(stack_re + r"attn\.out_proj\.weight", (stack_src + "attn.to_out.0.weight",)),
-            Rule(stack_re + r"mlp\.fc1\.weight", (stack_src + "ff.net.0.proj.weight",), _swap_halves),
+            Rule(stack_re + r"mlp\.fc1\.weight", (stack_src + "ff.net.0.proj.weight",), swap_halves),
             Rule(stack_re + r"mlp\.fc2\.weight", (stack_src + "ff.net.2.weight",)),
             Rule(stack_re + r"(?P<rest>norm1\.weight|norm2\.weight|adaln_proj\.linear\.(weight|bias))",
                  (stack_src + "{rest}",)),

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.vae import vae_attention
-from ..keymap import KeyMap, Rule
+from ..keymap import KeyMap, Rule, swap_halves
 from ._common import LatentStats, load_model
 
 __all__ = [
@@ -401,12 +401,6 @@ def _fuse_qkv_per_head(head_dim: int):
     return combine
 
 
-def _swap_halves(parts):
-    """[a | b] → [b | a] along the rows: diffusers' SwiGLU is [up | gate], ours [gate | up]."""
-    first, second = parts[0].chunk(2, dim=0)
-    return torch.cat([second, first])
-
-
 _BLOCK = r"decoder\.transformer_blocks\.(?P<i>\d+)\."
 _RESNET = r"encoder\.down\.(?P<l>\d+)\.block\.(?P<j>\d+)\."
 
@@ -432,7 +426,7 @@ def diffusers_layout(cfg: VideoVAEConfig) -> KeyMap:
             Rule(_BLOCK + r"attn\.to_qkv\.(?P<p>weight|bias)",
                  tuple(block + f"attn.to_{x}.{{p}}" for x in "qkv"), _fuse_qkv_per_head(cfg.decoder_head_dim)),
             Rule(_BLOCK + r"attn\.to_out\.(?P<p>weight|bias)", (block + "attn.to_out.0.{p}",)),
-            Rule(_BLOCK + r"ff\.w1\.(?P<p>weight|bias)", (block + "ff.net.0.proj.{p}",), _swap_halves),
+            Rule(_BLOCK + r"ff\.w1\.(?P<p>weight|bias)", (block + "ff.net.0.proj.{p}",), swap_halves),
             Rule(_BLOCK + r"ff\.w2\.(?P<p>weight|bias)", (block + "ff.net.2.{p}",)),
         ),
     )
