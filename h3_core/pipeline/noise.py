@@ -1,0 +1,72 @@
+"""Per-row timesteps and the initial noise of one request, as released.
+
+A model evaluation serves rows at several noise levels: the generated video rows at the video schedule's
+``t``, the generated audio rows at the audio schedule's, the keyframe / reference image rows held at
+``max(t, 0.999)`` (the anchors were trained slightly noised), reference audio rows at 1; text rows take
+the video ``t`` (they reach no output head). ``row_timesteps`` reduces that to the model's
+``(timesteps, timestep_index)`` pair.
+
+Noise comes from one generator in a fixed order, so a seed means the same start as in the reference
+pipeline: one draw per conditioning latent in packed order (each mixed in at ``t = 0.999``), then the
+video latent ``[1, 24, T, h, w]``, then the audio rows ``[2 · Ta, 32]`` directly in row layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .packing import PackedSequence, patchify
+from .schedule import noise_to
+
+__all__ = ["CONDITION_T", "row_timesteps", "initial_noise"]
+
+CONDITION_T = 0.999
+
+
+def row_timesteps(
+    packed: PackedSequence,
+    video_t: float,
+    audio_t: float,
+    *,
+    condition_audio_rows: int = 0,
+    condition_video_t: float | None = None,
+    condition_audio_t: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct fp32 timesteps of the sequence, sorted, and each row's index into them."""
+    condition_video_t = max(float(video_t), CONDITION_T) if condition_video_t is None else condition_video_t
+    T = packed.positions.shape[0]
+    t = torch.full((T,), float(video_t), dtype=torch.float32)
+    t[packed.video_index[: packed.condition_rows]] = condition_video_t
+    t[packed.audio_index[condition_audio_rows:]] = float(audio_t)
+    t[packed.audio_index[:condition_audio_rows]] = condition_audio_t
+    return torch.unique(t, sorted=True, return_inverse=True)
+
+
+def initial_noise(
+    generator: torch.Generator,
+    condition_latents: list[torch.Tensor],
+    frames: int,
+    height: int,
+    width: int,
+    audio_latents: int,
+    *,
+    latent_channels: int = 24,
+    audio_channels: int = 2,
+    audio_latent_channels: int = 32,
+    patch: tuple[int, int, int] = (1, 2, 2),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(condition_rows, video_rows, audio_rows)`` in fp32 on the generator's device: the conditioning
+    latents (``[24, t, h, w]`` each, model space) noised to ``t = 0.999`` and patchified, then pure-noise
+    target video rows and audio rows, drawn in the released order."""
+    device = generator.device
+    conditions = []
+    for latent in condition_latents:
+        noise = torch.randn((1, *latent.shape), generator=generator, device=device, dtype=torch.float32)[0]
+        conditions.append(patchify(noise_to(latent.to(device, torch.float32), noise, CONDITION_T), patch))
+    video = torch.randn((1, latent_channels, frames, height, width), generator=generator, device=device,
+                        dtype=torch.float32)[0]
+    audio = torch.randn((audio_latents * audio_channels, audio_latent_channels), generator=generator, device=device,
+                        dtype=torch.float32)
+    rows = patch[0] * patch[1] * patch[2] * latent_channels
+    condition_rows = torch.cat(conditions) if conditions else torch.empty(0, rows, device=device)
+    return condition_rows, patchify(video, patch), audio
