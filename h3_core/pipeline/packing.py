@@ -25,7 +25,7 @@ import torch
 from ..attention.layout import SequenceLayout, Span
 from ..errors import H3InputError
 
-__all__ = ["PackedSequence", "pack_sequence", "patchify", "unpatchify", "AUDIO_TAG", "VIDEO_TAG", "TEXT_TAG"]
+__all__ = ["PackedSequence", "Reference", "pack_sequence", "pack_ref2va", "patchify", "unpatchify", "AUDIO_TAG", "VIDEO_TAG", "TEXT_TAG"]
 
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
 FRAME_RESCALE = 5.0 / 3.0  # rotary units per pixel frame
@@ -78,6 +78,35 @@ def _last_frame_time(frames: int, origin: float) -> float:
     return origin + float(spans.sum()) - FRAME_RESCALE
 
 
+def _fill_audio(positions, start, latents, time, xs, channels):
+    """Channel-major audio rows from ``start``: latent j of every channel at ``time + j``, no height, the
+    first channel pinned to the first width coordinate ``xs[0]``, the others to the last."""
+    rows = slice(start, start + latents * channels)
+    positions[rows, 0] = (time + torch.arange(latents, dtype=torch.float64)).repeat(channels)
+    positions[rows, 2] = torch.cat([
+        torch.full((latents,), float(xs[0]), dtype=torch.float64),
+        torch.full((latents * (channels - 1),), float(xs[-1]), dtype=torch.float64),
+    ])
+    return rows.stop
+
+
+def _fill_video(positions, start, frames, grid, time):
+    """t-major video rows from ``start``: every row of latent frame k at the frame's time, on ``grid``."""
+    per_frame = grid.shape[0]
+    rows = slice(start, start + frames * per_frame)
+    positions[rows, 0] = _frame_times(frames, time).repeat_interleave(per_frame)
+    positions[rows, 1:] = grid.repeat(frames, 1)
+    return rows.stop
+
+
+def _tags(T, text_tags, text_index, audio_index, video_index):
+    tags = torch.empty(T, dtype=torch.long)
+    tags[text_index] = text_tags.to(torch.long)
+    tags[audio_index] = AUDIO_TAG
+    tags[video_index] = VIDEO_TAG
+    return tags
+
+
 @dataclass(frozen=True)
 class PackedSequence:
     """Positions ``[T, 3]`` (float64), tags ``[T]``, the row indices of each kind, and the geometry."""
@@ -125,26 +154,97 @@ def pack_sequence(
         rows = slice(cond0 + i * per_frame, cond0 + (i + 1) * per_frame)
         positions[rows, 0] = float(L) if anchor == "first" else _last_frame_time(frames, float(L))
         positions[rows, 1:] = grid
-    positions[audio0:video0, 0] = (float(L) + torch.arange(audio_latents, dtype=torch.float64)).repeat(audio_channels)
-    positions[audio0:video0, 2] = torch.cat([
-        torch.full((audio_latents,), float(xs[0]), dtype=torch.float64),
-        torch.full((audio_rows - audio_latents,), float(xs[-1]), dtype=torch.float64),
-    ])
-    video = torch.empty(frames, per_frame, 3, dtype=torch.float64)
-    video[:, :, 0] = _frame_times(frames, float(L))[:, None]
-    video[:, :, 1:] = grid[None]
-    positions[video0:] = video.reshape(-1, 3)
+    _fill_audio(positions, audio0, audio_latents, float(L), xs, audio_channels)
+    _fill_video(positions, video0, frames, grid, float(L))
 
     video_index = torch.cat([torch.arange(cond0, audio0), torch.arange(video0, T)])
     audio_index = torch.arange(audio0, video0)
     text_index = torch.arange(L)
-    tags = torch.empty(T, dtype=torch.long)
-    tags[text_index] = text_tags.to(torch.long)
-    tags[audio_index] = AUDIO_TAG
-    tags[video_index] = VIDEO_TAG
+    tags = _tags(T, text_tags, text_index, audio_index, video_index)
     layout = SequenceLayout(
         seq_len=T, video=Span("video", video0, T - video0), num_frames=frames, tokens_per_frame=per_frame,
         frame_h=height // ph, frame_w=width // pw,
         global_spans=(Span("text", 0, L), Span("conditioning", cond0, cond_rows), Span("audio", audio0, audio_rows)),
     )
     return PackedSequence(positions, tags, video_index, audio_index, text_index, cond_rows, layout)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One Ref2VA reference block, by its latent geometry: ``kind`` "image" (one latent frame), "video"
+    (``frames`` latents, with ``audio_latents`` of soundtrack per channel, 0 for none) or "audio"."""
+
+    kind: str
+    frames: int = 0
+    height: int = 0
+    width: int = 0
+    audio_latents: int = 0
+
+
+def pack_ref2va(
+    text_tags: torch.Tensor,
+    references: list[Reference],
+    frames: int,
+    height: int,
+    width: int,
+    audio_latents: int,
+    *,
+    patch: tuple[int, int, int] = (1, 2, 2),
+    audio_channels: int = 2,
+) -> PackedSequence:
+    """Lay out a Ref2VA request ``[text | reference blocks | audio | video]``. One clock runs through the
+    references in order, from the text length: an image takes one unit, an audio reference its latent
+    count, a video reference (its soundtrack rows first, on its own width grid) the longer of its
+    soundtrack and its frames' span; the target audio and video start where the references end."""
+    _, ph, pw = patch
+    L = int(text_tags.shape[0])
+    per_frame = (height // ph) * (width // pw)
+    ref_video_rows = ref_audio_rows = 0
+    for ref in references:
+        if ref.kind not in ("image", "video", "audio"):
+            raise H3InputError(f"a reference must be 'image', 'video' or 'audio', got {ref.kind!r}")
+        if ref.kind in ("image", "video"):
+            ref_video_rows += max(ref.frames, 1 if ref.kind == "image" else 0) * (ref.height // ph) * (ref.width // pw)
+        ref_audio_rows += ref.audio_latents * audio_channels
+    T = L + ref_video_rows + ref_audio_rows + audio_latents * audio_channels + frames * per_frame
+
+    positions = torch.zeros(T, 3, dtype=torch.float64)
+    positions[:L, 0] = torch.arange(L, dtype=torch.float64)
+    grid, xs = _frame_grid(height, width, ph, pw)
+    video_index, audio_index = [], []
+    cursor, time = L, float(L)
+    for ref in references:
+        if ref.kind == "image":
+            ref_grid, _ = _frame_grid(ref.height, ref.width, ph, pw)
+            rows = slice(cursor, cursor + ref_grid.shape[0])
+            positions[rows, 0] = time
+            positions[rows, 1:] = ref_grid
+            video_index.append(torch.arange(rows.start, rows.stop))
+            cursor, time = rows.stop, time + 1.0
+        elif ref.kind == "audio":
+            stop = _fill_audio(positions, cursor, ref.audio_latents, time, xs, audio_channels)
+            audio_index.append(torch.arange(cursor, stop))
+            cursor, time = stop, time + float(ref.audio_latents)
+        else:
+            ref_grid, ref_xs = _frame_grid(ref.height, ref.width, ph, pw)
+            audio_stop = _fill_audio(positions, cursor, ref.audio_latents, time, ref_xs, audio_channels)
+            video_stop = _fill_video(positions, audio_stop, ref.frames, ref_grid, time)
+            audio_index.append(torch.arange(cursor, audio_stop))
+            video_index.append(torch.arange(audio_stop, video_stop))
+            # summed in order, as released (the keyframe "last" anchor sums the same series pairwise)
+            span = sum(FRAME_RESCALE * FRAMES_PER_LATENT[i % 5] for i in range(ref.frames))
+            cursor, time = video_stop, time + max(float(ref.audio_latents), span)
+    audio0 = cursor
+    video0 = _fill_audio(positions, audio0, audio_latents, time, xs, audio_channels)
+    _fill_video(positions, video0, frames, grid, time)
+
+    video_index = torch.cat(video_index + [torch.arange(video0, T)])
+    audio_index = torch.cat(audio_index + [torch.arange(audio0, video0)])
+    text_index = torch.arange(L)
+    tags = _tags(T, text_tags, text_index, audio_index, video_index)
+    layout = SequenceLayout(
+        seq_len=T, video=Span("video", video0, T - video0), num_frames=frames, tokens_per_frame=per_frame,
+        frame_h=height // ph, frame_w=width // pw,
+        global_spans=(Span("text", 0, L), Span("references", L, audio0 - L), Span("audio", audio0, video0 - audio0)),
+    )
+    return PackedSequence(positions, tags, video_index, audio_index, text_index, ref_video_rows, layout)

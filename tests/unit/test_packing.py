@@ -64,3 +64,38 @@ def test_bad_geometry():
         pack_sequence(torch.ones(2, dtype=torch.long), 7, 3, 4, 5)
     with pytest.raises(H3InputError, match="keyframe anchor must be 'first' or 'last', got 'middle'"):
         pack_sequence(torch.ones(2, dtype=torch.long), 7, 4, 4, 5, keyframes=("middle",))
+
+
+from types import SimpleNamespace  # noqa: E402
+
+from h3_core.pipeline.packing import Reference, pack_ref2va  # noqa: E402
+
+REF_CASES = {
+    "images": [Reference("image", 1, 6, 4), Reference("image", 1, 4, 8)],
+    "video+soundtrack, audio": [Reference("video", 7, 4, 6, audio_latents=23), Reference("audio", audio_latents=11)],
+    "silent video of 17 latents": [Reference("video", 17, 2, 4)],
+    "mixed": [Reference("audio", audio_latents=40), Reference("image", 1, 8, 4), Reference("video", 12, 4, 4, audio_latents=5)],
+}
+
+
+@pytest.mark.parametrize("refs", REF_CASES.values(), ids=REF_CASES.keys())
+def test_ref2va_matches_the_released_packing(refs):
+    text_tags = torch.ones(21, dtype=torch.long)
+    text_tags[3:9] = 0
+    ours = pack_ref2va(text_tags, refs, 7, 4, 6, 23)
+    visual = [torch.empty(1, 24, r.frames, r.height, r.width) for r in refs if r.kind in ("image", "video")]
+    sound = [torch.empty(r.audio_latents * 2, 32) for r in refs if r.audio_latents]
+    kinds = [SimpleNamespace(kind=r.kind, has_audio=r.audio_latents > 0) for r in refs]
+    positions, tags, video_index, audio_index, text_index, ref_video, ref_audio = (
+        before_denoise.MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+            text_tags, kinds, visual, sound, 7, 4, 6, 23, (1, 2, 2), 2, 2, 0))
+    assert torch.equal(ours.positions, positions)
+    assert torch.equal(ours.tags, tags)
+    assert torch.equal(ours.video_index, video_index) and torch.equal(ours.audio_index, audio_index)
+    assert ours.condition_rows == ref_video
+    assert ours.layout.video_start == int(video_index[-1]) + 1 - 7 * 6
+
+
+def test_ref2va_refuses_unknown_kinds():
+    with pytest.raises(H3InputError, match="a reference must be 'image', 'video' or 'audio', got 'text'"):
+        pack_ref2va(torch.ones(2, dtype=torch.long), [Reference("text")], 7, 4, 4, 5)
