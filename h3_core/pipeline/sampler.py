@@ -1,0 +1,62 @@
+"""The denoising loop of one packed request: one model evaluation per step, the generated video rows
+stepping down the video schedule (shift 12) and the generated audio rows the audio schedule (shift 3),
+the conditioning and reference rows held where they are (only generated rows are ever written)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .noise import row_timesteps
+from .packing import PackedSequence
+from .schedule import AUDIO_SHIFT, VIDEO_SHIFT, euler_step, sigma_grid, timesteps_of
+
+__all__ = ["denoise"]
+
+
+def denoise(
+    model: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    packed: PackedSequence,
+    text_rows: torch.Tensor,
+    video_rows: torch.Tensor,
+    audio_rows: torch.Tensor,
+    steps: int,
+    *,
+    video_shift: float = VIDEO_SHIFT,
+    audio_shift: float = AUDIO_SHIFT,
+    condition_audio_rows: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    check_cancel: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
+
+    Args:
+        model: called as ``model(video_rows, audio_rows, text_rows, timesteps, timestep_index, tags, positions,
+            video_index, audio_index, text_index)`` → (video velocity, audio velocity), like ``H3DiT``.
+        video_rows: conditioning rows (``packed.condition_rows`` of them) then the noisy target rows.
+        audio_rows: reference rows (``condition_audio_rows``) then the noisy target rows.
+        progress: ``progress(step, steps)`` after every step; check_cancel: before every evaluation, raises to stop.
+    Returns:
+        The video and audio rows after the last step (conditioning rows unchanged).
+    """
+    video_sigmas, audio_sigmas = sigma_grid(steps, video_shift), sigma_grid(steps, audio_shift)
+    video_ts, audio_ts = timesteps_of(video_sigmas), timesteps_of(audio_sigmas)
+    n = min(len(video_ts), len(audio_ts))  # equal unless a strong shift collapsed grid points
+    cv, ca = packed.condition_rows, condition_audio_rows
+    video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
+    for i in range(n):
+        if check_cancel is not None:
+            check_cancel()
+        timesteps, index = row_timesteps(packed, float(video_ts[i]), float(audio_ts[i]), condition_audio_rows=ca)
+        v_video, v_audio = model(video_rows, audio_rows, text_rows, timesteps.to(video_rows.device),
+                                 index.to(video_rows.device), packed.tags.to(video_rows.device),
+                                 packed.positions.to(video_rows.device), packed.video_index.to(video_rows.device),
+                                 packed.audio_index.to(video_rows.device), packed.text_index.to(video_rows.device))
+        video_rows[cv:] = euler_step(video_rows[cv:], v_video[cv:].float(), float(video_sigmas[i]),
+                                     float(video_sigmas[i + 1]), video_ts[i])
+        audio_rows[ca:] = euler_step(audio_rows[ca:], v_audio[ca:].float(), float(audio_sigmas[i]),
+                                     float(audio_sigmas[i + 1]), audio_ts[i])
+        if progress is not None:
+            progress(i + 1, n)
+    return video_rows, audio_rows
