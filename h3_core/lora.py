@@ -1,0 +1,140 @@
+"""Merging LoRAs into the DiT's weights: ``W += strength · (alpha / rank) · B @ A``, computed in fp32 and
+added in W's dtype, before any quantisation.
+
+Accepted files (safetensors):
+  * peft adapters (the VDN-H3 ``default`` and ``turbo`` adapters): ``<module>.lora_A[.<adapter>].weight``,
+    ``<module>.lora_B[.<adapter>].weight``, with ``lora_alpha`` and ``r`` from the ``adapter_config.json``
+    beside the file (alpha == rank when it is absent);
+  * ComfyUI-style LoRAs: ``diffusion_model.<module>.lora_{A,B}.weight`` or ``.lora_{down,up}.weight`` with an
+    optional ``.alpha`` scalar per module.
+Module names may be native (``blocks.{i}.attn.qkv_proj``) or diffusers' (``transformer_blocks.{i}.attn.to_q``,
+also under VDN's ``.attn.orig.``): a LoRA on ``to_q`` / ``to_k`` / ``to_v`` lands on its third of the fused
+``qkv_proj`` rows, one on ``ff.net.0.proj`` has its ``B`` rows swapped to the native ``[gate; up]`` order.
+A module the model does not have is an error that names it; nothing is merged partially.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import H3InputError
+
+__all__ = ["LoraDelta", "read_lora", "merge_lora"]
+
+_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
+_PAIR = re.compile(r"(?P<module>.+?)\.(?P<which>lora_A|lora_B|lora_down|lora_up)(\.(?P<adapter>[^.]+))?\.weight")
+
+# diffusers module names → ours
+_RENAMES = (
+    (r"transformer_blocks\.(\d+)\.", r"blocks.\1."),
+    (r"token_refiner\.refiner_blocks\.(\d+)\.", r"token_refiner.blocks.\1."),
+    (r"\.attn\.orig\.", ".attn."),
+    (r"\.attn\.to_out\.0$", ".attn.out_proj"),
+    (r"\.ff\.net\.0\.proj$", ".mlp.fc1"),
+    (r"\.ff\.net\.2$", ".mlp.fc2"),
+    (r"^norm_out\.linear$", "final_layer.adaln_proj.linear"),
+    (r"^proj_out$", "final_layer.video_out"),
+    (r"^audio_proj_out$", "final_layer.audio_out"),
+    (r"^proj_in$", "video_patch_proj"),
+    (r"^audio_proj_in$", "audio_patch_proj"),
+    (r"^context_embedder$", "condition_proj"),
+)
+
+
+@dataclass
+class LoraDelta:
+    """One low-rank update of ``module``'s weight, rows ``part`` of 3 (q, k, v of a fused qkv) or all."""
+
+    module: str
+    down: torch.Tensor  # A [rank, in]
+    up: torch.Tensor  # B [out_part, rank]
+    scale: float
+    part: int | None = None  # 0, 1, 2 for q, k, v rows of qkv_proj
+    swap_halves: bool = False  # B stored [up; gate] (diffusers) for the native [gate; up]
+
+
+def _native(module: str) -> tuple[str, int | None]:
+    """Our module name for a LoRA target, and which third of the fused qkv it updates (None: all rows)."""
+    for prefix in _PREFIXES:
+        if module.startswith(prefix):
+            module = module[len(prefix):]
+            break
+    for pattern, repl in _RENAMES:
+        module = re.sub(pattern, repl, module)
+    m = re.fullmatch(r"(?P<stem>.+\.attn)\.to_(?P<x>[qkv])", module)
+    if m:
+        return m.group("stem") + ".qkv_proj", "qkv".index(m.group("x"))
+    return module, None
+
+
+def read_lora(path: str | Path, strength: float = 1.0, adapter: str | None = None) -> list[LoraDelta]:
+    """The low-rank updates of one LoRA file (module docstring), scaled by ``strength``."""
+    path = Path(path)
+    if path.suffix != ".safetensors" or not path.is_file():
+        raise H3InputError(f"{path}: a LoRA must be a .safetensors file")
+    config = {}
+    cfg_path = path.parent / "adapter_config.json"
+    if cfg_path.is_file():
+        config = json.loads(cfg_path.read_text())
+    pairs: dict[str, dict] = {}
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+        for key in keys:
+            m = _PAIR.fullmatch(key)
+            if m is None:
+                if key.endswith(".alpha"):
+                    continue
+                raise H3InputError(f"{path}: '{key}' is not a LoRA weight (expected <module>.lora_A / lora_B / "
+                                   f"lora_down / lora_up .weight)")
+            if adapter is not None and m.group("adapter") not in (None, adapter):
+                continue
+            entry = pairs.setdefault(m.group("module"), {})
+            entry["down" if m.group("which") in ("lora_A", "lora_down") else "up"] = f.get_tensor(key)
+            if f"{m.group('module')}.alpha" in keys:
+                entry["alpha"] = float(f.get_tensor(f"{m.group('module')}.alpha"))
+    deltas = []
+    for module, entry in sorted(pairs.items()):
+        if "down" not in entry or "up" not in entry:
+            raise H3InputError(f"{path}: module '{module}' has only one half of its LoRA pair")
+        rank = entry["down"].shape[0]
+        alpha = entry.get("alpha", config.get("lora_alpha", rank))
+        rank_cfg = config.get("r", rank)
+        native, part = _native(module)
+        swap = bool(re.search(r"\.ff\.net\.0\.proj$", module))
+        deltas.append(LoraDelta(native, entry["down"], entry["up"], strength * alpha / rank_cfg, part, swap))
+    if not deltas:
+        raise H3InputError(f"{path}: holds no LoRA weights" + (f" for adapter '{adapter}'" if adapter else ""))
+    return deltas
+
+
+@torch.no_grad()
+def merge_lora(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str = "LoRA") -> int:
+    """Add every update to ``model``'s weights (all checked first, so a bad file merges nothing);
+    returns the number of weights changed."""
+    modules = dict(model.named_modules())
+    plans = []
+    for d in deltas:
+        target = modules.get(d.module)
+        if target is None or not isinstance(getattr(target, "weight", None), torch.Tensor):
+            raise H3InputError(f"{source}: targets '{d.module}', which this model does not have")
+        rows = target.weight.shape[0] // 3 if d.part is not None else target.weight.shape[0]
+        if d.up.shape[0] != rows or d.down.shape[1] != target.weight.shape[1] or d.up.shape[1] != d.down.shape[0]:
+            raise H3InputError(f"{source}: the update of '{d.module}' is {tuple(d.up.shape)} @ {tuple(d.down.shape)}, "
+                               f"the weight is {tuple(target.weight.shape)}")
+        plans.append((target, d))
+    for target, d in plans:
+        up = d.up.float()
+        if d.swap_halves:
+            up_half, gate_half = up.chunk(2)
+            up = torch.cat([gate_half, up_half])
+        update = (up @ d.down.float()) * d.scale
+        weight = target.weight
+        rows = slice(None) if d.part is None else slice(d.part * weight.shape[0] // 3, (d.part + 1) * weight.shape[0] // 3)
+        weight[rows] = (weight[rows].float() + update.to(weight.device)).to(weight.dtype)
+    return len(plans)

@@ -1,0 +1,124 @@
+"""LoRA merging into the DiT (h3_core.lora): a merged LoRA equals the unmerged forward."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from h3_core.errors import H3InputError
+from h3_core.lora import merge_lora, read_lora
+from h3_core.models.dit import DiTConfig, H3DiT
+
+CFG = DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=40, freq_dim=16, time_hidden=24,
+                time_embed=20, rope_freqs=4)
+
+
+def model():
+    torch.manual_seed(0)
+    m = H3DiT(CFG).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    return m
+
+
+def inputs():
+    g = torch.Generator().manual_seed(1)
+    L, Na, Nv = 3, 4, 6
+    T = L + Na + Nv
+    tags = torch.tensor([1] * L + [2] * Na + [0] * Nv)
+    return (torch.randn(Nv, 96, generator=g), torch.randn(Na, 32, generator=g), torch.randn(L, 40, generator=g),
+            torch.tensor([0.5]), torch.zeros(T, dtype=torch.long), tags, torch.randn(T, 3, generator=g),
+            torch.arange(L + Na, T), torch.arange(L, L + Na), torch.arange(L))
+
+
+def test_peft_adapter_on_q_k_v_out_and_ffn_equals_the_unmerged_forward(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    r, inner, hidden, ffn = 4, 64, 48, 64
+    tensors, updates = {}, {}
+    scale = 2.0 * 8 / r  # strength 2, lora_alpha 8, r 4
+    for b in range(2):
+        stem = f"base_model.model.transformer_blocks.{b}.attn.orig"
+        for i, x in enumerate("qkv"):
+            A, B = torch.randn(r, hidden, generator=g), torch.randn(inner, r, generator=g) * 0.1
+            tensors[f"{stem}.to_{x}.lora_A.default.weight"], tensors[f"{stem}.to_{x}.lora_B.default.weight"] = A, B
+            updates.setdefault(f"blocks.{b}.attn.qkv_proj", [])
+            updates[f"blocks.{b}.attn.qkv_proj"].append((A, B, slice(i * inner, (i + 1) * inner)))
+        A, B = torch.randn(r, inner, generator=g), torch.randn(hidden, r, generator=g) * 0.1
+        tensors[f"{stem}.to_out.0.lora_A.default.weight"], tensors[f"{stem}.to_out.0.lora_B.default.weight"] = A, B
+        updates[f"blocks.{b}.attn.out_proj"] = [(A, B, slice(None))]
+        # diffusers' ff.net.0.proj stores [up; gate]; the native fc1 is [gate; up]
+        A, B = torch.randn(r, hidden, generator=g), torch.randn(2 * ffn, r, generator=g) * 0.1
+        tensors[f"base_model.model.transformer_blocks.{b}.ff.net.0.proj.lora_A.default.weight"] = A
+        tensors[f"base_model.model.transformer_blocks.{b}.ff.net.0.proj.lora_B.default.weight"] = B
+        updates[f"blocks.{b}.mlp.fc1"] = [(A, torch.cat([B[ffn:], B[:ffn]]), slice(None))]
+    # another adapter in the same file is ignored when one is chosen
+    tensors["base_model.model.transformer_blocks.0.attn.orig.to_q.lora_A.turbo.weight"] = torch.zeros(r, hidden)
+    tensors["base_model.model.transformer_blocks.0.attn.orig.to_q.lora_B.turbo.weight"] = torch.zeros(inner, r)
+    path = tmp_path / "adapter_model.safetensors"
+    save_file(tensors, str(path))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": 8}))
+
+    m = model()
+    x = inputs()
+    expected = unmerged_forward(m, {name: [(A, B, scale, rows) for A, B, rows in parts] for name, parts in updates.items()}, x)
+    merged = merge_lora(m, read_lora(path, strength=2.0, adapter="default"))
+    assert merged == 2 * 5  # q, k, v, out, fc1 per block
+    with torch.no_grad():
+        got = m(*x)
+    for a, b in zip(got, expected):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def unmerged_forward(m, flat, x):
+    """The LoRA applied as a side path at run time: out[rows] += scale · (x Aᵀ) Bᵀ for every update."""
+    handles = []
+    modules = dict(m.named_modules())
+    for name, parts in flat.items():
+        def hook(mod, args, out, parts=parts):
+            out = out.clone()
+            for A, B, scale, rows in parts:
+                out[..., rows] += ((args[0].float() @ A.T @ B.T) * scale).to(out.dtype)
+            return out
+        handles.append(modules[name].register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            return m(*x)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_comfy_lora_with_alpha(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    A, B = torch.randn(2, 48, generator=g), torch.randn(192, 2, generator=g) * 0.1
+    path = tmp_path / "style.safetensors"
+    save_file({"diffusion_model.blocks.1.attn.qkv_proj.lora_down.weight": A,
+               "diffusion_model.blocks.1.attn.qkv_proj.lora_up.weight": B,
+               "diffusion_model.blocks.1.attn.qkv_proj.alpha": torch.tensor(1.0)}, str(path))
+    m = model()
+    before = m.blocks[1].attn.qkv_proj.weight.clone()
+    merge_lora(m, read_lora(path, strength=0.5))
+    assert torch.allclose(m.blocks[1].attn.qkv_proj.weight, before + 0.5 * (1.0 / 2) * (B @ A), atol=1e-6)
+
+
+def test_bad_loras_merge_nothing(tmp_path):
+    m = model()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    path = tmp_path / "wrong.safetensors"
+    save_file({"diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight": torch.zeros(2, 48),
+               "diffusion_model.blocks.0.attn.qkv_proj.lora_up.weight": torch.zeros(192, 2),
+               "diffusion_model.blocks.7.attn.qkv_proj.lora_down.weight": torch.zeros(2, 48),
+               "diffusion_model.blocks.7.attn.qkv_proj.lora_up.weight": torch.zeros(192, 2)}, str(path))
+    with pytest.raises(H3InputError, match="targets 'blocks.7.attn.qkv_proj', which this model does not have"):
+        merge_lora(m, read_lora(path), source=str(path))
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    half = tmp_path / "half.safetensors"
+    save_file({"diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight": torch.zeros(2, 48)}, str(half))
+    with pytest.raises(H3InputError, match="has only one half of its LoRA pair"):
+        read_lora(half)
+    other = tmp_path / "other.safetensors"
+    save_file({"encoder.conv.weight": torch.zeros(1)}, str(other))
+    with pytest.raises(H3InputError, match="'encoder.conv.weight' is not a LoRA weight"):
+        read_lora(other)
