@@ -71,6 +71,8 @@ class CheckpointFiles:
             files = sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("source/*.safetensors"))
         elif self.path.suffix == ".safetensors" and self.path.is_file():
             files = [self.path]
+        elif self.path.suffix == ".gguf":
+            raise H3InputError(f"{self.path}: GGUF checkpoints are not supported yet; use the .safetensors file")
         else:
             raise H3InputError(f"{self.path}: not a .safetensors file or a folder holding them")
         if not files:
@@ -136,6 +138,20 @@ def _read_header(path: Path) -> dict:
     return header
 
 
+def quantization_format(files: CheckpointFiles) -> str | None:
+    """The format ComfyUI's per-layer quantization sidecars (``<layer>.comfy_quant``, JSON bytes) declare,
+    e.g. "int8_tensorwise with convrot" or "float8_e4m3fn"; None when there are none."""
+    sidecar = next((k for k in sorted(files.keys) if k.endswith(".comfy_quant")), None)
+    if sidecar is None:
+        return "scaled fp8 (legacy)" if "scaled_fp8" in files.keys else None
+    try:
+        spec = json.loads(bytes(files.get(sidecar).tolist()).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return "ComfyUI per-layer quantization"
+    fmt = str(spec.get("format", "unknown format"))
+    return fmt + (" with convrot" if spec.get("convrot") else "")
+
+
 def _plan(keymap: KeyMap, targets: Iterable[str], available: set[str]):
     plan, missing = {}, []
     for key in targets:
@@ -153,8 +169,8 @@ def match_layout(files: CheckpointFiles, targets: Sequence[str], keymaps: Sequen
     quantized = sorted({d for d in files.dtypes.values() if d in QUANTIZED_DTYPES})
     if quantized:
         raise H3InputError(
-            f"{files.path}: a quantized {what} ({', '.join(quantized)} tensors) is not supported; "
-            f"use the fp16/bf16/fp32 file"
+            f"{files.path}: a quantized {what} ({quantization_format(files) or ', '.join(quantized) + ' tensors'}) "
+            f"is not supported yet; use the bf16/fp16/fp32 file"
         )
     scored = []
     for keymap in keymaps:

@@ -136,3 +136,27 @@ def test_official_shards_with_per_head_interleaved_qkv(folder, tmp_path):
     x = packed(5)
     with torch.no_grad():
         assert not torch.allclose(wrong(**x)[0], model(**x)[0])
+
+
+@pytest.mark.parametrize("spec, named", [
+    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}, "int8_tensorwise with convrot"),
+    ({"format": "float8_e4m3fn"}, "float8_e4m3fn"),
+])
+def test_quantized_comfy_files_are_refused_by_format(tmp_path, spec, named):
+    import json
+
+    sidecar = torch.tensor(list(json.dumps(spec).encode()), dtype=torch.uint8)
+    dtype = torch.int8 if "int8" in named else torch.float8_e4m3fn
+    path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
+    save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(4, 4).to(dtype),
+               "blocks.0.attn.qkv_proj.weight_scale": torch.ones(4, 1),
+               "blocks.0.attn.qkv_proj.comfy_quant": sidecar}, str(path))
+    with pytest.raises(H3InputError, match=rf"a quantized MiniMax H3 DiT \({named}\) is not supported yet"):
+        load_dit(path, cfg=DiTConfig(**TINY))
+
+
+def test_gguf_is_refused_by_name(tmp_path):
+    path = tmp_path / "minimax_h3-Q4_K_M.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(H3InputError, match="GGUF checkpoints are not supported yet"):
+        load_dit(path, cfg=DiTConfig(**TINY))
