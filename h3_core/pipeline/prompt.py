@@ -41,15 +41,16 @@ class PromptEmbedding:
     condition_latents: list[torch.Tensor] = field(default_factory=list)  # [1, 24, 1, h, w] each
     height: int | None = None
     width: int | None = None
+    features: int = TEXT_WIDTH  # the text model's width (5120 for H3's Qwen3-VL-32B)
 
     def __post_init__(self):
-        _check(self.embeds, self.tags, "prompt embedding")
+        _check(self.embeds, self.tags, "prompt embedding", self.features)
 
 
-def _check(embeds, tags, source):
-    if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or embeds.shape[1] != TEXT_WIDTH:
+def _check(embeds, tags, source, features=TEXT_WIDTH):
+    if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or embeds.shape[1] != features:
         shape = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
-        raise H3InputError(f"{source}: the embeddings must be [tokens, {TEXT_WIDTH}] (Qwen3-VL layer 50), got {shape}")
+        raise H3InputError(f"{source}: the embeddings must be [tokens, {features}] (Qwen3-VL layer 50), got {shape}")
     if not embeds.is_floating_point():
         raise H3InputError(f"{source}: the embeddings must be floating point, got {embeds.dtype}")
     if not isinstance(tags, torch.Tensor) or tags.shape != (embeds.shape[0],):
