@@ -1,0 +1,225 @@
+"""The VDN-H3 linear branch ("Video DeltaNet"): a frame-wise, bidirectional, exact delta-rule state that
+gives every video query the contribution of the frames OUTSIDE its softmax window.
+
+Per head h, on the raw (pre-norm, pre-RoPE) q, k, v of the video rows and the block's modulated input x:
+  * features: q̃ = L2(SiLU(q)); k̃ = L2(SiLU(TConv5(SConv5×5(k)))); ṽ = SiLU(TConv5(SConv5×5(v))) — depthwise
+    convs per channel, zero padded, spatial over the frame grid then temporal across frames; β = σ(β_proj x);
+  * frame statistics: A_f = Σ_s β k̃ k̃ᵀ (symmetrised), B_f = Σ_s β ṽ k̃ᵀ (``[d_v, d_k]``);
+  * decay: α_f = exp(−exp(A_log) · softplus(up(down(mean_s x)) + dt_bias)) per key channel;
+  * the exact solve: S_f = (S_{f−1} · diag(α_f) + B_f)(I + A_f)⁻¹, i.e. transition T_f = diag(α_f)(I + A_f)⁻¹ and
+    injection J_f = B_f (I + A_f)⁻¹ (Cholesky, fp32);
+  * scans: prefix P_f (frames 0..f) and suffix Q_f (frames f..F−1), both seeded with 0.5 · the text state
+    S_text = B_txt(I + A_txt)⁻¹ (no convs on text);
+  * gather for query frame t with window [lo, hi]: P_{lo−1} · Π_{u=max(lo,0)}^{t} α_u + Q_{hi+1} · Π_{u=t}^{min(hi,F−1)} α_u
+    on the d_k axis, a missing side replaced by the seed;
+  * readout: RMSNorm(S_lin[t] · q̃) (weight shared by heads, eps 1e-6) × σ(up(down x)) per channel.
+With anchors "both" the branch sees only frames 1..F−2 (bounds rebased) and frames 0 and F−1 read out zero.
+The fp64 references (``*_reference``) are the straightforward forms the fast ones are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "LinearBranch",
+    "featurize",
+    "frame_statistics",
+    "solve",
+    "solve_reference",
+    "scan",
+    "scan_reference",
+    "gather",
+    "gather_reference",
+    "TEXT_STATE_SCALE",
+]
+
+TEXT_STATE_SCALE = 0.5
+EPS = 1e-6
+
+
+def _short_conv(x, spatial, temporal, grid):
+    """Depthwise 5×5 over each frame's grid, then 5 taps across frames, zero padded: ``[F, S, C]`` → same."""
+    frames, tokens, channels = x.shape
+    gh, gw = grid
+    y = x.reshape(frames, gh, gw, channels).permute(0, 3, 1, 2)
+    y = F.conv2d(y, spatial.to(x.dtype), padding=spatial.shape[-1] // 2, groups=channels)
+    y = y.permute(2, 3, 1, 0).reshape(gh * gw, channels, frames)  # frames last, for the temporal conv
+    y = F.conv1d(y, temporal.to(x.dtype), padding=temporal.shape[-1] // 2, groups=channels)
+    return y.permute(2, 0, 1)
+
+
+def featurize(q, k, v, grid, conv=None):
+    """q̃, k̃, ṽ ``[F, S, H, d]`` from raw ``[F, S, H, d]``; ``conv`` = (k_sp, k_tm, v_sp, v_tm) or None (text)."""
+    shape = k.shape
+    if conv is not None:
+        k_sp, k_tm, v_sp, v_tm = conv
+        k = _short_conv(k.reshape(shape[0], shape[1], -1), k_sp, k_tm, grid).reshape(shape)
+        v = _short_conv(v.reshape(shape[0], shape[1], -1), v_sp, v_tm, grid).reshape(shape)
+    q = F.normalize(F.silu(q), dim=-1, eps=EPS)
+    k = F.normalize(F.silu(k), dim=-1, eps=EPS)
+    return q, k, F.silu(v)
+
+
+def frame_statistics(k, v, beta):
+    """A ``[F, H, d, d]`` (symmetrised) and B ``[F, H, d_v, d_k]`` from k̃, ṽ ``[F, S, H, d]`` and β ``[F, S, H]``."""
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    kf = k.to(acc).permute(0, 2, 1, 3)  # [F, H, S, d]
+    vf = v.to(acc).permute(0, 2, 1, 3)
+    bk = kf * beta.to(acc).permute(0, 2, 1)[..., None]
+    A = bk.transpose(-1, -2) @ kf
+    return 0.5 * (A + A.transpose(-1, -2)), vf.transpose(-1, -2) @ bk
+
+
+def solve(alpha, A, B):
+    """Transitions T = diag(α)(I + A)⁻¹ and injections J = B (I + A)⁻¹, through a Cholesky factor."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    chol = torch.linalg.cholesky(A + eye)
+    linv = torch.linalg.solve_triangular(chol, eye.expand_as(A), upper=False)
+    inv = linv.transpose(-1, -2) @ linv
+    return alpha[..., None] * inv, B @ inv
+
+
+def solve_reference(alpha, A, B):
+    """The same with an explicit inverse in fp64."""
+    A, B, alpha = A.double(), B.double(), alpha.double()
+    inv = torch.linalg.inv(torch.eye(A.shape[-1], dtype=torch.float64) + A)
+    return torch.diag_embed(alpha) @ inv, B @ inv
+
+
+def scan(T, J, seed):
+    """Prefix P_f = P_{f−1} T_f + J_f and suffix Q_f = Q_{f+1} T_f + J_f (both inclusive), seeded with
+    ``seed`` ``[H, d, d]``; written in place into two preallocated banks."""
+    P, Q = torch.empty_like(J), torch.empty_like(J)
+    state = seed.to(J.dtype)
+    for f in range(J.shape[0]):
+        torch.baddbmm(J[f], state, T[f], out=P[f])
+        state = P[f]
+    state = seed.to(J.dtype)
+    for f in reversed(range(J.shape[0])):
+        torch.baddbmm(J[f], state, T[f], out=Q[f])
+        state = Q[f]
+    return P, Q
+
+
+def scan_reference(T, J, seed):
+    P, Q = [], [None] * J.shape[0]
+    state = seed.double()
+    for f in range(J.shape[0]):
+        state = state @ T[f].double() + J[f].double()
+        P.append(state)
+    state = seed.double()
+    for f in reversed(range(J.shape[0])):
+        state = state @ T[f].double() + J[f].double()
+        Q[f] = state
+    return torch.stack(P), torch.stack(Q)
+
+
+def gather(P, Q, alpha, bounds, seed):
+    """S_lin ``[F, H, d_v, d_k]`` for every query frame (module docstring); bounds are unclamped."""
+    frames = P.shape[0]
+    lo = torch.tensor([b[0] for b in bounds], device=P.device)
+    hi = torch.tensor([b[1] for b in bounds], device=P.device)
+    t = torch.arange(frames, device=P.device)
+    log_alpha = torch.log(alpha.to(P.dtype).clamp(min=1e-12))
+    prefix = torch.cat([torch.zeros_like(log_alpha[:1]), log_alpha.cumsum(0)])  # [F + 1, H, d]
+    bridge_before = torch.exp(prefix[t + 1] - prefix[lo.clamp(min=0)])
+    bridge_after = torch.exp(prefix[(hi + 1).clamp(max=frames)] - prefix[t])
+    before = torch.where((lo - 1 >= 0)[:, None, None, None], P[(lo - 1).clamp(min=0)], seed.to(P.dtype))
+    after = torch.where((hi + 1 < frames)[:, None, None, None], Q[(hi + 1).clamp(max=frames - 1)], seed.to(P.dtype))
+    return before * bridge_before[:, :, None, :] + after * bridge_after[:, :, None, :]
+
+
+def gather_reference(P, Q, alpha, bounds, seed):
+    frames = P.shape[0]
+    out = []
+    for t, (lo, hi) in enumerate(bounds):
+        before = P[lo - 1].double() if lo - 1 >= 0 else seed.double()
+        after = Q[hi + 1].double() if hi + 1 < frames else seed.double()
+        a_before = torch.ones_like(alpha[0], dtype=torch.float64)
+        for u in range(max(lo, 0), t + 1):
+            a_before = a_before * alpha[u].double()
+        a_after = torch.ones_like(alpha[0], dtype=torch.float64)
+        for u in range(t, min(hi, frames - 1) + 1):
+            a_after = a_after * alpha[u].double()
+        out.append(before * a_before[:, None, :] + after * a_after[:, None, :])
+    return torch.stack(out)
+
+
+class _Alpha(nn.Module):
+    def __init__(self, hidden, heads, head_dim, bottleneck):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.down = nn.Linear(hidden, bottleneck, bias=False)
+        self.up = nn.Linear(bottleneck, heads * head_dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.dt_bias = nn.Parameter(torch.zeros(heads * head_dim))
+
+    def forward(self, mean):
+        """fp32 α ``[F, H, d]`` from the frame means ``[F, hidden]``."""
+        delta = F.linear(F.linear(mean.float(), self.down.weight.float()), self.up.weight.float())
+        delta = (delta + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
+        return torch.exp(-torch.exp(self.A_log.float())[:, None] * F.softplus(delta))
+
+
+class _OutputGate(nn.Module):
+    def __init__(self, hidden, heads, head_dim, bottleneck):
+        super().__init__()
+        self.down = nn.Linear(hidden, bottleneck, bias=False)
+        self.up = nn.Linear(bottleneck, heads * head_dim)
+
+    def forward(self, x):
+        return torch.sigmoid(self.up(self.down(x)))
+
+
+class _ShortConv(nn.Module):
+    def __init__(self, channels, size=5):
+        super().__init__()
+        self.k_sp = nn.Conv2d(channels, channels, size, padding=size // 2, groups=channels, bias=False)
+        self.k_tm = nn.Conv1d(channels, channels, size, padding=size // 2, groups=channels, bias=False)
+        self.v_sp = nn.Conv2d(channels, channels, size, padding=size // 2, groups=channels, bias=False)
+        self.v_tm = nn.Conv1d(channels, channels, size, padding=size // 2, groups=channels, bias=False)
+
+
+class LinearBranch(nn.Module):
+    """The branch's weights (named as released, under ``attn.linear_attention``) and its forward."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, bottleneck: int = 128):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.beta_proj = nn.Linear(hidden, heads, bias=False)
+        self.alpha = _Alpha(hidden, heads, head_dim, bottleneck)
+        self.output_gate = _OutputGate(hidden, heads, head_dim, bottleneck)
+        self.norm = nn.RMSNorm(head_dim, eps=EPS)
+        self.short_conv = _ShortConv(heads * head_dim)
+
+    def text_state(self, text_x, k_raw, v_raw):
+        """0.5 · B_txt (I + A_txt)⁻¹ over all text rows ``[L, ...]`` (no convs), fp32 ``[H, d, d]``."""
+        _, k, v = featurize(k_raw[None], k_raw[None], v_raw[None], None)
+        beta = torch.sigmoid(self.beta_proj(text_x))[None]
+        A, B = frame_statistics(k, v, beta)
+        _, J = solve(torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device), A, B)
+        return TEXT_STATE_SCALE * J[0]
+
+    def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None):
+        """Readout ``[F·S, H·d]`` for video rows ``x`` ``[F·S, hidden]`` and raw q, k, v ``[F·S, H, d]`` of ``F``
+        frames on a ``grid`` (gh, gw), with per-frame window ``bounds`` in these frames' coordinates; ``seed``
+        is the text state (zero when None)."""
+        frames = len(bounds)
+        S = grid[0] * grid[1]
+        shape = (frames, S, self.heads, self.head_dim)
+        conv = self.short_conv
+        q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid,
+                            (conv.k_sp.weight, conv.k_tm.weight, conv.v_sp.weight, conv.v_tm.weight))
+        beta = torch.sigmoid(self.beta_proj(x)).view(frames, S, self.heads)
+        A, B = frame_statistics(k, v, beta)
+        alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=torch.float32))
+        T, J = solve(alpha.to(A.dtype), A, B)
+        seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
+        P, Q = scan(T, J, seed)
+        state = gather(P, Q, alpha, bounds, seed)  # [F, H, d_v, d_k]
+        out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)
+        out = self.norm(out.float()).to(x.dtype) * self.output_gate(x).view(shape)
+        return out.reshape(frames * S, -1)
