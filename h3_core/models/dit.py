@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
 from ..keymap import KeyMap, Rule, load_into, swap_halves
+from .hybrid import HybridContext, SoftmaxGate, hybrid_attention_forward
+from .linear_branch import LinearBranch
 
 __all__ = ["DiTConfig", "H3DiT", "load_dit", "layouts", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
            "rope_cos_sin"]
@@ -52,6 +54,7 @@ class DiTConfig:
     rope_freqs: int = 16
     rope_theta: float = 10000.0
     eps: float = 1e-5
+    hybrid: bool = False  # VDN-H3: blocks carry the softmax gate, to_out_linear and the linear branch
 
     @property
     def inner(self) -> int:
@@ -100,13 +103,30 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
         self.out_proj = nn.Linear(cfg.inner, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, ctx=None) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).view(T, 3, self.heads, self.head_dim).unbind(1)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         return self.out_proj(dense_attention(q, k, v).out.reshape(T, -1))
+
+
+class HybridAttention(Attention):
+    """VDN-H3's hybrid attention (``h3_core.models.hybrid``): the dense module's weights plus the softmax gate,
+    ``to_out_linear`` and the linear branch, named as released under ``attn.``. Without a hybrid context it
+    is the dense attention."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__(cfg)
+        self.softmax_gate = SoftmaxGate(cfg.hidden, cfg.heads)
+        self.to_out_linear = nn.Linear(cfg.inner, cfg.hidden, bias=False)
+        self.linear_attention = LinearBranch(cfg.hidden, cfg.heads, cfg.head_dim)
+
+    def forward(self, x, rope=None, ctx=None):
+        if ctx is None:
+            return super().forward(x, rope)
+        return hybrid_attention_forward(self, x, rope, ctx, _rotate)
 
 
 class SwiGLU(nn.Module):
@@ -164,14 +184,15 @@ class AdaLNProjection(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
-        self.norm1, self.attn = nn.RMSNorm(cfg.hidden, eps=cfg.eps), Attention(cfg)
+        self.norm1 = nn.RMSNorm(cfg.hidden, eps=cfg.eps)
+        self.attn = HybridAttention(cfg) if cfg.hybrid else Attention(cfg)
         self.norm2, self.mlp = nn.RMSNorm(cfg.hidden, eps=cfg.eps), SwiGLU(cfg)
         self.adaln_proj = AdaLNProjection(cfg, 6, per_modality=True)
 
-    def forward(self, x, temb, rows, rope):
-        """``rows``: each packed row's AdaLN table row, ``t_index · 3 + tag``."""
+    def forward(self, x, temb, rows, rope, ctx=None):
+        """``rows``: each packed row's AdaLN table row, ``t_index · 3 + tag``; ``ctx``: the hybrid context."""
         shift1, scale1, gate1, shift2, scale2, gate2 = (m.index_select(0, rows) for m in self.adaln_proj(temb))
-        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1, rope)
+        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1, rope, ctx)
         return x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
 
 
@@ -182,7 +203,8 @@ class TimeEmbedder(nn.Module):
         self.proj_out = nn.Linear(cfg.time_hidden, cfg.time_embed)
 
     def forward(self, t):
-        return self.proj_out(F.silu(self.proj_in(timestep_embedding(t, self.proj_in.in_features))))
+        freqs = timestep_embedding(t, self.proj_in.in_features).to(self.proj_in.weight.dtype)
+        return self.proj_out(F.silu(self.proj_in(freqs)))
 
 
 class Rope(nn.Module):
@@ -226,6 +248,7 @@ class H3DiT(nn.Module):
         video_index: torch.Tensor,
         audio_index: torch.Tensor,
         text_index: torch.Tensor,
+        hybrid: HybridContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One model evaluation over one packed sequence of ``T`` rows.
 
@@ -234,6 +257,8 @@ class H3DiT(nn.Module):
                 the order of ``video_index`` / ``audio_index`` / ``text_index`` (their places in the sequence).
             timesteps ``[K]``: the distinct timesteps in the sequence; ``timestep_index`` ``[T]`` picks one per row.
             tags ``[T]``: each row's modality (0 video, 1 text, 2 audio); positions ``[T, 3]``: RoPE (t, h, w).
+            hybrid: for a VDN-H3 model (``cfg.hybrid``), the window and layout of the sequence; without it the
+                blocks run dense attention (plain H3).
         Returns:
             The velocity of the video rows ``[Nv, 96]`` and of the audio rows ``[Na, 32]`` (fp32).
         """
@@ -248,7 +273,7 @@ class H3DiT(nn.Module):
         rows = timestep_index * MODALITIES + tags
         rope = rope_cos_sin(positions, self.rope.inv_freq)
         for block in self.blocks:
-            x = block(x, temb, rows, rope)
+            x = block(x, temb, rows, rope, hybrid)
         final = self.final_layer
         shift, scale = (m.index_select(0, timestep_index) for m in final.adaln_proj(temb))
         x = (final.norm(x) * (1 + scale) + shift).to(final.video_out.weight.dtype)

@@ -63,9 +63,14 @@ def featurize(q, k, v, grid, conv=None):
     return q, k, F.silu(v)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision inputs; fp64 stays fp64 (the reference tests run there)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def frame_statistics(k, v, beta):
     """A ``[F, H, d, d]`` (symmetrised) and B ``[F, H, d_v, d_k]`` from k̃, ṽ ``[F, S, H, d]`` and β ``[F, S, H]``."""
-    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(k.dtype)
     kf = k.to(acc).permute(0, 2, 1, 3)  # [F, H, S, d]
     vf = v.to(acc).permute(0, 2, 1, 3)
     bk = kf * beta.to(acc).permute(0, 2, 1)[..., None]
@@ -158,10 +163,11 @@ class _Alpha(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(heads * head_dim))
 
     def forward(self, mean):
-        """fp32 α ``[F, H, d]`` from the frame means ``[F, hidden]``."""
-        delta = F.linear(F.linear(mean.float(), self.down.weight.float()), self.up.weight.float())
-        delta = (delta + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
-        return torch.exp(-torch.exp(self.A_log.float())[:, None] * F.softplus(delta))
+        """α ``[F, H, d]`` (fp32, or fp64 for fp64 means) from the frame means ``[F, hidden]``."""
+        acc = accumulation_dtype(mean.dtype)
+        delta = F.linear(F.linear(mean.to(acc), self.down.weight.to(acc)), self.up.weight.to(acc))
+        delta = (delta + self.dt_bias.to(acc)).view(-1, self.heads, self.head_dim)
+        return torch.exp(-torch.exp(self.A_log.to(acc))[:, None] * F.softplus(delta))
 
 
 class _OutputGate(nn.Module):
@@ -215,11 +221,12 @@ class LinearBranch(nn.Module):
                             (conv.k_sp.weight, conv.k_tm.weight, conv.v_sp.weight, conv.v_tm.weight))
         beta = torch.sigmoid(self.beta_proj(x)).view(frames, S, self.heads)
         A, B = frame_statistics(k, v, beta)
-        alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=torch.float32))
+        alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=accumulation_dtype(x.dtype)))
         T, J = solve(alpha.to(A.dtype), A, B)
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = scan(T, J, seed)
         state = gather(P, Q, alpha, bounds, seed)  # [F, H, d_v, d_k]
         out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)
-        out = self.norm(out.float()).to(x.dtype) * self.output_gate(x).view(shape)
+        acc = accumulation_dtype(x.dtype)
+        out = F.rms_norm(out.to(acc), (self.head_dim,), self.norm.weight.to(acc), EPS).to(x.dtype) * self.output_gate(x).view(shape)
         return out.reshape(frames * S, -1)

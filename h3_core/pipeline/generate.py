@@ -12,7 +12,9 @@ from typing import Callable
 
 import torch
 
+from ..attention.layout import WindowSpec
 from ..errors import H3InputError
+from ..models.hybrid import RELEASE_WINDOW, HybridContext
 from .geometry import audio_latents, check_canvas, check_frames, latent_frames
 from .noise import initial_noise
 from .packing import pack_sequence, unpatchify
@@ -38,9 +40,13 @@ def generate(
     device: torch.device | str = "cpu",
     progress: Callable[[int, int], None] | None = None,
     check_cancel: Callable[[], None] | None = None,
+    window: WindowSpec = RELEASE_WINDOW,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` is a sequence of
-    ``(anchor, latent)`` pairs. Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32."""
+    ``(anchor, latent)`` pairs. For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the
+    window softmax; a plain H3 model ignores them. Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in
+    model space, fp32."""
     check_frames(frames)
     check_canvas(width, height)
     T, h, w = latent_frames(frames), height // 16, width // 16
@@ -54,9 +60,14 @@ def generate(
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     condition, video, audio = initial_noise(generator, [z for _, z in keyframes], T, h, w, Ta)
     video_rows = torch.cat([condition, video]).to(device)
+    hybrid = None
+    if getattr(getattr(model, "cfg", None), "hybrid", False):
+        text = (int(packed.text_index.min()), int(packed.text_index.max()) + 1)
+        hybrid = HybridContext(packed.layout, window, backend, text)
     video_rows, audio_rows = denoise(
         model, packed, prompt.embeds.to(device), video_rows, audio.to(device), steps,
         video_shift=video_shift, audio_shift=audio_shift, progress=progress, check_cancel=check_cancel,
+        hybrid=hybrid,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, h, w)

@@ -28,6 +28,7 @@ def denoise(
     condition_audio_rows: int = 0,
     progress: Callable[[int, int], None] | None = None,
     check_cancel: Callable[[], None] | None = None,
+    hybrid=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
 
@@ -37,6 +38,7 @@ def denoise(
         video_rows: conditioning rows (``packed.condition_rows`` of them) then the noisy target rows.
         audio_rows: reference rows (``condition_audio_rows``) then the noisy target rows.
         progress: ``progress(step, steps)`` after every step; check_cancel: before every evaluation, raises to stop.
+        hybrid: a ``HybridContext`` passed to the model as ``hybrid=`` (VDN-H3); None passes nothing.
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
     """
@@ -45,6 +47,7 @@ def denoise(
     n = min(len(video_ts), len(audio_ts))  # equal unless a strong shift collapsed grid points
     cv, ca = packed.condition_rows, condition_audio_rows
     video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
+    extra = {} if hybrid is None else {"hybrid": hybrid}
     for i in range(n):
         if check_cancel is not None:
             check_cancel()
@@ -52,7 +55,7 @@ def denoise(
         v_video, v_audio = model(video_rows, audio_rows, text_rows, timesteps.to(video_rows.device),
                                  index.to(video_rows.device), packed.tags.to(video_rows.device),
                                  packed.positions.to(video_rows.device), packed.video_index.to(video_rows.device),
-                                 packed.audio_index.to(video_rows.device), packed.text_index.to(video_rows.device))
+                                 packed.audio_index.to(video_rows.device), packed.text_index.to(video_rows.device), **extra)
         video_rows[cv:] = euler_step(video_rows[cv:], v_video[cv:].float(), float(video_sigmas[i]),
                                      float(video_sigmas[i + 1]), video_ts[i])
         audio_rows[ca:] = euler_step(audio_rows[ca:], v_audio[ca:].float(), float(audio_sigmas[i]),

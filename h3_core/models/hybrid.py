@@ -1,0 +1,77 @@
+"""The VDN-H3 hybrid attention: window softmax plus the linear branch for what lies outside the window.
+
+For the block's modulated input x (every projection reads it):
+  out = out_proj(σ(softmax_gate.up x) ⊙ WindowSoftmax(q, k, v)) + 1_video · to_out_linear(LinearBranch(...))
+with q, k normed and rotated for the softmax side and raw for the branch. When every window covers every
+frame the rule keeps all pairs: attention is dense and the branch is off. With anchors "both" the branch
+runs on frames 1..F−2 (bounds rebased) and adds nothing to frames 0 and F−1, which see everything anyway.
+The text state that seeds the branch's scans is built from the text rows only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..attention.layout import SequenceLayout, WindowSpec, is_full_cover, window_bounds
+from ..attention.window import window_softmax
+from .linear_branch import LinearBranch
+
+__all__ = ["HybridContext", "SoftmaxGate", "hybrid_attention_forward"]
+
+# The released window: chunk 5 latents, one chunk either side, anchor frames both ways.
+RELEASE_WINDOW = WindowSpec(radius=1, chunk=5, anchors="both")
+
+
+@dataclass(frozen=True)
+class HybridContext:
+    """What the hybrid attention needs to know about the packed sequence."""
+
+    layout: SequenceLayout
+    window: WindowSpec = RELEASE_WINDOW
+    backend: str = "auto"
+    text: tuple[int, int] = (0, 0)  # rows [start, stop) of the prompt
+
+
+class SoftmaxGate(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.up = nn.Linear(hidden, heads)
+
+    def forward(self, x):
+        return torch.sigmoid(self.up(x))
+
+
+def _branch_rows(ctx: HybridContext, bounds):
+    """Video rows the branch reads and the bounds in its own frame coordinates."""
+    layout = ctx.layout
+    S, F = layout.tokens_per_frame, layout.num_frames
+    if ctx.window.anchors == "both":
+        return (layout.video_start + S, layout.video_stop - S), [(lo - 1, hi - 1) for lo, hi in bounds[1 : F - 1]]
+    return (layout.video_start, layout.video_stop), list(bounds)
+
+
+def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, rotate) -> torch.Tensor:
+    """The hybrid forward for an attention module holding ``qkv_proj``, ``q_norm``, ``k_norm``, ``out_proj``,
+    ``softmax_gate``, ``to_out_linear`` and ``linear_attention``; ``rotate(x, cos, sin)`` applies RoPE."""
+    T, H, d = x.shape[0], attn.heads, attn.head_dim
+    q_raw, k_raw, v = attn.qkv_proj(x).view(T, 3, H, d).unbind(1)
+    q, k = attn.q_norm(q_raw), attn.k_norm(k_raw)
+    if rope is not None:
+        q, k = rotate(q, *rope), rotate(k, *rope)
+    layout, window = ctx.layout, ctx.window
+    bounds = window_bounds(layout.num_frames, window.radius, window.chunk)
+    soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
+    out = attn.out_proj((soft * attn.softmax_gate(x)[..., None]).reshape(T, H * d))
+    (r0, r1), inner = _branch_rows(ctx, bounds)
+    if is_full_cover(bounds, layout.num_frames) or not inner:
+        return out
+    branch: LinearBranch = attn.linear_attention
+    t0, t1 = ctx.text
+    seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1]) if t1 > t0 else None
+    grid = (layout.frame_h, layout.frame_w)
+    readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed)
+    out[r0:r1] = out[r0:r1] + attn.to_out_linear(readout.to(x.dtype))
+    return out
