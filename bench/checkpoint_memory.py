@@ -1,0 +1,112 @@
+"""Host memory of loading a DiT checkpoint: how far the process's resident memory rises, as a multiple of
+the file's size, while ``load_dit`` runs and after every parameter has been read once (a lazily mapped
+tensor costs nothing until it is touched, so the touch is what makes the number honest).
+
+Writes a synthetic checkpoint of about ``--gib`` GiB (H3's layout, bf16 with the fp32 islands, smaller
+sizes) unless it exists, then measures in a fresh process so nothing from the writing is counted.
+
+    python3 bench/checkpoint_memory.py --gib 2 --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32, load_dit  # noqa: E402
+
+
+def config(gib: float) -> DiTConfig:
+    per_layer = 2 * (4 * 1024 * 1024 + 3 * 1024 * 4096 + 6 * 512 * 1024 * 3)  # attn, mlp, adaln, bf16 bytes
+    return DiTConfig(hidden=1024, layers=max(1, round(gib * 2**30 / per_layer)), heads=8, head_dim=128, ffn=4096,
+                     text_dim=1024, freq_dim=256, time_hidden=1024, time_embed=512, rope_freqs=16)
+
+
+def write(path: Path, cfg: DiTConfig) -> None:
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in H3DiT(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(s, generator=g).to(torch.float32 if keeps_fp32(k) else torch.bfloat16)
+             for k, s in shapes.items()}
+    tmp = path.with_suffix(".partial")
+    save_file(state, str(tmp))
+    os.replace(tmp, path)
+
+
+def _resident() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def measure(path: Path, cfg: DiTConfig) -> dict:
+    """In this process: the peak and final rise of resident memory over loading and touching every weight."""
+    before = _resident()
+    peak, done = dict(before), threading.Event()
+
+    def watch():
+        while not done.is_set():
+            for key, value in _resident().items():
+                peak[key] = max(peak[key], value)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    model = load_dit(path, cfg=cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        checksum = sum(float(p.double().sum()) for p in model.parameters())
+    done.set()
+    watcher.join()
+    after = _resident()
+    size = path.stat().st_size
+    return {
+        "file_bytes": size,
+        "peak_rise_x_file": {k: (peak[k] - before[k]) / size for k in before},
+        "final_rise_x_file": {k: (after[k] - before[k]) / size for k in before},
+        "checksum_finite": checksum == checksum,
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=2.0)
+    parser.add_argument("--file", type=Path, default=None, help="where the synthetic checkpoint lives")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    cfg = config(args.gib)
+    path = args.file or Path(f"/tmp/h3_synthetic_dit_{args.gib:g}gib.safetensors")
+    if args.measure_only:
+        result = measure(path, cfg)
+    else:
+        if not path.exists():
+            write(path, cfg)
+        run = subprocess.run([sys.executable, __file__, "--gib", str(args.gib), "--file", str(path), "--measure-only"],
+                             check=True, capture_output=True, text=True)
+        result = json.loads(run.stdout)
+        result["command"] = "python3 bench/checkpoint_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
