@@ -80,6 +80,7 @@ class CheckpointFiles:
         self.files = files
         self._where: dict[str, Path] = {}
         self.dtypes: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
         self.metadata: dict[str, str] = {}
         for f in files:
             header = _read_header(f)
@@ -87,11 +88,16 @@ class CheckpointFiles:
             for key, info in header.items():
                 self._where[key] = f
                 self.dtypes[key] = info["dtype"]
+                self._shapes[key] = tuple(info["shape"])
         self._handles: dict[Path, object] = {}
 
     @property
     def keys(self) -> set[str]:
         return set(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """A tensor's shape, from the header (nothing is read)."""
+        return self._shapes[key]
 
     def config(self) -> dict:
         """``config.json`` beside the weights (a diffusers folder), or {}."""

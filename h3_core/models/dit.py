@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
-from ..keymap import KeyMap, Rule, load_into, swap_halves
+from ..errors import H3InputError
+from ..keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
 from .hybrid import HybridContext, SoftmaxGate, hybrid_attention_forward
 from .linear_branch import LinearBranch
 
@@ -55,6 +56,9 @@ class DiTConfig:
     rope_theta: float = 10000.0
     eps: float = 1e-5
     hybrid: bool = False  # VDN-H3: blocks carry the softmax gate, to_out_linear and the linear branch
+    # > 0: the pruned ("curve") form. A table ``adaln_t_table`` [grid, time_embed] replaces the time embedder and
+    # ``time_embed`` is the curve's width (8 in the published files); the AdaLN linears read it without SiLU.
+    adaln_curve_grid: int = 0
 
     @property
     def inner(self) -> int:
@@ -168,16 +172,17 @@ class TokenRefiner(nn.Module):
 
 
 class AdaLNProjection(nn.Module):
-    """``linear(silu(t_emb))`` → a table ``[timesteps · 3, parts · hidden]`` with one row per (timestep, modality)
+    """``linear(silu(t_emb))`` (``linear(c(t))`` in the curve form) → a table ``[timesteps · 3, parts · hidden]`` with one row per (timestep, modality)
     (``per_modality``) or per timestep; the activation runs at the embedding's fp32, only its result is cast."""
 
     def __init__(self, cfg: DiTConfig, parts: int, per_modality: bool):
         super().__init__()
         self.parts, self.hidden = parts, cfg.hidden
+        self.curve = cfg.adaln_curve_grid > 0
         self.linear = nn.Linear(cfg.time_embed, parts * cfg.hidden * (MODALITIES if per_modality else 1))
 
     def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        table = self.linear(F.silu(temb).to(self.linear.weight.dtype))
+        table = self.linear((temb if self.curve else F.silu(temb)).to(self.linear.weight.dtype))
         return table.view(-1, self.parts * self.hidden).chunk(self.parts, dim=-1)
 
 
@@ -207,6 +212,14 @@ class TimeEmbedder(nn.Module):
         return self.proj_out(F.silu(self.proj_in(freqs)))
 
 
+def curve_embedding(table: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The curve form's time embedding: rows of ``table`` [G, r] interpolated linearly at t·(G−1), t clamped
+    to [0, 1] (the last interval is closed at t = 1)."""
+    position = t.to(table.dtype).clamp(0.0, 1.0) * (table.shape[0] - 1)
+    lower = position.floor().long().clamp(max=table.shape[0] - 2)
+    return torch.lerp(table[lower], table[lower + 1], (position - lower)[:, None])
+
+
 class Rope(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -230,7 +243,10 @@ class H3DiT(nn.Module):
         self.video_patch_proj = nn.Linear(cfg.video_row, cfg.hidden)
         self.audio_patch_proj = nn.Linear(cfg.audio_channels, cfg.hidden)
         self.condition_proj = nn.Linear(cfg.text_dim, cfg.hidden)
-        self.time_embedder = TimeEmbedder(cfg)
+        if cfg.adaln_curve_grid > 0:
+            self.register_buffer("adaln_t_table", torch.zeros(cfg.adaln_curve_grid, cfg.time_embed))
+        else:
+            self.time_embedder = TimeEmbedder(cfg)
         self.rope = Rope(cfg)
         self.token_refiner = TokenRefiner(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
@@ -269,7 +285,10 @@ class H3DiT(nn.Module):
         x.index_copy_(0, text_index, text)
         x.index_copy_(0, video_index, self.video_patch_proj(video_rows.to(self.video_patch_proj.weight.dtype)).to(dtype))
         x.index_copy_(0, audio_index, self.audio_patch_proj(audio_rows.to(self.audio_patch_proj.weight.dtype)).to(dtype))
-        temb = self.time_embedder(timesteps)
+        if self.cfg.adaln_curve_grid > 0:
+            temb = curve_embedding(self.adaln_t_table, timesteps)
+        else:
+            temb = self.time_embedder(timesteps)
         rows = timestep_index * MODALITIES + tags
         rope = rope_cos_sin(positions, self.rope.inv_freq)
         for block in self.blocks:
@@ -345,11 +364,24 @@ def official_layout(cfg: DiTConfig) -> KeyMap:
 
 
 _FP32 = re.compile(r"(video_patch_proj|audio_patch_proj|time_embedder|final_layer\.(video_out|audio_out)|rope)\.")
+_CURVE_FP32 = re.compile(r"adaln_t_table|(.*\.)?adaln_proj\.linear\.(weight|bias)")
 
 
-def keeps_fp32(key: str) -> bool:
-    """The released fp32 islands: patch projections, timestep MLP, output heads, RoPE frequencies."""
-    return _FP32.match(key) is not None
+def keeps_fp32(key: str, curve: bool = False) -> bool:
+    """The released fp32 islands: patch projections, timestep MLP, output heads, RoPE frequencies; in the curve
+    form also the table and the (rank-r) AdaLN linears."""
+    return _FP32.match(key) is not None or (curve and _CURVE_FP32.fullmatch(key) is not None)
+
+
+def curve_grid(files: CheckpointFiles) -> tuple[int, int] | None:
+    """(grid, width) of a pruned checkpoint's ``adaln_t_table``, or None for the full form."""
+    for key in ("adaln_t_table", "model.diffusion_model.adaln_t_table"):
+        if key in files.keys:
+            shape = files.shape(key)
+            if len(shape) != 2 or shape[0] < 2:
+                raise H3InputError(f"{files.path}: {key} must be [grid >= 2, width], got {list(shape)}")
+            return shape[0], shape[1]
+    return None
 
 
 def layouts(cfg: DiTConfig, qkv_interleaved: bool = False) -> tuple[KeyMap, ...]:
@@ -362,10 +394,17 @@ def load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: Di
              qkv_interleaved: bool = False) -> H3DiT:
     """Load a DiT checkpoint (a file or a folder of shards) in any supported layout; blocks in ``dtype``,
     the fp32 islands in fp32. ``qkv_interleaved`` marks the official shards, whose keys match ComfyUI's
-    but whose ``qkv_proj`` rows are interleaved per head."""
+    but whose ``qkv_proj`` rows are interleaved per head. A pruned ("curve") file is recognised by its
+    ``adaln_t_table``, whose shape sets ``cfg.adaln_curve_grid`` and ``cfg.time_embed``."""
+    files = path if isinstance(path, CheckpointFiles) else CheckpointFiles(path)
     cfg = cfg or DiTConfig()
+    curve = curve_grid(files)
+    if curve is not None:
+        cfg = replace(cfg, adaln_curve_grid=curve[0], time_embed=curve[1])
     with torch.device("meta"):
         model = H3DiT(cfg)
-    model.layout = load_into(model, path, layouts(cfg, qkv_interleaved), what="MiniMax H3 DiT", device=device,
-                             dtype=dtype, keep_fp32=keeps_fp32)
+    model.layout = load_into(model, files, layouts(cfg, qkv_interleaved), what="MiniMax H3 DiT", device=device,
+                             dtype=dtype, keep_fp32=lambda key: keeps_fp32(key, curve is not None))
+    if curve is not None:
+        model.layout += " (pruned AdaLN curves)"
     return model.eval()
