@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import H3InputError
+from .fp8_scaled import fp8_scaled_view
 
 __all__ = ["Rule", "KeyMap", "CheckpointFiles", "load_into", "match_layout", "swap_halves", "QUANTIZED_DTYPES"]
 
@@ -209,7 +210,7 @@ def load_into(
     """Fill ``module`` (built on the meta device) from ``path``; return the layout's name.
 
     Floating-point tensors go to ``dtype`` (default: as stored), except keys ``keep_fp32`` selects."""
-    files = path if isinstance(path, CheckpointFiles) else CheckpointFiles(path)
+    files = fp8_scaled_view(path if isinstance(path, CheckpointFiles) else CheckpointFiles(path))
     expected = module.state_dict()
     keymap, plan = match_layout(files, list(expected), keymaps, what)
     state = {}

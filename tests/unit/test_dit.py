@@ -140,13 +140,13 @@ def test_official_shards_with_per_head_interleaved_qkv(folder, tmp_path):
 
 @pytest.mark.parametrize("spec, named", [
     ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}, "int8_tensorwise with convrot"),
-    ({"format": "float8_e4m3fn"}, "float8_e4m3fn"),
+    ({"format": "nvfp4"}, "nvfp4"),
 ])
 def test_quantized_comfy_files_are_refused_by_format(tmp_path, spec, named):
     import json
 
     sidecar = torch.tensor(list(json.dumps(spec).encode()), dtype=torch.uint8)
-    dtype = torch.int8 if "int8" in named else torch.float8_e4m3fn
+    dtype = torch.int8 if "int8" in named else torch.uint8
     path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
     save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(4, 4).to(dtype),
                "blocks.0.attn.qkv_proj.weight_scale": torch.ones(4, 1),
@@ -160,3 +160,39 @@ def test_gguf_is_refused_by_name(tmp_path):
     path.write_bytes(b"GGUF")
     with pytest.raises(H3InputError, match="GGUF checkpoints are not supported yet"):
         load_dit(path, cfg=DiTConfig(**TINY))
+
+
+@pytest.mark.parametrize("form", ["comfy_quant", "scaled_fp8"])
+def test_fp8_scaled_files_load_dequantised(tmp_path, folder, form):
+    import json
+
+    source = load_dit(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    state, expected = {}, {}
+    for key, value in source.state_dict().items():
+        if key.startswith("blocks.") and key.endswith(("qkv_proj.weight", "fc1.weight", "fc2.weight")):
+            scale = value.abs().amax() / 448
+            q = (value / scale).to(torch.float8_e4m3fn)
+            state[key] = q
+            layer = key.removesuffix(".weight")
+            if form == "comfy_quant":
+                state[layer + ".weight_scale"] = scale.reshape(())
+                state[layer + ".input_scale"] = torch.ones(())
+                state[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                                             dtype=torch.uint8)
+            else:
+                state[layer + ".scale_weight"] = scale.reshape(1)
+            expected[key] = q.float() * scale
+        else:
+            state[key] = value.contiguous()
+            expected[key] = value
+    if form == "scaled_fp8":
+        state["scaled_fp8"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
+    path = tmp_path / "minimax_h3_fl2va_fp8_scaled.safetensors"
+    save_file(state, str(path))
+    loaded = load_dit(path, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    x = packed(2)
+    with torch.no_grad():
+        got, want = loaded(**x)[0], source(**x)[0]
+    assert 0 < (got - want).abs().max() <= 0.1 * want.abs().max()  # fp8 rounding, not another model
