@@ -1,0 +1,118 @@
+"""One DiT block at full size on random weights: the dense H3 block and the VDN-H3 hybrid block side by
+side in one run, at the release geometry (T2VA, 102 latent frames of 48×84, 300 text rows, 575 audio
+latents per channel: T = 104,266 rows), bf16.
+
+Reports per block: the median of ``--reps`` CUDA-event timings of one forward after warm-up, the peak GPU
+memory above the weights and inputs, and which window backend ran. ``--tiny`` runs the same code on a
+small model and geometry (a dry run that works on the CPU).
+
+    python3 bench/dit_block.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from h3_core.attention import last_window_run  # noqa: E402
+from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq  # noqa: E402
+from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
+from h3_core.pipeline.packing import pack_sequence  # noqa: E402
+
+GiB = 2**30
+RELEASE = dict(cfg=DiTConfig(), text=300, frames=102, height=48, width=84, audio=575)
+TINY = dict(cfg=DiTConfig(hidden=64, layers=1, heads=2, head_dim=32, ffn=96, time_embed=16, rope_freqs=4), text=6, frames=12,
+            height=4, width=6, audio=10)
+
+
+def inputs(setup, device, dtype):
+    cfg = setup["cfg"]
+    packed = pack_sequence(torch.ones(setup["text"], dtype=torch.long), setup["frames"], setup["height"],
+                           setup["width"], setup["audio"])
+    g = torch.Generator().manual_seed(0)
+    T = packed.positions.shape[0]
+    x = torch.randn(T, cfg.hidden, generator=g).to(device, dtype)
+    temb = torch.randn(2, cfg.time_embed, generator=g).to(device, torch.float32)
+    rows = packed.tags.clone()  # timestep 0 for every row: table rows 0..2
+    rope = rope_cos_sin(packed.positions.to(device), rope_inv_freq(cfg).to(device))
+    return packed, x, temb, rows.to(device), rope
+
+
+def build(cfg, device, dtype):
+    with torch.device(device):
+        block = Block(cfg).to(dtype)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    with torch.no_grad():
+        for p in block.parameters():
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            p.copy_((torch.randn(p.shape, generator=g) / fan_in**0.5).to(p.dtype))
+    return block.eval()
+
+
+def timed(fn, reps):
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / GiB
+    return dict(ms=statistics.median(times), spread_ms=max(times) - min(times), extra_peak_gib=peak)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    setup = TINY if args.tiny else RELEASE
+    packed, x, temb, rows, rope = inputs(setup, device, dtype)
+    result = dict(command="python3 bench/dit_block.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                  rows=int(x.shape[0]), dtype=str(dtype), blocks={})
+    window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
+    context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
+    for name, hybrid in (("dense", False), ("hybrid", True)):
+        block = build(replace(setup["cfg"], hybrid=hybrid), device, dtype)
+        ctx = context if hybrid else None
+        with torch.no_grad():
+            out = block(x, temb, rows, rope, ctx)
+            stats = timed(lambda: block(x, temb, rows, rope, ctx), args.reps)
+        stats["finite"] = bool(torch.isfinite(out).all())
+        stats["weights_gib"] = sum(p.numel() * p.element_size() for p in block.parameters()) / GiB
+        if hybrid:
+            stats["window_backend"] = last_window_run().backend
+        result["blocks"][name] = stats
+        del block, out
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

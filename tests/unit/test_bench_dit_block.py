@@ -1,0 +1,21 @@
+"""bench/dit_block.py's dry run: the dense and the hybrid block run through the benchmark's own path."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "dit_block.py"
+
+
+def test_tiny_dry_run_times_both_blocks(tmp_path):
+    spec = importlib.util.spec_from_file_location("dit_block", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["dit_block"] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "block.json"
+    result = bench.main(["--tiny", "--reps", "1", "--out", str(out)])
+    assert out.read_text().strip().startswith("{")
+    dense, hybrid = result["blocks"]["dense"], result["blocks"]["hybrid"]
+    assert dense["finite"] and hybrid["finite"] and dense["ms"] > 0 and hybrid["ms"] > 0
+    assert hybrid["weights_gib"] > dense["weights_gib"]  # the gate, to_out_linear and the branch
+    assert hybrid["window_backend"] == "ref"  # auto on the CPU
