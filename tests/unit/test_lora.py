@@ -122,3 +122,24 @@ def test_bad_loras_merge_nothing(tmp_path):
     save_file({"encoder.conv.weight": torch.zeros(1)}, str(other))
     with pytest.raises(H3InputError, match="'encoder.conv.weight' is not a LoRA weight"):
         read_lora(other)
+
+
+def test_vdn_adapter_lands_on_the_hybrid_model(tmp_path):
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(4)
+    r, inner, hidden = 2, 64, 48
+    A, B = torch.randn(r, hidden, generator=g), torch.randn(inner, r, generator=g)
+    stem = "base_model.model.transformer_blocks.1.attn.orig.to_k"
+    save_file({f"{stem}.lora_A.default.weight": A, f"{stem}.lora_B.default.weight": B}, str(tmp_path / "a.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": r}))
+    torch.manual_seed(0)
+    m = H3DiT(replace(CFG, hybrid=True)).eval()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    assert merge_lora(m, read_lora(tmp_path / "a.safetensors")) == 1
+    after = m.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == {"blocks.1.attn.qkv_proj.weight"}
+    delta = after["blocks.1.attn.qkv_proj.weight"] - before["blocks.1.attn.qkv_proj.weight"]
+    assert torch.allclose(delta[inner : 2 * inner], B @ A, atol=1e-5)
+    assert delta[:inner].abs().max() == 0 and delta[2 * inner :].abs().max() == 0
