@@ -4,11 +4,15 @@
 and returns the latents in model space: video ``[24, T, h, w]`` and audio ``[2, 32, Ta]`` (left, right). The
 caller decodes them (``h3_core.tiling.decode_video``, the audio VAE). Keyframes come as latents in model space
 (``[24, 1, h, w]``, as the released encode produces them) with their anchors, "first" and/or "last".
+``generate_ref2va`` does the same for a Ref2VA request: images and videos as latents of their own size, their
+soundtracks and audio references as audio latents. Reference video rows are noised to ``t = 0.999`` and held
+there; reference audio rows ride along clean at ``t = 1``; the noise order is the same as for keyframes.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -17,12 +21,12 @@ from ..errors import H3InputError
 from ..models.hybrid import RELEASE_WINDOW, HybridContext
 from .geometry import audio_latents, check_canvas, check_frames, latent_frames
 from .noise import initial_noise
-from .packing import pack_sequence, unpatchify
+from .packing import PackedSequence, Reference, pack_ref2va, pack_sequence, unpatchify
 from .prompt import PromptEmbedding
 from .sampler import denoise
 from .schedule import AUDIO_SHIFT, VIDEO_SHIFT
 
-__all__ = ["generate"]
+__all__ = ["generate", "generate_ref2va", "ReferenceLatents"]
 
 
 def generate(
@@ -55,21 +59,105 @@ def generate(
         if tuple(latent.shape) != (24, 1, h, w):
             raise H3InputError(f"the {anchor} keyframe latent must be [24, 1, {h}, {w}] for a {width}x{height} canvas, "
                                f"got {tuple(latent.shape)}")
-    device = torch.device(device)
     packed = pack_sequence(prompt.tags, T, h, w, Ta, keyframes=tuple(a for a, _ in keyframes))
+    return _sample(model, prompt, packed, [z for _, z in keyframes], [], (T, h, w, Ta), steps=steps, seed=seed,
+                   video_shift=video_shift, audio_shift=audio_shift, device=device, progress=progress,
+                   check_cancel=check_cancel, window=window, backend=backend)
+
+
+@dataclass(frozen=True)
+class ReferenceLatents:
+    """One Ref2VA reference in model space: ``kind`` "image" (``video`` ``[24, 1, h, w]``), "video" (``video``
+    ``[24, t, h, w]``, ``audio`` its soundtrack ``[2, 32, Ta]`` or None) or "audio" (``audio`` ``[2, 32, Ta]``)."""
+
+    kind: str
+    video: torch.Tensor | None = None
+    audio: torch.Tensor | None = None
+
+    def geometry(self, index: int) -> Reference:
+        name = f"reference {index} ({self.kind})"
+        if self.kind not in ("image", "video", "audio"):
+            raise H3InputError(f"reference {index}: kind must be 'image', 'video' or 'audio', got {self.kind!r}")
+        frames = h = w = Ta = 0
+        if self.kind in ("image", "video"):
+            if self.video is None or self.video.dim() != 4 or self.video.shape[0] != 24:
+                got = None if self.video is None else tuple(self.video.shape)
+                raise H3InputError(f"{name}: the video latent must be [24, frames, h, w], got {got}")
+            frames, h, w = (int(n) for n in self.video.shape[1:])
+            if self.kind == "image" and frames != 1:
+                raise H3InputError(f"{name}: an image latent has 1 frame, got {frames}")
+            if h % 2 or w % 2:
+                raise H3InputError(f"{name}: latent height and width must be even (2x2 patches), got {h}x{w}")
+        elif self.video is not None:
+            raise H3InputError(f"{name}: an audio reference takes no video latent")
+        if self.audio is not None:
+            if self.kind == "image":
+                raise H3InputError(f"{name}: an image reference takes no audio")
+            if self.audio.dim() != 3 or tuple(self.audio.shape[:2]) != (2, 32):
+                raise H3InputError(f"{name}: the audio latent must be [2, 32, Ta], got {tuple(self.audio.shape)}")
+            Ta = int(self.audio.shape[2])
+        elif self.kind == "audio":
+            raise H3InputError(f"{name}: an audio reference needs its audio latent [2, 32, Ta]")
+        return Reference(self.kind, frames=frames, height=h, width=w, audio_latents=Ta)
+
+    def audio_rows(self) -> torch.Tensor | None:
+        """The soundtrack in row layout ``[2 · Ta, 32]``, left channel first."""
+        return None if self.audio is None else self.audio.float().transpose(1, 2).reshape(-1, 32)
+
+
+def generate_ref2va(
+    model,
+    prompt: PromptEmbedding,
+    references: Sequence[ReferenceLatents],
+    *,
+    frames: int,
+    width: int,
+    height: int,
+    steps: int,
+    seed: int,
+    video_shift: float = VIDEO_SHIFT,
+    audio_shift: float = AUDIO_SHIFT,
+    device: torch.device | str = "cpu",
+    progress: Callable[[int, int], None] | None = None,
+    check_cancel: Callable[[], None] | None = None,
+    window: WindowSpec = RELEASE_WINDOW,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
+    them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``."""
+    check_frames(frames)
+    check_canvas(width, height)
+    T, h, w = latent_frames(frames), height // 16, width // 16
+    Ta = audio_latents(frames)
+    geometry = [ref.geometry(i) for i, ref in enumerate(references)]
+    packed = pack_ref2va(prompt.tags, geometry, T, h, w, Ta)
+    conditions = [ref.video for ref in references if ref.kind in ("image", "video")]
+    audio_refs = [rows for rows in (ref.audio_rows() for ref in references) if rows is not None]
+    return _sample(model, prompt, packed, conditions, audio_refs, (T, h, w, Ta), steps=steps, seed=seed,
+                   video_shift=video_shift, audio_shift=audio_shift, device=device, progress=progress,
+                   check_cancel=check_cancel, window=window, backend=backend)
+
+
+def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape, *, steps, seed, video_shift,
+            audio_shift, device, progress, check_cancel, window, backend):
+    """Noise drawn in the released order, conditioning in front, the denoising loop, the target unpacked."""
+    T, h, w, Ta = shape
+    device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
-    condition, video, audio = initial_noise(generator, [z for _, z in keyframes], T, h, w, Ta)
+    condition, video, audio = initial_noise(generator, conditions, T, h, w, Ta)
     video_rows = torch.cat([condition, video]).to(device)
+    audio_rows = torch.cat([*audio_refs, audio]).to(device)
     hybrid = None
     if getattr(getattr(model, "cfg", None), "hybrid", False):
         text = (int(packed.text_index.min()), int(packed.text_index.max()) + 1)
         hybrid = HybridContext(packed.layout, window, backend, text)
+    reference_audio = sum(int(rows.shape[0]) for rows in audio_refs)
     video_rows, audio_rows = denoise(
-        model, packed, prompt.embeds.to(device), video_rows, audio.to(device), steps,
-        video_shift=video_shift, audio_shift=audio_shift, progress=progress, check_cancel=check_cancel,
-        hybrid=hybrid,
+        model, packed, prompt.embeds.to(device), video_rows, audio_rows, steps,
+        video_shift=video_shift, audio_shift=audio_shift, condition_audio_rows=reference_audio,
+        progress=progress, check_cancel=check_cancel, hybrid=hybrid,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, h, w)
-    audio_latents_lr = audio_rows.float().cpu().reshape(2, Ta, 32).transpose(1, 2)
+    audio_latents_lr = audio_rows[reference_audio:].float().cpu().reshape(2, Ta, 32).transpose(1, 2)
     return video_latents, audio_latents_lr

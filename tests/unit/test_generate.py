@@ -52,3 +52,53 @@ def test_bad_requests(dit):
     with pytest.raises(H3InputError, match=r"the first keyframe latent must be \[24, 1, 2, 4\].*got \(24, 1, 4, 4\)"):
         generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=0,
                  keyframes=(("first", torch.zeros(24, 1, 4, 4)),))
+
+
+def references(g=None):
+    from h3_core.pipeline.generate import ReferenceLatents
+
+    g = g or torch.Generator().manual_seed(11)
+    return [ReferenceLatents("image", video=torch.randn(24, 1, 2, 2, generator=g)),
+            ReferenceLatents("video", video=torch.randn(24, 2, 2, 4, generator=g),
+                             audio=torch.randn(2, 32, 5, generator=g)),
+            ReferenceLatents("audio", audio=torch.randn(2, 32, 3, generator=g))]
+
+
+def test_ref2va_without_references_is_t2va(dit):
+    from h3_core.pipeline.generate import generate_ref2va
+
+    with torch.no_grad():
+        plain = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=4)
+        ref = generate_ref2va(dit, prompt(), [], frames=22, width=64, height=32, steps=2, seed=4)
+    assert torch.equal(plain[0], ref[0]) and torch.equal(plain[1], ref[1])
+
+
+def test_ref2va_references_condition_the_clip(dit):
+    from h3_core.pipeline.generate import generate_ref2va
+
+    refs = references()
+    steps = []
+    with torch.no_grad():
+        video, audio = generate_ref2va(dit, prompt(), refs, frames=22, width=64, height=32, steps=2, seed=4,
+                                       progress=lambda i, n: steps.append(i))
+        again = generate_ref2va(dit, prompt(), refs, frames=22, width=64, height=32, steps=2, seed=4)
+        no_audio_ref = generate_ref2va(dit, prompt(), refs[:2], frames=22, width=64, height=32, steps=2, seed=4)
+    assert steps == [1, 2] and video.shape == (24, 7, 2, 4) and audio.shape == (2, 32, 37)
+    assert torch.equal(video, again[0]) and torch.equal(audio, again[1])
+    # the audio reference is a clean conditioning block: it draws no noise, so only its influence differs
+    assert not torch.allclose(video, no_audio_ref[0]) and torch.isfinite(video).all()
+
+
+def test_ref2va_bad_references_name_the_reference(dit):
+    from h3_core.pipeline.generate import ReferenceLatents, generate_ref2va
+
+    run = dict(frames=22, width=64, height=32, steps=1, seed=0)
+    with pytest.raises(H3InputError, match=r"reference 0 \(image\): an image latent has 1 frame, got 2"):
+        generate_ref2va(dit, prompt(), [ReferenceLatents("image", video=torch.zeros(24, 2, 2, 2))], **run)
+    with pytest.raises(H3InputError, match=r"reference 1 \(audio\): an audio reference needs its audio latent"):
+        generate_ref2va(dit, prompt(), [references()[0], ReferenceLatents("audio")], **run)
+    with pytest.raises(H3InputError, match=r"reference 0 \(video\): the audio latent must be \[2, 32, Ta\], got \(1, 32, 4\)"):
+        generate_ref2va(dit, prompt(), [ReferenceLatents("video", video=torch.zeros(24, 1, 2, 2),
+                                                         audio=torch.zeros(1, 32, 4))], **run)
+    with pytest.raises(H3InputError, match=r"reference 0: kind must be 'image', 'video' or 'audio', got 'text'"):
+        generate_ref2va(dit, prompt(), [ReferenceLatents("text")], **run)
