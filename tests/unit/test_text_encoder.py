@@ -55,3 +55,30 @@ def test_bad_requests(folder, tmp_path):
         encoder.encode("   ")
     with pytest.raises(H3InputError, match="no config.json"):
         load_text_encoder(tmp_path)
+
+
+def test_streamed_layers_give_the_same_states(folder):
+    resident = load_text_encoder(folder, dtype=torch.float32, layer=3, offload="none")
+    streamed = load_text_encoder(folder, dtype=torch.float32, layer=3, offload="layers")
+    assert not resident.streamed and streamed.streamed
+    a, b = resident.encode("a fox runs"), streamed.encode("a fox runs")
+    assert torch.equal(a.embeds, b.embeds)
+    assert streamed.layer_visits == 3  # layers past the conditioning layer never run
+    # "auto" streams exactly when the device says the weights do not fit
+    asked = []
+    tight = load_text_encoder(folder, dtype=torch.float32, layer=3,
+                              fits=lambda device, nbytes: asked.append(nbytes) or False)
+    roomy = load_text_encoder(folder, dtype=torch.float32, layer=3, fits=lambda device, nbytes: True)
+    assert tight.streamed and not roomy.streamed and asked and asked[0] > 0
+    with pytest.raises(H3InputError, match=r"offload must be one of \['auto', 'none', 'layers'\], got 'disk'"):
+        load_text_encoder(folder, dtype=torch.float32, layer=3, offload="disk")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_streamed_to_cuda_keeps_the_weights_at_home(folder):
+    host = load_text_encoder(folder, dtype=torch.float32, layer=3, offload="none")
+    streamed = load_text_encoder(folder, dtype=torch.float32, layer=3, device="cuda", offload="layers")
+    got = streamed.encode("a fox runs through snow")
+    want = host.encode("a fox runs through snow")
+    assert torch.allclose(got.embeds, want.embeds, atol=1e-5, rtol=1e-4)
+    assert all(p.device.type == "cpu" for p in streamed.language_model.layers.parameters())
