@@ -125,8 +125,12 @@ def merge_lora(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str =
             raise H3InputError(f"{source}: targets '{d.module}', which this model does not have")
         rows = target.weight.shape[0] // 3 if d.part is not None else target.weight.shape[0]
         if d.up.shape[0] != rows or d.down.shape[1] != target.weight.shape[1] or d.up.shape[1] != d.down.shape[0]:
+            hint = ""
+            if "adaln_proj" in d.module and getattr(getattr(model, "cfg", None), "adaln_curve_grid", 0):
+                hint = ("; this model is the pruned (AdaLN curve) form, whose AdaLN projections are rank-reduced, so "
+                        "a LoRA made for the full model's AdaLN cannot merge into them: use the full (bf16) model")
             raise H3InputError(f"{source}: the update of '{d.module}' is {tuple(d.up.shape)} @ {tuple(d.down.shape)}, "
-                               f"the weight is {tuple(target.weight.shape)}")
+                               f"the weight is {tuple(target.weight.shape)}{hint}")
         plans.append((target, d))
     for target, d in plans:
         up = d.up.float()

@@ -143,3 +143,22 @@ def test_vdn_adapter_lands_on_the_hybrid_model(tmp_path):
     delta = after["blocks.1.attn.qkv_proj.weight"] - before["blocks.1.attn.qkv_proj.weight"]
     assert torch.allclose(delta[inner : 2 * inner], B @ A, atol=1e-5)
     assert delta[:inner].abs().max() == 0 and delta[2 * inner :].abs().max() == 0
+
+
+def test_full_model_adaln_lora_on_a_pruned_model_says_why(tmp_path):
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(5)
+    out = CFG.hidden * 6 * 3
+    A, B = torch.randn(2, CFG.time_embed, generator=g), torch.randn(out, 2, generator=g)
+    path = tmp_path / "adaln.safetensors"
+    save_file({"diffusion_model.blocks.0.adaln_proj.linear.lora_down.weight": A,
+               "diffusion_model.blocks.0.adaln_proj.linear.lora_up.weight": B}, str(path))
+    full = model()
+    assert merge_lora(full, read_lora(path)) == 1
+    pruned = H3DiT(replace(CFG, adaln_curve_grid=9, time_embed=8)).eval()
+    before = {k: v.clone() for k, v in pruned.state_dict().items()}
+    with pytest.raises(H3InputError, match=r"adaln\.safetensors: the update of 'blocks\.0\.adaln_proj\.linear'.*"
+                                           r"pruned \(AdaLN curve\) form.*use the full \(bf16\) model"):
+        merge_lora(pruned, read_lora(path), source=str(path))
+    assert all(torch.equal(v, before[k]) for k, v in pruned.state_dict().items())
