@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from ..attention.kernels import dense_attention
 from ..errors import H3InputError
 from ..keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
-from .hybrid import HybridContext, SoftmaxGate, hybrid_attention_forward
-from .linear_branch import LinearBranch
+from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
 
 __all__ = ["DiTConfig", "H3DiT", "load_dit", "layouts", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
            "rope_cos_sin"]
@@ -123,9 +122,7 @@ class HybridAttention(Attention):
 
     def __init__(self, cfg: DiTConfig):
         super().__init__(cfg)
-        self.softmax_gate = SoftmaxGate(cfg.hidden, cfg.heads)
-        self.to_out_linear = nn.Linear(cfg.inner, cfg.hidden, bias=False)
-        self.linear_attention = LinearBranch(cfg.hidden, cfg.heads, cfg.head_dim)
+        add_hybrid_parts(self, cfg)
 
     def forward(self, x, rope=None, ctx=None):
         if ctx is None:
@@ -223,8 +220,7 @@ def curve_embedding(table: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 class Rope(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
-        inv_freq = cfg.rope_theta ** -(torch.arange(0, 2 * cfg.rope_freqs, 2, dtype=torch.float32) / (2 * cfg.rope_freqs))
-        self.register_buffer("inv_freq", inv_freq)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg))
 
 
 class FinalLayer(nn.Module):

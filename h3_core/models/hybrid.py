@@ -19,7 +19,7 @@ from ..attention.layout import SequenceLayout, WindowSpec, is_full_cover, window
 from ..attention.window import window_softmax
 from .linear_branch import LinearBranch
 
-__all__ = ["HybridContext", "SoftmaxGate", "hybrid_attention_forward"]
+__all__ = ["HybridContext", "SoftmaxGate", "add_hybrid_parts", "hybrid_attention_forward"]
 
 # The released window: chunk 5 latents, one chunk either side, anchor frames both ways.
 RELEASE_WINDOW = WindowSpec(radius=1, chunk=5, anchors="both")
@@ -42,6 +42,14 @@ class SoftmaxGate(nn.Module):
 
     def forward(self, x):
         return torch.sigmoid(self.up(x))
+
+
+def add_hybrid_parts(module: nn.Module, cfg) -> None:
+    """Give ``module`` the parameters VDN-H3 adds to an attention, under their released names: ``softmax_gate``,
+    ``to_out_linear`` and ``linear_attention``. ``cfg`` has ``hidden``, ``heads``, ``head_dim`` and ``inner``."""
+    module.softmax_gate = SoftmaxGate(cfg.hidden, cfg.heads)
+    module.to_out_linear = nn.Linear(cfg.inner, cfg.hidden, bias=False)
+    module.linear_attention = LinearBranch(cfg.hidden, cfg.heads, cfg.head_dim)
 
 
 def _branch_rows(ctx: HybridContext, bounds):

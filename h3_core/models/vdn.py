@@ -15,8 +15,7 @@ import torch.nn as nn
 
 from ..keymap import KeyMap, Rule, load_into
 from .dit import DiTConfig, H3DiT, load_dit
-from .hybrid import SoftmaxGate
-from .linear_branch import LinearBranch
+from .hybrid import add_hybrid_parts
 
 __all__ = ["load_vdn", "branch_layouts", "BranchWeights"]
 
@@ -27,9 +26,7 @@ _SRC = "transformer_blocks.{n}.attn."
 class _Added(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
-        self.softmax_gate = SoftmaxGate(cfg.hidden, cfg.heads)
-        self.to_out_linear = nn.Linear(cfg.inner, cfg.hidden, bias=False)
-        self.linear_attention = LinearBranch(cfg.hidden, cfg.heads, cfg.head_dim)
+        add_hybrid_parts(self, cfg)
 
 
 class _BlockAdded(nn.Module):

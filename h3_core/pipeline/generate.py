@@ -51,10 +51,7 @@ def generate(
     ``(anchor, latent)`` pairs. For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the
     window softmax; a plain H3 model ignores them. Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in
     model space, fp32."""
-    check_frames(frames)
-    check_canvas(width, height)
-    T, h, w = latent_frames(frames), height // 16, width // 16
-    Ta = audio_latents(frames)
+    T, h, w, Ta = _clip_shape(frames, width, height)
     for anchor, latent in keyframes:
         if tuple(latent.shape) != (24, 1, h, w):
             raise H3InputError(f"the {anchor} keyframe latent must be [24, 1, {h}, {w}] for a {width}x{height} canvas, "
@@ -125,10 +122,7 @@ def generate_ref2va(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
     them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``."""
-    check_frames(frames)
-    check_canvas(width, height)
-    T, h, w = latent_frames(frames), height // 16, width // 16
-    Ta = audio_latents(frames)
+    T, h, w, Ta = _clip_shape(frames, width, height)
     geometry = [ref.geometry(i) for i, ref in enumerate(references)]
     packed = pack_ref2va(prompt.tags, geometry, T, h, w, Ta)
     conditions = [ref.video for ref in references if ref.kind in ("image", "video")]
@@ -136,6 +130,13 @@ def generate_ref2va(
     return _sample(model, prompt, packed, conditions, audio_refs, (T, h, w, Ta), steps=steps, seed=seed,
                    video_shift=video_shift, audio_shift=audio_shift, device=device, progress=progress,
                    check_cancel=check_cancel, window=window, backend=backend)
+
+
+def _clip_shape(frames: int, width: int, height: int) -> tuple[int, int, int, int]:
+    """Latent frames, latent height and width, audio latents per channel, after the frame and canvas checks."""
+    check_frames(frames)
+    check_canvas(width, height)
+    return latent_frames(frames), height // 16, width // 16, audio_latents(frames)
 
 
 def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape, *, steps, seed, video_shift,
