@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -101,6 +102,8 @@ def main(argv=None) -> dict:
                              check=True, capture_output=True, text=True)
         result = json.loads(run.stdout)
         result["command"] = "python3 bench/checkpoint_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        result.update(device="cpu (host memory)", torch=torch.__version__, python=platform.python_version(),
+                      cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")
