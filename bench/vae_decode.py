@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h3_core.attention.vae import resolve_vae_attention  # noqa: E402
 from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32  # noqa: E402
-from h3_core.tiling import decode_video  # noqa: E402
+from h3_core.tiling import decode_video, temporal_plan  # noqa: E402
 
 GiB = 2**30
 
@@ -73,9 +73,14 @@ def timed(fn):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--frames", type=int, default=345)
-    parser.add_argument("--tiles-per-batch", type=int, default=4)
+    parser.add_argument("--tiles-per-batch", type=int, nargs="*", default=[4])
     parser.add_argument("--backends", nargs="*", default=["auto", "efficient", "flash", "sdpa"])
+    parser.add_argument("--output-memory", nargs="*", default=["pinned"], choices=["pinned", "pageable"],
+                        help="where the frames go: a pinned buffer given as out=, or the default pageable tensor")
     parser.add_argument("--compile", action="store_true", help="fuse the blocks' elementwise work (torch.compile)")
+    parser.add_argument("--streamed", action="store_true",
+                        help="also time the lowest-memory fallback (blocks streamed from host) on a 2-window clip")
+    parser.add_argument("--skip-audio", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     compile_decoder_blocks(args.compile)
@@ -95,34 +100,41 @@ def main():
     weights = torch.cuda.memory_allocated() / GiB
     latents = (args.frames - 5) // 17 * 5 + 2
     z = torch.randn(24, latents, 48, 84, device=device)
-    out = torch.empty(args.frames, 768, 1344, 3, pin_memory=True)
+    pinned = torch.empty(args.frames, 768, 1344, 3, pin_memory=True)
     print(f"video VAE weights {weights:.2f} GiB; {latents} latents → {args.frames} frames", flush=True)
     for backend in args.backends:
-        overrides = None if backend == "auto" else {"video_vae": backend}
-        try:
-            kernel = resolve_vae_attention("video_vae", device, torch.float16, 64, backend).backend
-            decode_video(vae, z[:, :7, :16, :], overrides=overrides, tiles_per_batch=args.tiles_per_batch)  # warm-up
-            frames, seconds, peak = timed(lambda: decode_video(vae, z, overrides=overrides, out=out,
-                                                               tiles_per_batch=args.tiles_per_batch))
-            _, _, peak_two = timed(lambda: decode_video(vae, z[:, :12], overrides=overrides,
-                                                        tiles_per_batch=args.tiles_per_batch))
-            ok = bool(torch.isfinite(frames).all())
-            row = dict(backend=backend, kernel=kernel, seconds=seconds, peak_gib=peak, peak_two_windows_gib=peak_two,
-                       finite=ok)
-        except Exception as exc:  # one failing backend must not hide the others
-            row = dict(backend=backend, error=f"{type(exc).__name__}: {exc}"[:300])
-        report["video"].append(row)
-        print(row, flush=True)
-        torch.cuda.empty_cache()
+        for tiles_per_batch in args.tiles_per_batch:
+            for memory in args.output_memory:
+                overrides = None if backend == "auto" else {"video_vae": backend}
+                out = pinned if memory == "pinned" else None
+                options = dict(overrides=overrides, tiles_per_batch=tiles_per_batch)
+                try:
+                    kernel = resolve_vae_attention("video_vae", device, torch.float16, 64, backend).backend
+                    decode_video(vae, z[:, :7, :16, :], **options)  # warm-up
+                    frames, seconds, peak = timed(lambda: decode_video(vae, z, out=out, **options))
+                    _, _, peak_two = timed(lambda: decode_video(vae, z[:, :12], **options))
+                    ok = bool(torch.isfinite(frames).all())
+                    row = dict(backend=backend, kernel=kernel, tiles_per_batch=tiles_per_batch, output=memory,
+                               seconds=seconds, peak_gib=peak, peak_two_windows_gib=peak_two, finite=ok)
+                    del frames
+                except Exception as exc:  # one failing backend must not hide the others
+                    row = dict(backend=backend, tiles_per_batch=tiles_per_batch, output=memory,
+                               error=f"{type(exc).__name__}: {exc}"[:300])
+                report["video"].append(row)
+                print(row, flush=True)
+                torch.cuda.empty_cache()
 
     # Where one window's time goes (28 tiles at the release geometry).
     window = z[:, :7]
     from torch.profiler import ProfilerActivity, profile
 
-    decode_video(vae, window)
+    window_out = torch.empty(temporal_plan(7).num_frames, 768, 1344, 3, pin_memory=True)
+    decode_video(vae, window, out=window_out)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decode_video(vae, window)
+        t0 = time.perf_counter()
+        decode_video(vae, window, out=window_out)
         torch.cuda.synchronize()
+        report["window_wall_ms"] = (time.perf_counter() - t0) * 1e3
     buckets = {"attention": 0.0, "linear (gemm)": 0.0, "other": 0.0}
     for e in prof.key_averages():
         name, t = e.key.lower(), e.device_time_total / 1e3
@@ -138,8 +150,22 @@ def main():
         for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
     ]
     print(report["window_profile_ms"], flush=True)
-    del vae, z, out
+
+    if args.streamed:
+        # The fallback a card too small for one tile gets: blocks stay in pinned host memory.
+        said = vae.offload_decoder_blocks()
+        report["streamed"] = dict(said=said, rows=[])
+        two = z[:, :12]
+        for tiles_per_batch in (1, 4):
+            _, seconds, peak = timed(lambda: decode_video(vae, two, tiles_per_batch=tiles_per_batch))
+            row = dict(tiles_per_batch=tiles_per_batch, seconds_two_windows=seconds, peak_gib=peak,
+                       resident_gib=torch.cuda.memory_allocated() / GiB)
+            report["streamed"]["rows"].append(row)
+            print(row, flush=True)
+    del vae, z, pinned
     torch.cuda.empty_cache()
+    if args.skip_audio:
+        return finish(report, args.out)
 
     audio = random_audio_vae(device)
     latents = torch.randn(2, 32, round(args.frames / 24 * 40), device=device)
@@ -148,8 +174,12 @@ def main():
         wave, seconds, peak = timed(lambda: audio.decode(latents))
     report["audio"] = dict(seconds=seconds, peak_gib=peak, samples=wave.shape[-1], finite=bool(torch.isfinite(wave).all()))
     print(report["audio"], flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    finish(report, args.out)
+
+
+def finish(report, path):
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

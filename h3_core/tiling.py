@@ -30,6 +30,7 @@ from .errors import H3InputError
 __all__ = [
     "TRAINED_TILE_PX",
     "TRAINED_OVERLAP_PX",
+    "UNTRAINED_TILES_NOTE",
     "TileGrid",
     "TemporalPlan",
     "split_tiles",
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 
 TRAINED_TILE_PX = 256
 TRAINED_OVERLAP_PX = 64
+# What a user is told (tooltip and log) about choosing other tile sizes.
+UNTRAINED_TILES_NOTE = (
+    "The decoder was trained on 256 px tiles with 64 px overlap; other sizes leave the trained regime "
+    "(seams and a 16 px lattice can appear)."
+)
 
 
 @dataclass(frozen=True)
@@ -214,7 +220,10 @@ def decode_tiled(
     if plan.pad:
         latents = torch.cat([latents, latents[:, -1:].expand(C, plan.pad, h, w)], dim=1)
     state = _DecodeState(decode, tiles_per_batch, offload, report)
+    if (tile_px, overlap_px) != (TRAINED_TILE_PX, TRAINED_OVERLAP_PX):
+        state.say(f"decoding with {tile_px} px tiles and {overlap_px} px overlap. {UNTRAINED_TILES_NOTE}")
     device = latents.device
+    sink = _HostSink(out, device)
     weights = [
         [wy_t.to(device)[:, None] * wx_t.to(device)[None, :] for wx_t in wx] for wy_t in wy
     ]  # separable tile weights [th, tw]
@@ -251,12 +260,12 @@ def decode_tiled(
                 tx += count
             # Rows above the next tile row's start can no longer change.
             final = (grid_y.starts[ty + 1] if ty + 1 < len(grid_y.starts) else H) - band_top
-            _emit_rows(band[:, :, :final], band_top, plan, index, held_tail, new_tail, finish, out)
+            _emit_rows(band[:, :, :final], band_top, plan, index, held_tail, new_tail, finish, sink)
             band = torch.cat([band[:, :, final:], torch.zeros_like(band[:, :, :final])], dim=2)
             held = torch.cat([held[final:], torch.zeros_like(held[:final])])
             band_top += final
         held_tail = new_tail
-    return out
+    return sink.close()
 
 
 def _blend_into(mean, held, tile, weight):
@@ -270,7 +279,7 @@ def _blend_into(mean, held, tile, weight):
     held.copy_(total)
 
 
-def _emit_rows(pixels, top, plan, index, held_tail, new_tail, finish, out):
+def _emit_rows(pixels, top, plan, index, held_tail, new_tail, finish, sink):
     """Store finished rows ``[top, top + rows)`` of one window: its kept frames (cross-fading the first
     ones with the previous window's tail) and its tail (held raw for the next window)."""
     stop = top + pixels.shape[2]  # pixels: [3, frames, rows, W], on the decoder's device
@@ -279,25 +288,69 @@ def _emit_rows(pixels, top, plan, index, held_tail, new_tail, finish, out):
         fade = torch.arange(plan.fade, dtype=torch.float32, device=pixels.device) / plan.fade  # the new window's weight
         previous = held_tail[:, :, top:stop]
         kept[:, : plan.fade] = previous * (1 - fade)[None, :, None, None] + kept[:, : plan.fade] * fade[None, :, None, None]
-    _store(kept, plan.output_start(index), top, stop, finish, out)
+    _store(kept, plan.output_start(index), top, stop, finish, sink)
     if plan.tail is not None:
         tail = pixels[:, plan.tail[0] : plan.tail[1]]
         if new_tail is not None:
             new_tail[:, :, top:stop] = tail
         else:
-            _store(tail, plan.output_start(index + 1), top, stop, finish, out)
+            _store(tail, plan.output_start(index + 1), top, stop, finish, sink)
 
 
-def _store(pixels, frame0, top, stop, finish, out):
+def _store(pixels, frame0, top, stop, finish, sink):
     """Write ``pixels`` ``[3, f, rows, W]`` to ``out[frame0:, top:stop]``, dropping frames past the end;
     ``finish`` and the move to channels-last happen on the decoder's device, before the copy out."""
-    count = max(0, min(pixels.shape[1], out.shape[0] - frame0))
+    count = max(0, min(pixels.shape[1], sink.out.shape[0] - frame0))
     if count == 0:
         return
     pixels = pixels[:, :count]
     if finish is not None:
         pixels = finish(pixels)
-    out[frame0 : frame0 + count, top:stop] = pixels.permute(1, 2, 3, 0).to(out.dtype).contiguous().to(out.device)
+    sink.put(frame0, top, stop, pixels.permute(1, 2, 3, 0).to(sink.out.dtype).contiguous())
+
+
+class _HostSink:
+    """Copies finished rows from the decoder's device into ``out`` without stalling the device.
+
+    From CUDA into pinned memory, each frame's rows (contiguous in ``out``) are copied asynchronously on
+    the decoding stream; into pageable memory, the rows go asynchronously to a pinned staging tensor and
+    are written into ``out`` by the host while the device decodes the next tile row. ``close`` waits for
+    every copy. Anything else (CPU decoding, or ``out`` on the decoder's device) is a plain copy."""
+
+    def __init__(self, out: torch.Tensor, device: torch.device):
+        self.out = out
+        self.staged = None  # (event, pinned rows, frame0, top, stop) still being copied off the device
+        self.mode = "plain"
+        if device.type == "cuda" and out.device.type == "cpu":
+            self.mode = "pinned" if out.is_pinned() else "staged"
+
+    def put(self, frame0: int, top: int, stop: int, rows: torch.Tensor) -> None:
+        """``rows`` ``[f, stop - top, W, 3]`` on the decoder's device, already in ``out``'s dtype."""
+        if self.mode == "plain":
+            self.out[frame0 : frame0 + rows.shape[0], top:stop] = rows.to(self.out.device)
+        elif self.mode == "pinned":
+            for i, frame in enumerate(rows):
+                self.out[frame0 + i, top:stop].copy_(frame, non_blocking=True)
+        else:
+            pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            pinned.copy_(rows, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._drain()
+            self.staged = (event, pinned, frame0, top, stop)
+
+    def _drain(self) -> None:
+        if self.staged is not None:
+            event, pinned, frame0, top, stop = self.staged
+            event.synchronize()
+            self.out[frame0 : frame0 + pinned.shape[0], top:stop] = pinned
+            self.staged = None
+
+    def close(self) -> torch.Tensor:
+        self._drain()
+        if self.mode == "pinned":
+            torch.cuda.current_stream().synchronize()
+        return self.out
 
 
 class _DecodeState:
@@ -309,7 +362,7 @@ class _DecodeState:
         self.decode, self.tiles_per_batch, self.offload, self.report = decode, tiles_per_batch, offload, report
         self.offloaded = False
 
-    def _say(self, message):
+    def say(self, message):
         log.warning(message)
         if self.report is not None:
             self.report(message)
@@ -323,10 +376,10 @@ class _DecodeState:
                     torch.cuda.empty_cache()
                 if self.tiles_per_batch > 1:
                     self.tiles_per_batch = max(1, self.tiles_per_batch // 2)
-                    self._say(f"video decode ran out of memory; retrying with {self.tiles_per_batch} tile(s) per batch")
+                    self.say(f"video decode ran out of memory; retrying with {self.tiles_per_batch} tile(s) per batch")
                 elif self.offload is not None and not self.offloaded:
                     self.offloaded = True
-                    self._say(f"video decode ran out of memory with 1 tile per batch; {self.offload()}")
+                    self.say(f"video decode ran out of memory with 1 tile per batch; {self.offload()}")
                 else:
                     raise DecodeOutOfMemory(
                         "video decode ran out of memory with 1 tile per batch"

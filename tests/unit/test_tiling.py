@@ -186,6 +186,16 @@ def test_finish_progress_and_output_buffer():
     assert calls == [(done, tiles) for done in range(1, tiles + 1)]
 
 
+def test_untrained_tile_sizes_are_allowed_and_said():
+    z = latents(7, 20, 33)
+    said = []
+    decode_tiled(local_decode, z, tile_px=192, overlap_px=48, report=said.append)
+    assert len(said) == 1 and "192 px tiles and 48 px overlap" in said[0] and "trained regime" in said[0]
+    said.clear()
+    decode_tiled(local_decode, z, report=said.append)
+    assert said == []
+
+
 def test_cancel_stops_before_the_next_batch():
     z = latents(12, 20, 20)
     decoded = []
