@@ -10,25 +10,32 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from h3_core.pipeline.text_encoder import load_text_encoder  # noqa: E402
 
-WORDS = ["a", "fox", "runs", "through", "snow", "<d>", "</d>", "[English]", "hello"]
+WORDS = ["a", "fox", "runs", "through", "snow", "<d>", "</d>", "[English]", "hello",
+         "<Picture", "<Audio", "<Video", "1>:", "2>:", "3>:", "seconds>", "<0.2", "<1.0"]
+VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen")
-    vocab = {w: i for i, w in enumerate(["<unk>", "<|endoftext|>", "<|im_start|>"] + WORDS)}
+    vocab = {w: i for i, w in enumerate(["<unk>", "<|endoftext|>", "<|im_start|>"] + WORDS + VISION)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
                                                 eos_token="<|endoftext|>")
     (root / "tokenizer").mkdir()
     fast.save_pretrained(root / "tokenizer")
+    processor = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 64, "longest_edge": 4096})
+    transformers.Qwen2VLImageProcessor(**processor).save_pretrained(root / "processor")
+    transformers.Qwen3VLVideoProcessor(**processor).save_pretrained(root / "processor")
     cfg = transformers.Qwen3VLConfig(
         text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=16, vocab_size=len(vocab),
                          rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                            patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0]),
+        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"],
     )
     torch.manual_seed(0)
     transformers.Qwen3VLForConditionalGeneration(cfg).save_pretrained(root / "text_encoder")
@@ -82,3 +89,102 @@ def test_streamed_to_cuda_keeps_the_weights_at_home(folder):
     want = host.encode("a fox runs through snow")
     assert torch.allclose(got.embeds, want.embeds, atol=1e-5, rtol=1e-4)
     assert all(p.device.type == "cpu" for p in streamed.language_model.layers.parameters())
+
+
+def pixels(*shape, seed=0):
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def oracle(folder, prompt, references, layer=3):
+    """diffusers 0.42.1's Ref2VA presentation and conditioner call on the same model and media."""
+    import types
+
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep, get_qwen3vl_prompt_embeds
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder / "tokenizer")
+    processor = transformers.Qwen3VLProcessor(
+        image_processor=transformers.AutoImageProcessor.from_pretrained(folder / "processor"),
+        tokenizer=tokenizer,
+        video_processor=transformers.AutoVideoProcessor.from_pretrained(folder / "processor"),
+    )
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(folder / "text_encoder",
+                                                                         dtype=torch.float32).eval()
+
+    def as_uint8(t):
+        return (t.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+
+    refs = [types.SimpleNamespace(kind=r.kind, has_audio=r.has_audio or r.kind == "audio",
+                                  image=as_uint8(r.media) if r.kind == "image" else None,
+                                  frames=as_uint8(r.media) if r.kind == "video" else None) for r in references]
+    step = MiniMaxH3Ref2VATextEncoderStep()
+    vision, image_tokens, video_tokens, video_times = step._gather_vision_features(processor, refs, 24.0)
+    ids, tags = step._build_presentation(tokenizer, prompt, refs, image_tokens, video_tokens, video_times)
+    with torch.no_grad():
+        embeds = get_qwen3vl_prompt_embeds(model, processor, ids, vision, text_encoder_layer=layer, dtype=torch.float32)
+    return ids, tags, embeds[0]
+
+
+def test_keyframes_are_pictures_with_vision_blocks_as_released(folder):
+    from h3_core.pipeline.presentation import PresentedReference
+
+    encoder = load_text_encoder(folder, dtype=torch.float32, layer=3)
+    first, last = pixels(24, 40, 3, seed=1), pixels(24, 40, 3, seed=2)
+    emb = encoder.encode("a fox runs", keyframes=[first, last])
+    ids, tags, embeds = oracle(folder, "a fox runs", [PresentedReference("image", first), PresentedReference("image", last)])
+    assert emb.tags.tolist() == tags
+    assert torch.equal(emb.embeds, embeds)
+    words = encoder.tokenizer.convert_ids_to_tokens(ids)
+    assert words[:3] == ["<Picture", "1>:", "<|vision_start|>"] and words[-3:] == ["a", "fox", "runs"]
+    assert tags[:2] == [1, 1] and tags[2] == 0 and tags[-3:] == [1, 1, 1]
+    # The vision rows change the states of the prompt rows after them (the model attends to the pictures).
+    plain = encoder.encode("a fox runs")
+    assert not torch.allclose(emb.embeds[-3:], plain.embeds)
+
+
+def test_references_in_packed_order_with_labels_per_modality(folder):
+    from h3_core.pipeline.presentation import PresentedReference
+
+    encoder = load_text_encoder(folder, dtype=torch.float32, layer=3)
+    refs = [
+        PresentedReference("video", pixels(30, 16, 24, 3, seed=3), has_audio=True),  # 1.25 s at 24 fps
+        PresentedReference("image", pixels(16, 32, 3, seed=4)),
+        PresentedReference("audio"),
+        PresentedReference("video", pixels(13, 24, 16, 3, seed=5)),
+    ]
+    emb = encoder.encode("hello", references=refs)
+    ids, tags, embeds = oracle(folder, "hello", refs)
+    assert emb.tags.tolist() == tags
+    assert torch.equal(emb.embeds, embeds)
+    text = [w for w, t in zip(encoder.tokenizer.convert_ids_to_tokens(ids), tags) if t == 1]
+    assert text == ["<Audio", "1>:", "<Video", "1>:", "<0.2", "seconds>", "<1.0", "seconds>", "<Picture", "1>:",
+                    "<Audio", "2>:", "<Video", "2>:", "<0.2", "seconds>", "hello"]
+
+
+def test_video_blocks_follow_the_two_fps_reading():
+    from h3_core.pipeline.presentation import video_blocks
+
+    # 24 fps read at 2 fps: every 12th frame; pairs merged (the last frame repeated to fill one); a block
+    # is labelled with its pair's mean time
+    assert video_blocks(30, 24.0, 2) == ([0, 12, 24], [0.25, 1.0])
+    assert video_blocks(13, 24.0, 2) == ([0, 12], [0.25])
+    assert video_blocks(10, 5.0, 2) == ([0, 2, 5, 8], [0.25, 1.25])  # 2.5-frame steps rounded half to even
+    with pytest.raises(H3InputError, match="at least 13 frames at 24 fps"):
+        video_blocks(12, 24.0, 2)
+
+
+def test_bad_vision_requests(folder, tmp_path):
+    from h3_core.pipeline.presentation import PresentedReference
+
+    encoder = load_text_encoder(folder, dtype=torch.float32, layer=3)
+    with pytest.raises(H3InputError, match="keyframes .FL2VA. or references .Ref2VA., not both"):
+        encoder.encode("a fox", keyframes=[pixels(8, 8, 3)], references=[PresentedReference("audio")])
+    with pytest.raises(H3InputError, match=r"reference 0: image pixels must be \[H, W, 3\], got \(3, 8, 8\)"):
+        encoder.encode("a fox", keyframes=[pixels(3, 8, 8)])
+    with pytest.raises(H3InputError, match="reference 0: kind must be one of"):
+        encoder.encode("a fox", references=[PresentedReference("sketch")])
+    with pytest.raises(H3InputError, match="an audio reference shows Qwen no pixels"):
+        encoder.encode("a fox", references=[PresentedReference("audio", pixels(8, 8, 3))])
+    bare = load_text_encoder(folder / "text_encoder", dtype=torch.float32, layer=3)
+    bare.tokenizer = encoder.tokenizer
+    with pytest.raises(H3InputError, match="no preprocessor_config.json"):
+        bare.encode("a fox", keyframes=[pixels(8, 8, 3)])
