@@ -79,11 +79,86 @@ def timed(fn, reps):
     return dict(ms=statistics.median(times), spread_ms=max(times) - min(times), extra_peak_gib=peak)
 
 
+class SectionClock:
+    """Device time spent inside chosen modules and functions during one forward (CUDA events, or the
+    wall clock on the CPU). Nested sections are reported as measured; ``split`` turns them into disjoint
+    shares of the block."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks, self.handles, self.patched = cuda, [], [], []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _elapsed(self, start, stop):
+        return start.elapsed_time(stop) if self.cuda else (stop - start) * 1e3
+
+    def module(self, name, module):
+        open_marks = []
+        self.handles.append(module.register_forward_pre_hook(lambda m, a: open_marks.append(self._mark())))
+        self.handles.append(module.register_forward_hook(
+            lambda m, a, o: self.marks.append((name, open_marks.pop(), self._mark()))))
+
+    def function(self, name, owner, attr):
+        real = getattr(owner, attr)
+
+        def timed_call(*args, **kwargs):
+            start = self._mark()
+            out = real(*args, **kwargs)
+            self.marks.append((name, start, self._mark()))
+            return out
+
+        setattr(owner, attr, timed_call)
+        self.patched.append((owner, attr, real))
+
+    def close(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        for handle in self.handles:
+            handle.remove()
+        for owner, attr, real in self.patched:
+            setattr(owner, attr, real)
+        totals: dict[str, float] = {}
+        for name, start, stop in self.marks:
+            totals[name] = totals.get(name, 0.0) + self._elapsed(start, stop)
+        return totals
+
+
+def profile_block(block, run, cuda: bool) -> dict:
+    """Split one forward into linears, window (or dense) attention, linear branch, AdaLN and the rest."""
+    import h3_core.models.dit as dit_module
+    import h3_core.models.hybrid as hybrid_module
+
+    clock = SectionClock(cuda)
+    attn = block.attn
+    linears = [attn.qkv_proj, attn.out_proj, block.mlp.fc1, block.mlp.fc2]
+    if hasattr(attn, "to_out_linear"):
+        linears += [attn.to_out_linear, attn.softmax_gate]
+        clock.module("linear branch", attn.linear_attention)
+        clock.function("linear branch", type(attn.linear_attention), "text_state")
+    for i, layer in enumerate(linears):
+        clock.module("linears", layer)
+    clock.module("adaln table", block.adaln_proj)
+    clock.function("attention kernel", hybrid_module, "window_softmax")
+    clock.function("attention kernel", dit_module, "dense_attention")
+    clock.module("whole block", block)
+    run()
+    times = clock.close()
+    whole = times.pop("whole block")
+    times["elementwise and the rest"] = whole - sum(times.values())
+    return dict(total_ms=whole, sections_ms={k: round(v, 2) for k, v in times.items()})
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--profile", action="store_true", help="split one forward of each block into sections")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,6 +180,9 @@ def main(argv=None) -> dict:
         stats["weights_gib"] = sum(p.numel() * p.element_size() for p in block.parameters()) / GiB
         if hybrid:
             stats["window_backend"] = last_window_run().backend
+        if args.profile:
+            with torch.no_grad():
+                stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx), device.type == "cuda")
         result["blocks"][name] = stats
         del block, out
     text = json.dumps(result, indent=2)

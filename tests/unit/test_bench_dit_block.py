@@ -4,6 +4,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "dit_block.py"
 
 
@@ -13,9 +15,14 @@ def test_tiny_dry_run_times_both_blocks(tmp_path):
     sys.modules["dit_block"] = bench
     spec.loader.exec_module(bench)
     out = tmp_path / "block.json"
-    result = bench.main(["--tiny", "--reps", "1", "--out", str(out)])
+    result = bench.main(["--tiny", "--reps", "1", "--profile", "--out", str(out)])
     assert out.read_text().strip().startswith("{")
     dense, hybrid = result["blocks"]["dense"], result["blocks"]["hybrid"]
     assert dense["finite"] and hybrid["finite"] and dense["ms"] > 0 and hybrid["ms"] > 0
     assert hybrid["weights_gib"] > dense["weights_gib"]  # the gate, to_out_linear and the branch
     assert hybrid["window_backend"] == "ref"  # auto on the CPU
+    for name, block in (("dense", dense), ("hybrid", hybrid)):
+        sections = block["profile"]["sections_ms"]
+        assert sum(sections.values()) == pytest.approx(block["profile"]["total_ms"], abs=0.05)
+        assert sections["linears"] > 0 and sections["attention kernel"] > 0
+    assert "linear branch" in hybrid["profile"]["sections_ms"] and "linear branch" not in dense["profile"]["sections_ms"]
