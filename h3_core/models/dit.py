@@ -26,6 +26,7 @@ from ..attention.kernels import dense_attention
 from ..errors import H3InputError
 from ..keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
+from .low_memory import add_linear_cols, head_slices, linear_rows
 
 __all__ = ["DiTConfig", "H3DiT", "load_dit", "layouts", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
            "rope_cos_sin"]
@@ -96,7 +97,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class Attention(nn.Module):
     """Fused ``qkv_proj`` (stacked [q; k; v], no bias), per-head RMSNorm on q and k, optional RoPE, full
-    attention, ``out_proj``."""
+    attention, ``out_proj``. ``head_groups`` > 1 runs the heads a group at a time (``low_memory``)."""
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -105,14 +106,29 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
         self.out_proj = nn.Linear(cfg.inner, cfg.hidden, bias=False)
+        self.head_groups = 1
+
+    def project(self, x: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Raw q, k, v ``[T, h, d]`` of the heads in ``heads`` (all by default): one GEMM for all heads,
+        three row slices of the fused weight for a group."""
+        T, d = x.shape[0], self.head_dim
+        if heads is None or (heads.start, heads.stop) == (0, self.heads):
+            return self.qkv_proj(x).view(T, 3, self.heads, d).unbind(1)
+        inner, a, b = self.heads * d, heads.start * d, heads.stop * d
+        return tuple(linear_rows(self.qkv_proj, x, i * inner + a, i * inner + b).view(T, -1, d) for i in range(3))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, ctx=None) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(T, 3, self.heads, self.head_dim).unbind(1)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
-        return self.out_proj(dense_attention(q, k, v).out.reshape(T, -1))
+        T, d = x.shape[0], self.head_dim
+        out = None
+        for heads in head_slices(self.heads, self.head_groups):
+            q, k, v = self.project(x, heads)
+            q, k = self.q_norm(q), self.k_norm(k)
+            if rope is not None:
+                q, k = _rotate(q, *rope), _rotate(k, *rope)
+            attended = dense_attention(q, k, v).out.reshape(T, -1)
+            del q, k, v
+            out = add_linear_cols(out, self.out_proj, attended, heads.start * d, heads.stop * d)
+        return out
 
 
 class HybridAttention(Attention):
@@ -131,16 +147,27 @@ class HybridAttention(Attention):
 
 
 class SwiGLU(nn.Module):
-    """``fc2(silu(gate) · up)`` with ``fc1`` giving ``[gate; up]`` (no biases)."""
+    """``fc2(silu(gate) · up)`` with ``fc1`` giving ``[gate; up]`` (no biases); over ``chunk_rows`` rows at a
+    time when set (``low_memory``)."""
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         self.fc1 = nn.Linear(cfg.hidden, 2 * cfg.ffn, bias=False)
         self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+        self.chunk_rows: int | None = None
 
-    def forward(self, x):
+    def _rows(self, x):
         gate, up = self.fc1(x).chunk(2, dim=-1)
         return self.fc2(F.silu(gate) * up)
+
+    def forward(self, x):
+        rows = self.chunk_rows
+        if rows is None or rows >= x.shape[0]:
+            return self._rows(x)
+        out = x.new_empty(*x.shape[:-1], self.fc2.out_features)
+        for start in range(0, x.shape[0], rows):
+            out[start : start + rows] = self._rows(x[start : start + rows])
+        return out
 
 
 class RefinerBlock(nn.Module):

@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..attention.layout import SequenceLayout, WindowSpec, is_full_cover, window_bounds
 from ..attention.window import window_softmax
 from .linear_branch import LinearBranch
+from .low_memory import add_linear_cols, head_slices
 
 __all__ = ["HybridContext", "SoftmaxGate", "add_hybrid_parts", "hybrid_attention_forward"]
 
@@ -62,24 +63,36 @@ def _branch_rows(ctx: HybridContext, bounds):
 
 
 def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, rotate) -> torch.Tensor:
-    """The hybrid forward for an attention module holding ``qkv_proj``, ``q_norm``, ``k_norm``, ``out_proj``,
-    ``softmax_gate``, ``to_out_linear`` and ``linear_attention``; ``rotate(x, cos, sin)`` applies RoPE."""
-    T, H, d = x.shape[0], attn.heads, attn.head_dim
-    q_raw, k_raw, v = attn.qkv_proj(x).view(T, 3, H, d).unbind(1)
-    q, k = attn.q_norm(q_raw), attn.k_norm(k_raw)
-    if rope is not None:
-        q, k = rotate(q, *rope), rotate(k, *rope)
+    """The hybrid forward for an attention module holding ``project`` (raw q, k, v of a head range),
+    ``q_norm``, ``k_norm``, ``out_proj``, ``softmax_gate``, ``to_out_linear``, ``linear_attention`` and
+    ``head_groups``; ``rotate(x, cos, sin)`` applies RoPE. Heads run a group at a time (``low_memory``)."""
+    T, d = x.shape[0], attn.head_dim
     layout, window = ctx.layout, ctx.window
     bounds = window_bounds(layout.num_frames, window.radius, window.chunk)
-    soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
-    out = attn.out_proj((soft * attn.softmax_gate(x)[..., None]).reshape(T, H * d))
     (r0, r1), inner = _branch_rows(ctx, bounds)
-    if is_full_cover(bounds, layout.num_frames) or not inner:
-        return out
+    branch_on = not is_full_cover(bounds, layout.num_frames) and bool(inner)
     branch: LinearBranch = attn.linear_attention
     t0, t1 = ctx.text
-    seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1]) if t1 > t0 else None
     grid = (layout.frame_h, layout.frame_w)
-    readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed)
-    out[r0:r1] = out[r0:r1] + attn.to_out_linear(readout.to(x.dtype))
+    gate = attn.softmax_gate(x)  # [T, H]
+    out = readout_total = None
+    for heads in head_slices(attn.heads, attn.head_groups):
+        q_raw, k_raw, v = attn.project(x, heads)
+        q, k = attn.q_norm(q_raw), attn.k_norm(k_raw)
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
+        del q, k
+        gated = (soft * gate[:, heads, None]).reshape(T, -1)
+        del soft
+        out = add_linear_cols(out, attn.out_proj, gated, heads.start * d, heads.stop * d)
+        del gated
+        if branch_on:
+            seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
+            readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
+            del q_raw, k_raw, v
+            readout_total = add_linear_cols(readout_total, attn.to_out_linear, readout.to(x.dtype),
+                                            heads.start * d, heads.stop * d)
+    if readout_total is not None:
+        out[r0:r1] = out[r0:r1] + readout_total
     return out

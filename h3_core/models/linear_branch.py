@@ -162,12 +162,13 @@ class _Alpha(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.dt_bias = nn.Parameter(torch.zeros(heads * head_dim))
 
-    def forward(self, mean):
-        """α ``[F, H, d]`` (fp32, or fp64 for fp64 means) from the frame means ``[F, hidden]``."""
+    def forward(self, mean, heads: slice):
+        """α ``[F, h, d]`` (fp32, or fp64 for fp64 means) of the ``heads`` from the frame means ``[F, hidden]``."""
         acc = accumulation_dtype(mean.dtype)
-        delta = F.linear(F.linear(mean.to(acc), self.down.weight.to(acc)), self.up.weight.to(acc))
-        delta = (delta + self.dt_bias.to(acc)).view(-1, self.heads, self.head_dim)
-        return torch.exp(-torch.exp(self.A_log.to(acc))[:, None] * F.softplus(delta))
+        channels = _channels(heads, self.head_dim)
+        delta = F.linear(F.linear(mean.to(acc), self.down.weight.to(acc)), self.up.weight[channels].to(acc))
+        delta = (delta + self.dt_bias[channels].to(acc)).view(mean.shape[0], -1, self.head_dim)
+        return torch.exp(-torch.exp(self.A_log[heads].to(acc))[:, None] * F.softplus(delta))
 
 
 class _OutputGate(nn.Module):
@@ -176,8 +177,12 @@ class _OutputGate(nn.Module):
         self.down = nn.Linear(hidden, bottleneck, bias=False)
         self.up = nn.Linear(bottleneck, heads * head_dim)
 
-    def forward(self, x):
-        return torch.sigmoid(self.up(self.down(x)))
+    def forward(self, x, channels: slice):
+        return torch.sigmoid(F.linear(self.down(x), self.up.weight[channels], self.up.bias[channels]))
+
+
+def _channels(heads: slice, head_dim: int) -> slice:
+    return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
 class _ShortConv(nn.Module):
@@ -201,32 +206,42 @@ class LinearBranch(nn.Module):
         self.norm = nn.RMSNorm(head_dim, eps=EPS)
         self.short_conv = _ShortConv(heads * head_dim)
 
-    def text_state(self, text_x, k_raw, v_raw):
-        """0.5 · B_txt (I + A_txt)⁻¹ over all text rows ``[L, ...]`` (no convs), fp32 ``[H, d, d]``."""
+    def _heads(self, heads: slice | None) -> slice:
+        return slice(0, self.heads) if heads is None else heads
+
+    def text_state(self, text_x, k_raw, v_raw, heads: slice | None = None):
+        """0.5 · B_txt (I + A_txt)⁻¹ over all text rows ``[L, ...]`` (no convs), fp32 ``[h, d, d]``, for the
+        ``heads`` whose raw k, v are given (all by default)."""
+        heads = self._heads(heads)
         _, k, v = featurize(k_raw[None], k_raw[None], v_raw[None], None)
-        beta = torch.sigmoid(self.beta_proj(text_x))[None]
+        beta = torch.sigmoid(F.linear(text_x, self.beta_proj.weight[heads]))[None]
         A, B = frame_statistics(k, v, beta)
         _, J = solve(torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device), A, B)
         return TEXT_STATE_SCALE * J[0]
 
-    def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None):
-        """Readout ``[F·S, H·d]`` for video rows ``x`` ``[F·S, hidden]`` and raw q, k, v ``[F·S, H, d]`` of ``F``
-        frames on a ``grid`` (gh, gw), with per-frame window ``bounds`` in these frames' coordinates; ``seed``
-        is the text state (zero when None)."""
+    def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None, heads: slice | None = None):
+        """Readout ``[F·S, h·d]`` for video rows ``x`` ``[F·S, hidden]`` and raw q, k, v ``[F·S, h, d]`` of the
+        ``heads`` (all by default) over ``F`` frames on a ``grid`` (gh, gw), with per-frame window ``bounds``
+        in these frames' coordinates; ``seed`` is the text state of those heads (zero when None)."""
+        heads = self._heads(heads)
+        channels = _channels(heads, self.head_dim)
         frames = len(bounds)
         S = grid[0] * grid[1]
-        shape = (frames, S, self.heads, self.head_dim)
+        shape = (frames, S, heads.stop - heads.start, self.head_dim)
         conv = self.short_conv
-        q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid,
-                            (conv.k_sp.weight, conv.k_tm.weight, conv.v_sp.weight, conv.v_tm.weight))
-        beta = torch.sigmoid(self.beta_proj(x)).view(frames, S, self.heads)
+        weights = (conv.k_sp.weight[channels], conv.k_tm.weight[channels], conv.v_sp.weight[channels],
+                   conv.v_tm.weight[channels])
+        q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid, weights)
+        beta = torch.sigmoid(F.linear(x, self.beta_proj.weight[heads])).view(frames, S, -1)
         A, B = frame_statistics(k, v, beta)
-        alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=accumulation_dtype(x.dtype)))
+        del k, v, beta
+        alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=accumulation_dtype(x.dtype)), heads)
         T, J = solve(alpha.to(A.dtype), A, B)
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = scan(T, J, seed)
-        state = gather(P, Q, alpha, bounds, seed)  # [F, H, d_v, d_k]
+        state = gather(P, Q, alpha, bounds, seed)  # [F, h, d_v, d_k]
         out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)
+        del q
         acc = accumulation_dtype(x.dtype)
-        out = F.rms_norm(out.to(acc), (self.head_dim,), self.norm.weight.to(acc), EPS).to(x.dtype) * self.output_gate(x).view(shape)
-        return out.reshape(frames * S, -1)
+        out = F.rms_norm(out.to(acc), (self.head_dim,), self.norm.weight.to(acc), EPS).to(x.dtype)
+        return (out * self.output_gate(x, channels).view(shape)).reshape(frames * S, -1)

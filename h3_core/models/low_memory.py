@@ -1,0 +1,68 @@
+"""Exact lower-memory ways to run a DiT block: the same arithmetic on smaller pieces at a time.
+
+* ``ffn_chunk_rows``: the SwiGLU FFN over row chunks, so its ``[T, 2·ffn]`` intermediate exists for one chunk
+  only. Rows are independent, so the result is the plain one.
+* ``head_groups``: attention — and in VDN-H3 the linear branch — computed a group of heads at a time: q, k,
+  v, the attention output and the branch's features exist for one group only, and each group's share of
+  ``out_proj`` (and ``to_out_linear``) is added into the block output. Heads are independent, so only the
+  order of that final sum changes (in half precision each group's share is rounded as it is added).
+
+The plain path is ``LowMemory()``: everything at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import H3InputError
+
+__all__ = ["LowMemory", "apply_low_memory", "head_slices", "linear_rows", "add_linear_cols"]
+
+
+@dataclass(frozen=True)
+class LowMemory:
+    ffn_chunk_rows: int | None = None  # None: all rows at once
+    head_groups: int = 1  # 1: all heads at once
+
+
+def apply_low_memory(model: nn.Module, options: LowMemory) -> None:
+    """Set ``options`` on every block of ``model`` (an ``H3DiT`` or a single ``Block``)."""
+    from .dit import Attention, SwiGLU
+
+    if options.ffn_chunk_rows is not None and (not isinstance(options.ffn_chunk_rows, int) or options.ffn_chunk_rows < 1):
+        raise H3InputError(f"ffn_chunk_rows must be a positive number of rows or None, got {options.ffn_chunk_rows!r}")
+    for module in model.modules():
+        if isinstance(module, SwiGLU):
+            module.chunk_rows = options.ffn_chunk_rows
+        elif isinstance(module, Attention):
+            if not isinstance(options.head_groups, int) or not 1 <= options.head_groups <= module.heads:
+                raise H3InputError(f"head_groups must be between 1 and the model's {module.heads} heads, "
+                                   f"got {options.head_groups!r}")
+            module.head_groups = options.head_groups
+
+
+def head_slices(heads: int, groups: int) -> list[slice]:
+    """``groups`` consecutive head ranges as even as possible."""
+    bounds = [round(i * heads / groups) for i in range(groups + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def linear_rows(layer: nn.Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Output features ``[start, stop)`` of ``layer(x)``: a row slice of the weight, no copy."""
+    bias = None if layer.bias is None else layer.bias[start:stop]
+    return F.linear(x, layer.weight[start:stop], bias)
+
+
+def add_linear_cols(total: torch.Tensor | None, layer: nn.Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``total + x @ W[:, start:stop]ᵀ``: the share of input features ``[start, stop)`` in ``layer``'s output
+    (bias excluded), added in place into ``total`` (created on the first call)."""
+    if total is None and (start, stop) == (0, layer.in_features) and layer.bias is None:
+        return layer(x)  # the whole layer: its own forward (whatever kind of linear it is)
+    weight = layer.weight[:, start:stop]
+    if total is None:
+        return F.linear(x, weight)
+    return total.addmm_(x.reshape(-1, x.shape[-1]), weight.t()) if total.dim() == 2 else total.add_(F.linear(x, weight))

@@ -1,0 +1,80 @@
+"""The exact lower-memory paths (h3_core.models.low_memory) equal the plain path, dense and hybrid."""
+
+import pytest
+import torch
+
+from h3_core.attention import WindowSpec
+from h3_core.errors import H3InputError
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.hybrid import HybridContext
+from h3_core.models.low_memory import LowMemory, apply_low_memory, head_slices
+from h3_core.pipeline.packing import pack_sequence
+
+CFG = DiTConfig(hidden=24, layers=2, heads=3, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12,
+                time_embed=10, rope_freqs=2)
+
+
+def model(hybrid: bool):
+    torch.manual_seed(0)
+    m = H3DiT(DiTConfig(**{**CFG.__dict__, "hybrid": hybrid})).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+        m.rope.inv_freq.copy_(1 / (10000 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)))
+    return m
+
+
+def request(frames=12, text=4, audio=5):
+    packed = pack_sequence(torch.ones(text, dtype=torch.long), frames, 2, 4, audio)
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
+            torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
+            torch.randn(text, 20, generator=g, dtype=torch.float64), torch.tensor([0.3, 0.999], dtype=torch.float64),
+            (torch.arange(packed.positions.shape[0]) % 2), packed.tags, packed.positions,
+            packed.video_index, packed.audio_index, packed.text_index)
+    return packed, args
+
+
+def test_head_slices_cover_every_head_once():
+    for heads in range(1, 9):
+        for groups in range(1, heads + 1):
+            slices = head_slices(heads, groups)
+            assert len(slices) == groups
+            assert [h for s in slices for h in range(s.start, s.stop)] == list(range(heads))
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("options", [LowMemory(ffn_chunk_rows=7), LowMemory(head_groups=2), LowMemory(head_groups=3),
+                                     LowMemory(ffn_chunk_rows=50, head_groups=2)])
+def test_low_memory_paths_equal_the_plain_forward(hybrid, options):
+    m = model(hybrid)
+    packed, args = request()
+    # A narrow window, so the hybrid model's linear branch runs on the inner frames.
+    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
+    with torch.no_grad():
+        plain = m(*args, hybrid=ctx)
+        apply_low_memory(m, options)
+        low = m(*args, hybrid=ctx)
+        apply_low_memory(m, LowMemory())
+        again = m(*args, hybrid=ctx)
+    for a, b in zip(low, plain):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+    for a, b in zip(again, plain):
+        assert torch.equal(a, b)
+
+
+def test_every_block_takes_the_options():
+    m = model(True)
+    apply_low_memory(m, LowMemory(ffn_chunk_rows=128, head_groups=3))
+    assert all(b.mlp.chunk_rows == 128 and b.attn.head_groups == 3 for b in m.blocks)
+    assert all(b.mlp.chunk_rows == 128 and b.attn.head_groups == 3 for b in m.token_refiner.blocks)
+
+
+def test_bad_options():
+    m = model(False)
+    with pytest.raises(H3InputError, match=r"head_groups must be between 1 and the model's 3 heads, got 4"):
+        apply_low_memory(m, LowMemory(head_groups=4))
+    with pytest.raises(H3InputError, match=r"head_groups must be between 1 and the model's 3 heads, got 0"):
+        apply_low_memory(m, LowMemory(head_groups=0))
+    with pytest.raises(H3InputError, match=r"ffn_chunk_rows must be a positive number of rows or None, got 0"):
+        apply_low_memory(m, LowMemory(ffn_chunk_rows=0))
