@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
+from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
 from h3_core.pipeline.packing import pack_sequence  # noqa: E402
 
 GiB = 2**30
@@ -159,6 +160,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--profile", action="store_true", help="split one forward of each block into sections")
+    parser.add_argument("--ffn-chunk-rows", type=int, default=None, help="the FFN over this many rows at a time")
+    parser.add_argument("--head-groups", type=int, default=1, help="attention and linear branch in this many head groups")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,11 +170,13 @@ def main(argv=None) -> dict:
     packed, x, temb, rows, rope = inputs(setup, device, dtype)
     result = dict(command="python3 bench/dit_block.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                  rows=int(x.shape[0]), dtype=str(dtype), blocks={})
+                  rows=int(x.shape[0]), dtype=str(dtype), ffn_chunk_rows=args.ffn_chunk_rows,
+                  head_groups=args.head_groups, blocks={})
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
     context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
     for name, hybrid in (("dense", False), ("hybrid", True)):
         block = build(replace(setup["cfg"], hybrid=hybrid), device, dtype)
+        apply_low_memory(block, LowMemory(args.ffn_chunk_rows, args.head_groups))
         ctx = context if hybrid else None
         with torch.no_grad():
             out = block(x, temb, rows, rope, ctx)
