@@ -220,7 +220,8 @@ class Block(nn.Module):
 
     def forward(self, x, temb, rows, rope, ctx=None):
         """``rows``: each packed row's AdaLN table row, ``t_index · 3 + tag``; ``ctx``: the hybrid context."""
-        shift1, scale1, gate1, shift2, scale2, gate2 = (m.index_select(0, rows) for m in self.adaln_proj(temb))
+        # The pruned form's AdaLN linears are fp32; their rows modulate in the block's dtype.
+        shift1, scale1, gate1, shift2, scale2, gate2 = (m.index_select(0, rows).to(x.dtype) for m in self.adaln_proj(temb))
         x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1, rope, ctx)
         return x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
 

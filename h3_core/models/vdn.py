@@ -60,6 +60,7 @@ def load_vdn(base, branch, *, device="cpu", dtype: torch.dtype = torch.bfloat16,
     weights from ``branch``. The branch loads in ``dtype``; its scans accumulate in fp32 regardless."""
     cfg = replace(cfg or DiTConfig(), hybrid=False)
     dense = load_dit(base, device=device, dtype=dtype, cfg=cfg, qkv_interleaved=qkv_interleaved)
+    cfg = dense.cfg  # a pruned base sets its curve sizes
     with torch.device("meta"):
         added = BranchWeights(cfg)
         model = H3DiT(replace(cfg, hybrid=True))

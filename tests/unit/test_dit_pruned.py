@@ -85,6 +85,19 @@ def test_a_pruned_file_is_recognised_and_loaded(tmp_path, prefix):
         assert torch.equal(value.float(), state[key].float().to(value.dtype).float()), key
 
 
+def test_a_pruned_model_runs_in_bf16_close_to_the_full_one(tmp_path):
+    full = full_model()
+    cfg, state = prune(full)
+    path = tmp_path / "pruned.safetensors"
+    save_file({k: v.float().contiguous() for k, v in state.items()}, path)
+    model = load_dit(path, cfg=CFG, dtype=torch.bfloat16)
+    video, audio = run(model, [0.5, 0.25])  # grid timesteps (17-point grid)
+    want_video, want_audio = run(full, [0.5, 0.25])
+    assert video.dtype == torch.float32 and torch.isfinite(video).all()
+    for got, want in ((video, want_video), (audio, want_audio)):
+        assert (got.double() - want).norm() <= 0.05 * want.norm()
+
+
 def test_a_malformed_table_is_refused(tmp_path):
     full = full_model()
     _, state = prune(full)
