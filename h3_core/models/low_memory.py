@@ -51,17 +51,22 @@ def head_slices(heads: int, groups: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def linear_rows(layer: nn.Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+def linear_rows(layer: nn.Module, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Output features ``[start, stop)`` of ``layer(x)``: a row slice of the weight, no copy."""
+    if hasattr(layer, "part"):  # an fp8 linear slices its own codes and scales
+        return layer.part(x, rows=slice(start, stop))
     bias = None if layer.bias is None else layer.bias[start:stop]
     return F.linear(x, layer.weight[start:stop], bias)
 
 
-def add_linear_cols(total: torch.Tensor | None, layer: nn.Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+def add_linear_cols(total: torch.Tensor | None, layer: nn.Module, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """``total + x @ W[:, start:stop]ᵀ``: the share of input features ``[start, stop)`` in ``layer``'s output
     (bias excluded), added in place into ``total`` (created on the first call)."""
     if total is None and (start, stop) == (0, layer.in_features) and layer.bias is None:
         return layer(x)  # the whole layer: its own forward (whatever kind of linear it is)
+    if hasattr(layer, "part"):  # an fp8 linear: its activations are scaled per row of this share
+        share = layer.part(x, cols=slice(start, stop))
+        return share if total is None else total.add_(share)
     weight = layer.weight[:, start:stop]
     if total is None:
         return F.linear(x, weight)
