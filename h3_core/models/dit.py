@@ -158,7 +158,7 @@ class SwiGLU(nn.Module):
 
     def _rows(self, x):
         gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.silu(gate, inplace=True).mul_(up))  # in fc1's output: no further [T, ffn] buffers
 
     def forward(self, x):
         rows = self.chunk_rows
@@ -219,11 +219,36 @@ class Block(nn.Module):
         self.adaln_proj = AdaLNProjection(cfg, 6, per_modality=True)
 
     def forward(self, x, temb, rows, rope, ctx=None):
-        """``rows``: each packed row's AdaLN table row, ``t_index · 3 + tag``; ``ctx``: the hybrid context."""
+        """``rows``: each packed row's AdaLN table row, ``t_index · 3 + tag`` (a ``[T]`` tensor, or its
+        ``row_runs``); ``ctx``: the hybrid context. The table rows are applied run by run, in place, so no
+        ``[T, hidden]`` copy of any of the six modulations is ever made."""
+        runs = rows if isinstance(rows, tuple) else row_runs(rows)
         # The pruned form's AdaLN linears are fp32; their rows modulate in the block's dtype.
-        shift1, scale1, gate1, shift2, scale2, gate2 = (m.index_select(0, rows).to(x.dtype) for m in self.adaln_proj(temb))
-        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1, rope, ctx)
-        return x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
+        shift1, scale1, gate1, shift2, scale2, gate2 = (m.to(x.dtype) for m in self.adaln_proj(temb))
+        x = _gated_add_(self.attn(_modulate_(self.norm1(x), shift1, scale1, runs), rope, ctx), gate1, x, runs)
+        return _gated_add_(self.mlp(_modulate_(self.norm2(x), shift2, scale2, runs)), gate2, x, runs)
+
+
+def row_runs(rows: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """The stretches of equal AdaLN row in a packed sequence, ``(start, stop, row)``: a handful (text, video,
+    audio, condition rows), read to the host once per model evaluation."""
+    values, counts = torch.unique_consecutive(rows, return_counts=True)
+    stops = counts.cumsum(0).tolist()
+    return tuple((stop - count, stop, value) for value, count, stop in zip(values.tolist(), counts.tolist(), stops))
+
+
+def _modulate_(h, shift, scale, runs):
+    """``h · (1 + scale[row]) + shift[row]`` in place, row by row of the table."""
+    for start, stop, row in runs:
+        h[start:stop].mul_(1 + scale[row]).add_(shift[row])
+    return h
+
+
+def _gated_add_(y, gate, x, runs):
+    """``x + gate[row] · y`` into ``y``'s storage (the same two roundings as the out-of-place form)."""
+    for start, stop, row in runs:
+        y[start:stop].mul_(gate[row])
+    return y.add_(x)
 
 
 class TimeEmbedder(nn.Module):
@@ -313,7 +338,7 @@ class H3DiT(nn.Module):
             temb = curve_embedding(self.adaln_t_table, timesteps)
         else:
             temb = self.time_embedder(timesteps)
-        rows = timestep_index * MODALITIES + tags
+        rows = row_runs(timestep_index * MODALITIES + tags)
         rope = rope_cos_sin(positions, self.rope.inv_freq)
         for block in self.blocks:
             x = block(x, temb, rows, rope, hybrid)

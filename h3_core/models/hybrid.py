@@ -83,10 +83,9 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, rotate) -> torch
             q, k = rotate(q, *rope), rotate(k, *rope)
         soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
         del q, k
-        gated = (soft * gate[:, heads, None]).reshape(T, -1)
+        out = add_linear_cols(out, attn.out_proj, soft.mul_(gate[:, heads, None]).reshape(T, -1), heads.start * d,
+                              heads.stop * d)
         del soft
-        out = add_linear_cols(out, attn.out_proj, gated, heads.start * d, heads.stop * d)
-        del gated
         if branch_on:
             seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
             readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
@@ -94,5 +93,5 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, rotate) -> torch
             readout_total = add_linear_cols(readout_total, attn.to_out_linear, readout.to(x.dtype),
                                             heads.start * d, heads.stop * d)
     if readout_total is not None:
-        out[r0:r1] = out[r0:r1] + readout_total
+        out[r0:r1].add_(readout_total)
     return out

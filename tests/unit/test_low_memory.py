@@ -97,3 +97,29 @@ def test_bad_options():
         apply_low_memory(m, LowMemory(head_groups=0))
     with pytest.raises(H3InputError, match=r"ffn_chunk_rows must be a positive number of rows or None, got 0"):
         apply_low_memory(m, LowMemory(ffn_chunk_rows=0))
+
+
+def test_modulation_by_runs_is_the_gathered_form_bit_for_bit():
+    """The block applies AdaLN rows run by run in place; in bf16 that is exactly the [T, hidden]-gather form."""
+    import torch.nn.functional as F
+
+    from h3_core.models.dit import row_runs, rope_cos_sin
+
+    m = model(False).to(torch.bfloat16)
+    packed, args = request()
+    block = m.blocks[0]
+    g = torch.Generator().manual_seed(2)
+    T = packed.positions.shape[0]
+    x = torch.randn(T, 24, generator=g).to(torch.bfloat16)
+    temb = torch.randn(2, 10, generator=g)
+    rows = (torch.arange(T) % 2 == 0).long() * 3 + packed.tags  # alternating timesteps: many short runs
+    rope = rope_cos_sin(packed.positions, m.rope.inv_freq.float())
+    with torch.no_grad():
+        got = block(x, temb, rows, rope)
+        shift1, scale1, gate1, shift2, scale2, gate2 = (t.to(x.dtype).index_select(0, rows) for t in block.adaln_proj(temb))
+        h = block.attn(block.norm1(x) * (1 + scale1) + shift1, rope)
+        y = x + gate1 * h
+        gate, up = block.mlp.fc1(block.norm2(y) * (1 + scale2) + shift2).chunk(2, dim=-1)
+        want = y + gate2 * block.mlp.fc2(F.silu(gate) * up)
+    assert len(row_runs(rows)) > 10
+    assert torch.equal(got, want)
