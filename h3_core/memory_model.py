@@ -1,0 +1,79 @@
+"""How much device memory a DiT evaluation needs, before running it.
+
+A block's working memory is a sum of buffers whose sizes are the sequence's rows times one of the model's
+widths, so it is written here in those units, for the phase of the block where it peaks:
+
+* ``D`` = rows × hidden, ``I`` = rows × inner (all heads; a head group holds ``I / G``), ``F`` = FFN rows ×
+  ffn width (``R`` rows per chunk), ``C`` = branch rows × inner (the linear branch's video rows), each times
+  the element size (bf16: 2).
+* Attention phase, per head group: the modulated input (1 D), q, k, v from the fused projection (3 I/G),
+  q and k normed (2 I/G) and the RoPE temporaries while one of them is rotated (``ROTATE_TEMPS`` I/G); from
+  the second group on, the running sum of ``out_proj`` (1 D). With one group, v is a strided view of the
+  fused projection that the attention kernel copies to contiguous memory (1 I).
+* Hybrid attention: its peak is inside the linear branch, which holds the group's raw q, k, v (3 I/G) and
+  its own buffers, ``BRANCH_BUFFERS`` C/G (the three features, fp32 k̃, ṽ and β·k̃ for the frame
+  statistics, and the short convolutions' layout copies), beside the modulated input and the attention
+  output (2 D) and, from the second group on, the branch readout's running sum (1 D).
+* FFN phase: the block's output so far (1 D), the modulated input (1 D), ``fc1``'s output (2 F: gate and
+  up, the product is formed in place) and ``fc2``'s output (1 D, or R rows of it with a preallocated
+  result when chunked).
+
+Every term but the branch's own buffers is read off the forward. ``BRANCH_BUFFERS`` is measured: on an
+H200 at 102 latent frames with 1 and with 8 head groups (``bench/block_memory.py``); the other option sets
+and a 52-frame clip then check the whole model (``bench/results/block_memory.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .models.low_memory import LowMemory
+
+__all__ = ["BlockShape", "block_peaks", "ROTATE_TEMPS", "BRANCH_BUFFERS"]
+
+ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each, plus the result
+# The linear branch's own buffers at its peak, in C / G: q̃, k̃, ṽ (3) and fp32 k̃, ṽ, β·k̃ (6) account for 9;
+# the rest are layout copies around the depthwise convolutions and the feature normalisation. With one group
+# the raw q, k, v are views of the fused projection and one copy fewer is made.
+BRANCH_BUFFERS = {1: 13.77, "grouped": 14.67}
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """The sizes a block's memory depends on, in elements (``element`` bytes each)."""
+
+    rows: int
+    hidden: int
+    inner: int
+    ffn: int
+    branch_rows: int
+    element: int = 2
+
+    @classmethod
+    def of(cls, cfg, packed, dtype: torch.dtype = torch.bfloat16) -> "BlockShape":
+        """From a ``DiTConfig`` and a ``PackedSequence``; the branch reads the video rows of every frame but
+        the two anchor frames (the released window)."""
+        layout = packed.layout
+        branch_rows = max(0, layout.num_frames - 2) * layout.tokens_per_frame
+        return cls(rows=int(packed.positions.shape[0]), hidden=cfg.hidden, inner=cfg.inner, ffn=cfg.ffn,
+                   branch_rows=branch_rows, element=torch.empty((), dtype=dtype).element_size())
+
+
+def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool) -> dict[str, float]:
+    """Predicted peak bytes above what is allocated when a block is called: ``attention``, ``ffn`` and the
+    whole ``block`` (their maximum)."""
+    e, T = shape.element, shape.rows
+    D, I = T * shape.hidden * e, T * shape.inner * e
+    C = shape.branch_rows * shape.inner * e
+    groups = options.head_groups
+    grouped = groups > 1
+    attention = D + (D if grouped else I) + (5 + ROTATE_TEMPS) * I / groups
+    if hybrid:
+        own = BRANCH_BUFFERS["grouped" if grouped else 1]
+        attention = max(attention, (3 if grouped else 2) * D + 3 * I / groups + own * C / groups)
+    chunk = T if options.ffn_chunk_rows is None else min(T, options.ffn_chunk_rows)
+    fc2_out = (chunk * shape.hidden * e + D) if chunk < T else D
+    ffn = 2 * D + 2 * chunk * shape.ffn * e + fc2_out
+    return dict(attention=attention, ffn=ffn, block=max(attention, ffn))
