@@ -277,12 +277,32 @@ class Rope(nn.Module):
 
 
 class FinalLayer(nn.Module):
+    """Norm, AdaLN shift/scale per timestep and the fp32 output heads, on the video and audio rows only, a
+    chunk of rows at a time (row-wise work: the same numbers as all rows at once, without ``[T, hidden]``
+    fp32 copies)."""
+
+    chunk_rows = 16384
+
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.eps)
         self.adaln_proj = AdaLNProjection(cfg, 2, per_modality=False)
         self.video_out = nn.Linear(cfg.hidden, cfg.video_row)
         self.audio_out = nn.Linear(cfg.hidden, cfg.audio_channels)
+
+    def forward(self, x, temb, timestep_index, video_index, audio_index):
+        shift, scale = self.adaln_proj(temb)
+        return tuple(self._head(x, shift, scale, timestep_index, index, head)
+                     for index, head in ((video_index, self.video_out), (audio_index, self.audio_out)))
+
+    def _head(self, x, shift, scale, timestep_index, index, head):
+        out = torch.empty(index.numel(), head.out_features, dtype=head.weight.dtype, device=x.device)
+        for start in range(0, index.numel(), self.chunk_rows):
+            rows = index[start : start + self.chunk_rows]
+            t = timestep_index.index_select(0, rows)
+            h = self.norm(x.index_select(0, rows)) * (1 + scale.index_select(0, t)) + shift.index_select(0, t)
+            out[start : start + rows.numel()] = head(h.to(head.weight.dtype))
+        return out
 
 
 class H3DiT(nn.Module):
@@ -342,10 +362,7 @@ class H3DiT(nn.Module):
         rope = rope_cos_sin(positions, self.rope.inv_freq)
         for block in self.blocks:
             x = block(x, temb, rows, rope, hybrid)
-        final = self.final_layer
-        shift, scale = (m.index_select(0, timestep_index) for m in final.adaln_proj(temb))
-        x = (final.norm(x) * (1 + scale) + shift).to(final.video_out.weight.dtype)
-        return final.video_out(x.index_select(0, video_index)), final.audio_out(x.index_select(0, audio_index))
+        return self.final_layer(x, temb, timestep_index, video_index, audio_index)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------

@@ -123,3 +123,14 @@ def test_modulation_by_runs_is_the_gathered_form_bit_for_bit():
         want = y + gate2 * block.mlp.fc2(F.silu(gate) * up)
     assert len(row_runs(rows)) > 10
     assert torch.equal(got, want)
+
+
+def test_final_layer_in_row_chunks_is_the_whole_rows_result():
+    m = model(True)
+    packed, args = request()
+    with torch.no_grad():
+        whole = m(*args)
+        m.final_layer.chunk_rows = 5
+        chunked = m(*args)
+    for a, b in zip(chunked, whole):
+        assert torch.equal(a, b)
