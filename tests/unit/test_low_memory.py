@@ -132,5 +132,5 @@ def test_final_layer_in_row_chunks_is_the_whole_rows_result():
         whole = m(*args)
         m.final_layer.chunk_rows = 5
         chunked = m(*args)
-    for a, b in zip(chunked, whole):
-        assert torch.equal(a, b)
+    for a, b in zip(chunked, whole):  # the heads' GEMMs may sum in another order for fewer rows
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max()
