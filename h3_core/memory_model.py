@@ -77,3 +77,61 @@ def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: 
     fc2_out = (chunk * shape.hidden * e + D) if chunk < T else D
     ffn = 2 * D + 2 * chunk * shape.ffn * e + fc2_out
     return dict(attention=attention, ffn=ffn, block=max(attention, ffn))
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """The model's weights in bytes: the blocks (each) and everything else."""
+
+    per_block: int
+    other: int
+    blocks: int
+
+    @property
+    def total(self) -> int:
+        return self.per_block * self.blocks + self.other
+
+
+def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dtype") -> WeightBytes:
+    """What a model of ``cfg`` holds, counted on the meta device: parameters and buffers in ``dtype`` except
+    the fp32 islands; with ``linears="fp8"`` the fp8 layers hold one byte per weight and an fp32 scale per
+    output channel."""
+    from .fp8_linear import FP8_LAYERS
+    from .models.dit import H3DiT, keeps_fp32
+
+    curve = cfg.adaln_curve_grid > 0
+    with torch.device("meta"):
+        model = H3DiT(cfg)
+    element = torch.empty((), dtype=dtype).element_size()
+
+    def size(name: str, tensor: torch.Tensor) -> int:
+        parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+        if keeps_fp32(name, curve):
+            return tensor.numel() * 4
+        if linears == "fp8" and parent in FP8_LAYERS and name.endswith(".weight") and tensor.dim() == 2:
+            return tensor.numel() + tensor.shape[0] * 4
+        return tensor.numel() * element
+
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    block = sum(size(n, t) for n, t in tensors if n.startswith("blocks.0."))
+    other = sum(size(n, t) for n, t in tensors if not n.startswith("blocks."))
+    return WeightBytes(per_block=block, other=other, blocks=cfg.layers)
+
+
+def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool,
+                    dtype: torch.dtype = torch.bfloat16, linears: str = "dtype", resident_blocks: int | None = None,
+                    prefetch: int = 1) -> dict[str, float]:
+    """Predicted peak device bytes of one model evaluation: the weights on the device (all blocks, or
+    ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each), the hidden
+    state and the RoPE tables that live through the whole evaluation, and the largest block's working
+    memory. Returns ``weights``, ``activations`` and ``total``."""
+    weights = weight_bytes(cfg, dtype, linears=linears)
+    if resident_blocks is None or resident_blocks >= cfg.layers:
+        on_device = weights.total
+    else:
+        on_device = weights.other + weights.per_block * (resident_blocks + prefetch + 1)
+    T, e = shape.rows, shape.element
+    rope_tables = 2 * T * (cfg.head_dim * 3 // 4) * 4  # cos and sin, fp32, on the rotated 3/4 of each head
+    living = T * shape.hidden * e + rope_tables
+    activations = living + block_peaks(shape, options, hybrid=hybrid)["block"]
+    return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))

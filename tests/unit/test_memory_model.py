@@ -56,3 +56,56 @@ def test_the_measuring_script_runs_on_the_cpu():
     result = bench.main(["--tiny", "--frames", "12", "--variants", "1:0", "2:16"])
     assert len(result["rows"]) == 4
     assert all(r["predicted_gib"]["block"] > 0 for r in result["rows"])
+
+
+TINY = DiTConfig(hidden=64, layers=3, heads=2, head_dim=32, ffn=96, text_dim=40, freq_dim=16, time_hidden=32,
+                 time_embed=16, rope_freqs=4)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("linears", ["dtype", "fp8"])
+def test_weight_bytes_are_what_a_built_model_holds(hybrid, linears):
+    from h3_core.fp8_linear import quantize_linears
+    from h3_core.memory_model import weight_bytes
+    from h3_core.models.dit import H3DiT, keeps_fp32
+
+    cfg = DiTConfig(**{**TINY.__dict__, "hybrid": hybrid})
+    model = H3DiT(cfg)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if not keeps_fp32(name):
+            tensor.data = tensor.data.to(torch.bfloat16)
+    if linears == "fp8":
+        quantize_linears(model)
+    held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    assert weight_bytes(cfg, torch.bfloat16, linears=linears).total == held
+
+
+def test_evaluation_peak_adds_weights_by_residency():
+    from h3_core.memory_model import evaluation_peak, weight_bytes
+
+    cfg = DiTConfig(hybrid=True)
+    shape = release_shape()
+    full = evaluation_peak(cfg, shape, hybrid=True)
+    streamed = evaluation_peak(cfg, shape, hybrid=True, resident_blocks=0, prefetch=1)
+    weights = weight_bytes(cfg)
+    assert full["weights"] == weights.total
+    assert streamed["weights"] == weights.other + 2 * weights.per_block
+    assert streamed["activations"] == full["activations"]
+    assert full["total"] == full["weights"] + full["activations"]
+
+
+def test_dit_step_bench_runs_every_variant_on_the_cpu(tmp_path):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("dit_step", RESULTS.parents[1] / "dit_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["dit_step"] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "step.json"
+    result = bench.main(["--tiny", "--reps", "1", "--profile", "--low-memory", "2:16", "--out", str(out)])
+    assert json.loads(out.read_text())["variants"].keys() == set(bench.VARIANTS)
+    for name, stats in result["variants"].items():
+        assert stats["finite"] and stats["seconds"] > 0, name
+        assert sum(stats["profile_s"].values()) > 0
+    assert result["variants"]["fp8-flex"]["predicted_gib"]["weights"] < result["variants"]["bf16-flex"]["predicted_gib"]["weights"]

@@ -1,0 +1,185 @@
+"""One model evaluation of the full-size DiT (random weights of the released shapes and dtypes; timings do
+not depend on the values) at 345 frames, 1344×768, T2VA: seconds, peak GiB, the memory model's prediction
+and where the time goes, for each variant in one process.
+
+Variants: ``dense-bf16`` (plain H3), ``bf16-decomposed``, ``bf16-flex``, ``fp8-decomposed``, ``fp8-flex``
+(VDN-H3 with the release window; fp8 = the fp8 linears of ``h3_core.fp8_linear``). The bf16 variants run
+first; the model is then quantised in place for the fp8 ones. ``--cap-gib`` limits the process to that
+much device memory (``torch.cuda.set_per_process_memory_fraction``); ``--low-memory G:R`` runs attention
+and the branch in G head groups and the FFN over R rows at a time.
+
+    python3 bench/dit_step.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from h3_core.attention import last_window_run  # noqa: E402
+from h3_core.fp8_linear import quantize_linears  # noqa: E402
+from h3_core.memory_model import BlockShape, evaluation_peak  # noqa: E402
+from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32  # noqa: E402
+from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
+from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
+from h3_core.pipeline.geometry import audio_latents, latent_frames  # noqa: E402
+from h3_core.pipeline.noise import row_timesteps  # noqa: E402
+from h3_core.pipeline.packing import pack_sequence  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("dit_block", ROOT / "bench" / "dit_block.py")
+dit_block = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dit_block)
+
+GiB = 2**30
+VARIANTS = ("dense-bf16", "bf16-decomposed", "bf16-flex", "fp8-decomposed", "fp8-flex")
+RELEASE = dict(cfg=DiTConfig(hybrid=True), text=300, height=48, width=84, frames=345)
+TINY = dict(cfg=DiTConfig(hidden=64, layers=2, heads=2, head_dim=32, ffn=96, text_dim=40, freq_dim=16, time_hidden=32,
+                          time_embed=16, rope_freqs=4, hybrid=True), text=6, height=4, width=6, frames=73)
+
+
+def random_model(cfg: DiTConfig, device, dtype) -> H3DiT:
+    """The released layout on ``device`` with no host round trip: built on meta, cast (fp32 islands kept),
+    allocated on the device and filled with N(0, 1/fan_in)."""
+    with torch.device("meta"):
+        model = H3DiT(cfg)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if not keeps_fp32(name) and tensor.is_floating_point():
+            tensor.data = tensor.data.to(dtype)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            p.normal_(0, fan_in**-0.5)
+        model.rope.inv_freq.copy_(dit_block.rope_inv_freq(cfg).to(device))
+    return model.eval()
+
+
+def request(setup, device):
+    """The packed T2VA request and the model's inputs at the first step (t = 0 for every generated row)."""
+    cfg = setup["cfg"]
+    packed = pack_sequence(torch.ones(setup["text"], dtype=torch.long), latent_frames(setup["frames"]), setup["height"],
+                           setup["width"], audio_latents(setup["frames"]))
+    g = torch.Generator().manual_seed(0)
+    timesteps, index = row_timesteps(packed, 0.0, 0.0)
+    inputs = (torch.randn(packed.video_index.numel(), cfg.video_row, generator=g).to(device),
+              torch.randn(packed.audio_index.numel(), cfg.audio_channels, generator=g).to(device),
+              torch.randn(setup["text"], cfg.text_dim, generator=g).to(device), timesteps.to(device), index.to(device),
+              packed.tags.to(device), packed.positions.to(device), packed.video_index.to(device),
+              packed.audio_index.to(device), packed.text_index.to(device))
+    return packed, inputs
+
+
+def evaluate(model, inputs, ctx, reps: int, cuda: bool) -> dict:
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.no_grad():
+        out = model(*inputs, hybrid=ctx)  # warm-up: kernel probes, masks, compiled shapes
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = model(*inputs, hybrid=ctx)
+            sync()
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / GiB if cuda else None
+    return dict(seconds=statistics.median(times), spread_s=max(times) - min(times), peak_gib=peak,
+                finite=bool(torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()))
+
+
+def profile(model, inputs, ctx, cuda: bool) -> dict:
+    """Seconds of one evaluation in linears, attention kernels, the linear branch, the AdaLN tables and the rest."""
+    import h3_core.models.dit as dit_module
+    import h3_core.models.hybrid as hybrid_module
+
+    clock = dit_block.SectionClock(cuda)
+    for block in model.blocks:
+        attn = block.attn
+        for layer in (attn.qkv_proj, attn.out_proj, block.mlp.fc1, block.mlp.fc2, attn.to_out_linear, attn.softmax_gate):
+            clock.module("linears", layer)
+        clock.module("linear branch", attn.linear_attention)
+        clock.module("adaln table", block.adaln_proj)
+    clock.function("linear branch", type(model.blocks[0].attn.linear_attention), "text_state")
+    clock.function("attention kernel", hybrid_module, "window_softmax")
+    clock.function("attention kernel", dit_module, "dense_attention")
+    clock.module("whole evaluation", model)
+    with torch.no_grad():
+        model(*inputs, hybrid=ctx)
+    times = clock.close()
+    whole = times.pop("whole evaluation")
+    times["elementwise and the rest"] = whole - sum(times.values())
+    return {name: round(ms / 1e3, 3) for name, ms in times.items()}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--low-memory", default="1:0", help="G:R = head groups : FFN chunk rows (0: none)")
+    parser.add_argument("--cap-gib", type=float, default=None, help="limit this process to that much device memory")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a dry run of the code")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.cap_gib and cuda:
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * GiB / torch.cuda.get_device_properties(device).total_memory)
+    setup = TINY if args.tiny else RELEASE
+    cfg = setup["cfg"]
+    groups, rows = (int(part) for part in args.low_memory.split(":"))
+    options = LowMemory(ffn_chunk_rows=rows or None, head_groups=groups)
+    packed, inputs = request(setup, device)
+    shape = BlockShape.of(cfg, packed, dtype)
+    window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
+    result = dict(command="python3 bench/dit_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=shape.rows,
+                  low_memory=args.low_memory, cap_gib=args.cap_gib, variants={})
+    model = random_model(cfg, device, dtype)
+    apply_low_memory(model, options)
+    quantised = False
+    for variant in args.variants:
+        hybrid = not variant.startswith("dense")
+        linears = "fp8" if variant.startswith("fp8") else "dtype"
+        if linears == "fp8" and not quantised:
+            quantize_linears(model, compute_dtype=dtype)
+            quantised = True
+            if cuda:
+                torch.cuda.empty_cache()
+        backend = variant.split("-")[-1] if hybrid else None
+        ctx = HybridContext(packed.layout, window, backend, (0, setup["text"])) if hybrid else None
+        try:
+            stats = evaluate(model, inputs, ctx, args.reps, cuda)
+            if hybrid:
+                stats["window_backend"] = last_window_run().backend
+            # Weights counted as loaded: the branch's parameters are on the device in every variant here.
+            predicted = evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears)
+            stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
+            if args.profile:
+                stats["profile_s"] = profile(model, inputs, ctx, cuda)
+        except torch.OutOfMemoryError as exc:
+            stats = dict(error=f"out of memory: {str(exc).splitlines()[0]}")
+        result["variants"][variant] = stats
+        print(variant, json.dumps(stats), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
