@@ -33,6 +33,7 @@ from .models.low_memory import LowMemory
 
 __all__ = ["BlockShape", "block_peaks", "ROTATE_TEMPS", "BRANCH_BUFFERS"]
 
+MODALITY_ROWS = 3  # one AdaLN row per (timestep, modality)
 ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each, plus the result
 # The linear branch's own buffers at its peak, in C / G: q̃, k̃, ṽ (3) and fp32 k̃, ṽ, β·k̃ (6) account for 9;
 # the rest are layout copies around the depthwise convolutions and the feature normalisation. With one group
@@ -81,11 +82,13 @@ def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: 
 
 @dataclass(frozen=True)
 class WeightBytes:
-    """The model's weights in bytes: the blocks (each) and everything else."""
+    """The model's weights in bytes: the blocks (each; ``adaln`` of it the AdaLN projection) and everything
+    else."""
 
     per_block: int
     other: int
     blocks: int
+    adaln: int = 0
 
     @property
     def total(self) -> int:
@@ -114,22 +117,30 @@ def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dt
 
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     block = sum(size(n, t) for n, t in tensors if n.startswith("blocks.0."))
+    adaln = sum(size(n, t) for n, t in tensors if n.startswith("blocks.0.adaln_proj."))
     other = sum(size(n, t) for n, t in tensors if not n.startswith("blocks."))
-    return WeightBytes(per_block=block, other=other, blocks=cfg.layers)
+    return WeightBytes(per_block=block, other=other, blocks=cfg.layers, adaln=adaln)
 
 
 def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool,
                     dtype: torch.dtype = torch.bfloat16, linears: str = "dtype", resident_blocks: int | None = None,
-                    prefetch: int = 1) -> dict[str, float]:
+                    prefetch: int = 1, adaln_on_host: bool = False, steps: int = 50,
+                    timesteps_per_step: int = 2) -> dict[str, float]:
     """Predicted peak device bytes of one model evaluation: the weights on the device (all blocks, or
-    ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each), the hidden
-    state and the RoPE tables that live through the whole evaluation, and the largest block's working
-    memory. Returns ``weights``, ``activations`` and ``total``."""
+    ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each; without the blocks'
+    AdaLN projections when ``adaln_on_host``, but with their tables for ``steps`` steps of
+    ``timesteps_per_step`` distinct timesteps), the hidden state and the RoPE tables that live through the
+    whole evaluation, and the largest block's working memory. Returns ``weights``, ``activations`` and
+    ``total``."""
     weights = weight_bytes(cfg, dtype, linears=linears)
+    per_block = weights.per_block
+    if adaln_on_host:
+        table = timesteps_per_step * 6 * MODALITY_ROWS * cfg.hidden * torch.empty((), dtype=dtype).element_size()
+        per_block = per_block - weights.adaln + steps * table
     if resident_blocks is None or resident_blocks >= cfg.layers:
-        on_device = weights.total
+        on_device = weights.other + per_block * cfg.layers
     else:
-        on_device = weights.other + weights.per_block * (resident_blocks + prefetch + 1)
+        on_device = weights.other + per_block * (resident_blocks + prefetch + 1)
     T, e = shape.rows, shape.element
     rope_tables = 2 * T * (cfg.head_dim * 3 // 4) * 4  # cos and sin, fp32, on the rotated 3/4 of each head
     living = T * shape.hidden * e + rope_tables

@@ -26,6 +26,7 @@ from ..attention.kernels import dense_attention
 from ..errors import H3InputError
 from ..keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
+from .adaln_tables import adaln_tables_for
 from .low_memory import add_linear_cols, head_slices, linear_rows
 
 __all__ = ["DiTConfig", "H3DiT", "load_dit", "layouts", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
@@ -205,9 +206,21 @@ class AdaLNProjection(nn.Module):
         self.curve = cfg.adaln_curve_grid > 0
         self.linear = nn.Linear(cfg.time_embed, parts * cfg.hidden * (MODALITIES if per_modality else 1))
 
-    def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        table = self.linear((temb if self.curve else F.silu(temb)).to(self.linear.weight.dtype))
+    def table(self, temb: torch.Tensor) -> torch.Tensor:
+        """The linear's output ``[K, parts · hidden · modalities]`` for time embeddings ``[K, time_embed]``."""
+        return self.linear((temb if self.curve else F.silu(temb)).to(self.linear.weight.dtype))
+
+    def forward(self, temb) -> tuple[torch.Tensor, ...]:
+        """``temb``: time embeddings, or a ``PrecomputedTable`` made earlier by ``table`` (``adaln_tables``)."""
+        table = temb.table if isinstance(temb, PrecomputedTable) else self.table(temb)
         return table.view(-1, self.parts * self.hidden).chunk(self.parts, dim=-1)
+
+
+@dataclass(frozen=True)
+class PrecomputedTable:
+    """One block's AdaLN table for the current timesteps, computed ahead (``models.adaln_tables``)."""
+
+    table: torch.Tensor
 
 
 class Block(nn.Module):
@@ -360,8 +373,9 @@ class H3DiT(nn.Module):
             temb = self.time_embedder(timesteps)
         rows = row_runs(timestep_index * MODALITIES + tags)
         rope = rope_cos_sin(positions, self.rope.inv_freq)
-        for block in self.blocks:
-            x = block(x, temb, rows, rope, hybrid)
+        tables = adaln_tables_for(self, timesteps)
+        for i, block in enumerate(self.blocks):
+            x = block(x, temb if tables is None else tables[i], rows, rope, hybrid)
         return self.final_layer(x, temb, timestep_index, video_index, audio_index)
 
 

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
 from .noise import row_timesteps
 from .packing import PackedSequence
 from .schedule import AUDIO_SHIFT, VIDEO_SHIFT, euler_step, sigma_grid, timesteps_of
@@ -48,18 +49,25 @@ def denoise(
     cv, ca = packed.condition_rows, condition_audio_rows
     video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
     extra = {} if hybrid is None else {"hybrid": hybrid}
-    for i in range(n):
-        if check_cancel is not None:
-            check_cancel()
-        timesteps, index = row_timesteps(packed, float(video_ts[i]), float(audio_ts[i]), condition_audio_rows=ca)
-        v_video, v_audio = model(video_rows, audio_rows, text_rows, timesteps.to(video_rows.device),
-                                 index.to(video_rows.device), packed.tags.to(video_rows.device),
-                                 packed.positions.to(video_rows.device), packed.video_index.to(video_rows.device),
-                                 packed.audio_index.to(video_rows.device), packed.text_index.to(video_rows.device), **extra)
-        video_rows[cv:] = euler_step(video_rows[cv:], v_video[cv:].float(), float(video_sigmas[i]),
-                                     float(video_sigmas[i + 1]), video_ts[i])
-        audio_rows[ca:] = euler_step(audio_rows[ca:], v_audio[ca:].float(), float(audio_sigmas[i]),
-                                     float(audio_sigmas[i + 1]), audio_ts[i])
-        if progress is not None:
-            progress(i + 1, n)
+    steps_timesteps = [row_timesteps(packed, float(video_ts[i]), float(audio_ts[i]), condition_audio_rows=ca)
+                       for i in range(n)]
+    if getattr(model, "adaln_on_host", False):  # the blocks' AdaLN tables for the whole run, made once
+        prepare_adaln_tables(model, [timesteps for timesteps, _ in steps_timesteps], video_rows.device)
+    try:
+        for i, (timesteps, index) in enumerate(steps_timesteps):
+            if check_cancel is not None:
+                check_cancel()
+            device = video_rows.device
+            v_video, v_audio = model(video_rows, audio_rows, text_rows, timesteps.to(device), index.to(device),
+                                     packed.tags.to(device), packed.positions.to(device), packed.video_index.to(device),
+                                     packed.audio_index.to(device), packed.text_index.to(device), **extra)
+            video_rows[cv:] = euler_step(video_rows[cv:], v_video[cv:].float(), float(video_sigmas[i]),
+                                         float(video_sigmas[i + 1]), video_ts[i])
+            audio_rows[ca:] = euler_step(audio_rows[ca:], v_audio[ca:].float(), float(audio_sigmas[i]),
+                                         float(audio_sigmas[i + 1]), audio_ts[i])
+            if progress is not None:
+                progress(i + 1, n)
+    finally:
+        if getattr(model, "adaln_on_host", False):
+            clear_adaln_tables(model)
     return video_rows, audio_rows

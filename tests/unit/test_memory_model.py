@@ -109,3 +109,17 @@ def test_dit_step_bench_runs_every_variant_on_the_cpu(tmp_path):
         assert stats["finite"] and stats["seconds"] > 0, name
         assert sum(stats["profile_s"].values()) > 0
     assert result["variants"]["fp8-flex"]["predicted_gib"]["weights"] < result["variants"]["bf16-flex"]["predicted_gib"]["weights"]
+
+
+def test_adaln_on_host_trades_the_projections_for_the_run_tables():
+    from h3_core.memory_model import evaluation_peak, weight_bytes
+
+    cfg = DiTConfig(hybrid=True)
+    shape = release_shape()
+    weights = weight_bytes(cfg)
+    full = evaluation_peak(cfg, shape, hybrid=True)
+    hosted = evaluation_peak(cfg, shape, hybrid=True, adaln_on_host=True, steps=50, timesteps_per_step=2)
+    tables = 50 * 2 * 6 * 3 * cfg.hidden * 2 * cfg.layers
+    assert weights.adaln == 260_112_384 * 2 + 6 * 3 * cfg.hidden * 2  # [96768, 2688] weight and its bias, bf16
+    assert hosted["weights"] == full["weights"] - weights.adaln * cfg.layers + tables
+    assert full["weights"] - hosted["weights"] > 20 * 2**30  # the released projections are 24 GiB of bf16
