@@ -31,6 +31,19 @@ How a path is recognised (``describe_dit_checkpoint``):
 Describing reads headers only (and the few-byte JSON ``comfy_quant`` sidecars of ComfyUI-quantized files),
 including every tensor's shape, checked against the model the config builds: a 66 GB file is described
 in well under a second, and a file for another model size is refused before anything is loaded.
+
+How the big linears are held (``load_h3_model(linears=...)``): "dtype" puts every weight in ``dtype`` (an
+fp8-scaled file dequantised as it is read); "fp8" makes the ``FP8_LAYERS`` (qkv_proj, out_proj, fc1, fc2,
+to_out_linear, the refiner's included) ``Fp8Linear`` layers computing in ``dtype``, one layer at a time:
+  * a layer no LoRA touches whose weight the file stores in e4m3 with a scale per tensor or per row takes the
+    file's codes and scales as they are, re-laid out by the layout's rule (``fp8_scaled.layer_codes``: the
+    official shards' qkv interleave, diffusers' q, k, v and FFN halves, each source's scale spread to its
+    rows), so the layer's ``codes · scale`` is bit for bit the file's dequantised weight;
+  * any other layer (touched by a LoRA, not fp8 in the file, e5m2, or a layout that cannot keep the codes
+    exact) is read in fp32 (dequantised where the file is fp8), has its LoRA updates merged in fp32, in
+    order, and is quantised with ``Fp8Linear.from_linear``: LoRAs always merge before quantisation.
+Only one layer's weight is ever held in fp32 at a time; everything else goes, memory-mapped, straight to
+the target device as the "dtype" path does.
 """
 
 from __future__ import annotations
@@ -45,19 +58,24 @@ from pathlib import Path
 from typing import Sequence, Union
 
 import torch
+import torch.nn as nn
 
 from .errors import H3InputError
-from .fp8_scaled import fp8_scaled_view
+from .fp8_linear import FP8_LAYERS, Fp8Linear, quantization_targets
+from .fp8_scaled import LayerCodes, fp8_scaled_view, layer_codes
 from .keymap import CheckpointFiles, KeyMap, match_layout
 from .lora import LoraDelta, merge_lora, read_lora
-from .models.dit import DiTConfig, H3DiT, curve_grid, layouts, load_dit, native_layout
+from .models.dit import DiTConfig, H3DiT, curve_grid, keeps_fp32, layouts, load_dit, native_layout
 from .models.vdn import BranchWeights, branch_layouts, load_vdn
 
-__all__ = ["DiTCheckpointInfo", "LoraSpec", "MergedLora", "describe_dit_checkpoint", "load_h3_model"]
+__all__ = ["DiTCheckpointInfo", "LoraSpec", "MergedLora", "LINEARS", "describe_dit_checkpoint", "load_h3_model"]
 
 DIT = "MiniMax H3 DiT"
 BRANCH = "VDN-H3 linear branch"
 LOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+LINEARS = ("dtype", "fp8")
+FP8_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FROM_FILE, AT_LOAD = "codes from the file", "quantised at load"
 _SHARD_NAME = re.compile(r".+-(?P<k>\d{5})-of-(?P<n>\d{5})\.safetensors")
 _ADAPTER_KEY = re.compile(r".+\.lora_[AB]\.(?P<adapter>[^.]+)\.weight")
 _SHOW = 5
@@ -98,7 +116,7 @@ class DiTCheckpointInfo:
         if self.curve is not None:
             parts.append(f"pruned (AdaLN curves, grid {self.curve[0]} x width {self.curve[1]})")
         if self.fp8_scaled:
-            parts.append("fp8-scaled (dequantised on load)")
+            parts.append("fp8-scaled")
         return ", ".join(parts) + f", {len(self.files)} file(s)"
 
 
@@ -160,47 +178,222 @@ def describe_dit_checkpoint(path, *, cfg: DiTConfig | None = None,
 
 def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device="cpu",
                   dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
-                  qkv_interleaved: bool | None = None) -> H3DiT:
+                  qkv_interleaved: bool | None = None, linears: str = "dtype") -> H3DiT:
     """MiniMax H3 (``base`` alone) or VDN-H3 (``base`` + ``branch``) with ``loras`` merged, in order.
 
     Every input is checked first (paths, strengths, both checkpoints' headers, the LoRA files), so a bad
-    input fails before gigabytes are read. The base loads through ``load_dit`` (or ``load_vdn`` with a
-    branch) in any layout ``describe_dit_checkpoint`` accepts; each LoRA then merges through ``merge_lora``:
-    ``W += strength · (alpha / rank) · B @ A`` computed in fp32 and stored in W's dtype, one LoRA after the
-    other, so with bf16 weights the order given is the rounding order. LoRAs merge before any
-    quantisation; the pack has none yet, so the weights stay in ``dtype`` (fp32 islands in fp32).
+    input fails before gigabytes are read. With ``linears="dtype"`` the base loads through ``load_dit`` (or
+    ``load_vdn`` with a branch) in any layout ``describe_dit_checkpoint`` accepts; each LoRA then merges
+    through ``merge_lora``: ``W += strength · (alpha / rank) · B @ A`` computed in fp32 and stored in W's
+    dtype, one LoRA after the other, so with bf16 weights the order given is the rounding order; every
+    weight is in ``dtype`` (fp32 islands in fp32). With ``linears="fp8"`` the same tensors load, except that
+    the ``FP8_LAYERS`` become ``Fp8Linear`` layers computing in ``dtype``, layer by layer (module docstring):
+    a layer no LoRA touches keeps an fp8-scaled file's e4m3 codes and scales as they are; any other is read
+    in fp32, merged with its LoRA updates in fp32 (in the order given) and then quantised, so LoRAs always
+    merge before quantisation. With ``"fp8"`` the LoRAs are also checked against the model before any
+    weight is read.
 
     Args:
         base: the H3 DiT checkpoint (file or folder). branch: VDN-H3's ``linear_branch/model.safetensors``.
         loras: ``(path, strength)`` or ``(path, strength, adapter)`` tuples or ``LoraSpec``s; ``path`` a LoRA
             ``.safetensors`` file or a peft adapter folder, ``strength`` any finite number.
-        device, dtype: where and in which dtype (bf16, fp16, fp32 or fp64) the weights are placed.
+        device, dtype: where and in which dtype (bf16, fp16, fp32 or fp64) the weights are placed; with
+            ``linears="fp8"`` the fp8 layers' compute dtype (bf16, fp16 or fp32).
         cfg: the model's sizes (default: released). qkv_interleaved: as ``describe_dit_checkpoint``.
+        linears: "dtype" (every weight in ``dtype``) or "fp8" (the big linears in e4m3). Default: "dtype".
     Returns:
         The model in eval mode, with ``layout`` (as the loaders set it), ``checkpoint`` and
-        ``branch_checkpoint`` (``DiTCheckpointInfo``, the latter None without a branch) and
-        ``merged_loras`` (a tuple of ``MergedLora`` in merge order).
+        ``branch_checkpoint`` (``DiTCheckpointInfo``, the latter None without a branch), ``merged_loras`` (a
+        tuple of ``MergedLora`` in merge order), ``linears`` (one line for the user: "dtype (bfloat16)",
+        "fp8 (codes from the file)", "fp8 (quantised at load)" or, mixed, "fp8 (codes from the file: n
+        layers; quantised at load: m layers)") and ``fp8_layers`` (each fp8 layer's name → "codes from the
+        file" or "quantised at load (why)"; empty with "dtype").
     """
     _check_dtype(dtype)
+    _check_linears(linears, dtype)
     base_info = _describe_role("base", base, cfg, qkv_interleaved, want_branch=False)
     branch_info = None if branch is None else _describe_role("branch", branch, cfg, None, want_branch=True)
     if not isinstance(loras, (list, tuple)):
         raise H3InputError(f"loras: expected a list of (path, strength) or (path, strength, adapter), got {loras!r}")
     read = [_read_lora_input(i, entry) for i, entry in enumerate(loras)]
-    if branch_info is None:
-        model = load_dit(base_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
-                         qkv_interleaved=base_info.qkv_interleaved)
+    if linears == "fp8":
+        model, merged = _load_fp8(base_info, branch_info, read, device, dtype)
     else:
-        # base_info.cfg carries a pruned base's curve size, which load_vdn needs to build the hybrid model
-        model = load_vdn(base_info.path, branch_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
-                         qkv_interleaved=base_info.qkv_interleaved)
+        if branch_info is None:
+            model = load_dit(base_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
+                             qkv_interleaved=base_info.qkv_interleaved)
+        else:
+            # base_info.cfg carries a pruned base's curve size, which load_vdn needs to build the hybrid model
+            model = load_vdn(base_info.path, branch_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
+                             qkv_interleaved=base_info.qkv_interleaved)
+        merged = []
+        for i, (spec, lora_deltas) in enumerate(read):
+            source = f"loras[{i}] ({spec.path})"
+            _check_lora_hits(model, lora_deltas, source)
+            merged.append(MergedLora(spec, merge_lora(model, lora_deltas, source=source)))
+        model.linears, model.fp8_layers = f"dtype ({str(dtype).removeprefix('torch.')})", {}
+    model.checkpoint, model.branch_checkpoint, model.merged_loras = base_info, branch_info, tuple(merged)
+    return model
+
+
+def _check_linears(linears, dtype) -> None:
+    if not isinstance(linears, str) or linears not in LINEARS:
+        raise H3InputError(f"linears: got {linears!r}; allowed: 'dtype' (every weight in dtype) or 'fp8' (the big "
+                           f"linears as e4m3 codes with a scale per output channel)")
+    if linears == "fp8" and not any(dtype is allowed for allowed in FP8_COMPUTE_DTYPES):
+        raise H3InputError(f"dtype: got {dtype!r} with linears='fp8'; fp8 layers compute in "
+                           f"{', '.join(str(d) for d in FP8_COMPUTE_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """How one key of the model is read: from which (possibly dequantising) files, which file keys, combined
+    how, and whether it is an fp32 island."""
+
+    files: object
+    sources: tuple[str, ...]
+    combine: object
+    fp32: bool
+
+
+def _plan_keys(model: H3DiT, base_info: DiTCheckpointInfo, branch_info: DiTCheckpointInfo | None) -> tuple[dict, str]:
+    """Every key of ``model`` (built on meta) with how it is read, and the layout's name as ``load_dit`` /
+    ``load_vdn`` give it."""
+    cfg = base_info.cfg
+    curve = cfg.adaln_curve_grid > 0
+    base_files = fp8_scaled_view(CheckpointFiles(base_info.path))
+    base_map, base_plan = match_layout(base_files, list(_meta_shapes(H3DiT, cfg)),
+                                       layouts(cfg, base_info.qkv_interleaved), DIT)
+    planned = {key: _Planned(base_files, sources, combine, keeps_fp32(key, curve))
+               for key, (sources, combine) in base_plan.items()}
+    layout = base_map.name + (" (pruned AdaLN curves)" if curve else "")
+    if branch_info is not None:
+        branch_files = fp8_scaled_view(CheckpointFiles(branch_info.path))
+        branch_map, branch_plan = match_layout(branch_files, list(_meta_shapes(BranchWeights, cfg)),
+                                               branch_layouts(), BRANCH)
+        for key, (sources, combine) in branch_plan.items():
+            planned["blocks." + key.removeprefix("transformer_blocks.")] = _Planned(branch_files, sources, combine,
+                                                                                    False)
+        layout += f" + {branch_map.name}"
+    expected = set(model.state_dict())
+    if set(planned) != expected:  # the key maps and the model disagree: a bug here, not in the file
+        raise AssertionError(f"planned keys differ from the model's: {sorted(set(planned) ^ expected)[:_SHOW]}")
+    return planned, layout
+
+
+def _read_planned(key: str, entry: _Planned, shape: tuple[int, ...]) -> torch.Tensor:
+    """One model tensor as the key map builds it (dequantised where the file is fp8), on the CPU."""
+    tensors = [entry.files.get(s) for s in entry.sources]
+    value = tensors[0] if entry.combine is None else entry.combine(tensors)
+    if tuple(value.shape) != tuple(shape):
+        raise H3InputError(f"{entry.files.path}: key {entry.sources[0]!r} has shape {tuple(value.shape)}, the model "
+                           f"needs {tuple(shape)} for {key!r}")
+    return value
+
+
+def _load_fp8(base_info: DiTCheckpointInfo, branch_info: DiTCheckpointInfo | None, read, device, dtype):
+    """``load_h3_model(linears="fp8")``: the model with its ``FP8_LAYERS`` as ``Fp8Linear`` (module docstring)
+    and the LoRAs merged; returns ``(model, merged)``."""
+    cfg = replace(base_info.cfg, hybrid=branch_info is not None)
+    with torch.device("meta"):
+        # .to("meta"): the LoRA check below needs every weight on meta, even where torch.empty is wrapped (the
+        # device context then misses it and builds on the CPU)
+        model = H3DiT(cfg).to("meta")
+    planned, layout = _plan_keys(model, base_info, branch_info)
+    names = {id(module): name for name, module in model.named_modules()}
+    layers = [(names[id(linear)], parent, attribute, linear)
+              for parent, attribute, linear in quantization_targets(model, frozenset(FP8_LAYERS))]
+    merged = _check_loras_on_meta(model, read)
+    by_layer: dict[str, list[tuple[str, list[LoraDelta]]]] = {name: [] for name, *_ in layers}
+    elsewhere = []
+    for i, (spec, lora_deltas) in enumerate(read):
+        source = f"loras[{i}] ({spec.path})"
+        for name in by_layer:
+            hits = [d for d in lora_deltas if d.module == name]
+            if hits:
+                by_layer[name].append((source, hits))
+        elsewhere.append((source, [d for d in lora_deltas if d.module not in by_layer]))
+    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    fp8_keys = {f"{name}.{p}" for name, *_ in layers for p in ("weight", "bias")} & set(shapes)
+    state = {}
+    for key, entry in planned.items():
+        if key in fp8_keys:
+            continue
+        value = _read_planned(key, entry, shapes[key])
+        target = torch.float32 if entry.fp32 else dtype
+        state[key] = value.to(device=device, dtype=target if value.is_floating_point() else value.dtype)
+        del value
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys or set(result.missing_keys) != fp8_keys:
+        raise AssertionError(f"fp8 load left {sorted(set(result.missing_keys) ^ fp8_keys)[:_SHOW]}")
+    del state
+    how = {}
+    for name, parent, attribute, linear in layers:
+        layer, how[name] = _fp8_layer(model, name, linear, planned, shapes, by_layer[name], device, dtype)
+        setattr(parent, attribute, layer)
+        del layer
+    for source, lora_deltas in elsewhere:
+        if lora_deltas:
+            merge_lora(model, lora_deltas, source=source)
+    model.layout, model.fp8_layers = layout, how
+    model.linears = _describe_linears(how)
+    return model.eval(), merged
+
+
+def _check_loras_on_meta(model: H3DiT, read) -> list[MergedLora]:
+    """Every LoRA checked against ``model`` while it is still on the meta device: each ``merge_lora`` check
+    runs, on meta copies of the updates, so a bad LoRA is refused before any weight is read."""
     merged = []
     for i, (spec, lora_deltas) in enumerate(read):
         source = f"loras[{i}] ({spec.path})"
         _check_lora_hits(model, lora_deltas, source)
-        merged.append(MergedLora(spec, merge_lora(model, lora_deltas, source=source)))
-    model.checkpoint, model.branch_checkpoint, model.merged_loras = base_info, branch_info, tuple(merged)
-    return model
+        on_meta = [replace(d, down=torch.empty_like(d.down, device="meta"), up=torch.empty_like(d.up, device="meta"))
+                   for d in lora_deltas]
+        merged.append(MergedLora(spec, merge_lora(model, on_meta, source=source)))
+    return merged
+
+
+@torch.no_grad()
+def _fp8_layer(model: H3DiT, name: str, linear: nn.Linear, planned: dict, shapes: dict, lora_updates, device,
+               dtype) -> tuple[Fp8Linear, str]:
+    """One of the ``FP8_LAYERS`` as an ``Fp8Linear`` and how it was made: the file's codes as they are, or its
+    weight read in fp32, merged with ``lora_updates`` (``(source, deltas)`` in merge order) and quantised."""
+    weight_key, bias_key = f"{name}.weight", f"{name}.bias"
+    entry = planned[weight_key]
+    bias = None
+    if bias_key in planned:
+        bias = _read_planned(bias_key, planned[bias_key], shapes[bias_key]).to(device=device, dtype=dtype)
+    if lora_updates:
+        why = "LoRA merged"
+    else:
+        found = layer_codes(entry.files, entry.sources, entry.combine, shapes[weight_key])
+        if isinstance(found, LayerCodes):
+            return Fp8Linear.from_scaled(found.codes.to(device), found.scale, bias, dtype), FROM_FILE
+        why = found
+    weight = _read_planned(weight_key, entry, shapes[weight_key]).to(device=device, dtype=torch.float32)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    del weight
+    for source, deltas in lora_updates:
+        merge_lora(model, deltas, source=source)
+    layer = Fp8Linear.from_linear(linear, dtype)
+    linear.weight = nn.Parameter(torch.empty(shapes[weight_key], device="meta"), requires_grad=False)
+    return layer, f"{AT_LOAD} ({why})"
+
+
+def _describe_linears(how: dict[str, str]) -> str:
+    """One line for the user from each fp8 layer's origin."""
+    from_file = sum(v == FROM_FILE for v in how.values())
+    at_load = len(how) - from_file
+    if not at_load:
+        return f"fp8 ({FROM_FILE})"
+    if not from_file:
+        return f"fp8 ({AT_LOAD})"
+    return f"fp8 ({FROM_FILE}: {_layers(from_file)}; {AT_LOAD}: {_layers(at_load)})"
+
+
+def _layers(count: int) -> str:
+    return f"{count} layer" + ("" if count == 1 else "s")
 
 
 def _resolve(path: Path) -> Path:

@@ -39,6 +39,7 @@ __all__ = [
     "E4M3_MAX",
     "FP8_LAYERS",
     "Fp8Linear",
+    "quantization_targets",
     "fp8_linear_reference",
     "fp8_linear_scaled_mm",
     "quantize_linears",
@@ -278,7 +279,7 @@ class Fp8Linear(nn.Module):
                 f"compute_dtype={self.compute_dtype}, fast_accum={self.fast_accum}")
 
 
-def _quantization_targets(model: nn.Module, names: frozenset[str]) -> list[tuple[nn.Module, str, nn.Linear]]:
+def quantization_targets(model: nn.Module, names: frozenset[str]) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) for every nn.Linear attribute named in ``names``, fp32 islands skipped."""
     from .models.dit import keeps_fp32
 
@@ -307,7 +308,7 @@ def quantize_linears(model: nn.Module, names: Iterable[str] = FP8_LAYERS,
         raise H3InputError(f"the model already holds {len(already)} Fp8Linear layers (e.g. '{already[0]}'): "
                            f"quantize_linears runs once per model, on its bf16/fp32 weights")
     swapped: dict[int, Fp8Linear] = {}  # a Linear shared by two parents is quantised once
-    targets = _quantization_targets(model, frozenset(names))
+    targets = quantization_targets(model, frozenset(names))
     for parent, attribute, linear in targets:
         if id(linear) not in swapped:
             swapped[id(linear)] = Fp8Linear.from_linear(linear, compute_dtype, fast_accum)
