@@ -20,5 +20,12 @@ def _nan_poisoned_empty(monkeypatch):
             t.fill_(float("nan"))
         return t
 
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    def empty(*args, **kwargs):
+        # A stand-in is not a factory torch's device context (``with torch.device("meta")``) knows, so it
+        # passes the context's device on itself.
+        if kwargs.get("device") is None:
+            kwargs["device"] = torch.get_default_device()
+        return poison(real_empty(*args, **kwargs))
+
+    monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
