@@ -146,3 +146,76 @@ def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *,
     living = T * shape.hidden * e + rope_tables
     activations = living + block_peaks(shape, options, hybrid=hybrid)["block"]
     return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))
+
+
+# Extra time of each lower-memory choice, as a fraction of a hybrid block's time, measured on an H200 at the
+# release length (bench/results/dit_block.md): 2 head groups with a chunked FFN cost nothing, 8 groups 19 %.
+HEAD_GROUP_COST = {1: 0.0, 2: 0.0, 4: 0.08, 8: 0.19}
+# Host-to-device copy rate assumed for streamed blocks when no measurement overrides it (pinned memory, PCIe 5).
+HOST_COPY_BYTES_PER_S = 25e9
+
+# The order a card short of memory gives things up in: the cheapest first.
+LOW_MEMORY_STEPS = (
+    ("2 head groups, FFN in 32768-row chunks", LowMemory(ffn_chunk_rows=32768, head_groups=2), False),
+    ("AdaLN projections in host memory", LowMemory(ffn_chunk_rows=32768, head_groups=2), True),
+    ("4 head groups, FFN in 16384-row chunks", LowMemory(ffn_chunk_rows=16384, head_groups=4), True),
+    ("8 head groups, FFN in 16384-row chunks", LowMemory(ffn_chunk_rows=16384, head_groups=8), True),
+)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What to run with to fit ``budget`` bytes, the predicted peak, and the choices in the order taken."""
+
+    options: LowMemory
+    adaln_on_host: bool
+    resident_blocks: int | None  # None: every block resident
+    predicted: dict[str, float]
+    budget: float
+    steps: tuple[str, ...]
+    extra_time: str
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted["total"] <= self.budget
+
+
+def plan_for_memory(cfg, shape: BlockShape, budget: float, *, hybrid: bool, dtype: torch.dtype = torch.bfloat16,
+                    linears: str = "dtype", steps: int = 50, prefetch: int = 1) -> MemoryPlan:
+    """The cheapest way to run within ``budget`` bytes of device memory (e.g. the free memory less a margin):
+    nothing, then the ``LOW_MEMORY_STEPS`` in order, then streaming blocks from host memory with as many as
+    fit resident. A plan that still does not fit comes back with ``fits`` False and every step taken."""
+    taken: list[str] = []
+
+    def peak(options, adaln_on_host, resident=None):
+        return evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears, steps=steps,
+                               adaln_on_host=adaln_on_host, resident_blocks=resident, prefetch=prefetch)
+
+    def plan(options, adaln_on_host, resident, predicted, extra):
+        return MemoryPlan(options, adaln_on_host, resident, predicted, budget, tuple(taken), extra)
+
+    options, adaln_on_host = LowMemory(), False
+    predicted = peak(options, adaln_on_host)
+    if predicted["total"] <= budget:
+        return plan(options, adaln_on_host, None, predicted, "none")
+    for name, options, adaln_on_host in LOW_MEMORY_STEPS:
+        taken.append(name)
+        predicted = peak(options, adaln_on_host)
+        if predicted["total"] <= budget:
+            return plan(options, adaln_on_host, None, predicted, _group_cost(options))
+    weights = weight_bytes(cfg, dtype, linears=linears)
+    per_block = weights.per_block - weights.adaln
+    for resident in range(cfg.layers - 1, -1, -1):
+        predicted = peak(options, adaln_on_host, resident)
+        if predicted["total"] <= budget:
+            break
+    streamed = cfg.layers - resident
+    taken.append(f"{streamed} of {cfg.layers} blocks streamed from host memory")
+    copy_s = streamed * per_block / HOST_COPY_BYTES_PER_S
+    extra = f"{_group_cost(options)}; up to {copy_s:.1f} s per evaluation of block copies not hidden behind compute"
+    return plan(options, adaln_on_host, resident, predicted, extra)
+
+
+def _group_cost(options: LowMemory) -> str:
+    cost = HEAD_GROUP_COST.get(options.head_groups)
+    return "unmeasured" if cost is None else f"about {round(100 * cost)} % more time per hybrid block"

@@ -123,3 +123,22 @@ def test_adaln_on_host_trades_the_projections_for_the_run_tables():
     assert weights.adaln == 260_112_384 * 2 + 6 * 3 * cfg.hidden * 2  # [96768, 2688] weight and its bias, bf16
     assert hosted["weights"] == full["weights"] - weights.adaln * cfg.layers + tables
     assert full["weights"] - hosted["weights"] > 20 * 2**30  # the released projections are 24 GiB of bf16
+
+
+def test_the_plan_takes_the_cheapest_steps_that_fit():
+    from h3_core.memory_model import evaluation_peak, plan_for_memory
+
+    cfg, shape = DiTConfig(hybrid=True), release_shape()
+    roomy = plan_for_memory(cfg, shape, 139 * GiB, hybrid=True)
+    assert roomy.fits and roomy.steps == () and roomy.resident_blocks is None and roomy.extra_time == "none"
+    plain = evaluation_peak(cfg, shape, hybrid=True)["total"]
+    tight = plan_for_memory(cfg, shape, plain - 1 * GiB, hybrid=True)
+    assert tight.fits and tight.steps == ("2 head groups, FFN in 32768-row chunks",)
+    assert tight.options.head_groups == 2 and not tight.adaln_on_host
+    eighty = plan_for_memory(cfg, shape, 78 * GiB, hybrid=True)  # an 80 GB card less a margin
+    assert eighty.fits and eighty.adaln_on_host and eighty.resident_blocks is None
+    small = plan_for_memory(cfg, shape, 24 * GiB, hybrid=True)
+    assert small.fits and small.resident_blocks is not None and small.resident_blocks < cfg.layers
+    assert small.steps[-1].endswith("blocks streamed from host memory") and small.predicted["total"] <= 24 * GiB
+    hopeless = plan_for_memory(cfg, shape, 4 * GiB, hybrid=True)
+    assert not hopeless.fits and hopeless.resident_blocks == 0
