@@ -37,6 +37,7 @@ def keep_adaln_on_host(model) -> int:
     the model evaluates only timesteps whose tables were prepared. Returns the bytes moved off the device."""
     moved = 0
     for block in model.blocks:
+        block.adaln_proj.stays_on_host = True  # block offload neither streams nor moves it
         linear = block.adaln_proj.linear
         for param in linear.parameters():
             if param.device.type != "cpu":

@@ -135,11 +135,26 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def _stays_on_host(module: nn.Module) -> bool:
+    """Modules marked ``stays_on_host`` (the AdaLN projections under ``keep_adaln_on_host``) are neither streamed
+    nor moved: the evaluation does not read them."""
+    return bool(getattr(module, "stays_on_host", False))
+
+
+def _streamed_modules(block: nn.Module):
+    """``block`` and its submodules, less those that stay on the host and everything inside them."""
+    if _stays_on_host(block):
+        return
+    yield block
+    for child in block.children():
+        yield from _streamed_modules(child)
+
+
 def _block_layout(block: nn.Module) -> tuple[list[_Place], list[torch.Tensor], int]:
     """The image of ``block``: a place per parameter and buffer, the tensors as they are now, and the image size.
     A tensor two modules share gets one place per owner (each owner is repointed) but one copy of its bytes."""
     places, tensors, offsets, size = [], [], {}, 0
-    for module in block.modules():
+    for module in _streamed_modules(block):
         owned = [(name, p, True) for name, p in module.named_parameters(recurse=False)]
         owned += [(name, b, False) for name, b in module.named_buffers(recurse=False)]
         for name, tensor, is_parameter in owned:
@@ -169,14 +184,14 @@ def _point(places: list[_Place], tensors: list[torch.Tensor]) -> None:
 
 
 def _move_all_but(module: nn.Module, skipped: set[int], device: torch.device) -> None:
-    """Move every tensor of ``module`` outside the modules whose ids are in ``skipped`` to ``device``, with
-    ``.to(device)`` only: a dtype cast would break Fp8Linear's e4m3 weights."""
+    """Move every tensor of ``module`` outside the modules whose ids are in ``skipped`` (and those that stay on
+    the host) to ``device``, with ``.to(device)`` only: a dtype cast would break Fp8Linear's e4m3 weights."""
     for name, param in module.named_parameters(recurse=False):
         param.data = param.data.to(device)
     for name, buffer in module.named_buffers(recurse=False):
         setattr(module, name, buffer.to(device))
     for child in module.children():
-        if id(child) not in skipped:
+        if id(child) not in skipped and not _stays_on_host(child):
             _move_all_but(child, skipped, device)
 
 

@@ -266,3 +266,43 @@ def test_cuda_without_cuda_is_refused():
     model, _ = build("dense")
     with pytest.raises(H3InputError, match=r"device 'cuda' needs CUDA, which is not available here"):
         offload_blocks(model, device="cuda", resident_blocks=0)
+
+
+def test_adaln_projections_kept_on_the_host_are_neither_streamed_nor_moved():
+    from h3_core.models.adaln_tables import keep_adaln_on_host, prepare_adaln_tables
+
+    plain = _tiny_for_adaln()
+    hosted = _tiny_for_adaln()
+    keep_adaln_on_host(hosted)
+    handle = offload_blocks(hosted, device="cpu", resident_blocks=0, prefetch=1)
+    adaln = sum(p.numel() * p.element_size() for b in hosted.blocks for p in b.adaln_proj.parameters())
+    full = sum(p.numel() * p.element_size() for b in plain.blocks for p in b.parameters())
+    assert handle.stats.streamed_bytes == full - adaln
+    timesteps = torch.tensor([0.3, 0.9])
+    prepare_adaln_tables(hosted, [timesteps], "cpu")
+    args = _adaln_inputs(plain, timesteps)
+    with torch.no_grad():
+        want, got = plain(*args), hosted(*args)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    handle.remove()
+    assert all(p.device.type == "cpu" for b in hosted.blocks for p in b.adaln_proj.parameters())
+
+
+def _tiny_for_adaln():
+    torch.manual_seed(0)
+    m = H3DiT(DiTConfig(hidden=32, layers=3, heads=2, head_dim=16, ffn=48, text_dim=20, freq_dim=8, time_hidden=16,
+                        time_embed=12, rope_freqs=2)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    return m
+
+
+def _adaln_inputs(m, timesteps):
+    packed = pack_sequence(torch.ones(4, dtype=torch.long), 3, 2, 4, 3)
+    g = torch.Generator().manual_seed(1)
+    T = packed.positions.shape[0]
+    return (torch.randn(packed.video_index.numel(), 96, generator=g), torch.randn(packed.audio_index.numel(), 32, generator=g),
+            torch.randn(4, 20, generator=g), timesteps, (torch.arange(T) % 2), packed.tags, packed.positions,
+            packed.video_index, packed.audio_index, packed.text_index)
