@@ -147,11 +147,22 @@ def profile_block(block, run, cuda: bool) -> dict:
     clock.function("attention kernel", hybrid_module, "window_softmax")
     clock.function("attention kernel", dit_module, "dense_attention")
     clock.module("whole block", block)
+    parts = SectionClock(cuda)  # inside the branch, on its own clock: these nest in "linear branch"
+    if hasattr(attn, "linear_attention"):
+        import h3_core.models.linear_branch as branch_module
+
+        for name in ("featurize", "frame_statistics", "solve", "scan", "gather"):
+            parts.function(name, branch_module, name)
     run()
     times = clock.close()
+    branch_parts = parts.close()
     whole = times.pop("whole block")
     times["elementwise and the rest"] = whole - sum(times.values())
-    return dict(total_ms=whole, sections_ms={k: round(v, 2) for k, v in times.items()})
+    result = dict(total_ms=whole, sections_ms={k: round(v, 2) for k, v in times.items()})
+    if branch_parts:
+        branch_parts["readout and the rest"] = times.get("linear branch", 0.0) - sum(branch_parts.values())
+        result["linear_branch_ms"] = {k: round(v, 2) for k, v in branch_parts.items()}
+    return result
 
 
 def main(argv=None) -> dict:

@@ -26,3 +26,6 @@ def test_tiny_dry_run_times_both_blocks(tmp_path):
         assert sum(sections.values()) == pytest.approx(block["profile"]["total_ms"], abs=0.05)
         assert sections["linears"] > 0 and sections["attention kernel"] > 0
     assert "linear branch" in hybrid["profile"]["sections_ms"] and "linear branch" not in dense["profile"]["sections_ms"]
+    parts = hybrid["profile"]["linear_branch_ms"]
+    assert set(parts) == {"featurize", "frame_statistics", "solve", "scan", "gather", "readout and the rest"}
+    assert sum(parts.values()) == pytest.approx(hybrid["profile"]["sections_ms"]["linear branch"], abs=0.05)
