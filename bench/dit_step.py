@@ -4,9 +4,11 @@ and where the time goes, for each variant in one process.
 
 Variants: ``dense-bf16`` (plain H3), ``bf16-decomposed``, ``bf16-flex``, ``fp8-decomposed``, ``fp8-flex``
 (VDN-H3 with the release window; fp8 = the fp8 linears of ``h3_core.fp8_linear``). The bf16 variants run
-first; the model is then quantised in place for the fp8 ones. ``--cap-gib`` limits the process to that
-much device memory (``torch.cuda.set_per_process_memory_fraction``); ``--low-memory G:R`` runs attention
-and the branch in G head groups and the FFN over R rows at a time.
+first; the model is then quantised in place for the fp8 ones. ``--low-memory G:R`` runs attention and the
+branch in G head groups and the FFN over R rows at a time. ``--cap-gib`` (one variant) lets the memory model
+plan for that much device memory (``plan_for_memory``: lower-memory paths, AdaLN projections in host
+memory, block streaming), applies the plan and then limits the process to the cap
+(``torch.cuda.set_per_process_memory_fraction``).
 
     python3 bench/dit_step.py --out results.json
 """
@@ -29,7 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.fp8_linear import quantize_linears  # noqa: E402
-from h3_core.memory_model import BlockShape, evaluation_peak  # noqa: E402
+from h3_core.fitting import apply_plan  # noqa: E402
+from h3_core.memory_model import BlockShape, evaluation_peak, plan_for_memory  # noqa: E402
+from h3_core.models.adaln_tables import prepare_adaln_tables  # noqa: E402
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
 from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
@@ -42,6 +46,7 @@ dit_block = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dit_block)
 
 GiB = 2**30
+CAP_USABLE = 0.95  # of a cap, what the plan may fill: the rest is the allocator's slack
 VARIANTS = ("dense-bf16", "bf16-decomposed", "bf16-flex", "fp8-decomposed", "fp8-flex")
 RELEASE = dict(cfg=DiTConfig(hybrid=True), text=300, height=48, width=84, frames=345)
 TINY = dict(cfg=DiTConfig(hidden=64, layers=2, heads=2, head_dim=32, ffn=96, text_dim=40, freq_dim=16, time_hidden=32,
@@ -135,8 +140,8 @@ def main(argv=None) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    if args.cap_gib and cuda:
-        torch.cuda.set_per_process_memory_fraction(args.cap_gib * GiB / torch.cuda.get_device_properties(device).total_memory)
+    if args.cap_gib is not None and len(args.variants) != 1:
+        parser.error("--cap-gib plans for one variant at a time: name exactly one with --variants")
     setup = TINY if args.tiny else RELEASE
     cfg = setup["cfg"]
     groups, rows = (int(part) for part in args.low_memory.split(":"))
@@ -161,12 +166,27 @@ def main(argv=None) -> dict:
                 torch.cuda.empty_cache()
         backend = variant.split("-")[-1] if hybrid else None
         ctx = HybridContext(packed.layout, window, backend, (0, setup["text"])) if hybrid else None
+        plan = None
+        if args.cap_gib is not None:
+            plan = plan_for_memory(cfg, shape, args.cap_gib * GiB * CAP_USABLE, hybrid=hybrid, dtype=dtype,
+                                   linears=linears, steps=1)
+            fitted = apply_plan(model, plan, device)
+            if plan.adaln_on_host:
+                prepare_adaln_tables(model, [inputs[3]], device)
+            result["plan"] = dict(said=fitted.said, steps=list(plan.steps), resident_blocks=plan.resident_blocks)
+            if cuda:
+                torch.cuda.empty_cache()
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
         try:
             stats = evaluate(model, inputs, ctx, args.reps, cuda)
             if hybrid:
                 stats["window_backend"] = last_window_run().backend
             # Weights counted as loaded: the branch's parameters are on the device in every variant here.
-            predicted = evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears)
+            if plan is not None:
+                predicted = plan.predicted
+            else:
+                predicted = evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears)
             stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
             if args.profile:
                 stats["profile_s"] = profile(model, inputs, ctx, cuda)

@@ -198,7 +198,10 @@ def plan_for_memory(cfg, shape: BlockShape, budget: float, *, hybrid: bool, dtyp
     predicted = peak(options, adaln_on_host)
     if predicted["total"] <= budget:
         return plan(options, adaln_on_host, None, predicted, "none")
-    for name, options, adaln_on_host in LOW_MEMORY_STEPS:
+    for name, step_options, step_adaln in LOW_MEMORY_STEPS:
+        if step_options.head_groups > cfg.heads:
+            continue  # a model with fewer heads stops at one head per group
+        options, adaln_on_host = step_options, step_adaln
         taken.append(name)
         predicted = peak(options, adaln_on_host)
         if predicted["total"] <= budget:

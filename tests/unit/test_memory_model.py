@@ -142,3 +142,19 @@ def test_the_plan_takes_the_cheapest_steps_that_fit():
     assert small.steps[-1].endswith("blocks streamed from host memory") and small.predicted["total"] <= 24 * GiB
     hopeless = plan_for_memory(cfg, shape, 4 * GiB, hybrid=True)
     assert not hopeless.fits and hopeless.resident_blocks == 0
+
+
+def test_dit_step_plans_for_a_memory_cap(tmp_path):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("dit_step_cap", RESULTS.parents[1] / "dit_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["dit_step_cap"] = bench
+    spec.loader.exec_module(bench)
+    result = bench.main(["--tiny", "--reps", "1", "--variants", "bf16-decomposed", "--cap-gib", "0.0012"])
+    plan = result["plan"]
+    assert plan["steps"] and plan["resident_blocks"] is not None  # a tiny cap: streaming was needed
+    assert result["variants"]["bf16-decomposed"]["finite"]
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--cap-gib", "1"])  # two or more variants with a cap

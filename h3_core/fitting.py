@@ -1,0 +1,60 @@
+"""Putting a ``MemoryPlan`` into effect on a loaded model, and telling the user what it did.
+
+``plan_for_memory`` (``memory_model``) decides; ``apply_plan`` applies, in the plan's order: the lower-memory
+paths on every block, the AdaLN projections moved to host memory (the sampler then makes the run's tables
+once), and block streaming with as many blocks resident as the plan keeps. ``FittedModel.remove`` undoes
+what can be undone between runs (streaming); the other two are exact and cost nothing worth undoing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .memory_model import MemoryPlan
+from .models.adaln_tables import keep_adaln_on_host
+from .models.low_memory import LowMemory, apply_low_memory
+from .models.offload import BlockOffload, offload_blocks
+
+__all__ = ["FittedModel", "apply_plan"]
+
+GiB = 2**30
+
+
+@dataclass
+class FittedModel:
+    """What ``apply_plan`` did to ``model``: the plan, the offload handle (if blocks stream) and the lines a
+    user is shown."""
+
+    model: torch.nn.Module
+    plan: MemoryPlan
+    offload: BlockOffload | None = None
+    said: list[str] = field(default_factory=list)
+
+    def remove(self) -> None:
+        """Stop streaming blocks (every block back on the device the model was offloaded to)."""
+        if self.offload is not None:
+            self.offload.remove()
+            self.offload = None
+
+
+def apply_plan(model: torch.nn.Module, plan: MemoryPlan, device, *, prefetch: int = 1) -> FittedModel:
+    """Apply ``plan`` to ``model`` (an ``H3DiT`` already on ``device``, or on the host when blocks will stream)."""
+    fitted = FittedModel(model, plan)
+    peak = plan.predicted["total"] / GiB
+    if not plan.steps:
+        fitted.said.append(f"the model fits as it is: predicted peak {peak:.1f} GiB of {plan.budget / GiB:.1f} GiB")
+    else:
+        fitted.said.append(f"to fit {plan.budget / GiB:.1f} GiB (predicted peak {peak:.1f} GiB): " + "; ".join(plan.steps)
+                           + f" ({plan.extra_time})")
+    if not plan.fits:
+        fitted.said.append(f"even so the predicted peak is {peak:.1f} GiB, above the {plan.budget / GiB:.1f} GiB "
+                           "available: free memory (unload other models) or use a larger card")
+    if plan.options != LowMemory():
+        apply_low_memory(model, plan.options)
+    if plan.adaln_on_host:
+        keep_adaln_on_host(model)
+    if plan.resident_blocks is not None:
+        fitted.offload = offload_blocks(model, device=device, resident_blocks=plan.resident_blocks, prefetch=prefetch)
+    return fitted
