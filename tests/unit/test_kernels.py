@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from h3_core.attention import kernels
-from h3_core.attention.kernels import KERNELS, DeviceFacts, dense_attention, force_kernel, probed_kernels
+from h3_core.attention.kernels import KERNELS, dense_attention, force_kernel, probed_kernels
 from h3_core.errors import H3BackendUnavailable, H3InputError
 
 from fake_flash import LEGS, LOG2_E, FakeFlash, install_fa3, install_fa4, pretend_gpu
