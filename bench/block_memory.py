@@ -91,15 +91,16 @@ def measure(block, run, cuda: bool) -> dict[str, float]:
 
 
 def parse_variant(text: str) -> LowMemory:
-    groups, rows = (int(part) for part in text.split(":"))
-    return LowMemory(ffn_chunk_rows=rows or None, head_groups=groups)
+    """``G:R`` or ``G:R:B``: head groups, FFN chunk rows (0: none), branch statistics frames (0: all)."""
+    groups, rows, frames = ([int(part) for part in text.split(":")] + [0])[:3]
+    return LowMemory(ffn_chunk_rows=rows or None, head_groups=groups, branch_frames=frames or None)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, nargs="*", default=[102, 52], help="latent frames of the clip")
     parser.add_argument("--variants", nargs="*", default=["1:0", "2:32768", "8:16384", "4:8192"],
-                        help="G:R = head groups : FFN chunk rows (0: none)")
+                        help="G:R[:B] = head groups : FFN chunk rows (0: none) : branch statistics frames (0: all)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU: a dry run of the code")
     parser.add_argument("--out", type=Path, default=None)
@@ -129,7 +130,8 @@ def main(argv=None) -> dict:
                 measured = measure(block, lambda: block(x, temb, rows, rope, ctx), cuda)
                 predicted = block_peaks(shape, options, hybrid=kind == "hybrid")
                 row = dict(frames=frames, rows=int(x.shape[0]), kind=kind, head_groups=options.head_groups,
-                           ffn_chunk_rows=options.ffn_chunk_rows, measured_gib=measured,
+                           ffn_chunk_rows=options.ffn_chunk_rows, branch_frames=options.branch_frames,
+                           measured_gib=measured,
                            predicted_gib={k: v / GiB for k, v in predicted.items()})
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)

@@ -173,6 +173,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile", action="store_true", help="split one forward of each block into sections")
     parser.add_argument("--ffn-chunk-rows", type=int, default=None, help="the FFN over this many rows at a time")
     parser.add_argument("--head-groups", type=int, default=1, help="attention and linear branch in this many head groups")
+    parser.add_argument("--branch-frames", type=int, default=None, help="the branch's fp32 statistics this many frames at a time")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -187,7 +188,7 @@ def main(argv=None) -> dict:
     context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
     for name, hybrid in (("dense", False), ("hybrid", True)):
         block = build(replace(setup["cfg"], hybrid=hybrid), device, dtype)
-        apply_low_memory(block, LowMemory(args.ffn_chunk_rows, args.head_groups))
+        apply_low_memory(block, LowMemory(args.ffn_chunk_rows, args.head_groups, args.branch_frames))
         ctx = context if hybrid else None
         with torch.no_grad():
             out = block(x, temb, rows, rope, ctx)

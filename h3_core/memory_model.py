@@ -39,6 +39,10 @@ ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each
 # the rest are layout copies around the depthwise convolutions and the feature normalisation. With one group
 # the raw q, k, v are views of the fused projection and one copy fewer is made.
 BRANCH_BUFFERS = {1: 13.77, "grouped": 14.67}
+# Of those, the fp32 copies of k̃, ṽ and β·k̃ for every frame (read off the code): with ``branch_frames`` they
+# exist for that many frames only. This reduction is derived, not yet measured, so ``plan_for_memory`` does
+# not use the option.
+FP32_STATISTICS = 6.0
 
 
 @dataclass(frozen=True)
@@ -51,15 +55,17 @@ class BlockShape:
     ffn: int
     branch_rows: int
     element: int = 2
+    branch_frames: int = 0
 
     @classmethod
     def of(cls, cfg, packed, dtype: torch.dtype = torch.bfloat16) -> "BlockShape":
         """From a ``DiTConfig`` and a ``PackedSequence``; the branch reads the video rows of every frame but
         the two anchor frames (the released window)."""
         layout = packed.layout
-        branch_rows = max(0, layout.num_frames - 2) * layout.tokens_per_frame
+        branch_frames = max(0, layout.num_frames - 2)
         return cls(rows=int(packed.positions.shape[0]), hidden=cfg.hidden, inner=cfg.inner, ffn=cfg.ffn,
-                   branch_rows=branch_rows, element=torch.empty((), dtype=dtype).element_size())
+                   branch_rows=branch_frames * layout.tokens_per_frame,
+                   element=torch.empty((), dtype=dtype).element_size(), branch_frames=branch_frames)
 
 
 def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool) -> dict[str, float]:
@@ -73,6 +79,8 @@ def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: 
     attention = D + (D if grouped else I) + (5 + ROTATE_TEMPS) * I / groups
     if hybrid:
         own = BRANCH_BUFFERS["grouped" if grouped else 1]
+        if options.branch_frames is not None and shape.branch_frames > options.branch_frames:
+            own -= FP32_STATISTICS * (1 - options.branch_frames / shape.branch_frames)
         attention = max(attention, (3 if grouped else 2) * D + 3 * I / groups + own * C / groups)
     chunk = T if options.ffn_chunk_rows is None else min(T, options.ffn_chunk_rows)
     fc2_out = (chunk * shape.hidden * e + D) if chunk < T else D

@@ -68,8 +68,20 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def frame_statistics(k, v, beta):
-    """A ``[F, H, d, d]`` (symmetrised) and B ``[F, H, d_v, d_k]`` from k̃, ṽ ``[F, S, H, d]`` and β ``[F, S, H]``."""
+def frame_statistics(k, v, beta, frames_per_chunk: int | None = None):
+    """A ``[F, H, d, d]`` (symmetrised) and B ``[F, H, d_v, d_k]`` from k̃, ṽ ``[F, S, H, d]`` and β ``[F, S, H]``.
+
+    ``frames_per_chunk`` forms them that many frames at a time, so the fp32 copies of k̃, ṽ and β·k̃ exist
+    for those frames only; every frame's sums are its own, so the numbers are the same."""
+    frames = k.shape[0]
+    if frames_per_chunk is None or frames_per_chunk >= frames:
+        return _frame_statistics(k, v, beta)
+    parts = [_frame_statistics(k[f : f + frames_per_chunk], v[f : f + frames_per_chunk], beta[f : f + frames_per_chunk])
+             for f in range(0, frames, frames_per_chunk)]
+    return torch.cat([A for A, _ in parts]), torch.cat([B for _, B in parts])
+
+
+def _frame_statistics(k, v, beta):
     acc = accumulation_dtype(k.dtype)
     kf = k.to(acc).permute(0, 2, 1, 3)  # [F, H, S, d]
     vf = v.to(acc).permute(0, 2, 1, 3)
@@ -205,6 +217,7 @@ class LinearBranch(nn.Module):
         self.output_gate = _OutputGate(hidden, heads, head_dim, bottleneck)
         self.norm = nn.RMSNorm(head_dim, eps=EPS)
         self.short_conv = _ShortConv(heads * head_dim)
+        self.statistics_frames: int | None = None  # frames per chunk of the fp32 statistics (``low_memory``)
 
     def _heads(self, heads: slice | None) -> slice:
         return slice(0, self.heads) if heads is None else heads
@@ -233,7 +246,7 @@ class LinearBranch(nn.Module):
                    conv.v_tm.weight[channels])
         q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid, weights)
         beta = torch.sigmoid(F.linear(x, self.beta_proj.weight[heads])).view(frames, S, -1)
-        A, B = frame_statistics(k, v, beta)
+        A, B = frame_statistics(k, v, beta, self.statistics_frames)
         del k, v, beta
         alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=accumulation_dtype(x.dtype)), heads)
         T, J = solve(alpha.to(A.dtype), A, B)

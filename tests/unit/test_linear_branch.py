@@ -110,3 +110,16 @@ def test_branch_runs_and_the_text_state_seeds_it():
         seeded = branch(x, q, k, v, (gh, gw), bounds, seed)
     assert out.shape == (F_ * 6, 8) and torch.isfinite(out).all()
     assert seed.shape == (2, 4, 4) and not torch.allclose(out, seeded)
+
+
+def test_frame_statistics_in_chunks_of_frames_are_the_same_numbers():
+    from h3_core.models.linear_branch import frame_statistics
+
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(7, 6, 2, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(7, 6, 2, 4, generator=g, dtype=torch.float64)
+    beta = torch.rand(7, 6, 2, generator=g, dtype=torch.float64)
+    whole = frame_statistics(k, v, beta)
+    for chunk in (1, 3, 7, 20):
+        for a, b in zip(frame_statistics(k, v, beta, chunk), whole):
+            assert torch.equal(a, b)

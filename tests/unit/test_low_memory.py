@@ -45,7 +45,8 @@ def test_head_slices_cover_every_head_once():
 
 @pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("options", [LowMemory(ffn_chunk_rows=7), LowMemory(head_groups=2), LowMemory(head_groups=3),
-                                     LowMemory(ffn_chunk_rows=50, head_groups=2)])
+                                     LowMemory(ffn_chunk_rows=50, head_groups=2), LowMemory(branch_frames=3),
+                                     LowMemory(ffn_chunk_rows=7, head_groups=2, branch_frames=4)])
 def test_low_memory_paths_equal_the_plain_forward(hybrid, options):
     m = model(hybrid)
     packed, args = request()
@@ -84,8 +85,9 @@ def test_low_memory_runs_on_fp8_linears(hybrid):
 
 def test_every_block_takes_the_options():
     m = model(True)
-    apply_low_memory(m, LowMemory(ffn_chunk_rows=128, head_groups=3))
+    apply_low_memory(m, LowMemory(ffn_chunk_rows=128, head_groups=3, branch_frames=5))
     assert all(b.mlp.chunk_rows == 128 and b.attn.head_groups == 3 for b in m.blocks)
+    assert all(b.attn.linear_attention.statistics_frames == 5 for b in m.blocks)
     assert all(b.mlp.chunk_rows == 128 and b.attn.head_groups == 3 for b in m.token_refiner.blocks)
 
 
@@ -97,6 +99,8 @@ def test_bad_options():
         apply_low_memory(m, LowMemory(head_groups=0))
     with pytest.raises(H3InputError, match=r"ffn_chunk_rows must be a positive number of rows or None, got 0"):
         apply_low_memory(m, LowMemory(ffn_chunk_rows=0))
+    with pytest.raises(H3InputError, match=r"branch_frames must be a positive number of frames or None, got -1"):
+        apply_low_memory(m, LowMemory(branch_frames=-1))
 
 
 def test_modulation_by_runs_is_the_gathered_form_bit_for_bit():

@@ -26,7 +26,7 @@ def test_predictions_are_within_ten_percent_of_every_measured_peak():
     for row in measured:
         shape = release_shape(row["frames"])
         assert shape.rows == row["rows"]
-        options = LowMemory(row["ffn_chunk_rows"], row["head_groups"])
+        options = LowMemory(row["ffn_chunk_rows"], row["head_groups"], row.get("branch_frames"))
         predicted = block_peaks(shape, options, hybrid=row["kind"] == "hybrid")
         for phase in ("attention", "ffn", "block"):
             assert predicted[phase] / GiB == pytest.approx(row["measured_gib"][phase], rel=0.10), (row, phase)
@@ -158,3 +158,12 @@ def test_dit_step_plans_for_a_memory_cap(tmp_path):
     assert result["variants"]["bf16-decomposed"]["finite"]
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--cap-gib", "1"])  # two or more variants with a cap
+
+
+def test_branch_frames_lower_the_predicted_branch_peak():
+    shape = release_shape()
+    plain = block_peaks(shape, LowMemory(), hybrid=True)["attention"]
+    chunked = block_peaks(shape, LowMemory(branch_frames=10), hybrid=True)["attention"]
+    C = shape.branch_rows * shape.inner * 2
+    assert plain - chunked == pytest.approx(6.0 * (1 - 10 / 100) * C)
+    assert block_peaks(shape, LowMemory(branch_frames=100), hybrid=True)["attention"] == plain
