@@ -25,6 +25,7 @@ and a 52-frame clip then check the whole model (``bench/results/block_memory.md`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,7 @@ class WeightBytes:
         return self.per_block * self.blocks + self.other
 
 
+@functools.lru_cache(maxsize=32)  # a meta model per call takes a second; a plan asks again for every candidate
 def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dtype") -> WeightBytes:
     """What a model of ``cfg`` holds, counted on the meta device: parameters and buffers in ``dtype`` except
     the fp32 islands; with ``linears="fp8"`` the fp8 layers hold one byte per weight and an fp32 scale per
