@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import H3InputError
+from .media import quantize_pixels
 from .presentation import PresentedReference, VisionIds, presentation_tokens, video_blocks
 from .prompt import PromptEmbedding
 
@@ -124,8 +125,9 @@ class TextEncoder:
         """Pixels through Qwen's processors, batched per modality (Qwen fills the n-th vision block of a
         modality with the n-th item of its batch). Returns the model inputs, tokens per image, tokens per
         block of each video and block timestamps of each video."""
-        images = [_uint8(r.media) for r in references if r.kind == "image"]
-        videos = [r for r in references if r.kind == "video"]
+        images = [quantize_pixels(r.media, f"reference {i}").numpy() for i, r in enumerate(references)
+                  if r.kind == "image"]
+        videos = [(i, r) for i, r in enumerate(references) if r.kind == "video"]
         inputs, image_tokens, video_tokens, video_times = {}, [], [], []
         if not images and not videos:
             return inputs, image_tokens, video_tokens, video_times
@@ -137,9 +139,10 @@ class TextEncoder:
             image_tokens = [int(grid.prod()) // merge for grid in features["image_grid_thw"]]
         if videos:
             clips = []
-            for video in videos:
+            for index, video in videos:
                 frames, stamps = video_blocks(video.media.shape[0], video.fps, video_processor.temporal_patch_size)
-                clips.append(_uint8(video.media[frames]))
+                clips.append(quantize_pixels(video.media, f"reference {index}", frames=True,
+                                             select=torch.tensor(frames)).numpy())
                 video_times.append(stamps)
             features = video_processor(videos=clips, do_sample_frames=False, return_tensors="pt")
             inputs.update(pixel_values_videos=features["pixel_values_videos"], video_grid_thw=features["video_grid_thw"])
@@ -161,13 +164,6 @@ class TextEncoder:
             self._processors = (AutoImageProcessor.from_pretrained(found, local_files_only=True),
                                 AutoVideoProcessor.from_pretrained(found, local_files_only=True))
         return self._processors
-
-
-def _uint8(pixels: torch.Tensor):
-    """Pixels as Qwen's processors take them from an image file: uint8 ``[..., H, W, 3]`` numpy."""
-    if pixels.dtype != torch.uint8:
-        pixels = (pixels.float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return pixels.cpu().numpy()
 
 
 def fits_on(device: torch.device, nbytes: int) -> bool:
