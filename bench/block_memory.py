@@ -12,7 +12,6 @@ the peak inside the FFN, the whole block's peak, and the model's prediction of e
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -23,14 +22,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # dit_block's helpers, also when this file is loaded from elsewhere
+
+import dit_block  # noqa: E402
 
 from h3_core.memory_model import BlockShape, block_peaks  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
 from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("dit_block", ROOT / "bench" / "dit_block.py")
-dit_block = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(dit_block)
 
 GiB = 2**30
 

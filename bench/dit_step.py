@@ -16,7 +16,6 @@ memory, block streaming), applies the plan and then limits the process to the ca
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -28,22 +27,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # dit_block's helpers, also when this file is loaded from elsewhere
+
+import dit_block  # noqa: E402
 
 from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.fp8_linear import quantize_linears  # noqa: E402
 from h3_core.fitting import apply_plan  # noqa: E402
 from h3_core.memory_model import BlockShape, evaluation_peak, plan_for_memory  # noqa: E402
 from h3_core.models.adaln_tables import prepare_adaln_tables  # noqa: E402
-from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32  # noqa: E402
+from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32, rope_inv_freq  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
 from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
 from h3_core.pipeline.geometry import audio_latents, latent_frames  # noqa: E402
 from h3_core.pipeline.noise import row_timesteps  # noqa: E402
 from h3_core.pipeline.packing import pack_sequence  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("dit_block", ROOT / "bench" / "dit_block.py")
-dit_block = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(dit_block)
 
 GiB = 2**30
 CAP_USABLE = 0.95  # of a cap, what the plan may fill: the rest is the allocator's slack
@@ -66,7 +65,7 @@ def random_model(cfg: DiTConfig, device, dtype) -> H3DiT:
         for name, p in model.named_parameters():
             fan_in = p.shape[-1] if p.dim() > 1 else 1
             p.normal_(0, fan_in**-0.5)
-        model.rope.inv_freq.copy_(dit_block.rope_inv_freq(cfg).to(device))
+        model.rope.inv_freq.copy_(rope_inv_freq(cfg).to(device))
     return model.eval()
 
 
