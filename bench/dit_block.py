@@ -141,7 +141,7 @@ def profile_block(block, run, cuda: bool) -> dict:
         linears += [attn.to_out_linear, attn.softmax_gate]
         clock.module("linear branch", attn.linear_attention)
         clock.function("linear branch", type(attn.linear_attention), "text_state")
-    for i, layer in enumerate(linears):
+    for layer in linears:
         clock.module("linears", layer)
     clock.module("adaln table", block.adaln_proj)
     clock.function("attention kernel", hybrid_module, "window_softmax")

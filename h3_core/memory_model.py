@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .models.dit import MODALITIES
 from .models.low_memory import LowMemory
 
 __all__ = ["BlockShape", "block_peaks", "ROTATE_TEMPS", "BRANCH_BUFFERS"]
 
-MODALITY_ROWS = 3  # one AdaLN row per (timestep, modality)
 ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each, plus the result
 # The linear branch's own buffers at its peak, in C / G: q̃, k̃, ṽ (3) and fp32 k̃, ṽ, β·k̃ (6) account for 9;
 # the rest are layout copies around the depthwise convolutions and the feature normalisation. With one group
@@ -145,14 +145,14 @@ def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *,
     weights = weight_bytes(cfg, dtype, linears=linears)
     per_block = weights.per_block
     if adaln_on_host:
-        table = timesteps_per_step * 6 * MODALITY_ROWS * cfg.hidden * torch.empty((), dtype=dtype).element_size()
+        table = timesteps_per_step * 6 * MODALITIES * cfg.hidden * torch.empty((), dtype=dtype).element_size()
         per_block = per_block - weights.adaln + steps * table
     if resident_blocks is None or resident_blocks >= cfg.layers:
         on_device = weights.other + per_block * cfg.layers
     else:
         on_device = weights.other + per_block * (resident_blocks + prefetch + 1)
     T, e = shape.rows, shape.element
-    rope_tables = 2 * T * (cfg.head_dim * 3 // 4) * 4  # cos and sin, fp32, on the rotated 3/4 of each head
+    rope_tables = 2 * T * 6 * cfg.rope_freqs * 4  # cos and sin, fp32, [T, 6 · rope_freqs] each (rope_cos_sin)
     living = T * shape.hidden * e + rope_tables
     activations = living + block_peaks(shape, options, hybrid=hybrid)["block"]
     return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))
