@@ -388,8 +388,9 @@ def test_resampled_length_keeps_torchaudios_fp32_rounding():
 @pytest.mark.parametrize("pixels, message", [
     (torch.rand(1, 32, 32, 3), r"the keyframe must be RGB pixels \[height, width, 3\], got shape \(1, 32, 32, 3\)"),
     (torch.rand(32, 32, 4), r"got shape \(32, 32, 4\)"),
-    (torch.rand(32, 32, 3) * 2, r"the keyframe must hold values in \[0, 1\], got values from 0.* to 1\.9"),
-    (torch.rand(32, 32, 3) - 0.5, r"got values from -0\.\d+"),
+    (torch.linspace(0.25, 1.75, 32 * 32 * 3).reshape(32, 32, 3),
+     r"the keyframe must hold values in \[0, 1\], got values from 0\.25 to 1\.75"),
+    (torch.linspace(-0.5, 0.5, 32 * 32 * 3).reshape(32, 32, 3), r"got values from -0\.5 to 0\.5"),
     (torch.full((32, 32, 3), float("nan")), r"must hold values in \[0, 1\], got values from nan"),
     (torch.zeros(32, 32, 3, dtype=torch.int32), r"must be floats in \[0, 1\] or uint8, got torch.int32"),
     (np.zeros((32, 32, 3)), r"the keyframe must be a tensor \[height, width, 3\], got ndarray"),
