@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import branch_fused
+
 __all__ = [
     "LinearBranch",
     "featurize",
@@ -93,7 +95,9 @@ def _frame_statistics(k, v, beta):
 def solve(alpha, A, B):
     """Transitions T = diag(α)(I + A)⁻¹ and injections J = B (I + A)⁻¹, through a Cholesky factor."""
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    chol = torch.linalg.cholesky(A + eye)
+    # I + A is symmetric positive definite for any A = Σ β k kᵀ (β > 0), so the factor always exists; the
+    # ``_ex`` form skips the error check, which would wait for the GPU once per block.
+    chol, _ = torch.linalg.cholesky_ex(A + eye)
     linv = torch.linalg.solve_triangular(chol, eye.expand_as(A), upper=False)
     inv = linv.transpose(-1, -2) @ linv
     return alpha[..., None] * inv, B @ inv
@@ -218,6 +222,7 @@ class LinearBranch(nn.Module):
         self.norm = nn.RMSNorm(head_dim, eps=EPS)
         self.short_conv = _ShortConv(heads * head_dim)
         self.statistics_frames: int | None = None  # frames per chunk of the fp32 statistics (``low_memory``)
+        self.fused: str | None = None  # ``branch_fused`` mode: None runs the plain ops below
 
     def _heads(self, heads: slice | None) -> slice:
         return slice(0, self.heads) if heads is None else heads
@@ -244,17 +249,37 @@ class LinearBranch(nn.Module):
         conv = self.short_conv
         weights = (conv.k_sp.weight[channels], conv.k_tm.weight[channels], conv.v_sp.weight[channels],
                    conv.v_tm.weight[channels])
-        q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid, weights)
         beta = torch.sigmoid(F.linear(x, self.beta_proj.weight[heads])).view(frames, S, -1)
-        A, B = frame_statistics(k, v, beta, self.statistics_frames)
+        if self.fused:
+            # k̃, ṽ come head-major [F, h, S, d]; the statistics read them through a [F, S, h, d] view.
+            k = self._fused_features(k_raw.view(frames, S, -1), weights[0], weights[1], grid, shape[2], True)
+            v = self._fused_features(v_raw.view(frames, S, -1), weights[2], weights[3], grid, shape[2], False)
+            A, B = frame_statistics(k.transpose(1, 2), v.transpose(1, 2), beta, self.statistics_frames)
+        else:
+            q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid, weights)
+            A, B = frame_statistics(k, v, beta, self.statistics_frames)
         del k, v, beta
         alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=accumulation_dtype(x.dtype)), heads)
         T, J = solve(alpha.to(A.dtype), A, B)
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = scan(T, J, seed)
         state = gather(P, Q, alpha, bounds, seed)  # [F, h, d_v, d_k]
+        if self.fused:
+            return self._fused_readout(x, q_raw.view(shape), state, channels)
         out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)
         del q
         acc = accumulation_dtype(x.dtype)
         out = F.rms_norm(out.to(acc), (self.head_dim,), self.norm.weight.to(acc), EPS).to(x.dtype)
         return (out * self.output_gate(x, channels).view(shape)).reshape(frames * S, -1)
+
+    def _fused_features(self, raw, spatial, temporal, grid, heads: int, normalize: bool):
+        y = branch_fused.spatial_conv(raw, spatial, grid)
+        return branch_fused.run(self.fused, "conv_features", y, temporal, heads, normalize)
+
+    def _fused_readout(self, x, q_raw, state, channels: slice):
+        q = branch_fused.run(self.fused, "query_features", q_raw)  # [F, h, S, d]
+        out = torch.matmul(q, state.to(q.dtype).transpose(-1, -2))  # [F, h, S, d_v]
+        del q
+        gate = self.output_gate
+        logits = F.linear(gate.down(x), gate.up.weight[channels], gate.up.bias[channels])
+        return branch_fused.run(self.fused, "readout_finish", out, self.norm.weight, logits)

@@ -301,6 +301,41 @@ def test_linear_branch_module_fp32_on_cuda_matches_fp64_on_cpu():
     assert rel(half, gold) <= BF16_BLOCK
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_fused_branch_on_cuda_is_as_close_to_fp64_as_the_plain_branch(mode):
+    from h3_core.models.branch_fused import compiled_branch_available
+
+    if mode == "compiled" and not compiled_branch_available(DEV):
+        pytest.skip("needs Triton")
+    heads, head_dim, hidden, text = 4, 128, 96, 6
+    frames, grid = 14, (6, 8)
+    rows = frames * grid[0] * grid[1]
+    branch = fill(LinearBranch(hidden, heads, head_dim, bottleneck=32), seed=5).eval()
+    g = torch.Generator().manual_seed(6)
+    x, tx = (torch.randn(n, hidden, generator=g).to(torch.bfloat16) for n in (rows, text))
+    q, k, v, tk, tv = (torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16)
+                       for n in (rows, rows, rows, text, text))
+    bounds = window_bounds(frames, 1, 3)
+
+    def run(device, dtype, fused, heads_run=None):
+        module = on(branch, device, dtype)
+        module.fused = fused
+        sl = slice(0, heads) if heads_run is None else heads_run
+        with torch.no_grad():
+            seed_state = module.text_state(*(t.to(device, dtype) for t in (tx, tk[:, sl], tv[:, sl])), heads_run)
+            return module(*(t.to(device, dtype) for t in (x, q[:, sl], k[:, sl], v[:, sl])), grid, bounds,
+                          seed_state, heads_run)
+
+    gold = run(CPU, torch.float64, None)
+    plain = run(DEV, torch.bfloat16, None)
+    fused = run(DEV, torch.bfloat16, mode)
+    assert fused.dtype == torch.bfloat16 and torch.isfinite(fused).all()
+    assert rel(fused, gold) <= 1.1 * rel(plain, gold)
+    # a head group runs the same kernels on fewer heads
+    group = slice(1, 3)
+    assert rel(run(DEV, torch.bfloat16, mode, group), run(CPU, torch.float64, None, group)) <= BF16_BLOCK
+
+
 # ---- 3. full cover: the dense block, branch off ---------------------------------------------------------
 
 FULL_COVER = {

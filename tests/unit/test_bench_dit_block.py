@@ -29,3 +29,16 @@ def test_tiny_dry_run_times_both_blocks(tmp_path):
     parts = hybrid["profile"]["linear_branch_ms"]
     assert set(parts) == {"featurize", "frame_statistics", "solve", "scan", "gather", "readout and the rest"}
     assert sum(parts.values()) == pytest.approx(hybrid["profile"]["sections_ms"]["linear branch"], abs=0.05)
+
+
+def test_tiny_dry_run_with_fused_branches(tmp_path):
+    spec = importlib.util.spec_from_file_location("dit_block", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["dit_block"] = bench
+    spec.loader.exec_module(bench)
+    result = bench.main(["--tiny", "--reps", "1", "--profile", "--fused-branch", "eager"])
+    hybrid = result["blocks"]["hybrid"]
+    assert result["fused_branch"] == "eager" and hybrid["finite"]
+    parts = hybrid["profile"]["linear_branch_ms"]
+    assert {"featurize", "fused features and readout finish", "frame_statistics", "solve"} <= set(parts)
+    assert sum(parts.values()) == pytest.approx(hybrid["profile"]["sections_ms"]["linear branch"], abs=0.05)

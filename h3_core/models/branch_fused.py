@@ -1,0 +1,115 @@
+"""The linear branch's per-element work in few passes, with the features laid out head-major.
+
+The plain branch (``linear_branch.LinearBranch`` with ``fused = None``) is the reference: it runs each step
+as its own PyTorch op over the video rows (spatial conv, a layout copy, the temporal conv, another copy,
+SiLU, the L2 norm; then the readout einsum, the fp32 RMSNorm and the gate), each a pass over ``[F·S, h·d]``.
+Here the temporal conv, SiLU and L2 norm are one function that writes k̃ and ṽ straight into ``[F, h, S, d]``
+(the layout the frame statistics and the readout GEMM read without copies); q̃ likewise; and the readout's
+RMSNorm, output gate and return to token-major rows are one function after a plain batched GEMM. Sums run
+in fp32 (fp64 for fp64 inputs) and each result is rounded once, so the numbers are the plain path's up to
+the roundings it skips.
+
+Modes (``fuse_branches``): ``"compiled"`` runs these functions through ``torch.compile`` (one generated
+kernel each; needs Triton on CUDA), ``"eager"`` runs them as written (the same arithmetic, op by op: for
+tests and for checking the math), ``None`` the plain path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import H3InputError
+
+__all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
+           "query_features", "readout_finish", "run"]
+
+FUSED_MODES = (None, "eager", "compiled")
+EPS = 1e-6
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def spatial_conv(x: torch.Tensor, weight: torch.Tensor, grid) -> torch.Tensor:
+    """Depthwise 5×5 over each frame's grid of ``x`` ``[F, S, C]``, zero padded: ``[F, S, C]``.
+
+    The frame grid read as ``[F, C, gh, gw]`` is a channels-last view of ``x``, which the convolution takes
+    (and returns) without a layout copy."""
+    frames, _, channels = x.shape
+    y = F.conv2d(x.view(frames, grid[0], grid[1], channels).permute(0, 3, 1, 2), weight.to(x.dtype),
+                 padding=weight.shape[-1] // 2, groups=channels)
+    return y.permute(0, 2, 3, 1).reshape(frames, -1, channels)
+
+
+def conv_features(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bool) -> torch.Tensor:
+    """SiLU(TConv(y)) per channel, L2-normalised per head when ``normalize``: ``[F, heads, S, d]`` from the
+    spatially convolved ``y`` ``[F, S, heads·d]`` and the temporal taps ``[C, 1, n]`` (zero padded across
+    frames, cross-correlation as ``conv1d``)."""
+    frames, tokens, channels = y.shape
+    acc = _accumulation(y.dtype)
+    n = taps.shape[-1]
+    padded = F.pad(y.to(acc), (0, 0, 0, 0, n // 2, n // 2))
+    w = taps.to(acc).view(channels, n)
+    z = padded[0:frames] * w[:, 0]
+    for j in range(1, n):
+        z = z + padded[j : j + frames] * w[:, j]
+    z = F.silu(z).view(frames, tokens, heads, channels // heads)
+    if normalize:
+        z = z / torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min(EPS)
+    return z.permute(0, 2, 1, 3).contiguous().to(y.dtype)
+
+
+def query_features(q: torch.Tensor) -> torch.Tensor:
+    """q̃ = L2(SiLU(q)) per head, ``[F, h, S, d]`` from raw ``[F, S, h, d]``."""
+    z = F.silu(q.to(_accumulation(q.dtype)))
+    z = z / torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min(EPS)
+    return z.permute(0, 2, 1, 3).contiguous().to(q.dtype)
+
+
+def readout_finish(o: torch.Tensor, norm_weight: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
+    """RMSNorm(o) · σ(gate) back in token-major rows: ``[F·S, h·d]`` from the readout ``o`` ``[F, h, S, d]``
+    and the gate's pre-activations ``[F·S, h·d]``; the result has the gate's dtype."""
+    frames, heads, tokens, d = o.shape
+    acc = _accumulation(o.dtype)
+    z = o.to(acc)
+    z = z * torch.rsqrt(z.square().mean(-1, keepdim=True) + EPS) * norm_weight.to(acc)
+    z = z.permute(0, 2, 1, 3).reshape(frames * tokens, heads * d)
+    return (z * torch.sigmoid(gate_logits.to(acc))).to(gate_logits.dtype)
+
+
+_FUNCTIONS = {"conv_features": conv_features, "query_features": query_features, "readout_finish": readout_finish}
+_compiled: dict[str, object] = {}
+
+
+def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
+    """Whether ``"compiled"`` can run on ``device``: CUDA with Triton importable."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def run(mode: str, name: str, *args):
+    """Call the fused function ``name`` as ``mode`` says (``"eager"`` or ``"compiled"``)."""
+    fn = _FUNCTIONS[name]
+    if mode == "compiled":
+        if name not in _compiled:
+            _compiled[name] = torch.compile(fn)
+        fn = _compiled[name]
+    return fn(*args)
+
+
+def fuse_branches(model: nn.Module, mode: str | None = "compiled") -> int:
+    """Set every linear branch in ``model`` to the fused ``mode`` (see module docstring); returns how many."""
+    from .linear_branch import LinearBranch
+
+    if mode not in FUSED_MODES:
+        raise H3InputError(f"the branch fusion mode must be one of {FUSED_MODES}, got {mode!r}")
+    branches = [m for m in model.modules() if isinstance(m, LinearBranch)]
+    for branch in branches:
+        branch.fused = mode
+    return len(branches)

@@ -1,0 +1,161 @@
+"""The fused linear-branch path (h3_core.models.branch_fused) equals the plain branch, piece by piece and
+through the whole model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from h3_core.attention import WindowSpec
+from h3_core.attention.layout import window_bounds
+from h3_core.errors import H3InputError
+from h3_core.models import branch_fused
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.hybrid import HybridContext
+from h3_core.models.linear_branch import LinearBranch, featurize
+from h3_core.models.low_memory import LowMemory, apply_low_memory
+from h3_core.pipeline.packing import pack_sequence
+
+
+def rnd(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+# An irregular geometry: 7 frames of a 3×5 grid, 3 heads of 4 channels.
+FR, GRID, H, D = 7, (3, 5), 3, 4
+S = GRID[0] * GRID[1]
+
+
+def conv_weights(seed=10):
+    return rnd(H * D, 1, 5, 5, seed=seed), rnd(H * D, 1, 5, seed=seed + 1)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_conv_features_equal_the_plain_features(normalize):
+    raw = rnd(FR, S, H, D, seed=1)
+    spatial, temporal = conv_weights()
+    conv = (spatial, temporal, spatial, temporal)
+    _, k_plain, v_plain = featurize(raw, raw, raw, GRID, conv)
+    y = branch_fused.spatial_conv(raw.view(FR, S, -1), spatial, GRID)
+    fused = branch_fused.conv_features(y, temporal, H, normalize)
+    assert fused.shape == (FR, H, S, D) and fused.is_contiguous()
+    want = (k_plain if normalize else v_plain).permute(0, 2, 1, 3)
+    assert (fused - want).abs().max() <= 1e-12
+
+
+def test_conv_features_in_half_precision_are_no_worse_than_the_plain_features():
+    bf = torch.bfloat16
+    raw = rnd(FR, S, H, D, seed=2).to(bf)
+    spatial, temporal = (w.to(bf) for w in conv_weights())
+    conv = (spatial, temporal, spatial, temporal)
+    exact = featurize(*(raw.double(),) * 3, GRID, tuple(w.double() for w in conv))[1].permute(0, 2, 1, 3)
+    plain = featurize(raw, raw, raw, GRID, conv)[1].permute(0, 2, 1, 3)
+    fused = branch_fused.conv_features(branch_fused.spatial_conv(raw.view(FR, S, -1), spatial, GRID), temporal, H, True)
+    assert fused.dtype == bf
+    fused_error, plain_error = ((t.double() - exact).abs().max() for t in (fused, plain))
+    # Both paths round the spatial conv's output to bf16 (the largest error here: its taps' sums cancel in
+    # the temporal conv); the plain path also rounds the temporal conv, SiLU and the norm, the fused one not.
+    assert fused_error <= 1.1 * plain_error
+
+
+def test_query_features_equal_the_plain_features():
+    q = rnd(FR, S, H, D, seed=3)
+    q_plain, _, _ = featurize(q, q, q, GRID, None)
+    assert (branch_fused.query_features(q) - q_plain.permute(0, 2, 1, 3)).abs().max() <= 1e-12
+
+
+def test_readout_finish_equals_norm_then_gate():
+    o = rnd(FR, H, S, D, seed=4)
+    weight = rnd(D, seed=5)
+    logits = rnd(FR * S, H * D, seed=6)
+    want = F.rms_norm(o, (D,), weight, 1e-6).permute(0, 2, 1, 3).reshape(FR * S, -1) * torch.sigmoid(logits)
+    assert (branch_fused.readout_finish(o, weight, logits) - want).abs().max() <= 1e-12
+
+
+def branch(seed=0):
+    torch.manual_seed(seed)
+    m = LinearBranch(hidden=10, heads=H, head_dim=D, bottleneck=6).double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.4)
+    return m
+
+
+@pytest.mark.parametrize("heads, frames_per_chunk", [(None, None), (slice(1, 3), None), (slice(0, 1), 3)])
+def test_the_fused_branch_equals_the_plain_branch(heads, frames_per_chunk):
+    m = branch()
+    n = H if heads is None else heads.stop - heads.start
+    x = rnd(FR * S, 10, seed=7)
+    q, k, v = (rnd(FR * S, n, D, seed=s) for s in (8, 9, 10))
+    bounds = window_bounds(FR, 1, 2)
+    seed = rnd(n, D, D, seed=11) * 0.1
+    m.statistics_frames = frames_per_chunk
+    with torch.no_grad():
+        plain = m(x, q, k, v, GRID, bounds, seed, heads)
+        m.fused = "eager"
+        fused = m(x, q, k, v, GRID, bounds, seed, heads)
+    assert fused.shape == plain.shape == (FR * S, n * D)
+    assert (fused - plain).abs().max() <= 1e-12 * plain.abs().max()
+
+
+CFG = DiTConfig(hidden=24, layers=2, heads=3, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12,
+                time_embed=10, rope_freqs=2, hybrid=True)
+
+
+def model():
+    torch.manual_seed(0)
+    m = H3DiT(CFG).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+        m.rope.inv_freq.copy_(1 / (10000 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)))
+    return m
+
+
+def request(frames=12, text=4, audio=5):
+    packed = pack_sequence(torch.ones(text, dtype=torch.long), frames, 2, 4, audio)
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
+            torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
+            torch.randn(text, 20, generator=g, dtype=torch.float64), torch.tensor([0.3, 0.999], dtype=torch.float64),
+            (torch.arange(packed.positions.shape[0]) % 2), packed.tags, packed.positions,
+            packed.video_index, packed.audio_index, packed.text_index)
+    return packed, args
+
+
+@pytest.mark.parametrize("options", [LowMemory(), LowMemory(head_groups=3, branch_frames=4)])
+def test_a_model_with_fused_branches_equals_the_plain_model(options):
+    m = model()
+    packed, args = request()
+    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4))
+    apply_low_memory(m, options)
+    with torch.no_grad():
+        plain = m(*args, hybrid=ctx)
+        assert branch_fused.fuse_branches(m, "eager") == CFG.layers
+        fused = m(*args, hybrid=ctx)
+        branch_fused.fuse_branches(m, None)
+        again = m(*args, hybrid=ctx)
+    for a, b in zip(fused, plain):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+    for a, b in zip(again, plain):
+        assert torch.equal(a, b)
+
+
+def test_the_compiled_functions_equal_the_written_ones():
+    # torch.compile on the CPU (C++ kernels): the same graphs the GPU compiles to Triton trace without breaks
+    y, taps = rnd(FR, S, H * D, seed=12, dtype=torch.float32), rnd(H * D, 1, 5, seed=13, dtype=torch.float32)
+    q = rnd(FR, S, H, D, seed=14, dtype=torch.float32)
+    o, weight, logits = rnd(FR, H, S, D, seed=15), rnd(D, seed=16), rnd(FR * S, H * D, seed=17)
+    for name, args in (("conv_features", (y, taps, H, True)), ("query_features", (q,)),
+                       ("readout_finish", (o.float(), weight.float(), logits.float()))):
+        compiled = branch_fused.run("compiled", name, *args)
+        written = branch_fused.run("eager", name, *args)
+        assert (compiled - written).abs().max() <= 1e-5 * written.abs().max(), name
+
+
+def test_a_bad_mode_is_named():
+    with pytest.raises(H3InputError, match=r"fusion mode must be one of \(None, 'eager', 'compiled'\), got 'fast'"):
+        branch_fused.fuse_branches(model(), "fast")
+
+
+def test_compiled_needs_cuda():
+    assert not branch_fused.compiled_branch_available("cpu")
