@@ -67,6 +67,7 @@ from .keymap import CheckpointFiles, KeyMap, match_layout
 from .lora import LoraDelta, merge_lora, read_lora
 from .models.dit import DiTConfig, H3DiT, curve_grid, keeps_fp32, layouts, load_dit, native_layout
 from .models.vdn import BranchWeights, branch_layouts, load_vdn
+from .sizes import sizes_from_metadata
 
 __all__ = ["DiTCheckpointInfo", "LoraSpec", "MergedLora", "LINEARS", "describe_dit_checkpoint", "load_h3_model"]
 
@@ -147,15 +148,16 @@ def describe_dit_checkpoint(path, *, cfg: DiTConfig | None = None,
 
     Args:
         path: a ``.safetensors`` file, a folder of shards, or a folder with a ``transformer/`` subfolder.
-        cfg: the model's sizes; key names and shapes are checked against it. Default: the released model.
+        cfg: the model's sizes; key names and shapes are checked against it. Default: the sizes in the
+            file's metadata (``h3_core.sizes``), else the released model.
         qkv_interleaved: None decides by the rule (a native folder is the official shards); True or False
             says it, for native names without a prefix only. A branch file ignores it.
     Returns:
         A ``DiTCheckpointInfo``. Raises ``H3InputError`` for anything the loader would refuse.
     """
-    cfg = replace(cfg or DiTConfig(), hybrid=False)
     where = _resolve(Path(path))
     files = CheckpointFiles(where)
+    cfg = replace(cfg or sizes_from_metadata(files.metadata, DiTConfig, where) or DiTConfig(), hybrid=False)
     view = fp8_scaled_view(files)
     curve = curve_grid(files)
     if curve is not None:

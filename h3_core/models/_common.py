@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..keymap import CheckpointFiles, KeyMap, load_into
+from ..sizes import sizes_from_metadata
 
 
 class LatentStats:
@@ -33,6 +34,7 @@ class LatentStats:
 
 def load_model(
     model_cls,
+    config_cls,
     cfg,
     path,
     layouts: Callable[[object], Sequence[KeyMap]],
@@ -43,8 +45,12 @@ def load_model(
     keep_fp32: Callable[[str], bool] = lambda key: False,
 ):
     """Build ``model_cls(cfg)`` on the meta device and fill it from ``path``; the file's latent statistics
-    (tensors, or a folder's ``config.json``) replace the config's. ``model.layout`` names the layout found."""
+    (tensors, or a folder's ``config.json``) replace the config's. Without ``cfg``, the sizes come from the
+    file's metadata (``h3_core.sizes``) or are the released ``config_cls()``. ``model.layout`` names the
+    layout found."""
     files = CheckpointFiles(path)
+    if cfg is None:
+        cfg = sizes_from_metadata(files.metadata, config_cls, files.path) or config_cls()
     stats = files.latent_stats()
     if stats is not None:
         cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])

@@ -366,5 +366,5 @@ def layouts() -> tuple[KeyMap, ...]:
 
 def load_audio_vae(path, *, device="cpu", cfg: AudioVAEConfig | None = None) -> AudioVAE:
     """Load an audio VAE checkpoint (a single file or a folder) in any supported layout, in fp32."""
-    return load_model(AudioVAE, cfg or AudioVAEConfig(), path, lambda cfg: layouts(), what="MiniMax H3 audio VAE",
+    return load_model(AudioVAE, AudioVAEConfig, cfg, path, lambda cfg: layouts(), what="MiniMax H3 audio VAE",
                       device=device, dtype=torch.float32)

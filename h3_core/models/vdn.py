@@ -58,7 +58,7 @@ def load_vdn(base, branch, *, device="cpu", dtype: torch.dtype = torch.bfloat16,
              qkv_interleaved: bool = False) -> H3DiT:
     """A VDN-H3 model: the DiT from ``base`` (file or folder, as ``load_dit``) with the hybrid attention's
     weights from ``branch``. The branch loads in ``dtype``; its scans accumulate in fp32 regardless."""
-    cfg = replace(cfg or DiTConfig(), hybrid=False)
+    cfg = replace(cfg, hybrid=False) if cfg is not None else None
     dense = load_dit(base, device=device, dtype=dtype, cfg=cfg, qkv_interleaved=qkv_interleaved)
     cfg = dense.cfg  # a pruned base sets its curve sizes
     with torch.device("meta"):

@@ -450,7 +450,7 @@ def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cf
     decoder projections, the norms and the LayerScales stay fp32. ``cfg`` gives the sizes (default: the
     released model); the file's ``latents_mean`` / ``latents_std`` tensors or a folder's ``config.json``
     supply the latent statistics."""
-    return load_model(VideoVAE, cfg or VideoVAEConfig(), path, layouts, what="MiniMax H3 video VAE",
+    return load_model(VideoVAE, VideoVAEConfig, cfg, path, layouts, what="MiniMax H3 video VAE",
                       device=device, dtype=dtype, keep_fp32=keeps_fp32)
 
 

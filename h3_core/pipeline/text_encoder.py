@@ -18,6 +18,7 @@ one layer's weights on the card at a time, the same numbers as the resident mode
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from .media import quantize_pixels
 from .presentation import PresentedReference, VisionIds, presentation_tokens, video_blocks
 from .prompt import PromptEmbedding
 
-__all__ = ["TextEncoder", "load_text_encoder", "CONDITIONING_LAYER", "OFFLOAD_MODES"]
+__all__ = ["TextEncoder", "load_text_encoder", "CONDITIONING_LAYER", "OFFLOAD_MODES", "SETTINGS_FILE"]
 
 CONDITIONING_LAYER = 50
 OFFLOAD_MODES = ("auto", "none", "layers")
@@ -174,11 +175,29 @@ def fits_on(device: torch.device, nbytes: int) -> bool:
     return nbytes * _HEADROOM <= free
 
 
+SETTINGS_FILE = "h3_hybrid.json"
+
+
+def _folder_settings(folder: Path) -> dict:
+    path = folder / SETTINGS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        settings = json.loads(path.read_text())
+    except ValueError as exc:
+        raise H3InputError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(settings, dict):
+        raise H3InputError(f"{path}: expected a JSON object, got {type(settings).__name__}")
+    return settings
+
+
 def load_text_encoder(folder: str | Path, *, device="cpu", dtype: torch.dtype = torch.bfloat16,
-                      layer: int = CONDITIONING_LAYER, offload: str = "auto",
+                      layer: int | None = None, offload: str = "auto",
                       fits=fits_on) -> TextEncoder:
     """Load Qwen3-VL from a local folder: ``folder`` itself or its ``text_encoder/`` and ``tokenizer/``.
 
+    ``layer``: the hidden states handed to the DiT; default the folder's ``h3_hybrid.json``
+    ``conditioning_layer`` (a checkpoint of another size names its own), else the released 50.
     ``offload``: "none" puts the whole model on ``device``; "layers" keeps it in host memory and streams one
     decoder layer at a time; "auto" streams only when ``fits(device, weight_bytes)`` says it does not fit."""
     if offload not in OFFLOAD_MODES:
@@ -186,6 +205,8 @@ def load_text_encoder(folder: str | Path, *, device="cpu", dtype: torch.dtype = 
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
     folder = Path(folder)
+    if layer is None:
+        layer = _folder_settings(folder).get("conditioning_layer", CONDITIONING_LAYER)
     model_dir = folder / "text_encoder" if (folder / "text_encoder").is_dir() else folder
     token_dir = folder / "tokenizer" if (folder / "tokenizer").is_dir() else model_dir
     if not (model_dir / "config.json").is_file():

@@ -1,0 +1,44 @@
+"""Model sizes written into a checkpoint's safetensors metadata, for checkpoints that are not the released size.
+
+The released files carry no sizes (the loaders default to the released model). A checkpoint of another
+size — the pack's tiny random demo checkpoints, say — names its config dataclass's fields as JSON under
+``SIZES_KEY``, and the loaders build that model when no config is given. ``NOTE_KEY`` holds a line for
+the user about what the file is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from .errors import H3InputError
+
+__all__ = ["SIZES_KEY", "NOTE_KEY", "sizes_metadata", "sizes_from_metadata"]
+
+SIZES_KEY = "h3_hybrid.sizes"
+NOTE_KEY = "h3_hybrid.note"
+
+
+def sizes_metadata(cfg, note: str | None = None) -> dict[str, str]:
+    """safetensors metadata naming ``cfg``'s sizes (and ``note``, when given)."""
+    meta = {SIZES_KEY: json.dumps(dataclasses.asdict(cfg))}
+    if note:
+        meta[NOTE_KEY] = note
+    return meta
+
+
+def sizes_from_metadata(metadata: dict[str, str], config_cls, where):
+    """``config_cls`` built from the sizes in ``metadata``, or None when it names none."""
+    text = metadata.get(SIZES_KEY)
+    if text is None:
+        return None
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    try:
+        fields = json.loads(text)
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ValueError(f"unknown fields {unknown}")
+        return config_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    except (ValueError, TypeError) as exc:
+        raise H3InputError(f"{where}: the sizes in its metadata ({SIZES_KEY}) do not describe a "
+                           f"{config_cls.__name__}: {exc}") from None

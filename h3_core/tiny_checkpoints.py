@@ -1,0 +1,135 @@
+"""Tiny random checkpoints of every model the pack loads, in the layouts users have, for trying the pack
+without the real files (tests, the quick start).
+
+They are NOT trained models: the weights are seeded random numbers, so what they generate is noise with the
+right shapes, frame counts, rates and channels. Every file says so in its metadata (``h3_core.sizes``
+``NOTE_KEY``) and its name begins with ``TINY_PREFIX``. The files go where ComfyUI looks for each kind:
+
+    diffusion_models/h3_tiny_random_dit.safetensors            the DiT, ComfyUI layout (also the T2VA/FL2VA base)
+    diffusion_models/h3_tiny_random_linear_branch.safetensors  VDN-H3's linear branch for that DiT
+    vae/h3_tiny_random_video_vae.safetensors                    ComfyUI layout, with its latent statistics
+    vae/h3_tiny_random_audio_vae.safetensors
+    text_encoders/h3_tiny_random_qwen3vl/                       tokenizer/, processor/, text_encoder/ folders
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .models.audio_vae import AudioVAE, AudioVAEConfig
+from .models.dit import DiTConfig, H3DiT
+from .models.video_vae import VideoVAE, VideoVAEConfig
+from .pipeline.text_encoder import SETTINGS_FILE
+from .sizes import NOTE_KEY, sizes_metadata
+
+__all__ = ["TinyCheckpoints", "write_tiny_checkpoints", "TINY_PREFIX", "TINY_DIT", "TINY_VIDEO_VAE", "TINY_AUDIO_VAE",
+           "TINY_TEXT_WIDTH"]
+
+TINY_PREFIX = "h3_tiny_random_"
+NOTE = "H3 Hybrid tiny RANDOM weights for tests and the quick start: not a trained model, it generates noise"
+TINY_TEXT_WIDTH = 32
+TINY_DIT = DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=TINY_TEXT_WIDTH, freq_dim=16,
+                     time_hidden=24, time_embed=20, rope_freqs=4)
+TINY_VIDEO_VAE = VideoVAEConfig(decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6,
+                                norm_groups=4)
+TINY_AUDIO_VAE = AudioVAEConfig(encoder_dim=4, latent_dim=64, latent_channels=32, decoder_dim=256, attention_heads=2)
+_BRANCH_PARTS = (".attn.softmax_gate.", ".attn.to_out_linear.", ".attn.linear_attention.")
+_TEXT_LAYERS = 3
+_WORDS = ("a", "the", "fox", "runs", "through", "snow", "and", "sea", "waves", "music", "plays", "<d>", "</d>",
+          "[English]", "<Picture", "<Audio", "<Video", "1>:", "2>:", "3>:", "seconds>")
+_VISION = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+@dataclass(frozen=True)
+class TinyCheckpoints:
+    dit: Path
+    linear_branch: Path
+    video_vae: Path
+    audio_vae: Path
+    text_encoder: Path
+
+
+def _save(state: dict, path: Path, cfg) -> Path:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(partial), metadata=sizes_metadata(cfg, NOTE))
+    partial.replace(path)
+    return path
+
+
+def _randomised(module: torch.nn.Module, std: float | None) -> torch.nn.Module:
+    """``module`` with its own initialisation, or N(0, std²) everywhere when ``std`` is given."""
+    if std is not None:
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_(0, std)
+    return module.eval()
+
+
+def _dit_files(models: Path) -> tuple[Path, Path]:
+    torch.manual_seed(0)
+    hybrid = _randomised(H3DiT(replace(TINY_DIT, hybrid=True)), 0.05)
+    state = hybrid.state_dict()
+    base = {k: v for k, v in state.items() if not any(part in k for part in _BRANCH_PARTS)}
+    branch = {"transformer_blocks." + k.removeprefix("blocks."): v for k, v in state.items()
+              if any(part in k for part in _BRANCH_PARTS)}
+    folder = models / "diffusion_models"
+    return (_save(base, folder / f"{TINY_PREFIX}dit.safetensors", TINY_DIT),
+            _save(branch, folder / f"{TINY_PREFIX}linear_branch.safetensors", TINY_DIT))
+
+
+def _vae_files(models: Path) -> tuple[Path, Path]:
+    torch.manual_seed(1)
+    video = _randomised(VideoVAE(TINY_VIDEO_VAE), None)
+    state = dict(video.state_dict())
+    state["latents_mean"] = torch.tensor(TINY_VIDEO_VAE.latents_mean)
+    state["latents_std"] = torch.tensor(TINY_VIDEO_VAE.latents_std)
+    torch.manual_seed(2)
+    audio = _randomised(AudioVAE(TINY_AUDIO_VAE), None)
+    folder = models / "vae"
+    return (_save(state, folder / f"{TINY_PREFIX}video_vae.safetensors", TINY_VIDEO_VAE),
+            _save(dict(audio.state_dict()), folder / f"{TINY_PREFIX}audio_vae.safetensors", TINY_AUDIO_VAE))
+
+
+def _text_encoder_folder(models: Path) -> Path:
+    import transformers
+    from tokenizers import Tokenizer, models as token_models, pre_tokenizers
+
+    root = models / "text_encoders" / f"{TINY_PREFIX}qwen3vl"
+    vocab = {w: i for i, w in enumerate(("<unk>", "<|endoftext|>", "<|im_start|>") + _WORDS + _VISION)}
+    tokenizer = Tokenizer(token_models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<|im_start|>",
+                                                eos_token="<|endoftext|>")
+    fast.save_pretrained(root / "tokenizer")
+    processor = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 64, "longest_edge": 4096})
+    transformers.Qwen2VLImageProcessor(**processor).save_pretrained(root / "processor")
+    transformers.Qwen3VLVideoProcessor(**processor).save_pretrained(root / "processor")
+    cfg = transformers.Qwen3VLConfig(
+        text_config=dict(hidden_size=TINY_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=_TEXT_LAYERS + 1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=len(vocab),
+                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TINY_TEXT_WIDTH,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0]),
+        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"],
+    )
+    torch.manual_seed(3)
+    transformers.Qwen3VLForConditionalGeneration(cfg).save_pretrained(root / "text_encoder")
+    (root / SETTINGS_FILE).write_text(json.dumps({"conditioning_layer": _TEXT_LAYERS, NOTE_KEY: NOTE}, indent=1) + "\n")
+    return root
+
+
+def write_tiny_checkpoints(models: str | Path) -> TinyCheckpoints:
+    """Write every tiny checkpoint under ``models`` (a ComfyUI ``models/`` folder); returns their paths.
+    Writing again replaces them with the same bytes (seeded)."""
+    models = Path(models)
+    dit, branch = _dit_files(models)
+    video, audio = _vae_files(models)
+    return TinyCheckpoints(dit, branch, video, audio, _text_encoder_folder(models))
