@@ -1,0 +1,75 @@
+"""Writing clips as mp4 and reading audio with PyAV (h3_core.mp4), read back with av."""
+
+from fractions import Fraction
+
+import av
+import pytest
+import torch
+
+from h3_core.errors import H3InputError
+from h3_core.mp4 import read_audio, write_mp4
+
+
+def tone(seconds, rate=32000, channels=2):
+    t = torch.arange(int(seconds * rate)) / rate
+    return torch.stack([0.5 * torch.sin(2 * torch.pi * (440 + 220 * c) * t) for c in range(channels)])
+
+
+def test_video_and_stereo_audio_read_back(tmp_path):
+    frames = torch.linspace(0, 1, 30 * 48 * 64 * 3).reshape(30, 48, 64, 3)
+    path = write_mp4(tmp_path / "clip.mp4", frames, tone(30 / 24), 32000)
+    with av.open(str(path)) as container:
+        video, audio = container.streams.video[0], container.streams.audio[0]
+        assert (video.codec_context.name, video.codec_context.pix_fmt) == ("h264", "yuv420p")
+        assert (video.width, video.height, video.average_rate) == (64, 48, Fraction(24))
+        assert (audio.codec_context.name, audio.rate, audio.channels) == ("aac", 32000, 2)
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(decoded) == 30
+    # a smooth ramp survives H.264 at crf 18 to within a few levels
+    assert abs(torch.from_numpy(decoded[10]).float() - frames[10] * 255).mean() < 3
+    waveform, rate = read_audio(path)
+    assert rate == 32000 and waveform.shape[0] == 2 and abs(waveform.shape[1] / rate - 30 / 24) < 0.1
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_uint8_frames_and_no_audio(tmp_path):
+    frames = torch.zeros(5, 32, 32, 3, dtype=torch.uint8)
+    path = write_mp4(tmp_path / "silent.mp4", frames)
+    with av.open(str(path)) as container:
+        assert not container.streams.audio and container.streams.video[0].frames == 5
+
+
+def test_a_cancelled_write_leaves_no_file(tmp_path):
+    calls = []
+
+    def cancel():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("cancelled")
+
+    with pytest.raises(KeyboardInterrupt):
+        write_mp4(tmp_path / "clip.mp4", torch.rand(10, 32, 32, 3), tone(0.5), 32000, check_cancel=cancel)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("frames, audio, message", [
+    (torch.rand(4, 32, 32), None, r"frames must be RGB images \[frames, height, width, 3\], got \(4, 32, 32\)"),
+    (torch.rand(4, 33, 32, 3), None, r"even width and height, got 32x33"),
+    (torch.rand(0, 32, 32, 3), None, "no frames"),
+    (torch.zeros(2, 32, 32, 3, dtype=torch.int32), None, "floats in \\[0, 1\\] or uint8, got torch.int32"),
+    (torch.rand(2, 32, 32, 3), torch.zeros(3, 100), r"audio must be a waveform \[channels \(1 or 2\), samples\], got \(3, 100\)"),
+])
+def test_bad_inputs_are_named(tmp_path, frames, audio, message):
+    with pytest.raises(H3InputError, match=message):
+        write_mp4(tmp_path / "x.mp4", frames, audio, 32000)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unreadable_audio_is_named(tmp_path):
+    bad = tmp_path / "noise.wav"
+    bad.write_bytes(b"not audio at all")
+    with pytest.raises(H3InputError, match="noise.wav: cannot be read as an audio or video file"):
+        read_audio(bad)
+    silent = write_mp4(tmp_path / "silent.mp4", torch.zeros(2, 32, 32, 3, dtype=torch.uint8))
+    with pytest.raises(H3InputError, match="silent.mp4: has no audio stream"):
+        read_audio(silent)
