@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..attention.kernels import dense_attention
 from ..errors import H3InputError
 from ..keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
+from ..sizes import sizes_from_metadata
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
 from .adaln_tables import adaln_tables_for
 from .low_memory import add_linear_cols, head_slices, linear_rows
@@ -333,6 +334,7 @@ class H3DiT(nn.Module):
         self.token_refiner = TokenRefiner(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.final_layer = FinalLayer(cfg)
+        self.check_cancel = None  # called before every block when set: a cancel stops within one evaluation
 
     def forward(
         self,
@@ -375,6 +377,8 @@ class H3DiT(nn.Module):
         rope = rope_cos_sin(positions, self.rope.inv_freq)
         tables = adaln_tables_for(self, timesteps)
         for i, block in enumerate(self.blocks):
+            if self.check_cancel is not None:
+                self.check_cancel()
             x = block(x, temb if tables is None else tables[i], rows, rope, hybrid)
         return self.final_layer(x, temb, timestep_index, video_index, audio_index)
 
@@ -475,9 +479,10 @@ def load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: Di
     """Load a DiT checkpoint (a file or a folder of shards) in any supported layout; blocks in ``dtype``,
     the fp32 islands in fp32. ``qkv_interleaved`` marks the official shards, whose keys match ComfyUI's
     but whose ``qkv_proj`` rows are interleaved per head. A pruned ("curve") file is recognised by its
-    ``adaln_t_table``, whose shape sets ``cfg.adaln_curve_grid`` and ``cfg.time_embed``."""
+    ``adaln_t_table``, whose shape sets ``cfg.adaln_curve_grid`` and ``cfg.time_embed``. Without ``cfg`` the
+    sizes are those in the file's metadata (``h3_core.sizes``), else the released model's."""
     files = path if isinstance(path, CheckpointFiles) else CheckpointFiles(path)
-    cfg = cfg or DiTConfig()
+    cfg = cfg or sizes_from_metadata(files.metadata, DiTConfig, files.path) or DiTConfig()
     curve = curve_grid(files)
     if curve is not None:
         cfg = replace(cfg, adaln_curve_grid=curve[0], time_embed=curve[1])

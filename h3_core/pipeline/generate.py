@@ -46,10 +46,12 @@ def generate(
     check_cancel: Callable[[], None] | None = None,
     window: WindowSpec = RELEASE_WINDOW,
     backend: str = "auto",
+    before_sampling: Callable[[PackedSequence], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` is a sequence of
     ``(anchor, latent)`` pairs. For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the
-    window softmax; a plain H3 model ignores them. Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in
+    window softmax; a plain H3 model ignores them. ``before_sampling(packed)`` is called once the request is
+    packed, before the first evaluation (e.g. to fit the model to the device for that sequence). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in
     model space, fp32."""
     T, h, w, Ta = _clip_shape(frames, width, height)
     for anchor, latent in keyframes:
@@ -59,7 +61,7 @@ def generate(
     packed = pack_sequence(prompt.tags, T, h, w, Ta, keyframes=tuple(a for a, _ in keyframes))
     return _sample(model, prompt, packed, [z for _, z in keyframes], [], (T, h, w, Ta), steps=steps, seed=seed,
                    video_shift=video_shift, audio_shift=audio_shift, device=device, progress=progress,
-                   check_cancel=check_cancel, window=window, backend=backend)
+                   check_cancel=check_cancel, window=window, backend=backend, before_sampling=before_sampling)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ def generate_ref2va(
     check_cancel: Callable[[], None] | None = None,
     window: WindowSpec = RELEASE_WINDOW,
     backend: str = "auto",
+    before_sampling: Callable[[PackedSequence], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
     them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``."""
@@ -129,7 +132,7 @@ def generate_ref2va(
     audio_refs = [rows for rows in (ref.audio_rows() for ref in references) if rows is not None]
     return _sample(model, prompt, packed, conditions, audio_refs, (T, h, w, Ta), steps=steps, seed=seed,
                    video_shift=video_shift, audio_shift=audio_shift, device=device, progress=progress,
-                   check_cancel=check_cancel, window=window, backend=backend)
+                   check_cancel=check_cancel, window=window, backend=backend, before_sampling=before_sampling)
 
 
 def _clip_shape(frames: int, width: int, height: int) -> tuple[int, int, int, int]:
@@ -140,7 +143,7 @@ def _clip_shape(frames: int, width: int, height: int) -> tuple[int, int, int, in
 
 
 def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape, *, steps, seed, video_shift,
-            audio_shift, device, progress, check_cancel, window, backend):
+            audio_shift, device, progress, check_cancel, window, backend, before_sampling):
     """Noise drawn in the released order, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
     device = torch.device(device)
@@ -153,6 +156,8 @@ def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape
         text = (int(packed.text_index.min()), int(packed.text_index.max()) + 1)
         hybrid = HybridContext(packed.layout, window, backend, text)
     reference_audio = sum(int(rows.shape[0]) for rows in audio_refs)
+    if before_sampling is not None:
+        before_sampling(packed)
     video_rows, audio_rows = denoise(
         model, packed, prompt.embeds.to(device), video_rows, audio_rows, steps,
         video_shift=video_shift, audio_shift=audio_shift, condition_audio_rows=reference_audio,

@@ -38,7 +38,8 @@ def denoise(
             video_index, audio_index, text_index)`` → (video velocity, audio velocity), like ``H3DiT``.
         video_rows: conditioning rows (``packed.condition_rows`` of them) then the noisy target rows.
         audio_rows: reference rows (``condition_audio_rows``) then the noisy target rows.
-        progress: ``progress(step, steps)`` after every step; check_cancel: before every evaluation, raises to stop.
+        progress: ``progress(step, steps)`` after every step; check_cancel: before every evaluation and, for a
+            model with a ``check_cancel`` slot (``H3DiT``), before every block; it raises to stop.
         hybrid: a ``HybridContext`` passed to the model as ``hybrid=`` (VDN-H3); None passes nothing.
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
@@ -53,6 +54,9 @@ def denoise(
                        for i in range(n)]
     if getattr(model, "adaln_on_host", False):  # the blocks' AdaLN tables for the whole run, made once
         prepare_adaln_tables(model, [timesteps for timesteps, _ in steps_timesteps], video_rows.device)
+    per_block = hasattr(model, "check_cancel") and check_cancel is not None
+    if per_block:
+        model.check_cancel = check_cancel
     try:
         for i, (timesteps, index) in enumerate(steps_timesteps):
             if check_cancel is not None:
@@ -68,6 +72,8 @@ def denoise(
             if progress is not None:
                 progress(i + 1, n)
     finally:
+        if per_block:
+            model.check_cancel = None
         if getattr(model, "adaln_on_host", False):
             clear_adaln_tables(model)
     return video_rows, audio_rows

@@ -102,3 +102,19 @@ def test_ref2va_bad_references_name_the_reference(dit):
                                                          audio=torch.zeros(1, 32, 4))], **run)
     with pytest.raises(H3InputError, match=r"reference 0: kind must be 'image', 'video' or 'audio', got 'text'"):
         generate_ref2va(dit, prompt(), [ReferenceLatents("text")], **run)
+
+
+def test_cancel_is_checked_before_every_block_and_stops_within_an_evaluation(dit):
+    calls = []
+
+    class Cancelled(Exception):
+        pass
+
+    def check_cancel():
+        calls.append(1)
+        if len(calls) == 3:  # before the first evaluation, then before each of its 2 blocks
+            raise Cancelled
+
+    with torch.no_grad(), pytest.raises(Cancelled):
+        generate(dit, prompt(), frames=22, width=64, height=32, steps=3, seed=7, check_cancel=check_cancel)
+    assert len(calls) == 3 and dit.check_cancel is None

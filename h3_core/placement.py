@@ -1,0 +1,91 @@
+"""Where a loaded DiT runs for one request: the low-VRAM policy.
+
+``decide_placement`` turns the user's choices (``placement``: auto / resident / stream blocks; ``memory``:
+auto / off) and the device's free memory into a ``MemoryPlan`` for the request's packed sequence: with
+``memory="auto"`` the memory model predicts the run's peak and gives things up in its order (head groups
+and a chunked FFN, the AdaLN projections in host memory, more groups, then streaming blocks) until the
+prediction fits; ``"off"`` runs the plain path. ``place_for_run`` applies the plan and returns what it
+did in words. On a device without CUDA nothing is planned: the model simply runs there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .errors import H3InputError
+from .fitting import FittedModel, apply_plan
+from .memory_model import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
+from .models.low_memory import LowMemory, apply_low_memory
+
+__all__ = ["PLACEMENTS", "MEMORY_MODES", "BUDGET_SHARE", "decide_placement", "place_for_run"]
+
+PLACEMENTS = ("auto", "resident", "stream blocks")
+MEMORY_MODES = ("auto", "off")
+# Of the free device memory, what a plan may fill: the rest absorbs the allocator's fragmentation and
+# what other libraries hold.
+BUDGET_SHARE = 0.9
+GiB = 2**30
+
+
+def _weights_kind(model) -> tuple[torch.dtype, str]:
+    linears = "fp8" if getattr(model, "fp8_layers", None) else "dtype"
+    fc2 = model.blocks[0].mlp.fc2
+    dtype = getattr(fc2, "compute_dtype", None) or fc2.weight.dtype
+    return dtype, linears
+
+
+def _bytes_on(model, device: torch.device) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if t.device == device)
+
+
+def decide_placement(model, packed, *, placement: str, memory: str, free_bytes: int, steps: int) -> MemoryPlan:
+    """The plan for running ``model`` (an ``H3DiT``) on ``packed`` within ``free_bytes`` of device memory."""
+    if placement not in PLACEMENTS:
+        raise H3InputError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
+    if memory not in MEMORY_MODES:
+        raise H3InputError(f"memory mode must be one of {list(MEMORY_MODES)}, got {memory!r}")
+    cfg = model.cfg
+    dtype, linears = _weights_kind(model)
+    shape = BlockShape.of(cfg, packed, dtype)
+    budget = free_bytes * BUDGET_SHARE
+    hybrid = bool(cfg.hybrid)
+    if memory == "auto":
+        plan = plan_for_memory(cfg, shape, budget, hybrid=hybrid, dtype=dtype, linears=linears, steps=steps)
+    else:
+        plan = MemoryPlan(LowMemory(), False, None, evaluation_peak(cfg, shape, hybrid=hybrid, dtype=dtype,
+                                                                    linears=linears, steps=steps), budget, (), "none")
+    if placement == "resident" and plan.resident_blocks is not None:
+        predicted = evaluation_peak(cfg, shape, plan.options, hybrid=hybrid, dtype=dtype, linears=linears,
+                                    steps=steps, adaln_on_host=plan.adaln_on_host)
+        plan = replace(plan, resident_blocks=None, predicted=predicted,
+                       steps=tuple(s for s in plan.steps if "streamed" not in s))
+    elif placement == "stream blocks" and plan.resident_blocks is None:
+        predicted = evaluation_peak(cfg, shape, plan.options, hybrid=hybrid, dtype=dtype, linears=linears,
+                                    steps=steps, adaln_on_host=plan.adaln_on_host, resident_blocks=0)
+        plan = replace(plan, resident_blocks=0, predicted=predicted,
+                       steps=plan.steps + (f"all {cfg.layers} blocks streamed from host memory (asked for)",))
+    return plan
+
+
+def place_for_run(model, packed, device, *, placement: str = "auto", memory: str = "auto", free_bytes: int | None = None,
+                  steps: int = 50) -> FittedModel:
+    """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says (CUDA), or simply there (any
+    other device). Call ``remove()`` on the result before placing the model for another request."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        model.to(device)
+        plan = MemoryPlan(LowMemory(), False, None, {"total": 0.0}, float("inf"), (), "none")
+        return FittedModel(model, plan, said=[f"running on the {device.type.upper()}; no memory plan needed"])
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    free_bytes += _bytes_on(model, device)  # a model left on the device by the last run is counted in the plan
+    apply_low_memory(model, LowMemory())  # the last run's choices give way to this one's
+    plan = decide_placement(model, packed, placement=placement, memory=memory, free_bytes=free_bytes, steps=steps)
+    if plan.resident_blocks is None:
+        model.to(device)
+    fitted = apply_plan(model, plan, device)
+    fitted.said.insert(0, f"memory policy {memory}, placement {placement}, {free_bytes / GiB:.1f} GiB free")
+    return fitted

@@ -1,0 +1,72 @@
+"""The low-VRAM policy (h3_core.placement): what it decides for a request against the free memory."""
+
+import pytest
+import torch
+
+from h3_core.errors import H3InputError
+from h3_core.memory_model import BlockShape, evaluation_peak
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.low_memory import LowMemory
+from h3_core.pipeline.packing import pack_sequence
+from h3_core.placement import BUDGET_SHARE, decide_placement, place_for_run
+
+CFG = DiTConfig(hidden=64, layers=4, heads=8, head_dim=16, ffn=96, text_dim=32, freq_dim=16, time_hidden=24,
+                time_embed=20, rope_freqs=2, hybrid=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    with torch.device("meta"):
+        return H3DiT(CFG).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def packed():
+    return pack_sequence(torch.ones(20, dtype=torch.long), 17, 8, 12, 60)
+
+
+def peak(packed, **options):
+    return evaluation_peak(CFG, BlockShape.of(CFG, packed, torch.bfloat16), hybrid=True, steps=10, **options)["total"]
+
+
+def test_plenty_of_memory_changes_nothing(model, packed):
+    plan = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=2**40, steps=10)
+    assert plan.steps == () and plan.options == LowMemory() and plan.resident_blocks is None and plan.fits
+
+
+def test_less_memory_gives_things_up_in_order_until_the_prediction_fits(model, packed):
+    plain = peak(packed)
+    free = int(0.97 * plain / BUDGET_SHARE)
+    plan = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=free, steps=10)
+    assert plan.fits and plan.steps and plan.steps[0].startswith("2 head groups")
+    assert plan.predicted["total"] < plain and plan.resident_blocks is None
+    tight = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=int(0.2 * plain), steps=10)
+    assert tight.resident_blocks is not None and "streamed" in tight.steps[-1]
+
+
+def test_the_users_placement_wins(model, packed):
+    plain = peak(packed)
+    resident = decide_placement(model, packed, placement="resident", memory="auto", free_bytes=int(0.2 * plain), steps=10)
+    assert resident.resident_blocks is None and not any("streamed" in s for s in resident.steps)
+    assert not resident.fits  # said to the user by apply_plan
+    streamed = decide_placement(model, packed, placement="stream blocks", memory="off", free_bytes=2**40, steps=10)
+    assert streamed.resident_blocks == 0 and streamed.options == LowMemory()
+    assert streamed.predicted["total"] < peak(packed)
+    off = decide_placement(model, packed, placement="auto", memory="off", free_bytes=1, steps=10)
+    assert off.options == LowMemory() and off.resident_blocks is None and not off.fits
+
+
+def test_on_the_cpu_the_model_just_runs_there(packed):
+    small = H3DiT(DiTConfig(hidden=32, layers=1, heads=2, head_dim=16, ffn=48, text_dim=32, freq_dim=8, time_hidden=8,
+                            time_embed=8, rope_freqs=2))
+    fitted = place_for_run(small, packed, "cpu")
+    assert fitted.said == ["running on the CPU; no memory plan needed"] and fitted.offload is None
+
+
+@pytest.mark.parametrize("placement, memory, message", [
+    ("everywhere", "auto", r"placement must be one of \['auto', 'resident', 'stream blocks'\], got 'everywhere'"),
+    ("auto", "tight", r"memory mode must be one of \['auto', 'off'\], got 'tight'"),
+])
+def test_bad_choices_are_named(model, packed, placement, memory, message):
+    with pytest.raises(H3InputError, match=message):
+        decide_placement(model, packed, placement=placement, memory=memory, free_bytes=2**30, steps=10)
