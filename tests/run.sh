@@ -7,7 +7,7 @@ cd "$root"
 venv="${H3_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 stamp="$venv/.h3-requirements"
-want="$(cat requirements.txt tests/requirements.txt | sha256sum | cut -c1-16)"
+want="$(cat requirements.txt tests/requirements.txt tests/host/requirements.txt tests/host/install_comfyui.sh | sha256sum | cut -c1-16)"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "setting up $venv"
     "$python" -m venv "$venv"
@@ -15,6 +15,8 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
     # torch 2.14.1 first, so the range in requirements.txt installs nothing newer.
     "$venv/bin/python" -m pip install -q "torch==2.14.1"
     "$venv/bin/python" -m pip install -q -r requirements.txt -r tests/requirements.txt
+    # The host the host tests run the pack in: ComfyUI 0.3.75 (or COMFYUI_PATH) and its requirements.
+    bash tests/host/install_comfyui.sh "$venv/bin/python"
     echo "$want" > "$stamp"
 fi
 exec "$venv/bin/python" -m pytest tests "$@"

@@ -1,0 +1,115 @@
+"""The ComfyUI host's services, imported when a node runs (importing the pack touches neither the host's
+model management nor the GPU): model folders, the device, progress, cancel and the output folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from h3_core.errors import H3InputError
+
+CATEGORY = "H3 Hybrid"
+
+
+def model_files(folder: str) -> list[str]:
+    """Files the host lists in one of its model folders (``diffusion_models``, ``vae``, ``loras``, ...)."""
+    import folder_paths
+
+    return folder_paths.get_filename_list(folder)
+
+
+def model_path(folder: str, name: str, what: str) -> Path:
+    """The file chosen from a dropdown, resolved by the host (never joined onto a path by hand)."""
+    import folder_paths
+
+    path = folder_paths.get_full_path(folder, name) if isinstance(name, str) else None
+    if path is None:
+        raise H3InputError(f"{what}: {name!r} is not a file in the {folder} folder; pick one from the list (files "
+                           f"there: {', '.join(model_files(folder)[:8]) or 'none'})")
+    return Path(path)
+
+
+def model_folders(folder: str, marker: str) -> list[str]:
+    """Sub-folders of the host's ``folder`` paths that hold ``marker`` (e.g. a model's config file),
+    directly or one level down; their names relative to the folder path."""
+    import folder_paths
+
+    found = []
+    for base in folder_paths.get_folder_paths(folder):
+        root = Path(base)
+        if not root.is_dir():
+            continue
+        for child in sorted(p for p in root.iterdir() if p.is_dir()):
+            if (child / marker).is_file() or any((sub / marker).is_file() for sub in child.iterdir() if sub.is_dir()):
+                found.append(child.name)
+    return sorted(dict.fromkeys(found))
+
+
+def model_folder(folder: str, name: str, marker: str, what: str) -> Path:
+    """The folder chosen from a dropdown filled by ``model_folders``."""
+    import folder_paths
+
+    if name in model_folders(folder, marker):
+        for base in folder_paths.get_folder_paths(folder):
+            candidate = Path(base) / name
+            if candidate.is_dir():
+                return candidate
+    raise H3InputError(f"{what}: {name!r} is not a model folder in {folder}; pick one from the list "
+                       f"(found: {', '.join(model_folders(folder, marker)) or 'none'})")
+
+
+def torch_device():
+    import comfy.model_management
+
+    return comfy.model_management.get_torch_device()
+
+
+def free_device_memory(device) -> int:
+    import comfy.model_management
+
+    return int(comfy.model_management.get_free_memory(device))
+
+
+def check_cancel() -> None:
+    """Raises the host's interrupt exception when the user pressed cancel."""
+    import comfy.model_management
+
+    comfy.model_management.throw_exception_if_processing_interrupted()
+
+
+class Progress:
+    """The node's progress bar in the UI, fed by h3_core's ``progress(done, total)`` callbacks."""
+
+    def __init__(self, total: int = 1):
+        import comfy.utils
+
+        self.bar = comfy.utils.ProgressBar(total)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.bar.update_absolute(done, total)
+
+
+def output_directory() -> Path:
+    import folder_paths
+
+    return Path(folder_paths.get_output_directory())
+
+
+def say(message: str) -> None:
+    """A line in the host's log (and its console)."""
+    import logging
+
+    logging.getLogger("h3_hybrid").info("[H3 Hybrid] %s", message)
+
+
+PROMPT_FOLDER = "h3_prompts"
+
+
+def register_folders() -> None:
+    """Add the pack's own model folder (saved prompt embeddings: ``models/h3_prompts``) to the host's list; a
+    no-op outside ComfyUI."""
+    try:
+        import folder_paths
+    except ImportError:
+        return
+    folder_paths.add_model_folder_path(PROMPT_FOLDER, os.path.join(folder_paths.models_dir, PROMPT_FOLDER))

@@ -1,0 +1,90 @@
+"""The sampler node: one T2VA or FL2VA generation from the prompt (and keyframes) to video + audio latents."""
+
+from __future__ import annotations
+
+from h3_core.errors import H3InputError
+from h3_core.pipeline.generate import generate
+from h3_core.pipeline.media import encode_keyframes
+from h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
+from h3_core.placement import place_for_run
+
+from . import _host
+from .attention import DEFAULT
+from .conditioning import prompt_of
+from .images import single_image
+from .latents import to_latent
+
+MODES = ("T2VA", "FL2VA")
+
+
+class H3Sampler:
+    CATEGORY = _host.CATEGORY
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("latent",)
+    FUNCTION = "sample"
+    DESCRIPTION = ("Generates video and stereo audio latents: T2VA from the prompt alone, FL2VA with a first and/or "
+                   "last frame (encoded with the video VAE). Euler flow matching, video shift 12 and audio shift 3 "
+                   "as released. Progress per step; cancel stops within one model evaluation.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("H3_MODEL",),
+            "conditioning": ("CONDITIONING",),
+            "mode": (list(MODES), {"default": "T2VA"}),
+            "width": ("INT", {"default": 1344, "min": 32, "max": 4096, "step": 32}),
+            "height": ("INT", {"default": 768, "min": 32, "max": 4096, "step": 32}),
+            "length": ("INT", {"default": 124, "min": 5, "max": 3600, "step": 17,
+                               "tooltip": "frames at 24 fps: 17k + 5 (124-362 trained)"}),
+            "steps": ("INT", {"default": 20, "min": 1, "max": 200}),
+            "video_shift": ("FLOAT", {"default": VIDEO_SHIFT, "min": 0.1, "max": 100.0, "step": 0.1}),
+            "audio_shift": ("FLOAT", {"default": AUDIO_SHIFT, "min": 0.1, "max": 100.0, "step": 0.1}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF}),
+        }, "optional": {
+            "attention": ("H3_ATTENTION",),
+            "video_vae": ("H3_VIDEO_VAE", {"tooltip": "encodes the keyframes (FL2VA)"}),
+            "first_frame": ("IMAGE",),
+            "last_frame": ("IMAGE",),
+        }}
+
+    def sample(self, model, conditioning, mode, width, height, length, steps, video_shift, audio_shift, seed,
+               attention=None, video_vae=None, first_frame=None, last_frame=None):
+        settings = attention or DEFAULT
+        prompt = prompt_of(conditioning)
+        images = [(anchor, image) for anchor, image in (("first", first_frame), ("last", last_frame)) if image is not None]
+        if mode not in MODES:
+            raise H3InputError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        if mode == "T2VA" and images:
+            raise H3InputError(f"mode T2VA takes no keyframes, but {' and '.join(a + '_frame' for a, _ in images)} "
+                               "is connected; choose mode FL2VA or disconnect it")
+        keyframes = ()
+        if mode == "FL2VA":
+            if not images:
+                raise H3InputError("mode FL2VA needs a first_frame, a last_frame or both; connect an image")
+            if video_vae is None:
+                raise H3InputError("mode FL2VA needs the video_vae input to encode the keyframes; connect an H3 Video "
+                                   "VAE loader")
+            anchors = tuple(anchor for anchor, _ in images)
+            if prompt.keyframe_anchors and (prompt.keyframe_anchors != anchors or (prompt.width, prompt.height)
+                                            != (width, height)):
+                raise H3InputError(f"the conditioning was encoded with keyframes {list(prompt.keyframe_anchors)} on a "
+                                   f"{prompt.width}x{prompt.height} canvas, but the sampler has {list(anchors)} on "
+                                   f"{width}x{height}; connect the same images and size to H3 Text Encode")
+            keyframes = encode_keyframes(video_vae, [(a, single_image(i, a + "_frame")) for a, i in images], width,
+                                         height, check_cancel=_host.check_cancel)
+        device = _host.torch_device()
+        holder = model
+
+        def fit(packed):
+            if holder.fitted is not None:
+                holder.fitted.remove()
+            holder.fitted = place_for_run(holder.model, packed, device, placement=holder.offload,
+                                          memory=settings.memory, steps=steps)
+            for line in holder.fitted.said:
+                _host.say(line)
+
+        video, audio = generate(model.model, prompt, frames=length, width=width, height=height, steps=steps, seed=seed,
+                                keyframes=keyframes, video_shift=video_shift, audio_shift=audio_shift, device=device,
+                                progress=_host.Progress(steps), check_cancel=_host.check_cancel,
+                                backend=settings.window_backend, before_sampling=fit)
+        return (to_latent(video, audio, length),)

@@ -1,0 +1,146 @@
+"""A real ComfyUI server with the pack installed, for the host and browser tests.
+
+The host is the ComfyUI checkout named by ``COMFYUI_PATH`` or the default one that
+``tests/host/install_comfyui.sh`` unpacks into ``.host/comfyui-0.3.75``. Each server gets its own base
+directory (models, custom_nodes with a link to this pack, input, output, user) and runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_HOST = ROOT / ".host" / "comfyui-0.3.75"
+
+
+def comfyui_root() -> Path:
+    root = Path(os.environ.get("COMFYUI_PATH") or DEFAULT_HOST)
+    if not (root / "main.py").is_file():
+        raise RuntimeError(f"no ComfyUI at {root}: run `bash tests/host/install_comfyui.sh {sys.executable}` (the "
+                           "test command does) or set COMFYUI_PATH")
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ComfyServer:
+    def __init__(self, base: Path):
+        self.base = base
+        for folder in ("models", "custom_nodes", "input", "output", "user"):
+            (base / folder).mkdir(parents=True, exist_ok=True)
+        link = base / "custom_nodes" / "h3_hybrid"
+        if not link.exists():
+            link.symlink_to(ROOT, target_is_directory=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = base / "server.log"
+        self.process: subprocess.Popen | None = None
+        self.client_id = uuid.uuid4().hex
+
+    @property
+    def models(self) -> Path:
+        return self.base / "models"
+
+    @property
+    def output(self) -> Path:
+        return self.base / "output"
+
+    @property
+    def input(self) -> Path:
+        return self.base / "input"
+
+    def start(self, timeout: float = 240) -> "ComfyServer":
+        root = comfyui_root()
+        log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--base-directory",
+             str(self.base), "--disable-auto-launch"],
+            cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/object_info/H3Sampler", timeout=5).status_code == 200:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"ComfyUI did not answer within {timeout} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def get(self, path: str):
+        response = requests.get(self.url + path, timeout=60)
+        response.raise_for_status()
+        return response.json()
+
+    def object_info(self) -> dict:
+        return self.get("/object_info")
+
+    def queue(self, prompt: dict) -> dict:
+        """POST /prompt; the server's answer: ``prompt_id`` or ``error`` with ``node_errors``."""
+        response = requests.post(self.url + "/prompt", json={"prompt": prompt, "client_id": self.client_id}, timeout=60)
+        return response.json()
+
+    def wait(self, prompt_id: str, timeout: float = 600) -> dict:
+        """The history entry of a finished prompt (``status``, ``outputs``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            history = self.get(f"/history/{prompt_id}")
+            if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
+                entry = history[prompt_id]
+                if entry["status"].get("status_str") in ("success", "error"):
+                    return entry
+            time.sleep(0.25)
+        raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s:\n{self.log_tail()}")
+
+    def run(self, prompt: dict, timeout: float = 600) -> dict:
+        answer = self.queue(prompt)
+        assert "prompt_id" in answer, json.dumps(answer, indent=1)
+        return self.wait(answer["prompt_id"], timeout)
+
+    def interrupt(self) -> None:
+        requests.post(self.url + "/interrupt", timeout=30)
+
+
+def error_message(entry: dict) -> str:
+    """The exception message of a failed prompt's history entry."""
+    for kind, data in entry["status"].get("messages", []):
+        if kind == "execution_error":
+            return data.get("exception_message", "")
+    return ""
+
+
+def mp4_files(entry: dict, output: Path) -> list[Path]:
+    files = []
+    for node_output in entry.get("outputs", {}).values():
+        for item in node_output.get("images", []):
+            if item["filename"].endswith(".mp4"):
+                files.append(output / item["subfolder"] / item["filename"])
+    return files

@@ -1,0 +1,40 @@
+"""API-form prompts for the host tests, built node by node as the frontend's "Export (API)" would."""
+
+from __future__ import annotations
+
+TINY_DIT = "h3_tiny_random_dit.safetensors"
+TINY_BRANCH = "h3_tiny_random_linear_branch.safetensors"
+TINY_VIDEO_VAE = "h3_tiny_random_video_vae.safetensors"
+TINY_AUDIO_VAE = "h3_tiny_random_audio_vae.safetensors"
+TINY_TEXT_ENCODER = "h3_tiny_random_qwen3vl"
+
+
+def generation(mode: str = "T2VA", *, length: int = 56, width: int = 64, height: int = 32, steps: int = 2, seed: int = 0,
+               branch: str = TINY_BRANCH, first: str | None = None, last: str | None = None, prefix: str = "H3/test",
+               dit: str = TINY_DIT, video_vae: str = TINY_VIDEO_VAE, audio_vae: str = TINY_AUDIO_VAE) -> dict:
+    prompt = {
+        "1": {"class_type": "H3DiTLoader", "inputs": {"dit_name": dit, "linear_branch": branch, "weight_dtype": "bf16",
+                                                      "offload": "auto"}},
+        "2": {"class_type": "H3VideoVAELoader", "inputs": {"vae_name": video_vae}},
+        "3": {"class_type": "H3AudioVAELoader", "inputs": {"vae_name": audio_vae}},
+        "4": {"class_type": "H3TextEncoderLoader", "inputs": {"folder": TINY_TEXT_ENCODER, "offload": "auto"}},
+        "5": {"class_type": "H3TextEncode", "inputs": {"text_encoder": ["4", 0], "prompt": "a fox runs through snow",
+                                                      "width": width, "height": height}},
+        "6": {"class_type": "H3AttentionSettings", "inputs": {"window_backend": "auto", "video_vae_attention": "auto",
+                                                             "audio_vae_attention": "auto", "memory_mode": "auto"}},
+        "7": {"class_type": "H3Sampler", "inputs": {"model": ["1", 0], "conditioning": ["5", 0], "mode": mode,
+                                                   "width": width, "height": height, "length": length, "steps": steps,
+                                                   "video_shift": 12.0, "audio_shift": 3.0, "seed": seed,
+                                                   "attention": ["6", 0], "video_vae": ["2", 0]}},
+        "8": {"class_type": "H3VideoDecode", "inputs": {"video_vae": ["2", 0], "latent": ["7", 0], "tile_size": 256,
+                                                       "overlap": 64, "tiles_per_batch": 4, "attention": ["6", 0]}},
+        "9": {"class_type": "H3AudioDecode", "inputs": {"audio_vae": ["3", 0], "latent": ["7", 0]}},
+        "10": {"class_type": "H3SaveVideo", "inputs": {"images": ["8", 0], "audio": ["9", 0], "filename_prefix": prefix,
+                                                      "fps": 24}},
+    }
+    for node_id, anchor, image in (("11", "first", first), ("12", "last", last)):
+        if image is not None:
+            prompt[node_id] = {"class_type": "LoadImage", "inputs": {"image": image}}
+            prompt["5"]["inputs"][f"{anchor}_frame"] = [node_id, 0]
+            prompt["7"]["inputs"][f"{anchor}_frame"] = [node_id, 0]
+    return prompt

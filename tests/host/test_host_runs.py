@@ -1,0 +1,69 @@
+"""The pack in a real ComfyUI server: its nodes as the host lists them, and whole generations through
+/prompt on the tiny random checkpoints, checked by reading the mp4 back."""
+
+from fractions import Fraction
+
+import av
+import pytest
+
+from comfy_server import error_message, mp4_files
+from graphs import TINY_DIT, TINY_VIDEO_VAE, generation
+
+NODES = {
+    "H3DiTLoader": ({"dit_name", "linear_branch", "weight_dtype", "offload"}, ["H3_MODEL"]),
+    "H3LoraList": ({"lora_name", "strength"}, ["H3_LORAS"]),
+    "H3VideoVAELoader": ({"vae_name"}, ["H3_VIDEO_VAE"]),
+    "H3AudioVAELoader": ({"vae_name"}, ["H3_AUDIO_VAE"]),
+    "H3TextEncoderLoader": ({"folder", "offload"}, ["H3_TEXT_ENCODER"]),
+    "H3PromptEmbeddingLoader": ({"embedding"}, ["CONDITIONING"]),
+    "H3TextEncode": ({"text_encoder", "prompt", "width", "height"}, ["CONDITIONING"]),
+    "H3AttentionSettings": ({"window_backend", "video_vae_attention", "audio_vae_attention", "memory_mode"},
+                            ["H3_ATTENTION"]),
+    "H3Sampler": ({"model", "conditioning", "mode", "width", "height", "length", "steps", "video_shift", "audio_shift",
+                   "seed"}, ["LATENT"]),
+    "H3VideoDecode": ({"video_vae", "latent", "tile_size", "overlap", "tiles_per_batch"}, ["IMAGE"]),
+    "H3AudioDecode": ({"audio_vae", "latent"}, ["AUDIO"]),
+    "H3SaveVideo": ({"images", "filename_prefix", "fps"}, []),
+}
+
+
+def test_object_info_lists_every_node_with_its_types(server):
+    info = server.object_info()
+    for name, (required, outputs) in NODES.items():
+        assert name in info, f"{name} missing from /object_info"
+        node = info[name]
+        assert node["category"] == "H3 Hybrid"
+        assert set(node["input"]["required"]) == required, name
+        assert node["output"] == outputs, name
+    assert info["H3SaveVideo"]["output_node"] is True
+    assert set(info["H3Sampler"]["input"]["optional"]) == {"attention", "video_vae", "first_frame", "last_frame"}
+    # the dropdowns list the tiny checkpoints from the host's model folders
+    dit_files = info["H3DiTLoader"]["input"]["required"]["dit_name"][0]
+    assert TINY_DIT in dit_files and "none" in info["H3DiTLoader"]["input"]["required"]["linear_branch"][0]
+    assert TINY_VIDEO_VAE in info["H3VideoVAELoader"]["input"]["required"]["vae_name"][0]
+    assert info["H3TextEncoderLoader"]["input"]["required"]["folder"][0] == ["h3_tiny_random_qwen3vl"]
+    assert info["H3Sampler"]["input"]["required"]["mode"][0] == ["T2VA", "FL2VA"]
+
+
+def check_mp4(path, frames, width, height):
+    assert path.is_file() and not any(p.name.startswith(".") for p in path.parent.iterdir())
+    with av.open(str(path)) as container:
+        video, audio = container.streams.video[0], container.streams.audio[0]
+        assert video.codec_context.name == "h264" and video.codec_context.pix_fmt == "yuv420p"
+        assert (video.width, video.height) == (width, height) and video.average_rate == Fraction(24)
+        assert audio.codec_context.name == "aac" and audio.rate == 32000 and audio.channels == 2
+        decoded = sum(1 for _ in container.decode(video=0))
+        video_s = float(video.duration * video.time_base)
+        audio_s = float(audio.duration * audio.time_base)
+    assert decoded == frames
+    assert abs(video_s - frames / 24) < 0.05 and abs(audio_s - video_s) <= 0.25
+
+
+@pytest.mark.parametrize("mode, frames", [("T2VA", {}), ("FL2VA", {"first": "first.png", "last": "last.png"}),
+                                          ("FL2VA", {"last": "last.png"})], ids=["t2va", "fl2va", "last-frame-only"])
+def test_a_generation_writes_a_playable_mp4(server, mode, frames):
+    entry = server.run(generation(mode, prefix=f"H3/{mode.lower()}", **frames))
+    assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+    files = mp4_files(entry, server.output)
+    assert len(files) == 1
+    check_mp4(files[0], 56, 64, 32)
