@@ -85,3 +85,10 @@ def test_a_soundtrack_longer_than_the_video_is_cut_and_bad_latents_are_named(tin
     assert decode_soundtrack(audio_vae, latents).shape == (2, 29600)
     with pytest.raises(H3InputError, match=r"audio latents must be \[2, 32, frames\] \(left, right\), got \(1, 32, 37\)"):
         decode_soundtrack(audio_vae, latents[:1])
+
+
+def test_sizes_of_another_kind_of_model_are_not_taken(tiny):
+    from h3_core.models.video_vae import load_video_vae as load_video
+
+    with pytest.raises(H3InputError, match=r"h3_tiny_random_audio_vae\.safetensors: not a MiniMax H3 video VAE checkpoint"):
+        load_video(tiny.audio_vae)
