@@ -6,8 +6,9 @@ import pytest
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflows"))
 
-from comfy_server import ComfyServer  # noqa: E402
+from comfy_host import ComfyServer  # noqa: E402
 
 from h3_core.tiny_checkpoints import write_tiny_checkpoints  # noqa: E402
 

@@ -4,7 +4,7 @@ import json
 
 import websocket
 
-from comfy_server import error_message, mp4_files
+from comfy_host import error_message, mp4_files
 from graphs import generation
 
 

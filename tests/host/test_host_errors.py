@@ -8,7 +8,7 @@ import pytest
 from safetensors.torch import save_file
 import torch
 
-from comfy_server import error_message, mp4_files
+from comfy_host import error_message, mp4_files
 from graphs import TINY_AUDIO_VAE, generation
 
 

@@ -6,7 +6,7 @@ from fractions import Fraction
 import av
 import pytest
 
-from comfy_server import error_message, mp4_files
+from comfy_host import error_message, mp4_files
 from graphs import TINY_DIT, TINY_VIDEO_VAE, generation
 
 NODES = {

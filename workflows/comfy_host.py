@@ -1,4 +1,4 @@
-"""A real ComfyUI server with the pack installed, for the host and browser tests.
+"""A real ComfyUI server with the pack installed, for the example run and the host and browser tests.
 
 The host is the ComfyUI checkout named by ``COMFYUI_PATH`` or the default one that
 ``tests/host/install_comfyui.sh`` unpacks into ``.host/comfyui-0.3.75``. Each server gets its own base
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HOST = ROOT / ".host" / "comfyui-0.3.75"
 
 

@@ -1,0 +1,57 @@
+"""The bundled workflows against a real ComfyUI server: every node type known, every link of a matching type,
+the API form as the frontend makes it, and each one run end to end on the tiny checkpoints."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from comfy_host import error_message, mp4_files
+from test_host_runs import check_mp4
+from ui_to_api import EMBEDDED_SIZE, embedded_default, to_api
+
+WORKFLOWS = sorted((Path(__file__).resolve().parents[2] / "workflows").glob("*.json"))
+
+
+def test_the_fl2va_example_is_bundled():
+    assert "h3_fl2va.json" in [p.name for p in WORKFLOWS]
+
+
+@pytest.fixture(scope="module")
+def keyframe_images(server):
+    rng = np.random.default_rng(1)
+    for name in ("h3_first_frame.png", "h3_last_frame.png"):
+        Image.fromarray(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)).save(server.input / name)
+    return server
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
+def test_every_node_and_link_fits_the_server(server, path):
+    workflow = json.loads(path.read_text())
+    info = server.object_info()
+    nodes = {node["id"]: node for node in workflow["nodes"]}
+    for link_id, source, slot, target, target_slot, kind in workflow["links"]:
+        assert info[nodes[source]["type"]]["output"][slot] == kind
+        name = nodes[target]["inputs"][target_slot]["name"]
+        target_info = info[nodes[target]["type"]]["input"]
+        spec = {**target_info["required"], **target_info.get("optional", {})}[name]
+        assert spec[0] == kind, (path.name, name)
+    prompt = to_api(workflow, info)
+    assert {node["class_type"] for node in prompt.values()} == {node["type"] for node in workflow["nodes"]}
+    sampler = next(node for node in prompt.values() if node["class_type"] == "H3Sampler")
+    assert sampler["inputs"]["seed"] == 42 and sampler["inputs"]["length"] == 124
+    attention = next(node for node in prompt.values() if node["class_type"] == "H3AttentionSettings")
+    assert attention["inputs"]["memory_mode"] == "auto"
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
+def test_each_workflow_runs_on_the_tiny_checkpoints(keyframe_images, path):
+    server = keyframe_images
+    prompt = embedded_default(to_api(json.loads(path.read_text()), server.object_info()))
+    entry = server.run(prompt)
+    assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+    files = mp4_files(entry, server.output)
+    assert len(files) == 1
+    check_mp4(files[0], EMBEDDED_SIZE["length"], EMBEDDED_SIZE["width"], EMBEDDED_SIZE["height"])

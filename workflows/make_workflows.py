@@ -1,0 +1,111 @@
+"""Writes the bundled workflows (ComfyUI UI format, drag-and-drop ready) beside this file:
+
+    h3_fl2va.json  first and last frame → video + stereo audio (the example; memory policy auto)
+    h3_t2va.json   prompt → video + stereo audio
+
+Model widgets name the released files (see the README for where each goes); the images are the
+LoadImage names ``h3_first_frame.png`` / ``h3_last_frame.png`` in the input folder.
+
+    python3 workflows/make_workflows.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DIT = "minimax_h3_fl2va_bf16.safetensors"
+BRANCH = "vdn_h3_linear_branch.safetensors"
+VIDEO_VAE = "minimax_h3_video_vae_fp16.safetensors"
+AUDIO_VAE = "minimax_h3_audio_vae_fp32.safetensors"
+TEXT_ENCODER = "Qwen3-VL-32B-MiniMax-H3"
+FIRST, LAST = "h3_first_frame.png", "h3_last_frame.png"
+# Where the frontend's missing-models prompt points: the repositories the files come from (the branch file
+# is that repository's linear_branch/model.safetensors, renamed).
+COMFY_REPO, VDN_REPO = "https://huggingface.co/Comfy-Org/MiniMax-H3", "https://huggingface.co/OpenVDN/vdn-minimax-h3"
+
+
+def models(*entries):
+    return [{"name": name, "url": url, "directory": folder} for name, url, folder in entries]
+PROMPT = ("A red fox trots through fresh snow at dawn, its breath misting; the crunch of paws on snow and a distant "
+          "crow.")
+
+
+class Graph:
+    """Nodes and links in the UI format the frontend saves."""
+
+    def __init__(self):
+        self.nodes, self.links = [], []
+
+    def node(self, kind, pos, widgets, outputs=(), size=(320, 120), title=None, files=()):
+        node = {"id": len(self.nodes) + 1, "type": kind, "pos": list(pos), "size": list(size), "flags": {},
+                "order": len(self.nodes), "mode": 0, "inputs": [],
+                "outputs": [{"name": name, "type": kind_, "links": [], "slot_index": i}
+                            for i, (name, kind_) in enumerate(outputs)],
+                "properties": {"Node name for S&R": kind}, "widgets_values": list(widgets)}
+        if files:
+            node["properties"]["models"] = models(*files)
+        if title:
+            node["title"] = title
+        self.nodes.append(node)
+        return node
+
+    def link(self, source, slot, target, input_name):
+        link_id = len(self.links) + 1
+        kind = source["outputs"][slot]["type"]
+        source["outputs"][slot]["links"].append(link_id)
+        target["inputs"].append({"name": input_name, "type": kind, "link": link_id})
+        self.links.append([link_id, source["id"], slot, target["id"], len(target["inputs"]) - 1, kind])
+
+    def workflow(self, note):
+        return {"id": "h3-hybrid-" + note.split()[0].lower(), "revision": 0, "last_node_id": len(self.nodes),
+                "last_link_id": len(self.links), "nodes": self.nodes, "links": self.links, "groups": [],
+                "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
+
+
+def build(mode: str) -> dict:
+    g = Graph()
+    dit = g.node("H3DiTLoader", (0, 0), [DIT, BRANCH, "bf16", "auto"], [("model", "H3_MODEL")], (340, 150),
+                 files=[(DIT, COMFY_REPO, "diffusion_models"), (BRANCH, VDN_REPO, "diffusion_models")])
+    video_vae = g.node("H3VideoVAELoader", (0, 200), [VIDEO_VAE], [("video_vae", "H3_VIDEO_VAE")],
+                       files=[(VIDEO_VAE, COMFY_REPO, "vae")])
+    audio_vae = g.node("H3AudioVAELoader", (0, 320), [AUDIO_VAE], [("audio_vae", "H3_AUDIO_VAE")],
+                       files=[(AUDIO_VAE, COMFY_REPO, "vae")])
+    encoder = g.node("H3TextEncoderLoader", (0, 440), [TEXT_ENCODER, "auto"], [("text_encoder", "H3_TEXT_ENCODER")])
+    attention = g.node("H3AttentionSettings", (0, 580), ["auto", "auto", "auto", "auto"], [("attention", "H3_ATTENTION")],
+                       (340, 160))
+    encode = g.node("H3TextEncode", (400, 0), [PROMPT, 1344, 768], [("conditioning", "CONDITIONING")], (400, 220))
+    sampler = g.node("H3Sampler", (860, 0), [mode, 1344, 768, 124, 20, 12.0, 3.0, 42, "fixed"], [("latent", "LATENT")],
+                     (340, 420))
+    decode = g.node("H3VideoDecode", (1260, 0), [256, 64, 4], [("images", "IMAGE")], (320, 170))
+    audio = g.node("H3AudioDecode", (1260, 220), [], [("audio", "AUDIO")])
+    save = g.node("H3SaveVideo", (1620, 0), [f"H3/{mode.lower()}", 24], (), (400, 400))
+    g.link(encoder, 0, encode, "text_encoder")
+    g.link(dit, 0, sampler, "model")
+    g.link(encode, 0, sampler, "conditioning")
+    g.link(attention, 0, sampler, "attention")
+    g.link(video_vae, 0, sampler, "video_vae")
+    if mode == "FL2VA":
+        for anchor, name, y in (("first", FIRST, 760), ("last", LAST, 1100)):
+            image = g.node("LoadImage", (400, y), [name, "image"], [("IMAGE", "IMAGE"), ("MASK", "MASK")], (320, 320),
+                           title=f"{anchor} frame")
+            g.link(image, 0, encode, f"{anchor}_frame")
+            g.link(image, 0, sampler, f"{anchor}_frame")
+    g.link(video_vae, 0, decode, "video_vae")
+    g.link(sampler, 0, decode, "latent")
+    g.link(attention, 0, decode, "attention")
+    g.link(audio_vae, 0, audio, "audio_vae")
+    g.link(sampler, 0, audio, "latent")
+    g.link(decode, 0, save, "images")
+    g.link(audio, 0, save, "audio")
+    return g.workflow(mode)
+
+
+def main() -> None:
+    for mode, name in (("FL2VA", "h3_fl2va.json"), ("T2VA", "h3_t2va.json")):
+        (HERE / name).write_text(json.dumps(build(mode), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
