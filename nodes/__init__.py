@@ -4,6 +4,7 @@ from .attention import H3AttentionSettings
 from .decode import H3AudioDecode, H3VideoDecode
 from .loaders import (H3AudioVAELoader, H3DiTLoader, H3LoraList, H3PromptEmbeddingLoader, H3TextEncoderLoader,
                       H3VideoVAELoader)
+from .references import H3AddReference, H3LoadAudio
 from .sampler import H3Sampler
 from .save import H3SaveVideo
 from .text import H3TextEncode
@@ -16,6 +17,8 @@ _NODES = {
     "H3TextEncoderLoader": (H3TextEncoderLoader, "H3 Text Encoder Loader"),
     "H3PromptEmbeddingLoader": (H3PromptEmbeddingLoader, "H3 Prompt Embedding Loader"),
     "H3TextEncode": (H3TextEncode, "H3 Text Encode"),
+    "H3AddReference": (H3AddReference, "H3 Add Reference (Ref2VA)"),
+    "H3LoadAudio": (H3LoadAudio, "H3 Load Audio"),
     "H3AttentionSettings": (H3AttentionSettings, "H3 Attention & Memory"),
     "H3Sampler": (H3Sampler, "H3 Sampler"),
     "H3VideoDecode": (H3VideoDecode, "H3 Video Decode (tiled)"),

@@ -8,10 +8,17 @@ from h3_core.errors import H3InputError
 from h3_core.pipeline.prompt import PromptEmbedding, from_conditioning
 
 KEY = "h3_prompt"
+REFERENCES_KEY = "h3_references"  # (kinds in order, the length they were cut to) of a Ref2VA prompt
 
 
-def to_conditioning(embedding: PromptEmbedding) -> list:
-    return [[embedding.embeds[None], {KEY: embedding}]]
+def to_conditioning(embedding: PromptEmbedding, references: tuple = ()) -> list:
+    return [[embedding.embeds[None], {KEY: embedding, REFERENCES_KEY: references}]]
+
+
+def references_of(conditioning) -> tuple:
+    """The Ref2VA references the prompt was encoded with: ``(kinds, length)`` or ``()``."""
+    extra = conditioning[0][1] if isinstance(conditioning, list) and conditioning and len(conditioning[0]) == 2 else {}
+    return extra.get(REFERENCES_KEY, ()) if isinstance(extra, dict) else ()
 
 
 def prompt_of(conditioning, name: str = "conditioning") -> PromptEmbedding:

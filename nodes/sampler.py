@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from h3_core.errors import H3InputError
-from h3_core.pipeline.generate import generate
+from h3_core.pipeline.generate import generate, generate_ref2va
 from h3_core.pipeline.media import encode_keyframes
 from h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from h3_core.placement import place_for_run
 
 from . import _host
 from .attention import DEFAULT
-from .conditioning import prompt_of
+from .conditioning import prompt_of, references_of
 from .images import single_image
 from .latents import to_latent
+from .references import encoded
 
-MODES = ("T2VA", "FL2VA")
+MODES = ("T2VA", "FL2VA", "Ref2VA")
 
 
 class H3Sampler:
@@ -23,7 +24,8 @@ class H3Sampler:
     RETURN_NAMES = ("latent",)
     FUNCTION = "sample"
     DESCRIPTION = ("Generates video and stereo audio latents: T2VA from the prompt alone, FL2VA with a first and/or "
-                   "last frame (encoded with the video VAE). Euler flow matching, video shift 12 and audio shift 3 "
+                   "last frame (encoded with the video VAE), Ref2VA with references (images and videos through the "
+                   "video VAE, audio and soundtracks through the audio VAE). Euler flow matching, video shift 12 and audio shift 3 "
                    "as released. Progress per step; cancel stops within one model evaluation.")
 
     @classmethod
@@ -42,21 +44,29 @@ class H3Sampler:
             "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF}),
         }, "optional": {
             "attention": ("H3_ATTENTION",),
-            "video_vae": ("H3_VIDEO_VAE", {"tooltip": "encodes the keyframes (FL2VA)"}),
+            "video_vae": ("H3_VIDEO_VAE", {"tooltip": "encodes the keyframes (FL2VA) and image/video references"}),
+            "audio_vae": ("H3_AUDIO_VAE", {"tooltip": "encodes audio references and video soundtracks (Ref2VA)"}),
             "first_frame": ("IMAGE",),
             "last_frame": ("IMAGE",),
+            "references": ("H3_REFERENCES",),
         }}
 
     def sample(self, model, conditioning, mode, width, height, length, steps, video_shift, audio_shift, seed,
-               attention=None, video_vae=None, first_frame=None, last_frame=None):
+               attention=None, video_vae=None, audio_vae=None, first_frame=None, last_frame=None, references=None):
         settings = attention or DEFAULT
         prompt = prompt_of(conditioning)
         images = [(anchor, image) for anchor, image in (("first", first_frame), ("last", last_frame)) if image is not None]
         if mode not in MODES:
             raise H3InputError(f"mode must be one of {list(MODES)}, got {mode!r}")
-        if mode == "T2VA" and images:
-            raise H3InputError(f"mode T2VA takes no keyframes, but {' and '.join(a + '_frame' for a, _ in images)} "
+        if mode != "FL2VA" and images:
+            raise H3InputError(f"mode {mode} takes no keyframes, but {' and '.join(a + '_frame' for a, _ in images)} "
                                "is connected; choose mode FL2VA or disconnect it")
+        if mode != "Ref2VA" and references:
+            raise H3InputError(f"mode {mode} takes no references, but references are connected; choose mode Ref2VA "
+                               "or disconnect them")
+        reference_latents = None
+        if mode == "Ref2VA":
+            reference_latents = self._references(references, conditioning, length, video_vae, audio_vae)
         keyframes = ()
         if mode == "FL2VA":
             if not images:
@@ -83,8 +93,28 @@ class H3Sampler:
             for line in holder.fitted.said:
                 _host.say(line)
 
-        video, audio = generate(model.model, prompt, frames=length, width=width, height=height, steps=steps, seed=seed,
-                                keyframes=keyframes, video_shift=video_shift, audio_shift=audio_shift, device=device,
-                                progress=_host.Progress(steps), check_cancel=_host.check_cancel,
-                                backend=settings.window_backend, before_sampling=fit)
+        common = dict(frames=length, width=width, height=height, steps=steps, seed=seed, video_shift=video_shift,
+                      audio_shift=audio_shift, device=device, progress=_host.Progress(steps),
+                      check_cancel=_host.check_cancel, backend=settings.window_backend, before_sampling=fit)
+        if reference_latents is not None:
+            video, audio = generate_ref2va(model.model, prompt, reference_latents, **common)
+        else:
+            video, audio = generate(model.model, prompt, keyframes=keyframes, **common)
         return (to_latent(video, audio, length),)
+
+    @staticmethod
+    def _references(references, conditioning, length, video_vae, audio_vae):
+        if not references:
+            raise H3InputError("mode Ref2VA needs references; connect an H3 Add Reference chain")
+        kinds = tuple(ref.kind for ref in references)
+        if references_of(conditioning) != (kinds, length):
+            raise H3InputError(f"the conditioning was encoded with references {references_of(conditioning) or 'none'}, "
+                               f"but the sampler has {kinds} at length {length}; connect the same references and "
+                               "length to H3 Text Encode")
+        if video_vae is None and any(kind != "audio" for kind in kinds):
+            raise H3InputError("image and video references need the video_vae input; connect an H3 Video VAE loader")
+        needs_audio = any(ref.kind == "audio" or ref.waveform is not None for ref in references)
+        if audio_vae is None and needs_audio:
+            raise H3InputError("audio references and video soundtracks need the audio_vae input; connect an H3 Audio "
+                               "VAE loader")
+        return encoded(references, length, video_vae, audio_vae, _host.check_cancel)

@@ -2,9 +2,11 @@
 
     h3_fl2va.json  first and last frame → video + stereo audio (the example; memory policy auto)
     h3_t2va.json   prompt → video + stereo audio
+    h3_ref2va.json a reference image and a reference sound → video + stereo audio
 
 Model widgets name the released files (see the README for where each goes); the images are the
-LoadImage names ``h3_first_frame.png`` / ``h3_last_frame.png`` in the input folder.
+LoadImage names ``h3_first_frame.png`` / ``h3_last_frame.png`` (FL2VA) and ``h3_reference_image.png`` with
+``h3_reference_audio.wav`` (Ref2VA) in the input folder.
 
     python3 workflows/make_workflows.py
 """
@@ -21,6 +23,7 @@ VIDEO_VAE = "minimax_h3_video_vae_fp16.safetensors"
 AUDIO_VAE = "minimax_h3_audio_vae_fp32.safetensors"
 TEXT_ENCODER = "Qwen3-VL-32B-MiniMax-H3"
 FIRST, LAST = "h3_first_frame.png", "h3_last_frame.png"
+REFERENCE_IMAGE, REFERENCE_AUDIO = "h3_reference_image.png", "h3_reference_audio.wav"
 # Where the frontend's missing-models prompt points: the repositories the files come from (the branch file
 # is that repository's linear_branch/model.safetensors, renamed).
 COMFY_REPO, VDN_REPO = "https://huggingface.co/Comfy-Org/MiniMax-H3", "https://huggingface.co/OpenVDN/vdn-minimax-h3"
@@ -30,6 +33,8 @@ def models(*entries):
     return [{"name": name, "url": url, "directory": folder} for name, url, folder in entries]
 PROMPT = ("A red fox trots through fresh snow at dawn, its breath misting; the crunch of paws on snow and a distant "
           "crow.")
+REFERENCE_PROMPT = ("<Picture 1>: the fox from the picture trots through fresh snow at dawn, <Audio 1>: with this "
+                    "music playing softly.")
 
 
 class Graph:
@@ -75,7 +80,8 @@ def build(mode: str) -> dict:
     encoder = g.node("H3TextEncoderLoader", (0, 440), [TEXT_ENCODER, "auto"], [("text_encoder", "H3_TEXT_ENCODER")])
     attention = g.node("H3AttentionSettings", (0, 580), ["auto", "auto", "auto", "auto"], [("attention", "H3_ATTENTION")],
                        (340, 160))
-    encode = g.node("H3TextEncode", (400, 0), [PROMPT, 1344, 768], [("conditioning", "CONDITIONING")], (400, 220))
+    prompt = REFERENCE_PROMPT if mode == "Ref2VA" else PROMPT
+    encode = g.node("H3TextEncode", (400, 0), [prompt, 1344, 768, 124], [("conditioning", "CONDITIONING")], (400, 240))
     sampler = g.node("H3Sampler", (860, 0), [mode, 1344, 768, 124, 20, 12.0, 3.0, 42, "fixed"], [("latent", "LATENT")],
                      (340, 420))
     decode = g.node("H3VideoDecode", (1260, 0), [256, 64, 4], [("images", "IMAGE")], (320, 170))
@@ -92,6 +98,18 @@ def build(mode: str) -> dict:
                            title=f"{anchor} frame")
             g.link(image, 0, encode, f"{anchor}_frame")
             g.link(image, 0, sampler, f"{anchor}_frame")
+    if mode == "Ref2VA":
+        image = g.node("LoadImage", (400, 760), [REFERENCE_IMAGE, "image"], [("IMAGE", "IMAGE"), ("MASK", "MASK")],
+                       (320, 320), title="reference picture")
+        picture = g.node("H3AddReference", (760, 760), ["image", 24.0], [("references", "H3_REFERENCES")], (300, 130))
+        sound = g.node("H3LoadAudio", (400, 1120), [REFERENCE_AUDIO], [("audio", "AUDIO")], title="reference sound")
+        music = g.node("H3AddReference", (760, 960), ["audio", 24.0], [("references", "H3_REFERENCES")], (300, 130))
+        g.link(image, 0, picture, "images")
+        g.link(picture, 0, music, "references")
+        g.link(sound, 0, music, "audio")
+        g.link(music, 0, encode, "references")
+        g.link(music, 0, sampler, "references")
+        g.link(audio_vae, 0, sampler, "audio_vae")
     g.link(video_vae, 0, decode, "video_vae")
     g.link(sampler, 0, decode, "latent")
     g.link(attention, 0, decode, "attention")
@@ -103,7 +121,7 @@ def build(mode: str) -> dict:
 
 
 def main() -> None:
-    for mode, name in (("FL2VA", "h3_fl2va.json"), ("T2VA", "h3_t2va.json")):
+    for mode, name in (("FL2VA", "h3_fl2va.json"), ("T2VA", "h3_t2va.json"), ("Ref2VA", "h3_ref2va.json")):
         (HERE / name).write_text(json.dumps(build(mode), indent=1) + "\n")
 
 

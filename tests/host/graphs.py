@@ -19,13 +19,14 @@ def generation(mode: str = "T2VA", *, length: int = 56, width: int = 64, height:
         "3": {"class_type": "H3AudioVAELoader", "inputs": {"vae_name": audio_vae}},
         "4": {"class_type": "H3TextEncoderLoader", "inputs": {"folder": TINY_TEXT_ENCODER, "offload": "auto"}},
         "5": {"class_type": "H3TextEncode", "inputs": {"text_encoder": ["4", 0], "prompt": "a fox runs through snow",
-                                                      "width": width, "height": height}},
+                                                      "width": width, "height": height, "length": length}},
         "6": {"class_type": "H3AttentionSettings", "inputs": {"window_backend": "auto", "video_vae_attention": "auto",
                                                              "audio_vae_attention": "auto", "memory_mode": "auto"}},
         "7": {"class_type": "H3Sampler", "inputs": {"model": ["1", 0], "conditioning": ["5", 0], "mode": mode,
                                                    "width": width, "height": height, "length": length, "steps": steps,
                                                    "video_shift": 12.0, "audio_shift": 3.0, "seed": seed,
-                                                   "attention": ["6", 0], "video_vae": ["2", 0]}},
+                                                   "attention": ["6", 0], "video_vae": ["2", 0],
+                                                   "audio_vae": ["3", 0]}},
         "8": {"class_type": "H3VideoDecode", "inputs": {"video_vae": ["2", 0], "latent": ["7", 0], "tile_size": 256,
                                                        "overlap": 64, "tiles_per_batch": 4, "attention": ["6", 0]}},
         "9": {"class_type": "H3AudioDecode", "inputs": {"audio_vae": ["3", 0], "latent": ["7", 0]}},
@@ -37,4 +38,35 @@ def generation(mode: str = "T2VA", *, length: int = 56, width: int = 64, height:
             prompt[node_id] = {"class_type": "LoadImage", "inputs": {"image": image}}
             prompt["5"]["inputs"][f"{anchor}_frame"] = [node_id, 0]
             prompt["7"]["inputs"][f"{anchor}_frame"] = [node_id, 0]
+    return prompt
+
+
+def with_references(prompt: dict, *, image: str | None = None, video: str | None = None, audio: str | None = None) -> dict:
+    """``prompt`` (a ``generation``) with a chain of H3 Add Reference nodes (image, then video with its
+    soundtrack, then audio, those given) feeding the text encoder and the sampler."""
+    prompt = {k: {"class_type": v["class_type"], "inputs": dict(v["inputs"])} for k, v in prompt.items()}
+    last = None
+
+    def add(node_id, kind, **inputs):
+        nonlocal last
+        node = {"kind": kind, "fps": 24.0, **inputs}
+        if last is not None:
+            node["references"] = [last, 0]
+        prompt[node_id] = {"class_type": "H3AddReference", "inputs": node}
+        last = node_id
+
+    if image is not None:
+        prompt["20"] = {"class_type": "LoadImage", "inputs": {"image": image}}
+        add("21", "image", images=["20", 0])
+    if video is not None:
+        prompt["22"] = {"class_type": "LoadVideo", "inputs": {"file": video}}
+        prompt["23"] = {"class_type": "GetVideoComponents", "inputs": {"video": ["22", 0]}}
+        add("24", "video", images=["23", 0], audio=["23", 1])
+        prompt["24"]["inputs"]["fps"] = ["23", 2]
+    if audio is not None:
+        prompt["25"] = {"class_type": "H3LoadAudio", "inputs": {"audio_file": audio}}
+        add("26", "audio", audio=["25", 0])
+    if last is not None:
+        prompt["5"]["inputs"]["references"] = [last, 0]
+        prompt["7"]["inputs"]["references"] = [last, 0]
     return prompt

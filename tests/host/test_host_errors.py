@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 import torch
 
 from comfy_host import error_message, mp4_files
-from graphs import TINY_AUDIO_VAE, generation
+from graphs import TINY_AUDIO_VAE, generation, with_references
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +51,19 @@ def test_a_file_not_in_the_folder_is_refused_before_running(server):
     assert "prompt_id" not in answer
     errors = json.dumps(answer["node_errors"])
     assert "dit_name" in errors and "no_such_model.safetensors" in errors
+
+
+def _without_encoder_references(prompt):
+    del prompt["5"]["inputs"]["references"]
+    return prompt
+
+
+@pytest.mark.parametrize("build, pattern", [
+    (lambda: with_references(generation("T2VA", prefix="H3/bad"), image="first.png"),
+     r"mode T2VA takes no references, but references are connected"),
+    (lambda: generation("Ref2VA", prefix="H3/bad"), r"mode Ref2VA needs references"),
+    (lambda: _without_encoder_references(with_references(generation("Ref2VA", prefix="H3/bad"), image="first.png")),
+     r"the conditioning was encoded with references none, but the sampler has \('image',\) at length 56"),
+], ids=["t2va-with-references", "ref2va-without-references", "references-not-encoded"])
+def test_bad_ref2va_requests_are_clear_node_errors(server, build, pattern):
+    expect_node_error(server, build(), pattern)

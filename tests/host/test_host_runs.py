@@ -7,7 +7,7 @@ import av
 import pytest
 
 from comfy_host import error_message, mp4_files
-from graphs import TINY_DIT, TINY_VIDEO_VAE, generation
+from graphs import TINY_DIT, TINY_VIDEO_VAE, generation, with_references
 
 NODES = {
     "H3DiTLoader": ({"dit_name", "linear_branch", "weight_dtype", "offload"}, ["H3_MODEL"]),
@@ -16,7 +16,9 @@ NODES = {
     "H3AudioVAELoader": ({"vae_name"}, ["H3_AUDIO_VAE"]),
     "H3TextEncoderLoader": ({"folder", "offload"}, ["H3_TEXT_ENCODER"]),
     "H3PromptEmbeddingLoader": ({"embedding"}, ["CONDITIONING"]),
-    "H3TextEncode": ({"text_encoder", "prompt", "width", "height"}, ["CONDITIONING"]),
+    "H3TextEncode": ({"text_encoder", "prompt", "width", "height", "length"}, ["CONDITIONING"]),
+    "H3AddReference": ({"kind", "fps"}, ["H3_REFERENCES"]),
+    "H3LoadAudio": ({"audio_file"}, ["AUDIO"]),
     "H3AttentionSettings": ({"window_backend", "video_vae_attention", "audio_vae_attention", "memory_mode"},
                             ["H3_ATTENTION"]),
     "H3Sampler": ({"model", "conditioning", "mode", "width", "height", "length", "steps", "video_shift", "audio_shift",
@@ -36,13 +38,14 @@ def test_object_info_lists_every_node_with_its_types(server):
         assert set(node["input"]["required"]) == required, name
         assert node["output"] == outputs, name
     assert info["H3SaveVideo"]["output_node"] is True
-    assert set(info["H3Sampler"]["input"]["optional"]) == {"attention", "video_vae", "first_frame", "last_frame"}
+    assert set(info["H3Sampler"]["input"]["optional"]) == {"attention", "video_vae", "audio_vae", "first_frame",
+                                                           "last_frame", "references"}
     # the dropdowns list the tiny checkpoints from the host's model folders
     dit_files = info["H3DiTLoader"]["input"]["required"]["dit_name"][0]
     assert TINY_DIT in dit_files and "none" in info["H3DiTLoader"]["input"]["required"]["linear_branch"][0]
     assert TINY_VIDEO_VAE in info["H3VideoVAELoader"]["input"]["required"]["vae_name"][0]
     assert info["H3TextEncoderLoader"]["input"]["required"]["folder"][0] == ["h3_tiny_random_qwen3vl"]
-    assert info["H3Sampler"]["input"]["required"]["mode"][0] == ["T2VA", "FL2VA"]
+    assert info["H3Sampler"]["input"]["required"]["mode"][0] == ["T2VA", "FL2VA", "Ref2VA"]
 
 
 def check_mp4(path, frames, width, height):
@@ -63,6 +66,18 @@ def check_mp4(path, frames, width, height):
                                           ("FL2VA", {"last": "last.png"})], ids=["t2va", "fl2va", "last-frame-only"])
 def test_a_generation_writes_a_playable_mp4(server, mode, frames):
     entry = server.run(generation(mode, prefix=f"H3/{mode.lower()}", **frames))
+    assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+    files = mp4_files(entry, server.output)
+    assert len(files) == 1
+    check_mp4(files[0], 56, 64, 32)
+
+
+@pytest.mark.parametrize("refs", [dict(image="first.png"), dict(image="first.png", video="clip.mp4", audio="tone.wav"),
+                                  dict(audio="tone.wav")], ids=["image", "image-video-audio", "audio-only"])
+def test_ref2va_with_references_writes_a_playable_mp4(server, refs):
+    prompt = with_references(generation("Ref2VA", prefix="H3/ref2va"), **refs)
+    prompt["5"]["inputs"]["prompt"] = "<Picture 1>: a fox runs through snow"
+    entry = server.run(prompt)
     assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
     files = mp4_files(entry, server.output)
     assert len(files) == 1

@@ -2,6 +2,7 @@
 the API form as the frontend makes it, and each one run end to end on the tiny checkpoints."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,15 +16,16 @@ from ui_to_api import EMBEDDED_SIZE, embedded_default, to_api
 WORKFLOWS = sorted((Path(__file__).resolve().parents[2] / "workflows").glob("*.json"))
 
 
-def test_the_fl2va_example_is_bundled():
-    assert "h3_fl2va.json" in [p.name for p in WORKFLOWS]
+def test_the_examples_are_bundled():
+    assert {"h3_fl2va.json", "h3_t2va.json", "h3_ref2va.json"} <= {p.name for p in WORKFLOWS}
 
 
 @pytest.fixture(scope="module")
 def keyframe_images(server):
     rng = np.random.default_rng(1)
-    for name in ("h3_first_frame.png", "h3_last_frame.png"):
+    for name in ("h3_first_frame.png", "h3_last_frame.png", "h3_reference_image.png"):
         Image.fromarray(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)).save(server.input / name)
+    shutil.copy(server.input / "tone.wav", server.input / "h3_reference_audio.wav")
     return server
 
 
