@@ -7,6 +7,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# The host and browser tests drive a real ComfyUI server through workflows/comfy_host.py.
+for folder in (ROOT / "workflows", ROOT / "tests" / "host"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 # Tensors drawn at collection (parametrize lists) and inside tests without their own generator are the
 # same on every run, so a result never depends on the draw.
@@ -38,3 +42,33 @@ def _nan_poisoned_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One ComfyUI server for the session (host and browser tests), with the tiny random checkpoints in its
+    model folders, two keyframe images, a tone and a short clip with a soundtrack in its input folder."""
+    import wave
+
+    import numpy as np
+    from PIL import Image
+
+    from comfy_host import ComfyServer
+    from h3_core.mp4 import write_mp4
+    from h3_core.tiny_checkpoints import write_tiny_checkpoints
+
+    base = tmp_path_factory.mktemp("comfy")
+    host = ComfyServer(base)
+    host.tiny = write_tiny_checkpoints(host.models)
+    rng = np.random.default_rng(0)
+    for name, size in (("first.png", (96, 64)), ("last.png", (80, 48))):
+        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(host.input / name)
+    t = torch.arange(40000) / 16000
+    tone = (0.3 * torch.sin(2 * torch.pi * 330 * t)).clamp(-1, 1)
+    with wave.open(str(host.input / "tone.wav"), "wb") as out:  # 2.5 s mono at 16 kHz: resampled to 32 kHz stereo
+        out.setnchannels(1), out.setsampwidth(2), out.setframerate(16000)
+        out.writeframes((tone * 32767).to(torch.int16).numpy().tobytes())
+    write_mp4(host.input / "clip.mp4", torch.rand(30, 48, 80, 3), 0.2 * torch.randn(2, 40000).clamp(-3, 3), 32000, fps=30)
+    host.start()
+    yield host
+    host.stop()

@@ -16,3 +16,11 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] |
     bash "$root/tests/host/install_comfyui.sh" "$venv/bin/python"
     echo "$want" > "$stamp"
 fi
+# The browser tests drive Debian's Chromium (not a downloaded browser build).
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "installing Debian's chromium for the browser tests"
+    ($sudo apt-get install -y -q chromium >/dev/null 2>&1 || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q chromium >/dev/null; }) \
+        || echo "could not install chromium: the browser tests will say so"
+fi
