@@ -1,0 +1,57 @@
+"""Progress and model residency in a real ComfyUI server: the sampler reports every step and the decoder
+every tile; loaded models stay loaded across runs and are released when the host frees memory."""
+
+import json
+
+import requests
+import websocket
+
+from comfy_host import error_message
+from graphs import generation
+
+
+def progress_of(server, prompt):
+    """Each node's progress values (in order) over one run, from the host's websocket."""
+    ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={server.client_id}", timeout=300)
+    try:
+        prompt_id = server.queue(prompt)["prompt_id"]
+        seen = {}
+        while True:
+            message = ws.recv()
+            if not isinstance(message, str):
+                continue
+            event = json.loads(message)
+            data = event.get("data", {})
+            if data.get("prompt_id") != prompt_id:
+                continue
+            if event["type"] == "progress":
+                seen.setdefault(data["node"], []).append((data["value"], data["max"]))
+            elif event["type"] in ("execution_success", "execution_error", "execution_interrupted"):
+                break
+    finally:
+        ws.close()
+    entry = server.wait(prompt_id)
+    assert entry["status"]["status_str"] == "success", error_message(entry)
+    return seen
+
+
+def test_every_step_and_every_tile_is_reported(server):
+    seen = progress_of(server, generation(steps=5, width=320, height=32, prefix="H3/progress"))
+    assert seen["7"] == [(i, 5) for i in range(1, 6)]
+    # 56 frames = 17 latents: 3 temporal windows; 320 px wide: 2 tiles of 256 px with the trained overlap
+    tiles = seen["8"]
+    assert [value for value, _ in tiles] == list(range(1, len(tiles) + 1)) and tiles[-1] == (6, 6)
+
+
+def test_models_stay_loaded_across_runs_and_are_released_when_the_host_frees_memory(server):
+    loads = lambda: server.log_path.read_text().count("loaded h3_tiny_random_dit.safetensors")  # noqa: E731
+    prompt = generation(length=22, prefix="H3/resident")
+    server.run(prompt)
+    first = loads()
+    prompt["7"]["inputs"]["seed"] = 123  # a new sample from the same loaded models
+    assert server.run(prompt)["status"]["status_str"] == "success"
+    assert loads() == first
+    requests.post(server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=30)
+    prompt["7"]["inputs"]["seed"] = 456
+    assert server.run(prompt)["status"]["status_str"] == "success"
+    assert loads() == first + 1
