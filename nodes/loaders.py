@@ -36,7 +36,7 @@ class H3Model:
 
 def _describe(model) -> str:
     kind = "VDN-H3 (hybrid attention)" if model.cfg.hybrid else "MiniMax H3 (dense attention)"
-    loras = ", ".join(f"{m.spec.path.name} × {m.spec.strength:g}" for m in model.merged_loras) or "no LoRAs"
+    loras = ", ".join(f"{m.lora.path.name} × {m.lora.strength:g}" for m in model.merged_loras) or "no LoRAs"
     return f"{kind}, {model.checkpoint.layout} layout, linears {model.linears}, {loras}"
 
 

@@ -146,6 +146,10 @@ def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape
             audio_shift, device, progress, check_cancel, window, backend, before_sampling):
     """Noise drawn in the released order, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
+    text_dim = getattr(getattr(model, "cfg", None), "text_dim", None)
+    if text_dim is not None and prompt.embeds.shape[1] != text_dim:
+        raise H3InputError(f"the prompt embedding is {prompt.embeds.shape[1]} wide but this DiT reads {text_dim}-wide "
+                           "text states; encode the prompt with the text encoder made for this model")
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     condition, video, audio = initial_noise(generator, conditions, T, h, w, Ta)

@@ -98,13 +98,14 @@ def load_prompt_embedding(path: str | Path) -> PromptEmbedding:
             latents = [f.get_tensor(f"condition_latents.{i}") for i in range(len(keys)) if f"condition_latents.{i}" in keys]
     else:
         raise H3InputError(f"{path}: prompt embeddings come as .pt (prompt cache) or .safetensors, not '{path.suffix}'")
-    _check(embeds, tags, str(path))
+    features = meta.get("features", TEXT_WIDTH) if path.suffix == ".safetensors" else TEXT_WIDTH
+    _check(embeds, tags, str(path), features)
     anchors = tuple(meta.get("keyframe_anchors") or ())
     if len(anchors) != len(latents):
         raise H3InputError(f"{path}: {len(anchors)} keyframe anchors but {len(latents)} condition latents")
     return PromptEmbedding(
         embeds, tags.to(torch.long), str(meta.get("prompt", "")), anchors, tuple(meta.get("keyframe_files") or ()),
-        latents, meta.get("height"), meta.get("width"),
+        latents, meta.get("height"), meta.get("width"), features,
     )
 
 
@@ -114,7 +115,8 @@ def save_prompt_embedding(path: str | Path, embedding: PromptEmbedding) -> None:
     tensors = {"prompt_embeds": embedding.embeds.contiguous(), "text_token_tags": embedding.tags.to(torch.long)}
     tensors.update({f"condition_latents.{i}": z.contiguous() for i, z in enumerate(embedding.condition_latents)})
     meta = {"prompt": embedding.prompt, "keyframe_anchors": list(embedding.keyframe_anchors),
-            "keyframe_files": list(embedding.keyframe_files), "height": embedding.height, "width": embedding.width}
+            "keyframe_files": list(embedding.keyframe_files), "height": embedding.height, "width": embedding.width,
+            "features": embedding.features}
     partial = path.with_name(path.name + ".partial")
     save_file(tensors, str(partial), metadata={_META_KEY: json.dumps(meta)})
     partial.replace(path)

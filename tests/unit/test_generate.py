@@ -118,3 +118,11 @@ def test_cancel_is_checked_before_every_block_and_stops_within_an_evaluation(dit
     with torch.no_grad(), pytest.raises(Cancelled):
         generate(dit, prompt(), frames=22, width=64, height=32, steps=3, seed=7, check_cancel=check_cancel)
     assert len(calls) == 3 and dit.check_cancel is None
+
+
+def test_a_prompt_of_the_wrong_width_is_named(dit):
+    from h3_core.pipeline.prompt import PromptEmbedding
+
+    narrow = PromptEmbedding(torch.randn(4, 32), torch.ones(4, dtype=torch.long), features=32)
+    with pytest.raises(H3InputError, match="the prompt embedding is 32 wide but this DiT reads 5120-wide text states"):
+        generate(dit, narrow, frames=22, width=64, height=32, steps=1, seed=0)

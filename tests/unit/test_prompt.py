@@ -93,3 +93,12 @@ def test_bad_files(tmp_path):
     torch.save(mismatched, path)
     with pytest.raises(H3InputError, match="1 keyframe anchors but 2 condition latents"):
         load_prompt_embedding(path)
+
+
+def test_an_embedding_of_another_width_round_trips_with_its_width(tmp_path):
+    from h3_core.pipeline.prompt import PromptEmbedding, load_prompt_embedding, save_prompt_embedding
+
+    narrow = PromptEmbedding(torch.randn(4, 32), torch.ones(4, dtype=torch.long), "a fox", features=32)
+    save_prompt_embedding(tmp_path / "narrow.safetensors", narrow)
+    back = load_prompt_embedding(tmp_path / "narrow.safetensors")
+    assert back.features == 32 and torch.equal(back.embeds, narrow.embeds)
