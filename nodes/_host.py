@@ -113,3 +113,15 @@ def register_folders() -> None:
     except ImportError:
         return
     folder_paths.add_model_folder_path(PROMPT_FOLDER, os.path.join(folder_paths.models_dir, PROMPT_FOLDER))
+
+
+def tell(node_id, lines: list[str]) -> None:
+    """``lines`` in the log and, as the node's progress text, on the node in the UI."""
+    for line in lines:
+        say(line)
+    if node_id is None:
+        return
+    from server import PromptServer
+
+    server = PromptServer.instance
+    server.send_progress_text("\n".join(lines), str(node_id), getattr(server, "client_id", None))

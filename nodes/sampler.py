@@ -49,10 +49,11 @@ class H3Sampler:
             "first_frame": ("IMAGE",),
             "last_frame": ("IMAGE",),
             "references": ("H3_REFERENCES",),
-        }}
+        }, "hidden": {"node_id": "UNIQUE_ID"}}
 
     def sample(self, model, conditioning, mode, width, height, length, steps, video_shift, audio_shift, seed,
-               attention=None, video_vae=None, audio_vae=None, first_frame=None, last_frame=None, references=None):
+               attention=None, video_vae=None, audio_vae=None, first_frame=None, last_frame=None, references=None,
+               node_id=None):
         settings = attention or DEFAULT
         prompt = prompt_of(conditioning)
         images = [(anchor, image) for anchor, image in (("first", first_frame), ("last", last_frame)) if image is not None]
@@ -90,8 +91,7 @@ class H3Sampler:
                 holder.fitted.remove()
             holder.fitted = place_for_run(holder.model, packed, device, placement=holder.offload,
                                           memory=settings.memory, steps=steps)
-            for line in holder.fitted.said:
-                _host.say(line)
+            _host.tell(node_id, holder.fitted.said)
 
         common = dict(frames=length, width=width, height=height, steps=steps, seed=seed, video_shift=video_shift,
                       audio_shift=audio_shift, device=device, progress=_host.Progress(steps),

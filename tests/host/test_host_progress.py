@@ -55,3 +55,26 @@ def test_models_stay_loaded_across_runs_and_are_released_when_the_host_frees_mem
     prompt["7"]["inputs"]["seed"] = 456
     assert server.run(prompt)["status"]["status_str"] == "success"
     assert loads() == first + 1
+
+
+def test_the_sampler_shows_its_memory_decision_on_the_node(server):
+    import struct
+
+    ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={server.client_id}", timeout=300)
+    texts = []
+    try:
+        prompt_id = server.queue(generation(length=22, seed=77, prefix="H3/told"))["prompt_id"]
+        while True:
+            message = ws.recv()
+            if isinstance(message, bytes):
+                (kind,) = struct.unpack(">I", message[:4])
+                if kind == 3:  # the host's TEXT event: node id length, node id, text
+                    (size,) = struct.unpack(">I", message[4:8])
+                    texts.append((message[8 : 8 + size].decode(), message[8 + size :].decode()))
+                continue
+            event = json.loads(message)
+            if event["type"] in ("execution_success", "execution_error") and event["data"].get("prompt_id") == prompt_id:
+                break
+    finally:
+        ws.close()
+    assert ("7", "running on the CPU; no memory plan needed") in texts
