@@ -32,6 +32,7 @@ class H3Model:
     offload: str
     description: str
     fitted: object = field(default=None, repr=False)  # the last run's FittedModel, undone before the next
+    residency: object = field(default=None, repr=False)  # how the host's model management sees the model
 
 
 def _describe(model) -> str:

@@ -14,6 +14,7 @@ from .conditioning import prompt_of, references_of
 from .images import single_image
 from .latents import to_latent
 from .references import encoded
+from .residency import make_room
 
 MODES = ("T2VA", "FL2VA", "Ref2VA")
 
@@ -87,6 +88,7 @@ class H3Sampler:
         holder = model
 
         def fit(packed):
+            make_room(holder, device, 0)
             if holder.fitted is not None:
                 holder.fitted.remove()
             holder.fitted = place_for_run(holder.model, packed, device, placement=holder.offload,

@@ -78,3 +78,17 @@ def test_the_sampler_shows_its_memory_decision_on_the_node(server):
     finally:
         ws.close()
     assert ("7", "running on the CPU; no memory plan needed") in texts
+
+
+def test_the_hosts_unload_reaches_the_dit_and_the_server_goes_on(server):
+    released = lambda: server.log_path.read_text().count("the DiT was released")  # noqa: E731
+    prompt = generation(length=22, prefix="H3/unload")
+    for seed in (1, 2):  # twice with the same loaded model: listed once by the host, not twice
+        prompt["7"]["inputs"]["seed"] = seed
+        assert server.run(prompt)["status"]["status_str"] == "success"
+    before = released()
+    requests.post(server.url + "/free", json={"unload_models": True}, timeout=30)
+    prompt["7"]["inputs"]["seed"] = 3
+    entry = server.run(prompt)  # the unload runs in the host's worker before this prompt
+    assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+    assert released() == before + 1
