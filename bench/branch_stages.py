@@ -1,0 +1,154 @@
+"""The VDN-H3 linear branch stage by stage at the release size (100 branch frames of 24×42 tokens, 56 heads
+of 128, bf16), the plain forms next to candidate faster ones, each timed (median of ``--reps`` CUDA-event
+timings after a warm-up) and checked against the plain form.
+
+Stages: features (spatial 5×5 + temporal 5-tap depthwise convs, SiLU, L2), frame statistics (fp32, TF32,
+bf16 inputs with fp32 accumulation), the solve (Cholesky with and without its error check, an explicit
+inverse), the scans, the gather and the readout (einsum + norm + gate, or GEMM + one fused pass); then the
+whole branch plain and fused (``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small
+geometry on the CPU (no compiled candidates there).
+
+    python3 bench/branch_stages.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from h3_core.attention.layout import window_bounds  # noqa: E402
+from h3_core.models import branch_fused, linear_branch as lb  # noqa: E402
+
+RELEASE = dict(frames=100, grid=(24, 42), heads=56, head_dim=128, hidden=5376)
+TINY = dict(frames=12, grid=(3, 5), heads=2, head_dim=16, hidden=32)
+
+
+def timer(cuda: bool, reps: int):
+    def run(fn):
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            if cuda:
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                stop.record()
+                stop.synchronize()
+                times.append(start.elapsed_time(stop))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return round(statistics.median(times), 3)
+    return run
+
+
+def max_diff(a, b) -> float:
+    a = a if isinstance(a, torch.Tensor) else torch.cat([t.flatten() for t in a])
+    b = b if isinstance(b, torch.Tensor) else torch.cat([t.flatten() for t in b])
+    return float((a.double() - b.double()).abs().max())
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.tiny
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    size = TINY if args.tiny else RELEASE
+    frames, grid, H, d = size["frames"], size["grid"], size["heads"], size["head_dim"]
+    S, C = grid[0] * grid[1], size["heads"] * size["head_dim"]
+    time_it = timer(cuda, args.reps)
+    result = dict(command="python3 bench/branch_stages.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), size=size, ms={}, max_diff={})
+    ms, diff = result["ms"], result["max_diff"]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        branch = lb.LinearBranch(size["hidden"], H, d).to(device, dtype)
+        for p in branch.parameters():
+            p.copy_((torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 1)).to(p.dtype))
+        x = torch.randn(frames * S, size["hidden"], generator=g).to(device, dtype)
+        q, k, v = (torch.randn(frames * S, H, d, generator=g).to(device, dtype) for _ in range(3))
+        bounds = [(lo - 1, hi - 1) for lo, hi in window_bounds(frames + 2, 1, 5)[1 : frames + 1]]
+        conv = branch.short_conv
+        weights = (conv.k_sp.weight, conv.k_tm.weight, conv.v_sp.weight, conv.v_tm.weight)
+        shape = (frames, S, H, d)
+
+        # features
+        ms["features plain (q, k, v)"] = time_it(lambda: lb.featurize(q.view(shape), k.view(shape), v.view(shape), grid, weights))
+        plain_k = lb.featurize(q.view(shape), k.view(shape), v.view(shape), grid, weights)[1]
+        spatial = branch_fused.spatial_conv(k.view(frames, S, C), weights[0], grid)
+        ms["spatial conv (channels-last view)"] = time_it(lambda: branch_fused.spatial_conv(k.view(frames, S, C), weights[0], grid))
+        modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
+        for mode in modes:
+            ms[f"temporal + SiLU + L2 ({mode})"] = time_it(
+                lambda: branch_fused.run(mode, "conv_features", spatial, weights[1], H, True))
+            fused_k = branch_fused.run(mode, "conv_features", spatial, weights[1], H, True)
+            diff[f"k features {mode} vs plain"] = max_diff(fused_k.transpose(1, 2), plain_k)
+
+        # frame statistics
+        kt = plain_k.transpose(1, 2).contiguous().transpose(1, 2)
+        vt = lb.featurize(q.view(shape), k.view(shape), v.view(shape), grid, weights)[2]
+        beta = torch.sigmoid(torch.randn(frames, S, H, generator=g)).to(device, dtype)
+        ms["statistics fp32"] = time_it(lambda: lb.frame_statistics(kt, vt, beta))
+        ms["statistics fp32, 16 frames at a time"] = time_it(lambda: lb.frame_statistics(kt, vt, beta, 16))
+        A, B = lb.frame_statistics(kt, vt, beta)
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            ms["statistics TF32"] = time_it(lambda: lb.frame_statistics(kt, vt, beta))
+            diff["statistics TF32 vs fp32"] = max_diff(lb.frame_statistics(kt, vt, beta), (A, B))
+            torch.backends.cuda.matmul.allow_tf32 = False
+
+        # solve, scans, gather
+        alpha = (torch.rand(frames, H, d, generator=g) * 0.5 + 0.5).to(device)
+        eye = torch.eye(d, device=device)
+        ms["solve (Cholesky, triangular inverse)"] = time_it(lambda: lb.solve(alpha, A, B))
+        ms["Cholesky alone"] = time_it(lambda: torch.linalg.cholesky_ex(A + eye))
+        ms["explicit inverse (inv_ex)"] = time_it(lambda: torch.linalg.inv_ex(A + eye))
+        T, J = lb.solve(alpha, A, B)
+        seed = torch.zeros(H, d, d, device=device)
+        ms["scans (prefix + suffix)"] = time_it(lambda: lb.scan(T, J, seed))
+        P, Q = lb.scan(T, J, seed)
+        ms["gather"] = time_it(lambda: lb.gather(P, Q, alpha, bounds, seed))
+        state = lb.gather(P, Q, alpha, bounds, seed)
+
+        # readout
+        q_plain = lb.featurize(q.view(shape), k.view(shape), v.view(shape), grid, weights)[0]
+        ms["readout einsum (plain)"] = time_it(lambda: torch.einsum("fhvk,fshk->fshv", state.to(dtype), q_plain))
+        q_head = q_plain.transpose(1, 2).contiguous()
+        ms["readout GEMM on head-major features"] = time_it(lambda: torch.matmul(q_head, state.to(dtype).transpose(-1, -2)))
+
+        # the whole branch
+        for mode in [None] + modes:
+            branch.fused = mode
+            ms[f"whole branch ({mode or 'plain'})"] = time_it(lambda: branch(x, q, k, v, grid, bounds))
+        branch.fused = None
+        plain = branch(x, q, k, v, grid, bounds)
+        for mode in modes:
+            branch.fused = mode
+            diff[f"whole branch {mode} vs plain"] = max_diff(branch(x, q, k, v, grid, bounds), plain)
+        branch.fused = None
+    if cuda:
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
