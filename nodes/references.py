@@ -60,9 +60,11 @@ def presented(references, frames: int) -> tuple[PresentedReference, ...]:
     return tuple(PresentedReference(n.kind, n.pixels, n.has_audio) for n in normalized(references, frames))
 
 
-def encoded(references, frames: int, video_vae, audio_vae, check_cancel):
-    """``ReferenceLatents`` of each reference for ``generate_ref2va``."""
-    return [encode_reference(n, video_vae, audio_vae, check_cancel=check_cancel) for n in normalized(references, frames)]
+def encoded(references, frames: int, video_vae, audio_vae, check_cancel, overrides=None):
+    """``ReferenceLatents`` of each reference for ``generate_ref2va``; ``overrides`` are the VAE attention
+    choices (the audio VAE's encoder attention is the one that runs here)."""
+    return [encode_reference(n, video_vae, audio_vae, audio_overrides=overrides, check_cancel=check_cancel)
+            for n in normalized(references, frames)]
 
 
 class H3AddReference:

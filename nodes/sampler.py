@@ -68,7 +68,8 @@ class H3Sampler:
                                "or disconnect them")
         reference_latents = None
         if mode == "Ref2VA":
-            reference_latents = self._references(references, conditioning, length, video_vae, audio_vae)
+            reference_latents = self._references(references, conditioning, length, video_vae, audio_vae,
+                                                 settings.overrides)
         keyframes = ()
         if mode == "FL2VA":
             if not images:
@@ -105,7 +106,7 @@ class H3Sampler:
         return (to_latent(video, audio, length),)
 
     @staticmethod
-    def _references(references, conditioning, length, video_vae, audio_vae):
+    def _references(references, conditioning, length, video_vae, audio_vae, overrides):
         if not references:
             raise H3InputError("mode Ref2VA needs references; connect an H3 Add Reference chain")
         kinds = tuple(ref.kind for ref in references)
@@ -119,4 +120,4 @@ class H3Sampler:
         if audio_vae is None and needs_audio:
             raise H3InputError("audio references and video soundtracks need the audio_vae input; connect an H3 Audio "
                                "VAE loader")
-        return encoded(references, length, video_vae, audio_vae, _host.check_cancel)
+        return encoded(references, length, video_vae, audio_vae, _host.check_cancel, overrides)

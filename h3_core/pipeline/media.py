@@ -279,14 +279,15 @@ def _normalize_soundtrack(waveform: torch.Tensor, sample_rate, frames: int, name
     return resample_audio(waveform, rate, AUDIO_SAMPLE_RATE)
 
 
-def _encode_audio(audio_vae, waveform: torch.Tensor) -> torch.Tensor:
+def _encode_audio(audio_vae, waveform: torch.Tensor, overrides=None) -> torch.Tensor:
     """Stereo ``[2, samples]`` at 32 kHz → model-space latents ``[2, 32, ceil(samples / 800)]`` on the CPU:
-    the two channels as a batch of the mono VAE, the posterior mean (a soundtrack is never sampled)."""
+    the two channels as a batch of the mono VAE, the posterior mean (a soundtrack is never sampled);
+    ``overrides`` picks the encoder attention's backend (``h3_core.attention.vae``)."""
     if audio_vae is None:
         raise H3InputError("an audio reference or a video soundtrack needs the audio VAE; none was given")
     device = next(audio_vae.parameters()).device
     with torch.inference_mode():
-        z = audio_vae.encode_mean(waveform.to(device)[:, None])
+        z = audio_vae.encode_mean(waveform.to(device)[:, None], overrides)
         return audio_vae.normalize_latents(z.float()).cpu()
 
 
@@ -465,13 +466,14 @@ def _clip_frames(frames: int) -> int:
     return snap_frames(frames)
 
 
-def encode_reference(reference: NormalizedReference, vae=None, audio_vae=None, **options) -> ReferenceLatents:
+def encode_reference(reference: NormalizedReference, vae=None, audio_vae=None, *, audio_overrides=None,
+                     **options) -> ReferenceLatents:
     """A normalised reference → ``ReferenceLatents`` for ``generate_ref2va``, on the CPU in fp32.
 
     Pixels through the video VAE as a condition (sampled under seed 42, fp16-rounded): an image as one
     frame, a video as its largest ``17k + 5`` prefix, or all of it when it has fewer than 22 frames (the
-    encoder then pads the clip with its last frame). Audio through the audio VAE's posterior mean.
-    ``options`` go to ``encode_video``."""
+    encoder then pads the clip with its last frame). Audio through the audio VAE's posterior mean, its
+    attention as ``audio_overrides`` says (``h3_core.attention.vae``). ``options`` go to ``encode_video``."""
     if reference.kind not in ("image", "video", "audio"):
         raise H3InputError(f"a reference kind must be 'image', 'video' or 'audio', got {reference.kind!r}")
     video = None
@@ -480,7 +482,7 @@ def encode_reference(reference: NormalizedReference, vae=None, audio_vae=None, *
             raise H3InputError(f"an {reference.kind} reference needs the video VAE; none was given")
         pixels = reference.pixels if reference.kind == "video" else reference.pixels[None]
         video = _encode_pixels(vae, pixels[: _encodable_frames(vae, pixels.shape[0])], **options)
-    audio = _encode_audio(audio_vae, reference.audio) if reference.audio is not None else None
+    audio = _encode_audio(audio_vae, reference.audio, audio_overrides) if reference.audio is not None else None
     return ReferenceLatents(reference.kind, video=video, audio=audio)
 
 

@@ -300,6 +300,17 @@ def test_audio_reference_latent_lengths(audio_vaes, samples, latents):
     assert encode_reference(reference, audio_vae=ours_audio_vae).audio.shape == (2, 32, latents)
 
 
+def test_audio_reference_encoding_follows_the_attention_overrides(audio_vaes):
+    ours_audio_vae, _ = audio_vaes
+    reference = normalize_audio_reference(torch.randn(2, 4000, generator=torch.Generator().manual_seed(4)) * 0.1,
+                                          32000, frames=124)
+    default = encode_reference(reference, audio_vae=ours_audio_vae).audio
+    math = encode_reference(reference, audio_vae=ours_audio_vae, audio_overrides={"audio_vae": "sdpa_math"}).audio
+    assert (default - math).abs().max() <= 1e-5 * default.abs().max()
+    with pytest.raises(H3InputError, match="unknown VAE attention backend 'warp' for audio_vae"):
+        encode_reference(reference, audio_vae=ours_audio_vae, audio_overrides={"audio_vae": "warp"})
+
+
 def test_audio_is_truncated_at_its_own_rate_before_resampling():
     clip = normalize_audio_reference(torch.zeros(1, 10 * 48000), 48000, frames=124).audio
     # 124 frames are 5.1667 s: 248000 samples at 48 kHz, i.e. 165333.3 at 32 kHz, taken up.
