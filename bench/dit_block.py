@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
+from h3_core.models.block_fused import fuse_blocks  # noqa: E402
 from h3_core.models.branch_fused import fuse_branches  # noqa: E402
 from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
 from h3_core.pipeline.packing import pack_sequence  # noqa: E402
@@ -180,6 +181,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--branch-frames", type=int, default=None, help="the branch's fp32 statistics this many frames at a time")
     parser.add_argument("--fused-branch", default=None, choices=("eager", "compiled"),
                         help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
+    parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
+                        help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -189,13 +192,15 @@ def main(argv=None) -> dict:
     result = dict(command="python3 bench/dit_block.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                   rows=int(x.shape[0]), dtype=str(dtype), ffn_chunk_rows=args.ffn_chunk_rows,
-                  head_groups=args.head_groups, fused_branch=args.fused_branch, blocks={})
+                  head_groups=args.head_groups, fused_branch=args.fused_branch, fused_blocks=args.fused_blocks, blocks={})
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
     context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
     for name, hybrid in (("dense", False), ("hybrid", True)):
         block = build(replace(setup["cfg"], hybrid=hybrid), device, dtype)
         apply_low_memory(block, LowMemory(args.ffn_chunk_rows, args.head_groups, args.branch_frames))
         fuse_branches(block, args.fused_branch)
+        if args.fused_blocks:
+            fuse_blocks(block, args.fused_blocks)
         ctx = context if hybrid else None
         with torch.no_grad():
             out = block(x, temb, rows, rope, ctx)

@@ -36,6 +36,7 @@ from h3_core.fp8_linear import quantize_linears  # noqa: E402
 from h3_core.fitting import apply_plan  # noqa: E402
 from h3_core.memory_model import BlockShape, evaluation_peak, plan_for_memory  # noqa: E402
 from h3_core.models.adaln_tables import prepare_adaln_tables  # noqa: E402
+from h3_core.models.block_fused import fuse_blocks  # noqa: E402
 from h3_core.models.branch_fused import fuse_branches  # noqa: E402
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32, rope_inv_freq  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
@@ -136,6 +137,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--fused-branch", default=None, choices=("eager", "compiled"),
                         help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
+    parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
+                        help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a dry run of the code")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -154,10 +157,13 @@ def main(argv=None) -> dict:
     result = dict(command="python3 bench/dit_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=shape.rows,
-                  low_memory=args.low_memory, cap_gib=args.cap_gib, fused_branch=args.fused_branch, variants={})
+                  low_memory=args.low_memory, cap_gib=args.cap_gib, fused_branch=args.fused_branch,
+                  fused_blocks=args.fused_blocks, variants={})
     model = random_model(cfg, device, dtype)
     apply_low_memory(model, options)
     fuse_branches(model, args.fused_branch)
+    if args.fused_blocks:
+        fuse_blocks(model, args.fused_blocks)
     quantised = False
     for variant in args.variants:
         hybrid = not variant.startswith("dense")

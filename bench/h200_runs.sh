@@ -3,9 +3,9 @@
 # under $OUT (default ./out/h200). Name the parts to run; none runs all of them.
 #   checks    python -m pytest tests/gpu (every fast path against its fp32/fp64 reference)
 #   branch    bench/branch_stages.py (the linear branch stage by stage, plain and fused)
-#   block     bench/dit_block.py --profile, plain and with the fused branch
+#   block     bench/dit_block.py --profile: plain, the fused branch, every block fused
 #   memory    bench/block_memory.py (block peaks against the memory model, incl. the branch's frame chunks)
-#   step      bench/dit_step.py: every variant, median of 3, with the fused branch
+#   step      bench/dit_step.py: every variant, median of 3, blocks fused
 #   caps      bench/dit_step.py at 80 and 24 GiB caps (the memory model's plan)
 # Usage: bash bench/h200_runs.sh [checks] [branch] [block] [memory] [step] [caps]
 set -uo pipefail
@@ -26,16 +26,18 @@ for part in "${parts[@]}"; do
         branch) run branch_stages python3 bench/branch_stages.py --out "$out/branch_stages.json" ;;
         block)
             run dit_block_profile python3 bench/dit_block.py --profile --reps 3 --out "$out/dit_block_profile.json"
-            run dit_block_fused python3 bench/dit_block.py --profile --reps 3 --fused-branch compiled \
+            run dit_block_fused_branch python3 bench/dit_block.py --profile --reps 3 --fused-branch compiled \
+                --out "$out/dit_block_fused_branch.json"
+            run dit_block_fused python3 bench/dit_block.py --profile --reps 3 --fused-blocks compiled \
                 --out "$out/dit_block_fused.json" ;;
         memory) run block_memory python3 bench/block_memory.py --frames 102 --variants 1:0 2:32768 1:0:10 2:32768:10 \
                 --out "$out/block_memory.json" ;;
-        step) run dit_step python3 bench/dit_step.py --reps 3 --profile --fused-branch compiled --out "$out/dit_step.json" ;;
+        step) run dit_step python3 bench/dit_step.py --reps 3 --profile --fused-blocks compiled --out "$out/dit_step.json" ;;
         caps)
             run dit_step_80 python3 bench/dit_step.py --variants bf16-decomposed --cap-gib 80 --reps 3 \
-                --fused-branch compiled --out "$out/dit_step_cap80.json"
+                --fused-blocks compiled --out "$out/dit_step_cap80.json"
             run dit_step_24 python3 bench/dit_step.py --variants fp8-decomposed --cap-gib 24 --reps 1 \
-                --fused-branch compiled --out "$out/dit_step_cap24.json" ;;
+                --fused-blocks compiled --out "$out/dit_step_cap24.json" ;;
         *) echo "unknown part $part (checks branch block memory step caps)"; exit 2 ;;
     esac
 done

@@ -26,6 +26,7 @@ from ..attention.kernels import dense_attention
 from ..errors import H3InputError
 from ..keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
 from ..sizes import sizes_from_metadata
+from . import block_fused
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
 from .adaln_tables import adaln_tables_for
 from .low_memory import add_linear_cols, head_slices, linear_rows
@@ -109,6 +110,18 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
         self.out_proj = nn.Linear(cfg.inner, cfg.hidden, bias=False)
         self.head_groups = 1
+        self.fused: str | None = None  # ``block_fused`` mode for the q/k norm and RoPE: None runs the plain ops
+
+    def normed_rotated(self, q, k, rope):
+        """q and k RMS-normed per head and, with ``rope`` (cos, sin), rotated."""
+        if self.fused:
+            cos, sin = rope if rope is not None else (None, None)
+            return tuple(block_fused.run(self.fused, "qk_norm_rope", t, norm.weight, cos, sin, norm.eps)
+                         for t, norm in ((q, self.q_norm), (k, self.k_norm)))
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        return q, k
 
     def project(self, x: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw q, k, v ``[T, h, d]`` of the heads in ``heads`` (all by default): one GEMM for all heads,
@@ -124,9 +137,7 @@ class Attention(nn.Module):
         out = None
         for heads in head_slices(self.heads, self.head_groups):
             q, k, v = self.project(x, heads)
-            q, k = self.q_norm(q), self.k_norm(k)
-            if rope is not None:
-                q, k = _rotate(q, *rope), _rotate(k, *rope)
+            q, k = self.normed_rotated(q, k, rope)
             attended = dense_attention(q, k, v).out.reshape(T, -1)
             del q, k, v
             out = add_linear_cols(out, self.out_proj, attended, heads.start * d, heads.stop * d)
@@ -145,7 +156,7 @@ class HybridAttention(Attention):
     def forward(self, x, rope=None, ctx=None):
         if ctx is None:
             return super().forward(x, rope)
-        return hybrid_attention_forward(self, x, rope, ctx, _rotate)
+        return hybrid_attention_forward(self, x, rope, ctx)
 
 
 class SwiGLU(nn.Module):
@@ -231,6 +242,7 @@ class Block(nn.Module):
         self.attn = HybridAttention(cfg) if cfg.hybrid else Attention(cfg)
         self.norm2, self.mlp = nn.RMSNorm(cfg.hidden, eps=cfg.eps), SwiGLU(cfg)
         self.adaln_proj = AdaLNProjection(cfg, 6, per_modality=True)
+        self.fused: str | None = None  # ``block_fused`` mode: None runs the plain ops
 
     def forward(self, x, temb, rows, rope, ctx=None):
         """``rows``: each packed row's AdaLN table row, ``t_index · 3 + tag`` (a ``[T]`` tensor, or its
@@ -239,6 +251,12 @@ class Block(nn.Module):
         runs = rows if isinstance(rows, tuple) else row_runs(rows)
         # The pruned form's AdaLN linears are fp32; their rows modulate in the block's dtype.
         shift1, scale1, gate1, shift2, scale2, gate2 = (m.to(x.dtype) for m in self.adaln_proj(temb))
+        if self.fused:
+            index, mode = block_fused.row_index(runs, x.device), self.fused
+            h = block_fused.run(mode, "norm_modulate", x, self.norm1.weight, shift1, scale1, index, self.norm1.eps)
+            x = block_fused.run(mode, "gated_residual_", x, self.attn(h, rope, ctx), gate1, index)
+            h = block_fused.run(mode, "norm_modulate", x, self.norm2.weight, shift2, scale2, index, self.norm2.eps)
+            return block_fused.run(mode, "gated_residual_", x, self.mlp(h), gate2, index)
         x = _gated_add_(self.attn(_modulate_(self.norm1(x), shift1, scale1, runs), rope, ctx), gate1, x, runs)
         return _gated_add_(self.mlp(_modulate_(self.norm2(x), shift2, scale2, runs)), gate2, x, runs)
 

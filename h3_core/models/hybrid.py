@@ -62,10 +62,10 @@ def _branch_rows(ctx: HybridContext, bounds):
     return (layout.video_start, layout.video_stop), list(bounds)
 
 
-def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, rotate) -> torch.Tensor:
+def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     """The hybrid forward for an attention module holding ``project`` (raw q, k, v of a head range),
-    ``q_norm``, ``k_norm``, ``out_proj``, ``softmax_gate``, ``to_out_linear``, ``linear_attention`` and
-    ``head_groups``; ``rotate(x, cos, sin)`` applies RoPE. Heads run a group at a time (``low_memory``)."""
+    ``normed_rotated`` (q, k normed and rotated), ``out_proj``, ``softmax_gate``, ``to_out_linear``,
+    ``linear_attention`` and ``head_groups``. Heads run a group at a time (``low_memory``)."""
     T, d = x.shape[0], attn.head_dim
     layout, window = ctx.layout, ctx.window
     bounds = window_bounds(layout.num_frames, window.radius, window.chunk)
@@ -78,9 +78,7 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, rotate) -> torch
     out = readout_total = None
     for heads in head_slices(attn.heads, attn.head_groups):
         q_raw, k_raw, v = attn.project(x, heads)
-        q, k = attn.q_norm(q_raw), attn.k_norm(k_raw)
-        if rope is not None:
-            q, k = rotate(q, *rope), rotate(k, *rope)
+        q, k = attn.normed_rotated(q_raw, k_raw, rope)
         soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
         del q, k
         out = add_linear_cols(out, attn.out_proj, soft.mul_(gate[:, heads, None]).reshape(T, -1), heads.start * d,

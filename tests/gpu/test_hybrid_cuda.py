@@ -201,6 +201,30 @@ def test_hybrid_block_bf16_matches_fp32_reference_on_every_backend(case):
     assert update_err(grouped, outs["decomposed"], x) <= BF16_BACKEND_PAIR
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_fused_hybrid_block_in_bf16_is_as_close_to_fp32_as_the_plain_block(case, mode):
+    from h3_core.models.block_fused import fuse_blocks
+    from h3_core.models.branch_fused import compiled_branch_available
+
+    if mode == "compiled" and not compiled_branch_available(DEV):
+        pytest.skip("needs Triton")
+    cfg = case.cfg()
+    base = shared_block(cfg)
+    inp = inputs(case, cfg)
+    packed, x = inp[0], inp[1]
+    ctx = case.context(packed, "decomposed")
+    ref = forward(on(base, DEV, torch.float32), inp, case.context(packed, "ref"), DEV, torch.float32)
+    fast = on(base, DEV, torch.bfloat16)
+    plain = forward(fast, inp, ctx, DEV, torch.bfloat16)
+    fuse_blocks(fast, mode)
+    fused = forward(fast, inp, ctx, DEV, torch.bfloat16)
+    assert fused.dtype == torch.bfloat16 and torch.isfinite(fused).all()
+    # one rounding per fused chain instead of one per op: no worse than the plain block
+    assert update_err(fused, ref, x) <= 1.1 * update_err(plain, ref, x) + 1e-4
+    assert update_err(fused, ref, x) <= BF16_BLOCK
+
+
 # ---- 2. the linear branch's fp32 fast path against its fp64 references -----------------------------------
 
 # fp32 stage bounds. Frame statistics: sums of S = 48 products, ~sqrt(S) u ~ 4e-7. Solve: a Cholesky of I + A

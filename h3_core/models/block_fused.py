@@ -1,0 +1,92 @@
+"""A DiT block's per-element work in few passes: the plain block (``Block.fused = None``) is the reference.
+
+The plain block runs every step as its own PyTorch op over ``[T, hidden]`` or ``[T, H, D]`` rows: the RMSNorm,
+then the AdaLN modulation run by run, the per-head q/k RMSNorm, RoPE as slices, a negation, two
+concatenations and three products, and the gated residual. Here each of those chains is one function —
+``norm_modulate``, ``qk_norm_rope``, ``gated_residual_`` — with the sums in fp32 (fp64 for fp64 inputs) and
+one rounding of the result; the AdaLN rows are looked up per packed row from its table index.
+
+Modes (``fuse_blocks``): ``"compiled"`` runs these functions (and the linear branch's, ``branch_fused``)
+through ``torch.compile``, ``"eager"`` as written (the same arithmetic op by op: for tests), ``None`` the
+plain path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..errors import H3InputError
+from . import branch_fused
+
+__all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "row_index", "run", "fuse_blocks"]
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_index(runs, device) -> torch.Tensor:
+    """Each packed row's AdaLN table row ``[T]`` from the runs ``(start, stop, row)``."""
+    rows = torch.tensor([row for _, _, row in runs], dtype=torch.long)
+    lengths = torch.tensor([stop - start for start, stop, _ in runs], dtype=torch.long)
+    return torch.repeat_interleave(rows, lengths).to(device, non_blocking=True)
+
+
+def norm_modulate(x, weight, shift, scale, rows, eps: float):
+    """``RMSNorm(x) · (1 + scale[row]) + shift[row]`` for rows ``x`` ``[T, hidden]``, tables ``[R, hidden]``."""
+    acc = _accumulation(x.dtype)
+    h = x.to(acc)
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * weight.to(acc)
+    return (h * (1 + scale.to(acc)[rows]) + shift.to(acc)[rows]).to(x.dtype)
+
+
+def qk_norm_rope(x, weight, cos, sin, eps: float):
+    """Per-head RMSNorm of ``x`` ``[T, H, D]`` then rotate-half RoPE on its first ``cos.shape[-1]`` channels
+    (``cos``/``sin`` ``[T, n]``, fp32); ``cos`` None skips the rotation."""
+    acc = _accumulation(x.dtype)
+    h = x.to(acc)
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * weight.to(acc)
+    if cos is None:
+        return h.to(x.dtype)
+    n = cos.shape[-1]
+    half = n // 2
+    rot, rest = h[..., :n], h[..., n:]
+    turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    c, s = cos.to(acc)[:, None], sin.to(acc)[:, None]
+    return torch.cat([rot * c + turned * s, rest], dim=-1).to(x.dtype)
+
+
+def gated_residual_(x, y, gate, rows):
+    """``x + gate[row] · y`` written into ``y``'s storage, which is returned."""
+    acc = _accumulation(y.dtype)
+    return y.copy_(x.to(acc) + y.to(acc) * gate.to(acc)[rows])
+
+
+_FUNCTIONS = {"norm_modulate": norm_modulate, "qk_norm_rope": qk_norm_rope, "gated_residual_": gated_residual_}
+_compiled: dict[str, object] = {}
+
+
+def run(mode: str, name: str, *args):
+    """Call the fused function ``name`` as ``mode`` says (``"eager"`` or ``"compiled"``)."""
+    fn = _FUNCTIONS[name]
+    if mode == "compiled":
+        if name not in _compiled:
+            _compiled[name] = torch.compile(fn)
+        fn = _compiled[name]
+    return fn(*args)
+
+
+def fuse_blocks(model: nn.Module, mode: str | None = "compiled") -> int:
+    """Set every DiT block in ``model`` — and every linear branch — to the fused ``mode``; returns how many
+    blocks."""
+    from .dit import Block
+
+    if mode not in branch_fused.FUSED_MODES:
+        raise H3InputError(f"the block fusion mode must be one of {branch_fused.FUSED_MODES}, got {mode!r}")
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.fused = mode
+        block.attn.fused = mode
+    branch_fused.fuse_branches(model, mode)
+    return len(blocks)

@@ -1,0 +1,117 @@
+"""The fused block path (h3_core.models.block_fused) equals the plain block, function by function and through
+the whole model, dense and hybrid."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from h3_core.attention import WindowSpec
+from h3_core.errors import H3InputError
+from h3_core.models import block_fused
+from h3_core.models.dit import DiTConfig, H3DiT, _gated_add_, _modulate_, _rotate, row_runs
+from h3_core.models.hybrid import HybridContext
+from h3_core.models.low_memory import LowMemory, apply_low_memory
+from h3_core.pipeline.packing import pack_sequence
+
+
+def rnd(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+ROWS = torch.tensor([0, 0, 0, 2, 2, 1, 1, 1, 1, 5, 5])
+RUNS = row_runs(ROWS)
+
+
+def test_row_index_undoes_the_runs():
+    assert torch.equal(block_fused.row_index(RUNS, "cpu"), ROWS)
+
+
+def test_norm_modulate_equals_norm_then_modulate():
+    x, weight, shift, scale = rnd(11, 8), rnd(8, seed=1), rnd(6, 8, seed=2), rnd(6, 8, seed=3)
+    plain = _modulate_(F.rms_norm(x, (8,), weight, 1e-6), shift, scale, RUNS)
+    fused = block_fused.norm_modulate(x, weight, shift, scale, ROWS, 1e-6)
+    assert (fused - plain).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_qk_norm_rope_equals_norm_then_rotate(rope):
+    x, weight = rnd(11, 3, 16, seed=4), rnd(16, seed=5)
+    angles = rnd(11, 6, seed=6)
+    cos, sin = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rope else (None, None)
+    plain = F.rms_norm(x, (16,), weight, 1e-6)
+    if rope:
+        plain = _rotate(plain, cos, sin)
+    assert (block_fused.qk_norm_rope(x, weight, cos, sin, 1e-6) - plain).abs().max() <= 1e-12
+
+
+def test_gated_residual_writes_into_the_update():
+    x, y, gate = rnd(11, 8, seed=7), rnd(11, 8, seed=8), rnd(6, 8, seed=9)
+    plain = _gated_add_(y.clone(), gate, x, RUNS)
+    out = block_fused.gated_residual_(x, y, gate, ROWS)
+    assert out.data_ptr() == y.data_ptr() and (out - plain).abs().max() <= 1e-12
+
+
+def test_the_compiled_functions_equal_the_written_ones():
+    x, weight = rnd(11, 8, dtype=torch.float32), rnd(8, seed=1, dtype=torch.float32)
+    shift, scale = rnd(6, 8, seed=2, dtype=torch.float32), rnd(6, 8, seed=3, dtype=torch.float32)
+    q, qw, angles = rnd(11, 3, 16, seed=4, dtype=torch.float32), rnd(16, seed=5, dtype=torch.float32), rnd(11, 12, seed=6)
+    y = rnd(11, 8, seed=8, dtype=torch.float32)
+    cases = (("norm_modulate", (x, weight, shift, scale, ROWS, 1e-6)),
+             ("qk_norm_rope", (q, qw, angles.float().cos(), angles.float().sin(), 1e-6)))
+    for name, args in cases:
+        compiled, written = block_fused.run("compiled", name, *args), block_fused.run("eager", name, *args)
+        assert (compiled - written).abs().max() <= 1e-5 * written.abs().max(), name
+    expected = block_fused.run("eager", "gated_residual_", x, y.clone(), shift, ROWS)
+    assert (block_fused.run("compiled", "gated_residual_", x, y.clone(), shift, ROWS) - expected).abs().max() <= 1e-5
+
+
+CFG = DiTConfig(hidden=24, layers=2, heads=3, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12,
+                time_embed=10, rope_freqs=2)
+
+
+def model(hybrid):
+    torch.manual_seed(0)
+    m = H3DiT(DiTConfig(**{**CFG.__dict__, "hybrid": hybrid})).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+        m.rope.inv_freq.copy_(1 / (10000 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)))
+    return m
+
+
+def request(frames=12, text=4, audio=5):
+    packed = pack_sequence(torch.ones(text, dtype=torch.long), frames, 2, 4, audio)
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
+            torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
+            torch.randn(text, 20, generator=g, dtype=torch.float64), torch.tensor([0.3, 0.999], dtype=torch.float64),
+            (torch.arange(packed.positions.shape[0]) % 2), packed.tags, packed.positions,
+            packed.video_index, packed.audio_index, packed.text_index)
+    return packed, args
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("options", [LowMemory(), LowMemory(ffn_chunk_rows=7, head_groups=3)])
+def test_a_fused_model_equals_the_plain_model(hybrid, options):
+    m = model(hybrid)
+    packed, args = request()
+    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
+    apply_low_memory(m, options)
+    with torch.no_grad():
+        plain = m(*args, hybrid=ctx)
+        assert block_fused.fuse_blocks(m, "eager") == CFG.layers
+        assert all(b.fused == "eager" for b in m.blocks)
+        if hybrid:
+            assert all(b.attn.linear_attention.fused == "eager" for b in m.blocks)
+        fused = m(*args, hybrid=ctx)
+        block_fused.fuse_blocks(m, None)
+        again = m(*args, hybrid=ctx)
+    for a, b in zip(fused, plain):
+        assert (a - b).abs().max() <= 1e-11 * b.abs().max()
+    for a, b in zip(again, plain):
+        assert torch.equal(a, b)
+
+
+def test_a_bad_mode_is_named():
+    with pytest.raises(H3InputError, match=r"block fusion mode must be one of \(None, 'eager', 'compiled'\), got 'on'"):
+        block_fused.fuse_blocks(model(False), "on")
