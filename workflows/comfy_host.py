@@ -2,7 +2,8 @@
 
 The host is the ComfyUI checkout named by ``COMFYUI_PATH`` or the default one that
 ``tests/host/install_comfyui.sh`` unpacks into ``.host/comfyui-0.3.75``. Each server gets its own base
-directory (models, custom_nodes with a link to this pack, input, output, user) and runs on the CPU.
+directory (models, custom_nodes with a link to this pack, input, output, user) and runs on the CPU, or on
+the GPU when ``H3_COMFY_GPU=1`` is set (the same tests then exercise the nodes' CUDA paths).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HOST = ROOT / ".host" / "comfyui-0.3.75"
+DEVICE_FLAGS = () if os.environ.get("H3_COMFY_GPU") == "1" else ("--cpu",)
 
 
 def comfyui_root() -> Path:
@@ -66,8 +68,8 @@ class ComfyServer:
         root = comfyui_root()
         log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--base-directory",
-             str(self.base), "--disable-auto-launch"],
+            [sys.executable, "main.py", *DEVICE_FLAGS, "--listen", "127.0.0.1", "--port", str(self.port),
+             "--base-directory", str(self.base), "--disable-auto-launch"],
             cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         deadline = time.monotonic() + timeout

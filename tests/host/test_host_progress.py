@@ -77,7 +77,9 @@ def test_the_sampler_shows_its_memory_decision_on_the_node(server):
                 break
     finally:
         ws.close()
-    assert ("7", "running on the CPU; no memory plan needed") in texts
+    told = [text for node, text in texts if node == "7"]
+    # on the CPU there is nothing to plan; on a GPU (H3_COMFY_GPU=1) the policy says what it chose and why
+    assert told and (told[-1] == "running on the CPU; no memory plan needed" or told[-1].startswith("memory policy auto"))
 
 
 def test_the_hosts_unload_reaches_the_dit_and_the_server_goes_on(server):
