@@ -10,6 +10,7 @@ from h3_core.tiling import TRAINED_OVERLAP_PX, TRAINED_TILE_PX, UNTRAINED_TILES_
 from . import _host
 from .attention import DEFAULT
 from .latents import from_latent
+from .residency import ready
 
 
 class H3VideoDecode:
@@ -37,6 +38,7 @@ class H3VideoDecode:
     def decode(self, video_vae, latent, tile_size, overlap, tiles_per_batch, attention=None):
         settings = attention or DEFAULT
         video, _, _ = from_latent(latent)
+        video_vae = ready(video_vae, "video VAE")
         device = next(video_vae.parameters()).device
         frames = decode_video(video_vae, video.to(device), overrides=settings.overrides, tile_px=tile_size,
                               overlap_px=overlap, tiles_per_batch=tiles_per_batch, progress=_host.Progress(),
@@ -57,5 +59,6 @@ class H3AudioDecode:
 
     def decode(self, audio_vae, latent):
         _, audio, frames = from_latent(latent)
+        audio_vae = ready(audio_vae, "audio VAE")
         waveform = decode_soundtrack(audio_vae, audio, frames=frames, check_cancel=_host.check_cancel)
         return ({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE},)

@@ -1,10 +1,12 @@
-"""The DiT as ComfyUI's model management sees it, so the host can make room for it and take it back.
+"""The pack's models as ComfyUI's model management sees them, so the host can make room for them and take
+them back.
 
-Before a run the sampler hands ``Residency`` to ``comfy.model_management.load_models_gpu``: the host unloads
-other models until ours fits and lists ours among its loaded models. Placing the weights stays ours (the
-memory policy in ``h3_core.placement``), so loading is a no-op here; when the host unloads or needs the
-memory back (``unload_all_models``, "free memory", another model's load) it calls ``detach`` /
-``partially_unload`` and the weights leave the GPU until the next run.
+Before a model runs, its node hands a ``Residency`` to ``comfy.model_management.load_models_gpu``: the host
+unloads other models until ours fits and lists ours among its loaded models. Placing the DiT's weights
+stays ours (the memory policy in ``h3_core.placement``), so loading is a no-op here, and a VAE is simply
+moved to the device; when the host unloads or needs the memory back (``unload_all_models``, "free memory",
+another model's load — e.g. the DiT before a long decode) it calls ``detach`` / ``partially_unload`` and the
+weights leave the GPU until the model's next use.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ def _bytes(tensors) -> int:
 class Residency:
     parent = None
 
-    def __init__(self, holder, load_device):
-        self.holder = holder  # the loader's H3Model: the model and the run's FittedModel
+    def __init__(self, model, load_device, name: str, before_release=None):
+        self._model, self.name, self.before_release = model, name, before_release
         self.load_device = torch.device(load_device)
         self.offload_device = torch.device("cpu")
 
     @property
     def model(self):
-        return self.holder.model
+        return self._model
 
     def _tensors(self):
         return list(self.model.parameters()) + list(self.model.buffers())
@@ -70,24 +72,43 @@ class Residency:
     def detach(self, unpatch_all=True):
         if not unpatch_all:
             return self.model
-        if self.holder.fitted is not None:
-            self.holder.fitted.remove()
-            self.holder.fitted = None
+        if self.before_release is not None:
+            self.before_release()
         if self.load_device != self.offload_device:
             self.model.to(self.offload_device)
-        _host.say(f"the DiT was released from the {self.load_device.type} (the host asked for the memory)")
+        _host.say(f"the {self.name} was released from the {self.load_device.type} (the host asked for the memory)")
         return self.model
 
 
-def make_room(holder, device, working_bytes: int) -> None:
-    """Ask the host to make room for ``holder``'s DiT and ``working_bytes`` of activations, and to count the
-    DiT among its loaded models from now on."""
+def hand_over(model, device, name: str, working_bytes: int = 0, before_release=None) -> None:
+    """Ask the host to make room for ``model`` and ``working_bytes`` of activations, and to count it among
+    its loaded models from now on."""
     import comfy.model_management as mm
 
-    if holder.residency is None or holder.residency.load_device != torch.device(device):
-        holder.residency = Residency(holder, device)
+    device = torch.device(device)
+    residency = getattr(model, "_h3_residency", None)
+    if residency is None or residency.load_device != device:
+        residency = Residency(model, device, name, before_release)
+        model._h3_residency = residency  # lives as long as the model; the host keeps only a weak reference
     try:
-        mm.load_models_gpu([holder.residency], memory_required=working_bytes, force_full_load=True)
+        mm.load_models_gpu([residency], memory_required=working_bytes, force_full_load=True)
     except Exception as exc:  # another host version's internals: run without its bookkeeping rather than fail
-        _host.say(f"the host's model management did not take the DiT ({type(exc).__name__}: {exc}); it will not "
-                  "unload it for other models")
+        _host.say(f"the host's model management did not take the {name} ({type(exc).__name__}: {exc}); it will "
+                  "not unload it for other models")
+
+
+def make_room(holder, device, working_bytes: int) -> None:
+    """``hand_over`` for the loader's DiT: a release also undoes the last run's block streaming."""
+    def forget_fit():
+        if holder.fitted is not None:
+            holder.fitted.remove()
+            holder.fitted = None
+
+    hand_over(holder.model, device, "DiT", working_bytes, forget_fit)
+
+
+def ready(model, name: str):
+    """A VAE handed over to the host and on its device again (the host may have released it)."""
+    device = _host.torch_device()
+    hand_over(model, device, name)
+    return model.to(device)

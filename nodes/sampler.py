@@ -14,7 +14,7 @@ from .conditioning import prompt_of, references_of
 from .images import single_image
 from .latents import to_latent
 from .references import encoded
-from .residency import make_room
+from .residency import make_room, ready
 
 MODES = ("T2VA", "FL2VA", "Ref2VA")
 
@@ -83,6 +83,7 @@ class H3Sampler:
                 raise H3InputError(f"the conditioning was encoded with keyframes {list(prompt.keyframe_anchors)} on a "
                                    f"{prompt.width}x{prompt.height} canvas, but the sampler has {list(anchors)} on "
                                    f"{width}x{height}; connect the same images and size to H3 Text Encode")
+            video_vae = ready(video_vae, "video VAE")
             keyframes = encode_keyframes(video_vae, [(a, single_image(i, a + "_frame")) for a, i in images], width,
                                          height, check_cancel=_host.check_cancel)
         device = _host.torch_device()
@@ -120,4 +121,6 @@ class H3Sampler:
         if audio_vae is None and needs_audio:
             raise H3InputError("audio references and video soundtracks need the audio_vae input; connect an H3 Audio "
                                "VAE loader")
+        video_vae = ready(video_vae, "video VAE") if video_vae is not None else None
+        audio_vae = ready(audio_vae, "audio VAE") if audio_vae is not None else None
         return encoded(references, length, video_vae, audio_vae, _host.check_cancel, overrides)

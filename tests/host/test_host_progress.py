@@ -82,15 +82,18 @@ def test_the_sampler_shows_its_memory_decision_on_the_node(server):
     assert told and (told[-1] == "running on the CPU; no memory plan needed" or told[-1].startswith("memory policy auto"))
 
 
-def test_the_hosts_unload_reaches_the_dit_and_the_server_goes_on(server):
-    released = lambda: server.log_path.read_text().count("the DiT was released")  # noqa: E731
+def test_the_hosts_unload_reaches_the_dit_and_the_vaes_and_the_server_goes_on(server):
+    def released(name):
+        return server.log_path.read_text().count(f"the {name} was released")
+
+    names = ("DiT", "video VAE", "audio VAE")
     prompt = generation(length=22, prefix="H3/unload")
-    for seed in (1, 2):  # twice with the same loaded model: listed once by the host, not twice
+    for seed in (1, 2):  # twice with the same loaded models: listed once each by the host, not twice
         prompt["7"]["inputs"]["seed"] = seed
         assert server.run(prompt)["status"]["status_str"] == "success"
-    before = released()
+    before = {name: released(name) for name in names}
     requests.post(server.url + "/free", json={"unload_models": True}, timeout=30)
     prompt["7"]["inputs"]["seed"] = 3
     entry = server.run(prompt)  # the unload runs in the host's worker before this prompt
     assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
-    assert released() == before + 1
+    assert {name: released(name) for name in names} == {name: before[name] + 1 for name in names}
