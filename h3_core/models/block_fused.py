@@ -22,10 +22,6 @@ from . import branch_fused
 __all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "row_index", "run", "fuse_blocks"]
 
 
-def _accumulation(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def row_index(runs, device) -> torch.Tensor:
     """Each packed row's AdaLN table row ``[T]`` from the runs ``(start, stop, row)``."""
     rows = torch.tensor([row for _, _, row in runs], dtype=torch.long)
@@ -35,7 +31,7 @@ def row_index(runs, device) -> torch.Tensor:
 
 def norm_modulate(x, weight, shift, scale, rows, eps: float):
     """``RMSNorm(x) · (1 + scale[row]) + shift[row]`` for rows ``x`` ``[T, hidden]``, tables ``[R, hidden]``."""
-    acc = _accumulation(x.dtype)
+    acc = branch_fused.accumulation(x.dtype)
     h = x.to(acc)
     h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * weight.to(acc)
     return (h * (1 + scale.to(acc)[rows]) + shift.to(acc)[rows]).to(x.dtype)
@@ -44,7 +40,7 @@ def norm_modulate(x, weight, shift, scale, rows, eps: float):
 def qk_norm_rope(x, weight, cos, sin, eps: float):
     """Per-head RMSNorm of ``x`` ``[T, H, D]`` then rotate-half RoPE on its first ``cos.shape[-1]`` channels
     (``cos``/``sin`` ``[T, n]``, fp32); ``cos`` None skips the rotation."""
-    acc = _accumulation(x.dtype)
+    acc = branch_fused.accumulation(x.dtype)
     h = x.to(acc)
     h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * weight.to(acc)
     if cos is None:
@@ -59,22 +55,16 @@ def qk_norm_rope(x, weight, cos, sin, eps: float):
 
 def gated_residual_(x, y, gate, rows):
     """``x + gate[row] · y`` written into ``y``'s storage, which is returned."""
-    acc = _accumulation(y.dtype)
+    acc = branch_fused.accumulation(y.dtype)
     return y.copy_(x.to(acc) + y.to(acc) * gate.to(acc)[rows])
 
 
 _FUNCTIONS = {"norm_modulate": norm_modulate, "qk_norm_rope": qk_norm_rope, "gated_residual_": gated_residual_}
-_compiled: dict[str, object] = {}
 
 
 def run(mode: str, name: str, *args):
-    """Call the fused function ``name`` as ``mode`` says (``"eager"`` or ``"compiled"``)."""
-    fn = _FUNCTIONS[name]
-    if mode == "compiled":
-        if name not in _compiled:
-            _compiled[name] = torch.compile(fn)
-        fn = _compiled[name]
-    return fn(*args)
+    """Call the block's fused function ``name`` as ``mode`` says (``branch_fused.call``)."""
+    return branch_fused.call(mode, _FUNCTIONS[name], *args)
 
 
 def fuse_blocks(model: nn.Module, mode: str | None = "compiled") -> int:

@@ -25,13 +25,14 @@ import torch.nn.functional as F
 from ..errors import H3InputError
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
-           "query_features", "readout_finish", "run"]
+           "query_features", "readout_finish", "run", "call", "accumulation"]
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6
 
 
-def _accumulation(dtype: torch.dtype) -> torch.dtype:
+def accumulation(dtype: torch.dtype) -> torch.dtype:
+    """fp32 sums for half-precision inputs; fp64 stays fp64 (the reference tests run there)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -51,7 +52,7 @@ def conv_features(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bo
     spatially convolved ``y`` ``[F, S, heads·d]`` and the temporal taps ``[C, 1, n]`` (zero padded across
     frames, cross-correlation as ``conv1d``)."""
     frames, tokens, channels = y.shape
-    acc = _accumulation(y.dtype)
+    acc = accumulation(y.dtype)
     n = taps.shape[-1]
     padded = F.pad(y.to(acc), (0, 0, 0, 0, n // 2, n // 2))
     w = taps.to(acc).view(channels, n)
@@ -66,7 +67,7 @@ def conv_features(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bo
 
 def query_features(q: torch.Tensor) -> torch.Tensor:
     """q̃ = L2(SiLU(q)) per head, ``[F, h, S, d]`` from raw ``[F, S, h, d]``."""
-    z = F.silu(q.to(_accumulation(q.dtype)))
+    z = F.silu(q.to(accumulation(q.dtype)))
     z = z / torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min(EPS)
     return z.permute(0, 2, 1, 3).contiguous().to(q.dtype)
 
@@ -75,7 +76,7 @@ def readout_finish(o: torch.Tensor, norm_weight: torch.Tensor, gate_logits: torc
     """RMSNorm(o) · σ(gate) back in token-major rows: ``[F·S, h·d]`` from the readout ``o`` ``[F, h, S, d]``
     and the gate's pre-activations ``[F·S, h·d]``; the result has the gate's dtype."""
     frames, heads, tokens, d = o.shape
-    acc = _accumulation(o.dtype)
+    acc = accumulation(o.dtype)
     z = o.to(acc)
     z = z * torch.rsqrt(z.square().mean(-1, keepdim=True) + EPS) * norm_weight.to(acc)
     z = z.permute(0, 2, 1, 3).reshape(frames * tokens, heads * d)
@@ -83,7 +84,7 @@ def readout_finish(o: torch.Tensor, norm_weight: torch.Tensor, gate_logits: torc
 
 
 _FUNCTIONS = {"conv_features": conv_features, "query_features": query_features, "readout_finish": readout_finish}
-_compiled: dict[str, object] = {}
+_compiled: dict[object, object] = {}  # each fused function's torch.compile wrapper, made on first use
 
 
 def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
@@ -93,14 +94,18 @@ def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def run(mode: str, name: str, *args):
-    """Call the fused function ``name`` as ``mode`` says (``"eager"`` or ``"compiled"``)."""
-    fn = _FUNCTIONS[name]
+def call(mode: str, fn, *args):
+    """``fn(*args)`` as ``mode`` says: ``"eager"`` as written, ``"compiled"`` through ``torch.compile``."""
     if mode == "compiled":
-        if name not in _compiled:
-            _compiled[name] = torch.compile(fn)
-        fn = _compiled[name]
+        if fn not in _compiled:
+            _compiled[fn] = torch.compile(fn)
+        fn = _compiled[fn]
     return fn(*args)
+
+
+def run(mode: str, name: str, *args):
+    """Call the branch's fused function ``name`` as ``mode`` says (``call``)."""
+    return call(mode, _FUNCTIONS[name], *args)
 
 
 def fuse_branches(model: nn.Module, mode: str | None = "compiled") -> int:

@@ -65,11 +65,6 @@ def featurize(q, k, v, grid, conv=None):
     return q, k, F.silu(v)
 
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half-precision inputs; fp64 stays fp64 (the reference tests run there)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def frame_statistics(k, v, beta, frames_per_chunk: int | None = None):
     """A ``[F, H, d, d]`` (symmetrised) and B ``[F, H, d_v, d_k]`` from k̃, ṽ ``[F, S, H, d]`` and β ``[F, S, H]``.
 
@@ -84,7 +79,7 @@ def frame_statistics(k, v, beta, frames_per_chunk: int | None = None):
 
 
 def _frame_statistics(k, v, beta):
-    acc = accumulation_dtype(k.dtype)
+    acc = branch_fused.accumulation(k.dtype)
     kf = k.to(acc).permute(0, 2, 1, 3)  # [F, H, S, d]
     vf = v.to(acc).permute(0, 2, 1, 3)
     bk = kf * beta.to(acc).permute(0, 2, 1)[..., None]
@@ -180,7 +175,7 @@ class _Alpha(nn.Module):
 
     def forward(self, mean, heads: slice):
         """α ``[F, h, d]`` (fp32, or fp64 for fp64 means) of the ``heads`` from the frame means ``[F, hidden]``."""
-        acc = accumulation_dtype(mean.dtype)
+        acc = branch_fused.accumulation(mean.dtype)
         channels = _channels(heads, self.head_dim)
         delta = F.linear(F.linear(mean.to(acc), self.down.weight.to(acc)), self.up.weight[channels].to(acc))
         delta = (delta + self.dt_bias[channels].to(acc)).view(mean.shape[0], -1, self.head_dim)
@@ -259,7 +254,7 @@ class LinearBranch(nn.Module):
             q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid, weights)
             A, B = frame_statistics(k, v, beta, self.statistics_frames)
         del k, v, beta
-        alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=accumulation_dtype(x.dtype)), heads)
+        alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=branch_fused.accumulation(x.dtype)), heads)
         T, J = solve(alpha.to(A.dtype), A, B)
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = scan(T, J, seed)
@@ -268,7 +263,7 @@ class LinearBranch(nn.Module):
             return self._fused_readout(x, q_raw.view(shape), state, channels)
         out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)
         del q
-        acc = accumulation_dtype(x.dtype)
+        acc = branch_fused.accumulation(x.dtype)
         out = F.rms_norm(out.to(acc), (self.head_dim,), self.norm.weight.to(acc), EPS).to(x.dtype)
         return (out * self.output_gate(x, channels).view(shape)).reshape(frames * S, -1)
 
