@@ -9,11 +9,11 @@ from h3_core.attention import WindowSpec
 from h3_core.attention.layout import window_bounds
 from h3_core.errors import H3InputError
 from h3_core.models import branch_fused
-from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch, featurize
 from h3_core.models.low_memory import LowMemory, apply_low_memory
-from h3_core.pipeline.packing import pack_sequence
+
+from tiny_dit import CFG, model, request
 
 
 def rnd(*shape, seed=0, dtype=torch.float64):
@@ -97,34 +97,9 @@ def test_the_fused_branch_equals_the_plain_branch(heads, frames_per_chunk):
     assert (fused - plain).abs().max() <= 1e-12 * plain.abs().max()
 
 
-CFG = DiTConfig(hidden=24, layers=2, heads=3, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12,
-                time_embed=10, rope_freqs=2, hybrid=True)
-
-
-def model():
-    torch.manual_seed(0)
-    m = H3DiT(CFG).double().eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3)
-        m.rope.inv_freq.copy_(1 / (10000 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)))
-    return m
-
-
-def request(frames=12, text=4, audio=5):
-    packed = pack_sequence(torch.ones(text, dtype=torch.long), frames, 2, 4, audio)
-    g = torch.Generator().manual_seed(1)
-    args = (torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
-            torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
-            torch.randn(text, 20, generator=g, dtype=torch.float64), torch.tensor([0.3, 0.999], dtype=torch.float64),
-            (torch.arange(packed.positions.shape[0]) % 2), packed.tags, packed.positions,
-            packed.video_index, packed.audio_index, packed.text_index)
-    return packed, args
-
-
 @pytest.mark.parametrize("options", [LowMemory(), LowMemory(head_groups=3, branch_frames=4)])
 def test_a_model_with_fused_branches_equals_the_plain_model(options):
-    m = model()
+    m = model(True)
     packed, args = request()
     ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4))
     apply_low_memory(m, options)
@@ -154,7 +129,7 @@ def test_the_compiled_functions_equal_the_written_ones():
 
 def test_a_bad_mode_is_named():
     with pytest.raises(H3InputError, match=r"fusion mode must be one of \(None, 'eager', 'compiled'\), got 'fast'"):
-        branch_fused.fuse_branches(model(), "fast")
+        branch_fused.fuse_branches(model(True), "fast")
 
 
 def test_compiled_needs_cuda():
