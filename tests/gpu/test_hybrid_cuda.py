@@ -296,16 +296,21 @@ def test_linear_branch_fast_path_matches_fp64_reference(head_dim, features):
     assert max(stages.values()) <= FP32_STAGE, stages
 
 
-def test_linear_branch_module_fp32_on_cuda_matches_fp64_on_cpu():
-    heads, head_dim, hidden, text = 2, 64, 96, 6
-    frames, grid = 14, (4, 6)
+def branch_case(heads, head_dim, grid, seed, frames=14, hidden=96, text=6):
+    """A CPU linear branch with bf16-exact random weights and bf16 inputs over ``frames`` frames on ``grid``:
+    the video rows' x, q, k, v, the text rows' x, k, v, and windows of one 3-frame chunk either side."""
     rows = frames * grid[0] * grid[1]
-    branch = fill(LinearBranch(hidden, heads, head_dim, bottleneck=32), seed=3).eval()
-    g = torch.Generator().manual_seed(4)
+    branch = fill(LinearBranch(hidden, heads, head_dim, bottleneck=32), seed=seed).eval()
+    g = torch.Generator().manual_seed(seed + 1)
     x, tx = (torch.randn(n, hidden, generator=g).to(torch.bfloat16) for n in (rows, text))
     q, k, v, tk, tv = (torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16)
                        for n in (rows, rows, rows, text, text))
-    bounds = window_bounds(frames, 1, 3)
+    return branch, (x, q, k, v), (tx, tk, tv), window_bounds(frames, 1, 3)
+
+
+def test_linear_branch_module_fp32_on_cuda_matches_fp64_on_cpu():
+    grid = (4, 6)
+    branch, (x, q, k, v), (tx, tk, tv), bounds = branch_case(2, 64, grid, seed=3)
 
     def run(device, dtype):
         module = on(branch, device, dtype)
@@ -331,15 +336,8 @@ def test_fused_branch_on_cuda_is_as_close_to_fp64_as_the_plain_branch(mode):
 
     if mode == "compiled" and not compiled_branch_available(DEV):
         pytest.skip("needs Triton")
-    heads, head_dim, hidden, text = 4, 128, 96, 6
-    frames, grid = 14, (6, 8)
-    rows = frames * grid[0] * grid[1]
-    branch = fill(LinearBranch(hidden, heads, head_dim, bottleneck=32), seed=5).eval()
-    g = torch.Generator().manual_seed(6)
-    x, tx = (torch.randn(n, hidden, generator=g).to(torch.bfloat16) for n in (rows, text))
-    q, k, v, tk, tv = (torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16)
-                       for n in (rows, rows, rows, text, text))
-    bounds = window_bounds(frames, 1, 3)
+    heads, grid = 4, (6, 8)
+    branch, (x, q, k, v), (tx, tk, tv), bounds = branch_case(heads, 128, grid, seed=5)
 
     def run(device, dtype, fused, heads_run=None):
         module = on(branch, device, dtype)
