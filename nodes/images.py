@@ -1,4 +1,4 @@
-"""IMAGE inputs as h3_core takes them."""
+"""IMAGE and AUDIO inputs as h3_core takes them."""
 
 from __future__ import annotations
 
@@ -18,3 +18,14 @@ def single_image(image, name: str) -> torch.Tensor:
     if image.shape[-1] != 3:
         raise H3InputError(f"{name}: needs RGB (3 channels), got {image.shape[-1]}; remove the alpha channel")
     return image[0]
+
+
+def single_waveform(audio, name: str) -> tuple[torch.Tensor, int]:
+    """``([channels, samples], sample rate)`` from a host AUDIO that must hold exactly one clip."""
+    if not isinstance(audio, dict) or "waveform" not in audio or "sample_rate" not in audio:
+        raise H3InputError(f"{name}: expected the host's AUDIO ({{'waveform': [1, channels, samples], 'sample_rate'}})")
+    waveform = audio["waveform"]
+    if not isinstance(waveform, torch.Tensor) or waveform.dim() != 3 or waveform.shape[0] != 1:
+        shape = tuple(waveform.shape) if isinstance(waveform, torch.Tensor) else type(waveform).__name__
+        raise H3InputError(f"{name}: one clip's waveform [1, channels, samples] is needed, got {shape}")
+    return waveform[0], int(audio["sample_rate"])

@@ -15,7 +15,7 @@ from h3_core.pipeline.media import (encode_reference, normalize_audio_reference,
 from h3_core.pipeline.presentation import PresentedReference
 
 from . import _host
-from .images import single_image
+from .images import single_image, single_waveform
 
 KINDS = ("image", "video", "audio")
 AUDIO_EXTENSIONS = (".wav", ".flac", ".mp3", ".ogg", ".m4a", ".aac", ".opus", ".mp4", ".mov", ".mkv", ".webm")
@@ -28,17 +28,6 @@ class RawReference:
     fps: float = 24.0
     waveform: torch.Tensor | None = None  # [channels, samples]
     sample_rate: int | None = None
-
-
-def _waveform(audio, name: str):
-    if audio is None:
-        return None, None
-    if not isinstance(audio, dict) or "waveform" not in audio:
-        raise H3InputError(f"{name}: expected the host's AUDIO ({{'waveform': [1, channels, samples], 'sample_rate'}})")
-    waveform = audio["waveform"]
-    if waveform.dim() != 3 or waveform.shape[0] != 1:
-        raise H3InputError(f"{name}: one clip's waveform [1, channels, samples] is needed, got {tuple(waveform.shape)}")
-    return waveform[0], int(audio["sample_rate"])
 
 
 def normalized(references, frames: int):
@@ -91,7 +80,7 @@ class H3AddReference:
     def add(self, kind, fps, images=None, audio=None, references=None):
         if kind not in KINDS:
             raise H3InputError(f"kind must be one of {list(KINDS)}, got {kind!r}")
-        waveform, rate = _waveform(audio, "audio")
+        waveform, rate = single_waveform(audio, "audio") if audio is not None else (None, None)
         if kind == "image":
             if images is None:
                 raise H3InputError("an image reference needs the images input (one image)")

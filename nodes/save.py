@@ -4,23 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from h3_core.errors import H3InputError
 from h3_core.mp4 import write_mp4
 from h3_core.pipeline.geometry import FPS
 
 from . import _host
-
-
-def _waveform(audio) -> tuple[torch.Tensor, int]:
-    if not isinstance(audio, dict) or "waveform" not in audio or "sample_rate" not in audio:
-        raise H3InputError("audio: expected the host's AUDIO ({'waveform': [batch, channels, samples], 'sample_rate'})")
-    waveform = audio["waveform"]
-    if not isinstance(waveform, torch.Tensor) or waveform.dim() != 3 or waveform.shape[0] != 1:
-        shape = tuple(waveform.shape) if isinstance(waveform, torch.Tensor) else type(waveform).__name__
-        raise H3InputError(f"audio: one clip's waveform [1, channels, samples] is needed, got {shape}")
-    return waveform[0], int(audio["sample_rate"])
+from .images import single_waveform
 
 
 class H3SaveVideo:
@@ -42,7 +30,7 @@ class H3SaveVideo:
     def save(self, images, filename_prefix, fps, audio=None):
         import folder_paths
 
-        waveform, rate = _waveform(audio) if audio is not None else (None, 32000)
+        waveform, rate = single_waveform(audio, "audio") if audio is not None else (None, 32000)
         output = str(_host.output_directory())
         folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, output,
                                                                                images.shape[2], images.shape[1])
