@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -21,6 +22,8 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HOST = ROOT / ".host" / "comfyui-0.3.75"
+TEXT_EVENT = 3  # the host's binary event type of a node's progress text
+END_EVENTS = ("execution_success", "execution_error", "execution_interrupted")
 DEVICE_FLAGS = () if os.environ.get("H3_COMFY_GPU") == "1" else ("--cpu",)
 
 
@@ -126,6 +129,36 @@ class ComfyServer:
         answer = self.queue(prompt)
         assert "prompt_id" in answer, json.dumps(answer, indent=1)
         return self.wait(answer["prompt_id"], timeout)
+
+    def events(self, prompt: dict, timeout: float = 300):
+        """Queue ``prompt`` and yield its events from the host's websocket until it ends: ``(type, data)`` for
+        the JSON messages about this prompt (the last one ``execution_success``, ``execution_error`` or
+        ``execution_interrupted``) and ``("text", (node, text))`` for a node's progress text. The first event
+        is ``("queued", {"prompt_id": ...})``."""
+        import websocket
+
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=timeout)
+        try:
+            answer = self.queue(prompt)
+            assert "prompt_id" in answer, json.dumps(answer, indent=1)
+            prompt_id = answer["prompt_id"]
+            yield "queued", {"prompt_id": prompt_id}
+            while True:
+                message = ws.recv()
+                if isinstance(message, bytes):
+                    (kind,) = struct.unpack(">I", message[:4])
+                    if kind == TEXT_EVENT:  # node id length, node id, text
+                        (size,) = struct.unpack(">I", message[4:8])
+                        yield "text", (message[8 : 8 + size].decode(), message[8 + size :].decode())
+                    continue  # previews
+                event = json.loads(message)
+                if event.get("data", {}).get("prompt_id") != prompt_id:
+                    continue
+                yield event["type"], event["data"]
+                if event["type"] in END_EVENTS:
+                    return
+        finally:
+            ws.close()
 
     def interrupt(self) -> None:
         requests.post(self.url + "/interrupt", timeout=30)

@@ -1,10 +1,7 @@
 """Progress and model residency in a real ComfyUI server: the sampler reports every step and the decoder
 every tile; loaded models stay loaded across runs and are released when the host frees memory."""
 
-import json
-
 import requests
-import websocket
 
 from comfy_host import error_message
 from graphs import generation
@@ -12,24 +9,12 @@ from graphs import generation
 
 def progress_of(server, prompt):
     """Each node's progress values (in order) over one run, from the host's websocket."""
-    ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={server.client_id}", timeout=300)
-    try:
-        prompt_id = server.queue(prompt)["prompt_id"]
-        seen = {}
-        while True:
-            message = ws.recv()
-            if not isinstance(message, str):
-                continue
-            event = json.loads(message)
-            data = event.get("data", {})
-            if data.get("prompt_id") != prompt_id:
-                continue
-            if event["type"] == "progress":
-                seen.setdefault(data["node"], []).append((data["value"], data["max"]))
-            elif event["type"] in ("execution_success", "execution_error", "execution_interrupted"):
-                break
-    finally:
-        ws.close()
+    seen = {}
+    for kind, data in server.events(prompt):
+        if kind == "queued":
+            prompt_id = data["prompt_id"]
+        elif kind == "progress":
+            seen.setdefault(data["node"], []).append((data["value"], data["max"]))
     entry = server.wait(prompt_id)
     assert entry["status"]["status_str"] == "success", error_message(entry)
     return seen
@@ -58,25 +43,7 @@ def test_models_stay_loaded_across_runs_and_are_released_when_the_host_frees_mem
 
 
 def test_the_sampler_shows_its_memory_decision_on_the_node(server):
-    import struct
-
-    ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={server.client_id}", timeout=300)
-    texts = []
-    try:
-        prompt_id = server.queue(generation(length=22, seed=77, prefix="H3/told"))["prompt_id"]
-        while True:
-            message = ws.recv()
-            if isinstance(message, bytes):
-                (kind,) = struct.unpack(">I", message[:4])
-                if kind == 3:  # the host's TEXT event: node id length, node id, text
-                    (size,) = struct.unpack(">I", message[4:8])
-                    texts.append((message[8 : 8 + size].decode(), message[8 + size :].decode()))
-                continue
-            event = json.loads(message)
-            if event["type"] in ("execution_success", "execution_error") and event["data"].get("prompt_id") == prompt_id:
-                break
-    finally:
-        ws.close()
+    texts = [data for kind, data in server.events(generation(length=22, seed=77, prefix="H3/told")) if kind == "text"]
     told = [text for node, text in texts if node == "7"]
     # on the CPU there is nothing to plan; on a GPU (H3_COMFY_GPU=1) the policy says what it chose and why
     assert told and (told[-1] == "running on the CPU; no memory plan needed" or told[-1].startswith("memory policy auto"))
