@@ -47,7 +47,8 @@ def _nan_poisoned_empty(monkeypatch):
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """One ComfyUI server for the session (host and browser tests), with the tiny random checkpoints in its
-    model folders, two keyframe images, a tone and a short clip with a soundtrack in its input folder."""
+    model folders, and in its input folder two keyframe images, a tone, a short clip with a soundtrack and the
+    images and sound the bundled workflows load."""
     import wave
 
     import numpy as np
@@ -69,6 +70,10 @@ def server(tmp_path_factory):
         out.setnchannels(1), out.setsampwidth(2), out.setframerate(16000)
         out.writeframes((tone * 32767).to(torch.int16).numpy().tobytes())
     write_mp4(host.input / "clip.mp4", torch.rand(30, 48, 80, 3), 0.2 * torch.randn(2, 40000).clamp(-3, 3), 32000, fps=30)
+    # the inputs the bundled workflows name
+    for name in ("h3_first_frame.png", "h3_last_frame.png", "h3_reference_image.png"):
+        Image.fromarray(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)).save(host.input / name)
+    (host.input / "h3_reference_audio.wav").write_bytes((host.input / "tone.wav").read_bytes())
     host.start()
     yield host
     host.stop()

@@ -23,14 +23,6 @@ FLAGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-ne
 def page(server):
     if not Path(CHROMIUM).is_file():
         pytest.fail(f"no Chromium at {CHROMIUM}: the test command installs Debian's chromium package")
-    import numpy as np
-    from PIL import Image
-    import shutil
-
-    rng = np.random.default_rng(2)
-    for name in ("h3_first_frame.png", "h3_last_frame.png", "h3_reference_image.png"):
-        Image.fromarray(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)).save(server.input / name)
-    shutil.copy(server.input / "tone.wav", server.input / "h3_reference_audio.wav")
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = browser.new_page()

@@ -2,12 +2,9 @@
 the API form as the frontend makes it, and each one run end to end on the tiny checkpoints."""
 
 import json
-import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from comfy_host import error_message, mp4_files
 from test_host_runs import check_mp4
@@ -18,15 +15,6 @@ WORKFLOWS = sorted((Path(__file__).resolve().parents[2] / "workflows").glob("*.j
 
 def test_the_examples_are_bundled():
     assert {"h3_fl2va.json", "h3_t2va.json", "h3_ref2va.json"} <= {p.name for p in WORKFLOWS}
-
-
-@pytest.fixture(scope="module")
-def keyframe_images(server):
-    rng = np.random.default_rng(1)
-    for name in ("h3_first_frame.png", "h3_last_frame.png", "h3_reference_image.png"):
-        Image.fromarray(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)).save(server.input / name)
-    shutil.copy(server.input / "tone.wav", server.input / "h3_reference_audio.wav")
-    return server
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
@@ -49,8 +37,7 @@ def test_every_node_and_link_fits_the_server(server, path):
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
-def test_each_workflow_runs_on_the_tiny_checkpoints(keyframe_images, path):
-    server = keyframe_images
+def test_each_workflow_runs_on_the_tiny_checkpoints(server, path):
     prompt = embedded_default(to_api(json.loads(path.read_text()), server.object_info()))
     entry = server.run(prompt)
     assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
