@@ -26,10 +26,14 @@ from .models.video_vae import VideoVAE, VideoVAEConfig
 from .pipeline.text_encoder import SETTINGS_FILE
 from .sizes import NOTE_KEY, sizes_metadata
 
-__all__ = ["TinyCheckpoints", "write_tiny_checkpoints", "TINY_PREFIX", "TINY_DIT", "TINY_VIDEO_VAE", "TINY_AUDIO_VAE",
+__all__ = ["TinyCheckpoints", "write_tiny_checkpoints", "TINY_PREFIX", "TINY_FILES", "TINY_DIT", "TINY_VIDEO_VAE", "TINY_AUDIO_VAE",
            "TINY_TEXT_WIDTH"]
 
 TINY_PREFIX = "h3_tiny_random_"
+# Each file's (or folder's) name in its ComfyUI model folder, by ``TinyCheckpoints`` field.
+TINY_FILES = {"dit": f"{TINY_PREFIX}dit.safetensors", "linear_branch": f"{TINY_PREFIX}linear_branch.safetensors",
+              "video_vae": f"{TINY_PREFIX}video_vae.safetensors", "audio_vae": f"{TINY_PREFIX}audio_vae.safetensors",
+              "text_encoder": f"{TINY_PREFIX}qwen3vl"}
 NOTE = "H3 Hybrid tiny RANDOM weights for tests and the quick start: not a trained model, it generates noise"
 TINY_TEXT_WIDTH = 32
 TINY_DIT = DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=TINY_TEXT_WIDTH, freq_dim=16,
@@ -80,8 +84,8 @@ def _dit_files(models: Path) -> tuple[Path, Path]:
     branch = {"transformer_blocks." + k.removeprefix("blocks."): v for k, v in state.items()
               if any(part in k for part in _BRANCH_PARTS)}
     folder = models / "diffusion_models"
-    return (_save(base, folder / f"{TINY_PREFIX}dit.safetensors", TINY_DIT),
-            _save(branch, folder / f"{TINY_PREFIX}linear_branch.safetensors", TINY_DIT))
+    return (_save(base, folder / TINY_FILES["dit"], TINY_DIT),
+            _save(branch, folder / TINY_FILES["linear_branch"], TINY_DIT))
 
 
 def _vae_files(models: Path) -> tuple[Path, Path]:
@@ -93,15 +97,15 @@ def _vae_files(models: Path) -> tuple[Path, Path]:
     torch.manual_seed(2)
     audio = _randomised(AudioVAE(TINY_AUDIO_VAE), None)
     folder = models / "vae"
-    return (_save(state, folder / f"{TINY_PREFIX}video_vae.safetensors", TINY_VIDEO_VAE),
-            _save(dict(audio.state_dict()), folder / f"{TINY_PREFIX}audio_vae.safetensors", TINY_AUDIO_VAE))
+    return (_save(state, folder / TINY_FILES["video_vae"], TINY_VIDEO_VAE),
+            _save(dict(audio.state_dict()), folder / TINY_FILES["audio_vae"], TINY_AUDIO_VAE))
 
 
 def _text_encoder_folder(models: Path) -> Path:
     import transformers
     from tokenizers import Tokenizer, models as token_models, pre_tokenizers
 
-    root = models / "text_encoders" / f"{TINY_PREFIX}qwen3vl"
+    root = models / "text_encoders" / TINY_FILES["text_encoder"]
     vocab = {w: i for i, w in enumerate(("<unk>", "<|endoftext|>", "<|im_start|>") + _WORDS + _VISION)}
     tokenizer = Tokenizer(token_models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -14,6 +14,8 @@ size (what the example run and the host tests use).
 
 from __future__ import annotations
 
+from h3_core.tiny_checkpoints import TINY_FILES
+
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_NAMES = {"seed", "noise_seed"}
 
@@ -74,11 +76,10 @@ def to_api(workflow: dict, object_info: dict) -> dict:
 # What the bundled workflows run on without the real checkpoints: the tiny random files of
 # h3_core.tiny_checkpoints, at a size a CPU decodes in seconds.
 EMBEDDED_FILES = {
-    "H3DiTLoader": {"dit_name": "h3_tiny_random_dit.safetensors",
-                    "linear_branch": "h3_tiny_random_linear_branch.safetensors"},
-    "H3VideoVAELoader": {"vae_name": "h3_tiny_random_video_vae.safetensors"},
-    "H3AudioVAELoader": {"vae_name": "h3_tiny_random_audio_vae.safetensors"},
-    "H3TextEncoderLoader": {"folder": "h3_tiny_random_qwen3vl"},
+    "H3DiTLoader": {"dit_name": TINY_FILES["dit"], "linear_branch": TINY_FILES["linear_branch"]},
+    "H3VideoVAELoader": {"vae_name": TINY_FILES["video_vae"]},
+    "H3AudioVAELoader": {"vae_name": TINY_FILES["audio_vae"]},
+    "H3TextEncoderLoader": {"folder": TINY_FILES["text_encoder"]},
 }
 EMBEDDED_SIZE = {"width": 256, "height": 160, "length": 56, "steps": 4}
 

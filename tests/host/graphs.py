@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-TINY_DIT = "h3_tiny_random_dit.safetensors"
-TINY_BRANCH = "h3_tiny_random_linear_branch.safetensors"
-TINY_VIDEO_VAE = "h3_tiny_random_video_vae.safetensors"
-TINY_AUDIO_VAE = "h3_tiny_random_audio_vae.safetensors"
-TINY_TEXT_ENCODER = "h3_tiny_random_qwen3vl"
+from h3_core.tiny_checkpoints import TINY_FILES
+
+TINY_DIT, TINY_BRANCH = TINY_FILES["dit"], TINY_FILES["linear_branch"]
+TINY_VIDEO_VAE, TINY_AUDIO_VAE = TINY_FILES["video_vae"], TINY_FILES["audio_vae"]
+TINY_TEXT_ENCODER = TINY_FILES["text_encoder"]
 
 
 def generation(mode: str = "T2VA", *, length: int = 56, width: int = 64, height: int = 32, steps: int = 2, seed: int = 0,
