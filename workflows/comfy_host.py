@@ -4,12 +4,15 @@ The host is the ComfyUI checkout named by ``COMFYUI_PATH`` or the default one th
 ``tests/host/install_comfyui.sh`` unpacks into ``.host/comfyui-0.3.75``. Each server gets its own base
 directory (models, custom_nodes with a link to this pack, input, output, user) and runs on the CPU, or on
 the GPU when ``H3_COMFY_GPU=1`` is set (the same tests then exercise the nodes' CUDA paths).
+``H3_COMFY_ARGS`` adds arguments to the host's command line (for example ``--front-end-root DIR`` where the
+frontend package is not installed).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import struct
 import subprocess
@@ -25,6 +28,7 @@ DEFAULT_HOST = ROOT / ".host" / "comfyui-0.3.75"
 TEXT_EVENT = 3  # the host's binary event type of a node's progress text
 END_EVENTS = ("execution_success", "execution_error", "execution_interrupted")
 DEVICE_FLAGS = () if os.environ.get("H3_COMFY_GPU") == "1" else ("--cpu",)
+EXTRA_ARGS = tuple(shlex.split(os.environ.get("H3_COMFY_ARGS", "")))
 
 
 def comfyui_root() -> Path:
@@ -72,7 +76,7 @@ class ComfyServer:
         log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "main.py", *DEVICE_FLAGS, "--listen", "127.0.0.1", "--port", str(self.port),
-             "--base-directory", str(self.base), "--disable-auto-launch"],
+             "--base-directory", str(self.base), "--disable-auto-launch", *EXTRA_ARGS],
             cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         deadline = time.monotonic() + timeout
