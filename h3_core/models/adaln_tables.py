@@ -16,8 +16,11 @@ from typing import Iterable
 import torch
 
 from ..errors import H3InputError
+from .host_arena import HostArena
 
 __all__ = ["keep_adaln_on_host", "prepare_adaln_tables", "clear_adaln_tables", "adaln_tables_for"]
+
+_ALIGN = 512  # each projection at an allocator-aligned offset, so its GEMM runs the kernels of a fresh copy
 
 
 def _key(timesteps: torch.Tensor) -> tuple[float, ...]:
@@ -33,20 +36,35 @@ def _time_embedding(model, timesteps: torch.Tensor) -> torch.Tensor:
 
 
 def keep_adaln_on_host(model) -> int:
-    """Move every block's AdaLN projection to (pinned, when the model is on CUDA) host memory; from now on
-    the model evaluates only timesteps whose tables were prepared. Returns the bytes moved off the device."""
-    moved = 0
+    """Move every block's AdaLN projection to host memory — one arena, page-locked when the model is on CUDA —
+    and from now on evaluate only timesteps whose tables were prepared. Returns the bytes moved off the device."""
+    params = [p for block in model.blocks for p in block.adaln_proj.linear.parameters() if p.device.type != "cpu"]
     for block in model.blocks:
         block.adaln_proj.stays_on_host = True  # block offload neither streams nor moves it
-        linear = block.adaln_proj.linear
-        for param in linear.parameters():
-            if param.device.type != "cpu":
-                moved += param.numel() * param.element_size()
-                host = param.detach().to("cpu")
-                param.data = host.pin_memory() if param.device.type == "cuda" else host
     model.adaln_on_host = True
     model.adaln_tables = {}
-    return moved
+    if not params:
+        return 0
+    devices = {p.device for p in params}
+    sizes = [_aligned(p.numel() * p.element_size()) for p in params]
+    arena = HostArena(sum(sizes), "the AdaLN projections")
+    offset = 0
+    with torch.no_grad():
+        for param, size in zip(params, sizes):
+            nbytes = param.numel() * param.element_size()
+            host = arena.bytes[offset : offset + nbytes].view(param.dtype).view(param.shape)
+            host.copy_(param.data)
+            param.data = host  # the device copy is released here, one projection at a time
+            offset += size
+    cuda = [d for d in devices if d.type == "cuda"]
+    if cuda:
+        arena.pin(cuda[0])
+    model._adaln_arena = arena  # lives as long as the weights in it
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def prepare_adaln_tables(model, timestep_sets: Iterable[torch.Tensor], device) -> int:
@@ -63,7 +81,8 @@ def prepare_adaln_tables(model, timestep_sets: Iterable[torch.Tensor], device) -
         tables: dict[tuple[float, ...], list[torch.Tensor]] = {k: [] for k in keys}
         for block in model.blocks:
             projection = block.adaln_proj
-            weight, bias = projection.linear.weight, projection.linear.bias
+            # The host storage itself (not the Parameter, whose .data is repointed below) is put back after.
+            weight, bias = projection.linear.weight.data, projection.linear.bias.data
             visiting = weight.device != torch.device(device)
             if visiting:
                 projection.linear.weight.data = weight.to(device, non_blocking=True)

@@ -25,19 +25,15 @@ its post-hook marks the slot free and points the tensors back at the host image.
 from __future__ import annotations
 
 import functools
-import logging
-import mmap
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ..errors import H3InputError
+from .host_arena import HostArena
 
 __all__ = ["BlockOffload", "OffloadStats", "offload_blocks"]
-
-_log = logging.getLogger(__name__)
 
 # Offsets of tensors within an image and of images within the arena: the CUDA caching allocator's granularity,
 # so every view is as aligned as a fresh allocation. cuBLAS(Lt) chooses kernels by pointer alignment (up to 256
@@ -211,57 +207,6 @@ def _unique_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
-def _discard_cuda_error(device: torch.device) -> None:
-    """A failed CUDA runtime call leaves its error as the thread's last error, and the next kernel launch check
-    would report it as its own; a trivial launch here reports it once, and it is dropped."""
-    try:
-        torch.ones(1, device=device).add_(1)
-        torch.cuda.synchronize(device)
-    except RuntimeError:
-        pass
-
-
-class _HostArena:
-    """One host allocation for every streamed image, page-locked with cudaHostRegister when streaming to a GPU.
-
-    Registering the exact size avoids torch's pinned allocator, which rounds each request up to a power of two
-    (a 1.3 GB block would take 2 GiB) and keeps freed pinned memory cached. The registered range is whole pages
-    inside our own allocation, so it never shares a page with another registration. It is filled block by block
-    (its pages are committed as they are written) and pinned afterwards, so while a model moves out of ordinary
-    RAM, host memory holds at most one block twice."""
-
-    def __init__(self, nbytes: int):
-        page = mmap.PAGESIZE
-        span = -(-nbytes // page) * page
-        self._allocation = torch.empty(span + page, dtype=torch.uint8)
-        start = -self._allocation.data_ptr() % page
-        self.bytes = self._allocation[start : start + span]
-        self.pinned = False
-        self._unpin = None
-
-    def pin(self, device: torch.device) -> None:
-        """Page-lock the arena so copies from it run asynchronously; if the system refuses, warn and keep it
-        pageable (copies then block the host, which stays correct but no longer overlaps compute)."""
-        if self.bytes.numel() == 0:
-            return
-        cudart = torch.cuda.cudart()
-        address = self.bytes.data_ptr()
-        result = cudart.cudaHostRegister(address, self.bytes.numel(), 0)
-        if int(result) != 0:
-            _discard_cuda_error(device)
-            _log.warning("could not page-lock %.2f GiB of host memory for the streamed DiT blocks (%s): their copies "
-                         "will not overlap compute", self.bytes.numel() / 2**30, cudart.cudaGetErrorString(result))
-            return
-        # Unregistered when the arena goes, even if remove() is never called.
-        self._unpin = weakref.finalize(self, cudart.cudaHostUnregister, address)
-        self.pinned = True
-
-    def release(self) -> None:
-        if self._unpin is not None:
-            self._unpin()
-        self.pinned = False
-
-
 class BlockOffload:
     """The handle of an offloaded model (build it with ``offload_blocks``).
 
@@ -299,10 +244,10 @@ class BlockOffload:
 
     # ---- setting up -------------------------------------------------------------------------------------------
 
-    def _to_host(self, layouts, image_sizes) -> _HostArena:
+    def _to_host(self, layouts, image_sizes) -> HostArena:
         """Copy each streamed block into its image in a new arena and point its tensors there, block by block, so
         each block's former storage is released before the next is copied; then pin the arena."""
-        arena = _HostArena(sum(image_sizes))
+        arena = HostArena(sum(image_sizes), "the streamed DiT blocks")
         self._images, self._host_views = [], []
         start = 0
         for (places, tensors, _), size in zip(layouts, image_sizes):

@@ -40,5 +40,9 @@ def test_projections_leave_the_device_and_the_run_is_unchanged():
     assert all(p.device.type == "cpu" and p.is_pinned() for b in hosted.blocks for p in b.adaln_proj.parameters())
     with torch.no_grad():
         got = generate(hosted, prompt, **run)
+    # each projection visited the device to make the run's tables and went back to the host
+    torch.cuda.synchronize()
+    assert all(p.device.type == "cpu" and p.is_pinned() for b in hosted.blocks for p in b.adaln_proj.parameters())
+    assert torch.cuda.memory_allocated() < before - expected + 2**20
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
