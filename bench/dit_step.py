@@ -39,7 +39,7 @@ from h3_core.models.adaln_tables import prepare_adaln_tables  # noqa: E402
 from h3_core.models.block_fused import fuse_blocks  # noqa: E402
 from h3_core.models.branch_fused import fuse_branches  # noqa: E402
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32, rope_inv_freq  # noqa: E402
-from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
+from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext, overlap_branches  # noqa: E402
 from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
 from h3_core.pipeline.geometry import audio_latents, latent_frames  # noqa: E402
 from h3_core.pipeline.noise import row_timesteps  # noqa: E402
@@ -139,6 +139,8 @@ def main(argv=None) -> dict:
                         help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
     parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
                         help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
+    parser.add_argument("--overlap-branch", action="store_true",
+                        help="each hybrid block's linear branch on a side CUDA stream beside its window softmax")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a dry run of the code")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -158,12 +160,14 @@ def main(argv=None) -> dict:
                   device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=shape.rows,
                   low_memory=args.low_memory, cap_gib=args.cap_gib, fused_branch=args.fused_branch,
-                  fused_blocks=args.fused_blocks, variants={})
+                  fused_blocks=args.fused_blocks, overlap_branch=args.overlap_branch, variants={})
     model = random_model(cfg, device, dtype)
     apply_low_memory(model, options)
     fuse_branches(model, args.fused_branch)
     if args.fused_blocks:
         fuse_blocks(model, args.fused_blocks)
+    overlap_branches(model, args.overlap_branch)
+    fused = args.fused_blocks is not None  # the memory model knows fused blocks, not the fused branch alone
     quantised = False
     for variant in args.variants:
         hybrid = not variant.startswith("dense")
@@ -178,7 +182,7 @@ def main(argv=None) -> dict:
         plan = None
         if args.cap_gib is not None:
             plan = plan_for_memory(cfg, shape, args.cap_gib * GiB * CAP_USABLE, hybrid=hybrid, dtype=dtype,
-                                   linears=linears, steps=1)
+                                   linears=linears, steps=1, fused=fused)
             fitted = apply_plan(model, plan, device)
             if plan.adaln_on_host:
                 prepare_adaln_tables(model, [inputs[3]], device)
@@ -187,20 +191,22 @@ def main(argv=None) -> dict:
                 torch.cuda.empty_cache()
                 total = torch.cuda.get_device_properties(device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
+        before = torch.cuda.memory_allocated() / GiB if cuda else None  # the weights as placed, and the inputs
         try:
             stats = evaluate(model, inputs, ctx, args.reps, cuda)
+            stats["allocated_before_gib"] = before
             if hybrid:
                 stats["window_backend"] = last_window_run().backend
             # Weights counted as loaded: the branch's parameters are on the device in every variant here.
             if plan is not None:
                 predicted = plan.predicted
             else:
-                predicted = evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears)
+                predicted = evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears, fused=fused)
             stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
             if args.profile:
                 stats["profile_s"] = profile(model, inputs, ctx, cuda)
         except torch.OutOfMemoryError as exc:
-            stats = dict(error=f"out of memory: {str(exc).splitlines()[0]}")
+            stats = dict(error=f"out of memory: {str(exc).splitlines()[0]}", allocated_before_gib=before)
         result["variants"][variant] = stats
         print(variant, json.dumps(stats), flush=True)
         if cuda:

@@ -21,6 +21,11 @@ widths, so it is written here in those units, for the phase of the block where i
 Every term but the branch's own buffers is read off the forward. ``BRANCH_BUFFERS`` is measured: on an
 H200 at 102 latent frames with 1 and with 8 head groups (``bench/block_memory.py``); the other option sets
 and a 52-frame clip then check the whole model (``bench/results/block_memory.md``).
+
+With the blocks' elementwise work fused (``models.block_fused``, ``fused=True``) q and k are normed and
+rotated in one pass (``FUSED_ROTATE_TEMPS``) and the branch writes its features head-major with no layout
+copies (``FUSED_BRANCH_BUFFERS``); both measured on an H200 at the release length, one head group
+(``bench/results/dit_block.md``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 from .models.dit import MODALITIES
 from .models.low_memory import LowMemory
 
-__all__ = ["BlockShape", "block_peaks", "ROTATE_TEMPS", "BRANCH_BUFFERS"]
+__all__ = ["BlockShape", "block_peaks", "ROTATE_TEMPS", "BRANCH_BUFFERS", "FUSED_ROTATE_TEMPS", "FUSED_BRANCH_BUFFERS"]
 
 ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each, plus the result
 # The linear branch's own buffers at its peak, in C / G: q̃, k̃, ṽ (3) and fp32 k̃, ṽ, β·k̃ (6) account for 9;
@@ -44,6 +49,10 @@ BRANCH_BUFFERS = {1: 13.77, "grouped": 14.67}
 # exist for that many frames only. This reduction is derived, not yet measured, so ``plan_for_memory`` does
 # not use the option.
 FP32_STATISTICS = 6.0
+# Fused blocks, in the same units: measured with one head group (dense block 10.12 GiB, hybrid 18.08 GiB above
+# its inputs at T = 104,266). The grouped branch is assumed to keep the plain path's extra 0.9 C / G.
+FUSED_ROTATE_TEMPS = 0.5
+FUSED_BRANCH_BUFFERS = {1: 8.78, "grouped": 9.68}
 
 
 @dataclass(frozen=True)
@@ -69,17 +78,18 @@ class BlockShape:
                    element=torch.empty((), dtype=dtype).element_size(), branch_frames=branch_frames)
 
 
-def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool) -> dict[str, float]:
+def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool,
+                fused: bool = False) -> dict[str, float]:
     """Predicted peak bytes above what is allocated when a block is called: ``attention``, ``ffn`` and the
-    whole ``block`` (their maximum)."""
+    whole ``block`` (their maximum). ``fused``: the blocks run ``block_fused``'s kernels."""
     e, T = shape.element, shape.rows
     D, I = T * shape.hidden * e, T * shape.inner * e
     C = shape.branch_rows * shape.inner * e
     groups = options.head_groups
     grouped = groups > 1
-    attention = D + (D if grouped else I) + (5 + ROTATE_TEMPS) * I / groups
+    attention = D + (D if grouped else I) + (5 + (FUSED_ROTATE_TEMPS if fused else ROTATE_TEMPS)) * I / groups
     if hybrid:
-        own = BRANCH_BUFFERS["grouped" if grouped else 1]
+        own = (FUSED_BRANCH_BUFFERS if fused else BRANCH_BUFFERS)["grouped" if grouped else 1]
         if options.branch_frames is not None and shape.branch_frames > options.branch_frames:
             own -= FP32_STATISTICS * (1 - options.branch_frames / shape.branch_frames)
         attention = max(attention, (3 if grouped else 2) * D + 3 * I / groups + own * C / groups)
@@ -135,7 +145,7 @@ def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dt
 def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool,
                     dtype: torch.dtype = torch.bfloat16, linears: str = "dtype", resident_blocks: int | None = None,
                     prefetch: int = 1, adaln_on_host: bool = False, steps: int = 50,
-                    timesteps_per_step: int = 2) -> dict[str, float]:
+                    timesteps_per_step: int = 2, fused: bool = False) -> dict[str, float]:
     """Predicted peak device bytes of one model evaluation: the weights on the device (all blocks, or
     ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each; without the blocks'
     AdaLN projections when ``adaln_on_host``, but with their tables for ``steps`` steps of
@@ -154,7 +164,7 @@ def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *,
     T, e = shape.rows, shape.element
     rope_tables = 2 * T * 6 * cfg.rope_freqs * 4  # cos and sin, fp32, [T, 6 · rope_freqs] each (rope_cos_sin)
     living = T * shape.hidden * e + rope_tables
-    activations = living + block_peaks(shape, options, hybrid=hybrid)["block"]
+    activations = living + block_peaks(shape, options, hybrid=hybrid, fused=fused)["block"]
     return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))
 
 
@@ -191,7 +201,7 @@ class MemoryPlan:
 
 
 def plan_for_memory(cfg, shape: BlockShape, budget: float, *, hybrid: bool, dtype: torch.dtype = torch.bfloat16,
-                    linears: str = "dtype", steps: int = 50, prefetch: int = 1) -> MemoryPlan:
+                    linears: str = "dtype", steps: int = 50, prefetch: int = 1, fused: bool = False) -> MemoryPlan:
     """The cheapest way to run within ``budget`` bytes of device memory (e.g. the free memory less a margin):
     nothing, then the ``LOW_MEMORY_STEPS`` in order, then streaming blocks from host memory with as many as
     fit resident. A plan that still does not fit comes back with ``fits`` False and every step taken."""
@@ -199,7 +209,7 @@ def plan_for_memory(cfg, shape: BlockShape, budget: float, *, hybrid: bool, dtyp
 
     def peak(options, adaln_on_host, resident=None):
         return evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears, steps=steps,
-                               adaln_on_host=adaln_on_host, resident_blocks=resident, prefetch=prefetch)
+                               adaln_on_host=adaln_on_host, resident_blocks=resident, prefetch=prefetch, fused=fused)
 
     def plan(options, adaln_on_host, resident, predicted, extra):
         return MemoryPlan(options, adaln_on_host, resident, predicted, budget, tuple(taken), extra)

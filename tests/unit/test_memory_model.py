@@ -167,3 +167,23 @@ def test_branch_frames_lower_the_predicted_branch_peak():
     C = shape.branch_rows * shape.inner * 2
     assert plain - chunked == pytest.approx(6.0 * (1 - 10 / 100) * C)
     assert block_peaks(shape, LowMemory(branch_frames=100), hybrid=True)["attention"] == plain
+
+
+def test_fused_blocks_are_predicted_within_ten_percent_of_their_measured_peaks():
+    results = RESULTS.parent
+    fused = json.loads((results / "dit_block_fused_blocks.json").read_text())
+    shape = release_shape()
+    assert shape.rows == fused["rows"]
+    for kind in ("dense", "hybrid"):
+        predicted = block_peaks(shape, hybrid=kind == "hybrid", fused=True)["block"] / GiB
+        measured = fused["blocks"][kind]["extra_peak_gib"]
+        assert predicted == pytest.approx(measured, rel=0.10), kind
+        assert predicted < block_peaks(shape, hybrid=kind == "hybrid")["block"] / GiB
+    # the whole evaluation (weights + the largest block) against the peaks of the full-size model
+    from h3_core.memory_model import evaluation_peak
+
+    step = json.loads((results / "dit_step_pytorch.json").read_text())
+    assert step["fused_blocks"] == "compiled" and step["rows"] == shape.rows
+    for variant, linears in (("bf16-decomposed", "dtype"), ("fp8-decomposed", "fp8")):
+        predicted = evaluation_peak(DiTConfig(hybrid=True), shape, hybrid=True, linears=linears, fused=True)
+        assert predicted["total"] / GiB == pytest.approx(step["variants"][variant]["peak_gib"], rel=0.10), variant
