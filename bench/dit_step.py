@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -160,7 +161,8 @@ def main(argv=None) -> dict:
                   device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=shape.rows,
                   low_memory=args.low_memory, cap_gib=args.cap_gib, fused_branch=args.fused_branch,
-                  fused_blocks=args.fused_blocks, overlap_branch=args.overlap_branch, variants={})
+                  fused_blocks=args.fused_blocks, overlap_branch=args.overlap_branch,
+                  alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), variants={})
     model = random_model(cfg, device, dtype)
     apply_low_memory(model, options)
     fuse_branches(model, args.fused_branch)
