@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq  # noqa: E402
-from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext, overlap_branches  # noqa: E402
+from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
 from h3_core.models.block_fused import fuse_blocks  # noqa: E402
 from h3_core.models.branch_fused import fuse_branches  # noqa: E402
 from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
@@ -183,8 +183,6 @@ def main(argv=None) -> dict:
                         help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
     parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
                         help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
-    parser.add_argument("--overlap-branch", action="store_true",
-                        help="also time the hybrid block with its linear branch on a side stream, same process")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -214,14 +212,6 @@ def main(argv=None) -> dict:
         if args.profile:
             with torch.no_grad():
                 stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx), device.type == "cuda")
-        if hybrid and args.overlap_branch:
-            overlap_branches(block, True)
-            with torch.no_grad():
-                overlapped = block(x, temb, rows, rope, ctx)
-                stats["overlapped"] = timed(lambda: block(x, temb, rows, rope, ctx), args.reps)
-            stats["overlapped"]["max_abs_diff"] = float((overlapped.float() - out.float()).abs().max())
-            overlap_branches(block, False)
-            del overlapped
         result["blocks"][name] = stats
         del block, out
     text = json.dumps(result, indent=2)

@@ -40,7 +40,7 @@ from h3_core.models.adaln_tables import prepare_adaln_tables  # noqa: E402
 from h3_core.models.block_fused import fuse_blocks  # noqa: E402
 from h3_core.models.branch_fused import fuse_branches  # noqa: E402
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32, rope_inv_freq  # noqa: E402
-from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext, overlap_branches  # noqa: E402
+from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
 from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
 from h3_core.pipeline.geometry import audio_latents, latent_frames  # noqa: E402
 from h3_core.pipeline.noise import row_timesteps  # noqa: E402
@@ -140,8 +140,6 @@ def main(argv=None) -> dict:
                         help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
     parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
                         help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
-    parser.add_argument("--overlap-branch", action="store_true",
-                        help="each hybrid block's linear branch on a side CUDA stream beside its window softmax")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a dry run of the code")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -161,14 +159,12 @@ def main(argv=None) -> dict:
                   device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=shape.rows,
                   low_memory=args.low_memory, cap_gib=args.cap_gib, fused_branch=args.fused_branch,
-                  fused_blocks=args.fused_blocks, overlap_branch=args.overlap_branch,
-                  alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), variants={})
+                  fused_blocks=args.fused_blocks, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), variants={})
     model = random_model(cfg, device, dtype)
     apply_low_memory(model, options)
     fuse_branches(model, args.fused_branch)
     if args.fused_blocks:
         fuse_blocks(model, args.fused_blocks)
-    overlap_branches(model, args.overlap_branch)
     fused = args.fused_blocks is not None  # the memory model knows fused blocks, not the fused branch alone
     quantised = False
     for variant in args.variants:

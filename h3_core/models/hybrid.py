@@ -20,7 +20,7 @@ from ..attention.window import window_softmax
 from .linear_branch import LinearBranch
 from .low_memory import add_linear_cols, head_slices
 
-__all__ = ["HybridContext", "SoftmaxGate", "add_hybrid_parts", "hybrid_attention_forward", "overlap_branches"]
+__all__ = ["HybridContext", "SoftmaxGate", "add_hybrid_parts", "hybrid_attention_forward"]
 
 # The released window: chunk 5 latents, one chunk either side, anchor frames both ways.
 RELEASE_WINDOW = WindowSpec(radius=1, chunk=5, anchors="both")
@@ -51,7 +51,6 @@ def add_hybrid_parts(module: nn.Module, cfg) -> None:
     module.softmax_gate = SoftmaxGate(cfg.hidden, cfg.heads)
     module.to_out_linear = nn.Linear(cfg.inner, cfg.hidden, bias=False)
     module.linear_attention = LinearBranch(cfg.hidden, cfg.heads, cfg.head_dim)
-    module.overlap_branch = False  # ``overlap_branches``: the branch on a side CUDA stream
 
 
 def _branch_rows(ctx: HybridContext, bounds):
@@ -66,68 +65,31 @@ def _branch_rows(ctx: HybridContext, bounds):
 def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     """The hybrid forward for an attention module holding ``project`` (raw q, k, v of a head range),
     ``normed_rotated`` (q, k normed and rotated), ``out_proj``, ``softmax_gate``, ``to_out_linear``,
-    ``linear_attention`` and ``head_groups``. Heads run a group at a time (``low_memory``). With
-    ``overlap_branch`` set on CUDA the branch of each group runs on a side stream while the window softmax
-    runs (the same kernels on the same inputs, so the same numbers)."""
+    ``linear_attention`` and ``head_groups``. Heads run a group at a time (``low_memory``)."""
     T, d = x.shape[0], attn.head_dim
     layout, window = ctx.layout, ctx.window
     bounds = window_bounds(layout.num_frames, window.radius, window.chunk)
     (r0, r1), inner = _branch_rows(ctx, bounds)
     branch_on = not is_full_cover(bounds, layout.num_frames) and bool(inner)
-    side = _side_stream(x.device) if branch_on and getattr(attn, "overlap_branch", False) and x.is_cuda else None
-    main = torch.cuda.current_stream(x.device) if side is not None else None
+    branch: LinearBranch = attn.linear_attention
+    t0, t1 = ctx.text
+    grid = (layout.frame_h, layout.frame_w)
     gate = attn.softmax_gate(x)  # [T, H]
     out = readout_total = None
     for heads in head_slices(attn.heads, attn.head_groups):
         q_raw, k_raw, v = attn.project(x, heads)
-        if side is not None:
-            side.wait_stream(main)
-            for tensor in (x, q_raw, k_raw, v):  # read on the side stream: not reused before it is done
-                tensor.record_stream(side)
-            with torch.cuda.stream(side):
-                readout_total = _add_readout(attn, readout_total, x, q_raw, k_raw, v, heads, ctx, (r0, r1), inner)
         q, k = attn.normed_rotated(q_raw, k_raw, rope)
         soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
         del q, k
         out = add_linear_cols(out, attn.out_proj, soft.mul_(gate[:, heads, None]).reshape(T, -1), heads.start * d,
                               heads.stop * d)
         del soft
-        if branch_on and side is None:
-            readout_total = _add_readout(attn, readout_total, x, q_raw, k_raw, v, heads, ctx, (r0, r1), inner)
-        del q_raw, k_raw, v
-    if side is not None:
-        main.wait_stream(side)
-        readout_total.record_stream(main)
+        if branch_on:
+            seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
+            readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
+            del q_raw, k_raw, v
+            readout_total = add_linear_cols(readout_total, attn.to_out_linear, readout.to(x.dtype),
+                                            heads.start * d, heads.stop * d)
     if readout_total is not None:
         out[r0:r1].add_(readout_total)
     return out
-
-
-def _add_readout(attn, total, x, q_raw, k_raw, v, heads: slice, ctx: HybridContext, rows, inner):
-    """``total`` plus this head group's share of ``to_out_linear(LinearBranch(...))`` on the branch's rows."""
-    branch: LinearBranch = attn.linear_attention
-    (r0, r1), (t0, t1) = rows, ctx.text
-    grid = (ctx.layout.frame_h, ctx.layout.frame_w)
-    seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
-    readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
-    d = attn.head_dim
-    return add_linear_cols(total, attn.to_out_linear, readout.to(x.dtype), heads.start * d, heads.stop * d)
-
-
-_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
-
-
-def overlap_branches(model: nn.Module, on: bool = True) -> int:
-    """Run every hybrid attention's linear branch on a side CUDA stream beside its window softmax (``on``),
-    or after it; returns how many attentions were set."""
-    attentions = [m for m in model.modules() if hasattr(m, "linear_attention")]
-    for attention in attentions:
-        attention.overlap_branch = bool(on)
-    return len(attentions)
