@@ -1,7 +1,7 @@
 """The pack's models as ComfyUI's model management sees them, so the host can make room for them and take
 them back.
 
-Before a model runs, its node hands a ``Residency`` to ``comfy.model_management.load_models_gpu``: the host
+Before a model runs (the DiT, the VAEs, the text encoder), its node hands a ``Residency`` to ``comfy.model_management.load_models_gpu``: the host
 unloads other models until ours fits and lists ours among its loaded models. Placing the DiT's weights
 stays ours (the memory policy in ``h3_core.placement``), so loading is a no-op here, and a VAE is simply
 moved to the device; when the host unloads or needs the memory back (``unload_all_models``, "free memory",
@@ -105,6 +105,13 @@ def make_room(holder, device, working_bytes: int) -> None:
             holder.fitted = None
 
     hand_over(holder.model, device, "DiT", working_bytes, forget_fit)
+
+
+def text_ready(encoder):
+    """The text encoder handed over to the host and back on its device (the host may have released it to
+    make room for the DiT or a VAE)."""
+    hand_over(encoder.model, encoder.device, "text encoder")
+    return encoder.to_device()
 
 
 def ready(model, name: str):

@@ -11,6 +11,7 @@ from . import _host
 from .conditioning import to_conditioning
 from .images import single_image
 from .references import presented
+from .residency import text_ready
 
 
 class H3TextEncode:
@@ -41,7 +42,7 @@ class H3TextEncode:
             raise H3InputError("keyframes (FL2VA) and references (Ref2VA) cannot be used together; connect one kind")
         placed = fit_keyframes([image for _, image in keyframes], width, height) if keyframes else []
         shown = presented(references, length) if references else ()
-        embedding = text_encoder.encode(prompt, keyframes=placed, references=shown)
+        embedding = text_ready(text_encoder).encode(prompt, keyframes=placed, references=shown)
         embedding.keyframe_anchors = tuple(anchor for anchor, _ in keyframes)
         embedding.width, embedding.height = (width, height) if keyframes else (None, None)
         kinds = (tuple(ref.kind for ref in references), length) if references else ()

@@ -58,12 +58,21 @@ class TextEncoder:
         if self.streamed:
             self._stream_layers()
 
-    def _stream_layers(self):
-        lm, home = self.language_model, next(self.language_model.layers.parameters()).device
-        for name, child in lm.named_children():
+    def to_device(self) -> "TextEncoder":
+        """Put back on ``device`` what runs there (after the weights were moved to host memory to free the
+        device): the whole model, or with streamed layers everything but the decoder layers."""
+        if not self.streamed:
+            self.model.to(self.device)
+            return self
+        for name, child in self.language_model.named_children():
             if name != "layers":
                 child.to(self.device)  # embeddings, rotary tables, final norm: small, kept on the device
         self.model.model.visual.to(self.device)  # the vision tower: about 1 % of the weights
+        return self
+
+    def _stream_layers(self):
+        lm, home = self.language_model, next(self.language_model.layers.parameters()).device
+        self.to_device()
 
         def arrive(module, args, kwargs):
             self.layer_visits += 1

@@ -49,11 +49,11 @@ def test_the_sampler_shows_its_memory_decision_on_the_node(server):
     assert told and (told[-1] == "running on the CPU; no memory plan needed" or told[-1].startswith("memory policy auto"))
 
 
-def test_the_hosts_unload_reaches_the_dit_and_the_vaes_and_the_server_goes_on(server):
+def test_the_hosts_unload_reaches_every_model_and_the_server_goes_on(server):
     def released(name):
         return server.log_path.read_text().count(f"the {name} was released")
 
-    names = ("DiT", "video VAE", "audio VAE")
+    names = ("DiT", "video VAE", "audio VAE", "text encoder")
     prompt = generation(length=22, prefix="H3/unload")
     for seed in (1, 2):  # twice with the same loaded models: listed once each by the host, not twice
         prompt["7"]["inputs"]["seed"] = seed
