@@ -23,7 +23,8 @@ from .models.block_fused import fuse_blocks
 from .models.branch_fused import compiled_branch_available
 from .models.low_memory import LowMemory, apply_low_memory
 
-__all__ = ["PLACEMENTS", "MEMORY_MODES", "BUDGET_SHARE", "decide_placement", "place_for_run"]
+__all__ = ["PLACEMENTS", "MEMORY_MODES", "BUDGET_SHARE", "decide_placement", "place_for_run", "fuse_for",
+           "working_bytes"]
 
 PLACEMENTS = ("auto", "resident", "stream blocks")
 MEMORY_MODES = ("auto", "off")
@@ -45,6 +46,29 @@ def _bytes_on(model, device: torch.device) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device == device)
 
 
+def fuse_for(model, device) -> str | None:
+    """Run ``model``'s blocks fused (compiled) where CUDA and Triton are present, else on the plain path;
+    returns the mode set."""
+    fused = "compiled" if compiled_branch_available(torch.device(device)) else None
+    fuse_blocks(model, fused)
+    return fused
+
+
+def _fused(model) -> bool:
+    return any(getattr(block, "fused", None) for block in model.blocks)
+
+
+def working_bytes(model, packed) -> int:
+    """The activations of one evaluation on ``packed`` with nothing given up (the plain or fused path, as
+    ``model`` is set): what the host is asked to make room for beside the weights, so that it frees other
+    models before the plan has to trade time for memory."""
+    dtype, linears = _weights_kind(model)
+    shape = BlockShape.of(model.cfg, packed, dtype)
+    predicted = evaluation_peak(model.cfg, shape, hybrid=bool(model.cfg.hybrid), dtype=dtype, linears=linears,
+                                fused=_fused(model))
+    return int(predicted["activations"])
+
+
 def decide_placement(model, packed, *, placement: str, memory: str, free_bytes: int, steps: int) -> MemoryPlan:
     """The plan for running ``model`` (an ``H3DiT``) on ``packed`` within ``free_bytes`` of device memory."""
     if placement not in PLACEMENTS:
@@ -55,8 +79,7 @@ def decide_placement(model, packed, *, placement: str, memory: str, free_bytes: 
     dtype, linears = _weights_kind(model)
     shape = BlockShape.of(cfg, packed, dtype)
     budget = free_bytes * BUDGET_SHARE
-    kind = dict(hybrid=bool(cfg.hybrid), dtype=dtype, linears=linears, steps=steps,
-                fused=any(getattr(block, "fused", None) for block in model.blocks))
+    kind = dict(hybrid=bool(cfg.hybrid), dtype=dtype, linears=linears, steps=steps, fused=_fused(model))
     if memory == "auto":
         plan = plan_for_memory(cfg, shape, budget, **kind)
     else:
@@ -78,8 +101,7 @@ def place_for_run(model, packed, device, *, placement: str = "auto", memory: str
     """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says (CUDA), or simply there (any
     other device). Call ``remove()`` on the result before placing the model for another request."""
     device = torch.device(device)
-    fused = "compiled" if compiled_branch_available(device) else None
-    fuse_blocks(model, fused)
+    fused = fuse_for(model, device)
     if device.type != "cuda":
         model.to(device)
         plan = MemoryPlan(LowMemory(), False, None, {"total": 0.0}, float("inf"), (), "none")

@@ -6,7 +6,7 @@ from h3_core.errors import H3InputError
 from h3_core.pipeline.generate import generate, generate_ref2va
 from h3_core.pipeline.media import encode_keyframes
 from h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
-from h3_core.placement import place_for_run
+from h3_core.placement import fuse_for, place_for_run, working_bytes
 
 from . import _host
 from .attention import DEFAULT
@@ -90,7 +90,8 @@ class H3Sampler:
         holder = model
 
         def fit(packed):
-            make_room(holder, device, 0)
+            fuse_for(holder.model, device)  # the paths the run will take, so the room asked for is theirs
+            make_room(holder, device, working_bytes(holder.model, packed))
             if holder.fitted is not None:
                 holder.fitted.remove()
             holder.fitted = place_for_run(holder.model, packed, device, placement=holder.offload,

@@ -70,3 +70,18 @@ def test_on_the_cpu_the_model_just_runs_there(packed):
 def test_bad_choices_are_named(model, packed, placement, memory, message):
     with pytest.raises(H3InputError, match=message):
         decide_placement(model, packed, placement=placement, memory=memory, free_bytes=2**30, steps=10)
+
+
+def test_the_host_is_asked_for_the_runs_activations_of_the_path_it_will_take(packed):
+    from h3_core.models.block_fused import fuse_blocks
+    from h3_core.placement import fuse_for, working_bytes
+
+    with torch.device("meta"):
+        fresh = H3DiT(CFG).to(torch.bfloat16)
+    shape = BlockShape.of(CFG, packed, torch.bfloat16)
+    assert fuse_for(fresh, "cpu") is None  # no CUDA here: the plain path
+    plain = evaluation_peak(CFG, shape, hybrid=True)["activations"]
+    assert working_bytes(fresh, packed) == int(plain)
+    fuse_blocks(fresh, "eager")
+    fused = evaluation_peak(CFG, shape, hybrid=True, fused=True)["activations"]
+    assert working_bytes(fresh, packed) == int(fused) < plain
