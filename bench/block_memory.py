@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # dit_block's helpers, also when this file is loaded from elsewhere
+import record  # noqa: E402
 
 import dit_block  # noqa: E402
 
@@ -108,9 +108,7 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     base_setup = dit_block.TINY if args.tiny else dit_block.RELEASE
-    result = dict(command="python3 bench/block_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=[])
+    result = dict(record.header("block_memory.py", argv), rows=[])
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
     blocks = {kind: dit_block.build(replace(base_setup["cfg"], hybrid=kind == "hybrid"), device, dtype)
               for kind in ("dense", "hybrid")}
@@ -136,8 +134,7 @@ def main(argv=None) -> dict:
                 print(json.dumps(row), flush=True)
             apply_low_memory(block, LowMemory())
         del x, rope, packed
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    record.write(result, args.out)
     return result
 
 

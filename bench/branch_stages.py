@@ -14,7 +14,6 @@ geometry on the CPU (no compiled candidates there).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 from h3_core.attention.layout import window_bounds  # noqa: E402
 from h3_core.models import branch_fused, linear_branch as lb  # noqa: E402
@@ -71,9 +72,7 @@ def main(argv=None) -> dict:
     frames, grid, H, d = size["frames"], size["grid"], size["heads"], size["head_dim"]
     S, C = grid[0] * grid[1], size["heads"] * size["head_dim"]
     time_it = timer(cuda, args.reps)
-    result = dict(command="python3 bench/branch_stages.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), size=size, ms={}, max_diff={})
+    result = dict(record.header("branch_stages.py", argv), size=size, ms={}, max_diff={})
     ms, diff = result["ms"], result["max_diff"]
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -143,9 +142,7 @@ def main(argv=None) -> dict:
         branch.fused = None
     if cuda:
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
+    text = record.write(result, args.out)
     print(text)
     return result
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -23,6 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32, load_dit  # noqa: E402
 
@@ -101,12 +102,8 @@ def main(argv=None) -> dict:
         run = subprocess.run([sys.executable, __file__, "--gib", str(args.gib), "--file", str(path), "--measure-only"],
                              check=True, capture_output=True, text=True)
         result = json.loads(run.stdout)
-        result["command"] = "python3 bench/checkpoint_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        result.update(device="cpu (host memory)", torch=torch.__version__, python=platform.python_version(),
-                      cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
+        result.update(record.header("checkpoint_memory.py", argv), device="cpu (host memory)", cpus=os.cpu_count())
+    text = record.write(result, args.out, indent=2)
     print(text)
     return result
 

@@ -12,7 +12,6 @@ small model and geometry (a dry run that works on the CPU).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq  # noqa: E402
@@ -189,9 +190,7 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     setup = TINY if args.tiny else RELEASE
     packed, x, temb, rows, rope = inputs(setup, device, dtype)
-    result = dict(command="python3 bench/dit_block.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                  rows=int(x.shape[0]), dtype=str(dtype), ffn_chunk_rows=args.ffn_chunk_rows,
+    result = dict(record.header("dit_block.py", argv), rows=int(x.shape[0]), dtype=str(dtype), ffn_chunk_rows=args.ffn_chunk_rows,
                   head_groups=args.head_groups, fused_branch=args.fused_branch, fused_blocks=args.fused_blocks, blocks={})
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
     context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
@@ -214,9 +213,7 @@ def main(argv=None) -> dict:
                 stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx), device.type == "cuda")
         result["blocks"][name] = stats
         del block, out
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
+    text = record.write(result, args.out, indent=2)
     print(text)
     return result
 

@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # dit_block's helpers, also when this file is loaded from elsewhere
+import record  # noqa: E402
 
 import dit_block  # noqa: E402
 
@@ -155,9 +156,7 @@ def main(argv=None) -> dict:
     packed, inputs = request(setup, device)
     shape = BlockShape.of(cfg, packed, dtype)
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
-    result = dict(command="python3 bench/dit_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=shape.rows,
+    result = dict(record.header("dit_step.py", argv), rows=shape.rows,
                   low_memory=args.low_memory, cap_gib=args.cap_gib, fused_branch=args.fused_branch,
                   fused_blocks=args.fused_blocks, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), variants={})
     model = random_model(cfg, device, dtype)
@@ -209,8 +208,7 @@ def main(argv=None) -> dict:
         print(variant, json.dumps(stats), flush=True)
         if cuda:
             torch.cuda.empty_cache()
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    record.write(result, args.out)
     return result
 
 
