@@ -171,6 +171,9 @@ def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *,
 # Extra time of each lower-memory choice, as a fraction of a hybrid block's time, measured on an H200 at the
 # release length (bench/results/dit_block.md): 2 head groups with a chunked FFN cost nothing, 8 groups 19 %.
 HEAD_GROUP_COST = {1: 0.0, 2: 0.0, 4: 0.08, 8: 0.19}
+# With fused blocks, of a whole evaluation (bench/results/dit_step.md): 2 groups with a 32,768-row FFN cost 4 %;
+# 8 groups with a 16,384-row FFN and 14 of 50 blocks streamed cost 95 % (the groups' share not separated).
+FUSED_HEAD_GROUP_COST = {1: 0.0, 2: 0.04, 8: 0.95}
 # Host-to-device copy rate assumed for streamed blocks when no measurement overrides it (pinned memory, PCIe 5).
 HOST_COPY_BYTES_PER_S = 25e9
 
@@ -225,7 +228,7 @@ def plan_for_memory(cfg, shape: BlockShape, budget: float, *, hybrid: bool, dtyp
         taken.append(name)
         predicted = peak(options, adaln_on_host)
         if predicted["total"] <= budget:
-            return plan(options, adaln_on_host, None, predicted, _group_cost(options))
+            return plan(options, adaln_on_host, None, predicted, _group_cost(options, fused))
     weights = weight_bytes(cfg, dtype, linears=linears)
     per_block = weights.per_block - weights.adaln
     for resident in range(cfg.layers - 1, -1, -1):
@@ -235,10 +238,14 @@ def plan_for_memory(cfg, shape: BlockShape, budget: float, *, hybrid: bool, dtyp
     streamed = cfg.layers - resident
     taken.append(f"{streamed} of {cfg.layers} blocks streamed from host memory")
     copy_s = streamed * per_block / HOST_COPY_BYTES_PER_S
-    extra = f"{_group_cost(options)}; up to {copy_s:.1f} s per evaluation of block copies not hidden behind compute"
+    extra = f"{_group_cost(options, fused)}; up to {copy_s:.1f} s per evaluation of block copies not hidden behind compute"
     return plan(options, adaln_on_host, resident, predicted, extra)
 
 
-def _group_cost(options: LowMemory) -> str:
+def _group_cost(options: LowMemory, fused: bool = False) -> str:
+    if fused:
+        cost = FUSED_HEAD_GROUP_COST.get(options.head_groups)
+        return ("more time: unmeasured" if cost is None
+                else f"about {round(100 * cost)} % more time per evaluation")
     cost = HEAD_GROUP_COST.get(options.head_groups)
     return "unmeasured" if cost is None else f"about {round(100 * cost)} % more time per hybrid block"
