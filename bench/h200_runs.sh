@@ -5,15 +5,18 @@
 #   branch    bench/branch_stages.py (the linear branch stage by stage, plain and fused)
 #   block     bench/dit_block.py --profile: plain, the fused branch, every block fused
 #   memory    bench/block_memory.py (block peaks against the memory model, incl. the branch's frame chunks)
-#   step      bench/dit_step.py: every variant, median of 3, blocks fused
-#   caps      bench/dit_step.py at 80 and 24 GiB caps (the memory model's plan)
-# Usage: bash bench/h200_runs.sh [checks] [branch] [block] [memory] [step] [caps]
+#   step-bf16 bench/dit_step.py: dense H3 and VDN-H3 decomposed and flex in bf16, median of 3, blocks fused
+#   step-fp8  bench/dit_step.py: VDN-H3 decomposed and flex with fp8 linears (each step part fits one call;
+#             with flash-attn-4 on PYTHONPATH the same commands give the FA4 table)
+#   caps      bench/dit_step.py at 80 and 24 GiB caps (the memory model's plan; expandable segments, so the
+#             memory left by building the model at full size on the device goes back)
+# Usage: bash bench/h200_runs.sh [checks] [branch] [block] [memory] [step-bf16] [step-fp8] [caps]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(checks branch block memory step caps)
+[ ${#parts[@]} -eq 0 ] && parts=(checks branch block memory step-bf16 step-fp8 caps)
 run() {  # name, command...
     local name="$1"; shift
     echo "== $name: $*"
@@ -32,12 +35,16 @@ for part in "${parts[@]}"; do
                 --out "$out/dit_block_fused.json" ;;
         memory) run block_memory python3 bench/block_memory.py --frames 102 --variants 1:0 2:32768 1:0:10 2:32768:10 \
                 --out "$out/block_memory.json" ;;
-        step) run dit_step python3 bench/dit_step.py --reps 3 --profile --fused-blocks compiled --out "$out/dit_step.json" ;;
+        step-bf16) run dit_step_bf16 python3 bench/dit_step.py --variants dense-bf16 bf16-decomposed bf16-flex --reps 3 \
+                --profile --fused-blocks compiled --out "$out/dit_step_bf16.json" ;;
+        step-fp8) run dit_step_fp8 python3 bench/dit_step.py --variants fp8-decomposed fp8-flex --reps 3 --profile \
+                --fused-blocks compiled --out "$out/dit_step_fp8.json" ;;
         caps)
+            export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
             run dit_step_80 python3 bench/dit_step.py --variants bf16-decomposed --cap-gib 80 --reps 3 \
                 --fused-blocks compiled --out "$out/dit_step_cap80.json"
             run dit_step_24 python3 bench/dit_step.py --variants fp8-decomposed --cap-gib 24 --reps 1 \
                 --fused-blocks compiled --out "$out/dit_step_cap24.json" ;;
-        *) echo "unknown part $part (checks branch block memory step caps)"; exit 2 ;;
+        *) echo "unknown part $part (checks branch block memory step-bf16 step-fp8 caps)"; exit 2 ;;
     esac
 done
