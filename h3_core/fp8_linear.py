@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -39,6 +39,8 @@ __all__ = [
     "E4M3_MAX",
     "FP8_LAYERS",
     "Fp8Linear",
+    "QuantizedRows",
+    "quantize_input",
     "quantization_targets",
     "fp8_linear_reference",
     "fp8_linear_scaled_mm",
@@ -81,6 +83,33 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+class QuantizedRows(NamedTuple):
+    """Activations already quantised by ``quantize_input``: the same input read by several slices of one
+    layer (the head-group path's q, k and v rows of every group) is quantised once."""
+
+    codes: torch.Tensor  # [M, in] e4m3
+    scale: torch.Tensor  # [M, 1] fp32
+    lead: tuple[int, ...]  # the input's leading shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.lead, self.codes.shape[-1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+
+def quantize_input(x: torch.Tensor) -> QuantizedRows:
+    """``x`` ``[..., in]`` quantised per row as ``Fp8Linear`` does (``quantize_rows``), for reuse."""
+    codes, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return QuantizedRows(codes, scale, tuple(x.shape[:-1]))
+
+
+def _rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
+    return x if isinstance(x, QuantizedRows) else quantize_input(x)
+
+
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """The eager reference of ``Fp8Linear``: rows quantised as the fast path does, then
@@ -88,15 +117,16 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     fp32 matmul follows torch's TF32 setting.
 
     Args:
-        x ``[..., in]``; weight ``[out, in]`` e4m3; weight_scale ``[out]`` fp32; bias ``[out]`` or None.
+        x ``[..., in]`` (or its ``QuantizedRows``); weight ``[out, in]`` e4m3; weight_scale ``[out]`` fp32; bias
+        ``[out]`` or None.
     Returns:
         ``[..., out]`` in ``out_dtype``.
     """
-    codes, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-    y = (codes.float() * scale) @ (weight.float() * weight_scale.float()[:, None]).t()
+    rows = _rows(x)
+    y = (rows.codes.float() * rows.scale) @ (weight.float() * weight_scale.float()[:, None]).t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return y.to(out_dtype).reshape(*rows.lead, weight.shape[0])
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -108,10 +138,10 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     scales are contiguous fp32 ``[M, 1]`` and ``[1, out]``. ``fast_accum`` lets Hopper's fp8 tensor cores
     accumulate without the periodic fp32 promotion (faster, less precise; the published path uses it).
     """
-    codes, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-    y = torch._scaled_mm(codes, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1), bias=bias,
+    rows = _rows(x)
+    y = torch._scaled_mm(rows.codes, weight.t(), scale_a=rows.scale, scale_b=weight_scale.view(1, -1), bias=bias,
                          out_dtype=out_dtype, use_fast_accum=fast_accum)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y.reshape(*rows.lead, weight.shape[0])
 
 
 @functools.cache
@@ -253,11 +283,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.part(x)
 
-    def part(self, x: torch.Tensor, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    def part(self, x: torch.Tensor | QuantizedRows, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
         """``x @ W[rows, cols]ᵀ`` (+ the bias of those rows when every input column is used): output features
         ``rows`` or the share of input features ``cols``, for the head-group path (``models.low_memory``).
         A column slice of the weight is copied (the kernel wants it contiguous; it is one head group's
-        share of the layer)."""
+        share of the layer). ``x`` may come quantised already (``quantize_input``), the same numbers."""
         self._check_storage()
         weight, scale, bias = self.weight, self.weight_scale, self.bias
         if rows is not None:

@@ -79,9 +79,10 @@ class BlockShape:
 
 
 def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool,
-                fused: bool = False) -> dict[str, float]:
+                fused: bool = False, linears: str = "dtype") -> dict[str, float]:
     """Predicted peak bytes above what is allocated when a block is called: ``attention``, ``ffn`` and the
-    whole ``block`` (their maximum). ``fused``: the blocks run ``block_fused``'s kernels."""
+    whole ``block`` (their maximum). ``fused``: the blocks run ``block_fused``'s kernels; ``linears="fp8"``:
+    with head groups the projection's input is quantised once for all groups and held through them."""
     e, T = shape.element, shape.rows
     D, I = T * shape.hidden * e, T * shape.inner * e
     C = shape.branch_rows * shape.inner * e
@@ -93,6 +94,8 @@ def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: 
         if options.branch_frames is not None and shape.branch_frames > options.branch_frames:
             own -= FP32_STATISTICS * (1 - options.branch_frames / shape.branch_frames)
         attention = max(attention, (3 if grouped else 2) * D + 3 * I / groups + own * C / groups)
+    if grouped and linears == "fp8":
+        attention += T * (shape.hidden + 4)  # e4m3 codes and an fp32 scale per row (Attention.projection_input)
     chunk = T if options.ffn_chunk_rows is None else min(T, options.ffn_chunk_rows)
     fc2_out = (chunk * shape.hidden * e + D) if chunk < T else D
     ffn = 2 * D + 2 * chunk * shape.ffn * e + fc2_out
@@ -164,7 +167,7 @@ def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *,
     T, e = shape.rows, shape.element
     rope_tables = 2 * T * 6 * cfg.rope_freqs * 4  # cos and sin, fp32, [T, 6 · rope_freqs] each (rope_cos_sin)
     living = T * shape.hidden * e + rope_tables
-    activations = living + block_peaks(shape, options, hybrid=hybrid, fused=fused)["block"]
+    activations = living + block_peaks(shape, options, hybrid=hybrid, fused=fused, linears=linears)["block"]
     return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
 from ..errors import H3InputError
+from ..fp8_linear import quantize_input
 from ..keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
 from ..sizes import sizes_from_metadata
 from . import block_fused
@@ -123,20 +124,30 @@ class Attention(nn.Module):
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         return q, k
 
-    def project(self, x: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def projection_input(self, x: torch.Tensor):
+        """What every head group's projection reads: ``x``, or for an fp8 ``qkv_proj`` run in groups its rows
+        quantised once (each group's q, k and v slices would otherwise quantise the same rows again)."""
+        if self.head_groups > 1 and hasattr(self.qkv_proj, "part"):
+            return quantize_input(x)
+        return x
+
+    def project(self, x: torch.Tensor, heads: slice | None = None, source=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw q, k, v ``[T, h, d]`` of the heads in ``heads`` (all by default): one GEMM for all heads,
-        three row slices of the fused weight for a group."""
+        three row slices of the fused weight for a group, read from ``source`` (``projection_input``) if given."""
         T, d = x.shape[0], self.head_dim
         if heads is None or (heads.start, heads.stop) == (0, self.heads):
             return self.qkv_proj(x).view(T, 3, self.heads, d).unbind(1)
         inner, a, b = self.heads * d, heads.start * d, heads.stop * d
-        return tuple(linear_rows(self.qkv_proj, x, i * inner + a, i * inner + b).view(T, -1, d) for i in range(3))
+        source = x if source is None else source
+        return tuple(linear_rows(self.qkv_proj, source, i * inner + a, i * inner + b).view(T, -1, d)
+                     for i in range(3))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, ctx=None) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
         out = None
+        source = self.projection_input(x)
         for heads in head_slices(self.heads, self.head_groups):
-            q, k, v = self.project(x, heads)
+            q, k, v = self.project(x, heads, source)
             q, k = self.normed_rotated(q, k, rope)
             attended = dense_attention(q, k, v).out.reshape(T, -1)
             del q, k, v

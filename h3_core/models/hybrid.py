@@ -76,8 +76,9 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     grid = (layout.frame_h, layout.frame_w)
     gate = attn.softmax_gate(x)  # [T, H]
     out = readout_total = None
+    source = attn.projection_input(x)
     for heads in head_slices(attn.heads, attn.head_groups):
-        q_raw, k_raw, v = attn.project(x, heads)
+        q_raw, k_raw, v = attn.project(x, heads, source)
         q, k = attn.normed_rotated(q_raw, k_raw, rope)
         soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
         del q, k

@@ -59,6 +59,29 @@ def test_low_memory_runs_on_fp8_linears(hybrid):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.995
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_head_groups_share_one_quantisation_of_the_projection_input(hybrid, monkeypatch):
+    from h3_core.fp8_linear import QuantizedRows, quantize_linears
+    from h3_core.models.dit import Attention
+
+    m = model(hybrid).float()
+    quantize_linears(m, compute_dtype=torch.float32)
+    apply_low_memory(m, LowMemory(head_groups=3))
+    packed, args = request()
+    args = tuple(a.float() if a.is_floating_point() else a for a in args)
+    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
+    made = []
+    shared = Attention.projection_input
+    monkeypatch.setattr(Attention, "projection_input", lambda self, x: made.append(shared(self, x)) or made[-1])
+    with torch.no_grad():
+        once = m(*args, hybrid=ctx)
+        assert made and all(isinstance(q, QuantizedRows) for q in made)
+        monkeypatch.setattr(Attention, "projection_input", lambda self, x: x)  # each slice quantises x itself
+        each = m(*args, hybrid=ctx)
+    for a, b in zip(once, each):
+        assert torch.equal(a, b)
+
+
 def test_every_block_takes_the_options():
     m = model(True)
     apply_low_memory(m, LowMemory(ffn_chunk_rows=128, head_groups=3, branch_frames=5))
