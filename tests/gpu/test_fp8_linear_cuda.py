@@ -220,3 +220,15 @@ def test_one_step_of_a_reduced_dit_against_bf16(hybrid):
         assert torch.isfinite(got_part).all()
         assert cosine(got_part, want_part) >= 0.995
         assert cosine(baseline_part, want_part) < 0.97  # the quantised layers carry a real share of the output
+
+
+@needs_fp8
+def test_rows_quantised_once_give_every_slice_what_quantising_it_again_gives():
+    from h3_core.fp8_linear import quantize_input
+
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(512, 3 * 256, bias=False).to(DEV, torch.bfloat16)).to(DEV)
+    x = torch.randn(2, 300, 512, device=DEV, dtype=torch.bfloat16)
+    once = quantize_input(x)
+    for rows in (slice(0, 128), slice(256, 384), slice(640, 768)):
+        assert torch.equal(layer.part(once, rows=rows), layer.part(x, rows=rows))
