@@ -16,11 +16,9 @@ from typing import Iterable
 import torch
 
 from ..errors import H3InputError
-from .host_arena import HostArena
+from .host_arena import HostArena, aligned
 
 __all__ = ["keep_adaln_on_host", "prepare_adaln_tables", "clear_adaln_tables", "adaln_tables_for"]
-
-_ALIGN = 512  # each projection at an allocator-aligned offset, so its GEMM runs the kernels of a fresh copy
 
 
 def _key(timesteps: torch.Tensor) -> tuple[float, ...]:
@@ -45,26 +43,20 @@ def keep_adaln_on_host(model) -> int:
     model.adaln_tables = {}
     if not params:
         return 0
-    devices = {p.device for p in params}
-    sizes = [_aligned(p.numel() * p.element_size()) for p in params]
-    arena = HostArena(sum(sizes), "the AdaLN projections")
+    cuda = next((p.device for p in params if p.device.type == "cuda"), None)
+    nbytes = [p.numel() * p.element_size() for p in params]
+    arena = HostArena(sum(aligned(n) for n in nbytes), "the AdaLN projections")
     offset = 0
     with torch.no_grad():
-        for param, size in zip(params, sizes):
-            nbytes = param.numel() * param.element_size()
-            host = arena.bytes[offset : offset + nbytes].view(param.dtype).view(param.shape)
+        for param, n in zip(params, nbytes):
+            host = arena.bytes[offset : offset + n].view(param.dtype).view(param.shape)
             host.copy_(param.data)
             param.data = host  # the device copy is released here, one projection at a time
-            offset += size
-    cuda = [d for d in devices if d.type == "cuda"]
-    if cuda:
-        arena.pin(cuda[0])
+            offset += aligned(n)
+    if cuda is not None:
+        arena.pin(cuda)
     model._adaln_arena = arena  # lives as long as the weights in it
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+    return sum(nbytes)
 
 
 def prepare_adaln_tables(model, timestep_sets: Iterable[torch.Tensor], device) -> int:

@@ -18,12 +18,22 @@ import weakref
 
 import torch
 
-__all__ = ["HostArena", "discard_cuda_error"]
+__all__ = ["HostArena", "ALIGN", "aligned"]
 
 _log = logging.getLogger(__name__)
 
+# Offsets of tensors inside an arena: the CUDA caching allocator's granularity, so every view is as aligned as a
+# fresh allocation. cuBLAS(Lt) chooses kernels by pointer alignment (up to 256 bytes), so a matmul on weights
+# copied from the arena runs the kernels it would run on a fresh copy and reproduces its results bit for bit.
+ALIGN = 512
 
-def discard_cuda_error(device: torch.device) -> None:
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the next multiple of ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _discard_cuda_error(device: torch.device) -> None:
     """A failed CUDA runtime call leaves its error as the thread's last error, and the next kernel launch check
     would report it as its own; a trivial launch here reports it once, and it is dropped."""
     try:
@@ -54,7 +64,7 @@ class HostArena:
         address = self.bytes.data_ptr()
         result = cudart.cudaHostRegister(address, self.bytes.numel(), 0)
         if int(result) != 0:
-            discard_cuda_error(device)
+            _discard_cuda_error(device)
             _log.warning("could not page-lock %.2f GiB of host memory for %s (%s): their copies will not overlap "
                          "compute", self.bytes.numel() / 2**30, self.what, cudart.cudaGetErrorString(result))
             return

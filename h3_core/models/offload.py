@@ -31,14 +31,10 @@ import torch
 import torch.nn as nn
 
 from ..errors import H3InputError
-from .host_arena import HostArena
+from .host_arena import HostArena, aligned
 
 __all__ = ["BlockOffload", "OffloadStats", "offload_blocks"]
 
-# Offsets of tensors within an image and of images within the arena: the CUDA caching allocator's granularity,
-# so every view is as aligned as a fresh allocation. cuBLAS(Lt) chooses kernels by pointer alignment (up to 256
-# bytes), so the streamed matmuls run the resident model's kernels and reproduce its results bit for bit.
-_ALIGN = 512
 _MARK = "_h3_block_offload"  # the model attribute that holds its handle while it is offloaded
 
 
@@ -127,10 +123,6 @@ def _device(device, argument: str) -> torch.device:
     return resolved
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
 def _stays_on_host(module: nn.Module) -> bool:
     """Modules marked ``stays_on_host`` (the AdaLN projections under ``keep_adaln_on_host``) are neither streamed
     nor moved: the evaluation does not read them."""
@@ -157,7 +149,7 @@ def _block_layout(block: nn.Module) -> tuple[list[_Place], list[torch.Tensor], i
             nbytes = tensor.numel() * tensor.element_size()
             if id(tensor) not in offsets:
                 offsets[id(tensor)] = size
-                size = _aligned(size + nbytes)
+                size = aligned(size + nbytes)  # see host_arena.ALIGN: the resident kernels, bit for bit
             places.append(_Place(module, name, tensor if is_parameter else None, tensor.dtype, tensor.shape,
                                  offsets[id(tensor)], nbytes))
             tensors.append(tensor)
