@@ -1,8 +1,9 @@
 """The pack's models as ComfyUI's model management sees them, so the host can make room for them and take
 them back.
 
-Before a model runs (the DiT, the VAEs, the text encoder), its node hands a ``Residency`` to ``comfy.model_management.load_models_gpu``: the host
-unloads other models until ours fits and lists ours among its loaded models. Placing the DiT's weights
+Before a model runs (the DiT, a VAE, the text encoder), its node hands a ``Residency`` to
+``comfy.model_management.load_models_gpu``: the host unloads other models until ours fits and lists ours
+among its loaded models. Placing the DiT's weights
 stays ours (the memory policy in ``h3_core.placement``), so loading is a no-op here, and a VAE is simply
 moved to the device; when the host unloads or needs the memory back (``unload_all_models``, "free memory",
 another model's load — e.g. the DiT before a long decode) it calls ``detach`` / ``partially_unload`` and the
