@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,20 +36,7 @@ def timer(cuda: bool, reps: int):
         fn()
         if cuda:
             torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            if cuda:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                stop.record()
-                stop.synchronize()
-                times.append(start.elapsed_time(stop))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return round(statistics.median(times), 3)
+        return round(statistics.median(record.event_times_ms(fn, reps, cuda)), 3)
     return run
 
 

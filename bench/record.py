@@ -1,5 +1,5 @@
 """What every benchmark writes beside its numbers: the command that produced them, the machine and library
-versions, the date; and the JSON written to ``--out`` and printed."""
+versions, the date; the JSON written to ``--out`` and printed; and the CUDA-event timing loop they share."""
 
 from __future__ import annotations
 
@@ -29,3 +29,22 @@ def write(result: dict, out: Path | None, indent: int = 1) -> str:
     if out:
         Path(out).write_text(text + "\n")
     return text
+
+
+def event_times_ms(fn, reps: int, cuda: bool) -> list[float]:
+    """Milliseconds of ``reps`` calls of ``fn``, each between two CUDA events on a GPU, by the wall clock on the
+    CPU (where a benchmark only dry-runs its code)."""
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 from h3_core.attention import (  # noqa: E402
     SequenceLayout,
@@ -172,19 +174,7 @@ def timed(fn, reps=7, warmup=2):
     first_ms = (time.perf_counter() - t0) * 1e3
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+    times = record.event_times_ms(fn, reps, cuda)
     if not cuda:
         return fn(), dict(ms=statistics.median(times), spread_ms=max(times) - min(times), first_ms=first_ms,
                           extra_peak_gib=0.0, times=times)
