@@ -3,8 +3,8 @@ of 128, bf16), the plain forms next to candidate faster ones, each timed (median
 timings after a warm-up) and checked against the plain form.
 
 Stages: features (spatial 5×5 + temporal 5-tap depthwise convs, SiLU, L2), frame statistics (fp32, TF32,
-bf16 inputs with fp32 accumulation), the solve (Cholesky with and without its error check, an explicit
-inverse), the scans, the gather and the readout (einsum + norm + gate, or GEMM + one fused pass); then the
+the Gram products of √β-scaled half-precision features with fp32 sums), the solve (Cholesky with and
+without its error check, an explicit inverse), the scans, the gather and the readout (einsum + norm + gate, or GEMM + one fused pass); then the
 whole branch plain and fused (``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small
 geometry on the CPU (no compiled candidates there).
 
@@ -91,6 +91,11 @@ def main(argv=None) -> dict:
         ms["statistics fp32"] = time_it(lambda: lb.frame_statistics(kt, vt, beta))
         ms["statistics fp32, 16 frames at a time"] = time_it(lambda: lb.frame_statistics(kt, vt, beta, 16))
         A, B = lb.frame_statistics(kt, vt, beta)
+        root = beta.sqrt()[..., None]
+        k_scaled, v_scaled = ((t * root).to(dtype).transpose(1, 2).contiguous() for t in (kt, vt))
+        ms["statistics Gram of √β-scaled features (half precision, fp32 sums)"] = time_it(
+            lambda: branch_fused.gram_statistics(k_scaled, v_scaled))
+        diff["statistics Gram vs fp32"] = max_diff(branch_fused.gram_statistics(k_scaled, v_scaled), (A, B))
         if cuda:
             torch.backends.cuda.matmul.allow_tf32 = True
             ms["statistics TF32"] = time_it(lambda: lb.frame_statistics(kt, vt, beta))

@@ -24,7 +24,7 @@ and a 52-frame clip then check the whole model (``bench/results/block_memory.md`
 
 With the blocks' elementwise work fused (``models.block_fused``, ``fused=True``) q and k are normed and
 rotated in one pass (``FUSED_ROTATE_TEMPS``) and the branch writes its features head-major with no layout
-copies (``FUSED_BRANCH_BUFFERS``); both measured on an H200 at the release length, one head group
+copies and no fp32 copies for the statistics (``FUSED_BRANCH_BUFFERS``); both measured on an H200 at the release length, one head group
 (``bench/results/dit_block.md``).
 """
 
@@ -49,10 +49,11 @@ BRANCH_BUFFERS = {1: 13.77, "grouped": 14.67}
 # exist for that many frames only. This reduction is derived, not yet measured, so ``plan_for_memory`` does
 # not use the option.
 FP32_STATISTICS = 6.0
-# Fused blocks, in the same units: measured with one head group (dense block 10.12 GiB, hybrid 18.08 GiB above
-# its inputs at T = 104,266). The grouped branch is assumed to keep the plain path's extra 0.9 C / G.
+# Fused blocks, in the same units: measured with one head group (dense block 10.12 GiB, hybrid 12.73 GiB above
+# its inputs at T = 104,266; the fused branch forms its statistics as Gram products of the bf16 features, with
+# no fp32 copies). The grouped branch is assumed to keep the plain path's extra 0.9 C / G.
 FUSED_ROTATE_TEMPS = 0.5
-FUSED_BRANCH_BUFFERS = {1: 8.78, "grouped": 9.68}
+FUSED_BRANCH_BUFFERS = {1: 4.81, "grouped": 5.71}
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: 
     attention = D + (D if grouped else I) + (5 + (FUSED_ROTATE_TEMPS if fused else ROTATE_TEMPS)) * I / groups
     if hybrid:
         own = (FUSED_BRANCH_BUFFERS if fused else BRANCH_BUFFERS)["grouped" if grouped else 1]
-        if options.branch_frames is not None and shape.branch_frames > options.branch_frames:
+        if not fused and options.branch_frames is not None and shape.branch_frames > options.branch_frames:
             own -= FP32_STATISTICS * (1 - options.branch_frames / shape.branch_frames)
         attention = max(attention, (3 if grouped else 2) * D + 3 * I / groups + own * C / groups)
     if grouped and linears == "fp8":

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..errors import H3InputError
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
-           "query_features", "readout_finish", "run", "call", "accumulation"]
+           "gram_statistics", "query_features", "readout_finish", "run", "call", "accumulation"]
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6
@@ -47,10 +47,12 @@ def spatial_conv(x: torch.Tensor, weight: torch.Tensor, grid) -> torch.Tensor:
     return y.permute(0, 2, 3, 1).reshape(frames, -1, channels)
 
 
-def conv_features(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bool) -> torch.Tensor:
-    """SiLU(TConv(y)) per channel, L2-normalised per head when ``normalize``: ``[F, heads, S, d]`` from the
-    spatially convolved ``y`` ``[F, S, heads·d]`` and the temporal taps ``[C, 1, n]`` (zero padded across
-    frames, cross-correlation as ``conv1d``)."""
+def conv_features(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bool,
+                  beta: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(TConv(y)) per channel, L2-normalised per head when ``normalize``, times √β per row and head when
+    ``beta`` ``[F, S, heads]`` is given: ``[F, heads, S, d]`` from the spatially convolved ``y``
+    ``[F, S, heads·d]`` and the temporal taps ``[C, 1, n]`` (zero padded across frames, cross-correlation as
+    ``conv1d``)."""
     frames, tokens, channels = y.shape
     acc = accumulation(y.dtype)
     n = taps.shape[-1]
@@ -62,7 +64,32 @@ def conv_features(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bo
     z = F.silu(z).view(frames, tokens, heads, channels // heads)
     if normalize:
         z = z / torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min(EPS)
+    if beta is not None:
+        z = z * beta.to(acc).sqrt()[..., None]
     return z.permute(0, 2, 1, 3).contiguous().to(y.dtype)
+
+
+def gram_statistics(k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frame statistics from features already scaled by √β (``conv_features`` with ``beta``), head-major
+    ``[F, h, S, d]``: A = Σ_s (√β k̃)(√β k̃)ᵀ, symmetrised, and B = Σ_s (√β ṽ)(√β k̃)ᵀ, ``[F, h, d, d]`` in
+    fp32 (fp64 for fp64 features).
+
+    Both are Gram products of the stored features, so half-precision features go straight into the tensor
+    cores with fp32 sums (``torch.bmm``'s ``out_dtype``, CUDA only) and no fp32 copy of k̃, ṽ or β·k̃ is
+    made; elsewhere the features are widened first. A is positive semi-definite by construction, so I + A
+    keeps its Cholesky factor."""
+    frames, heads, tokens, d = k_scaled.shape
+    acc = accumulation(k_scaled.dtype)
+    g = k_scaled.reshape(frames * heads, tokens, d)
+    h = v_scaled.reshape(frames * heads, tokens, d)
+    if g.is_cuda and g.dtype in (torch.bfloat16, torch.float16):
+        A = torch.bmm(g.transpose(1, 2), g, out_dtype=acc)
+        B = torch.bmm(h.transpose(1, 2), g, out_dtype=acc)
+    else:
+        g, h = g.to(acc), h.to(acc)
+        A, B = g.transpose(1, 2) @ g, h.transpose(1, 2) @ g
+    A = 0.5 * (A + A.transpose(1, 2))
+    return A.view(frames, heads, d, d), B.view(frames, heads, d, d)
 
 
 def query_features(q: torch.Tensor) -> torch.Tensor:

@@ -246,10 +246,10 @@ class LinearBranch(nn.Module):
                    conv.v_tm.weight[channels])
         beta = torch.sigmoid(F.linear(x, self.beta_proj.weight[heads])).view(frames, S, -1)
         if self.fused:
-            # k̃, ṽ come head-major [F, h, S, d]; the statistics read them through a [F, S, h, d] view.
-            k = self._fused_features(k_raw.view(frames, S, -1), weights[0], weights[1], grid, shape[2], True)
-            v = self._fused_features(v_raw.view(frames, S, -1), weights[2], weights[3], grid, shape[2], False)
-            A, B = frame_statistics(k.transpose(1, 2), v.transpose(1, 2), beta, self.statistics_frames)
+            # √β·k̃ and √β·ṽ come head-major [F, h, S, d]: the statistics are their Gram products.
+            k = self._fused_features(k_raw.view(frames, S, -1), weights[0], weights[1], grid, beta, True)
+            v = self._fused_features(v_raw.view(frames, S, -1), weights[2], weights[3], grid, beta, False)
+            A, B = branch_fused.gram_statistics(k, v)
         else:
             q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid, weights)
             A, B = frame_statistics(k, v, beta, self.statistics_frames)
@@ -267,9 +267,9 @@ class LinearBranch(nn.Module):
         out = F.rms_norm(out.to(acc), (self.head_dim,), self.norm.weight.to(acc), EPS).to(x.dtype)
         return (out * self.output_gate(x, channels).view(shape)).reshape(frames * S, -1)
 
-    def _fused_features(self, raw, spatial, temporal, grid, heads: int, normalize: bool):
+    def _fused_features(self, raw, spatial, temporal, grid, beta, normalize: bool):
         y = branch_fused.spatial_conv(raw, spatial, grid)
-        return branch_fused.run(self.fused, "conv_features", y, temporal, heads, normalize)
+        return branch_fused.run(self.fused, "conv_features", y, temporal, beta.shape[-1], normalize, beta)
 
     def _fused_readout(self, x, q_raw, state, channels: slice):
         q = branch_fused.run(self.fused, "query_features", q_raw)  # [F, h, S, d]

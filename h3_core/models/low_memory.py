@@ -6,8 +6,9 @@
   v, the attention output and the branch's features exist for one group only, and each group's share of
   ``out_proj`` (and ``to_out_linear``) is added into the block output. Heads are independent, so only the
   order of that final sum changes (in half precision each group's share is rounded as it is added).
-* ``branch_frames``: the linear branch's fp32 frame statistics formed that many frames at a time; each
-  frame's sums are its own, so the numbers are the same.
+* ``branch_frames``: the plain linear branch's fp32 frame statistics formed that many frames at a time; each
+  frame's sums are its own, so the numbers are the same. (The fused branch makes no fp32 copies of its
+  features, ``branch_fused.gram_statistics``, so it has nothing to chunk.)
 
 The plain path is ``LowMemory()``: everything at once.
 """

@@ -330,6 +330,21 @@ def test_linear_branch_module_fp32_on_cuda_matches_fp64_on_cpu():
     assert rel(half, gold) <= BF16_BLOCK
 
 
+def test_gram_statistics_of_bf16_features_on_cuda_sum_in_fp32():
+    from h3_core.models.branch_fused import gram_statistics
+
+    g = torch.Generator().manual_seed(9)
+    k, v = (torch.nn.functional.normalize(torch.randn(6, 4, 1008, 128, generator=g), dim=-1).to(torch.bfloat16)
+            for _ in range(2))
+    A, B = gram_statistics(k.to(DEV), v.to(DEV))
+    wide_k, wide_v = k.double(), v.double()
+    assert A.dtype == B.dtype == torch.float32
+    # the bf16 features are exact in fp64: only the fp32 sums differ
+    assert rel(A.cpu(), wide_k.transpose(-1, -2) @ wide_k) <= FP32_STAGE
+    assert rel(B.cpu(), wide_v.transpose(-1, -2) @ wide_k) <= FP32_STAGE
+    assert torch.equal(A, A.transpose(-1, -2))
+
+
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_fused_branch_on_cuda_is_as_close_to_fp64_as_the_plain_branch(mode):
     from h3_core.models.branch_fused import compiled_branch_available

@@ -10,7 +10,7 @@ from h3_core.attention.layout import window_bounds
 from h3_core.errors import H3InputError
 from h3_core.models import branch_fused
 from h3_core.models.hybrid import HybridContext
-from h3_core.models.linear_branch import LinearBranch, featurize
+from h3_core.models.linear_branch import LinearBranch, featurize, frame_statistics
 from h3_core.models.low_memory import LowMemory, apply_low_memory
 
 from tiny_dit import CFG, model, request
@@ -55,6 +55,35 @@ def test_conv_features_in_half_precision_are_no_worse_than_the_plain_features():
     # Both paths round the spatial conv's output to bf16 (the largest error here: its taps' sums cancel in
     # the temporal conv); the plain path also rounds the temporal conv, SiLU and the norm, the fused one not.
     assert fused_error <= 1.1 * plain_error
+
+
+def test_conv_features_with_beta_are_scaled_by_its_square_root():
+    y = rnd(FR, S, H * D, seed=18)
+    temporal = conv_weights()[1]
+    beta = torch.sigmoid(rnd(FR, S, H, seed=19))
+    scaled = branch_fused.conv_features(y, temporal, H, True, beta)
+    plain = branch_fused.conv_features(y, temporal, H, True)
+    assert (scaled - plain * beta.sqrt().permute(0, 2, 1)[..., None]).abs().max() <= 1e-12
+
+
+def test_gram_statistics_of_scaled_features_are_the_frame_statistics():
+    k, v = rnd(FR, S, H, D, seed=20), rnd(FR, S, H, D, seed=21)
+    beta = torch.sigmoid(rnd(FR, S, H, seed=22))
+    root = beta.sqrt()[..., None]
+    A, B = branch_fused.gram_statistics((k * root).transpose(1, 2), (v * root).transpose(1, 2))
+    A_want, B_want = frame_statistics(k, v, beta)
+    assert A.shape == B.shape == (FR, H, D, D) and A.dtype == B.dtype == torch.float64
+    assert (A - A_want).abs().max() <= 1e-12 * A_want.abs().max()
+    assert (B - B_want).abs().max() <= 1e-12 * B_want.abs().max()
+    assert torch.equal(A, A.transpose(-1, -2))
+
+
+def test_gram_statistics_of_half_precision_features_sum_in_fp32():
+    k = rnd(FR, H, S, D, seed=23, dtype=torch.bfloat16)
+    A, B = branch_fused.gram_statistics(k, k)
+    assert A.dtype == B.dtype == torch.float32
+    wide = k.double()
+    assert (A.double() - wide.transpose(-1, -2) @ wide).abs().max() <= 1e-5 * A.abs().max()
 
 
 def test_query_features_equal_the_plain_features():
@@ -120,7 +149,9 @@ def test_the_compiled_functions_equal_the_written_ones():
     y, taps = rnd(FR, S, H * D, seed=12, dtype=torch.float32), rnd(H * D, 1, 5, seed=13, dtype=torch.float32)
     q = rnd(FR, S, H, D, seed=14, dtype=torch.float32)
     o, weight, logits = rnd(FR, H, S, D, seed=15), rnd(D, seed=16), rnd(FR * S, H * D, seed=17)
-    for name, args in (("conv_features", (y, taps, H, True)), ("query_features", (q,)),
+    beta = torch.sigmoid(rnd(FR, S, H, seed=24, dtype=torch.float32))
+    for name, args in (("conv_features", (y, taps, H, True)), ("conv_features", (y, taps, H, False, beta)),
+                       ("query_features", (q,)),
                        ("readout_finish", (o.float(), weight.float(), logits.float()))):
         compiled = branch_fused.run("compiled", name, *args)
         written = branch_fused.run("eager", name, *args)
