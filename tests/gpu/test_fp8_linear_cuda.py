@@ -135,6 +135,26 @@ def test_cuda_quantiser_equals_the_cpu_one():
     assert torch.equal(on_cpu.weight_scale, on_gpu.weight_scale)
 
 
+@pytest.mark.parametrize("width, dtype, strided", [(5376, torch.bfloat16, False), (14336, torch.bfloat16, True),
+                                                   (7168, torch.float32, False), (40, torch.float16, True)])
+def test_the_triton_quantiser_gives_the_reference_codes(width, dtype, strided):
+    """One pass per row on CUDA (h3_core._fp8_triton) against the eager reference on the same device, bit for
+    bit, at the model's widths, for rows of a wider tensor (the FFN's gate half) and with a zero row."""
+    from h3_core.fp8_linear import _fused_quantizer, quantize_rows_reference
+
+    if _fused_quantizer() is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(6)
+    full = torch.randn(257, 2 * width if strided else width, generator=g) * torch.logspace(-4, 4, 257)[:, None]
+    full[17] = 0
+    x = full.to(DEV, dtype)[:, :width]
+    codes, scale = quantize_rows(x)
+    ref_codes, ref_scale = quantize_rows_reference(x)
+    assert codes.is_contiguous() and codes.dtype == torch.float8_e4m3fn and scale.shape == (257, 1)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+
+
 @needs_fp8
 def test_leading_dimensions_are_rows():
     layer = quantised_layer(512, 256)
@@ -181,13 +201,20 @@ def open_gates(model) -> None:
 
 
 @needs_fp8
+@pytest.mark.parametrize("fused", [None, "compiled"], ids=["plain", "fused"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
-def test_one_step_of_a_reduced_dit_against_bf16(hybrid):
+def test_one_step_of_a_reduced_dit_against_bf16(hybrid, fused):
+    """Also with the blocks fused and compiled (the CUDA default): the FFN's product written into fc1's output
+    and quantised by the Triton pass from there."""
     from h3_core.attention import WindowSpec
+    from h3_core.models.block_fused import fuse_blocks
+    from h3_core.models.branch_fused import compiled_branch_available
     from h3_core.models.dit import DiTConfig, H3DiT
     from h3_core.models.hybrid import HybridContext
     from h3_core.pipeline.packing import pack_sequence
 
+    if fused == "compiled" and not compiled_branch_available(DEV):
+        pytest.skip("needs Triton")
     torch.manual_seed(2)
     # Built on the CPU and moved: tests/conftest.py's torch.empty wrapper escapes a torch.device(...) context.
     model = H3DiT(DiTConfig(**REDUCED, hybrid=hybrid)).to(device=DEV, dtype=torch.bfloat16).eval()
@@ -205,6 +232,7 @@ def test_one_step_of_a_reduced_dit_against_bf16(hybrid):
     quantised, without = copy.deepcopy(model), copy.deepcopy(model)
     swapped = quantize_linears(quantised)
     assert swapped == 2 * (5 if hybrid else 4) + 4
+    fuse_blocks(quantised, fused)
     for module in quantised.modules():
         if isinstance(module, Fp8Linear):  # every swapped layer takes the _scaled_mm path
             row = torch.zeros(1, module.in_features, device=DEV, dtype=torch.bfloat16)

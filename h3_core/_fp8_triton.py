@@ -1,0 +1,44 @@
+"""``quantize_rows`` as one Triton pass per row (see fp8_linear.py): the row is read once, its amax and scale
+formed in registers, and the e4m3 codes written, where the eager form reads the row twice and runs its
+division as a generic (unvectorised) mixed-dtype kernel.
+
+Same numbers as the eager reference: the amax is exact, the scale is ``amax / 448`` and the codes ``x / scale``
+with IEEE-rounded divisions (as torch's CUDA kernels divide), and the cast to e4m3 rounds to nearest even
+(the values never exceed 448 by more than the cast rounds away, so its saturation never acts).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quantize_rows_kernel(src, codes, scales, n_cols, s_row, smallest, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(src + row * s_row + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.maximum(tl.div_rn(amax, 448.0), smallest)
+    q = tl.div_rn(x, scale)
+    tl.store(codes + row * n_cols + cols, q.to(codes.dtype.element_ty), mask=mask)
+    tl.store(scales + row, scale)
+
+
+def quantize_rows_triton(x: torch.Tensor, smallest: float,
+                         codes_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[M, K]`` e4m3 (contiguous) and scales ``[M, 1]`` fp32 for rows ``x`` ``[M, K]`` whose last
+    dimension is contiguous (any row stride). ``codes_dtype=torch.float32`` keeps the quotients before the
+    cast (Triton's CPU interpreter emulates the e4m3 cast wrongly, so its tests stop there)."""
+    rows, cols = x.shape
+    assert x.stride(1) == 1 or cols == 1
+    codes = torch.empty(rows, cols, dtype=codes_dtype, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(cols)
+        warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+        _quantize_rows_kernel[(rows,)](x, codes, scales, cols, x.stride(0), smallest, BLOCK=block,
+                                       num_warps=warps)
+    return codes, scales

@@ -1,0 +1,45 @@
+"""The Triton row quantiser (h3_core._fp8_triton) against quantize_rows_reference, under Triton's CPU
+interpreter. The interpreter's e4m3 cast is not the GPU's, so here the kernel keeps its fp32 quotients and
+the cast itself is checked on the GPU (tests/gpu/test_fp8_linear_cuda.py)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core._fp8_triton import quantize_rows_triton
+    from h3_core.fp8_linear import E4M3_MAX, _SMALLEST_SCALE, quantize_rows_reference
+
+    g = torch.Generator().manual_seed(3)
+    wide = (torch.randn(37, 300, generator=g) * torch.logspace(-3, 3, 37)[:, None]).to(torch.bfloat16)
+    wide[5] = 0  # a zero row keeps the smallest scale, no NaN
+    cases = [wide, wide[:, 7:250], torch.randn(9, 64, generator=g), torch.randn(3, 5, generator=g).half()]
+    for x in cases:
+        quotients, scale = quantize_rows_triton(x, _SMALLEST_SCALE, torch.float32)
+        codes, ref_scale = quantize_rows_reference(x)
+        assert quotients.shape == x.shape and quotients.is_contiguous() and scale.shape == (x.shape[0], 1)
+        assert torch.equal(scale, ref_scale), "scales"
+        want = x.float() / ref_scale  # the reference's division before its cast
+        assert torch.equal(quotients, want), "quotients"
+        assert quotients.abs().max() <= E4M3_MAX * (1 + 2**-22)  # rounds to 448 in the cast
+        assert torch.equal(quotients.to(torch.float8_e4m3fn).view(torch.uint8), codes.view(torch.uint8)), "codes"
+    print("OK", len(cases))
+    """
+)
+
+
+def test_triton_quantiser_under_interpreter_matches_reference():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["OK", "4"]
