@@ -179,8 +179,11 @@ class SwiGLU(nn.Module):
         self.fc1 = nn.Linear(cfg.hidden, 2 * cfg.ffn, bias=False)
         self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
         self.chunk_rows: int | None = None
+        self.fused: str | None = None  # ``block_fused`` mode for the SiLU and product: None runs the plain ops
 
     def _rows(self, x):
+        if self.fused:
+            return self.fc2(block_fused.run(self.fused, "swiglu_", self.fc1(x)))
         gate, up = self.fc1(x).chunk(2, dim=-1)
         return self.fc2(F.silu(gate, inplace=True).mul_(up))  # in fc1's output: no further [T, ffn] buffers
 

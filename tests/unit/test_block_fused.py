@@ -52,6 +52,14 @@ def test_gated_residual_writes_into_the_update():
     assert out.data_ptr() == y.data_ptr() and (out - plain).abs().max() <= 1e-12
 
 
+def test_swiglu_writes_into_the_gate_half():
+    gate_up = rnd(11, 2 * 6, seed=10)
+    gate, up = gate_up.clone().chunk(2, dim=-1)
+    out = block_fused.swiglu_(gate_up)
+    assert out.shape == (11, 6) and out.data_ptr() == gate_up.data_ptr() and out.stride() == (12, 1)
+    assert (out - F.silu(gate) * up).abs().max() <= 1e-12
+
+
 def test_the_compiled_functions_equal_the_written_ones():
     x, weight = rnd(11, 8, dtype=torch.float32), rnd(8, seed=1, dtype=torch.float32)
     shift, scale = rnd(6, 8, seed=2, dtype=torch.float32), rnd(6, 8, seed=3, dtype=torch.float32)
@@ -62,6 +70,9 @@ def test_the_compiled_functions_equal_the_written_ones():
     for name, args in cases:
         compiled, written = block_fused.run("compiled", name, *args), block_fused.run("eager", name, *args)
         assert (compiled - written).abs().max() <= 1e-5 * written.abs().max(), name
+    gate_up = rnd(11, 16, seed=11, dtype=torch.float32)
+    expected = block_fused.run("eager", "swiglu_", gate_up.clone())
+    assert (block_fused.run("compiled", "swiglu_", gate_up.clone()) - expected).abs().max() <= 1e-5 * expected.abs().max()
     expected = block_fused.run("eager", "gated_residual_", x, y.clone(), shift, ROWS)
     assert (block_fused.run("compiled", "gated_residual_", x, y.clone(), shift, ROWS) - expected).abs().max() <= 1e-5
 
@@ -76,7 +87,7 @@ def test_a_fused_model_equals_the_plain_model(hybrid, options):
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
         assert block_fused.fuse_blocks(m, "eager") == CFG.layers
-        assert all(b.fused == "eager" for b in m.blocks)
+        assert all(b.fused == b.mlp.fused == "eager" for b in m.blocks)
         if hybrid:
             assert all(b.attn.linear_attention.fused == "eager" for b in m.blocks)
         fused = m(*args, hybrid=ctx)
