@@ -27,6 +27,7 @@ import record  # noqa: E402
 from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
+from h3_core.fp8_linear import quantize_linears  # noqa: E402
 from h3_core.models.block_fused import fuse_blocks  # noqa: E402
 from h3_core.models.branch_fused import fuse_branches  # noqa: E402
 from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
@@ -158,6 +159,7 @@ def profile_block(block, run, cuda: bool) -> dict:
         for name in ("featurize", "frame_statistics", "solve", "scan", "gather"):
             parts.function(name, branch_module, name)
         parts.function("featurize", fused_module, "spatial_conv")
+        parts.function("frame_statistics", fused_module, "gram_statistics")
         parts.function("fused features and readout finish", fused_module, "run")
     run()
     times = clock.close()
@@ -169,6 +171,24 @@ def profile_block(block, run, cuda: bool) -> dict:
         branch_parts["readout and the rest"] = times.get("linear branch", 0.0) - sum(branch_parts.values())
         result["linear_branch_ms"] = {k: round(v, 2) for k, v in branch_parts.items()}
     return result
+
+
+def kernel_table(run, top: int) -> list[dict]:
+    """The ``top`` CUDA kernels of one forward by their total device time: name (cut to 110 characters),
+    calls and milliseconds; the last row sums the kernels left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = [dict(kernel=e.key[:110], calls=e.count, ms=e.self_device_time_total / 1e3)
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r["ms"])
+    rest = rows[top:]
+    rows = [dict(r, ms=round(r["ms"], 3)) for r in rows[:top]]
+    rows.append(dict(kernel=f"{len(rest)} other kernels", calls=sum(r["calls"] for r in rest),
+                     ms=round(sum(r["ms"] for r in rest), 3)))
+    return rows
 
 
 def main(argv=None) -> dict:
@@ -184,6 +204,9 @@ def main(argv=None) -> dict:
                         help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
     parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
                         help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
+    parser.add_argument("--fp8", action="store_true", help="fp8 linears (quantize_linears) in each block")
+    parser.add_argument("--blocks", nargs="*", default=["dense", "hybrid"], choices=("dense", "hybrid"))
+    parser.add_argument("--kernels", type=int, default=0, help="list this many CUDA kernels of one forward by time")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -191,11 +214,15 @@ def main(argv=None) -> dict:
     setup = TINY if args.tiny else RELEASE
     packed, x, temb, rows, rope = inputs(setup, device, dtype)
     result = dict(record.header("dit_block.py", argv), rows=int(x.shape[0]), dtype=str(dtype), ffn_chunk_rows=args.ffn_chunk_rows,
-                  head_groups=args.head_groups, fused_branch=args.fused_branch, fused_blocks=args.fused_blocks, blocks={})
+                  head_groups=args.head_groups, fused_branch=args.fused_branch, fused_blocks=args.fused_blocks,
+                  fp8=args.fp8, blocks={})
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
     context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
-    for name, hybrid in (("dense", False), ("hybrid", True)):
+    for name in args.blocks:
+        hybrid = name == "hybrid"
         block = build(replace(setup["cfg"], hybrid=hybrid), device, dtype)
+        if args.fp8:
+            quantize_linears(block)
         apply_low_memory(block, LowMemory(args.ffn_chunk_rows, args.head_groups, args.branch_frames))
         fuse_branches(block, args.fused_branch)
         if args.fused_blocks:
@@ -211,6 +238,9 @@ def main(argv=None) -> dict:
         if args.profile:
             with torch.no_grad():
                 stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx), device.type == "cuda")
+        if args.kernels and device.type == "cuda":
+            with torch.no_grad():
+                stats["kernels"] = kernel_table(lambda: block(x, temb, rows, rope, ctx), args.kernels)
         result["blocks"][name] = stats
         del block, out
     text = record.write(result, args.out, indent=2)

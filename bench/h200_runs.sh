@@ -4,19 +4,20 @@
 #   checks    python -m pytest tests/gpu (every fast path against its fp32/fp64 reference)
 #   branch    bench/branch_stages.py (the linear branch stage by stage, plain and fused)
 #   block     bench/dit_block.py --profile: plain, the fused branch, every block fused
+#   kernels   bench/dit_block.py, the hybrid block fused, bf16 and fp8: sections, peak and the top CUDA kernels
 #   memory    bench/block_memory.py (block peaks against the memory model, incl. the branch's frame chunks)
 #   step-bf16 bench/dit_step.py: dense H3 and VDN-H3 decomposed and flex in bf16, median of 3, blocks fused
 #   step-fp8  bench/dit_step.py: VDN-H3 decomposed and flex with fp8 linears (each step part fits one call;
 #             with flash-attn-4 on PYTHONPATH the same commands give the FA4 table)
 #   caps      bench/dit_step.py at 80 and 24 GiB caps (the memory model's plan; expandable segments, so the
 #             memory left by building the model at full size on the device goes back)
-# Usage: bash bench/h200_runs.sh [checks] [branch] [block] [memory] [step-bf16] [step-fp8] [caps]
+# Usage: bash bench/h200_runs.sh [checks] [branch] [block] [kernels] [memory] [step-bf16] [step-fp8] [caps]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(checks branch block memory step-bf16 step-fp8 caps)
+[ ${#parts[@]} -eq 0 ] && parts=(checks branch block kernels memory step-bf16 step-fp8 caps)
 run() {  # name, command...
     local name="$1"; shift
     echo "== $name: $*"
@@ -33,6 +34,11 @@ for part in "${parts[@]}"; do
                 --out "$out/dit_block_fused_branch.json"
             run dit_block_fused python3 bench/dit_block.py --profile --reps 3 --fused-blocks compiled \
                 --out "$out/dit_block_fused.json" ;;
+        kernels)
+            run dit_block_kernels_bf16 python3 bench/dit_block.py --blocks hybrid --profile --reps 3 --kernels 40 \
+                --fused-blocks compiled --out "$out/dit_block_kernels_bf16.json"
+            run dit_block_kernels_fp8 python3 bench/dit_block.py --blocks hybrid --fp8 --profile --reps 3 --kernels 40 \
+                --fused-blocks compiled --out "$out/dit_block_kernels_fp8.json" ;;
         memory) run block_memory python3 bench/block_memory.py --frames 102 --variants 1:0 2:32768 1:0:10 2:32768:10 \
                 --out "$out/block_memory.json" ;;
         step-bf16) run dit_step_bf16 python3 bench/dit_step.py --variants dense-bf16 bf16-decomposed bf16-flex --reps 3 \
@@ -45,6 +51,6 @@ for part in "${parts[@]}"; do
                 --fused-blocks compiled --out "$out/dit_step_cap80.json"
             run dit_step_24 python3 bench/dit_step.py --variants fp8-decomposed --cap-gib 24 --reps 1 \
                 --fused-blocks compiled --out "$out/dit_step_cap24.json" ;;
-        *) echo "unknown part $part (checks branch block memory step-bf16 step-fp8 caps)"; exit 2 ;;
+        *) echo "unknown part $part (checks branch block kernels memory step-bf16 step-fp8 caps)"; exit 2 ;;
     esac
 done
