@@ -2,8 +2,9 @@
 
 The plain block runs every step as its own PyTorch op over ``[T, hidden]`` or ``[T, H, D]`` rows: the RMSNorm,
 then the AdaLN modulation run by run, the per-head q/k RMSNorm, RoPE as slices, a negation, two
-concatenations and three products, the gated residual and the FFN's SiLU and product. Here each of those
-chains is one function — ``norm_modulate``, ``qk_norm_rope``, ``gated_residual_``, ``swiglu_`` — with the sums in fp32 (fp64 for fp64 inputs) and
+concatenations and three products, the gated residual, the hybrid attention's softmax gate and the FFN's
+SiLU and product. Here each of those chains is one function — ``norm_modulate``, ``qk_norm_rope``,
+``gated_residual_``, ``gate_heads_``, ``swiglu_`` — with the sums in fp32 (fp64 for fp64 inputs) and
 one rounding of the result; the AdaLN rows are looked up per packed row from its table index.
 
 Modes (``fuse_blocks``): ``"compiled"`` runs these functions (and the linear branch's, ``branch_fused``)
@@ -19,7 +20,8 @@ import torch.nn as nn
 from ..errors import H3InputError
 from . import branch_fused
 
-__all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "swiglu_", "row_index", "run", "fuse_blocks"]
+__all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "row_index", "run",
+           "fuse_blocks"]
 
 
 def row_index(runs, device) -> torch.Tensor:
@@ -59,6 +61,12 @@ def gated_residual_(x, y, gate, rows):
     return y.copy_(x.to(acc) + y.to(acc) * gate.to(acc)[rows])
 
 
+def gate_heads_(x, gate):
+    """``x`` ``[T, h, d]`` times its per-head ``gate`` ``[T, h]``, in place (the softmax gate)."""
+    acc = branch_fused.accumulation(x.dtype)
+    return x.copy_(x.to(acc) * gate.to(acc)[..., None])
+
+
 def swiglu_(gate_up):
     """``silu(gate) · up`` from ``fc1``'s output ``[T, 2·ffn]`` (gate | up), written into the gate half, whose
     ``[T, ffn]`` view (row stride 2·ffn) is returned: no further ``[T, ffn]`` buffer, as the plain path."""
@@ -68,34 +76,13 @@ def swiglu_(gate_up):
 
 
 _FUNCTIONS = {"norm_modulate": norm_modulate, "qk_norm_rope": qk_norm_rope, "gated_residual_": gated_residual_,
-              "swiglu_": swiglu_}
-
-
-_triton: dict[str, object] = {}
-
-
-def _triton_kernel(name: str):
-    """The hand-written Triton form of ``name`` (``_block_triton``), None if there is none or no Triton."""
-    if name != "qk_norm_rope":
-        return None
-    if name not in _triton:
-        try:
-            from ._block_triton import qk_norm_rope_triton
-        except ImportError:
-            qk_norm_rope_triton = None
-        _triton[name] = qk_norm_rope_triton
-    return _triton[name]
+              "gate_heads_": gate_heads_, "swiglu_": swiglu_}
 
 
 def run(mode: str, name: str, *args):
-    """Call the block's fused function ``name`` as ``mode`` says (``branch_fused.call``); ``"compiled"`` on
-    CUDA runs ``qk_norm_rope`` as its own Triton kernel, which does in one pass what the compiled form
-    does in two."""
-    if mode == "compiled" and args[0].is_cuda and args[0].stride(-1) == 1:
-        kernel = _triton_kernel(name)
-        if kernel is not None:
-            return kernel(*args)
-    return branch_fused.call(mode, _FUNCTIONS[name], *args)
+    """Call the block's fused function ``name`` as ``mode`` says (``branch_fused.call``: ``"compiled"`` runs
+    ``qk_norm_rope`` on CUDA as its own Triton kernel)."""
+    return branch_fused.call(mode, _FUNCTIONS[name], *args, name=name)
 
 
 def fuse_blocks(model: nn.Module, mode: str | None = "compiled") -> int:

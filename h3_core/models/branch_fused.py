@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..errors import H3InputError
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
-           "gram_statistics", "query_features", "readout_finish", "run", "call", "accumulation"]
+           "gram_statistics", "query_features", "readout_finish", "run", "call", "triton_kernel", "accumulation"]
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6
@@ -121,9 +121,34 @@ def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def call(mode: str, fn, *args):
-    """``fn(*args)`` as ``mode`` says: ``"eager"`` as written, ``"compiled"`` through ``torch.compile``."""
+# Hand-written Triton forms that ``"compiled"`` runs on CUDA instead of ``torch.compile``'s (module, function):
+# each does in one pass what the compiled form splits into several or writes with scattered stores.
+_TRITON = {"conv_features": ("._branch_triton", "conv_features_triton"),
+           "qk_norm_rope": ("._block_triton", "qk_norm_rope_triton")}
+_triton_loaded: dict[str, object] = {}
+
+
+def triton_kernel(name: str):
+    """The hand-written Triton form of the fused function ``name``; None if it has none or Triton is missing."""
+    if name not in _TRITON:
+        return None
+    if name not in _triton_loaded:
+        module, attribute = _TRITON[name]
+        try:
+            _triton_loaded[name] = getattr(importlib.import_module(module, __package__), attribute)
+        except ImportError:
+            _triton_loaded[name] = None
+    return _triton_loaded[name]
+
+
+def call(mode: str, fn, *args, name: str | None = None):
+    """``fn(*args)`` as ``mode`` says: ``"eager"`` as written, ``"compiled"`` through ``torch.compile`` — or, for
+    CUDA rows with a contiguous last dimension, through the Triton kernel registered for ``name``."""
     if mode == "compiled":
+        if name is not None and args[0].is_cuda and args[0].stride(-1) == 1:
+            kernel = triton_kernel(name)
+            if kernel is not None:
+                return kernel(*args)
         if fn not in _compiled:
             _compiled[fn] = torch.compile(fn)
         fn = _compiled[fn]
@@ -132,7 +157,7 @@ def call(mode: str, fn, *args):
 
 def run(mode: str, name: str, *args):
     """Call the branch's fused function ``name`` as ``mode`` says (``call``)."""
-    return call(mode, _FUNCTIONS[name], *args)
+    return call(mode, _FUNCTIONS[name], *args, name=name)
 
 
 def fuse_branches(model: nn.Module, mode: str | None = "compiled") -> int:

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..attention.layout import SequenceLayout, WindowSpec, is_full_cover, window_bounds
 from ..attention.window import window_softmax
+from . import block_fused
 from .linear_branch import LinearBranch
 from .low_memory import add_linear_cols, head_slices
 
@@ -82,8 +83,11 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
         q, k = attn.normed_rotated(q_raw, k_raw, rope)
         soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
         del q, k
-        out = add_linear_cols(out, attn.out_proj, soft.mul_(gate[:, heads, None]).reshape(T, -1), heads.start * d,
-                              heads.stop * d)
+        if attn.fused:
+            soft = block_fused.run(attn.fused, "gate_heads_", soft, gate[:, heads])
+        else:
+            soft.mul_(gate[:, heads, None])
+        out = add_linear_cols(out, attn.out_proj, soft.reshape(T, -1), heads.start * d, heads.stop * d)
         del soft
         if branch_on:
             seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None

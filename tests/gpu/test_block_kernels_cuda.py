@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from h3_core.models import block_fused
+from h3_core.models.branch_fused import triton_kernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -14,7 +15,7 @@ DEV = torch.device("cuda")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary", [96, None])
 def test_triton_qk_norm_rope_matches_the_written_function(dtype, rotary):
-    if block_fused._triton_kernel("qk_norm_rope") is None:
+    if triton_kernel("qk_norm_rope") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(1)
     qkv = (torch.randn(1500, 3, 8, 128, generator=g) * 3).to(DEV, dtype)
@@ -33,3 +34,25 @@ def test_triton_qk_norm_rope_matches_the_written_function(dtype, rotary):
             # rotation's two products cancel
             got, want = got.float(), want.float()
             assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-5 * want.abs().max()).all()
+
+
+@pytest.mark.parametrize("normalize, with_beta", [(True, True), (False, True), (True, False)])
+def test_triton_conv_features_match_the_written_function(normalize, with_beta):
+    from h3_core.models import branch_fused
+
+    if triton_kernel("conv_features") is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(2)
+    frames, grid, heads = 9, (6, 8), 4
+    # k of a fused projection [F, S, 3, C], as the branch gets it
+    raw = torch.randn(frames, grid[0] * grid[1], 3, heads * 128, generator=g).to(DEV, torch.bfloat16)[:, :, 1]
+    spatial = (torch.randn(heads * 128, 1, 5, 5, generator=g) / 5).to(DEV, torch.bfloat16)
+    taps = (torch.randn(heads * 128, 1, 5, generator=g) / 2).to(DEV, torch.bfloat16)
+    beta = torch.sigmoid(torch.randn(frames, grid[0] * grid[1], heads, generator=g)).to(DEV, torch.bfloat16)
+    y = branch_fused.spatial_conv(raw, spatial, grid)
+    args = (y, taps, heads, normalize, beta if with_beta else None)
+    got = branch_fused.run("compiled", "conv_features", *args)
+    want = branch_fused.run("eager", "conv_features", *args)
+    assert got.shape == (frames, heads, grid[0] * grid[1], 128) and got.dtype == torch.bfloat16
+    got, want = got.float(), want.float()
+    assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-5 * want.abs().max()).all()

@@ -52,6 +52,13 @@ def test_gated_residual_writes_into_the_update():
     assert out.data_ptr() == y.data_ptr() and (out - plain).abs().max() <= 1e-12
 
 
+def test_gate_heads_scales_each_head_in_place():
+    x, gate = rnd(11, 3, 4, seed=12), rnd(11, 5, seed=13)[:, 1:4]
+    want = x * gate[..., None]
+    out = block_fused.gate_heads_(x, gate)
+    assert out.data_ptr() == x.data_ptr() and (out - want).abs().max() <= 1e-12
+
+
 def test_swiglu_writes_into_the_gate_half():
     gate_up = rnd(11, 2 * 6, seed=10)
     gate, up = gate_up.clone().chunk(2, dim=-1)
@@ -70,6 +77,9 @@ def test_the_compiled_functions_equal_the_written_ones():
     for name, args in cases:
         compiled, written = block_fused.run("compiled", name, *args), block_fused.run("eager", name, *args)
         assert (compiled - written).abs().max() <= 1e-5 * written.abs().max(), name
+    heads, gate = rnd(11, 3, 4, seed=14, dtype=torch.float32), rnd(11, 5, seed=15, dtype=torch.float32)[:, 1:4]
+    expected = block_fused.run("eager", "gate_heads_", heads.clone(), gate)
+    assert (block_fused.run("compiled", "gate_heads_", heads.clone(), gate) - expected).abs().max() <= 1e-6
     gate_up = rnd(11, 16, seed=11, dtype=torch.float32)
     expected = block_fused.run("eager", "swiglu_", gate_up.clone())
     assert (block_fused.run("compiled", "swiglu_", gate_up.clone()) - expected).abs().max() <= 1e-5 * expected.abs().max()

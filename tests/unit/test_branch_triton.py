@@ -1,0 +1,45 @@
+"""The Triton temporal conv + SiLU + L2 + √β (h3_core.models._branch_triton) against
+branch_fused.conv_features, under Triton's CPU interpreter."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core.models._branch_triton import conv_features_triton
+    from h3_core.models.branch_fused import conv_features
+
+    g = torch.Generator().manual_seed(0)
+    frames, tokens, heads, d = 6, 37, 3, 24  # tokens and d not multiples of the tiles
+    y = torch.randn(frames, tokens, heads * d, generator=g)
+    taps = torch.randn(heads * d, 1, 5, generator=g)
+    beta = torch.sigmoid(torch.randn(frames, tokens, heads, generator=g))
+    for normalize in (True, False):
+        for b in (beta, None):
+            got, want = conv_features_triton(y, taps, heads, normalize, b), conv_features(y, taps, heads, normalize, b)
+            assert got.shape == (frames, heads, tokens, d) and got.is_contiguous()
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (normalize, b is None)
+    half = y.to(torch.bfloat16)
+    got, want = conv_features_triton(half, taps, heads, True, beta), conv_features(half, taps, heads, True, beta)
+    got, want = got.float(), want.float()
+    assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-5 * want.abs().max()).all()
+    print("OK")
+    """
+)
+
+
+def test_triton_conv_features_under_interpreter_match_the_written_function():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "OK"
