@@ -3,8 +3,8 @@ not depend on the values) at 345 frames, 1344×768, T2VA: seconds, peak GiB, the
 and where the time goes, for each variant in one process.
 
 Variants: ``dense-bf16`` (plain H3), ``bf16-decomposed``, ``bf16-flex``, ``fp8-decomposed``, ``fp8-flex``
-(VDN-H3 with the release window; fp8 = the fp8 linears of ``h3_core.fp8_linear``). The bf16 variants run
-first; the model is then quantised in place for the fp8 ones. ``--low-memory G:R`` runs attention and the
+(VDN-H3 with the release window; fp8 = the fp8 linears of ``h3_core.fp8_linear``). The variants run in
+that order, whatever the order asked: the model is quantised in place for the first fp8 one. ``--low-memory G:R`` runs attention and the
 branch in G head groups and the FFN over R rows at a time. ``--cap-gib`` (one variant) lets the memory model
 plan for that much device memory (``plan_for_memory``: lower-memory paths, AdaLN projections in host
 memory, block streaming), applies the plan and then limits the process to the cap
@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
         fuse_blocks(model, args.fused_blocks)
     fused = args.fused_blocks is not None  # the memory model knows fused blocks, not the fused branch alone
     quantised = False
-    for variant in args.variants:
+    for variant in sorted(set(args.variants), key=VARIANTS.index):  # bf16 before fp8, whatever the order asked
         hybrid = not variant.startswith("dense")
         linears = "fp8" if variant.startswith("fp8") else "dtype"
         if linears == "fp8" and not quantised:

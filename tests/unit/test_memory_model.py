@@ -109,6 +109,9 @@ def test_dit_step_bench_runs_every_variant_on_the_cpu(tmp_path):
         assert stats["finite"] and stats["seconds"] > 0, name
         assert sum(stats["profile_s"].values()) > 0
     assert result["variants"]["fp8-flex"]["predicted_gib"]["weights"] < result["variants"]["bf16-flex"]["predicted_gib"]["weights"]
+    # asked fp8 first, the bf16 variant still runs on the unquantised model
+    swapped = bench.main(["--tiny", "--reps", "1", "--variants", "fp8-decomposed", "bf16-decomposed"])
+    assert list(swapped["variants"]) == ["bf16-decomposed", "fp8-decomposed"]
 
 
 def test_adaln_on_host_trades_the_projections_for_the_run_tables():
