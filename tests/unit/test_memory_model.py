@@ -187,8 +187,25 @@ def test_fused_blocks_are_predicted_within_ten_percent_of_their_measured_peaks()
     # the whole evaluation (weights + the largest block) against the peaks of the full-size model
     from h3_core.memory_model import evaluation_peak
 
-    step = json.loads((results / "dit_step_pytorch.json").read_text())
-    assert step["fused_blocks"] == "compiled" and step["rows"] == shape.rows
-    for variant, linears in (("bf16-decomposed", "dtype"), ("fp8-decomposed", "fp8")):
-        predicted = evaluation_peak(DiTConfig(hybrid=True), shape, hybrid=True, linears=linears, fused=True)
-        assert predicted["total"] / GiB == pytest.approx(step["variants"][variant]["peak_gib"], rel=0.10), variant
+    # the latest H200 runs: PyTorch only, with FA4, flex; the first file's bf16 entry ran on the model already
+    # quantised (the bench then ran variants in the order asked), so only its fp8 entry is taken
+    runs = [("dit_step_kernels_bf16.json", None), ("dit_step_kernels_fp8.json", "fp8-decomposed"),
+            ("dit_step_kernels_fa4.json", None), ("dit_step_kernels_flex.json", None)]
+    checked = 0
+    for name, only in runs:
+        step = json.loads((results / name).read_text())
+        assert step["fused_blocks"] == "compiled" and step["rows"] == shape.rows and step["cap_gib"] is None
+        for variant, stats in step["variants"].items():
+            if only not in (None, variant):
+                continue
+            linears = "fp8" if variant.startswith("fp8") else "dtype"
+            predicted = evaluation_peak(DiTConfig(hybrid=True), shape, hybrid=True, linears=linears, fused=True)
+            assert predicted["total"] / GiB == pytest.approx(stats["peak_gib"], rel=0.10), (name, variant)
+            checked += 1
+    assert checked == 6
+    # and the capped runs against the prediction of the plan they ran
+    for name in ("dit_step_kernels_cap80.json", "dit_step_kernels_cap24.json"):
+        step = json.loads((results / name).read_text())
+        (stats,) = step["variants"].values()
+        assert stats["peak_gib"] <= step["cap_gib"]
+        assert stats["predicted_gib"]["total"] == pytest.approx(stats["peak_gib"], rel=0.10), name
