@@ -1,15 +1,9 @@
 """The Triton temporal conv + SiLU + L2 + √β (h3_core.models._branch_triton) against
 branch_fused.conv_features, under Triton's CPU interpreter."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from triton_interpreter import run_interpreted
 
 CHECK = textwrap.dedent(
     """
@@ -37,9 +31,4 @@ CHECK = textwrap.dedent(
 
 
 def test_triton_conv_features_under_interpreter_match_the_written_function():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "OK"
+    assert run_interpreted(CHECK).split()[-1] == "OK"

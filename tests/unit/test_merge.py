@@ -1,18 +1,13 @@
 """Log-sum-exp merge of two partial attention results (h3_core.attention.merge / _merge_triton)."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from h3_core.attention.kernels import dense_attention
 from h3_core.attention.merge import merge_partials, merge_partials_reference
-
-ROOT = Path(__file__).resolve().parents[2]
+from triton_interpreter import run_interpreted
 
 
 def randn(*shape, dtype=torch.float64, seed=0):
@@ -107,9 +102,8 @@ def test_dispatcher_on_cpu_matches_reference(dtype):
 
 TRITON_SCRIPT = textwrap.dedent(
     """
-    import os, sys
+    import os
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    sys.path.insert(0, sys.argv[1])
     import torch
     from h3_core.attention._merge_triton import merge_partials_triton
     from h3_core.attention.merge import merge_partials_reference
@@ -161,17 +155,7 @@ TRITON_SCRIPT = textwrap.dedent(
 
 
 def test_triton_merge_under_interpreter_matches_reference():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT, str(ROOT)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("FINITE", "MAXDIFF")))
-    assert lines.get("FINITE") == "True", proc.stdout
-    assert float(lines["MAXDIFF"]) < 1e-5, proc.stdout
+    stdout = run_interpreted(TRITON_SCRIPT)
+    lines = dict(line.split(" ", 1) for line in stdout.splitlines() if line.startswith(("FINITE", "MAXDIFF")))
+    assert lines.get("FINITE") == "True", stdout
+    assert float(lines["MAXDIFF"]) < 1e-5, stdout
