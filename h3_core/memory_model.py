@@ -175,9 +175,10 @@ def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *,
 # Extra time of each lower-memory choice, as a fraction of a hybrid block's time, measured on an H200 at the
 # release length (bench/results/dit_block.md): 2 head groups with a chunked FFN cost nothing, 8 groups 19 %.
 HEAD_GROUP_COST = {1: 0.0, 2: 0.0, 4: 0.08, 8: 0.19}
-# With fused blocks, of a whole evaluation (bench/results/dit_step.md): 2 groups with a 32,768-row FFN cost 4 %;
-# 8 groups with a 16,384-row FFN and 14 of 50 blocks streamed cost 95 % (the groups' share not separated).
-FUSED_HEAD_GROUP_COST = {1: 0.0, 2: 0.04, 8: 0.95}
+# With fused blocks, of a whole evaluation (bench/results/dit_step.md, the latest runs): 2 groups with a
+# 32,768-row FFN cost 2 % (bf16: 14.38 against 14.14 s); 8 groups with a 16,384-row FFN and 14 of 50 blocks
+# streamed cost 91 % (fp8: 22.23 against 11.61 s; the groups' share not separated).
+FUSED_HEAD_GROUP_COST = {1: 0.0, 2: 0.02, 8: 0.91}
 # Host-to-device copy rate assumed for streamed blocks when no measurement overrides it (pinned memory, PCIe 5).
 HOST_COPY_BYTES_PER_S = 25e9
 
