@@ -143,9 +143,11 @@ def triton_kernel(name: str):
 
 def call(mode: str, fn, *args, name: str | None = None):
     """``fn(*args)`` as ``mode`` says: ``"eager"`` as written, ``"compiled"`` through ``torch.compile`` — or, for
-    CUDA rows with a contiguous last dimension, through the Triton kernel registered for ``name``."""
+    CUDA rows with a contiguous last dimension, through the Triton kernel registered for ``name`` (which sums
+    in fp32, so fp64 rows keep the compiled form's fp64 sums)."""
     if mode == "compiled":
-        if name is not None and args[0].is_cuda and args[0].stride(-1) == 1:
+        lead = args[0]
+        if name is not None and lead.is_cuda and lead.dtype != torch.float64 and lead.stride(-1) == 1:
             kernel = triton_kernel(name)
             if kernel is not None:
                 return kernel(*args)
