@@ -104,6 +104,15 @@ class ComfyServer:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def wait_for_log(self, text: str, count: int, timeout: float = 60) -> None:
+        """Until ``text`` appears ``count`` times in the server's log: for what the host does between prompts
+        (its worker takes a ``/free`` request's flags when it wakes, which a prompt queued at once can beat)."""
+        deadline = time.monotonic() + timeout
+        while self.log_path.read_text(errors="replace").count(text) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{text!r} not logged {count} times in {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.1)
+
     def get(self, path: str):
         response = requests.get(self.url + path, timeout=60)
         response.raise_for_status()

@@ -36,7 +36,9 @@ def test_models_stay_loaded_across_runs_and_are_released_when_the_host_frees_mem
     prompt["7"]["inputs"]["seed"] = 123  # a new sample from the same loaded models
     assert server.run(prompt)["status"]["status_str"] == "success"
     assert loads() == first
+    released = server.log_path.read_text().count("the DiT was released")
     requests.post(server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=30)
+    server.wait_for_log("the DiT was released", released + 1)  # the host's worker has taken the request
     prompt["7"]["inputs"]["seed"] = 456
     assert server.run(prompt)["status"]["status_str"] == "success"
     assert loads() == first + 1
@@ -60,7 +62,8 @@ def test_the_hosts_unload_reaches_every_model_and_the_server_goes_on(server):
         assert server.run(prompt)["status"]["status_str"] == "success"
     before = {name: released(name) for name in names}
     requests.post(server.url + "/free", json={"unload_models": True}, timeout=30)
+    server.wait_for_log("the DiT was released", before["DiT"] + 1)  # the host's worker has taken the request
     prompt["7"]["inputs"]["seed"] = 3
-    entry = server.run(prompt)  # the unload runs in the host's worker before this prompt
+    entry = server.run(prompt)  # the server goes on, with every model loaded again
     assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
     assert {name: released(name) for name in names} == {name: before[name] + 1 for name in names}
