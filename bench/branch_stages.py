@@ -77,6 +77,19 @@ def main(argv=None) -> dict:
         plain_k = lb.featurize(q.view(shape), k.view(shape), v.view(shape), grid, weights)[1]
         spatial = branch_fused.spatial_conv(k.view(frames, S, C), weights[0], grid)
         ms["spatial conv (channels-last view)"] = time_it(lambda: branch_fused.spatial_conv(k.view(frames, S, C), weights[0], grid))
+        # as the model reads it: k a strided slice of the fused projection [F·S, 3, C]
+        k_strided = torch.stack([q, k, v], 1).view(frames, S, 3, C)[:, :, 1]
+        ms["spatial conv of the projection's slice (cuDNN, after a dense copy)"] = time_it(
+            lambda: branch_fused.spatial_conv(k_strided, weights[0], grid))
+        if cuda and branch_fused.compiled_branch_available():
+            import candidate_kernels
+
+            want = branch_fused.spatial_conv(k_strided, weights[0], grid)
+            for block_c, warps in ((64, 8), (64, 4), (128, 8), (32, 4)):
+                name = f"spatial conv of the slice (Triton candidate, {block_c} channels, {warps} warps)"
+                ms[name] = time_it(lambda: candidate_kernels.spatial_conv_triton(k_strided, weights[0], grid, block_c, warps))
+                diff[name + " vs cuDNN"] = max_diff(
+                    candidate_kernels.spatial_conv_triton(k_strided, weights[0], grid, block_c, warps), want)
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
         for mode in modes:
             ms[f"temporal + SiLU + L2 ({mode})"] = time_it(
