@@ -52,3 +52,4 @@ def spatial_conv_triton(x: torch.Tensor, weight: torch.Tensor, grid, block_c: in
             x, weight.to(x.dtype).contiguous(), out, grid_h, grid_w, channels, x.stride(0), x.stride(1),
             KSIZE=weight.shape[-1], BLOCK_W=triton.next_power_of_2(grid_w), BLOCK_C=block_c, num_warps=warps)
     return out
+
