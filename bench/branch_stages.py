@@ -2,11 +2,13 @@
 of 128, bf16), the plain forms next to candidate faster ones, each timed (median of ``--reps`` CUDA-event
 timings after a warm-up) and checked against the plain form.
 
-Stages: features (spatial 5×5 + temporal 5-tap depthwise convs, SiLU, L2), frame statistics (fp32, TF32,
-the Gram products of √β-scaled half-precision features with fp32 sums), the solve (Cholesky with and
-without its error check, an explicit inverse), the scans, the gather and the readout (einsum + norm + gate, or GEMM + one fused pass); then the
-whole branch plain and fused (``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small
-geometry on the CPU (no compiled candidates there).
+Stages: features (spatial 5×5 — cuDNN, and a Triton candidate reading the projection's slice in place —
+then temporal 5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
+half-precision features with fp32 sums), the solve (Cholesky with and without its error check, an explicit
+inverse, ``cholesky_inverse``, a blocked inverse by halves), the scans (and prefix + suffix batched
+together), the gather and the readout (einsum + norm + gate, or GEMM + one fused pass); then the whole
+branch plain and fused (``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small geometry
+on the CPU (no compiled or Triton candidates there).
 
     python3 bench/branch_stages.py --out results.json
 """
@@ -52,6 +54,30 @@ def solve_cholesky_inverse(alpha, A, B):
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     chol, _ = torch.linalg.cholesky_ex(A + eye)
     inv = torch.cholesky_inverse(chol)
+    return alpha[..., None] * inv, B @ inv
+
+
+def spd_inverse_blocked(M, base: int = 16):
+    """The inverse of symmetric positive definite ``M`` ``[..., n, n]`` by halves: with M = [[P, R], [Rᵀ, C]],
+    X = P⁻¹R, the Schur complement S = C − RᵀX (positive definite again) and Y = X S⁻¹,
+    M⁻¹ = [[P⁻¹ + Y Xᵀ, −Y], [−Yᵀ, S⁻¹]]; down to ``base``-sized blocks inverted by the library. Batched GEMMs
+    over all matrices at each level instead of a factorisation and a triangular solve."""
+    n = M.shape[-1]
+    if n <= base:
+        return torch.linalg.inv_ex(M)[0]
+    h = n // 2
+    P, R, C = M[..., :h, :h], M[..., :h, h:], M[..., h:, h:]
+    P_inv = spd_inverse_blocked(P, base)
+    X = P_inv @ R
+    S_inv = spd_inverse_blocked(C - R.transpose(-1, -2) @ X, base)
+    Y = X @ S_inv
+    top = torch.cat([P_inv + Y @ X.transpose(-1, -2), -Y], dim=-1)
+    return torch.cat([top, torch.cat([-Y.transpose(-1, -2), S_inv], dim=-1)], dim=-2)
+
+
+def solve_blocked(alpha, A, B):
+    """Candidate for ``linear_branch.solve`` through ``spd_inverse_blocked``."""
+    inv = spd_inverse_blocked(A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device))
     return alpha[..., None] * inv, B @ inv
 
 
@@ -149,6 +175,8 @@ def main(argv=None) -> dict:
         T, J = lb.solve(alpha, A, B)
         ms["solve through cholesky_inverse (candidate)"] = time_it(lambda: solve_cholesky_inverse(alpha, A, B))
         diff["solve through cholesky_inverse vs plain"] = max_diff(solve_cholesky_inverse(alpha, A, B), (T, J))
+        ms["solve through a blocked inverse by halves (candidate)"] = time_it(lambda: solve_blocked(alpha, A, B))
+        diff["solve through a blocked inverse vs plain"] = max_diff(solve_blocked(alpha, A, B), (T, J))
         seed = torch.zeros(H, d, d, device=device)
         ms["scans (prefix + suffix)"] = time_it(lambda: lb.scan(T, J, seed))
         P, Q = lb.scan(T, J, seed)

@@ -32,3 +32,17 @@ def test_the_paired_scan_candidate_equals_the_scan():
     seed = torch.randn(3, 4, 4, generator=g, dtype=torch.float64)
     for got, want in zip(bench.scan_paired(T, J, seed), lb.scan(T, J, seed)):
         assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+
+
+def test_the_blocked_inverse_candidate_inverts_positive_definite_matrices():
+    import torch
+
+    spec = importlib.util.spec_from_file_location("branch_stages_inverse", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(1)
+    for n in (16, 40, 128):  # at the base size, odd halves, the release's head size
+        G = torch.randn(3, 2, 4 * n, n, generator=g, dtype=torch.float64)
+        M = torch.eye(n, dtype=torch.float64) + G.transpose(-1, -2) @ G * 0.1  # I + A, A = GᵀG as the branch's
+        inv = bench.spd_inverse_blocked(M)
+        assert (inv - torch.linalg.inv(M)).abs().max() <= 1e-10 * torch.linalg.inv(M).abs().max(), n
