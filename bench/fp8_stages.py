@@ -1,0 +1,77 @@
+"""The fp8 path's per-element stages at the release length (T = 104,266 rows), each timed (median of ``--reps``
+CUDA-event timings after a warm-up) beside its alternatives and checked against the eager reference: the
+row quantiser (eager and Triton) at the widths of the block's linear inputs, and the FFN's SiLU·up followed
+by the quantisation of ``fc2``'s input (the library's two passes, and a candidate single pass from
+``candidate_kernels.py``). ``--tiny`` runs the eager forms on a few rows on the CPU.
+
+    python3 bench/fp8_stages.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
+
+from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows, quantize_rows_reference  # noqa: E402
+from h3_core.models import block_fused  # noqa: E402
+
+WIDTHS = {"qkv / fc1 input": 5376, "out_proj / to_out_linear input": 7168, "fc2 input": 14336}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = "cuda" if cuda else "cpu"
+    rows = 104266 if cuda else 64
+    widths = WIDTHS if cuda else {name: width // 64 for name, width in WIDTHS.items()}
+    result = dict(record.header("fp8_stages.py", argv), rows=rows, ms={}, codes_equal={})
+    ms, equal = result["ms"], result["codes_equal"]
+
+    def time_it(fn):
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return round(statistics.median(record.event_times_ms(fn, args.reps, cuda)), 3)
+
+    def same_codes(a, b) -> float:
+        return float((a.view(torch.uint8) == b.view(torch.uint8)).float().mean())
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, width in widths.items():
+            x = torch.randn(rows, width, generator=g).to(device, torch.bfloat16)
+            ms[f"quantise {name} [{rows}, {width}] (eager)"] = time_it(lambda: quantize_rows_reference(x))
+            ms[f"quantise {name} [{rows}, {width}] (library)"] = time_it(lambda: quantize_rows(x))
+            equal[f"quantise {name}: library vs eager"] = same_codes(quantize_rows(x)[0], quantize_rows_reference(x)[0])
+        ffn = widths["fc2 input"]
+        gate_up = torch.randn(rows, 2 * ffn, generator=g).to(device, torch.bfloat16)
+        mode = "compiled" if cuda else "eager"
+        two_pass = lambda: quantize_rows(block_fused.run(mode, "swiglu_", gate_up.clone()))  # noqa: E731
+        ms["copy of fc1's output (inside the two-pass timing)"] = time_it(lambda: gate_up.clone())
+        ms["SiLU·up then quantise (library, two passes)"] = time_it(two_pass)
+        if cuda:
+            import candidate_kernels
+
+            one_pass = lambda: candidate_kernels.swiglu_quantize_triton(gate_up, _SMALLEST_SCALE)  # noqa: E731
+            ms["SiLU·up and quantise in one pass (candidate)"] = time_it(one_pass)
+            equal["SiLU·up + quantise: candidate vs library"] = same_codes(one_pass()[0], two_pass()[0])
+    if cuda:
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(record.write(result, args.out))
+    return result
+
+
+if __name__ == "__main__":
+    main()
