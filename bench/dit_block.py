@@ -108,10 +108,13 @@ class SectionClock:
         self.handles.append(module.register_forward_hook(
             lambda m, a, o: self.marks.append((name, open_marks.pop(), self._mark()))))
 
-    def function(self, name, owner, attr):
+    def function(self, name, owner, attr, when=None):
+        """Time the calls of ``owner.attr`` (those for which ``when(*args)`` holds, if given) as ``name``."""
         real = getattr(owner, attr)
 
         def timed_call(*args, **kwargs):
+            if when is not None and not when(*args):
+                return real(*args, **kwargs)
             start = self._mark()
             out = real(*args, **kwargs)
             self.marks.append((name, start, self._mark()))
@@ -133,8 +136,25 @@ class SectionClock:
         return totals
 
 
+MODULATION = "AdaLN table, norm and modulation"
+
+
+def time_modulation(clock: SectionClock, blocks) -> None:
+    """The AdaLN table, the pre-norms and the modulation of ``blocks`` as one section: the plain path's norm
+    modules and ``_modulate_``, or the fused ``norm_modulate``."""
+    import h3_core.models.block_fused as fused_module
+    import h3_core.models.dit as dit_module
+
+    for block in blocks:
+        for module in (block.adaln_proj, block.norm1, block.norm2):
+            clock.module(MODULATION, module)
+    clock.function(MODULATION, dit_module, "_modulate_")
+    clock.function(MODULATION, fused_module, "run", when=lambda mode, name, *args: name == "norm_modulate")
+
+
 def profile_block(block, run, cuda: bool) -> dict:
-    """Split one forward into linears, window (or dense) attention, linear branch, AdaLN and the rest."""
+    """Split one forward into linears, window (or dense) attention, linear branch, AdaLN table + norm +
+    modulation, and the rest."""
     import h3_core.models.dit as dit_module
     import h3_core.models.hybrid as hybrid_module
 
@@ -147,7 +167,7 @@ def profile_block(block, run, cuda: bool) -> dict:
         clock.function("linear branch", type(attn.linear_attention), "text_state")
     for layer in linears:
         clock.module("linears", layer)
-    clock.module("adaln table", block.adaln_proj)
+    time_modulation(clock, [block])
     clock.function("attention kernel", hybrid_module, "window_softmax")
     clock.function("attention kernel", dit_module, "dense_attention")
     clock.module("whole block", block)

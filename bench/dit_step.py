@@ -107,7 +107,8 @@ def evaluate(model, inputs, ctx, reps: int, cuda: bool) -> dict:
 
 
 def profile(model, inputs, ctx, cuda: bool) -> dict:
-    """Seconds of one evaluation in linears, attention kernels, the linear branch, the AdaLN tables and the rest."""
+    """Seconds of one evaluation in linears, attention kernels, the linear branch, the AdaLN tables with the
+    blocks' norms and modulation, and the rest."""
     import h3_core.models.dit as dit_module
     import h3_core.models.hybrid as hybrid_module
 
@@ -117,7 +118,7 @@ def profile(model, inputs, ctx, cuda: bool) -> dict:
         for layer in (attn.qkv_proj, attn.out_proj, block.mlp.fc1, block.mlp.fc2, attn.to_out_linear, attn.softmax_gate):
             clock.module("linears", layer)
         clock.module("linear branch", attn.linear_attention)
-        clock.module("adaln table", block.adaln_proj)
+    dit_block.time_modulation(clock, model.blocks)
     clock.function("linear branch", type(model.blocks[0].attn.linear_attention), "text_state")
     clock.function("attention kernel", hybrid_module, "window_softmax")
     clock.function("attention kernel", dit_module, "dense_attention")
