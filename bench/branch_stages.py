@@ -6,17 +6,16 @@ Stages: features (spatial 5×5 — cuDNN, and a Triton candidate reading the pro
 then temporal 5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
 half-precision features with fp32 sums), the solve (Cholesky with and without its error check, an explicit
 inverse, ``cholesky_inverse``, a blocked inverse by halves), the scans (and prefix + suffix batched
-together), the gather and the readout (einsum + norm + gate, or GEMM + one fused pass); then the whole
-branch plain and fused (``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small geometry
-on the CPU (no compiled or Triton candidates there).
+together), the gather and the readout (einsum + norm + gate, GEMM + one fused pass, or a Triton candidate
+doing features, GEMM, norm and gate in one pass); then the whole branch plain and fused
+(``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small geometry on the CPU (no compiled
+or Triton candidates there).
 
     python3 bench/branch_stages.py --out results.json
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,15 +30,6 @@ from h3_core.models import branch_fused, linear_branch as lb  # noqa: E402
 
 RELEASE = dict(frames=100, grid=(24, 42), heads=56, head_dim=128, hidden=5376)
 TINY = dict(frames=12, grid=(3, 5), heads=2, head_dim=16, hidden=32)
-
-
-def timer(cuda: bool, reps: int):
-    def run(fn):
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return round(statistics.median(record.event_times_ms(fn, reps, cuda)), 3)
-    return run
 
 
 def max_diff(a, b) -> float:
@@ -98,17 +88,12 @@ def scan_paired(T, J, seed):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.tiny
+    args, cuda = record.stage_arguments(__doc__.splitlines()[0], argv)
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     size = TINY if args.tiny else RELEASE
     frames, grid, H, d = size["frames"], size["grid"], size["heads"], size["head_dim"]
     S, C = grid[0] * grid[1], size["heads"] * size["head_dim"]
-    time_it = timer(cuda, args.reps)
+    time_it = record.timer(cuda, args.reps)
     result = dict(record.header("branch_stages.py", argv), size=size, ms={}, max_diff={})
     ms, diff = result["ms"], result["max_diff"]
     g = torch.Generator().manual_seed(0)
@@ -190,6 +175,24 @@ def main(argv=None) -> dict:
         ms["readout einsum (plain)"] = time_it(lambda: torch.einsum("fhvk,fshk->fshv", state.to(dtype), q_plain))
         q_head = q_plain.transpose(1, 2).contiguous()
         ms["readout GEMM on head-major features"] = time_it(lambda: torch.matmul(q_head, state.to(dtype).transpose(-1, -2)))
+        logits = torch.randn(frames * S, C, generator=g).to(device, dtype)
+        norm_weight = branch.norm.weight
+
+        def fused_readout(mode):
+            features = branch_fused.run(mode, "query_features", q.view(shape))
+            out = torch.matmul(features, state.to(features.dtype).transpose(-1, -2))
+            return branch_fused.run(mode, "readout_finish", out, norm_weight, logits)
+
+        for mode in modes:
+            ms[f"readout as the fused branch runs it ({mode}: features, GEMM, finish)"] = time_it(lambda: fused_readout(mode))
+        if cuda and branch_fused.compiled_branch_available():
+            import candidate_kernels
+
+            want = fused_readout("compiled")
+            ms["readout in one pass (Triton candidate)"] = time_it(
+                lambda: candidate_kernels.readout_triton(q.view(shape), state, norm_weight, logits))
+            diff["readout in one pass vs fused"] = max_diff(
+                candidate_kernels.readout_triton(q.view(shape), state, norm_weight, logits), want)
 
         # the whole branch
         for mode in [None] + modes:

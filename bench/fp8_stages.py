@@ -9,8 +9,6 @@ by the quantisation of ``fc2``'s input (the library's two passes, and a candidat
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,23 +25,13 @@ WIDTHS = {"qkv / fc1 input": 5376, "out_proj / to_out_linear input": 7168, "fc2 
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.tiny
+    args, cuda = record.stage_arguments(__doc__.splitlines()[0], argv)
     device = "cuda" if cuda else "cpu"
     rows = 104266 if cuda else 64
     widths = WIDTHS if cuda else {name: width // 64 for name, width in WIDTHS.items()}
     result = dict(record.header("fp8_stages.py", argv), rows=rows, ms={}, codes_equal={})
     ms, equal = result["ms"], result["codes_equal"]
-
-    def time_it(fn):
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return round(statistics.median(record.event_times_ms(fn, args.reps, cuda)), 3)
+    time_it = record.timer(cuda, args.reps)
 
     def same_codes(a, b) -> float:
         return float((a.view(torch.uint8) == b.view(torch.uint8)).float().mean())

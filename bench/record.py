@@ -3,8 +3,10 @@ versions, the date; the JSON written to ``--out`` and printed; and the CUDA-even
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,3 +50,24 @@ def event_times_ms(fn, reps: int, cuda: bool) -> list[float]:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def timer(cuda: bool, reps: int):
+    """A function timing ``fn`` after one warm-up call: the median of ``reps`` ``event_times_ms``, in ms."""
+    def run(fn) -> float:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return round(statistics.median(event_times_ms(fn, reps, cuda)), 3)
+    return run
+
+
+def stage_arguments(description: str, argv):
+    """The arguments of a stage-by-stage benchmark: ``--tiny`` (a dry run on the CPU), ``--reps``, ``--out``;
+    and whether it runs on CUDA."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    return args, torch.cuda.is_available() and not args.tiny
