@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from .errors import H3InputError
+from .triton_forms import triton_form
 
 __all__ = [
     "E4M3_MAX",
@@ -70,24 +71,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     its fp32 scale ``[M, 1]`` (contiguous), ``x ≈ codes · scale``: ``quantize_rows_reference``'s numbers, in
     one Triton pass per row on CUDA (``_fp8_triton``) when the rows' last dimension is contiguous."""
     if x.is_cuda and x.dim() == 2 and x.dtype in _COMPUTE_DTYPES and x.stride(-1) == 1:
-        fused = _fused_quantizer()
+        fused = triton_form("h3_core._fp8_triton", "quantize_rows_triton")
         if fused is not None:
             return fused(x, _SMALLEST_SCALE)
     return quantize_rows_reference(x)
-
-
-_fused = None
-
-
-def _fused_quantizer():
-    global _fused
-    if _fused is None:
-        try:
-            from ._fp8_triton import quantize_rows_triton
-        except ImportError:
-            quantize_rows_triton = False
-        _fused = quantize_rows_triton
-    return _fused or None
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_forms import triton_form
+
 __all__ = ["scale_convert", "scale_convert_reference"]
 
 
@@ -25,23 +27,9 @@ def scale_convert_reference(src, dst, scale=None, saturate=False) -> torch.Tenso
     return dst
 
 
-_fused = None
-
-
-def _fused_convert():
-    global _fused
-    if _fused is None:
-        try:
-            from ._convert_triton import scale_convert_triton
-        except ImportError:
-            scale_convert_triton = False
-        _fused = scale_convert_triton
-    return _fused or None
-
-
 def scale_convert(src, dst, scale=None, saturate=False) -> torch.Tensor:
     if dst.is_cuda and dst.dim() == 3 and src.shape == dst.shape and dst.numel():
-        fused = _fused_convert()
+        fused = triton_form("h3_core.attention._convert_triton", "scale_convert_triton")
         if fused is not None:
             return fused(src, dst, scale, saturate)
     return scale_convert_reference(src, dst, scale, saturate)

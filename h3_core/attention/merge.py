@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_forms import triton_form
+
 __all__ = ["merge_partials", "merge_partials_reference"]
 
 
@@ -25,25 +27,10 @@ def merge_partials_reference(o_a, lse_a, o_b, lse_b, out) -> torch.Tensor:
     return out
 
 
-_fused = None
-
-
-def _fused_merge():
-    """The Triton merge kernel, built on first use; None where Triton is missing."""
-    global _fused
-    if _fused is None:
-        try:
-            from ._merge_triton import merge_partials_triton
-        except ImportError:
-            merge_partials_triton = False
-        _fused = merge_partials_triton
-    return _fused or None
-
-
 def merge_partials(o_a, lse_a, o_b, lse_b, out) -> torch.Tensor:
     """Merge two partial attention results into ``out`` (one fused pass on CUDA)."""
     if out.is_cuda and out.dtype != torch.float64 and out.shape[0] > 0:
-        fused = _fused_merge()
+        fused = triton_form("h3_core.attention._merge_triton", "merge_partials_triton")
         if fused is not None:
             return fused(o_a, lse_a, o_b, lse_b, out)
     return merge_partials_reference(o_a, lse_a, o_b, lse_b, out)

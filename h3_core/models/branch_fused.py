@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import H3InputError
+from ..triton_forms import triton_form
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
            "gram_statistics", "query_features", "readout_finish", "run", "call", "triton_kernel", "accumulation"]
@@ -123,22 +124,13 @@ def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
 
 # Hand-written Triton forms that ``"compiled"`` runs on CUDA instead of ``torch.compile``'s (module, function):
 # each does in one pass what the compiled form splits into several or writes with scattered stores.
-_TRITON = {"conv_features": ("._branch_triton", "conv_features_triton"),
-           "qk_norm_rope": ("._block_triton", "qk_norm_rope_triton")}
-_triton_loaded: dict[str, object] = {}
+_TRITON = {"conv_features": ("h3_core.models._branch_triton", "conv_features_triton"),
+           "qk_norm_rope": ("h3_core.models._block_triton", "qk_norm_rope_triton")}
 
 
 def triton_kernel(name: str):
     """The hand-written Triton form of the fused function ``name``; None if it has none or Triton is missing."""
-    if name not in _TRITON:
-        return None
-    if name not in _triton_loaded:
-        module, attribute = _TRITON[name]
-        try:
-            _triton_loaded[name] = getattr(importlib.import_module(module, __package__), attribute)
-        except ImportError:
-            _triton_loaded[name] = None
-    return _triton_loaded[name]
+    return triton_form(*_TRITON[name]) if name in _TRITON else None
 
 
 def call(mode: str, fn, *args, name: str | None = None):

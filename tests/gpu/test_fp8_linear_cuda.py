@@ -140,9 +140,10 @@ def test_cuda_quantiser_equals_the_cpu_one():
 def test_the_triton_quantiser_gives_the_reference_codes(width, dtype, strided):
     """One pass per row on CUDA (h3_core._fp8_triton) against the eager reference on the same device, bit for
     bit, at the model's widths, for rows of a wider tensor (the FFN's gate half) and with a zero row."""
-    from h3_core.fp8_linear import _fused_quantizer, quantize_rows_reference
+    from h3_core.fp8_linear import quantize_rows_reference
+    from h3_core.triton_forms import triton_form
 
-    if _fused_quantizer() is None:
+    if triton_form("h3_core._fp8_triton", "quantize_rows_triton") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(6)
     full = torch.randn(257, 2 * width if strided else width, generator=g) * torch.logspace(-4, 4, 257)[:, None]
