@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from h3_core._fp8_triton import quantize_row
+
 
 @triton.jit
 def _spatial_conv_kernel(src, weight, dst, grid_h, grid_w, channels, s_frame, s_token,
@@ -70,8 +72,8 @@ def _swiglu_quantize_kernel(src, codes, scales, ffn, s_row, smallest, BLOCK: tl.
     gate = tl.load(src + row * s_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + row * s_row + ffn + cols, mask=mask, other=0.0).to(tl.float32)
     h = (gate * tl.sigmoid(gate) * up).to(src.dtype.element_ty).to(tl.float32)  # the product as fc2 would read it
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(h), axis=0), 448.0), smallest)
-    tl.store(codes + row * ffn + cols, tl.div_rn(h, scale).to(codes.dtype.element_ty), mask=mask)
+    q, scale = quantize_row(h, smallest)
+    tl.store(codes + row * ffn + cols, q.to(codes.dtype.element_ty), mask=mask)
     tl.store(scales + row, scale)
 
 

@@ -15,14 +15,19 @@ import triton.language as tl
 
 
 @triton.jit
+def quantize_row(x, smallest):
+    """One row's quotients ``x / scale`` and its ``scale = max(amax / 448, smallest)`` (fp32, IEEE divisions),
+    for kernels that hold the row in registers (masked lanes hold 0)."""
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), smallest)
+    return tl.div_rn(x, scale), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(src, codes, scales, n_cols, s_row, smallest, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(src + row * s_row + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.maximum(tl.div_rn(amax, 448.0), smallest)
-    q = tl.div_rn(x, scale)
+    q, scale = quantize_row(tl.load(src + row * s_row + cols, mask=mask, other=0.0).to(tl.float32), smallest)
     tl.store(codes + row * n_cols + cols, q.to(codes.dtype.element_ty), mask=mask)
     tl.store(scales + row, scale)
 

@@ -24,8 +24,8 @@ and a 52-frame clip then check the whole model (``bench/results/block_memory.md`
 
 With the blocks' elementwise work fused (``models.block_fused``, ``fused=True``) q and k are normed and
 rotated in one pass (``FUSED_ROTATE_TEMPS``) and the branch writes its features head-major with no layout
-copies and no fp32 copies for the statistics (``FUSED_BRANCH_BUFFERS``); both measured on an H200 at the release length, one head group
-(``bench/results/dit_block.md``).
+copies and no fp32 copies for the statistics (``FUSED_BRANCH_BUFFERS``); both measured on an H200 at the
+release length, one head group (``bench/results/dit_block.md``).
 """
 
 from __future__ import annotations

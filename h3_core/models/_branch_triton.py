@@ -64,4 +64,3 @@ def conv_features_triton(y: torch.Tensor, taps: torch.Tensor, heads: int, normal
             N_TAPS=taps.shape[1], NORMALIZE=normalize, HAS_BETA=beta is not None, BLOCK_S=block_s,
             BLOCK_D=block_d)
     return out
-
