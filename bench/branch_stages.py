@@ -4,8 +4,8 @@ timings after a warm-up) and checked against the plain form.
 
 Stages: features (spatial 5×5 — cuDNN, and a Triton candidate reading the projection's slice in place —
 then temporal 5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
-half-precision features with fp32 sums), the solve (Cholesky with and without its error check, an explicit
-inverse, ``cholesky_inverse``, a blocked inverse by halves), the scans (and prefix + suffix batched
+half-precision features with fp32 sums), the solve (the library's inverse by halves at several block sizes, the
+Cholesky form it replaced, an explicit inverse, ``cholesky_inverse``), the scans (and prefix + suffix batched
 together), the gather and the readout (einsum + norm + gate, GEMM + one fused pass, or a Triton candidate
 doing features, GEMM, norm and gate in one pass); then the whole branch plain and fused
 (``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small geometry on the CPU (no compiled
@@ -38,36 +38,27 @@ def max_diff(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
+def solve_cholesky(alpha, A, B):
+    """``linear_branch.solve`` as it was: a Cholesky factor (no error check), its triangular inverse and the
+    product of the two."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    chol, _ = torch.linalg.cholesky_ex(A + eye)
+    linv = torch.linalg.solve_triangular(chol, eye.expand_as(A), upper=False)
+    inv = linv.transpose(-1, -2) @ linv
+    return alpha[..., None] * inv, B @ inv
+
+
 def solve_cholesky_inverse(alpha, A, B):
-    """Candidate for ``linear_branch.solve``: the inverse of I + A from its Cholesky factor in one library call
-    (``torch.cholesky_inverse``) instead of a triangular inverse and a product."""
+    """The inverse of I + A from its Cholesky factor in one library call (``torch.cholesky_inverse``)."""
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     chol, _ = torch.linalg.cholesky_ex(A + eye)
     inv = torch.cholesky_inverse(chol)
     return alpha[..., None] * inv, B @ inv
 
 
-def spd_inverse_blocked(M, base: int = 16):
-    """The inverse of symmetric positive definite ``M`` ``[..., n, n]`` by halves: with M = [[P, R], [Rᵀ, C]],
-    X = P⁻¹R, the Schur complement S = C − RᵀX (positive definite again) and Y = X S⁻¹,
-    M⁻¹ = [[P⁻¹ + Y Xᵀ, −Y], [−Yᵀ, S⁻¹]]; down to ``base``-sized blocks inverted by the library. Batched GEMMs
-    over all matrices at each level instead of a factorisation and a triangular solve."""
-    n = M.shape[-1]
-    if n <= base:
-        return torch.linalg.inv_ex(M)[0]
-    h = n // 2
-    P, R, C = M[..., :h, :h], M[..., :h, h:], M[..., h:, h:]
-    P_inv = spd_inverse_blocked(P, base)
-    X = P_inv @ R
-    S_inv = spd_inverse_blocked(C - R.transpose(-1, -2) @ X, base)
-    Y = X @ S_inv
-    top = torch.cat([P_inv + Y @ X.transpose(-1, -2), -Y], dim=-1)
-    return torch.cat([top, torch.cat([-Y.transpose(-1, -2), S_inv], dim=-1)], dim=-2)
-
-
-def solve_blocked(alpha, A, B):
-    """Candidate for ``linear_branch.solve`` through ``spd_inverse_blocked``."""
-    inv = spd_inverse_blocked(A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device))
+def solve_blocked(alpha, A, B, base):
+    """``linear_branch.solve`` with another block size at which the inverse by halves stops."""
+    inv = lb.spd_inverse(A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device), base)
     return alpha[..., None] * inv, B @ inv
 
 
@@ -154,14 +145,19 @@ def main(argv=None) -> dict:
         # solve, scans, gather
         alpha = (torch.rand(frames, H, d, generator=g) * 0.5 + 0.5).to(device)
         eye = torch.eye(d, device=device)
-        ms["solve (Cholesky, triangular inverse)"] = time_it(lambda: lb.solve(alpha, A, B))
+        ms["solve (library: inverse by halves, 16-row blocks)"] = time_it(lambda: lb.solve(alpha, A, B))
+        T, J = lb.solve(alpha, A, B)
+        T_ref, J_ref = lb.solve_reference(alpha.cpu(), A.cpu(), B.cpu())
+        diff["solve (library) vs fp64 reference"] = max_diff((T.cpu(), J.cpu()), (T_ref, J_ref))
+        ms["solve through Cholesky and a triangular inverse (before)"] = time_it(lambda: solve_cholesky(alpha, A, B))
+        diff["solve through Cholesky vs fp64 reference"] = max_diff(
+            [t.cpu() for t in solve_cholesky(alpha, A, B)], (T_ref, J_ref))
         ms["Cholesky alone"] = time_it(lambda: torch.linalg.cholesky_ex(A + eye))
         ms["explicit inverse (inv_ex)"] = time_it(lambda: torch.linalg.inv_ex(A + eye))
-        T, J = lb.solve(alpha, A, B)
-        ms["solve through cholesky_inverse (candidate)"] = time_it(lambda: solve_cholesky_inverse(alpha, A, B))
-        diff["solve through cholesky_inverse vs plain"] = max_diff(solve_cholesky_inverse(alpha, A, B), (T, J))
-        ms["solve through a blocked inverse by halves (candidate)"] = time_it(lambda: solve_blocked(alpha, A, B))
-        diff["solve through a blocked inverse vs plain"] = max_diff(solve_blocked(alpha, A, B), (T, J))
+        ms["solve through cholesky_inverse"] = time_it(lambda: solve_cholesky_inverse(alpha, A, B))
+        for base in (8, 32):
+            ms[f"solve by halves, {base}-row blocks"] = time_it(lambda: solve_blocked(alpha, A, B, base))
+            diff[f"solve by halves, {base}-row blocks vs library"] = max_diff(solve_blocked(alpha, A, B, base), (T, J))
         seed = torch.zeros(H, d, d, device=device)
         ms["scans (prefix + suffix)"] = time_it(lambda: lb.scan(T, J, seed))
         P, Q = lb.scan(T, J, seed)

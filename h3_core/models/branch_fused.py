@@ -78,7 +78,7 @@ def gram_statistics(k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[tor
     Both are Gram products of the stored features, so half-precision features go straight into the tensor
     cores with fp32 sums (``torch.bmm``'s ``out_dtype``, CUDA only) and no fp32 copy of k̃, ṽ or β·k̃ is
     made; elsewhere the features are widened first. A is positive semi-definite by construction, so I + A
-    keeps its Cholesky factor."""
+    stays positive definite (``linear_branch.solve``)."""
     frames, heads, tokens, d = k_scaled.shape
     acc = accumulation(k_scaled.dtype)
     g = k_scaled.reshape(frames * heads, tokens, d)

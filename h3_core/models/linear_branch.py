@@ -7,7 +7,7 @@ Per head h, on the raw (pre-norm, pre-RoPE) q, k, v of the video rows and the bl
   * frame statistics: A_f = Σ_s β k̃ k̃ᵀ (symmetrised), B_f = Σ_s β ṽ k̃ᵀ (``[d_v, d_k]``);
   * decay: α_f = exp(−exp(A_log) · softplus(up(down(mean_s x)) + dt_bias)) per key channel;
   * the exact solve: S_f = (S_{f−1} · diag(α_f) + B_f)(I + A_f)⁻¹, i.e. transition T_f = diag(α_f)(I + A_f)⁻¹ and
-    injection J_f = B_f (I + A_f)⁻¹ (Cholesky, fp32);
+    injection J_f = B_f (I + A_f)⁻¹ (fp32, the SPD inverse by halves);
   * scans: prefix P_f (frames 0..f) and suffix Q_f (frames f..F−1), both seeded with 0.5 · the text state
     S_text = B_txt(I + A_txt)⁻¹ (no convs on text);
   * gather for query frame t with window [lo, hi]: P_{lo−1} · Π_{u=max(lo,0)}^{t} α_u + Q_{hi+1} · Π_{u=t}^{min(hi,F−1)} α_u
@@ -30,6 +30,7 @@ __all__ = [
     "featurize",
     "frame_statistics",
     "solve",
+    "spd_inverse",
     "solve_reference",
     "scan",
     "scan_reference",
@@ -87,14 +88,36 @@ def _frame_statistics(k, v, beta):
     return 0.5 * (A + A.transpose(-1, -2)), vf.transpose(-1, -2) @ bk
 
 
+def spd_inverse(M: torch.Tensor, base: int = 16) -> torch.Tensor:
+    """The inverse of symmetric positive definite ``M`` ``[..., n, n]`` by halves: with M = [[P, R], [Rᵀ, C]],
+    X = P⁻¹R, the Schur complement S = C − RᵀX (positive definite again) and Y = X S⁻¹,
+    M⁻¹ = [[P⁻¹ + Y Xᵀ, −Y], [−Yᵀ, S⁻¹]]; blocks of ``base`` rows or fewer go to the library's inverse.
+
+    Every level is a few batched GEMMs over all matrices at once, where a Cholesky factor and a triangular
+    inverse run as long chains of small per-column kernels (half the time for 5,600 matrices of 128)."""
+    n = M.shape[-1]
+    if n <= base:
+        return torch.linalg.inv_ex(M)[0]
+    h = n // 2
+    P, R, C = M[..., :h, :h], M[..., :h, h:], M[..., h:, h:]
+    P_inv = spd_inverse(P, base)
+    X = P_inv @ R
+    S_inv = spd_inverse(C - R.transpose(-1, -2) @ X, base)
+    Y = X @ S_inv
+    out = torch.empty_like(M)
+    out[..., :h, :h] = P_inv + Y @ X.transpose(-1, -2)
+    out[..., :h, h:] = -Y
+    out[..., h:, :h] = -Y.transpose(-1, -2)
+    out[..., h:, h:] = S_inv
+    return out
+
+
 def solve(alpha, A, B):
-    """Transitions T = diag(α)(I + A)⁻¹ and injections J = B (I + A)⁻¹, through a Cholesky factor."""
+    """Transitions T = diag(α)(I + A)⁻¹ and injections J = B (I + A)⁻¹. I + A is symmetric positive definite
+    for any A = Σ β k kᵀ (β > 0), with eigenvalues ≥ 1, so its inverse by halves (``spd_inverse``) is well
+    conditioned at every level."""
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    # I + A is symmetric positive definite for any A = Σ β k kᵀ (β > 0), so the factor always exists; the
-    # ``_ex`` form skips the error check, which would wait for the GPU once per block.
-    chol, _ = torch.linalg.cholesky_ex(A + eye)
-    linv = torch.linalg.solve_triangular(chol, eye.expand_as(A), upper=False)
-    inv = linv.transpose(-1, -2) @ linv
+    inv = spd_inverse(A + eye)
     return alpha[..., None] * inv, B @ inv
 
 

@@ -34,15 +34,20 @@ def test_the_paired_scan_candidate_equals_the_scan():
         assert (got - want).abs().max() <= 1e-12 * want.abs().max()
 
 
-def test_the_blocked_inverse_candidate_inverts_positive_definite_matrices():
+def test_the_solves_timed_beside_the_library_solve_the_same_system():
     import torch
 
-    spec = importlib.util.spec_from_file_location("branch_stages_inverse", BENCH)
+    from h3_core.models import linear_branch as lb
+
+    spec = importlib.util.spec_from_file_location("branch_stages_solve", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     g = torch.Generator().manual_seed(1)
-    for n in (16, 40, 128):  # at the base size, odd halves, the release's head size
-        G = torch.randn(3, 2, 4 * n, n, generator=g, dtype=torch.float64)
-        M = torch.eye(n, dtype=torch.float64) + G.transpose(-1, -2) @ G * 0.1  # I + A, A = GᵀG as the branch's
-        inv = bench.spd_inverse_blocked(M)
-        assert (inv - torch.linalg.inv(M)).abs().max() <= 1e-10 * torch.linalg.inv(M).abs().max(), n
+    G = torch.randn(3, 2, 160, 40, generator=g, dtype=torch.float64)
+    A, B = G.transpose(-1, -2) @ G * 0.1, torch.randn(3, 2, 40, 40, generator=g, dtype=torch.float64)
+    alpha = torch.rand(3, 2, 40, generator=g, dtype=torch.float64)
+    want = lb.solve_reference(alpha, A, B)
+    for got in (bench.solve_cholesky(alpha, A, B), bench.solve_cholesky_inverse(alpha, A, B),
+                bench.solve_blocked(alpha, A, B, 8), lb.solve(alpha, A, B)):
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() <= 1e-10 * b.abs().max()

@@ -14,6 +14,7 @@ from h3_core.models.linear_branch import (
     scan_reference,
     solve,
     solve_reference,
+    spd_inverse,
 )
 
 
@@ -52,6 +53,18 @@ def test_solve_matches_the_reference_and_the_implicit_delta_rule(dtype, tol):
     residual = S_prev @ torch.diag_embed(alpha[0]) + torch.einsum(
         "sh,shv,shk->hvk", beta[0], v[0] - torch.einsum("hvk,shk->shv", S, k[0]), k[0]) - S
     assert residual.abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("n, base", [(4, 16), (16, 16), (17, 16), (37, 4), (128, 16), (128, 8)])
+def test_spd_inverse_by_halves_is_the_inverse(n, base):
+    # I + Σ β k kᵀ over more tokens than channels, as the branch builds it: eigenvalues from 1 to ≈ tokens
+    k = torch.nn.functional.normalize(rnd(3, 4 * n, n, seed=n), dim=-1)
+    M = torch.eye(n, dtype=torch.float64) + k.transpose(1, 2) @ k
+    inv = spd_inverse(M, base)
+    assert (inv - torch.linalg.inv(M)).abs().max() <= 1e-12 * torch.linalg.cond(M).max()
+    assert (M @ inv - torch.eye(n, dtype=torch.float64)).abs().max() <= 1e-10
+    inv32 = spd_inverse(M.float(), base)
+    assert (inv32.double() - torch.linalg.inv(M)).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-4)])
