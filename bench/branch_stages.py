@@ -6,8 +6,8 @@ Stages: features (spatial 5×5 — cuDNN, and a Triton candidate reading the pro
 then temporal 5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
 half-precision features with fp32 sums), the solve (the library's inverse by halves at several block sizes, the
 Cholesky form it replaced, an explicit inverse, ``cholesky_inverse``), the scans (and prefix + suffix batched
-together), the gather and the readout (einsum + norm + gate, GEMM + one fused pass, or a Triton candidate
-doing features, GEMM, norm and gate in one pass); then the whole branch plain and fused
+together), the gather and the readout (einsum + norm + gate, three passes — features, GEMM, finish — or
+the library's one function: one Triton pass on CUDA); then the whole branch plain and fused
 (``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small geometry on the CPU (no compiled
 or Triton candidates there).
 
@@ -174,21 +174,17 @@ def main(argv=None) -> dict:
         logits = torch.randn(frames * S, C, generator=g).to(device, dtype)
         norm_weight = branch.norm.weight
 
-        def fused_readout(mode):
+        def three_pass_readout(mode):  # the fused branch's readout before it was one function
             features = branch_fused.run(mode, "query_features", q.view(shape))
             out = torch.matmul(features, state.to(features.dtype).transpose(-1, -2))
             return branch_fused.run(mode, "readout_finish", out, norm_weight, logits)
 
         for mode in modes:
-            ms[f"readout as the fused branch runs it ({mode}: features, GEMM, finish)"] = time_it(lambda: fused_readout(mode))
-        if cuda and branch_fused.compiled_branch_available():
-            import candidate_kernels
-
-            want = fused_readout("compiled")
-            ms["readout in one pass (Triton candidate)"] = time_it(
-                lambda: candidate_kernels.readout_triton(q.view(shape), state, norm_weight, logits))
-            diff["readout in one pass vs fused"] = max_diff(
-                candidate_kernels.readout_triton(q.view(shape), state, norm_weight, logits), want)
+            ms[f"readout in three passes ({mode}: features, GEMM, finish)"] = time_it(lambda: three_pass_readout(mode))
+            ms[f"readout as the fused branch runs it ({mode})"] = time_it(
+                lambda: branch_fused.run(mode, "readout", q.view(shape), state, norm_weight, logits))
+            diff[f"readout {mode} vs three passes"] = max_diff(
+                branch_fused.run(mode, "readout", q.view(shape), state, norm_weight, logits), three_pass_readout(mode))
 
         # the whole branch
         for mode in [None] + modes:

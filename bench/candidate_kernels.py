@@ -8,10 +8,6 @@ loop the compiler keeps (five loads live at most) and the tiles are half as wide
 
 ``swiglu_quantize_triton``: the fp8 FFN's SiLU·up and the quantisation of ``fc2``'s input in one pass per row,
 where the library writes the product (one compiled pass) and the quantiser reads it back.
-
-``readout_triton``: the linear branch's readout — q̃ = L2(SiLU(q)), the product with the frame's state, the
-RMSNorm and the output gate — in one pass per tile of tokens × head, where the library runs three (the
-features, a batched GEMM, the finish) with two intermediates of the video rows' size.
 """
 
 from __future__ import annotations
@@ -93,43 +89,3 @@ def swiglu_quantize_triton(gate_up: torch.Tensor, smallest: float,
         _swiglu_quantize_kernel[(rows,)](gate_up, codes, scales, ffn, gate_up.stride(0), smallest, BLOCK=block,
                                          num_warps=16 if block > 8192 else 8)
     return codes, scales
-
-
-@triton.jit
-def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, s_row, eps,
-                    D: tl.constexpr, BLOCK_S: tl.constexpr):
-    frame = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    tokens = (tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
-    cols = tl.arange(0, D)
-    token_ok = (tokens < n_tokens)[:, None]
-    rows = frame * n_tokens + tokens
-    q = tl.load(q_raw + rows[:, None] * s_row + head * D + cols[None, :], mask=token_ok, other=0.0).to(tl.float32)
-    q = q * tl.sigmoid(q)
-    q = q / tl.maximum(tl.sqrt(tl.sum(q * q, axis=1)), eps)[:, None]  # q̃ = L2(SiLU(q))
-    # state [d_v, d_k] read transposed as [d_k, d_v]: out[s, v] = Σ_k q̃[s, k] S[v, k]
-    base = state + (frame * heads + head) * D * D
-    st = tl.load(base + cols[None, :] * D + cols[:, None])
-    o = tl.dot(q.to(q_raw.dtype.element_ty), st.to(q_raw.dtype.element_ty))
-    o = o.to(q_raw.dtype.element_ty).to(tl.float32)  # the library's readout GEMM rounds its output
-    o = o * tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)[:, None] * tl.load(norm_weight + cols).to(tl.float32)[None, :]
-    offsets = rows[:, None] * (heads * D) + head * D + cols[None, :]
-    gate = tl.load(logits + offsets, mask=token_ok, other=0.0).to(tl.float32)
-    tl.store(dst + offsets, (o * tl.sigmoid(gate)).to(dst.dtype.element_ty), mask=token_ok)
-
-
-def readout_triton(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor,
-                   gate_logits: torch.Tensor, eps: float = 1e-6, block_s: int = 64) -> torch.Tensor:
-    """The linear branch's fused readout in one pass: ``query_features``, the GEMM with each frame's state and
-    ``readout_finish`` (``LinearBranch._fused_readout`` less the gate's projections). ``q_raw`` ``[F, S, h, d]``
-    (any frame and token strides: the projection's slice), ``state`` ``[F, h, d, d]`` fp32, ``gate_logits``
-    ``[F·S, h·d]``; returns ``[F·S, h·d]`` in the gate's dtype."""
-    frames, tokens, heads, d = q_raw.shape
-    assert q_raw.stride(3) == 1 and q_raw.stride(2) == d and q_raw.stride(0) == tokens * q_raw.stride(1)
-    state = state.float().contiguous()
-    out = torch.empty(frames * tokens, heads * d, dtype=gate_logits.dtype, device=q_raw.device)
-    if out.numel():
-        _readout_kernel[(frames, heads, triton.cdiv(tokens, block_s))](
-            q_raw, state, norm_weight, gate_logits.contiguous(), out, tokens, heads, q_raw.stride(1), eps, D=d,
-            BLOCK_S=block_s)
-    return out

@@ -1,9 +1,15 @@
-"""``branch_fused.conv_features`` as one Triton pass (see branch_fused.py): each program reads a tile of tokens
-× one head's channels from the ``n`` frames around its frame, sums the temporal taps, applies SiLU, the L2
-norm and √β, and writes the tile head-major. Loads and stores are rows of ``d`` contiguous channels in both
-layouts, where the compiled form scatters its head-major writes.
+"""The linear branch's fused functions (branch_fused.py) as Triton passes.
 
-The arithmetic is the written function's: fp32 sums over the taps in order, one rounding of the result.
+``conv_features``: each program reads a tile of tokens × one head's channels from the ``n`` frames around its
+frame, sums the temporal taps, applies SiLU, the L2 norm and √β, and writes the tile head-major. Loads and
+stores are rows of ``d`` contiguous channels in both layouts, where the compiled form scatters its head-major
+writes. The arithmetic is the written function's: fp32 sums over the taps in order, one rounding.
+
+``readout``: each program takes a tile of tokens × one head straight from the projection's q slice, forms
+q̃ = L2(SiLU(q)), multiplies it by the frame's state on the tensor cores, and applies the RMSNorm and the
+output gate, writing token-major rows: one pass where the compiled form runs three (the features, a batched
+GEMM, the finish) through two intermediates the size of the video rows. q̃ and the product are rounded to
+the rows' dtype where the written function stores them, so the numbers are its numbers.
 """
 
 from __future__ import annotations
@@ -63,4 +69,50 @@ def conv_features_triton(y: torch.Tensor, taps: torch.Tensor, heads: int, normal
             y, taps, beta if beta is not None else y, out, frames, tokens, heads, head_dim, eps,
             N_TAPS=taps.shape[1], NORMALIZE=normalize, HAS_BETA=beta is not None, BLOCK_S=block_s,
             BLOCK_D=block_d)
+    return out
+
+
+@triton.jit
+def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, head_dim, s_frame, s_token, eps,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    frame = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    tokens = (tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < head_dim
+    mask = (tokens < n_tokens)[:, None] & col_ok[None, :]
+    q = tl.load(q_raw + frame * s_frame + tokens[:, None] * s_token + head * head_dim + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    q = q * tl.sigmoid(q)
+    q = q / tl.maximum(tl.sqrt(tl.sum(q * q, axis=1)), eps)[:, None]
+    # the state [d_v, d_k] read as [d_k, d_v]: o[s, v] = Σ_k q̃[s, k] S[v, k]
+    square = col_ok[:, None] & col_ok[None, :]
+    st = tl.load(state + (frame * heads + head) * head_dim * head_dim + cols[None, :] * head_dim + cols[:, None],
+                 mask=square, other=0.0)
+    rows_dtype = q_raw.dtype.element_ty
+    if IEEE:  # fp32 rows: a full-precision product, as torch.matmul's (not TF32)
+        o = tl.dot(q, st.to(tl.float32), input_precision="ieee")
+    else:
+        o = tl.dot(q.to(rows_dtype), st.to(rows_dtype)).to(rows_dtype).to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(o * o, axis=1) / head_dim + eps)[:, None]
+    o = o * tl.load(norm_weight + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    offsets = (frame * n_tokens + tokens)[:, None] * (heads * head_dim) + head * head_dim + cols[None, :]
+    gate = tl.load(logits + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + offsets, (o * tl.sigmoid(gate)).to(dst.dtype.element_ty), mask=mask)
+
+
+def readout_triton(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor,
+                   gate_logits: torch.Tensor, eps: float = 1e-6, block_s: int = 64) -> torch.Tensor:
+    """``branch_fused.readout``: ``[F·S, h·d]`` in the gate's dtype from ``q_raw`` ``[F, S, h, d]`` (any frame
+    and token strides: the projection's slice), ``state`` ``[F, h, d, d]`` and ``gate_logits`` ``[F·S, h·d]``."""
+    frames, tokens, heads, head_dim = q_raw.shape
+    if q_raw.stride(3) != 1 or q_raw.stride(2) != head_dim:
+        q_raw = q_raw.contiguous()
+    state = state.float().contiguous()
+    out = torch.empty(frames * tokens, heads * head_dim, dtype=gate_logits.dtype, device=q_raw.device)
+    if out.numel():
+        _readout_kernel[(frames, heads, triton.cdiv(tokens, block_s))](
+            q_raw, state, norm_weight, gate_logits.contiguous(), out, tokens, heads, head_dim, q_raw.stride(0),
+            q_raw.stride(1), eps, BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            IEEE=q_raw.dtype == torch.float32)
     return out

@@ -4,8 +4,8 @@ The plain branch (``linear_branch.LinearBranch`` with ``fused = None``) is the r
 as its own PyTorch op over the video rows (spatial conv, a layout copy, the temporal conv, another copy,
 SiLU, the L2 norm; then the readout einsum, the fp32 RMSNorm and the gate), each a pass over ``[F·S, h·d]``.
 Here the temporal conv, SiLU and L2 norm are one function that writes k̃ and ṽ straight into ``[F, h, S, d]``
-(the layout the frame statistics and the readout GEMM read without copies); q̃ likewise; and the readout's
-RMSNorm, output gate and return to token-major rows are one function after a plain batched GEMM. Sums run
+(the layout the frame statistics read without copies); and the readout — q̃, its product with the frame's
+state, the RMSNorm, the output gate and the return to token-major rows — is one function. Sums run
 in fp32 (fp64 for fp64 inputs) and each result is rounded once, so the numbers are the plain path's up to
 the roundings it skips.
 
@@ -26,7 +26,7 @@ from ..errors import H3InputError
 from ..triton_forms import triton_form
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
-           "gram_statistics", "query_features", "readout_finish", "run", "call", "triton_kernel", "accumulation"]
+           "gram_statistics", "query_features", "readout_finish", "readout", "run", "call", "triton_kernel", "accumulation"]
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6
@@ -111,7 +111,17 @@ def readout_finish(o: torch.Tensor, norm_weight: torch.Tensor, gate_logits: torc
     return (z * torch.sigmoid(gate_logits.to(acc))).to(gate_logits.dtype)
 
 
-_FUNCTIONS = {"conv_features": conv_features, "query_features": query_features, "readout_finish": readout_finish}
+def readout(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor,
+            gate_logits: torch.Tensor) -> torch.Tensor:
+    """The branch's output rows ``[F·S, h·d]`` (the gate's dtype): RMSNorm(S_lin · q̃) · σ(gate) from raw
+    ``q_raw`` ``[F, S, h, d]``, each frame's state ``[F, h, d_v, d_k]`` and the gate's pre-activations: q̃
+    (``query_features``), the product as a batched GEMM in the rows' dtype, then ``readout_finish``."""
+    q = query_features(q_raw)
+    return readout_finish(torch.matmul(q, state.to(q.dtype).transpose(-1, -2)), norm_weight, gate_logits)
+
+
+_FUNCTIONS = {"conv_features": conv_features, "query_features": query_features, "readout_finish": readout_finish,
+              "readout": readout}
 _compiled: dict[object, object] = {}  # each fused function's torch.compile wrapper, made on first use
 
 
@@ -125,6 +135,7 @@ def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
 # Hand-written Triton forms that ``"compiled"`` runs on CUDA instead of ``torch.compile``'s (module, function):
 # each does in one pass what the compiled form splits into several or writes with scattered stores.
 _TRITON = {"conv_features": ("h3_core.models._branch_triton", "conv_features_triton"),
+           "readout": ("h3_core.models._branch_triton", "readout_triton"),
            "qk_norm_rope": ("h3_core.models._block_triton", "qk_norm_rope_triton")}
 
 

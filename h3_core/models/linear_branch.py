@@ -295,9 +295,6 @@ class LinearBranch(nn.Module):
         return branch_fused.run(self.fused, "conv_features", y, temporal, beta.shape[-1], normalize, beta)
 
     def _fused_readout(self, x, q_raw, state, channels: slice):
-        q = branch_fused.run(self.fused, "query_features", q_raw)  # [F, h, S, d]
-        out = torch.matmul(q, state.to(q.dtype).transpose(-1, -2))  # [F, h, S, d_v]
-        del q
         gate = self.output_gate
         logits = F.linear(gate.down(x), gate.up.weight[channels], gate.up.bias[channels])
-        return branch_fused.run(self.fused, "readout_finish", out, self.norm.weight, logits)
+        return branch_fused.run(self.fused, "readout", q_raw, state, self.norm.weight, logits)

@@ -56,3 +56,25 @@ def test_triton_conv_features_match_the_written_function(normalize, with_beta):
     assert got.shape == (frames, heads, grid[0] * grid[1], 128) and got.dtype == torch.bfloat16
     got, want = got.float(), want.float()
     assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-5 * want.abs().max()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_readout_matches_the_written_function(dtype):
+    from h3_core.models import branch_fused
+
+    if triton_kernel("readout") is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(3)
+    frames, tokens, heads = 5, 150, 4  # tokens not a multiple of the tile
+    q_raw = torch.randn(frames, tokens, 3, heads, 128, generator=g).to(DEV, dtype)[:, :, 0]  # the projection's q
+    state = (torch.randn(frames, heads, 128, 128, generator=g) / 8).to(DEV)
+    weight = torch.randn(128, generator=g).to(DEV, dtype)
+    logits = torch.randn(frames * tokens, heads * 128, generator=g).to(DEV, dtype)
+    got = branch_fused.run("compiled", "readout", q_raw, state, weight, logits)
+    want = branch_fused.run("eager", "readout", q_raw, state, weight, logits)
+    assert got.shape == want.shape == (frames * tokens, heads * 128) and got.dtype == dtype
+    got, want = got.float(), want.float()
+    if dtype == torch.float32:
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    else:  # the product's sums in another order can round it one bf16 step apart before the norm
+        assert ((got - want).abs() <= want.abs() * 2**-6 + 1e-2 * want.abs().max()).all()

@@ -69,30 +69,3 @@ def test_fp8_stages_dry_run_on_the_cpu(tmp_path):
     assert (tmp_path / "fp8.json").read_text().startswith("{")
     assert len(result["ms"]) == 8 and all(ms >= 0 for ms in result["ms"].values())
     assert set(result["codes_equal"].values()) == {1.0}  # the CPU runs the eager quantiser both ways
-
-
-READOUT_CHECK = textwrap.dedent(
-    """
-    import sys
-    sys.path.insert(0, "bench")
-    import torch
-    from candidate_kernels import readout_triton
-    from h3_core.models import branch_fused
-
-    g = torch.Generator().manual_seed(0)
-    frames, tokens, heads, d = 4, 37, 3, 16  # tokens not a multiple of the tile
-    q_raw = torch.randn(frames, tokens, 3, heads, d, generator=g)[:, :, 0]  # q of a fused projection
-    state = torch.randn(frames, heads, d, d, generator=g)
-    weight, logits = torch.randn(d, generator=g), torch.randn(frames * tokens, heads * d, generator=g)
-    features = branch_fused.query_features(q_raw)
-    want = branch_fused.readout_finish(features @ state.transpose(-1, -2), weight, logits)
-    got = readout_triton(q_raw, state, weight, logits, block_s=16)
-    assert got.shape == want.shape == (frames * tokens, heads * d)
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    print("OK")
-    """
-)
-
-
-def test_candidate_readout_under_interpreter_matches_the_fused_readout():
-    assert run_interpreted(READOUT_CHECK).split()[-1] == "OK"

@@ -1,5 +1,5 @@
-"""The Triton temporal conv + SiLU + L2 + √β (h3_core.models._branch_triton) against
-branch_fused.conv_features, under Triton's CPU interpreter."""
+"""The linear branch's Triton kernels (h3_core.models._branch_triton) against the written functions of
+branch_fused (the temporal conv + SiLU + L2 + √β, and the readout), under Triton's CPU interpreter."""
 
 import textwrap
 
@@ -32,3 +32,28 @@ CHECK = textwrap.dedent(
 
 def test_triton_conv_features_under_interpreter_match_the_written_function():
     assert run_interpreted(CHECK).split()[-1] == "OK"
+
+
+READOUT_CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core.models import branch_fused
+    from h3_core.models._branch_triton import readout_triton
+
+    g = torch.Generator().manual_seed(0)
+    for heads, d in ((3, 16), (2, 24)):  # d a power of two, and not (masked to the tile)
+        frames, tokens = 4, 37  # tokens not a multiple of the tile
+        q_raw = torch.randn(frames, tokens, 3, heads, d, generator=g)[:, :, 0]  # q of a fused projection
+        state = torch.randn(frames, heads, d, d, generator=g)
+        weight, logits = torch.randn(d, generator=g), torch.randn(frames * tokens, heads * d, generator=g)
+        want = branch_fused.readout(q_raw, state, weight, logits)
+        got = readout_triton(q_raw, state, weight, logits, block_s=16)
+        assert got.shape == want.shape == (frames * tokens, heads * d) and got.dtype == want.dtype
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), d
+    print("OK")
+    """
+)
+
+
+def test_triton_readout_under_interpreter_matches_the_written_function():
+    assert run_interpreted(READOUT_CHECK).split()[-1] == "OK"
