@@ -2,14 +2,14 @@
 of 128, bf16), the plain forms next to candidate faster ones, each timed (median of ``--reps`` CUDA-event
 timings after a warm-up) and checked against the plain form.
 
-Stages: features (spatial 5×5 — cuDNN, and a Triton candidate reading the projection's slice in place —
-then temporal 5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
+Stages: features (spatial 5×5 through cuDNN, on a dense tensor and on the projection's slice, then the
+temporal 5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
 half-precision features with fp32 sums), the solve (the library's inverse by halves at several block sizes, the
 Cholesky form it replaced, an explicit inverse, ``cholesky_inverse``), the scans (and prefix + suffix batched
 together), the gather and the readout (einsum + norm + gate, three passes — features, GEMM, finish — or
 the library's one function: one Triton pass on CUDA); then the whole branch plain and fused
 (``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small geometry on the CPU (no compiled
-or Triton candidates there).
+forms there).
 
     python3 bench/branch_stages.py --out results.json
 """
@@ -108,15 +108,6 @@ def main(argv=None) -> dict:
         k_strided = torch.stack([q, k, v], 1).view(frames, S, 3, C)[:, :, 1]
         ms["spatial conv of the projection's slice (cuDNN, after a dense copy)"] = time_it(
             lambda: branch_fused.spatial_conv(k_strided, weights[0], grid))
-        if cuda and branch_fused.compiled_branch_available():
-            import candidate_kernels
-
-            want = branch_fused.spatial_conv(k_strided, weights[0], grid)
-            for block_c, warps in ((64, 8), (64, 4), (128, 8), (32, 4)):
-                name = f"spatial conv of the slice (Triton candidate, {block_c} channels, {warps} warps)"
-                ms[name] = time_it(lambda: candidate_kernels.spatial_conv_triton(k_strided, weights[0], grid, block_c, warps))
-                diff[name + " vs cuDNN"] = max_diff(
-                    candidate_kernels.spatial_conv_triton(k_strided, weights[0], grid, block_c, warps), want)
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
         for mode in modes:
             ms[f"temporal + SiLU + L2 ({mode})"] = time_it(

@@ -1,6 +1,7 @@
 """``quantize_rows`` as one Triton pass per row (see fp8_linear.py): the row is read once, its amax and scale
 formed in registers, and the e4m3 codes written, where the eager form reads the row twice and runs its
-division as a generic (unvectorised) mixed-dtype kernel.
+division as a generic (unvectorised) mixed-dtype kernel. ``swiglu_quantize_triton`` does the same for the
+FFN's SiLU·up straight from ``fc1``'s output, so the product is never stored nor read back.
 
 Same numbers as the eager reference: the amax is exact, the scale is ``amax / 448`` and the codes ``x / scale``
 with IEEE-rounded divisions (as torch's CUDA kernels divide), and the cast to e4m3 rounds to nearest even
@@ -46,4 +47,35 @@ def quantize_rows_triton(x: torch.Tensor, smallest: float,
         warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
         _quantize_rows_kernel[(rows,)](x, codes, scales, cols, x.stride(0), smallest, BLOCK=block,
                                        num_warps=warps)
+    return codes, scales
+
+
+@triton.jit
+def _swiglu_quantize_kernel(src, codes, scales, ffn, s_row, smallest, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < ffn
+    gate = tl.load(src + row * s_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(src + row * s_row + ffn + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (gate * tl.sigmoid(gate) * up).to(src.dtype.element_ty).to(tl.float32)  # the product as fc2 would read it
+    q, scale = quantize_row(h, smallest)
+    tl.store(codes + row * ffn + cols, q.to(codes.dtype.element_ty), mask=mask)
+    tl.store(scales + row, scale)
+
+
+def swiglu_quantize_triton(gate_up: torch.Tensor, smallest: float,
+                           codes_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(block_fused.swiglu_(gate_up))`` in one pass: ``fc1``'s output ``[M, 2·ffn]`` (gate | up)
+    read once, the product rounded to its dtype as the two-step path stores it, quantised per row, and neither
+    the product nor a second read of it ever made. ``codes_dtype=torch.float32`` keeps the quotients (for
+    Triton's CPU interpreter, whose e4m3 cast is not the GPU's)."""
+    rows, width = gate_up.shape
+    ffn = width // 2
+    assert gate_up.stride(1) == 1
+    codes = torch.empty(rows, ffn, dtype=codes_dtype, device=gate_up.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    if rows:
+        block = triton.next_power_of_2(ffn)
+        _swiglu_quantize_kernel[(rows,)](gate_up, codes, scales, ffn, gate_up.stride(0), smallest, BLOCK=block,
+                                         num_warps=16 if block > 8192 else 8)
     return codes, scales

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
 from ..errors import H3InputError
-from ..fp8_linear import quantize_input
+from ..fp8_linear import Fp8Linear, quantize_input
 from ..keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
 from ..sizes import sizes_from_metadata
 from . import block_fused
@@ -183,7 +183,10 @@ class SwiGLU(nn.Module):
 
     def _rows(self, x):
         if self.fused:
-            return self.fc2(block_fused.run(self.fused, "swiglu_", self.fc1(x)))
+            gate_up = self.fc1(x)
+            if isinstance(self.fc2, Fp8Linear):  # quantised as the product is formed
+                return self.fc2(block_fused.swiglu_quantized(self.fused, gate_up))
+            return self.fc2(block_fused.run(self.fused, "swiglu_", gate_up))
         gate, up = self.fc1(x).chunk(2, dim=-1)
         return self.fc2(F.silu(gate, inplace=True).mul_(up))  # in fc1's output: no further [T, ffn] buffers
 

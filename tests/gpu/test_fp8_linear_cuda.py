@@ -156,6 +156,27 @@ def test_the_triton_quantiser_gives_the_reference_codes(width, dtype, strided):
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
 
 
+@pytest.mark.parametrize("ffn, dtype", [(14336, torch.bfloat16), (14336, torch.float16), (40, torch.bfloat16)])
+def test_the_fused_swiglu_quantiser_gives_the_two_step_codes(ffn, dtype):
+    """The FFN's SiLU·up and the quantisation of fc2's input in one Triton pass, bit for bit what the product
+    written into fc1's output by the compiled SiLU·up and quantised after gives, at the model's width and with a
+    zero row."""
+    from h3_core.fp8_linear import quantize_input
+    from h3_core.models import block_fused
+    from h3_core.triton_forms import triton_form
+
+    if triton_form("h3_core._fp8_triton", "swiglu_quantize_triton") is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(300, 2 * ffn, generator=g) * torch.logspace(-3, 2, 300)[:, None]).to(DEV, dtype)
+    gate_up[11] = 0
+    one = block_fused.swiglu_quantized("compiled", gate_up)
+    two = quantize_input(block_fused.run("compiled", "swiglu_", gate_up.clone()))
+    assert one.codes.shape == (300, ffn) and one.lead == two.lead == (300,)
+    assert torch.equal(one.scale, two.scale)
+    assert torch.equal(one.codes.view(torch.uint8), two.codes.view(torch.uint8))
+
+
 @needs_fp8
 def test_leading_dimensions_are_rows():
     layer = quantised_layer(512, 256)

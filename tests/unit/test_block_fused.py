@@ -109,6 +109,27 @@ def test_a_fused_model_equals_the_plain_model(hybrid, options):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_fused_fp8_model_equals_the_plain_fp8_model(hybrid):
+    """With fp8 linears the fused FFN hands fc2 its input already quantised (``swiglu_quantized``)."""
+    from h3_core.fp8_linear import QuantizedRows, quantize_linears
+
+    m = model(hybrid).float()
+    quantize_linears(m, compute_dtype=torch.float32)
+    packed, args = request()
+    args = tuple(a.float() if a.is_floating_point() else a for a in args)
+    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
+    fc2_inputs = []
+    m.blocks[0].mlp.fc2.register_forward_pre_hook(lambda _, inputs: fc2_inputs.append(inputs[0]))
+    with torch.no_grad():
+        plain = m(*args, hybrid=ctx)
+        block_fused.fuse_blocks(m, "eager")
+        fused = m(*args, hybrid=ctx)
+    assert isinstance(fc2_inputs[-1], QuantizedRows) and not isinstance(fc2_inputs[0], QuantizedRows)
+    for a, b in zip(fused, plain):  # fp32 sums rounded once: a code may flip where a product sits on a boundary
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.9999
+
+
 def test_a_bad_mode_is_named():
     with pytest.raises(H3InputError, match=r"block fusion mode must be one of \(None, 'eager', 'compiled'\), got 'on'"):
         block_fused.fuse_blocks(model(False), "on")

@@ -1,4 +1,5 @@
-"""The Triton row quantiser (h3_core._fp8_triton) against quantize_rows_reference, under Triton's CPU
+"""The Triton row quantisers (h3_core._fp8_triton) against quantize_rows_reference (after the FFN's product for
+the SwiGLU one), under Triton's CPU
 interpreter. The interpreter's e4m3 cast is not the GPU's, so here the kernel keeps its fp32 quotients and
 the cast itself is checked on the GPU (tests/gpu/test_fp8_linear_cuda.py)."""
 
@@ -32,3 +33,30 @@ CHECK = textwrap.dedent(
 
 def test_triton_quantiser_under_interpreter_matches_reference():
     assert run_interpreted(CHECK).split()[-2:] == ["OK", "4"]
+
+
+SWIGLU_CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core._fp8_triton import swiglu_quantize_triton
+    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models.block_fused import swiglu_
+
+    # fp32 rows: the interpreter emulates bf16 rounding by truncation, so the bf16 case runs on the GPU only
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(19, 2 * 300, generator=g) * torch.logspace(-2, 2, 19)[:, None]
+    gate_up[4] = 0
+    quotients, scale = swiglu_quantize_triton(gate_up, _SMALLEST_SCALE, torch.float32)
+    codes, ref_scale = quantize_rows_reference(swiglu_(gate_up.clone()))
+    assert quotients.shape == (19, 300) and scale.shape == (19, 1)
+    # x·sigmoid(x) here, x / (1 + exp(-x)) in the written function: a few fp32 roundings apart
+    assert ((scale - ref_scale).abs() <= ref_scale * 1e-6).all()
+    assert ((quotients - codes.float()).abs() <= 448 / 16).all()  # within one e4m3 step of the reference codes
+    assert scale[4].item() == _SMALLEST_SCALE and not quotients[4].any()
+    print("OK")
+    """
+)
+
+
+def test_triton_swiglu_quantiser_under_interpreter_matches_the_two_step_path():
+    assert run_interpreted(SWIGLU_CHECK).split()[-1] == "OK"
