@@ -211,6 +211,24 @@ def kernel_table(run, top: int) -> list[dict]:
     return rows
 
 
+def copy_table(run, top: int) -> list[dict]:
+    """Where one forward's copies run: ``aten::copy_`` grouped by input shapes and call site (the innermost
+    frames in this repository), with calls and device milliseconds, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=8):
+        ms = getattr(e, "device_time_total", 0) / 1e3
+        if e.key == "aten::copy_" and ms > 0:
+            sites = [frame for frame in e.stack if "h3_core" in frame or "bench" in frame][:3]
+            rows.append(dict(shapes=str(e.input_shapes)[:160], calls=e.count, ms=round(ms, 3), sites=sites))
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
@@ -226,7 +244,10 @@ def main(argv=None) -> dict:
                         help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
     parser.add_argument("--fp8", action="store_true", help="fp8 linears (quantize_linears) in each block")
     parser.add_argument("--blocks", nargs="*", default=["dense", "hybrid"], choices=("dense", "hybrid"))
-    parser.add_argument("--kernels", type=int, default=0, help="list this many CUDA kernels of one forward by time")
+    parser.add_argument("--stacked-qkv", action="store_true",
+                        help="q, k, v as strided views of one stacked GEMM (the layout before they came dense)")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="list this many CUDA kernels of one forward by time, and its copies by call site")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -235,7 +256,7 @@ def main(argv=None) -> dict:
     packed, x, temb, rows, rope = inputs(setup, device, dtype)
     result = dict(record.header("dit_block.py", argv), rows=int(x.shape[0]), dtype=str(dtype), ffn_chunk_rows=args.ffn_chunk_rows,
                   head_groups=args.head_groups, fused_branch=args.fused_branch, fused_blocks=args.fused_blocks,
-                  fp8=args.fp8, blocks={})
+                  fp8=args.fp8, stacked_qkv=args.stacked_qkv, blocks={})
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
     context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
     for name in args.blocks:
@@ -244,6 +265,7 @@ def main(argv=None) -> dict:
         if args.fp8:
             quantize_linears(block)
         apply_low_memory(block, LowMemory(args.ffn_chunk_rows, args.head_groups, args.branch_frames))
+        block.attn.stacked_qkv = args.stacked_qkv
         fuse_branches(block, args.fused_branch)
         if args.fused_blocks:
             fuse_blocks(block, args.fused_blocks)
@@ -261,6 +283,7 @@ def main(argv=None) -> dict:
         if args.kernels and device.type == "cuda":
             with torch.no_grad():
                 stats["kernels"] = kernel_table(lambda: block(x, temb, rows, rope, ctx), args.kernels)
+                stats["copies"] = copy_table(lambda: block(x, temb, rows, rope, ctx), args.kernels)
         result["blocks"][name] = stats
         del block, out
     text = record.write(result, args.out, indent=2)

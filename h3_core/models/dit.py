@@ -111,6 +111,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
         self.out_proj = nn.Linear(cfg.inner, cfg.hidden, bias=False)
         self.head_groups = 1
+        self.stacked_qkv = False  # one GEMM for q, k and v (strided views of its output): for comparisons
         self.fused: str | None = None  # ``block_fused`` mode for the q/k norm and RoPE: None runs the plain ops
 
     def normed_rotated(self, q, k, rope):
@@ -125,18 +126,21 @@ class Attention(nn.Module):
         return q, k
 
     def projection_input(self, x: torch.Tensor):
-        """What every head group's projection reads: ``x``, or for an fp8 ``qkv_proj`` run in groups its rows
-        quantised once (each group's q, k and v slices would otherwise quantise the same rows again)."""
-        if self.head_groups > 1 and hasattr(self.qkv_proj, "part"):
+        """What the q, k and v projections read: ``x``, or for an fp8 ``qkv_proj`` its rows quantised once (the
+        three row slices, and every head group's, would otherwise quantise the same rows again)."""
+        if hasattr(self.qkv_proj, "part") and not (self.stacked_qkv and self.head_groups == 1):
             return quantize_input(x)
         return x
 
     def project(self, x: torch.Tensor, heads: slice | None = None, source=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Raw q, k, v ``[T, h, d]`` of the heads in ``heads`` (all by default): one GEMM for all heads,
-        three row slices of the fused weight for a group, read from ``source`` (``projection_input``) if given."""
+        """Raw q, k, v ``[T, h, d]`` of the heads in ``heads`` (all by default), each its own dense tensor: three
+        row slices of the stacked weight, read from ``source`` (``projection_input``) if given. Dense, the
+        linear branch's convolutions take k and v without a layout copy, and each can be freed on its own;
+        ``stacked_qkv`` runs all heads as one GEMM instead, q, k and v then strided views of its output."""
         T, d = x.shape[0], self.head_dim
-        if heads is None or (heads.start, heads.stop) == (0, self.heads):
+        if self.stacked_qkv and (heads is None or (heads.start, heads.stop) == (0, self.heads)):
             return self.qkv_proj(x).view(T, 3, self.heads, d).unbind(1)
+        heads = slice(0, self.heads) if heads is None else heads
         inner, a, b = self.heads * d, heads.start * d, heads.stop * d
         source = x if source is None else source
         return tuple(linear_rows(self.qkv_proj, source, i * inner + a, i * inner + b).view(T, -1, d)
@@ -148,6 +152,8 @@ class Attention(nn.Module):
         source = self.projection_input(x)
         for heads in head_slices(self.heads, self.head_groups):
             q, k, v = self.project(x, heads, source)
+            if heads.stop == self.heads:
+                source = None  # the fp8 rows' last reader: freed before the attention
             q, k = self.normed_rotated(q, k, rope)
             attended = dense_attention(q, k, v).out.reshape(T, -1)
             del q, k, v

@@ -80,6 +80,8 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     source = attn.projection_input(x)
     for heads in head_slices(attn.heads, attn.head_groups):
         q_raw, k_raw, v = attn.project(x, heads, source)
+        if heads.stop == attn.heads:
+            source = None  # the fp8 rows' last reader: freed before the attention
         q, k = attn.normed_rotated(q_raw, k_raw, rope)
         soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
         del q, k

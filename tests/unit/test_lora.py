@@ -75,6 +75,9 @@ def unmerged_forward(m, flat, x):
     """The LoRA applied as a side path at run time: out[rows] += scale · (x Aᵀ) Bᵀ for every update."""
     handles = []
     modules = dict(m.named_modules())
+    stacked = [(mod, mod.stacked_qkv) for mod in modules.values() if hasattr(mod, "stacked_qkv")]
+    for mod, _ in stacked:  # q, k, v through qkv_proj's own forward, where the hooks sit
+        mod.stacked_qkv = True
     for name, parts in flat.items():
         def hook(mod, args, out, parts=parts):
             out = out.clone()
@@ -88,6 +91,8 @@ def unmerged_forward(m, flat, x):
     finally:
         for h in handles:
             h.remove()
+        for mod, was in stacked:
+            mod.stacked_qkv = was
 
 
 def test_comfy_lora_with_alpha(tmp_path):

@@ -137,3 +137,34 @@ def test_final_layer_in_row_chunks_is_the_whole_rows_result():
         chunked = m(*args)
     for a, b in zip(chunked, whole):  # the heads' GEMMs may sum in another order for fewer rows
         assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_q_k_v_come_dense_and_equal_the_stacked_projection(hybrid, fp8):
+    """q, k and v as three row slices of qkv_proj (the default: dense tensors) give what one stacked GEMM
+    gives, with fp8 linears too (the rows quantised once for all three)."""
+    from h3_core.fp8_linear import quantize_linears
+
+    m = model(hybrid).float()
+    if fp8:
+        quantize_linears(m, compute_dtype=torch.float32)
+    attn = m.blocks[0].attn
+    x = torch.randn(9, attn.qkv_proj.in_features, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        dense = attn.project(x, source=attn.projection_input(x))
+        attn.stacked_qkv = True
+        stacked = attn.project(x, source=attn.projection_input(x))
+    assert all(t.is_contiguous() for t in dense) and not stacked[1].is_contiguous()
+    for a, b in zip(dense, stacked):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+    packed, args = request()
+    args = tuple(a.float() if a.is_floating_point() else a for a in args)
+    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
+    with torch.no_grad():
+        stacked_out = m(*args, hybrid=ctx)
+        for block in m.blocks:
+            block.attn.stacked_qkv = False
+        dense_out = m(*args, hybrid=ctx)
+    for a, b in zip(dense_out, stacked_out):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
