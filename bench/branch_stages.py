@@ -4,12 +4,12 @@ timings after a warm-up) and checked against the plain form.
 
 Stages: features (spatial 5×5 through cuDNN, on a dense tensor and on the projection's slice, then the
 temporal 5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
-half-precision features with fp32 sums), the solve (the library's inverse by halves at several block sizes, the
-Cholesky form it replaced, an explicit inverse, ``cholesky_inverse``), the scans (and prefix + suffix batched
-together), the gather and the readout (einsum + norm + gate, three passes — features, GEMM, finish — or
-the library's one function: one Triton pass on CUDA); then the whole branch plain and fused
-(``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small geometry on the CPU (no compiled
-forms there).
+half-precision features with fp32 sums), the solve (the library's inverse by halves at several block sizes,
+the Cholesky form it replaced, an explicit inverse, ``cholesky_inverse``), the scans (per frame; prefix and
+suffix batched together or on two streams; the library's one Triton kernel at several tile sizes), the
+gather and the readout (einsum + norm + gate, three passes — features, GEMM, finish — or the library's one
+function: one Triton pass on CUDA); then the whole branch plain and fused (``h3_core.models.branch_fused``).
+``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
 """
@@ -175,6 +175,14 @@ def main(argv=None) -> dict:
         P, Q = lb.scan(T, J, seed)
         ms["scans, prefix and suffix batched together (candidate)"] = time_it(lambda: scan_paired(T, J, seed))
         diff["scans batched vs plain"] = max_diff(scan_paired(T, J, seed), (P, Q))
+        if cuda and branch_fused.triton_kernel("scan") is not None:
+            from h3_core.models._branch_triton import scan_triton
+
+            for block_v, warps, precision in ((32, 8, "tf32x3"), (16, 4, "tf32x3"), (64, 8, "tf32x3"), (32, 4, "tf32x3"),
+                                              (32, 8, "ieee")):
+                name = f"scans in one Triton kernel ({block_v} rows, {warps} warps, {precision})"
+                ms[name] = time_it(lambda: scan_triton(T, J, seed, block_v, warps, precision))
+                diff[name + " vs plain"] = max_diff(scan_triton(T, J, seed, block_v, warps, precision), (P, Q))
         if cuda:
             side = torch.cuda.Stream()
             ms["scans, suffix on a second stream (candidate)"] = time_it(lambda: scan_two_streams(T, J, seed, side))

@@ -152,6 +152,23 @@ def time_modulation(clock: SectionClock, blocks) -> None:
     clock.function(MODULATION, fused_module, "run", when=lambda mode, name, *args: name == "norm_modulate")
 
 
+def time_linears(clock: SectionClock, blocks) -> None:
+    """The blocks' linear layers as one section: the q, k, v projections (with the fp8 rows' quantisation;
+    ``Attention.project`` calls the layer's rows, not its forward), out_proj, the FFN pair, and in hybrid
+    blocks to_out_linear and the softmax gate. The fp8 FFN's fused SiLU·up + quantisation stays elementwise."""
+    import h3_core.models.dit as dit_module
+
+    for block in blocks:
+        attn = block.attn
+        layers = [attn.out_proj, block.mlp.fc1, block.mlp.fc2]
+        if hasattr(attn, "to_out_linear"):
+            layers += [attn.to_out_linear, attn.softmax_gate]
+        for layer in layers:
+            clock.module("linears", layer)
+    clock.function("linears", dit_module.Attention, "projection_input")
+    clock.function("linears", dit_module.Attention, "project")
+
+
 def profile_block(block, run, cuda: bool) -> dict:
     """Split one forward into linears, window (or dense) attention, linear branch, AdaLN table + norm +
     modulation, and the rest."""
@@ -160,13 +177,10 @@ def profile_block(block, run, cuda: bool) -> dict:
 
     clock = SectionClock(cuda)
     attn = block.attn
-    linears = [attn.qkv_proj, attn.out_proj, block.mlp.fc1, block.mlp.fc2]
-    if hasattr(attn, "to_out_linear"):
-        linears += [attn.to_out_linear, attn.softmax_gate]
+    if hasattr(attn, "linear_attention"):
         clock.module("linear branch", attn.linear_attention)
         clock.function("linear branch", type(attn.linear_attention), "text_state")
-    for layer in linears:
-        clock.module("linears", layer)
+    time_linears(clock, [block])
     time_modulation(clock, [block])
     clock.function("attention kernel", hybrid_module, "window_softmax")
     clock.function("attention kernel", dit_module, "dense_attention")
@@ -176,11 +190,12 @@ def profile_block(block, run, cuda: bool) -> dict:
         import h3_core.models.branch_fused as fused_module
         import h3_core.models.linear_branch as branch_module
 
-        for name in ("featurize", "frame_statistics", "solve", "scan", "gather"):
+        for name in ("featurize", "frame_statistics", "solve", "gather"):
             parts.function(name, branch_module, name)
+        parts.function("scan", fused_module, "scan")
         parts.function("featurize", fused_module, "spatial_conv")
         parts.function("frame_statistics", fused_module, "gram_statistics")
-        parts.function("fused features and readout finish", fused_module, "run")
+        parts.function("fused features and readout", fused_module, "run")
     run()
     times = clock.close()
     branch_parts = parts.close()

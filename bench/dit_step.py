@@ -113,11 +113,10 @@ def profile(model, inputs, ctx, cuda: bool) -> dict:
     import h3_core.models.hybrid as hybrid_module
 
     clock = dit_block.SectionClock(cuda)
+    dit_block.time_linears(clock, model.blocks)
     for block in model.blocks:
-        attn = block.attn
-        for layer in (attn.qkv_proj, attn.out_proj, block.mlp.fc1, block.mlp.fc2, attn.to_out_linear, attn.softmax_gate):
-            clock.module("linears", layer)
-        clock.module("linear branch", attn.linear_attention)
+        if hasattr(block.attn, "linear_attention"):
+            clock.module("linear branch", block.attn.linear_attention)
     dit_block.time_modulation(clock, model.blocks)
     clock.function("linear branch", type(model.blocks[0].attn.linear_attention), "text_state")
     clock.function("attention kernel", hybrid_module, "window_softmax")

@@ -10,6 +10,11 @@ q̃ = L2(SiLU(q)), multiplies it by the frame's state on the tensor cores, and a
 output gate, writing token-major rows: one pass where the compiled form runs three (the features, a batched
 GEMM, the finish) through two intermediates the size of the video rows. q̃ and the product are rounded to
 the rows' dtype where the written function stores them, so the numbers are its numbers.
+
+``scan``: the prefix and the suffix of the frame states, both directions in one launch. Each program carries
+a block of one head's state rows through every frame (rows of S_f = S_{f−1} T_f + J_f evolve independently),
+the product on the tensor cores at fp32 accuracy (three TF32 passes), where the library form launches one
+small batched GEMM per frame and direction (200 at the release length, each filling a fraction of the GPU).
 """
 
 from __future__ import annotations
@@ -73,8 +78,9 @@ def conv_features_triton(y: torch.Tensor, taps: torch.Tensor, heads: int, normal
 
 
 @triton.jit
-def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, head_dim, s_frame, s_token, eps,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, s_frame, s_token, eps,
+                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    head_dim = HEAD_DIM  # a compile-time size: the column masks fold away when it fills the tile
     frame = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     tokens = (tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
@@ -112,7 +118,42 @@ def readout_triton(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.
     out = torch.empty(frames * tokens, heads * head_dim, dtype=gate_logits.dtype, device=q_raw.device)
     if out.numel():
         _readout_kernel[(frames, heads, triton.cdiv(tokens, block_s))](
-            q_raw, state, norm_weight, gate_logits.contiguous(), out, tokens, heads, head_dim, q_raw.stride(0),
-            q_raw.stride(1), eps, BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            IEEE=q_raw.dtype == torch.float32)
+            q_raw, state, norm_weight, gate_logits.contiguous(), out, tokens, heads, q_raw.stride(0),
+            q_raw.stride(1), eps, HEAD_DIM=head_dim, BLOCK_S=block_s,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IEEE=q_raw.dtype == torch.float32)
     return out
+
+
+@triton.jit
+def _scan_kernel(transitions, injections, seed, out, n_frames, heads, D: tl.constexpr, BLOCK_V: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    head = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    backward = tl.program_id(2)  # 0: the prefix, frames in order; 1: the suffix, frames reversed
+    cols = tl.arange(0, D)
+    square = D * D
+    state = tl.load(seed + head * square + rows[:, None] * D + cols[None, :])
+    out = out + backward.to(tl.int64) * n_frames * heads * square
+    for step in range(n_frames):
+        frame = tl.where(backward == 1, n_frames - 1 - step, step).to(tl.int64)
+        matrix = (frame * heads + head) * square
+        t = tl.load(transitions + matrix + cols[:, None] * D + cols[None, :])
+        j = tl.load(injections + matrix + rows[:, None] * D + cols[None, :])
+        state = tl.dot(state, t, input_precision=PRECISION) + j
+        tl.store(out + matrix + rows[:, None] * D + cols[None, :], state)
+
+
+def scan_triton(T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor, block_v: int = 32, warps: int = 8,
+                precision: str = "tf32x3") -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear_branch.scan``: the prefix and suffix states ``[F, H, d, d]`` fp32 from the transitions and
+    injections ``[F, H, d, d]`` and the seed ``[H, d, d]``; ``d`` a power of two of at least 16. ``precision``
+    is the product's (``"ieee"``: plain fp32 multiply-adds)."""
+    frames, heads, d, _ = J.shape
+    T, J = T.float().contiguous(), J.float().contiguous()
+    seed = seed.float().contiguous()
+    out = torch.empty(2, *J.shape, dtype=torch.float32, device=J.device)
+    block_v = min(block_v, d)
+    if J.numel():
+        _scan_kernel[(heads, d // block_v, 2)](T, J, seed, out, frames, heads, D=d, BLOCK_V=block_v,
+                                               PRECISION=precision, num_warps=warps)
+    return out[0], out[1]

@@ -280,7 +280,7 @@ class LinearBranch(nn.Module):
         alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=branch_fused.accumulation(x.dtype)), heads)
         T, J = solve(alpha.to(A.dtype), A, B)
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
-        P, Q = scan(T, J, seed)
+        P, Q = branch_fused.scan(self.fused, T, J, seed)
         state = gather(P, Q, alpha, bounds, seed)  # [F, h, d_v, d_k]
         if self.fused:
             return self._fused_readout(x, q_raw.view(shape), state, channels)

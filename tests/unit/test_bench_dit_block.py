@@ -40,5 +40,5 @@ def test_tiny_dry_run_with_fused_branches(tmp_path):
     hybrid = result["blocks"]["hybrid"]
     assert result["fused_branch"] == "eager" and hybrid["finite"]
     parts = hybrid["profile"]["linear_branch_ms"]
-    assert {"featurize", "fused features and readout finish", "frame_statistics", "solve"} <= set(parts)
+    assert {"featurize", "fused features and readout", "frame_statistics", "solve"} <= set(parts)
     assert sum(parts.values()) == pytest.approx(hybrid["profile"]["sections_ms"]["linear branch"], abs=0.05)
