@@ -190,9 +190,10 @@ def profile_block(block, run, cuda: bool) -> dict:
         import h3_core.models.branch_fused as fused_module
         import h3_core.models.linear_branch as branch_module
 
-        for name in ("featurize", "frame_statistics", "solve", "gather"):
+        for name in ("featurize", "frame_statistics", "solve"):
             parts.function(name, branch_module, name)
-        parts.function("scan", fused_module, "scan")
+        for name in ("scan", "gather"):  # the branch calls both through branch_fused, plain or fused
+            parts.function(name, fused_module, name)
         parts.function("featurize", fused_module, "spatial_conv")
         parts.function("frame_statistics", fused_module, "gram_statistics")
         parts.function("fused features and readout", fused_module, "run")

@@ -15,6 +15,10 @@ the rows' dtype where the written function stores them, so the numbers are its n
 a block of one head's state rows through every frame (rows of S_f = S_{f−1} T_f + J_f evolve independently),
 the product on the tensor cores at fp32 accuracy (three TF32 passes), where the library form launches one
 small batched GEMM per frame and direction (200 at the release length, each filling a fraction of the GPU).
+
+``gather``: each frame's state from the prefix and suffix states it reads (or the seed) and their decay
+bridges, read in place and written once, where the library form copies the gathered frames, selects against
+the seed and scales and adds them in separate passes.
 """
 
 from __future__ import annotations
@@ -157,3 +161,44 @@ def scan_triton(T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor, block_v: i
         _scan_kernel[(heads, d // block_v, 2)](T, J, seed, out, frames, heads, D=d, BLOCK_V=block_v,
                                                PRECISION=precision, num_warps=warps)
     return out[0], out[1]
+
+
+@triton.jit
+def _gather_kernel(prefix, suffix, seed, before_frame, after_frame, bridge_before, bridge_after, out, heads,
+                   D: tl.constexpr, BLOCK_V: tl.constexpr):
+    frame = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = tl.arange(0, D)
+    tile = rows[:, None] * D + cols[None, :]
+    square = D * D
+    b = tl.load(before_frame + frame)
+    a = tl.load(after_frame + frame)
+    everywhere = tile >= 0
+    # a frame index of -1 reads the seed: both loads masked, the other lanes' zeros summed in
+    seed_tile = seed + head * square + tile
+    before = tl.load(prefix + (tl.maximum(b, 0) * heads + head) * square + tile, mask=everywhere & (b >= 0),
+                     other=0.0)
+    before += tl.load(seed_tile, mask=everywhere & (b < 0), other=0.0)
+    after = tl.load(suffix + (tl.maximum(a, 0) * heads + head) * square + tile, mask=everywhere & (a >= 0),
+                    other=0.0)
+    after += tl.load(seed_tile, mask=everywhere & (a < 0), other=0.0)
+    vector = (frame * heads + head) * D + cols
+    state = before * tl.load(bridge_before + vector)[None, :] + after * tl.load(bridge_after + vector)[None, :]
+    tl.store(out + (frame * heads + head) * square + tile, state)
+
+
+def gather_triton(P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds, seed: torch.Tensor,
+                  block_v: int = 32) -> torch.Tensor:
+    """``linear_branch.gather`` for fp32 states ``[F, H, d, d]`` (``d`` a power of two of at least 16)."""
+    from .linear_branch import gather_plan
+
+    frames, heads, d, _ = P.shape
+    before, after, bridge_before, bridge_after = gather_plan(alpha, bounds, frames, P.dtype)
+    P, Q, seed = P.contiguous(), Q.contiguous(), seed.to(P.dtype).contiguous()
+    out = torch.empty_like(P)
+    block_v = min(block_v, d)
+    if out.numel():
+        _gather_kernel[(frames, heads, d // block_v)](P, Q, seed, before, after, bridge_before.contiguous(),
+                                                      bridge_after.contiguous(), out, heads, D=d, BLOCK_V=block_v)
+    return out

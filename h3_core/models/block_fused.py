@@ -22,8 +22,8 @@ from ..fp8_linear import _SMALLEST_SCALE, QuantizedRows, quantize_input
 from ..triton_forms import triton_form
 from . import branch_fused
 
-__all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized", "row_index", "run",
-           "fuse_blocks"]
+__all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized",
+           "row_index", "run", "fuse_blocks"]
 
 
 def row_index(runs, device) -> torch.Tensor:

@@ -26,7 +26,8 @@ from ..errors import H3InputError
 from ..triton_forms import triton_form
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
-           "gram_statistics", "query_features", "readout_finish", "readout", "scan", "run", "call", "triton_kernel", "accumulation"]
+           "gram_statistics", "query_features", "readout_finish", "readout", "scan", "gather", "run", "call",
+           "triton_kernel", "accumulation"]
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6
@@ -120,18 +121,33 @@ def readout(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor,
     return readout_finish(torch.matmul(q, state.to(q.dtype).transpose(-1, -2)), norm_weight, gate_logits)
 
 
+def _state_kernel(name: str, mode: str | None, states: torch.Tensor):
+    """The Triton kernel ``name`` for the branch's fp32 frame states in ``"compiled"`` mode on CUDA, when the
+    kernel takes their size (d a power of two of at least 16); None otherwise."""
+    d = states.shape[-1]
+    if mode == "compiled" and states.is_cuda and states.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
+        return triton_kernel(name)
+    return None
+
+
 def scan(mode: str | None, T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefix and suffix states (``linear_branch.scan``), run as ``mode`` says: in ``"compiled"`` mode on
-    CUDA for fp32 states whose size the kernel takes, both directions as one Triton kernel; otherwise the
-    library's per-frame batched GEMMs (also for ``"compiled"``: there is nothing for ``torch.compile`` to fuse)."""
-    from .linear_branch import scan as scan_per_frame
+    CUDA both directions as one Triton kernel; otherwise the library's per-frame batched GEMMs (also for
+    ``"compiled"``: there is nothing for ``torch.compile`` to fuse)."""
+    from . import linear_branch
 
-    d = J.shape[-1]
-    if mode == "compiled" and J.is_cuda and J.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
-        kernel = triton_kernel("scan")
-        if kernel is not None:
-            return kernel(T, J, seed)
-    return scan_per_frame(T, J, seed)
+    kernel = _state_kernel("scan", mode, J)
+    return kernel(T, J, seed) if kernel is not None else linear_branch.scan(T, J, seed)
+
+
+def gather(mode: str | None, P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds,
+           seed: torch.Tensor) -> torch.Tensor:
+    """Each query frame's state (``linear_branch.gather``), run as ``mode`` says: in ``"compiled"`` mode on
+    CUDA one Triton pass; otherwise the library's form."""
+    from . import linear_branch
+
+    kernel = _state_kernel("gather", mode, P)
+    return kernel(P, Q, alpha, bounds, seed) if kernel is not None else linear_branch.gather(P, Q, alpha, bounds, seed)
 
 
 _FUNCTIONS = {"conv_features": conv_features, "query_features": query_features, "readout_finish": readout_finish,
@@ -151,6 +167,7 @@ def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
 _TRITON = {"conv_features": ("h3_core.models._branch_triton", "conv_features_triton"),
            "readout": ("h3_core.models._branch_triton", "readout_triton"),
            "scan": ("h3_core.models._branch_triton", "scan_triton"),
+           "gather": ("h3_core.models._branch_triton", "gather_triton"),
            "qk_norm_rope": ("h3_core.models._block_triton", "qk_norm_rope_triton")}
 
 

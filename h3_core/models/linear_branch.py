@@ -35,6 +35,7 @@ __all__ = [
     "scan",
     "scan_reference",
     "gather",
+    "gather_plan",
     "gather_reference",
     "TEXT_STATE_SCALE",
 ]
@@ -156,18 +157,29 @@ def scan_reference(T, J, seed):
     return torch.stack(P), torch.stack(Q)
 
 
-def gather(P, Q, alpha, bounds, seed):
-    """S_lin ``[F, H, d_v, d_k]`` for every query frame (module docstring); bounds are unclamped."""
-    frames = P.shape[0]
-    lo = torch.tensor([b[0] for b in bounds], device=P.device)
-    hi = torch.tensor([b[1] for b in bounds], device=P.device)
-    t = torch.arange(frames, device=P.device)
-    log_alpha = torch.log(alpha.to(P.dtype).clamp(min=1e-12))
+def gather_plan(alpha, bounds, frames: int, dtype: torch.dtype):
+    """What the gather reads for each query frame t with window [lo, hi]: the prefix frame lo − 1 and the
+    suffix frame hi + 1 (``[F]`` long, −1 where the seed stands in) and the decay products bridging them to
+    t, ``[F, H, d]`` each (module docstring); bounds are unclamped."""
+    device = alpha.device
+    lo = torch.tensor([b[0] for b in bounds], device=device)
+    hi = torch.tensor([b[1] for b in bounds], device=device)
+    t = torch.arange(frames, device=device)
+    log_alpha = torch.log(alpha.to(dtype).clamp(min=1e-12))
     prefix = torch.cat([torch.zeros_like(log_alpha[:1]), log_alpha.cumsum(0)])  # [F + 1, H, d]
     bridge_before = torch.exp(prefix[t + 1] - prefix[lo.clamp(min=0)])
     bridge_after = torch.exp(prefix[(hi + 1).clamp(max=frames)] - prefix[t])
-    before = torch.where((lo - 1 >= 0)[:, None, None, None], P[(lo - 1).clamp(min=0)], seed.to(P.dtype))
-    after = torch.where((hi + 1 < frames)[:, None, None, None], Q[(hi + 1).clamp(max=frames - 1)], seed.to(P.dtype))
+    before = torch.where(lo - 1 >= 0, lo - 1, -1)
+    after = torch.where(hi + 1 < frames, hi + 1, -1)
+    return before, after, bridge_before, bridge_after
+
+
+def gather(P, Q, alpha, bounds, seed):
+    """S_lin ``[F, H, d_v, d_k]`` for every query frame (module docstring); bounds are unclamped."""
+    before_frame, after_frame, bridge_before, bridge_after = gather_plan(alpha, bounds, P.shape[0], P.dtype)
+    seed = seed.to(P.dtype)
+    before = torch.where((before_frame >= 0)[:, None, None, None], P[before_frame.clamp(min=0)], seed)
+    after = torch.where((after_frame >= 0)[:, None, None, None], Q[after_frame.clamp(min=0)], seed)
     return before * bridge_before[:, :, None, :] + after * bridge_after[:, :, None, :]
 
 
@@ -281,7 +293,7 @@ class LinearBranch(nn.Module):
         T, J = solve(alpha.to(A.dtype), A, B)
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = branch_fused.scan(self.fused, T, J, seed)
-        state = gather(P, Q, alpha, bounds, seed)  # [F, h, d_v, d_k]
+        state = branch_fused.gather(self.fused, P, Q, alpha, bounds, seed)  # [F, h, d_v, d_k]
         if self.fused:
             return self._fused_readout(x, q_raw.view(shape), state, channels)
         out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)

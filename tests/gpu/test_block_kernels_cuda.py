@@ -102,3 +102,21 @@ def test_triton_scan_matches_the_fp64_reference(frames):
         # three TF32 passes per product: as close to fp64 as the per-frame fp32 GEMMs
         err, lib_err = ((t.cpu().double() - want).abs().max() for t in (got, lib))
         assert err <= max(4 * lib_err, 1e-6 * want.abs().max()), (err, lib_err)
+
+
+def test_triton_gather_matches_the_fp64_reference():
+    from h3_core.attention.layout import window_bounds
+    from h3_core.models import branch_fused
+    from h3_core.models.linear_branch import gather_reference
+
+    if triton_kernel("gather") is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(6)
+    frames, heads, d = 100, 4, 128
+    P, Q = (torch.randn(frames, heads, d, d, generator=g) for _ in range(2))
+    seed = torch.randn(heads, d, d, generator=g)
+    alpha = torch.rand(frames, heads, d, generator=g) * 0.3 + 0.7
+    bounds = [(lo - 1, hi - 1) for lo, hi in window_bounds(frames + 2, 1, 5)[1 : frames + 1]]  # the release's
+    got = branch_fused.gather("compiled", P.to(DEV), Q.to(DEV), alpha.to(DEV), bounds, seed.to(DEV))
+    want = gather_reference(P, Q, alpha, bounds, seed)
+    assert (got.cpu().double() - want).abs().max() <= 1e-5 * want.abs().max()
