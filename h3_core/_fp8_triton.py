@@ -33,8 +33,8 @@ def _quantize_rows_kernel(src, codes, scales, n_cols, s_row, smallest, BLOCK: tl
     tl.store(scales + row, scale)
 
 
-def quantize_rows_triton(x: torch.Tensor, smallest: float,
-                         codes_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, smallest: float, codes_dtype: torch.dtype = torch.float8_e4m3fn,
+                         warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[M, K]`` e4m3 (contiguous) and scales ``[M, 1]`` fp32 for rows ``x`` ``[M, K]`` whose last
     dimension is contiguous (any row stride). ``codes_dtype=torch.float32`` keeps the quotients before the
     cast (Triton's CPU interpreter emulates the e4m3 cast wrongly, so its tests stop there)."""
@@ -44,7 +44,7 @@ def quantize_rows_triton(x: torch.Tensor, smallest: float,
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(cols)
-        warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+        warps = warps or (4 if block <= 2048 else 8 if block <= 8192 else 16)
         _quantize_rows_kernel[(rows,)](x, codes, scales, cols, x.stride(0), smallest, BLOCK=block,
                                        num_warps=warps)
     return codes, scales
@@ -63,8 +63,8 @@ def _swiglu_quantize_kernel(src, codes, scales, ffn, s_row, smallest, BLOCK: tl.
     tl.store(scales + row, scale)
 
 
-def swiglu_quantize_triton(gate_up: torch.Tensor, smallest: float,
-                           codes_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quantize_triton(gate_up: torch.Tensor, smallest: float, codes_dtype: torch.dtype = torch.float8_e4m3fn,
+                           warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows(block_fused.swiglu_(gate_up))`` in one pass: ``fc1``'s output ``[M, 2·ffn]`` (gate | up)
     read once, the product rounded to its dtype as the two-step path stores it, quantised per row, and neither
     the product nor a second read of it ever made. ``codes_dtype=torch.float32`` keeps the quotients (for
@@ -77,5 +77,5 @@ def swiglu_quantize_triton(gate_up: torch.Tensor, smallest: float,
     if rows:
         block = triton.next_power_of_2(ffn)
         _swiglu_quantize_kernel[(rows,)](gate_up, codes, scales, ffn, gate_up.stride(0), smallest, BLOCK=block,
-                                         num_warps=16 if block > 8192 else 8)
+                                         num_warps=warps or (16 if block > 8192 else 8))
     return codes, scales

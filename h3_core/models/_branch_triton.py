@@ -1,7 +1,8 @@
 """The linear branch's fused functions (branch_fused.py) as Triton passes.
 
-``conv_features``: each program reads a tile of tokens × one head's channels from the ``n`` frames around its
-frame, sums the temporal taps, applies SiLU, the L2 norm and √β, and writes the tile head-major. Loads and
+``conv_features``: each program takes a tile of tokens × one head's channels through the frames, sums the
+temporal taps over the frames around each one (with the model's five taps, held as it goes: each input read
+once), applies SiLU, the L2 norm and √β, and writes the tile head-major. Loads and
 stores are rows of ``d`` contiguous channels in both layouts, where the compiled form scatters its head-major
 writes. The arithmetic is the written function's: fp32 sums over the taps in order, one rounding.
 
@@ -60,24 +61,78 @@ def _conv_features_kernel(src, taps, beta, dst, n_frames, n_tokens, heads, head_
     tl.store(out, z.to(dst.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _conv_features_rolling_kernel(src, taps, beta, dst, n_frames, n_tokens, heads, eps, HEAD_DIM: tl.constexpr,
+                                  NORMALIZE: tl.constexpr, HAS_BETA: tl.constexpr, BLOCK_S: tl.constexpr,
+                                  BLOCK_D: tl.constexpr):
+    # five temporal taps: each program walks one tile of tokens × one head's channels through every frame,
+    # holding the five frames around the current one, so each input tile is read once
+    head = tl.program_id(0).to(tl.int64)
+    tokens = (tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    channels = head * HEAD_DIM + cols
+    token_ok = tokens < n_tokens
+    col_ok = cols < HEAD_DIM
+    mask = token_ok[:, None] & col_ok[None, :]
+    width = heads * HEAD_DIM
+    w0 = tl.load(taps + channels * 5 + 0, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    w1 = tl.load(taps + channels * 5 + 1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(taps + channels * 5 + 2, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    w3 = tl.load(taps + channels * 5 + 3, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    w4 = tl.load(taps + channels * 5 + 4, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tile = tokens[:, None] * width + channels[None, :]
+    x0 = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+    x1 = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+    x2 = tl.load(src + tile, mask=mask & (n_frames > 0), other=0.0).to(tl.float32)
+    x3 = tl.load(src + n_tokens * width + tile, mask=mask & (n_frames > 1), other=0.0).to(tl.float32)
+    for frame in range(n_frames):
+        ahead = frame + 2
+        x4 = tl.load(src + ahead.to(tl.int64) * n_tokens * width + tile, mask=mask & (ahead < n_frames),
+                     other=0.0).to(tl.float32)
+        acc = x0 * w0
+        acc = acc + x1 * w1
+        acc = acc + x2 * w2
+        acc = acc + x3 * w3
+        acc = acc + x4 * w4
+        z = acc * tl.sigmoid(acc)
+        if NORMALIZE:
+            z = z / tl.maximum(tl.sqrt(tl.sum(z * z, axis=1)), eps)[:, None]
+        if HAS_BETA:
+            b = tl.load(beta + (frame * n_tokens + tokens) * heads + head, mask=token_ok, other=0.0).to(tl.float32)
+            z = z * tl.sqrt(b)[:, None]
+        out = dst + ((frame * heads + head) * n_tokens + tokens)[:, None] * HEAD_DIM + cols[None, :]
+        tl.store(out, z.to(dst.dtype.element_ty), mask=mask)
+        x0, x1, x2, x3 = x1, x2, x3, x4
+
+
 def conv_features_triton(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bool,
-                         beta: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                         beta: torch.Tensor | None = None, eps: float = 1e-6, rolling: bool = True,
+                         block_s: int | None = None, warps: int = 4) -> torch.Tensor:
     """``[F, heads, S, d]`` from contiguous ``y`` ``[F, S, heads·d]``, ``taps`` ``[C, 1, n]`` and ``beta``
-    ``[F, S, heads]`` or None (see ``branch_fused.conv_features``)."""
+    ``[F, S, heads]`` or None (see ``branch_fused.conv_features``). With five taps (the model's) and
+    ``rolling`` each program walks its tile through the frames; otherwise a program per frame and tile reads
+    the ``n`` frames around it. ``block_s`` and ``warps`` choose the launch; the numbers do not depend on it."""
     frames, tokens, channels = y.shape
     head_dim = channels // heads
     y = y.contiguous()
     taps = taps.reshape(channels, -1).contiguous()
     out = torch.empty(frames, heads, tokens, head_dim, dtype=y.dtype, device=y.device)
     block_d = triton.next_power_of_2(head_dim)
-    block_s = max(1, 4096 // block_d)
     if beta is not None:
         beta = beta.contiguous()
-    if out.numel():
-        _conv_features_kernel[(frames, heads, triton.cdiv(tokens, block_s))](
-            y, taps, beta if beta is not None else y, out, frames, tokens, heads, head_dim, eps,
-            N_TAPS=taps.shape[1], NORMALIZE=normalize, HAS_BETA=beta is not None, BLOCK_S=block_s,
-            BLOCK_D=block_d)
+    if not out.numel():
+        return out
+    beta_arg = beta if beta is not None else y
+    if rolling and taps.shape[1] == 5:
+        block_s = block_s or max(1, 2048 // block_d)
+        _conv_features_rolling_kernel[(heads, triton.cdiv(tokens, block_s))](
+            y, taps, beta_arg, out, frames, tokens, heads, eps, HEAD_DIM=head_dim, NORMALIZE=normalize,
+            HAS_BETA=beta is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps)
+        return out
+    block_s = block_s or max(1, 4096 // block_d)
+    _conv_features_kernel[(frames, heads, triton.cdiv(tokens, block_s))](
+        y, taps, beta_arg, out, frames, tokens, heads, head_dim, eps, N_TAPS=taps.shape[1], NORMALIZE=normalize,
+        HAS_BETA=beta is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps)
     return out
 
 
@@ -112,7 +167,7 @@ def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, s_f
 
 
 def readout_triton(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor,
-                   gate_logits: torch.Tensor, eps: float = 1e-6, block_s: int = 64) -> torch.Tensor:
+                   gate_logits: torch.Tensor, eps: float = 1e-6, block_s: int = 64, warps: int = 4) -> torch.Tensor:
     """``branch_fused.readout``: ``[F·S, h·d]`` in the gate's dtype from ``q_raw`` ``[F, S, h, d]`` (any frame
     and token strides: the projection's slice), ``state`` ``[F, h, d, d]`` and ``gate_logits`` ``[F·S, h·d]``."""
     frames, tokens, heads, head_dim = q_raw.shape
@@ -124,7 +179,7 @@ def readout_triton(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.
         _readout_kernel[(frames, heads, triton.cdiv(tokens, block_s))](
             q_raw, state, norm_weight, gate_logits.contiguous(), out, tokens, heads, q_raw.stride(0),
             q_raw.stride(1), eps, HEAD_DIM=head_dim, BLOCK_S=block_s,
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IEEE=q_raw.dtype == torch.float32)
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IEEE=q_raw.dtype == torch.float32, num_warps=warps)
     return out
 
 
@@ -189,7 +244,7 @@ def _gather_kernel(prefix, suffix, seed, before_frame, after_frame, bridge_befor
 
 
 def gather_triton(P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds, seed: torch.Tensor,
-                  block_v: int = 32) -> torch.Tensor:
+                  block_v: int = 32, warps: int = 4) -> torch.Tensor:
     """``linear_branch.gather`` for fp32 states ``[F, H, d, d]`` (``d`` a power of two of at least 16)."""
     from .linear_branch import gather_plan
 
@@ -200,5 +255,6 @@ def gather_triton(P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds,
     block_v = min(block_v, d)
     if out.numel():
         _gather_kernel[(frames, heads, d // block_v)](P, Q, seed, before, after, bridge_before.contiguous(),
-                                                      bridge_after.contiguous(), out, heads, D=d, BLOCK_V=block_v)
+                                                      bridge_after.contiguous(), out, heads, D=d, BLOCK_V=block_v,
+                                                      num_warps=warps)
     return out

@@ -24,8 +24,11 @@ def test_triton_qk_norm_rope_matches_the_written_function(dtype, rotary):
     if rotary:
         angles = torch.randn(1500, rotary // 2, generator=g).repeat(1, 2)
         cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
-    for x in (qkv[:, 0], qkv[:, 1]):
-        got = block_fused.run("compiled", "qk_norm_rope", x, weight, cos, sin, 1e-6)
+    from h3_core.models._block_triton import qk_norm_rope_triton
+
+    for x, per_head in ((qkv[:, 0], False), (qkv[:, 1], False), (qkv[:, 1], True)):
+        got = (block_fused.run("compiled", "qk_norm_rope", x, weight, cos, sin, 1e-6) if not per_head
+               else qk_norm_rope_triton(x, weight, cos, sin, 1e-6, per_head=True))
         want = block_fused.run("eager", "qk_norm_rope", x, weight, cos, sin, 1e-6)
         assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
         if dtype == torch.float32:
@@ -50,12 +53,15 @@ def test_triton_conv_features_match_the_written_function(normalize, with_beta):
     taps = (torch.randn(heads * 128, 1, 5, generator=g) / 2).to(DEV, torch.bfloat16)
     beta = torch.sigmoid(torch.randn(frames, grid[0] * grid[1], heads, generator=g)).to(DEV, torch.bfloat16)
     y = branch_fused.spatial_conv(raw, spatial, grid)
+    from h3_core.models._branch_triton import conv_features_triton
+
     args = (y, taps, heads, normalize, beta if with_beta else None)
-    got = branch_fused.run("compiled", "conv_features", *args)
-    want = branch_fused.run("eager", "conv_features", *args)
-    assert got.shape == (frames, heads, grid[0] * grid[1], 128) and got.dtype == torch.bfloat16
-    got, want = got.float(), want.float()
-    assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-5 * want.abs().max()).all()
+    want = branch_fused.run("eager", "conv_features", *args).float()
+    # the library's launch (five taps walked through the frames), and a program per frame and tile
+    for got in (branch_fused.run("compiled", "conv_features", *args), conv_features_triton(*args, rolling=False)):
+        assert got.shape == (frames, heads, grid[0] * grid[1], 128) and got.dtype == torch.bfloat16
+        got = got.float()
+        assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-5 * want.abs().max()).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,10 +16,12 @@ CHECK = textwrap.dedent(
     weight = torch.randn(24, generator=g)
     angles = torch.randn(37, 8, generator=g)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # 16 of 24 rotated
-    for c, s in ((cos, sin), (None, None)):
-        got, want = qk_norm_rope_triton(x, weight, c, s, 1e-6), qk_norm_rope(x, weight, c, s, 1e-6)
-        assert got.shape == (37, 5, 24) and got.is_contiguous()
-        assert (got - want).abs().max() <= 1e-6 * want.abs().max(), "fp32"
+    for per_head in (False, True):  # a program per tile of rows through every head, or per tile and head
+        for c, s in ((cos, sin), (None, None)):
+            got = qk_norm_rope_triton(x, weight, c, s, 1e-6, per_head)
+            want = qk_norm_rope(x, weight, c, s, 1e-6)
+            assert got.shape == (37, 5, 24) and got.is_contiguous()
+            assert (got - want).abs().max() <= 1e-6 * want.abs().max(), ("fp32", per_head)
     half = x.to(torch.bfloat16)
     got, want = qk_norm_rope_triton(half, weight, cos, sin, 1e-6), qk_norm_rope(half, weight, cos, sin, 1e-6)
     # both round one fp32 result: one bf16 step apart, or fp32 roundoff where the rotation's products cancel

@@ -16,11 +16,19 @@ CHECK = textwrap.dedent(
     y = torch.randn(frames, tokens, heads * d, generator=g)
     taps = torch.randn(heads * d, 1, 5, generator=g)
     beta = torch.sigmoid(torch.randn(frames, tokens, heads, generator=g))
-    for normalize in (True, False):
-        for b in (beta, None):
-            got, want = conv_features_triton(y, taps, heads, normalize, b), conv_features(y, taps, heads, normalize, b)
-            assert got.shape == (frames, heads, tokens, d) and got.is_contiguous()
-            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (normalize, b is None)
+    three = torch.randn(heads * d, 1, 3, generator=g)
+    # five taps walked through the frames (the model's), the per-frame kernel, and three taps (per frame too)
+    for w, rolling in ((taps, True), (taps, False), (three, True)):
+        for normalize in (True, False):
+            for b in (beta, None):
+                got = conv_features_triton(y, w, heads, normalize, b, rolling=rolling, block_s=16)
+                want = conv_features(y, w, heads, normalize, b)
+                assert got.shape == (frames, heads, tokens, d) and got.is_contiguous()
+                assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (w.shape, rolling, normalize, b is None)
+    for short in (y[:1], y[:2]):  # fewer frames than taps
+        b = beta[: len(short)]
+        got, want = conv_features_triton(short, taps, heads, True, b), conv_features(short, taps, heads, True, b)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), len(short)
     half = y.to(torch.bfloat16)
     got, want = conv_features_triton(half, taps, heads, True, beta), conv_features(half, taps, heads, True, beta)
     got, want = got.float(), want.float()
