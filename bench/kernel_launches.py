@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
         variants("q/k norm + RoPE", rope, {
             "per head, 16 rows (the launch before)": lambda: rope(per_head=True),
             **{f"all heads, {t} rows, {w} warps": (lambda t=t, w=w: rope(block_t=t, warps=w))
-               for t, w in ((8, 4), (32, 4), (32, 8), (64, 8))}})
+               for t, w in ((16, 4), (4, 4), (8, 8), (32, 8))}})
         del q
 
         # the branch's temporal conv + SiLU + L2 + √β on k
@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
         bounds = [(lo - 1, hi - 1) for lo, hi in window_bounds(FRAMES + 2, 1, 5)[1 : FRAMES + 1]]
         variants("gather", lambda: _branch_triton.gather_triton(T, J, alpha, bounds, seed), {
             f"{v} rows, {w} warps": (lambda v=v, w=w: _branch_triton.gather_triton(T, J, alpha, bounds, seed, v, w))
-            for v, w in ((16, 4), (64, 4), (32, 8), (64, 8))})
+            for v, w in ((16, 4), (32, 4), (16, 8), (64, 8))})
         del T, J
 
         # the row quantiser at the hidden width, and the FFN's SiLU·up + quantisation
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
         del x
         gate_up = randn(ROWS, 2 * FFN)
         variants("SiLU·up + quantise", lambda: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE), {
-            f"{w} warps": (lambda w=w: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE, warps=w)) for w in (8, 32)})
+            f"{w} warps": (lambda w=w: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE, warps=w)) for w in (8, 16)})
     if cuda:
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(record.write(result, args.out))

@@ -77,5 +77,5 @@ def swiglu_quantize_triton(gate_up: torch.Tensor, smallest: float, codes_dtype: 
     if rows:
         block = triton.next_power_of_2(ffn)
         _swiglu_quantize_kernel[(rows,)](gate_up, codes, scales, ffn, gate_up.stride(0), smallest, BLOCK=block,
-                                         num_warps=warps or (16 if block > 8192 else 8))
+                                         num_warps=warps or (32 if block > 8192 else 8))
     return codes, scales

@@ -86,7 +86,9 @@ def qk_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
     n_rot = cos.shape[-1] if rotate else 0
     block_d = triton.next_power_of_2(head_dim)
-    block_t = block_t or max(1, 2048 // block_d)
+    # tiles of 2,048 elements per head, or of 1,024 through every head (the faster launches on an H200,
+    # bench/results/kernel_launches.json)
+    block_t = block_t or max(1, (2048 if per_head else 1024) // block_d)
     if not rows:
         return out
     args = (x, out, weight, cos if rotate else x, sin if rotate else x, rows)

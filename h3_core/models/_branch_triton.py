@@ -244,7 +244,7 @@ def _gather_kernel(prefix, suffix, seed, before_frame, after_frame, bridge_befor
 
 
 def gather_triton(P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds, seed: torch.Tensor,
-                  block_v: int = 32, warps: int = 4) -> torch.Tensor:
+                  block_v: int = 32, warps: int = 8) -> torch.Tensor:
     """``linear_branch.gather`` for fp32 states ``[F, H, d, d]`` (``d`` a power of two of at least 16)."""
     from .linear_branch import gather_plan
 
