@@ -2,15 +2,15 @@
 of 128, bf16), the plain forms next to candidate faster ones, each timed (median of ``--reps`` CUDA-event
 timings after a warm-up) and checked against the plain form.
 
-Stages: features (spatial 5×5 through cuDNN, on a dense tensor and on the projection's slice, then the
-temporal 5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
-half-precision features with fp32 sums), the solve (the library's inverse by halves at several block sizes,
-the Cholesky form it replaced, an explicit inverse, ``cholesky_inverse``), the scans (per frame; prefix and
-suffix batched together or on two streams; the library's one Triton kernel at several tile sizes), the
-gather (plain, and the fused branch's one Triton pass), the readout (einsum + norm + gate, three passes —
-features, GEMM, finish — or the library's one function: one Triton pass on CUDA); then the whole branch
-plain and fused (``h3_core.models.branch_fused``). ``--tiny`` runs the same code on a small geometry on the
-CPU (no compiled forms there).
+Stages: features (spatial 5×5 through cuDNN, on a dense tensor and on the projection's slice, and a Triton
+candidate walking each frame's rows; then the temporal 5-tap depthwise conv, SiLU, L2), frame statistics
+(fp32, TF32, the Gram products of √β-scaled half-precision features with fp32 sums), the solve (the
+library's inverse by halves at several block sizes, the Cholesky form it replaced, an explicit inverse,
+``cholesky_inverse``), the scans (per frame; prefix and suffix batched together or on two streams; the
+library's one Triton kernel at several tile sizes), the gather (plain, and the fused branch's one Triton
+pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or the library's one
+function: one Triton pass on CUDA); then the whole branch plain and fused (``h3_core.models.branch_fused``).
+``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
 """
@@ -131,6 +131,15 @@ def main(argv=None) -> dict:
         ms["spatial conv of the projection's slice (cuDNN, after a dense copy)"] = time_it(
             lambda: branch_fused.spatial_conv(k_strided, weights[0], grid))
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
+        if "compiled" in modes:
+            import candidate_kernels
+
+            dense_k = k.view(frames, S, C)
+            for block_c, warps in ((32, 4), (64, 8), (16, 4), (32, 8)):
+                name = f"spatial conv walking the rows (Triton candidate, {block_c} channels, {warps} warps)"
+                ms[name] = time_it(lambda: candidate_kernels.spatial_conv_rows(dense_k, weights[0], grid, block_c, warps))
+                diff[name + " vs cuDNN"] = max_diff(
+                    candidate_kernels.spatial_conv_rows(dense_k, weights[0], grid, block_c, warps), spatial)
         for mode in modes:
             ms[f"temporal + SiLU + L2 ({mode})"] = time_it(
                 lambda: branch_fused.run(mode, "conv_features", spatial, weights[1], H, True))

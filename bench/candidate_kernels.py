@@ -1,0 +1,75 @@
+"""Candidate Triton forms timed beside the library's (``branch_stages.py``) before one is adopted.
+
+``spatial_conv_rows``: the linear branch's depthwise 5×5 over each frame's grid (``branch_fused.spatial_conv``,
+cuDNN: 2.7 ms a call at the release size, where reading and writing the tensor once takes ≈ 0.6 ms). Each
+program walks one frame's grid row by row for a block of channels: every input row is loaded once per
+horizontal tap (five loads, from cache after the first) and added into the five output rows it feeds, which
+are held as rolling accumulators; the top one is complete when its last input row has been added, and is
+written. Two earlier forms — a program per output row reading all 25 taps — took 150 ms (all 25 tile loads
+hoisted together) and 6.6 ms a call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tap(tile, weight, chans, chan_ok, dy: tl.constexpr, dx: tl.constexpr, KSIZE: tl.constexpr):
+    w = tl.load(weight + chans * (KSIZE * KSIZE) + dy * KSIZE + dx, mask=chan_ok, other=0.0).to(tl.float32)
+    return tile * w[None, :]
+
+
+@triton.jit
+def _spatial_conv_rows_kernel(src, weight, dst, grid_h, grid_w, channels, s_frame, s_token,
+                              BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
+    # 5×5: output row r takes input rows r-2..r+2; input row i feeds output rows i+2 (tap row 0) .. i-2 (row 4)
+    KSIZE: tl.constexpr = 5
+    frame = tl.program_id(0).to(tl.int64)
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols = tl.arange(0, BLOCK_W)
+    chan_ok = chans < channels
+    col_ok = cols < grid_w
+    out_mask = col_ok[:, None] & chan_ok[None, :]
+    a0 = tl.zeros((BLOCK_W, BLOCK_C), dtype=tl.float32)  # output row i-2
+    a1 = tl.zeros((BLOCK_W, BLOCK_C), dtype=tl.float32)  # i-1
+    a2 = tl.zeros((BLOCK_W, BLOCK_C), dtype=tl.float32)  # i
+    a3 = tl.zeros((BLOCK_W, BLOCK_C), dtype=tl.float32)  # i+1
+    a4 = tl.zeros((BLOCK_W, BLOCK_C), dtype=tl.float32)  # i+2
+    for i in range(grid_h + 2):
+        row_ok = i < grid_h
+        for dx in tl.static_range(KSIZE):
+            c = cols + dx - KSIZE // 2
+            ok = ((c >= 0) & (c < grid_w) & row_ok)[:, None] & chan_ok[None, :]
+            token = (i * grid_w + c).to(tl.int64)
+            x = tl.load(src + frame * s_frame + token[:, None] * s_token + chans[None, :], mask=ok,
+                        other=0.0).to(tl.float32)
+            a0 += _tap(x, weight, chans, chan_ok, 4, dx, KSIZE)
+            a1 += _tap(x, weight, chans, chan_ok, 3, dx, KSIZE)
+            a2 += _tap(x, weight, chans, chan_ok, 2, dx, KSIZE)
+            a3 += _tap(x, weight, chans, chan_ok, 1, dx, KSIZE)
+            a4 += _tap(x, weight, chans, chan_ok, 0, dx, KSIZE)
+        done = i - 2  # output row i-2 has had all five input rows
+        if done >= 0:
+            token = (frame * grid_h * grid_w + done * grid_w + cols).to(tl.int64)
+            tl.store(dst + token[:, None] * channels + chans[None, :], a0.to(dst.dtype.element_ty), mask=out_mask)
+        a0, a1, a2, a3 = a1, a2, a3, a4
+        a4 = tl.zeros((BLOCK_W, BLOCK_C), dtype=tl.float32)
+
+
+def spatial_conv_rows(x: torch.Tensor, weight: torch.Tensor, grid, block_c: int = 32,
+                      warps: int = 4) -> torch.Tensor:
+    """``branch_fused.spatial_conv`` for a 5×5 ``weight`` ``[C, 1, 5, 5]``: contiguous ``[F, S, C]`` from ``x``
+    ``[F, S, C]`` with a contiguous last dimension (any frame and token strides)."""
+    frames, tokens, channels = x.shape
+    grid_h, grid_w = grid
+    assert x.stride(2) == 1 and tokens == grid_h * grid_w and tuple(weight.shape[-2:]) == (5, 5)
+    out = torch.empty(frames, tokens, channels, dtype=x.dtype, device=x.device)
+    block_c = min(block_c, triton.next_power_of_2(channels))
+    if out.numel():
+        _spatial_conv_rows_kernel[(frames, triton.cdiv(channels, block_c))](
+            x, weight.to(x.dtype).contiguous(), out, grid_h, grid_w, channels, x.stride(0), x.stride(1),
+            BLOCK_W=triton.next_power_of_2(grid_w), BLOCK_C=block_c, num_warps=warps)
+    return out
