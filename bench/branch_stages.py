@@ -6,9 +6,8 @@ Stages: features (spatial 5×5 through cuDNN, on a dense tensor and on the proje
 candidate walking each frame's rows; then the temporal 5-tap depthwise conv, SiLU, L2), frame statistics
 (fp32, TF32, the Gram products of √β-scaled half-precision features with fp32 sums), the solve (the
 library's inverse by halves at several block sizes, the Cholesky form it replaced, an explicit inverse,
-``cholesky_inverse``), the scans (per frame; prefix and suffix batched together or on two streams; the
-library's one Triton kernel at several tile sizes), the gather (plain, and the fused branch's one Triton
-pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or the library's one
+``cholesky_inverse``), the scans (per frame, and the library's one Triton kernel at several tile sizes),
+the gather (plain, and the fused branch's one Triton pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or the library's one
 function: one Triton pass on CUDA); then the whole branch plain and fused (``h3_core.models.branch_fused``).
 ``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
@@ -61,43 +60,6 @@ def solve_blocked(alpha, A, B, base):
     """``linear_branch.solve`` with another block size at which the inverse by halves stops."""
     inv = lb.spd_inverse(A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device), base)
     return alpha[..., None] * inv, B @ inv
-
-
-def scan_paired(T, J, seed):
-    """Candidate for ``linear_branch.scan``: the prefix and the suffix advanced together, one batched GEMM over
-    both directions per frame (100 launches of 112 matrices instead of 200 of 56, which fill the GPU's SMs
-    about half), at the price of a reordered copy of the transitions and injections."""
-    frames = J.shape[0]
-    transitions = torch.stack([T, T.flip(0)], 1)  # [F, 2, H, d, d]: frame f forward and frame F-1-f backward
-    injections = torch.stack([J, J.flip(0)], 1)
-    out = torch.empty_like(injections)
-    state = seed.to(J.dtype).expand(2, *seed.shape)
-    for f in range(frames):
-        torch.baddbmm(injections[f].flatten(0, 1), state.flatten(0, 1), transitions[f].flatten(0, 1),
-                      out=out[f].flatten(0, 1))
-        state = out[f]
-    return out[:, 0], out[:, 1].flip(0)
-
-
-def scan_two_streams(T, J, seed, side):
-    """Candidate for ``linear_branch.scan``: the suffix on the CUDA stream ``side`` while the prefix runs on
-    the current one (each direction's small GEMMs fill about half the GPU), no reordered copies."""
-    P, Q = torch.empty_like(J), torch.empty_like(J)
-    start = torch.cuda.current_stream()
-    side.wait_stream(start)
-    with torch.cuda.stream(side):
-        state = seed.to(J.dtype)
-        for f in reversed(range(J.shape[0])):
-            torch.baddbmm(J[f], state, T[f], out=Q[f])
-            state = Q[f]
-    state = seed.to(J.dtype)
-    for f in range(J.shape[0]):
-        torch.baddbmm(J[f], state, T[f], out=P[f])
-        state = P[f]
-    start.wait_stream(side)
-    for t in (P, Q, T, J):
-        t.record_stream(side)
-    return P, Q
 
 
 def main(argv=None) -> dict:
@@ -183,8 +145,6 @@ def main(argv=None) -> dict:
         seed = torch.zeros(H, d, d, device=device)
         ms["scans (prefix + suffix)"] = time_it(lambda: lb.scan(T, J, seed))
         P, Q = lb.scan(T, J, seed)
-        ms["scans, prefix and suffix batched together (candidate)"] = time_it(lambda: scan_paired(T, J, seed))
-        diff["scans batched vs plain"] = max_diff(scan_paired(T, J, seed), (P, Q))
         if cuda and branch_fused.triton_kernel("scan") is not None:
             from h3_core.models._branch_triton import scan_triton
 
@@ -194,10 +154,6 @@ def main(argv=None) -> dict:
                 name = f"scans in one Triton kernel ({block_v} rows, {warps} warps, {precision})"
                 ms[name] = time_it(lambda: scan_triton(T, J, seed, block_v, warps, precision))
                 diff[name + " vs plain"] = max_diff(scan_triton(T, J, seed, block_v, warps, precision), (P, Q))
-        if cuda:
-            side = torch.cuda.Stream()
-            ms["scans, suffix on a second stream (candidate)"] = time_it(lambda: scan_two_streams(T, J, seed, side))
-            diff["scans on two streams vs plain"] = max_diff(scan_two_streams(T, J, seed, side), (P, Q))
         ms["gather"] = time_it(lambda: lb.gather(P, Q, alpha, bounds, seed))
         state = lb.gather(P, Q, alpha, bounds, seed)
         for mode in modes:

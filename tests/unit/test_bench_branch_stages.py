@@ -19,21 +19,6 @@ def test_tiny_dry_run_times_every_stage(tmp_path):
     assert result["max_diff"]["k features eager vs plain"] < 1e-5
 
 
-def test_the_paired_scan_candidate_equals_the_scan():
-    import torch
-
-    from h3_core.models import linear_branch as lb
-
-    spec = importlib.util.spec_from_file_location("branch_stages_scan", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    g = torch.Generator().manual_seed(0)
-    T, J = (torch.randn(7, 3, 4, 4, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
-    seed = torch.randn(3, 4, 4, generator=g, dtype=torch.float64)
-    for got, want in zip(bench.scan_paired(T, J, seed), lb.scan(T, J, seed)):
-        assert (got - want).abs().max() <= 1e-12 * want.abs().max()
-
-
 def test_the_solves_timed_beside_the_library_solve_the_same_system():
     import torch
 
