@@ -7,8 +7,9 @@ candidate walking each frame's rows; then the temporal 5-tap depthwise conv, SiL
 (fp32, TF32, the Gram products of √β-scaled half-precision features with fp32 sums), the solve (the
 library's inverse by halves at several block sizes, the Cholesky form it replaced, an explicit inverse,
 ``cholesky_inverse``), the scans (per frame, and the library's one Triton kernel at several tile sizes),
-the gather (plain, and the fused branch's one Triton pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or the library's one
-function: one Triton pass on CUDA); then the whole branch plain and fused (``h3_core.models.branch_fused``).
+the gather (plain, and the fused branch's one Triton pass), the readout (einsum + norm + gate, three passes
+— features, GEMM, finish — or the library's one function: one Triton pass on CUDA); then the whole branch
+plain and fused (``h3_core.models.branch_fused``).
 ``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
