@@ -7,6 +7,10 @@ horizontal tap (five loads, from cache after the first) and added into the five 
 are held as rolling accumulators; the top one is complete when its last input row has been added, and is
 written. Two earlier forms — a program per output row reading all 25 taps — took 150 ms (all 25 tile loads
 hoisted together) and 6.6 ms a call.
+
+``norm_modulate_quantize``: the fp8 FFN's input — the block's second RMSNorm and AdaLN modulation, then the
+row quantisation ``fc1`` applies — in one pass per row, where the library writes the modulated rows (one
+compiled pass) and the quantiser reads them back.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from h3_core._fp8_triton import quantize_row
 
 
 @triton.jit
@@ -73,3 +79,40 @@ def spatial_conv_rows(x: torch.Tensor, weight: torch.Tensor, grid, block_c: int 
             x, weight.to(x.dtype).contiguous(), out, grid_h, grid_w, channels, x.stride(0), x.stride(1),
             BLOCK_W=triton.next_power_of_2(grid_w), BLOCK_C=block_c, num_warps=warps)
     return out
+
+
+@triton.jit
+def _norm_modulate_quantize_kernel(x, weight, shift, scale, table_rows, codes, scales, hidden, eps, smallest,
+                                   BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    v = tl.load(x + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(v * v, axis=0) / hidden + eps)
+    w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+    entry = tl.load(table_rows + row).to(tl.int64)
+    sh = tl.load(shift + entry * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    sc = tl.load(scale + entry * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (v * inv * w * (1 + sc) + sh).to(x.dtype.element_ty).to(tl.float32)  # as the two-pass path stores it
+    q, s = quantize_row(h, smallest)
+    tl.store(codes + row * hidden + cols, q.to(codes.dtype.element_ty), mask=mask)
+    tl.store(scales + row, s)
+
+
+def norm_modulate_quantize(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                           table_rows: torch.Tensor, eps: float, smallest: float,
+                           codes_dtype: torch.dtype = torch.float8_e4m3fn, warps: int = 8):
+    """``quantize_rows(block_fused.norm_modulate(x, weight, shift, scale, table_rows, eps))`` in one pass per
+    row, for the FFN's input (which only ``fc1`` reads): the modulated rows are never stored. ``x``
+    ``[T, hidden]`` contiguous, ``shift``/``scale`` ``[R, hidden]``, ``table_rows`` ``[T]``; returns codes
+    ``[T, hidden]`` and fp32 scales ``[T, 1]`` (``codes_dtype=torch.float32`` keeps the quotients, for
+    Triton's CPU interpreter)."""
+    rows, hidden = x.shape
+    x = x.contiguous()
+    codes = torch.empty(rows, hidden, dtype=codes_dtype, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        _norm_modulate_quantize_kernel[(rows,)](x, weight, shift.contiguous(), scale.contiguous(), table_rows, codes,
+                                                scales, hidden, eps, smallest, BLOCK=triton.next_power_of_2(hidden),
+                                                num_warps=warps)
+    return codes, scales

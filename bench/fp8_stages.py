@@ -2,7 +2,8 @@
 CUDA-event timings after a warm-up) beside its alternatives and checked against the eager reference: the
 row quantiser (eager and Triton) at the widths of the block's linear inputs, and the FFN's SiLU·up followed
 by the quantisation of ``fc2``'s input (two passes as before, and the library's single pass:
-``block_fused.swiglu_quantized``). ``--tiny`` runs the eager forms on a few rows on the CPU.
+``block_fused.swiglu_quantized``), and the FFN's input — norm, modulation and ``fc1``'s quantisation — in two
+passes and as a candidate single pass (``candidate_kernels.py``). ``--tiny`` runs the eager forms on a few rows on the CPU.
 
     python3 bench/fp8_stages.py --out results.json
 """
@@ -43,9 +44,24 @@ def main(argv=None) -> dict:
             ms[f"quantise {name} [{rows}, {width}] (eager)"] = time_it(lambda: quantize_rows_reference(x))
             ms[f"quantise {name} [{rows}, {width}] (library)"] = time_it(lambda: quantize_rows(x))
             equal[f"quantise {name}: library vs eager"] = same_codes(quantize_rows(x)[0], quantize_rows_reference(x)[0])
+        # the FFN's input: the second norm and modulation, then fc1's quantisation (two passes, or a candidate one)
+        hidden = widths["qkv / fc1 input"]
+        x = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
+        weight = torch.randn(hidden, generator=g).to(device, torch.bfloat16)
+        shift, scale = (torch.randn(6, hidden, generator=g).to(device, torch.bfloat16) for _ in range(2))
+        table_rows = torch.randint(0, 6, (rows,), generator=g).to(device)
+        mode = "compiled" if cuda else "eager"
+        norm_args = (x, weight, shift, scale, table_rows, 1e-6)
+        norm_two = lambda: quantize_rows(block_fused.run(mode, "norm_modulate", *norm_args))  # noqa: E731
+        ms["norm + modulation then quantise (two passes)"] = time_it(norm_two)
+        if cuda:
+            import candidate_kernels
+
+            norm_one = lambda: candidate_kernels.norm_modulate_quantize(*norm_args, _SMALLEST_SCALE)  # noqa: E731
+            ms["norm + modulation and quantise in one pass (candidate)"] = time_it(norm_one)
+            equal["norm + modulation + quantise: candidate vs two passes"] = same_codes(norm_one()[0], norm_two()[0])
         ffn = widths["fc2 input"]
         gate_up = torch.randn(rows, 2 * ffn, generator=g).to(device, torch.bfloat16)
-        mode = "compiled" if cuda else "eager"
         two_pass = lambda: quantize_rows(block_fused.run(mode, "swiglu_", gate_up.clone()))  # noqa: E731
         ms["copy of fc1's output (inside the two-pass timing)"] = time_it(lambda: gate_up.clone())
         ms["SiLU·up then quantise (two passes, as before)"] = time_it(two_pass)

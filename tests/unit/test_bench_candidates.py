@@ -29,3 +29,32 @@ CHECK = textwrap.dedent(
 
 def test_candidate_spatial_conv_under_interpreter_matches_the_library_form():
     assert run_interpreted(CHECK).split()[-1] == "OK"
+
+
+NORM_CHECK = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "bench")
+    import torch
+    from candidate_kernels import norm_modulate_quantize
+    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models.block_fused import norm_modulate
+
+    # fp32 rows: the interpreter emulates bf16 rounding by truncation, so the bf16 case runs on the GPU only
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(23, 300, generator=g) * torch.logspace(-2, 2, 23)[:, None]
+    weight = torch.randn(300, generator=g)
+    shift, scale = torch.randn(4, 300, generator=g), torch.randn(4, 300, generator=g)
+    rows = torch.randint(0, 4, (23,), generator=g)
+    quotients, scales = norm_modulate_quantize(x, weight, shift, scale, rows, 1e-6, _SMALLEST_SCALE, torch.float32)
+    codes, ref_scales = quantize_rows_reference(norm_modulate(x, weight, shift, scale, rows, 1e-6))
+    assert quotients.shape == (23, 300) and scales.shape == (23, 1)
+    assert ((scales - ref_scales).abs() <= ref_scales * 1e-5).all()
+    assert ((quotients - codes.float()).abs() <= 448 / 16).all()  # within one e4m3 step of the reference codes
+    print("OK")
+    """
+)
+
+
+def test_candidate_norm_modulate_quantiser_under_interpreter_matches_the_two_step_path():
+    assert run_interpreted(NORM_CHECK).split()[-1] == "OK"
