@@ -3,7 +3,9 @@
 # under $OUT (default ./out/h200). Name the parts to run; none runs all of them.
 #   checks    python -m pytest tests/gpu (every fast path against its fp32/fp64 reference)
 #   branch    bench/branch_stages.py (the linear branch stage by stage, plain, fused and candidates)
-#   fp8       bench/fp8_stages.py (the row quantiser, and the FFN's SiLU·up + quantisation, library and candidate)
+#   fp8       bench/fp8_stages.py (the row quantiser; the FFN's SiLU·up + quantisation; its input's norm +
+#             modulation + quantisation, two passes and a candidate one)
+#   launches  bench/kernel_launches.py (each hand-written Triton kernel under several launches)
 #   block     bench/dit_block.py --profile: plain, the fused branch, every block fused
 #   kernels   bench/dit_block.py, the hybrid block fused, bf16 and fp8: sections, peak and the top CUDA kernels
 #   memory    bench/block_memory.py (block peaks against the memory model, incl. the branch's frame chunks)
@@ -12,13 +14,13 @@
 #             with flash-attn-4 on PYTHONPATH the same commands give the FA4 table)
 #   caps      bench/dit_step.py at 80 and 24 GiB caps (the memory model's plan; expandable segments, so the
 #             memory left by building the model at full size on the device goes back)
-# Usage: bash bench/h200_runs.sh [checks] [branch] [fp8] [block] [kernels] [memory] [step-bf16] [step-fp8] [caps]
+# Usage: bash bench/h200_runs.sh [checks] [branch] [fp8] [launches] [block] [kernels] [memory] [step-bf16] [step-fp8] [caps]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(checks branch fp8 block kernels memory step-bf16 step-fp8 caps)
+[ ${#parts[@]} -eq 0 ] && parts=(checks branch fp8 launches block kernels memory step-bf16 step-fp8 caps)
 run() {  # name, command...
     local name="$1"; shift
     echo "== $name: $*"
@@ -30,6 +32,7 @@ for part in "${parts[@]}"; do
         checks) run gpu_tests python3 -m pytest -q -p no:warnings tests/gpu ;;
         branch) run branch_stages python3 bench/branch_stages.py --out "$out/branch_stages.json" ;;
         fp8) run fp8_stages python3 bench/fp8_stages.py --out "$out/fp8_stages.json" ;;
+        launches) run kernel_launches python3 bench/kernel_launches.py --out "$out/kernel_launches.json" ;;
         block)
             run dit_block_profile python3 bench/dit_block.py --profile --reps 3 --out "$out/dit_block_profile.json"
             run dit_block_fused_branch python3 bench/dit_block.py --profile --reps 3 --fused-branch compiled \
@@ -53,6 +56,6 @@ for part in "${parts[@]}"; do
                 --fused-blocks compiled --out "$out/dit_step_cap80.json"
             run dit_step_24 python3 bench/dit_step.py --variants fp8-decomposed --cap-gib 24 --reps 1 \
                 --fused-blocks compiled --out "$out/dit_step_cap24.json" ;;
-        *) echo "unknown part $part (checks branch fp8 block kernels memory step-bf16 step-fp8 caps)"; exit 2 ;;
+        *) echo "unknown part $part (checks branch fp8 launches block kernels memory step-bf16 step-fp8 caps)"; exit 2 ;;
     esac
 done
