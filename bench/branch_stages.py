@@ -192,11 +192,7 @@ def main(argv=None) -> dict:
             branch.fused = mode
             diff[f"whole branch {mode} vs plain"] = max_diff(branch(x, q, k, v, grid, bounds), plain)
         branch.fused = None
-    if cuda:
-        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    text = record.write(result, args.out)
-    print(text)
-    return result
+    return record.finish(result, args.out, cuda)
 
 
 if __name__ == "__main__":

@@ -69,10 +69,7 @@ def main(argv=None) -> dict:
         one_pass = lambda: block_fused.swiglu_quantized(mode, gate_up if cuda else gate_up.clone())  # noqa: E731
         ms["SiLU·up and quantise in one pass (library)"] = time_it(one_pass)
         equal["SiLU·up + quantise: one pass vs two"] = same_codes(one_pass().codes, two_pass()[0])
-    if cuda:
-        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    print(record.write(result, args.out))
-    return result
+    return record.finish(result, args.out, cuda)
 
 
 if __name__ == "__main__":

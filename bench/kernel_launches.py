@@ -113,10 +113,7 @@ def main(argv=None) -> dict:
         gate_up = randn(ROWS, 2 * FFN)
         variants("SiLU·up + quantise", lambda: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE), {
             f"{w} warps": (lambda w=w: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE, warps=w)) for w in (8, 16)})
-    if cuda:
-        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    print(record.write(result, args.out))
-    return result
+    return record.finish(result, args.out, cuda)
 
 
 if __name__ == "__main__":

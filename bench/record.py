@@ -33,6 +33,14 @@ def write(result: dict, out: Path | None, indent: int = 1) -> str:
     return text
 
 
+def finish(result: dict, out: Path | None, cuda: bool) -> dict:
+    """A stage benchmark's end: the device's peak memory added (on a GPU), the JSON written and printed."""
+    if cuda:
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(write(result, out))
+    return result
+
+
 def event_times_ms(fn, reps: int, cuda: bool) -> list[float]:
     """Milliseconds of ``reps`` calls of ``fn``, each between two CUDA events on a GPU, by the wall clock on the
     CPU (where a benchmark only dry-runs its code)."""

@@ -15,6 +15,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _rotation(weight, cos, sin, rows, cols, row_ok, n_rot):
+    """Rotate-half RoPE on the first ``n_rot`` channels: each column's partner and sign, the partners' norm
+    weights, the rows' cos and sin (1 and 0 beyond ``n_rot``) and the mask of the rotated tile."""
+    half = n_rot // 2
+    rotated = cols < n_rot
+    partner = tl.where(cols < half, cols + half, cols - half)
+    sign = tl.where(cols < half, -1.0, 1.0)
+    pmask = row_ok[:, None] & rotated[None, :]
+    wp = tl.load(weight + partner, mask=rotated, other=0.0).to(tl.float32)
+    c = tl.load(cos + rows[:, None] * n_rot + cols[None, :], mask=pmask, other=1.0)
+    s = tl.load(sin + rows[:, None] * n_rot + cols[None, :], mask=pmask, other=0.0)
+    return partner, sign, pmask, wp, c, s
+
+
+@triton.jit
 def _qk_norm_rope_kernel(src, dst, weight, cos, sin, n_rows, head_dim, n_rot, s_row, s_head, eps,
                          ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     head = tl.program_id(1).to(tl.int64)
@@ -28,15 +43,8 @@ def _qk_norm_rope_kernel(src, dst, weight, cos, sin, n_rows, head_dim, n_rot, s_
     w = tl.load(weight + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
     h = x * inv * w[None, :]
     if ROTATE:
-        half = n_rot // 2
-        rotated = cols < n_rot
-        partner = tl.where(cols < half, cols + half, cols - half)
-        sign = tl.where(cols < half, -1.0, 1.0)
-        pmask = row_ok[:, None] & rotated[None, :]
+        partner, sign, pmask, wp, c, s = _rotation(weight, cos, sin, rows, cols, row_ok, n_rot)
         xp = tl.load(base + partner[None, :], mask=pmask, other=0.0).to(tl.float32)
-        wp = tl.load(weight + partner, mask=rotated, other=0.0).to(tl.float32)
-        c = tl.load(cos + rows[:, None] * n_rot + cols[None, :], mask=pmask, other=1.0)
-        s = tl.load(sin + rows[:, None] * n_rot + cols[None, :], mask=pmask, other=0.0)
         h = h * c + sign[None, :] * (xp * inv * wp[None, :]) * s
     out = dst + rows[:, None] * (tl.num_programs(1) * head_dim) + head * head_dim + cols[None, :]
     tl.store(out, h.to(dst.dtype.element_ty), mask=mask)
@@ -52,14 +60,7 @@ def _qk_norm_rope_rows_kernel(src, dst, weight, cos, sin, n_rows, heads, n_rot, 
     mask = row_ok[:, None] & (cols < HEAD_DIM)[None, :]
     w = tl.load(weight + cols, mask=cols < HEAD_DIM, other=0.0).to(tl.float32)
     if ROTATE:
-        half = n_rot // 2
-        rotated = cols < n_rot
-        partner = tl.where(cols < half, cols + half, cols - half)
-        sign = tl.where(cols < half, -1.0, 1.0)
-        pmask = row_ok[:, None] & rotated[None, :]
-        wp = tl.load(weight + partner, mask=rotated, other=0.0).to(tl.float32)
-        c = tl.load(cos + rows[:, None] * n_rot + cols[None, :], mask=pmask, other=1.0)
-        s = tl.load(sin + rows[:, None] * n_rot + cols[None, :], mask=pmask, other=0.0)
+        partner, sign, pmask, wp, c, s = _rotation(weight, cos, sin, rows, cols, row_ok, n_rot)
     for head in range(heads):
         base = src + rows[:, None] * s_row + head * s_head
         x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)

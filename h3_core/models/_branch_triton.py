@@ -30,17 +30,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _head_tile(head, block, n_tokens, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token block ``block`` × head ``head``'s channels: the tokens, the columns within the head, the channels,
+    and the token, column and tile masks."""
+    tokens = (block * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    token_ok = tokens < n_tokens
+    col_ok = cols < head_dim
+    return tokens, cols, head * head_dim + cols, token_ok, col_ok, token_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
 def _conv_features_kernel(src, taps, beta, dst, n_frames, n_tokens, heads, head_dim, eps,
                           N_TAPS: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BETA: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     frame = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    tokens = (tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    channels = head * head_dim + cols
-    token_ok = tokens < n_tokens
-    col_ok = cols < head_dim
-    mask = token_ok[:, None] & col_ok[None, :]
+    tokens, cols, channels, token_ok, col_ok, mask = _head_tile(head, tl.program_id(2), n_tokens, head_dim,
+                                                                BLOCK_S, BLOCK_D)
     width = heads * head_dim
     acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(N_TAPS):
@@ -68,12 +75,8 @@ def _conv_features_rolling_kernel(src, taps, beta, dst, n_frames, n_tokens, head
     # five temporal taps: each program walks one tile of tokens × one head's channels through every frame,
     # holding the five frames around the current one, so each input tile is read once
     head = tl.program_id(0).to(tl.int64)
-    tokens = (tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    channels = head * HEAD_DIM + cols
-    token_ok = tokens < n_tokens
-    col_ok = cols < HEAD_DIM
-    mask = token_ok[:, None] & col_ok[None, :]
+    tokens, cols, channels, token_ok, col_ok, mask = _head_tile(head, tl.program_id(1), n_tokens, HEAD_DIM,
+                                                                BLOCK_S, BLOCK_D)
     width = heads * HEAD_DIM
     w0 = tl.load(taps + channels * 5 + 0, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     w1 = tl.load(taps + channels * 5 + 1, mask=col_ok, other=0.0).to(tl.float32)[None, :]

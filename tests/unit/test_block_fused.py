@@ -12,7 +12,7 @@ from h3_core.models.dit import _gated_add_, _modulate_, _rotate, row_runs
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory, apply_low_memory
 
-from tiny_dit import CFG, model, request
+from tiny_dit import CFG, fp32_case, model, request
 
 
 def rnd(*shape, seed=0, dtype=torch.float64):
@@ -112,13 +112,9 @@ def test_a_fused_model_equals_the_plain_model(hybrid, options):
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_a_fused_fp8_model_equals_the_plain_fp8_model(hybrid):
     """With fp8 linears the fused FFN hands fc2 its input already quantised (``swiglu_quantized``)."""
-    from h3_core.fp8_linear import QuantizedRows, quantize_linears
+    from h3_core.fp8_linear import QuantizedRows
 
-    m = model(hybrid).float()
-    quantize_linears(m, compute_dtype=torch.float32)
-    packed, args = request()
-    args = tuple(a.float() if a.is_floating_point() else a for a in args)
-    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
+    m, args, ctx = fp32_case(hybrid)
     fc2_inputs = []
     m.blocks[0].mlp.fc2.register_forward_pre_hook(lambda _, inputs: fc2_inputs.append(inputs[0]))
     with torch.no_grad():

@@ -8,7 +8,7 @@ from h3_core.errors import H3InputError
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory, apply_low_memory, head_slices
 
-from tiny_dit import model, request
+from tiny_dit import fp32_case, model, request
 
 
 def test_head_slices_cover_every_head_once():
@@ -42,13 +42,7 @@ def test_low_memory_paths_equal_the_plain_forward(hybrid, options):
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_low_memory_runs_on_fp8_linears(hybrid):
-    from h3_core.fp8_linear import quantize_linears
-
-    m = model(hybrid).float()
-    quantize_linears(m, compute_dtype=torch.float32)
-    packed, args = request()
-    args = tuple(a.float() if a.is_floating_point() else a for a in args)
-    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
+    m, args, ctx = fp32_case(hybrid)
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
         apply_low_memory(m, LowMemory(ffn_chunk_rows=7, head_groups=2))
@@ -61,15 +55,11 @@ def test_low_memory_runs_on_fp8_linears(hybrid):
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_head_groups_share_one_quantisation_of_the_projection_input(hybrid, monkeypatch):
-    from h3_core.fp8_linear import QuantizedRows, quantize_linears
+    from h3_core.fp8_linear import QuantizedRows
     from h3_core.models.dit import Attention
 
-    m = model(hybrid).float()
-    quantize_linears(m, compute_dtype=torch.float32)
+    m, args, ctx = fp32_case(hybrid)
     apply_low_memory(m, LowMemory(head_groups=3))
-    packed, args = request()
-    args = tuple(a.float() if a.is_floating_point() else a for a in args)
-    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
     made = []
     shared = Attention.projection_input
     monkeypatch.setattr(Attention, "projection_input", lambda self, x: made.append(shared(self, x)) or made[-1])
@@ -144,11 +134,7 @@ def test_final_layer_in_row_chunks_is_the_whole_rows_result():
 def test_q_k_v_come_dense_and_equal_the_stacked_projection(hybrid, fp8):
     """q, k and v as three row slices of qkv_proj (the default: dense tensors) give what one stacked GEMM
     gives, with fp8 linears too (the rows quantised once for all three)."""
-    from h3_core.fp8_linear import quantize_linears
-
-    m = model(hybrid).float()
-    if fp8:
-        quantize_linears(m, compute_dtype=torch.float32)
+    m, args, ctx = fp32_case(hybrid, fp8)
     attn = m.blocks[0].attn
     x = torch.randn(9, attn.qkv_proj.in_features, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -158,9 +144,6 @@ def test_q_k_v_come_dense_and_equal_the_stacked_projection(hybrid, fp8):
     assert all(t.is_contiguous() for t in dense) and not stacked[1].is_contiguous()
     for a, b in zip(dense, stacked):
         assert (a - b).abs().max() <= 1e-6 * b.abs().max()
-    packed, args = request()
-    args = tuple(a.float() if a.is_floating_point() else a for a in args)
-    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
     with torch.no_grad():
         stacked_out = m(*args, hybrid=ctx)
         for block in m.blocks:

@@ -3,7 +3,10 @@ fused paths compare against itself."""
 
 import torch
 
+from h3_core.attention import WindowSpec
+from h3_core.fp8_linear import quantize_linears
 from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.hybrid import HybridContext
 from h3_core.pipeline.packing import pack_sequence
 
 CFG = DiTConfig(hidden=24, layers=2, heads=3, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12,
@@ -29,3 +32,15 @@ def request(frames=12, text=4, audio=5):
             (torch.arange(packed.positions.shape[0]) % 2), packed.tags, packed.positions,
             packed.video_index, packed.audio_index, packed.text_index)
     return packed, args
+
+
+def fp32_case(hybrid: bool, fp8: bool = True):
+    """The tiny model in fp32 (with fp8 linears when ``fp8``), the request's inputs in fp32, and (hybrid) its
+    window context."""
+    m = model(hybrid).float()
+    if fp8:
+        quantize_linears(m, compute_dtype=torch.float32)
+    packed, args = request()
+    args = tuple(a.float() if a.is_floating_point() else a for a in args)
+    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
+    return m, args, ctx
