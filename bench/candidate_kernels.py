@@ -10,7 +10,8 @@ hoisted together) and 6.6 ms a call.
 
 ``norm_modulate_quantize``: the fp8 FFN's input — the block's second RMSNorm and AdaLN modulation, then the
 row quantisation ``fc1`` applies — in one pass per row, where the library writes the modulated rows (one
-compiled pass) and the quantiser reads them back.
+compiled pass) and the quantiser reads them back. ``gate_heads_quantize`` does the same for ``out_proj``'s
+input: the window softmax's output times its per-head gate, quantised per row.
 """
 
 from __future__ import annotations
@@ -115,4 +116,33 @@ def norm_modulate_quantize(x: torch.Tensor, weight: torch.Tensor, shift: torch.T
         _norm_modulate_quantize_kernel[(rows,)](x, weight, shift.contiguous(), scale.contiguous(), table_rows, codes,
                                                 scales, hidden, eps, smallest, BLOCK=triton.next_power_of_2(hidden),
                                                 num_warps=warps)
+    return codes, scales
+
+
+@triton.jit
+def _gate_heads_quantize_kernel(soft, gate, codes, scales, heads, head_dim, smallest, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    width = heads * head_dim
+    mask = cols < width
+    v = tl.load(soft + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate + row * heads + cols // head_dim, mask=mask, other=0.0).to(tl.float32)
+    h = (v * g).to(soft.dtype.element_ty).to(tl.float32)  # as the two-pass path stores it
+    q, s = quantize_row(h, smallest)
+    tl.store(codes + row * width + cols, q.to(codes.dtype.element_ty), mask=mask)
+    tl.store(scales + row, s)
+
+
+def gate_heads_quantize(soft: torch.Tensor, gate: torch.Tensor, smallest: float,
+                        codes_dtype: torch.dtype = torch.float8_e4m3fn, warps: int = 8):
+    """``quantize_rows(block_fused.gate_heads_(soft, gate).reshape(T, -1))`` in one pass per row: the window
+    softmax's output ``[T, h, d]`` (contiguous) times its per-head gate ``[T, h]``, quantised for ``out_proj``
+    without storing the gated rows. Returns codes ``[T, h·d]`` and fp32 scales ``[T, 1]``."""
+    rows, heads, head_dim = soft.shape
+    soft, gate = soft.contiguous(), gate.contiguous()
+    codes = torch.empty(rows, heads * head_dim, dtype=codes_dtype, device=soft.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=soft.device)
+    if rows:
+        _gate_heads_quantize_kernel[(rows,)](soft, gate, codes, scales, heads, head_dim, smallest,
+                                             BLOCK=triton.next_power_of_2(heads * head_dim), num_warps=warps)
     return codes, scales

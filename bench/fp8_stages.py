@@ -3,7 +3,8 @@ CUDA-event timings after a warm-up) beside its alternatives and checked against 
 row quantiser (eager and Triton) at the widths of the block's linear inputs, and the FFN's SiLU·up followed
 by the quantisation of ``fc2``'s input (two passes as before, and the library's single pass:
 ``block_fused.swiglu_quantized``), and the FFN's input — norm, modulation and ``fc1``'s quantisation — in two
-passes and as a candidate single pass (``candidate_kernels.py``). ``--tiny`` runs the eager forms on a few rows on the CPU.
+passes and as a candidate single pass (``candidate_kernels.py``), and ``out_proj``'s input — the softmax
+gate and the quantisation — likewise. ``--tiny`` runs the eager forms on a few rows on the CPU.
 
     python3 bench/fp8_stages.py --out results.json
 """
@@ -60,6 +61,18 @@ def main(argv=None) -> dict:
             norm_one = lambda: candidate_kernels.norm_modulate_quantize(*norm_args, _SMALLEST_SCALE)  # noqa: E731
             ms["norm + modulation and quantise in one pass (candidate)"] = time_it(norm_one)
             equal["norm + modulation + quantise: candidate vs two passes"] = same_codes(norm_one()[0], norm_two()[0])
+        # out_proj's input: the window softmax's output times its per-head gate, then quantised
+        heads = 56
+        soft = torch.randn(rows, heads, widths["out_proj / to_out_linear input"] // heads, generator=g)
+        soft = soft.to(device, torch.bfloat16)
+        gate = torch.rand(rows, heads, generator=g).to(device, torch.bfloat16)
+        gate_two = lambda: quantize_rows(block_fused.run(mode, "gate_heads_", soft.clone(), gate).view(rows, -1))  # noqa: E731
+        ms["copy of the softmax output (inside the two-pass timing)"] = time_it(lambda: soft.clone())
+        ms["softmax gate then quantise (two passes)"] = time_it(gate_two)
+        if cuda:
+            gate_one = lambda: candidate_kernels.gate_heads_quantize(soft, gate, _SMALLEST_SCALE)  # noqa: E731
+            ms["softmax gate and quantise in one pass (candidate)"] = time_it(gate_one)
+            equal["softmax gate + quantise: candidate vs two passes"] = same_codes(gate_one()[0], gate_two()[0])
         ffn = widths["fc2 input"]
         gate_up = torch.randn(rows, 2 * ffn, generator=g).to(device, torch.bfloat16)
         two_pass = lambda: quantize_rows(block_fused.run(mode, "swiglu_", gate_up.clone()))  # noqa: E731

@@ -58,3 +58,31 @@ NORM_CHECK = textwrap.dedent(
 
 def test_candidate_norm_modulate_quantiser_under_interpreter_matches_the_two_step_path():
     assert run_interpreted(NORM_CHECK).split()[-1] == "OK"
+
+
+GATE_CHECK = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "bench")
+    import torch
+    from candidate_kernels import gate_heads_quantize
+    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models.block_fused import gate_heads_
+
+    g = torch.Generator().manual_seed(4)
+    soft = torch.randn(19, 3, 24, generator=g) * torch.logspace(-2, 2, 19)[:, None, None]
+    gate = torch.rand(19, 3, generator=g)
+    gate[5] = 0  # a fully closed gate: a zero row keeps the smallest scale
+    quotients, scales = gate_heads_quantize(soft, gate, _SMALLEST_SCALE, torch.float32)
+    codes, ref_scales = quantize_rows_reference(gate_heads_(soft.clone(), gate).reshape(19, -1))
+    assert quotients.shape == (19, 72) and scales.shape == (19, 1)
+    assert torch.equal(scales, ref_scales)  # fp32 rows: the same products, the same amax
+    assert ((quotients - codes.float()).abs() <= 448 / 16).all()
+    assert scales[5].item() == _SMALLEST_SCALE and not quotients[5].any()
+    print("OK")
+    """
+)
+
+
+def test_candidate_gate_quantiser_under_interpreter_matches_the_two_step_path():
+    assert run_interpreted(GATE_CHECK).split()[-1] == "OK"
