@@ -4,7 +4,7 @@
 #   checks    python -m pytest tests/gpu (every fast path against its fp32/fp64 reference)
 #   branch    bench/branch_stages.py (the linear branch stage by stage, plain, fused and candidates)
 #   fp8       bench/fp8_stages.py (the row quantiser; the FFN's SiLU·up + quantisation; its input's norm +
-#             modulation + quantisation, two passes and a candidate one)
+#             modulation + quantisation and out_proj's softmax gate + quantisation, two passes and candidates)
 #   launches  bench/kernel_launches.py (each hand-written Triton kernel under several launches)
 #   block     bench/dit_block.py --profile: plain, the fused branch, every block fused
 #   kernels   bench/dit_block.py, the hybrid block fused, bf16 and fp8: sections, peak and the top CUDA kernels
