@@ -1,10 +1,10 @@
 """The fp8 path's per-element stages at the release length (T = 104,266 rows), each timed (median of ``--reps``
-CUDA-event timings after a warm-up) beside its alternatives and checked against the eager reference: the
-row quantiser (eager and Triton) at the widths of the block's linear inputs, and the FFN's SiLU·up followed
-by the quantisation of ``fc2``'s input (two passes as before, and the library's single pass:
-``block_fused.swiglu_quantized``), and the FFN's input — norm, modulation and ``fc1``'s quantisation — in two
-passes and as a candidate single pass (``candidate_kernels.py``), and ``out_proj``'s input — the softmax
-gate and the quantisation — likewise. ``--tiny`` runs the eager forms on a few rows on the CPU.
+CUDA-event timings after a warm-up) beside its alternatives and checked against the eager reference: the row
+quantiser (eager, Triton, and a chunked candidate) at the widths of the block's linear inputs; the FFN's
+input — norm, modulation and ``fc1``'s quantisation — and ``out_proj``'s — the softmax gate and the
+quantisation — each in two passes and as a candidate single pass (``candidate_kernels.py``); the FFN's SiLU·up
+and the quantisation of ``fc2``'s input, two passes as before and the library's single pass
+(``block_fused.swiglu_quantized``). ``--tiny`` runs the eager forms on a few rows on the CPU.
 
     python3 bench/fp8_stages.py --out results.json
 """
@@ -39,12 +39,20 @@ def main(argv=None) -> dict:
         return float((a.view(torch.uint8) == b.view(torch.uint8)).float().mean())
 
     g = torch.Generator().manual_seed(0)
+    if cuda:
+        import candidate_kernels
     with torch.no_grad():
         for name, width in widths.items():
             x = torch.randn(rows, width, generator=g).to(device, torch.bfloat16)
             ms[f"quantise {name} [{rows}, {width}] (eager)"] = time_it(lambda: quantize_rows_reference(x))
             ms[f"quantise {name} [{rows}, {width}] (library)"] = time_it(lambda: quantize_rows(x))
             equal[f"quantise {name}: library vs eager"] = same_codes(quantize_rows(x)[0], quantize_rows_reference(x)[0])
+            if cuda:
+                for block_k, warps in ((512, 4), (1024, 4), (2048, 8)):
+                    chunked = lambda: candidate_kernels.quantize_rows_chunked(  # noqa: E731
+                        x, _SMALLEST_SCALE, block_k=block_k, warps=warps)
+                    ms[f"quantise {name} (chunked candidate, {block_k} × {warps} warps)"] = time_it(chunked)
+                    equal[f"quantise {name}: chunked {block_k} vs library"] = same_codes(chunked()[0], quantize_rows(x)[0])
         # the FFN's input: the second norm and modulation, then fc1's quantisation (two passes, or a candidate one)
         hidden = widths["qkv / fc1 input"]
         x = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
@@ -56,8 +64,6 @@ def main(argv=None) -> dict:
         norm_two = lambda: quantize_rows(block_fused.run(mode, "norm_modulate", *norm_args))  # noqa: E731
         ms["norm + modulation then quantise (two passes)"] = time_it(norm_two)
         if cuda:
-            import candidate_kernels
-
             norm_one = lambda: candidate_kernels.norm_modulate_quantize(*norm_args, _SMALLEST_SCALE)  # noqa: E731
             ms["norm + modulation and quantise in one pass (candidate)"] = time_it(norm_one)
             equal["norm + modulation + quantise: candidate vs two passes"] = same_codes(norm_one()[0], norm_two()[0])

@@ -86,3 +86,28 @@ GATE_CHECK = textwrap.dedent(
 
 def test_candidate_gate_quantiser_under_interpreter_matches_the_two_step_path():
     assert run_interpreted(GATE_CHECK).split()[-1] == "OK"
+
+
+CHUNKED_CHECK = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "bench")
+    import torch
+    from candidate_kernels import quantize_rows_chunked
+    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+
+    g = torch.Generator().manual_seed(5)
+    wide = (torch.randn(13, 300, generator=g) * torch.logspace(-3, 3, 13)[:, None]).to(torch.bfloat16)
+    wide[4] = 0
+    for x, block_k in ((wide, 64), (wide, 512), (wide[:, 5:260], 32), (torch.randn(5, 64, generator=g), 64)):
+        quotients, scale = quantize_rows_chunked(x, _SMALLEST_SCALE, torch.float32, block_k)
+        codes, ref_scale = quantize_rows_reference(x)
+        assert torch.equal(scale, ref_scale), block_k
+        assert torch.equal(quotients, x.float() / ref_scale), block_k  # the reference's division, before its cast
+    print("OK")
+    """
+)
+
+
+def test_candidate_chunked_quantiser_under_interpreter_matches_the_reference():
+    assert run_interpreted(CHUNKED_CHECK).split()[-1] == "OK"
