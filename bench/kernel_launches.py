@@ -87,8 +87,13 @@ def main(argv=None) -> dict:
         state = torch.randn(FRAMES, HEADS, HEAD_DIM, HEAD_DIM, generator=g).to(device) / 8
         norm_weight, logits = randn(HEAD_DIM), randn(FRAMES * TOKENS, HEADS * HEAD_DIM)
         readout = lambda **kw: _branch_triton.readout_triton(q_raw, state, norm_weight, logits, **kw)  # noqa: E731
-        variants("readout", readout, {f"{s} tokens, {w} warps": (lambda s=s, w=w: readout(block_s=s, warps=w))
-                                      for s, w in ((64, 8), (128, 4), (128, 8), (32, 4))})
+        variants("readout", readout, {
+            "state rounded once before": lambda: readout(state_in_rows_dtype=True),
+            "state rows transposed on chip": lambda: readout(row_load=True),
+            "both": lambda: readout(state_in_rows_dtype=True, row_load=True),
+            **{f"both, {s} tokens, {w} warps": (lambda s=s, w=w: readout(block_s=s, warps=w, state_in_rows_dtype=True,
+                                                                           row_load=True))
+               for s, w in ((128, 8), (256, 8))}})
         del q_raw, logits
 
         # the scans and the gather on fp32 states
