@@ -13,8 +13,8 @@ row quantisation ``fc1`` applies — in one pass per row, where the library writ
 compiled pass) and the quantiser reads them back. ``gate_heads_quantize`` does the same for ``out_proj``'s
 input: the window softmax's output times its per-head gate, quantised per row.
 
-``quantize_rows_chunked``: the row quantiser reading each row in power-of-two chunks, twice, instead of
-holding it padded to the next power of two.
+``quantize_rows_chunked``, ``swiglu_quantize_chunked``: the row quantiser and the SwiGLU quantiser reading
+each row in power-of-two chunks, twice, instead of holding it padded to the next power of two.
 """
 
 from __future__ import annotations
@@ -180,4 +180,42 @@ def quantize_rows_chunked(x: torch.Tensor, smallest: float, codes_dtype: torch.d
     if rows:
         _quantize_rows_chunked_kernel[(rows,)](x, codes, scales, cols, x.stride(0), smallest, BLOCK_K=block_k,
                                                num_warps=warps)
+    return codes, scales
+
+
+@triton.jit
+def _swiglu_product(src, row, s_row, ffn, start, cols):
+    mask = start + cols < ffn
+    gate = tl.load(src + row * s_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(src + row * s_row + ffn + start + cols, mask=mask, other=0.0).to(tl.float32)
+    return (gate * tl.sigmoid(gate) * up).to(src.dtype.element_ty).to(tl.float32), mask
+
+
+@triton.jit
+def _swiglu_quantize_chunked_kernel(src, codes, scales, ffn, s_row, smallest, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for start in range(0, ffn, BLOCK_K):
+        h, mask = _swiglu_product(src, row, s_row, ffn, start, cols)
+        amax = tl.maximum(amax, tl.abs(h))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), smallest)
+    for start in range(0, ffn, BLOCK_K):  # the row again, from cache, the product formed again
+        h, mask = _swiglu_product(src, row, s_row, ffn, start, cols)
+        tl.store(codes + row * ffn + start + cols, tl.div_rn(h, scale).to(codes.dtype.element_ty), mask=mask)
+    tl.store(scales + row, scale)
+
+
+def swiglu_quantize_chunked(gate_up: torch.Tensor, smallest: float, codes_dtype: torch.dtype = torch.float8_e4m3fn,
+                            block_k: int = 2048, warps: int = 8):
+    """``h3_core._fp8_triton.swiglu_quantize_triton`` over chunks of ``block_k`` columns, twice (the amax, then
+    the codes), where the library holds the row padded to 16,384 lanes for the FFN width of 14,336."""
+    rows, width = gate_up.shape
+    ffn = width // 2
+    assert gate_up.stride(1) == 1
+    codes = torch.empty(rows, ffn, dtype=codes_dtype, device=gate_up.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    if rows:
+        _swiglu_quantize_chunked_kernel[(rows,)](gate_up, codes, scales, ffn, gate_up.stride(0), smallest,
+                                                 BLOCK_K=block_k, num_warps=warps)
     return codes, scales

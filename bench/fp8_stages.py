@@ -89,6 +89,12 @@ def main(argv=None) -> dict:
         one_pass = lambda: block_fused.swiglu_quantized(mode, gate_up if cuda else gate_up.clone())  # noqa: E731
         ms["SiLU·up and quantise in one pass (library)"] = time_it(one_pass)
         equal["SiLU·up + quantise: one pass vs two"] = same_codes(one_pass().codes, two_pass()[0])
+        if cuda:
+            for block_k, warps in ((2048, 8), (4096, 16)):
+                chunked = lambda: candidate_kernels.swiglu_quantize_chunked(  # noqa: E731
+                    gate_up, _SMALLEST_SCALE, block_k=block_k, warps=warps)
+                ms[f"SiLU·up and quantise, chunked ({block_k} × {warps} warps, candidate)"] = time_it(chunked)
+                equal[f"SiLU·up + quantise: chunked {block_k} vs one pass"] = same_codes(chunked()[0], one_pass().codes)
     return record.finish(result, args.out, cuda)
 
 

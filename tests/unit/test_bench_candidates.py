@@ -104,6 +104,14 @@ CHUNKED_CHECK = textwrap.dedent(
         codes, ref_scale = quantize_rows_reference(x)
         assert torch.equal(scale, ref_scale), block_k
         assert torch.equal(quotients, x.float() / ref_scale), block_k  # the reference's division, before its cast
+    from candidate_kernels import swiglu_quantize_chunked
+    from h3_core._fp8_triton import swiglu_quantize_triton
+
+    gate_up = torch.randn(7, 2 * 300, generator=g) * torch.logspace(-2, 2, 7)[:, None]
+    whole = swiglu_quantize_triton(gate_up, _SMALLEST_SCALE, torch.float32)
+    for block_k in (64, 512):
+        chunked = swiglu_quantize_chunked(gate_up, _SMALLEST_SCALE, torch.float32, block_k)
+        assert torch.equal(chunked[1], whole[1]) and torch.equal(chunked[0], whole[0]), block_k
     print("OK")
     """
 )
