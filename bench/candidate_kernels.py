@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from h3_core._fp8_triton import quantize_row
+from h3_core._fp8_triton import code_buffers, quantize_row
 
 
 @triton.jit
@@ -113,8 +113,7 @@ def norm_modulate_quantize(x: torch.Tensor, weight: torch.Tensor, shift: torch.T
     Triton's CPU interpreter)."""
     rows, hidden = x.shape
     x = x.contiguous()
-    codes = torch.empty(rows, hidden, dtype=codes_dtype, device=x.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    codes, scales = code_buffers(rows, hidden, codes_dtype, x.device)
     if rows:
         _norm_modulate_quantize_kernel[(rows,)](x, weight, shift.contiguous(), scale.contiguous(), table_rows, codes,
                                                 scales, hidden, eps, smallest, BLOCK=triton.next_power_of_2(hidden),
@@ -143,8 +142,7 @@ def gate_heads_quantize(soft: torch.Tensor, gate: torch.Tensor, smallest: float,
     without storing the gated rows. Returns codes ``[T, h·d]`` and fp32 scales ``[T, 1]``."""
     rows, heads, head_dim = soft.shape
     soft, gate = soft.contiguous(), gate.contiguous()
-    codes = torch.empty(rows, heads * head_dim, dtype=codes_dtype, device=soft.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=soft.device)
+    codes, scales = code_buffers(rows, heads * head_dim, codes_dtype, soft.device)
     if rows:
         _gate_heads_quantize_kernel[(rows,)](soft, gate, codes, scales, heads, head_dim, smallest,
                                              BLOCK=triton.next_power_of_2(heads * head_dim), num_warps=warps)
@@ -152,18 +150,29 @@ def gate_heads_quantize(soft: torch.Tensor, gate: torch.Tensor, smallest: float,
 
 
 @triton.jit
-def _quantize_rows_chunked_kernel(src, codes, scales, n_cols, s_row, smallest, BLOCK_K: tl.constexpr):
+def _chunk(src, row, s_row, n_cols, start, cols, SWIGLU: tl.constexpr):
+    """Columns ``start + cols`` of the row to quantise (fp32) and their mask: the row itself, or with ``SWIGLU``
+    the product silu(gate) · up from ``fc1``'s row [gate | up], rounded as the two-step path stores it."""
+    mask = start + cols < n_cols
+    x = tl.load(src + row * s_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        up = tl.load(src + row * s_row + n_cols + start + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(src.dtype.element_ty).to(tl.float32)
+    return x, mask
+
+
+@triton.jit
+def _quantize_chunked_kernel(src, codes, scales, n_cols, s_row, smallest, BLOCK_K: tl.constexpr,
+                             SWIGLU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_K):
-        mask = start + cols < n_cols
-        x = tl.load(src + row * s_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        x, mask = _chunk(src, row, s_row, n_cols, start, cols, SWIGLU)
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), smallest)
     for start in range(0, n_cols, BLOCK_K):  # the row again, from cache
-        mask = start + cols < n_cols
-        x = tl.load(src + row * s_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        x, mask = _chunk(src, row, s_row, n_cols, start, cols, SWIGLU)
         tl.store(codes + row * n_cols + start + cols, tl.div_rn(x, scale).to(codes.dtype.element_ty), mask=mask)
     tl.store(scales + row, scale)
 
@@ -175,35 +184,11 @@ def quantize_rows_chunked(x: torch.Tensor, smallest: float, codes_dtype: torch.d
     power of two: 8,192 lanes for the hidden width of 5,376, a third of them idle."""
     rows, cols = x.shape
     assert x.stride(1) == 1 or cols == 1
-    codes = torch.empty(rows, cols, dtype=codes_dtype, device=x.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    codes, scales = code_buffers(rows, cols, codes_dtype, x.device)
     if rows:
-        _quantize_rows_chunked_kernel[(rows,)](x, codes, scales, cols, x.stride(0), smallest, BLOCK_K=block_k,
-                                               num_warps=warps)
+        _quantize_chunked_kernel[(rows,)](x, codes, scales, cols, x.stride(0), smallest, BLOCK_K=block_k,
+                                          SWIGLU=False, num_warps=warps)
     return codes, scales
-
-
-@triton.jit
-def _swiglu_product(src, row, s_row, ffn, start, cols):
-    mask = start + cols < ffn
-    gate = tl.load(src + row * s_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(src + row * s_row + ffn + start + cols, mask=mask, other=0.0).to(tl.float32)
-    return (gate * tl.sigmoid(gate) * up).to(src.dtype.element_ty).to(tl.float32), mask
-
-
-@triton.jit
-def _swiglu_quantize_chunked_kernel(src, codes, scales, ffn, s_row, smallest, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for start in range(0, ffn, BLOCK_K):
-        h, mask = _swiglu_product(src, row, s_row, ffn, start, cols)
-        amax = tl.maximum(amax, tl.abs(h))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), smallest)
-    for start in range(0, ffn, BLOCK_K):  # the row again, from cache, the product formed again
-        h, mask = _swiglu_product(src, row, s_row, ffn, start, cols)
-        tl.store(codes + row * ffn + start + cols, tl.div_rn(h, scale).to(codes.dtype.element_ty), mask=mask)
-    tl.store(scales + row, scale)
 
 
 def swiglu_quantize_chunked(gate_up: torch.Tensor, smallest: float, codes_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -213,9 +198,8 @@ def swiglu_quantize_chunked(gate_up: torch.Tensor, smallest: float, codes_dtype:
     rows, width = gate_up.shape
     ffn = width // 2
     assert gate_up.stride(1) == 1
-    codes = torch.empty(rows, ffn, dtype=codes_dtype, device=gate_up.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    codes, scales = code_buffers(rows, ffn, codes_dtype, gate_up.device)
     if rows:
-        _swiglu_quantize_chunked_kernel[(rows,)](gate_up, codes, scales, ffn, gate_up.stride(0), smallest,
-                                                 BLOCK_K=block_k, num_warps=warps)
+        _quantize_chunked_kernel[(rows,)](gate_up, codes, scales, ffn, gate_up.stride(0), smallest,
+                                          BLOCK_K=block_k, SWIGLU=True, num_warps=warps)
     return codes, scales

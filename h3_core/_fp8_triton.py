@@ -33,6 +33,12 @@ def _quantize_rows_kernel(src, codes, scales, n_cols, s_row, smallest, BLOCK: tl
     tl.store(scales + row, scale)
 
 
+def code_buffers(rows: int, cols: int, codes_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of a row quantiser: codes ``[rows, cols]`` and fp32 scales ``[rows, 1]``, both contiguous."""
+    return (torch.empty(rows, cols, dtype=codes_dtype, device=device),
+            torch.empty(rows, 1, dtype=torch.float32, device=device))
+
+
 def quantize_rows_triton(x: torch.Tensor, smallest: float, codes_dtype: torch.dtype = torch.float8_e4m3fn,
                          warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[M, K]`` e4m3 (contiguous) and scales ``[M, 1]`` fp32 for rows ``x`` ``[M, K]`` whose last
@@ -40,8 +46,7 @@ def quantize_rows_triton(x: torch.Tensor, smallest: float, codes_dtype: torch.dt
     cast (Triton's CPU interpreter emulates the e4m3 cast wrongly, so its tests stop there)."""
     rows, cols = x.shape
     assert x.stride(1) == 1 or cols == 1
-    codes = torch.empty(rows, cols, dtype=codes_dtype, device=x.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    codes, scales = code_buffers(rows, cols, codes_dtype, x.device)
     if rows:
         block = triton.next_power_of_2(cols)
         warps = warps or (4 if block <= 2048 else 8 if block <= 8192 else 16)
@@ -72,8 +77,7 @@ def swiglu_quantize_triton(gate_up: torch.Tensor, smallest: float, codes_dtype: 
     rows, width = gate_up.shape
     ffn = width // 2
     assert gate_up.stride(1) == 1
-    codes = torch.empty(rows, ffn, dtype=codes_dtype, device=gate_up.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    codes, scales = code_buffers(rows, ffn, codes_dtype, gate_up.device)
     if rows:
         block = triton.next_power_of_2(ffn)
         _swiglu_quantize_kernel[(rows,)](gate_up, codes, scales, ffn, gate_up.stride(0), smallest, BLOCK=block,
