@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from .errors import H3InputError
-from .triton_forms import triton_form
+from .triton_forms import runs_here, triton_form
 
 __all__ = [
     "E4M3_MAX",
@@ -70,7 +70,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``x`` ``[M, K]`` (any float dtype, any strides) as e4m3 codes ``[M, K]`` (contiguous) and
     its fp32 scale ``[M, 1]`` (contiguous), ``x ≈ codes · scale``: ``quantize_rows_reference``'s numbers, in
     one Triton pass per row on CUDA (``_fp8_triton``) when the rows' last dimension is contiguous."""
-    if x.is_cuda and x.dim() == 2 and x.dtype in _COMPUTE_DTYPES and x.stride(-1) == 1:
+    if runs_here(x) and x.dim() == 2 and x.dtype in _COMPUTE_DTYPES and x.stride(-1) == 1:
         fused = triton_form("h3_core._fp8_triton", "quantize_rows_triton")
         if fused is not None:
             return fused(x, _SMALLEST_SCALE)

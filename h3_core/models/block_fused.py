@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import H3InputError
-from ..fp8_linear import _SMALLEST_SCALE, QuantizedRows, quantize_input
-from ..triton_forms import triton_form
+from ..fp8_linear import _COMPUTE_DTYPES, _SMALLEST_SCALE, QuantizedRows, quantize_input
+from ..triton_forms import runs_here, triton_form
 from . import branch_fused
 
 __all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized",
@@ -81,8 +81,8 @@ def swiglu_quantized(mode: str, gate_up: torch.Tensor) -> QuantizedRows:
     """An fp8 ``fc2``'s input from ``fc1``'s output ``[T, 2·ffn]``: ``quantize_input(swiglu_(gate_up))``, run
     as ``mode`` says — on CUDA in ``"compiled"`` mode as one Triton pass per row
     (``_fp8_triton.swiglu_quantize_triton``, the same codes) that never stores the product nor reads it back."""
-    if (mode == "compiled" and gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(-1) == 1
-            and gate_up.dtype in (torch.bfloat16, torch.float16)):
+    if (mode == "compiled" and runs_here(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1
+            and gate_up.dtype in _COMPUTE_DTYPES):
         kernel = triton_form("h3_core._fp8_triton", "swiglu_quantize_triton")
         if kernel is not None:
             codes, scale = kernel(gate_up, _SMALLEST_SCALE)

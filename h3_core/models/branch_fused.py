@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import H3InputError
-from ..triton_forms import triton_form
+from ..triton_forms import runs_here, triton_form
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
            "gram_statistics", "query_features", "readout_finish", "readout", "scan", "gather", "run", "call",
@@ -125,7 +125,7 @@ def _state_kernel(name: str, mode: str | None, states: torch.Tensor):
     """The Triton kernel ``name`` for the branch's fp32 frame states in ``"compiled"`` mode on CUDA, when the
     kernel takes their size (d a power of two of at least 16); None otherwise."""
     d = states.shape[-1]
-    if mode == "compiled" and states.is_cuda and states.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
+    if mode == "compiled" and runs_here(states) and states.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
         return triton_kernel(name)
     return None
 
@@ -182,7 +182,7 @@ def call(mode: str, fn, *args, name: str | None = None):
     in fp32, so fp64 rows keep the compiled form's fp64 sums)."""
     if mode == "compiled":
         lead = args[0]
-        if name is not None and lead.is_cuda and lead.dtype != torch.float64 and lead.stride(-1) == 1:
+        if name is not None and runs_here(lead) and lead.dtype != torch.float64 and lead.stride(-1) == 1:
             kernel = triton_kernel(name)
             if kernel is not None:
                 return kernel(*args)

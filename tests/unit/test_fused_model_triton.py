@@ -1,0 +1,58 @@
+"""The whole fused model on the CPU with every hand-written Triton kernel in its place, run by Triton's CPU
+interpreter: the kernels are driven through the model's own path (shapes, strides, head groups, the text
+state, the fp8 rows) and the model's output is the plain model's. ``torch.compile`` is left out there (the
+functions without a Triton form run as written), so only the Triton kernels differ from the eager path."""
+
+import textwrap
+
+import pytest
+from triton_interpreter import run_interpreted
+
+CHECK = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "tests/unit")
+    import torch
+    torch.compile = lambda fn, **kwargs: fn
+
+    from h3_core.models import block_fused, branch_fused
+    from h3_core.models.low_memory import LowMemory, apply_low_memory
+    from tiny_dit import fp32_case
+
+    used = set()
+    kernel_for = branch_fused.triton_kernel
+    def recorded(name):
+        kernel = kernel_for(name)
+        if kernel is not None:
+            used.add(name)
+        return kernel
+    branch_fused.triton_kernel = recorded
+    import h3_core._fp8_triton as fp8_kernels  # loaded on first use: record the quantisers before that
+    for name in ("quantize_rows_triton", "swiglu_quantize_triton"):
+        def counted(*a, _name=name, _kernel=getattr(fp8_kernels, name), **k):
+            used.add(_name)
+            return _kernel(*a, **k)
+        setattr(fp8_kernels, name, counted)
+
+    fp8, groups = {fp8}, {groups}
+    m, args, ctx = fp32_case(True, fp8)
+    apply_low_memory(m, LowMemory(head_groups=groups))
+    with torch.no_grad():
+        plain = m(*args, hybrid=ctx)
+        block_fused.fuse_blocks(m, "compiled")
+        fused = m(*args, hybrid=ctx)
+    quantisers = {{"quantize_rows_triton", "swiglu_quantize_triton"}} if fp8 else set()
+    assert used == {{"qk_norm_rope", "conv_features", "readout", "scan", "gather"}} | quantisers, used
+    for a, b in zip(fused, plain):
+        if fp8:  # the interpreter's e4m3 cast is not the GPU's: the codes differ, not the computation
+            assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.99
+        else:
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), float((a - b).abs().max() / b.abs().max())
+    print("OK")
+    """
+)
+
+
+@pytest.mark.parametrize("fp8, groups", [(False, 1), (False, 3), (True, 1)])
+def test_the_fused_model_runs_its_triton_kernels_and_equals_the_plain_model(fp8, groups):
+    assert run_interpreted(CHECK.format(fp8=fp8, groups=groups)).split()[-1] == "OK"
