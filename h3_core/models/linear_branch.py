@@ -162,8 +162,9 @@ def gather_plan(alpha, bounds, frames: int, dtype: torch.dtype):
     suffix frame hi + 1 (``[F]`` long, −1 where the seed stands in) and the decay products bridging them to
     t, ``[F, H, d]`` each (module docstring); bounds are unclamped."""
     device = alpha.device
-    lo = torch.tensor([b[0] for b in bounds], device=device)
-    hi = torch.tensor([b[1] for b in bounds], device=device)
+    # built on the host and copied without waiting: a plain host-to-device copy would wait for the GPU's queue
+    lo = torch.tensor([b[0] for b in bounds]).to(device, non_blocking=True)
+    hi = torch.tensor([b[1] for b in bounds]).to(device, non_blocking=True)
     t = torch.arange(frames, device=device)
     log_alpha = torch.log(alpha.to(dtype).clamp(min=1e-12))
     prefix = torch.cat([torch.zeros_like(log_alpha[:1]), log_alpha.cumsum(0)])  # [F + 1, H, d]
