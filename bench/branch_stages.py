@@ -103,6 +103,10 @@ def main(argv=None) -> dict:
                 ms[name] = time_it(lambda: candidate_kernels.spatial_conv_rows(dense_k, weights[0], grid, block_c, warps))
                 diff[name + " vs cuDNN"] = max_diff(
                     candidate_kernels.spatial_conv_rows(dense_k, weights[0], grid, block_c, warps), spatial)
+            # in place from the stacked projection's strided slice, where cuDNN copies it first
+            name = "spatial conv walking the rows of the projection's slice (Triton candidate, 32 channels, 4 warps)"
+            ms[name] = time_it(lambda: candidate_kernels.spatial_conv_rows(k_strided, weights[0], grid))
+            diff[name + " vs cuDNN"] = max_diff(candidate_kernels.spatial_conv_rows(k_strided, weights[0], grid), spatial)
         for mode in modes:
             ms[f"temporal + SiLU + L2 ({mode})"] = time_it(
                 lambda: branch_fused.run(mode, "conv_features", spatial, weights[1], H, True))
