@@ -6,8 +6,6 @@ from triton_interpreter import run_interpreted
 
 CHECK = textwrap.dedent(
     """
-    import sys
-    sys.path.insert(0, "bench")
     import torch
     from candidate_kernels import spatial_conv_rows
     from h3_core.models.branch_fused import spatial_conv
@@ -33,8 +31,6 @@ def test_candidate_spatial_conv_under_interpreter_matches_the_library_form():
 
 NORM_CHECK = textwrap.dedent(
     """
-    import sys
-    sys.path.insert(0, "bench")
     import torch
     from candidate_kernels import norm_modulate_quantize
     from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
@@ -62,8 +58,6 @@ def test_candidate_norm_modulate_quantiser_under_interpreter_matches_the_two_ste
 
 GATE_CHECK = textwrap.dedent(
     """
-    import sys
-    sys.path.insert(0, "bench")
     import torch
     from candidate_kernels import gate_heads_quantize
     from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
@@ -90,8 +84,6 @@ def test_candidate_gate_quantiser_under_interpreter_matches_the_two_step_path():
 
 CHUNKED_CHECK = textwrap.dedent(
     """
-    import sys
-    sys.path.insert(0, "bench")
     import torch
     from candidate_kernels import quantize_rows_chunked
     from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference

@@ -7,8 +7,6 @@ from triton_interpreter import run_interpreted
 
 CHECK = textwrap.dedent(
     """
-    import sys
-    sys.path.insert(0, "bench")
     import kernel_launches
 
     result = kernel_launches.main(["--tiny", "--reps", "1"])
