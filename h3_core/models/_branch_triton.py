@@ -2,9 +2,8 @@
 
 ``conv_features``: each program takes a tile of tokens × one head's channels through the frames, sums the
 temporal taps over the frames around each one (with the model's five taps, held as it goes: each input read
-once), applies SiLU, the L2 norm and √β, and writes the tile head-major. Loads and
-stores are rows of ``d`` contiguous channels in both layouts, where the compiled form scatters its head-major
-writes. The arithmetic is the written function's: fp32 sums over the taps in order, one rounding.
+once), applies SiLU, the L2 norm and √β, and writes the tile head-major. Loads and stores are rows of ``d``
+contiguous channels in both layouts, where the compiled form scatters its head-major writes. The arithmetic is the written function's: fp32 sums over the taps in order, one rounding.
 
 ``readout``: each program takes a tile of tokens × one head straight from the projection's q slice, forms
 q̃ = L2(SiLU(q)), multiplies it by the frame's state on the tensor cores, and applies the RMSNorm and the
@@ -41,6 +40,21 @@ def _head_tile(head, block, n_tokens, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
+def _finish_features(acc, beta, dst, frame, head, tokens, cols, token_ok, mask, n_tokens, heads, head_dim, eps,
+                     NORMALIZE: tl.constexpr, HAS_BETA: tl.constexpr):
+    """SiLU of the summed taps ``acc``, the L2 norm over the head's channels, √β, and the tile written
+    head-major into ``dst`` ``[F, heads, S, d]``."""
+    z = acc * tl.sigmoid(acc)
+    if NORMALIZE:
+        z = z / tl.maximum(tl.sqrt(tl.sum(z * z, axis=1)), eps)[:, None]
+    if HAS_BETA:
+        b = tl.load(beta + (frame * n_tokens + tokens) * heads + head, mask=token_ok, other=0.0).to(tl.float32)
+        z = z * tl.sqrt(b)[:, None]
+    out = dst + ((frame * heads + head) * n_tokens + tokens)[:, None] * head_dim + cols[None, :]
+    tl.store(out, z.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _conv_features_kernel(src, taps, beta, dst, n_frames, n_tokens, heads, head_dim, eps,
                           N_TAPS: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BETA: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -57,15 +71,8 @@ def _conv_features_kernel(src, taps, beta, dst, n_frames, n_tokens, heads, head_
                     other=0.0).to(tl.float32)
         w = tl.load(taps + channels * N_TAPS + j, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc + x * w[None, :]
-    z = acc * tl.sigmoid(acc)
-    if NORMALIZE:
-        norm = tl.sqrt(tl.sum(z * z, axis=1))
-        z = z / tl.maximum(norm, eps)[:, None]
-    if HAS_BETA:
-        b = tl.load(beta + (frame * n_tokens + tokens) * heads + head, mask=token_ok, other=0.0).to(tl.float32)
-        z = z * tl.sqrt(b)[:, None]
-    out = dst + ((frame * heads + head) * n_tokens + tokens)[:, None] * head_dim + cols[None, :]
-    tl.store(out, z.to(dst.dtype.element_ty), mask=mask)
+    _finish_features(acc, beta, dst, frame, head, tokens, cols, token_ok, mask, n_tokens, heads, head_dim, eps,
+                     NORMALIZE, HAS_BETA)
 
 
 @triton.jit
@@ -97,14 +104,8 @@ def _conv_features_rolling_kernel(src, taps, beta, dst, n_frames, n_tokens, head
         acc = acc + x2 * w2
         acc = acc + x3 * w3
         acc = acc + x4 * w4
-        z = acc * tl.sigmoid(acc)
-        if NORMALIZE:
-            z = z / tl.maximum(tl.sqrt(tl.sum(z * z, axis=1)), eps)[:, None]
-        if HAS_BETA:
-            b = tl.load(beta + (frame * n_tokens + tokens) * heads + head, mask=token_ok, other=0.0).to(tl.float32)
-            z = z * tl.sqrt(b)[:, None]
-        out = dst + ((frame * heads + head) * n_tokens + tokens)[:, None] * HEAD_DIM + cols[None, :]
-        tl.store(out, z.to(dst.dtype.element_ty), mask=mask)
+        _finish_features(acc, beta, dst, frame, head, tokens, cols, token_ok, mask, n_tokens, heads, HEAD_DIM, eps,
+                         NORMALIZE, HAS_BETA)
         x0, x1, x2, x3 = x1, x2, x3, x4
 
 
