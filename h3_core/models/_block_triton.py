@@ -30,38 +30,19 @@ def _rotation(weight, cos, sin, rows, cols, row_ok, n_rot):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(src, dst, weight, cos, sin, n_rows, head_dim, n_rot, s_row, s_head, eps,
-                         ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    head = tl.program_id(1).to(tl.int64)
+def _qk_norm_rope_kernel(src, dst, weight, cos, sin, n_rows, heads, heads_per_program, n_rot, s_row, s_head, eps,
+                         HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    # a tile of rows through ``heads_per_program`` heads: its cos, sin and weights are read once for them all
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < n_rows
-    mask = row_ok[:, None] & (cols < head_dim)[None, :]
-    base = src + rows[:, None] * s_row + head * s_head
-    x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=1) / head_dim + eps)[:, None]
-    w = tl.load(weight + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
-    h = x * inv * w[None, :]
-    if ROTATE:
-        partner, sign, pmask, wp, c, s = _rotation(weight, cos, sin, rows, cols, row_ok, n_rot)
-        xp = tl.load(base + partner[None, :], mask=pmask, other=0.0).to(tl.float32)
-        h = h * c + sign[None, :] * (xp * inv * wp[None, :]) * s
-    out = dst + rows[:, None] * (tl.num_programs(1) * head_dim) + head * head_dim + cols[None, :]
-    tl.store(out, h.to(dst.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _qk_norm_rope_rows_kernel(src, dst, weight, cos, sin, n_rows, heads, n_rot, s_row, s_head, eps,
-                              HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, BLOCK_T: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    first = tl.program_id(1) * heads_per_program
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < n_rows
     mask = row_ok[:, None] & (cols < HEAD_DIM)[None, :]
     w = tl.load(weight + cols, mask=cols < HEAD_DIM, other=0.0).to(tl.float32)
     if ROTATE:
         partner, sign, pmask, wp, c, s = _rotation(weight, cos, sin, rows, cols, row_ok, n_rot)
-    for head in range(heads):
+    for head in range(first, tl.minimum(first + heads_per_program, heads)):
         base = src + rows[:, None] * s_row + head * s_head
         x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
@@ -90,15 +71,11 @@ def qk_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor
     # tiles of 2,048 elements per head, or of 1,024 through every head (the faster launches on an H200,
     # bench/results/kernel_launches.json)
     block_t = block_t or max(1, (2048 if per_head else 1024) // block_d)
-    if not rows:
+    if not out.numel():
         return out
-    args = (x, out, weight, cos if rotate else x, sin if rotate else x, rows)
-    if per_head:
-        _qk_norm_rope_kernel[(triton.cdiv(rows, block_t), heads)](
-            *args, head_dim, n_rot, x.stride(0), x.stride(1), eps, ROTATE=rotate, BLOCK_T=block_t,
-            BLOCK_D=block_d, num_warps=warps)
-    else:
-        _qk_norm_rope_rows_kernel[(triton.cdiv(rows, block_t),)](
-            *args, heads, n_rot, x.stride(0), x.stride(1), eps, HEAD_DIM=head_dim, ROTATE=rotate,
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+    heads_per_program = 1 if per_head else heads
+    _qk_norm_rope_kernel[(triton.cdiv(rows, block_t), triton.cdiv(heads, heads_per_program))](
+        x, out, weight, cos if rotate else x, sin if rotate else x, rows, heads, heads_per_program, n_rot,
+        x.stride(0), x.stride(1), eps, HEAD_DIM=head_dim, ROTATE=rotate, BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=warps)
     return out
