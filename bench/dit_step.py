@@ -114,11 +114,12 @@ def profile(model, inputs, ctx, cuda: bool) -> dict:
 
     clock = dit_block.SectionClock(cuda)
     dit_block.time_linears(clock, model.blocks)
-    for block in model.blocks:
-        if hasattr(block.attn, "linear_attention"):
-            clock.module("linear branch", block.attn.linear_attention)
+    branches = [block.attn.linear_attention for block in model.blocks if hasattr(block.attn, "linear_attention")]
+    for branch in branches:
+        clock.module("linear branch", branch)
+    if branches:
+        clock.function("linear branch", type(branches[0]), "text_state")
     dit_block.time_modulation(clock, model.blocks)
-    clock.function("linear branch", type(model.blocks[0].attn.linear_attention), "text_state")
     clock.function("attention kernel", hybrid_module, "window_softmax")
     clock.function("attention kernel", dit_module, "dense_attention")
     clock.module("whole evaluation", model)
