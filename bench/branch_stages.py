@@ -2,8 +2,7 @@
 of 128, bf16), the plain forms next to candidate faster ones, each timed (median of ``--reps`` CUDA-event
 timings after a warm-up) and checked against the plain form.
 
-Stages: features (spatial 5×5 through cuDNN, on a dense tensor and on the projection's slice, and a Triton
-candidate walking each frame's rows; then the temporal 5-tap depthwise conv, SiLU, L2), frame statistics
+Stages: features (spatial 5×5 through cuDNN, on a dense tensor and on the projection's slice; then the temporal 5-tap depthwise conv, SiLU, L2), frame statistics
 (fp32, TF32, the Gram products of √β-scaled half-precision features with fp32 sums), the solve (the
 library's inverse by halves at several block sizes, the Cholesky form it replaced, an explicit inverse,
 ``cholesky_inverse``), the scans (per frame, and the library's one Triton kernel at several tile sizes),
@@ -94,19 +93,6 @@ def main(argv=None) -> dict:
         ms["spatial conv of the projection's slice (cuDNN, after a dense copy)"] = time_it(
             lambda: branch_fused.spatial_conv(k_strided, weights[0], grid))
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
-        if "compiled" in modes:
-            import candidate_kernels
-
-            dense_k = k.view(frames, S, C)
-            for block_c, warps in ((32, 4), (64, 8), (16, 4), (32, 8)):
-                name = f"spatial conv walking the rows (Triton candidate, {block_c} channels, {warps} warps)"
-                ms[name] = time_it(lambda: candidate_kernels.spatial_conv_rows(dense_k, weights[0], grid, block_c, warps))
-                diff[name + " vs cuDNN"] = max_diff(
-                    candidate_kernels.spatial_conv_rows(dense_k, weights[0], grid, block_c, warps), spatial)
-            # in place from the stacked projection's strided slice, where cuDNN copies it first
-            name = "spatial conv walking the rows of the projection's slice (Triton candidate, 32 channels, 4 warps)"
-            ms[name] = time_it(lambda: candidate_kernels.spatial_conv_rows(k_strided, weights[0], grid))
-            diff[name + " vs cuDNN"] = max_diff(candidate_kernels.spatial_conv_rows(k_strided, weights[0], grid), spatial)
         for mode in modes:
             ms[f"temporal + SiLU + L2 ({mode})"] = time_it(
                 lambda: branch_fused.run(mode, "conv_features", spatial, weights[1], H, True))

@@ -1,10 +1,11 @@
 """The fp8 path's per-element stages at the release length (T = 104,266 rows), each timed (median of ``--reps``
-CUDA-event timings after a warm-up) beside its alternatives and checked against the eager reference: the row
-quantiser (eager, Triton, and a chunked candidate) at the widths of the block's linear inputs; the FFN's
-input — norm, modulation and ``fc1``'s quantisation — and ``out_proj``'s — the softmax gate and the
-quantisation — each in two passes and as a candidate single pass (``candidate_kernels.py``); the FFN's SiLU·up
-and the quantisation of ``fc2``'s input, two passes as before and the library's single pass
-(``block_fused.swiglu_quantized``). ``--tiny`` runs the eager forms on a few rows on the CPU.
+CUDA-event timings after a warm-up) beside the two-step form it replaces and checked against it: the row
+quantiser (eager and the library's Triton pass) at the widths of the block's linear inputs; the FFN's input
+— norm, modulation and ``fc1``'s quantisation — and ``out_proj``'s — the softmax gate and the quantisation
+— each in two passes and as the library's single pass (``block_fused.norm_modulate_quantized``,
+``block_fused.gate_heads_input``); the FFN's SiLU·up and the quantisation of ``fc2``'s input, two passes
+as before and the library's single pass (``block_fused.swiglu_quantized``). ``--tiny`` runs the eager forms
+on a few rows on the CPU.
 
     python3 bench/fp8_stages.py --out results.json
 """
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
-from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows, quantize_rows_reference  # noqa: E402
+from h3_core.fp8_linear import quantize_rows, quantize_rows_reference  # noqa: E402
 from h3_core.models import block_fused  # noqa: E402
 
 WIDTHS = {"qkv / fc1 input": 5376, "out_proj / to_out_linear input": 7168, "fc2 input": 14336}
@@ -39,62 +40,45 @@ def main(argv=None) -> dict:
         return float((a.view(torch.uint8) == b.view(torch.uint8)).float().mean())
 
     g = torch.Generator().manual_seed(0)
-    if cuda:
-        import candidate_kernels
+    mode = "compiled" if cuda else "eager"
     with torch.no_grad():
         for name, width in widths.items():
             x = torch.randn(rows, width, generator=g).to(device, torch.bfloat16)
             ms[f"quantise {name} [{rows}, {width}] (eager)"] = time_it(lambda: quantize_rows_reference(x))
             ms[f"quantise {name} [{rows}, {width}] (library)"] = time_it(lambda: quantize_rows(x))
             equal[f"quantise {name}: library vs eager"] = same_codes(quantize_rows(x)[0], quantize_rows_reference(x)[0])
-            if cuda:
-                for block_k, warps in ((512, 4), (1024, 4), (2048, 8)):
-                    chunked = lambda: candidate_kernels.quantize_rows_chunked(  # noqa: E731
-                        x, _SMALLEST_SCALE, block_k=block_k, warps=warps)
-                    ms[f"quantise {name} (chunked candidate, {block_k} × {warps} warps)"] = time_it(chunked)
-                    equal[f"quantise {name}: chunked {block_k} vs library"] = same_codes(chunked()[0], quantize_rows(x)[0])
-        # the FFN's input: the second norm and modulation, then fc1's quantisation (two passes, or a candidate one)
+        # the FFN's input: the second norm and modulation, then fc1's quantisation
         hidden = widths["qkv / fc1 input"]
         x = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
         weight = torch.randn(hidden, generator=g).to(device, torch.bfloat16)
         shift, scale = (torch.randn(6, hidden, generator=g).to(device, torch.bfloat16) for _ in range(2))
         table_rows = torch.randint(0, 6, (rows,), generator=g).to(device)
-        mode = "compiled" if cuda else "eager"
         norm_args = (x, weight, shift, scale, table_rows, 1e-6)
         norm_two = lambda: quantize_rows(block_fused.run(mode, "norm_modulate", *norm_args))  # noqa: E731
+        norm_one = lambda: block_fused.norm_modulate_quantized(mode, *norm_args)  # noqa: E731
         ms["norm + modulation then quantise (two passes)"] = time_it(norm_two)
-        if cuda:
-            norm_one = lambda: candidate_kernels.norm_modulate_quantize(*norm_args, _SMALLEST_SCALE)  # noqa: E731
-            ms["norm + modulation and quantise in one pass (candidate)"] = time_it(norm_one)
-            equal["norm + modulation + quantise: candidate vs two passes"] = same_codes(norm_one()[0], norm_two()[0])
+        ms["norm + modulation and quantise in one pass (library)"] = time_it(norm_one)
+        equal["norm + modulation + quantise: one pass vs two"] = same_codes(norm_one().codes, norm_two()[0])
         # out_proj's input: the window softmax's output times its per-head gate, then quantised
         heads = 56
         soft = torch.randn(rows, heads, widths["out_proj / to_out_linear input"] // heads, generator=g)
         soft = soft.to(device, torch.bfloat16)
         gate = torch.rand(rows, heads, generator=g).to(device, torch.bfloat16)
-        gated = lambda: block_fused.run(mode, "gate_heads_", soft.clone(), gate)  # noqa: E731
-        gate_two = lambda: quantize_rows(gated().view(rows, -1))  # noqa: E731
+        gate_two = lambda: quantize_rows(block_fused.run(mode, "gate_heads_", soft.clone(), gate).view(rows, -1))  # noqa: E731
+        # the eager form gates in place, as the two-step path: give it a copy
+        gate_one = lambda: block_fused.gate_heads_input(mode, soft if cuda else soft.clone(), gate, True)  # noqa: E731
         ms["copy of the softmax output (inside the two-pass timing)"] = time_it(lambda: soft.clone())
         ms["softmax gate then quantise (two passes)"] = time_it(gate_two)
-        if cuda:
-            gate_one = lambda: candidate_kernels.gate_heads_quantize(soft, gate, _SMALLEST_SCALE)  # noqa: E731
-            ms["softmax gate and quantise in one pass (candidate)"] = time_it(gate_one)
-            equal["softmax gate + quantise: candidate vs two passes"] = same_codes(gate_one()[0], gate_two()[0])
+        ms["softmax gate and quantise in one pass (library)"] = time_it(gate_one)
+        equal["softmax gate + quantise: one pass vs two"] = same_codes(gate_one().codes, gate_two()[0])
         ffn = widths["fc2 input"]
         gate_up = torch.randn(rows, 2 * ffn, generator=g).to(device, torch.bfloat16)
         two_pass = lambda: quantize_rows(block_fused.run(mode, "swiglu_", gate_up.clone()))  # noqa: E731
         ms["copy of fc1's output (inside the two-pass timing)"] = time_it(lambda: gate_up.clone())
         ms["SiLU·up then quantise (two passes, as before)"] = time_it(two_pass)
-        # the eager form writes the product into fc1's output, as the two-pass path: give it a copy
         one_pass = lambda: block_fused.swiglu_quantized(mode, gate_up if cuda else gate_up.clone())  # noqa: E731
         ms["SiLU·up and quantise in one pass (library)"] = time_it(one_pass)
         equal["SiLU·up + quantise: one pass vs two"] = same_codes(one_pass().codes, two_pass()[0])
-        if cuda:
-            for block_k, warps in ((2048, 8), (4096, 16)):
-                chunked = lambda: candidate_kernels.swiglu_quantize_chunked(  # noqa: E731
-                    gate_up, _SMALLEST_SCALE, block_k=block_k, warps=warps)
-                ms[f"SiLU·up and quantise, chunked ({block_k} × {warps} warps, candidate)"] = time_it(chunked)
-                equal[f"SiLU·up + quantise: chunked {block_k} vs one pass"] = same_codes(chunked()[0], one_pass().codes)
     return record.finish(result, args.out, cuda)
 
 

@@ -21,7 +21,8 @@ import record  # noqa: E402
 from h3_core.attention.layout import window_bounds  # noqa: E402
 from h3_core.fp8_linear import _SMALLEST_SCALE  # noqa: E402
 from h3_core.models import _block_triton, _branch_triton  # noqa: E402
-from h3_core._fp8_triton import quantize_rows_triton, swiglu_quantize_triton  # noqa: E402
+from h3_core._fp8_triton import (  # noqa: E402
+    gate_heads_quantize_triton, norm_modulate_quantize_triton, quantize_rows_triton, swiglu_quantize_triton)
 
 # rows, heads, head size, hidden and FFN widths; the branch's frames (all but the two anchors) and their tokens
 RELEASE = dict(rows=104266, heads=56, head_dim=128, hidden=5376, ffn=14336, frames=100, tokens=1008)
@@ -88,12 +89,8 @@ def main(argv=None) -> dict:
         norm_weight, logits = randn(HEAD_DIM), randn(FRAMES * TOKENS, HEADS * HEAD_DIM)
         readout = lambda **kw: _branch_triton.readout_triton(q_raw, state, norm_weight, logits, **kw)  # noqa: E731
         variants("readout", readout, {
-            "state rounded once before": lambda: readout(state_in_rows_dtype=True),
-            "state rows transposed on chip": lambda: readout(row_load=True),
-            "both": lambda: readout(state_in_rows_dtype=True, row_load=True),
-            **{f"both, {s} tokens, {w} warps": (lambda s=s, w=w: readout(block_s=s, warps=w, state_in_rows_dtype=True,
-                                                                           row_load=True))
-               for s, w in ((128, 8), (256, 8))}})
+            f"{s} tokens, {w} warps": (lambda s=s, w=w: readout(block_s=s, warps=w))
+            for s, w in ((32, 4), (64, 8), (128, 8))})
         del q_raw, logits
 
         # the scans and the gather on fp32 states
@@ -110,11 +107,25 @@ def main(argv=None) -> dict:
             for v, w in ((16, 4), (32, 4), (16, 8), (64, 8))})
         del T, J
 
-        # the row quantiser at the hidden width, and the FFN's SiLU·up + quantisation
+        # the row quantisers: plain rows at the hidden width, the FFN's input normed and modulated, out_proj's
+        # input gated per head
         x = randn(ROWS, HIDDEN)
+        chunks = ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8))
         variants("quantise rows (5,376)", lambda: quantize_rows_triton(x, _SMALLEST_SCALE), {
-            f"{w} warps": (lambda w=w: quantize_rows_triton(x, _SMALLEST_SCALE, warps=w)) for w in (4, 16, 32)})
+            f"{k} × {w} warps": (lambda k=k, w=w: quantize_rows_triton(x, _SMALLEST_SCALE, block_k=k, warps=w))
+            for k, w in chunks})
+        weight, shift, scale = randn(HIDDEN), randn(6, HIDDEN), randn(6, HIDDEN)
+        table_rows = torch.randint(0, 6, (ROWS,), generator=g).to(device)
+        norm = lambda **kw: norm_modulate_quantize_triton(  # noqa: E731
+            x, weight, shift, scale, table_rows, 1e-6, _SMALLEST_SCALE, **kw)
+        variants("norm + modulation + quantise (5,376)", norm, {
+            f"{k} × {w} warps": (lambda k=k, w=w: norm(block_k=k, warps=w)) for k, w in chunks})
         del x
+        soft, gate = randn(ROWS, HEADS, HEAD_DIM), randn(ROWS, HEADS)
+        gated = lambda **kw: gate_heads_quantize_triton(soft, gate, _SMALLEST_SCALE, **kw)  # noqa: E731
+        variants("softmax gate + quantise (7,168)", gated, {
+            f"{k} × {w} warps": (lambda k=k, w=w: gated(block_k=k, warps=w)) for k, w in chunks})
+        del soft
         gate_up = randn(ROWS, 2 * FFN)
         variants("SiLU·up + quantise", lambda: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE), {
             f"{w} warps": (lambda w=w: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE, warps=w)) for w in (8, 16)})

@@ -23,7 +23,7 @@ from ..triton_forms import runs_here, triton_form
 from . import branch_fused
 
 __all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized",
-           "row_index", "run", "fuse_blocks"]
+           "norm_modulate_quantized", "gate_heads_input", "row_index", "run", "fuse_blocks"]
 
 
 def row_index(runs, device) -> torch.Tensor:
@@ -81,13 +81,43 @@ def swiglu_quantized(mode: str, gate_up: torch.Tensor) -> QuantizedRows:
     """An fp8 ``fc2``'s input from ``fc1``'s output ``[T, 2·ffn]``: ``quantize_input(swiglu_(gate_up))``, run
     as ``mode`` says — on CUDA in ``"compiled"`` mode as one Triton pass per row
     (``_fp8_triton.swiglu_quantize_triton``, the same codes) that never stores the product nor reads it back."""
-    if (mode == "compiled" and runs_here(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1
-            and gate_up.dtype in _COMPUTE_DTYPES):
-        kernel = triton_form("h3_core._fp8_triton", "swiglu_quantize_triton")
-        if kernel is not None:
-            codes, scale = kernel(gate_up, _SMALLEST_SCALE)
-            return QuantizedRows(codes, scale, (gate_up.shape[0],))
+    kernel = _quantiser(mode, gate_up, "swiglu_quantize_triton")
+    if kernel is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        codes, scale = kernel(gate_up, _SMALLEST_SCALE)
+        return QuantizedRows(codes, scale, (gate_up.shape[0],))
     return quantize_input(run(mode, "swiglu_", gate_up))
+
+
+def _quantiser(mode: str, rows: torch.Tensor, name: str):
+    """The Triton quantiser ``name`` of ``_fp8_triton`` where ``mode`` runs it (``"compiled"``, CUDA, a half or
+    fp32 dtype); None where the two-step path runs instead."""
+    if mode == "compiled" and runs_here(rows) and rows.dtype in _COMPUTE_DTYPES:
+        return triton_form("h3_core._fp8_triton", name)
+    return None
+
+
+def norm_modulate_quantized(mode: str, x, weight, shift, scale, rows, eps: float) -> QuantizedRows:
+    """An fp8 ``fc1``'s input: ``quantize_input(norm_modulate(...))``, on CUDA in ``"compiled"`` mode one Triton
+    pass per row (``_fp8_triton.norm_modulate_quantize_triton``) that never stores the modulated rows."""
+    kernel = _quantiser(mode, x, "norm_modulate_quantize_triton") if x.dim() == 2 else None
+    if kernel is not None:
+        codes, row_scale = kernel(x, weight, shift, scale, rows, eps, _SMALLEST_SCALE)
+        return QuantizedRows(codes, row_scale, (x.shape[0],))
+    return quantize_input(run(mode, "norm_modulate", x, weight, shift, scale, rows, eps))
+
+
+def gate_heads_input(mode: str | None, soft: torch.Tensor, gate: torch.Tensor, quantized: bool):
+    """``out_proj``'s input ``[T, h·d]`` from the window softmax's output ``soft`` ``[T, h, d]`` and its per-head
+    ``gate`` ``[T, h]``: ``gate_heads_`` (in place), or its rows quantised when ``quantized`` (an fp8
+    ``out_proj``), on CUDA in ``"compiled"`` mode in one Triton pass (``_fp8_triton.gate_heads_quantize_triton``)
+    that never writes the gated rows. ``mode`` None: the plain ops."""
+    T = soft.shape[0]
+    kernel = _quantiser(mode, soft, "gate_heads_quantize_triton") if quantized else None
+    if kernel is not None and soft.stride(-1) == 1 and soft.stride(-2) == soft.shape[-1]:
+        codes, row_scale = kernel(soft, gate, _SMALLEST_SCALE)
+        return QuantizedRows(codes, row_scale, (T,))
+    gated = run(mode, "gate_heads_", soft, gate) if mode else soft.mul_(gate[..., None])
+    return quantize_input(gated.reshape(T, -1)) if quantized else gated.reshape(T, -1)
 
 
 _FUNCTIONS = {"norm_modulate": norm_modulate, "qk_norm_rope": qk_norm_rope, "gated_residual_": gated_residual_,

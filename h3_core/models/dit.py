@@ -196,6 +196,11 @@ class SwiGLU(nn.Module):
         gate, up = self.fc1(x).chunk(2, dim=-1)
         return self.fc2(F.silu(gate, inplace=True).mul_(up))  # in fc1's output: no further [T, ffn] buffers
 
+    def reads_quantized_rows(self) -> bool:
+        """Whether the input may come already quantised (``QuantizedRows``): an fp8 ``fc1`` run whole, not in
+        row chunks."""
+        return isinstance(self.fc1, Fp8Linear) and self.chunk_rows is None
+
     def forward(self, x):
         rows = self.chunk_rows
         if rows is None or rows >= x.shape[0]:
@@ -278,7 +283,11 @@ class Block(nn.Module):
             index, mode = block_fused.row_index(runs, x.device), self.fused
             h = block_fused.run(mode, "norm_modulate", x, self.norm1.weight, shift1, scale1, index, self.norm1.eps)
             x = block_fused.run(mode, "gated_residual_", x, self.attn(h, rope, ctx), gate1, index)
-            h = block_fused.run(mode, "norm_modulate", x, self.norm2.weight, shift2, scale2, index, self.norm2.eps)
+            norm2 = (x, self.norm2.weight, shift2, scale2, index, self.norm2.eps)
+            if self.mlp.reads_quantized_rows():
+                h = block_fused.norm_modulate_quantized(mode, *norm2)
+            else:
+                h = block_fused.run(mode, "norm_modulate", *norm2)
             return block_fused.run(mode, "gated_residual_", x, self.mlp(h), gate2, index)
         x = _gated_add_(self.attn(_modulate_(self.norm1(x), shift1, scale1, runs), rope, ctx), gate1, x, runs)
         return _gated_add_(self.mlp(_modulate_(self.norm2(x), shift2, scale2, runs)), gate2, x, runs)

@@ -67,7 +67,7 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     """The hybrid forward for an attention module holding ``project`` (raw q, k, v of a head range),
     ``normed_rotated`` (q, k normed and rotated), ``out_proj``, ``softmax_gate``, ``to_out_linear``,
     ``linear_attention`` and ``head_groups``. Heads run a group at a time (``low_memory``)."""
-    T, d = x.shape[0], attn.head_dim
+    d = attn.head_dim
     layout, window = ctx.layout, ctx.window
     bounds = window_bounds(layout.num_frames, window.radius, window.chunk)
     (r0, r1), inner = _branch_rows(ctx, bounds)
@@ -78,6 +78,7 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     gate = attn.softmax_gate(x)  # [T, H]
     out = readout_total = None
     source = attn.projection_input(x)
+    quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
     for heads in head_slices(attn.heads, attn.head_groups):
         q_raw, k_raw, v = attn.project(x, heads, source)
         if heads.stop == attn.heads:
@@ -85,12 +86,11 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
         q, k = attn.normed_rotated(q_raw, k_raw, rope)
         soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
         del q, k
-        if attn.fused:
-            soft = block_fused.run(attn.fused, "gate_heads_", soft, gate[:, heads])
-        else:
-            soft.mul_(gate[:, heads, None])
-        out = add_linear_cols(out, attn.out_proj, soft.reshape(T, -1), heads.start * d, heads.stop * d)
+        # an fp8 out_proj in a fused block takes its rows quantised as they are gated
+        attended = block_fused.gate_heads_input(attn.fused, soft, gate[:, heads], quantized)
         del soft
+        out = add_linear_cols(out, attn.out_proj, attended, heads.start * d, heads.stop * d)
+        del attended
         if branch_on:
             seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
             readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)

@@ -1,6 +1,5 @@
-"""The Triton row quantisers (h3_core._fp8_triton) against quantize_rows_reference (after the FFN's product for
-the SwiGLU one), under Triton's CPU
-interpreter. The interpreter's e4m3 cast is not the GPU's, so here the kernel keeps its fp32 quotients and
+"""The Triton row quantisers (h3_core._fp8_triton) against quantize_rows_reference (after the softmax gate, the
+norm and modulation, or the FFN's product for the fused ones), under Triton's CPU interpreter. The interpreter's e4m3 cast is not the GPU's, so here the kernel keeps its fp32 quotients and
 the cast itself is checked on the GPU (tests/gpu/test_fp8_linear_cuda.py)."""
 
 import textwrap
@@ -17,8 +16,9 @@ CHECK = textwrap.dedent(
     wide = (torch.randn(37, 300, generator=g) * torch.logspace(-3, 3, 37)[:, None]).to(torch.bfloat16)
     wide[5] = 0  # a zero row keeps the smallest scale, no NaN
     cases = [wide, wide[:, 7:250], torch.randn(9, 64, generator=g), torch.randn(3, 5, generator=g).half()]
-    for x in cases:
-        quotients, scale = quantize_rows_triton(x, _SMALLEST_SCALE, torch.float32)
+    launches = [(None, None), (32, 1), (64, 2), (512, 4)]  # chunks shorter than, across and beyond a row's end
+    for x, (block_k, warps) in ((x, launch) for x in cases for launch in launches):
+        quotients, scale = quantize_rows_triton(x, _SMALLEST_SCALE, torch.float32, block_k, warps)
         codes, ref_scale = quantize_rows_reference(x)
         assert quotients.shape == x.shape and quotients.is_contiguous() and scale.shape == (x.shape[0], 1)
         assert torch.equal(scale, ref_scale), "scales"
@@ -60,3 +60,60 @@ SWIGLU_CHECK = textwrap.dedent(
 
 def test_triton_swiglu_quantiser_under_interpreter_matches_the_two_step_path():
     assert run_interpreted(SWIGLU_CHECK).split()[-1] == "OK"
+
+
+GATE_CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core._fp8_triton import gate_heads_quantize_triton
+    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models.block_fused import gate_heads_
+
+    g = torch.Generator().manual_seed(4)
+    soft = torch.randn(19, 5, 24, generator=g) * torch.logspace(-2, 2, 19)[:, None, None]
+    gate = torch.rand(19, 7, generator=g)[:, 1:6]  # a head group's columns of the gate: a row stride of 7
+    gate[5] = 0  # a fully closed gate: a zero row keeps the smallest scale
+    codes, ref_scales = quantize_rows_reference(gate_heads_(soft.clone(), gate).reshape(19, -1))
+    for block_k in (None, 16, 64):  # chunks that split heads, and hold several
+        quotients, scales = gate_heads_quantize_triton(soft, gate, _SMALLEST_SCALE, torch.float32, block_k)
+        assert quotients.shape == (19, 120) and scales.shape == (19, 1)
+        assert torch.equal(scales, ref_scales)  # fp32 rows: the same products, the same amax
+        assert torch.equal(quotients, gate_heads_(soft.clone(), gate).reshape(19, -1) / ref_scales)
+        assert scales[5].item() == _SMALLEST_SCALE and not quotients[5].any()
+    print("OK")
+    """
+)
+
+
+def test_triton_gate_quantiser_under_interpreter_matches_the_two_step_path():
+    assert run_interpreted(GATE_CHECK).split()[-1] == "OK"
+
+
+NORM_CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core._fp8_triton import norm_modulate_quantize_triton
+    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models.block_fused import norm_modulate
+
+    # fp32 rows: the interpreter emulates bf16 rounding by truncation, so the bf16 case runs on the GPU only
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(23, 300, generator=g) * torch.logspace(-2, 2, 23)[:, None]
+    weight = torch.randn(300, generator=g)
+    shift, scale = torch.randn(4, 300, generator=g), torch.randn(4, 300, generator=g)
+    rows = torch.randint(0, 4, (23,), generator=g)
+    codes, ref_scales = quantize_rows_reference(norm_modulate(x, weight, shift, scale, rows, 1e-6))
+    for block_k in (None, 64, 512):
+        quotients, scales = norm_modulate_quantize_triton(x, weight, shift, scale, rows, 1e-6, _SMALLEST_SCALE,
+                                                          torch.float32, block_k)
+        assert quotients.shape == (23, 300) and scales.shape == (23, 1)
+        # the row's norm summed in another order: the scales an fp32 rounding or two apart
+        assert ((scales - ref_scales).abs() <= ref_scales * 1e-5).all()
+        assert ((quotients - codes.float()).abs() <= 448 / 16).all()  # within one e4m3 step of the reference
+    print("OK")
+    """
+)
+
+
+def test_triton_norm_modulate_quantiser_under_interpreter_matches_the_two_step_path():
+    assert run_interpreted(NORM_CHECK).split()[-1] == "OK"

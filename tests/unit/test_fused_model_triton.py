@@ -28,7 +28,9 @@ CHECK = textwrap.dedent(
         return kernel
     branch_fused.triton_kernel = recorded
     import h3_core._fp8_triton as fp8_kernels  # loaded on first use: record the quantisers before that
-    for name in ("quantize_rows_triton", "swiglu_quantize_triton"):
+    quantisers = ("quantize_rows_triton", "gate_heads_quantize_triton", "norm_modulate_quantize_triton",
+                  "swiglu_quantize_triton")
+    for name in quantisers:
         def counted(*a, _name=name, _kernel=getattr(fp8_kernels, name), **k):
             used.add(_name)
             return _kernel(*a, **k)
@@ -41,8 +43,7 @@ CHECK = textwrap.dedent(
         plain = m(*args, hybrid=ctx)
         block_fused.fuse_blocks(m, "compiled")
         fused = m(*args, hybrid=ctx)
-    quantisers = {{"quantize_rows_triton", "swiglu_quantize_triton"}} if fp8 else set()
-    assert used == {{"qk_norm_rope", "conv_features", "readout", "scan", "gather"}} | quantisers, used
+    assert used == {{"qk_norm_rope", "conv_features", "readout", "scan", "gather"}} | (set(quantisers) if fp8 else set()), used
     for a, b in zip(fused, plain):
         if fp8:  # the interpreter's e4m3 cast is not the GPU's: the codes differ, not the computation
             assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.99
