@@ -249,18 +249,19 @@ def _gather_kernel(prefix, suffix, seed, before_frame, after_frame, bridge_befor
     after += tl.load(seed_tile, mask=everywhere & (a < 0), other=0.0)
     vector = (frame * heads + head) * D + cols
     state = before * tl.load(bridge_before + vector)[None, :] + after * tl.load(bridge_after + vector)[None, :]
-    tl.store(out + (frame * heads + head) * square + tile, state)
+    tl.store(out + (frame * heads + head) * square + tile, state.to(out.dtype.element_ty))
 
 
 def gather_triton(P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds, seed: torch.Tensor,
-                  block_v: int = 32, warps: int = 8) -> torch.Tensor:
-    """``linear_branch.gather`` for fp32 states ``[F, H, d, d]`` (``d`` a power of two of at least 16)."""
+                  block_v: int = 32, warps: int = 8, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``linear_branch.gather`` for fp32 states ``[F, H, d, d]`` (``d`` a power of two of at least 16), each
+    state rounded once to ``out_dtype`` (default fp32) as it is written."""
     from .linear_branch import gather_plan
 
     frames, heads, d, _ = P.shape
     before, after, bridge_before, bridge_after = gather_plan(alpha, bounds, frames, P.dtype)
     P, Q, seed = P.contiguous(), Q.contiguous(), seed.to(P.dtype).contiguous()
-    out = torch.empty_like(P)
+    out = torch.empty(P.shape, dtype=out_dtype or P.dtype, device=P.device)
     block_v = min(block_v, d)
     if out.numel():
         _gather_kernel[(frames, heads, d // block_v)](P, Q, seed, before, after, bridge_before.contiguous(),

@@ -141,13 +141,16 @@ def scan(mode: str | None, T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor)
 
 
 def gather(mode: str | None, P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds,
-           seed: torch.Tensor) -> torch.Tensor:
-    """Each query frame's state (``linear_branch.gather``), run as ``mode`` says: in ``"compiled"`` mode on
-    CUDA one Triton pass; otherwise the library's form."""
+           seed: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each query frame's state (``linear_branch.gather``) rounded once to ``out_dtype`` (default: the states'),
+    run as ``mode`` says: in ``"compiled"`` mode on CUDA one Triton pass; otherwise the library's form."""
     from . import linear_branch
 
     kernel = _state_kernel("gather", mode, P)
-    return kernel(P, Q, alpha, bounds, seed) if kernel is not None else linear_branch.gather(P, Q, alpha, bounds, seed)
+    if kernel is not None:
+        return kernel(P, Q, alpha, bounds, seed, out_dtype=out_dtype)
+    state = linear_branch.gather(P, Q, alpha, bounds, seed)
+    return state if out_dtype is None else state.to(out_dtype)
 
 
 _FUNCTIONS = {"conv_features": conv_features, "query_features": query_features, "readout_finish": readout_finish,

@@ -292,9 +292,13 @@ class LinearBranch(nn.Module):
         del k, v, beta
         alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=branch_fused.accumulation(x.dtype)), heads)
         T, J = solve(alpha.to(A.dtype), A, B)
+        del A, B  # each [F, h, d, d] fp32: freed as soon as read, so none is held through the readout
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = branch_fused.scan(self.fused, T, J, seed)
-        state = branch_fused.gather(self.fused, P, Q, alpha, bounds, seed)  # [F, h, d_v, d_k]
+        del T, J
+        # [F, h, d_v, d_k]; the fused readout rounds it to the rows' dtype anyway, so it is gathered in it
+        state = branch_fused.gather(self.fused, P, Q, alpha, bounds, seed, q_raw.dtype if self.fused else None)
+        del P, Q
         if self.fused:
             return self._fused_readout(x, q_raw.view(shape), state, channels)
         out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)

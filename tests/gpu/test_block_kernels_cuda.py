@@ -126,3 +126,7 @@ def test_triton_gather_matches_the_fp64_reference():
     got = branch_fused.gather("compiled", P.to(DEV), Q.to(DEV), alpha.to(DEV), bounds, seed.to(DEV))
     want = gather_reference(P, Q, alpha, bounds, seed)
     assert (got.cpu().double() - want).abs().max() <= 1e-5 * want.abs().max()
+    # gathered straight into the rows' dtype, as the fused readout takes it: the fp32 states rounded once
+    rounded = branch_fused.gather("compiled", P.to(DEV), Q.to(DEV), alpha.to(DEV), bounds, seed.to(DEV),
+                                  torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.to(torch.bfloat16))

@@ -118,6 +118,8 @@ GATHER_CHECK = textwrap.dedent(
         got = gather_triton(P, Q, alpha, bounds, seed, block_v=16)
         assert got.shape == want.shape and got.dtype == torch.float32
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (radius, chunk)
+        half = gather_triton(P, Q, alpha, bounds, seed, block_v=16, out_dtype=torch.float16)  # rounded as written
+        assert half.dtype == torch.float16 and torch.equal(half, got.half()), (radius, chunk)
     print("OK")
     """
 )
