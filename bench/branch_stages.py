@@ -92,6 +92,22 @@ def main(argv=None) -> dict:
         k_strided = torch.stack([q, k, v], 1).view(frames, S, 3, C)[:, :, 1]
         ms["spatial conv of the projection's slice (cuDNN, after a dense copy)"] = time_it(
             lambda: branch_fused.spatial_conv(k_strided, weights[0], grid))
+        dense_k = k.view(frames, S, C)
+        with torch.backends.cudnn.flags(enabled=True, benchmark=True):  # cuDNN times its algorithms, keeps the best
+            name = "spatial conv, cuDNN benchmark mode"
+            ms[name] = time_it(lambda: branch_fused.spatial_conv(dense_k, weights[0], grid))
+            diff[name + " vs cuDNN"] = max_diff(branch_fused.spatial_conv(dense_k, weights[0], grid), spatial)
+        with torch.backends.cudnn.flags(enabled=False):  # PyTorch's own depthwise kernel
+            name = "spatial conv without cuDNN"
+            ms[name] = time_it(lambda: branch_fused.spatial_conv(dense_k, weights[0], grid))
+            diff[name + " vs cuDNN"] = max_diff(branch_fused.spatial_conv(dense_k, weights[0], grid), spatial)
+        # channels-first: the grid copied to [F, C, gh, gw] and back around the convolution
+        name = "spatial conv channels-first (layout copies included)"
+        first = lambda: torch.nn.functional.conv2d(  # noqa: E731
+            dense_k.view(frames, *grid, C).permute(0, 3, 1, 2).contiguous(), weights[0].to(dtype), padding=2,
+            groups=C).permute(0, 2, 3, 1).reshape(frames, S, C)
+        ms[name] = time_it(first)
+        diff[name + " vs cuDNN"] = max_diff(first(), spatial)
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
         for mode in modes:
             ms[f"temporal + SiLU + L2 ({mode})"] = time_it(
