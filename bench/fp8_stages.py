@@ -1,9 +1,10 @@
 """The fp8 path's per-element stages at the release length (T = 104,266 rows), each timed (median of ``--reps``
 CUDA-event timings after a warm-up) beside the two-step form it replaces and checked against it: the row
-quantiser (eager and the library's Triton pass) at the widths of the block's linear inputs; the FFN's input
-— norm, modulation and ``fc1``'s quantisation — and ``out_proj``'s — the softmax gate and the quantisation
-— each in two passes and as the library's single pass (``block_fused.norm_modulate_quantized``,
-``block_fused.gate_heads_input``); the FFN's SiLU·up and the quantisation of ``fc2``'s input, two passes
+quantiser (eager and the library's Triton pass) at the widths of the block's linear inputs; the block's
+norms — the attention's input (norm and modulation), the FFN's (the residual, norm, modulation and ``fc1``'s
+quantisation) — as ``torch.compile``'s passes and as the library's single pass (``block_fused.run(...,
+"norm_modulate", ...)``, ``norm_modulate_quantized``, ``residual_norm``); ``out_proj``'s input — the softmax
+gate and the quantisation — in two passes and as the library's single one (``block_fused.gate_heads_input``); the FFN's SiLU·up and the quantisation of ``fc2``'s input, two passes
 as before and the library's single pass (``block_fused.swiglu_quantized``). ``--tiny`` runs the eager forms
 on a few rows on the CPU.
 
@@ -39,6 +40,9 @@ def main(argv=None) -> dict:
     def same_codes(a, b) -> float:
         return float((a.view(torch.uint8) == b.view(torch.uint8)).float().mean())
 
+    def same_values(a, b) -> float:
+        return float((a == b).float().mean())
+
     g = torch.Generator().manual_seed(0)
     mode = "compiled" if cuda else "eager"
     with torch.no_grad():
@@ -47,18 +51,43 @@ def main(argv=None) -> dict:
             ms[f"quantise {name} [{rows}, {width}] (eager)"] = time_it(lambda: quantize_rows_reference(x))
             ms[f"quantise {name} [{rows}, {width}] (library)"] = time_it(lambda: quantize_rows(x))
             equal[f"quantise {name}: library vs eager"] = same_codes(quantize_rows(x)[0], quantize_rows_reference(x)[0])
-        # the FFN's input: the second norm and modulation, then fc1's quantisation
+        # the block's norms: the attention's input (norm + modulation, bf16 rows), the FFN's (the residual after
+        # the attention, then norm + modulation, quantised for an fp8 fc1), each as torch.compile's passes and
+        # as the library's one Triton pass
         hidden = widths["qkv / fc1 input"]
         x = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
+        y = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
         weight = torch.randn(hidden, generator=g).to(device, torch.bfloat16)
-        shift, scale = (torch.randn(6, hidden, generator=g).to(device, torch.bfloat16) for _ in range(2))
+        gate, shift, scale = (torch.randn(6, hidden, generator=g).to(device, torch.bfloat16) for _ in range(3))
         table_rows = torch.randint(0, 6, (rows,), generator=g).to(device)
-        norm_args = (x, weight, shift, scale, table_rows, 1e-6)
-        norm_two = lambda: quantize_rows(block_fused.run(mode, "norm_modulate", *norm_args))  # noqa: E731
-        norm_one = lambda: block_fused.norm_modulate_quantized(mode, *norm_args)  # noqa: E731
+        compiled = torch.compile if cuda else (lambda fn: fn)
+        norm_passes, residual_passes = compiled(block_fused.norm_modulate), compiled(block_fused.gated_residual_)
+        norm = (weight, shift, scale, table_rows, 1e-6)
+        ms["norm + modulation (torch.compile)"] = time_it(lambda: norm_passes(x, *norm))
+        ms["norm + modulation (library)"] = time_it(lambda: block_fused.run(mode, "norm_modulate", x, *norm))
+        equal["norm + modulation: library vs torch.compile (bf16 values)"] = same_values(
+            block_fused.run(mode, "norm_modulate", x, *norm), norm_passes(x, *norm))
+        norm_two = lambda: quantize_rows(norm_passes(x, *norm))  # noqa: E731
+        norm_one = lambda: block_fused.norm_modulate_quantized(mode, x, *norm)  # noqa: E731
         ms["norm + modulation then quantise (two passes)"] = time_it(norm_two)
         ms["norm + modulation and quantise in one pass (library)"] = time_it(norm_one)
         equal["norm + modulation + quantise: one pass vs two"] = same_codes(norm_one().codes, norm_two()[0])
+        ms["copy of the attention's output (inside the residual timings)"] = time_it(lambda: y.clone())
+        for quantized in (False, True):
+            what = "norm + modulation" + (" + quantise" if quantized else "")
+
+            def passes():
+                x1 = residual_passes(x, y.clone(), gate, table_rows)
+                return quantize_rows(norm_passes(x1, *norm))[0] if quantized else norm_passes(x1, *norm)
+
+            def one():
+                h = block_fused.residual_norm(mode, x, y.clone(), gate, table_rows, weight, shift, scale, 1e-6,
+                                              quantized)[1]
+                return h.codes if quantized else h
+
+            ms[f"residual, then {what} ({3 if quantized else 2} passes)"] = time_it(passes)
+            ms[f"residual + {what} in one pass (library)"] = time_it(one)
+            equal[f"residual + {what}: one pass vs the passes"] = (same_codes if quantized else same_values)(one(), passes())
         # out_proj's input: the window softmax's output times its per-head gate, then quantised
         heads = 56
         soft = torch.randn(rows, heads, widths["out_proj / to_out_linear input"] // heads, generator=g)

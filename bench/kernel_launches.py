@@ -21,8 +21,7 @@ import record  # noqa: E402
 from h3_core.attention.layout import window_bounds  # noqa: E402
 from h3_core.fp8_linear import _SMALLEST_SCALE  # noqa: E402
 from h3_core.models import _block_triton, _branch_triton  # noqa: E402
-from h3_core._fp8_triton import (  # noqa: E402
-    gate_heads_quantize_triton, norm_modulate_quantize_triton, quantize_rows_triton, swiglu_quantize_triton)
+from h3_core._fp8_triton import gate_heads_quantize_triton, quantize_rows_triton, swiglu_quantize_triton  # noqa: E402
 
 # rows, heads, head size, hidden and FFN widths; the branch's frames (all but the two anchors) and their tokens
 RELEASE = dict(rows=104266, heads=56, head_dim=128, hidden=5376, ffn=14336, frames=100, tokens=1008)
@@ -116,8 +115,8 @@ def main(argv=None) -> dict:
             for k, w in chunks})
         weight, shift, scale = randn(HIDDEN), randn(6, HIDDEN), randn(6, HIDDEN)
         table_rows = torch.randint(0, 6, (ROWS,), generator=g).to(device)
-        norm = lambda **kw: norm_modulate_quantize_triton(  # noqa: E731
-            x, weight, shift, scale, table_rows, 1e-6, _SMALLEST_SCALE, **kw)
+        norm = lambda **kw: _block_triton.block_norm_triton(  # noqa: E731
+            x, weight, shift, scale, table_rows, 1e-6, smallest=_SMALLEST_SCALE, **kw)
         variants("norm + modulation + quantise (5,376)", norm, {
             f"{k} × {w} warps": (lambda k=k, w=w: norm(block_k=k, warps=w)) for k, w in chunks})
         del x

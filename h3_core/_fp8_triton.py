@@ -4,19 +4,18 @@ reads the row twice and runs its division as a generic (unvectorised) mixed-dtyp
 * ``quantize_rows_triton``: rows as they are;
 * ``gate_heads_quantize_triton``: ``out_proj``'s input, the window softmax's output times its per-head gate,
   never stored gated;
-* ``norm_modulate_quantize_triton``: the FFN's input, the block's RMSNorm and AdaLN modulation, never stored
-  modulated (only ``fc1`` reads it);
 * ``swiglu_quantize_triton``: ``fc2``'s input, SiLU·up straight from ``fc1``'s output, never stored.
 
-The first three read their row in chunks of a power of two columns, again for each pass over it (the amax,
-then the codes; later reads come from cache): holding a row of 5,376 or 7,168 columns padded to 8,192 lanes
-left a third of them idle and took 0.94 / 0.85 ms at 104,266 rows, in chunks 0.58 / 0.73 (H200,
-``bench/fp8_stages.py``). The SwiGLU one holds its row whole, which measured faster there than in chunks.
+The first two (and the block's norms, ``models._block_triton``) read their row in chunks of a power of two
+columns, again for each pass over it (the amax, then the codes; later reads come from cache): holding a row
+of 5,376 or 7,168 columns padded to 8,192 lanes left a third of them idle and took 0.94 / 0.85 ms at 104,266
+rows, in chunks 0.58 / 0.73 (H200, ``bench/fp8_stages.py``). The SwiGLU one holds its row whole, which
+measured faster there than in chunks.
 
 Same numbers as the eager reference: the amax is exact, the scale is ``amax / 448`` and the codes ``x / scale``
 with IEEE-rounded divisions (as torch's CUDA kernels divide), and the cast to e4m3 rounds to nearest even
 (the values never exceed 448 by more than the cast rounds away, so its saturation never acts). A product
-(gate, modulation, SiLU·up) is rounded to the rows' dtype before it is quantised, as the two-step path
+(gate, SiLU·up) is rounded to the rows' dtype before it is quantised, as the two-step path
 stores it. ``codes_dtype=torch.float32`` keeps the quotients before the cast (Triton's CPU interpreter
 emulates the e4m3 cast wrongly, so its tests stop there).
 """
@@ -63,7 +62,7 @@ def _quantize_chunked_kernel(src, gate, codes, scales, n_cols, s_row, s_gate, he
     tl.store(scales + row, scale)
 
 
-def _chunk_launch(cols: int, block_k: int | None, warps: int | None) -> tuple[int, int]:
+def chunk_launch(cols: int, block_k: int | None, warps: int | None) -> tuple[int, int]:
     """Chunk width and warps for rows of ``cols`` columns: the fastest measured at the model's widths (H200,
     104,266 rows: 5,376 → 512 × 4 warps, 7,168 → 1,024 × 4, 14,336 → 2,048 × 8)."""
     auto_k, auto_warps = (512, 4) if cols <= 6144 else (1024, 4) if cols <= 8192 else (2048, 8)
@@ -84,7 +83,7 @@ def quantize_rows_triton(x: torch.Tensor, smallest: float, codes_dtype: torch.dt
     assert x.stride(1) == 1 or cols == 1
     codes, scales = code_buffers(rows, cols, codes_dtype, x.device)
     if rows:
-        block_k, warps = _chunk_launch(cols, block_k, warps)
+        block_k, warps = chunk_launch(cols, block_k, warps)
         _quantize_chunked_kernel[(rows,)](x, x, codes, scales, cols, x.stride(0), 0, 1, smallest, BLOCK_K=block_k,
                                           GATED=False, num_warps=warps)
     return codes, scales
@@ -103,60 +102,9 @@ def gate_heads_quantize_triton(soft: torch.Tensor, gate: torch.Tensor, smallest:
     cols = heads * head_dim
     codes, scales = code_buffers(rows, cols, codes_dtype, soft.device)
     if rows:
-        block_k, warps = _chunk_launch(cols, block_k, warps)
+        block_k, warps = chunk_launch(cols, block_k, warps)
         _quantize_chunked_kernel[(rows,)](soft, gate, codes, scales, cols, soft.stride(0), gate.stride(0), head_dim,
                                           smallest, BLOCK_K=block_k, GATED=True, num_warps=warps)
-    return codes, scales
-
-
-@triton.jit
-def _modulated_chunk(x, weight, shift, scale, row, entry, hidden, inv, start, cols):
-    """Columns ``start + cols`` of the row normed and modulated, rounded to the rows' dtype (fp32), and their mask."""
-    mask = start + cols < hidden
-    v = tl.load(x + row * hidden + start + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(weight + start + cols, mask=mask, other=0.0).to(tl.float32)
-    sh = tl.load(shift + entry * hidden + start + cols, mask=mask, other=0.0).to(tl.float32)
-    sc = tl.load(scale + entry * hidden + start + cols, mask=mask, other=0.0).to(tl.float32)
-    return (v * inv * w * (1 + sc) + sh).to(x.dtype.element_ty).to(tl.float32), mask
-
-
-@triton.jit
-def _norm_modulate_quantize_kernel(x, weight, shift, scale, table_rows, codes, scales, hidden, eps, smallest,
-                                   BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_K)
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for start in range(0, hidden, BLOCK_K):
-        v = tl.load(x + row * hidden + start + cols, mask=start + cols < hidden, other=0.0).to(tl.float32)
-        squares += v * v
-    inv = tl.rsqrt(tl.sum(squares, axis=0) / hidden + eps)
-    entry = tl.load(table_rows + row).to(tl.int64)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for start in range(0, hidden, BLOCK_K):
-        h, mask = _modulated_chunk(x, weight, shift, scale, row, entry, hidden, inv, start, cols)
-        amax = tl.maximum(amax, tl.abs(h))
-    q_scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), smallest)
-    for start in range(0, hidden, BLOCK_K):
-        h, mask = _modulated_chunk(x, weight, shift, scale, row, entry, hidden, inv, start, cols)
-        tl.store(codes + row * hidden + start + cols, tl.div_rn(h, q_scale).to(codes.dtype.element_ty), mask=mask)
-    tl.store(scales + row, q_scale)
-
-
-def norm_modulate_quantize_triton(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                                  table_rows: torch.Tensor, eps: float, smallest: float,
-                                  codes_dtype: torch.dtype = torch.float8_e4m3fn, block_k: int | None = None,
-                                  warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows(block_fused.norm_modulate(x, weight, shift, scale, table_rows, eps))`` without writing the
-    modulated rows: ``x`` ``[T, hidden]``, the tables ``shift`` / ``scale`` ``[R, hidden]``, ``table_rows``
-    ``[T]`` each row's table row. The row's norm is summed in fp32 in another order than torch's reduction,
-    so a code may differ by one e4m3 step where the modulated value sits on a rounding boundary."""
-    rows, hidden = x.shape
-    x, shift, scale = x.contiguous(), shift.contiguous(), scale.contiguous()
-    codes, scales = code_buffers(rows, hidden, codes_dtype, x.device)
-    if rows:
-        block_k, warps = _chunk_launch(hidden, block_k, warps)
-        _norm_modulate_quantize_kernel[(rows,)](x, weight.contiguous(), shift, scale, table_rows.contiguous(), codes,
-                                                scales, hidden, eps, smallest, BLOCK_K=block_k, num_warps=warps)
     return codes, scales
 
 

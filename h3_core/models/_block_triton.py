@@ -1,10 +1,18 @@
-"""``block_fused.qk_norm_rope`` as one Triton pass (see block_fused.py): each tile of rows is read once (its
-rotation partners again, from cache), normed, rotated and written, where the compiled form splits into a
-reduction kernel and a pointwise one that reads the rows again. Each program takes a tile of rows through
-every head, so the rows' cos and sin are read once, not once per head (``per_head=True`` launches a program
-per tile and head instead).
+"""The block's norms as Triton passes (see block_fused.py).
 
-The arithmetic is the written function's: fp32 throughout, one rounding of the result.
+``qk_norm_rope``: each tile of rows is read once (its rotation partners again, from cache), normed, rotated
+and written, where the compiled form splits into a reduction kernel and a pointwise one that reads the rows
+again. Each program takes a tile of rows through every head, so the rows' cos and sin are read once, not
+once per head (``per_head=True`` launches a program per tile and head instead). The arithmetic is the
+written function's: fp32 throughout, one rounding of the result.
+
+``block_norm``: the RMSNorm and AdaLN modulation of the block's rows (``norm_modulate``), one program per
+row reading it in chunks — optionally of the gated residual ``x + gate[row]·y`` formed on the way (and
+written into ``y``'s storage, as ``gated_residual_`` does), optionally quantised per row for an fp8 linear
+(``fp8_linear.quantize_rows``) instead of written. The residual and the modulated values are rounded to the
+rows' dtype where the two-step path stores them; the row's norm is summed in fp32 in another order than
+torch's reduction, so a result may differ from the compiled form's by one rounding where it sits on a
+boundary.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .._fp8_triton import chunk_launch, code_buffers
 
 
 @triton.jit
@@ -79,3 +89,86 @@ def qk_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor
         x.stride(0), x.stride(1), eps, HEAD_DIM=head_dim, ROTATE=rotate, BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=warps)
     return out
+
+
+@triton.jit
+def _row_chunk(x, y, gate, row, entry, hidden, start, cols, RESIDUAL: tl.constexpr):
+    """Columns ``start + cols`` of the row to norm (fp32) and their mask: ``x``'s, or with ``RESIDUAL`` the gated
+    residual ``x + gate[entry] · y`` rounded to the rows' dtype."""
+    mask = start + cols < hidden
+    v = tl.load(x + row * hidden + start + cols, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        b = tl.load(y + row * hidden + start + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate + entry * hidden + start + cols, mask=mask, other=0.0).to(tl.float32)
+        v = (v + b * g).to(x.dtype.element_ty).to(tl.float32)
+    return v, mask
+
+
+@triton.jit
+def _modulate(v, weight, shift, scale, entry, hidden, inv, start, cols, mask, dtype: tl.constexpr):
+    """The chunk normed (``inv`` = the row's 1/RMS) and modulated by its table row, rounded to ``dtype`` (fp32)."""
+    w = tl.load(weight + start + cols, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift + entry * hidden + start + cols, mask=mask, other=0.0).to(tl.float32)
+    sc = tl.load(scale + entry * hidden + start + cols, mask=mask, other=0.0).to(tl.float32)
+    return (v * inv * w * (1 + sc) + sh).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _block_norm_kernel(x, y, gate, weight, shift, scale, table_rows, out, scales, hidden, eps, smallest,
+                       BLOCK_K: tl.constexpr, RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    entry = tl.load(table_rows + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    dtype = x.dtype.element_ty
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_K):
+        v, mask = _row_chunk(x, y, gate, row, entry, hidden, start, cols, RESIDUAL)
+        squares += v * v
+    inv = tl.rsqrt(tl.sum(squares, axis=0) / hidden + eps)
+    q_scale = 1.0
+    if QUANTIZE:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_K):
+            v, mask = _row_chunk(x, y, gate, row, entry, hidden, start, cols, RESIDUAL)
+            amax = tl.maximum(amax, tl.abs(_modulate(v, weight, shift, scale, entry, hidden, inv, start, cols, mask,
+                                                     dtype)))
+        q_scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), smallest)
+        tl.store(scales + row, q_scale)
+    for start in range(0, hidden, BLOCK_K):
+        v, mask = _row_chunk(x, y, gate, row, entry, hidden, start, cols, RESIDUAL)
+        h = _modulate(v, weight, shift, scale, entry, hidden, inv, start, cols, mask, dtype)
+        if RESIDUAL:  # each element of y read above before it is overwritten here
+            tl.store(y + row * hidden + start + cols, v.to(dtype), mask=mask)
+        if QUANTIZE:
+            h = tl.div_rn(h, q_scale)
+        tl.store(out + row * hidden + start + cols, h.to(out.dtype.element_ty), mask=mask)
+
+
+def block_norm_triton(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                      table_rows: torch.Tensor, eps: float, y: torch.Tensor | None = None,
+                      gate: torch.Tensor | None = None, smallest: float | None = None,
+                      codes_dtype: torch.dtype = torch.float8_e4m3fn, block_k: int | None = None,
+                      warps: int | None = None):
+    """``block_fused.norm_modulate(x, weight, shift, scale, table_rows, eps)`` in one pass per row: ``x``
+    ``[T, hidden]``, the tables ``shift`` / ``scale`` ``[R, hidden]``, ``table_rows`` ``[T]`` each
+    row's table row. With ``y`` and ``gate`` (``[T, hidden]`` contiguous, ``[R, hidden]``) the rows normed are
+    ``gated_residual_(x, y, gate, table_rows)``'s, written into ``y``; with ``smallest`` the modulated rows
+    are returned quantised, e4m3 codes ``[T, hidden]`` and fp32 scales ``[T, 1]`` (``codes_dtype=float32``
+    keeps the quotients, for Triton's CPU interpreter), instead of as ``[T, hidden]`` rows in ``x``'s dtype.
+    ``block_k`` and ``warps`` choose the launch."""
+    rows, hidden = x.shape
+    assert y is None or (y.is_contiguous() and y.shape == x.shape and gate is not None)
+    x = x.contiguous()
+    quantize = smallest is not None
+    if quantize:
+        out, scales = code_buffers(rows, hidden, codes_dtype, x.device)
+    else:
+        out = scales = torch.empty_like(x)
+    if rows:
+        block_k, warps = chunk_launch(hidden, block_k, warps)
+        residual = y is not None
+        _block_norm_kernel[(rows,)](
+            x, y if residual else x, gate.contiguous() if residual else x, weight.contiguous(), shift.contiguous(),
+            scale.contiguous(), table_rows.contiguous(), out, scales, hidden, eps, smallest or 0.0, BLOCK_K=block_k,
+            RESIDUAL=residual, QUANTIZE=quantize, num_warps=warps)
+    return (out, scales) if quantize else out

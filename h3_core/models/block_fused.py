@@ -23,7 +23,7 @@ from ..triton_forms import runs_here, triton_form
 from . import branch_fused
 
 __all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized",
-           "norm_modulate_quantized", "gate_heads_input", "row_index", "run", "fuse_blocks"]
+           "norm_modulate_quantized", "residual_norm", "gate_heads_input", "row_index", "run", "fuse_blocks"]
 
 
 def row_index(runs, device) -> torch.Tensor:
@@ -97,13 +97,39 @@ def _quantiser(mode: str, rows: torch.Tensor, name: str):
 
 
 def norm_modulate_quantized(mode: str, x, weight, shift, scale, rows, eps: float) -> QuantizedRows:
-    """An fp8 ``fc1``'s input: ``quantize_input(norm_modulate(...))``, on CUDA in ``"compiled"`` mode one Triton
-    pass per row (``_fp8_triton.norm_modulate_quantize_triton``) that never stores the modulated rows."""
-    kernel = _quantiser(mode, x, "norm_modulate_quantize_triton") if x.dim() == 2 else None
+    """An fp8 linear's input: ``quantize_input(norm_modulate(...))``, on CUDA in ``"compiled"`` mode one Triton
+    pass per row (``_block_triton.block_norm_triton``) that never stores the modulated rows."""
+    kernel = _block_norm(mode, x)
     if kernel is not None:
-        codes, row_scale = kernel(x, weight, shift, scale, rows, eps, _SMALLEST_SCALE)
+        codes, row_scale = kernel(x, weight, shift, scale, rows, eps, smallest=_SMALLEST_SCALE)
         return QuantizedRows(codes, row_scale, (x.shape[0],))
     return quantize_input(run(mode, "norm_modulate", x, weight, shift, scale, rows, eps))
+
+
+def residual_norm(mode: str, x, y, gate, rows, weight, shift, scale, eps: float, quantized: bool):
+    """The block's residual after its attention and the FFN's input from it: ``gated_residual_(x, y, gate,
+    rows)`` — written into ``y``, returned first — and ``norm_modulate`` of it (``weight``, ``shift``,
+    ``scale``, ``eps``), quantised per row when ``quantized`` (an fp8 ``fc1``). On CUDA in ``"compiled"`` mode
+    one Triton pass per row (``_block_triton.block_norm_triton``), where the two steps write the residual and
+    read it back."""
+    kernel = _block_norm(mode, x)
+    if kernel is not None and y.is_contiguous():
+        if quantized:
+            codes, row_scale = kernel(x, weight, shift, scale, rows, eps, y, gate, smallest=_SMALLEST_SCALE)
+            return y, QuantizedRows(codes, row_scale, (x.shape[0],))
+        return y, kernel(x, weight, shift, scale, rows, eps, y, gate)
+    x = run(mode, "gated_residual_", x, y, gate, rows)
+    if quantized:
+        return x, norm_modulate_quantized(mode, x, weight, shift, scale, rows, eps)
+    return x, run(mode, "norm_modulate", x, weight, shift, scale, rows, eps)
+
+
+def _block_norm(mode: str, x: torch.Tensor):
+    """``_block_triton.block_norm_triton`` where ``mode`` runs it on ``x`` (``"compiled"``, CUDA, contiguous
+    half or fp32 rows); None where the steps run as written or compiled."""
+    if mode == "compiled" and runs_here(x) and x.dim() == 2 and x.is_contiguous() and x.dtype in _COMPUTE_DTYPES:
+        return triton_form("h3_core.models._block_triton", "block_norm_triton")
+    return None
 
 
 def gate_heads_input(mode: str | None, soft: torch.Tensor, gate: torch.Tensor, quantized: bool):

@@ -282,12 +282,8 @@ class Block(nn.Module):
         if self.fused:
             index, mode = block_fused.row_index(runs, x.device), self.fused
             h = block_fused.run(mode, "norm_modulate", x, self.norm1.weight, shift1, scale1, index, self.norm1.eps)
-            x = block_fused.run(mode, "gated_residual_", x, self.attn(h, rope, ctx), gate1, index)
-            norm2 = (x, self.norm2.weight, shift2, scale2, index, self.norm2.eps)
-            if self.mlp.reads_quantized_rows():
-                h = block_fused.norm_modulate_quantized(mode, *norm2)
-            else:
-                h = block_fused.run(mode, "norm_modulate", *norm2)
+            x, h = block_fused.residual_norm(mode, x, self.attn(h, rope, ctx), gate1, index, self.norm2.weight,
+                                             shift2, scale2, self.norm2.eps, self.mlp.reads_quantized_rows())
             return block_fused.run(mode, "gated_residual_", x, self.mlp(h), gate2, index)
         x = _gated_add_(self.attn(_modulate_(self.norm1(x), shift1, scale1, runs), rope, ctx), gate1, x, runs)
         return _gated_add_(self.mlp(_modulate_(self.norm2(x), shift2, scale2, runs)), gate2, x, runs)

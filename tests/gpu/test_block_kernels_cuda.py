@@ -39,6 +39,52 @@ def test_triton_qk_norm_rope_matches_the_written_function(dtype, rotary):
             assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-5 * want.abs().max()).all()
 
 
+@pytest.mark.parametrize("hidden, dtype", [(5376, torch.bfloat16), (5376, torch.float16), (40, torch.bfloat16)])
+def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
+    """The block's norm + modulation in one Triton pass, alone (the attention's input) and after the gated
+    residual (the FFN's), written and quantised, against the written functions run as written: the row's
+    norm is summed in another order, so a value on a rounding boundary may round the other way — each result
+    within a step of the rows' dtype, the scales too, at most one code in a thousand one e4m3 step apart."""
+    from h3_core.fp8_linear import quantize_input
+
+    if triton_kernel("norm_modulate") is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(300, hidden, generator=g) * torch.logspace(-3, 3, 300)[:, None]).to(DEV, dtype)
+    y = (torch.randn(300, hidden, generator=g) * 4).to(DEV, dtype)
+    weight = torch.randn(hidden, generator=g).to(DEV, dtype)
+    gate, shift, scale = (torch.randn(6, hidden, generator=g).to(DEV, dtype) for _ in range(3))
+    rows = torch.randint(0, 6, (300,), generator=g).to(DEV)
+    step = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    residual = block_fused.run("eager", "gated_residual_", x, y.clone(), gate, rows)
+
+    def close(got, want):
+        got, want = got.float(), want.float()
+        return ((got - want).abs() <= want.abs() * step + 1e-6 * want.abs().max()).all()
+
+    def close_codes(got, want):
+        assert ((got.scale - want.scale).abs() <= want.scale * step).all()
+        a, b = (r.codes.float() * r.scale for r in (got, want))
+        assert ((a - b).abs() <= b.abs() * 2**-3 + 1e-6 * b.abs().max()).all()
+        assert (got.codes.view(torch.uint8) != want.codes.view(torch.uint8)).float().mean() <= 1e-3
+
+    norm = (weight, shift, scale, rows, 1e-6)
+    assert close(block_fused.run("compiled", "norm_modulate", x, *norm), block_fused.run("eager", "norm_modulate", x, *norm))
+    close_codes(block_fused.norm_modulate_quantized("compiled", x, *norm),
+                quantize_input(block_fused.run("eager", "norm_modulate", x, *norm)))
+    for quantized in (False, True):
+        written = y.clone()
+        got_x, got_h = block_fused.residual_norm("compiled", x, written, gate, rows, weight, shift, scale, 1e-6,
+                                                 quantized)
+        want_x, want_h = block_fused.residual_norm("eager", x, y.clone(), gate, rows, weight, shift, scale, 1e-6,
+                                                   quantized)
+        assert got_x.data_ptr() == written.data_ptr() and close(got_x, residual) and close(want_x, residual)
+        if quantized:
+            close_codes(got_h, want_h)
+        else:
+            assert got_h.shape == (300, hidden) and got_h.dtype == dtype and close(got_h, want_h)
+
+
 @pytest.mark.parametrize("normalize, with_beta", [(True, True), (False, True), (True, False)])
 def test_triton_conv_features_match_the_written_function(normalize, with_beta):
     from h3_core.models import branch_fused

@@ -1,5 +1,6 @@
-"""The Triton q/k norm + RoPE (h3_core.models._block_triton) against block_fused.qk_norm_rope, under Triton's
-CPU interpreter, on a slice of a fused projection (row and head strides of the real one)."""
+"""The block's Triton norms (h3_core.models._block_triton) under Triton's CPU interpreter: q/k norm + RoPE
+against block_fused.qk_norm_rope on a slice of a fused projection (row and head strides of the real one); the
+block norm against norm_modulate, after gated_residual_, and quantised as quantize_rows_reference does."""
 
 import textwrap
 
@@ -34,3 +35,45 @@ CHECK = textwrap.dedent(
 
 def test_triton_qk_norm_rope_under_interpreter_matches_the_written_function():
     assert run_interpreted(CHECK).split()[-1] == "OK"
+
+
+BLOCK_NORM_CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models._block_triton import block_norm_triton
+    from h3_core.models.block_fused import gated_residual_, norm_modulate
+
+    # fp32 rows: the interpreter emulates bf16 rounding by truncation, so the bf16 case runs on the GPU only
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(23, 300, generator=g) * torch.logspace(-2, 2, 23)[:, None]
+    y = torch.randn(23, 300, generator=g)
+    weight, gate = torch.randn(300, generator=g), torch.randn(4, 300, generator=g)
+    shift, scale = torch.randn(4, 300, generator=g), torch.randn(4, 300, generator=g)
+    rows = torch.randint(0, 4, (23,), generator=g)
+    residual = gated_residual_(x, y.clone(), gate, rows)
+    for block_k in (None, 64, 512):  # chunks that split the row, and one holding it whole
+        for with_residual in (False, True):
+            normed = residual if with_residual else x
+            want = norm_modulate(normed, weight, shift, scale, rows, 1e-6)
+            codes, ref_scales = quantize_rows_reference(want)
+            extra = (y.clone(), gate) if with_residual else ()
+            got = block_norm_triton(x, weight, shift, scale, rows, 1e-6, *extra, block_k=block_k)
+            assert got.shape == (23, 300) and got.dtype == x.dtype
+            # the row's norm summed in another order: fp32 roundings apart
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (block_k, with_residual)
+            if with_residual:  # the residual written into y's storage, as gated_residual_ writes it
+                assert (extra[0] - residual).abs().max() <= 1e-6 * residual.abs().max(), block_k
+            extra = (y.clone(), gate) if with_residual else ()
+            quotients, scales = block_norm_triton(x, weight, shift, scale, rows, 1e-6, *extra,
+                                                  smallest=_SMALLEST_SCALE, codes_dtype=torch.float32, block_k=block_k)
+            assert quotients.shape == (23, 300) and scales.shape == (23, 1)
+            assert ((scales - ref_scales).abs() <= ref_scales * 1e-5).all()
+            assert ((quotients - codes.float()).abs() <= 448 / 16).all()  # within one e4m3 step of the reference
+    print("OK")
+    """
+)
+
+
+def test_triton_block_norm_under_interpreter_matches_the_written_functions():
+    assert run_interpreted(BLOCK_NORM_CHECK).split()[-1] == "OK"

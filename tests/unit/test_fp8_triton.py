@@ -1,5 +1,5 @@
-"""The Triton row quantisers (h3_core._fp8_triton) against quantize_rows_reference (after the softmax gate, the
-norm and modulation, or the FFN's product for the fused ones), under Triton's CPU interpreter. The interpreter's e4m3 cast is not the GPU's, so here the kernel keeps its fp32 quotients and
+"""The Triton row quantisers (h3_core._fp8_triton) against quantize_rows_reference (after the softmax gate or the
+FFN's product for the fused ones), under Triton's CPU interpreter. The interpreter's e4m3 cast is not the GPU's, so here the kernel keeps its fp32 quotients and
 the cast itself is checked on the GPU (tests/gpu/test_fp8_linear_cuda.py)."""
 
 import textwrap
@@ -87,33 +87,3 @@ GATE_CHECK = textwrap.dedent(
 
 def test_triton_gate_quantiser_under_interpreter_matches_the_two_step_path():
     assert run_interpreted(GATE_CHECK).split()[-1] == "OK"
-
-
-NORM_CHECK = textwrap.dedent(
-    """
-    import torch
-    from h3_core._fp8_triton import norm_modulate_quantize_triton
-    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
-    from h3_core.models.block_fused import norm_modulate
-
-    # fp32 rows: the interpreter emulates bf16 rounding by truncation, so the bf16 case runs on the GPU only
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(23, 300, generator=g) * torch.logspace(-2, 2, 23)[:, None]
-    weight = torch.randn(300, generator=g)
-    shift, scale = torch.randn(4, 300, generator=g), torch.randn(4, 300, generator=g)
-    rows = torch.randint(0, 4, (23,), generator=g)
-    codes, ref_scales = quantize_rows_reference(norm_modulate(x, weight, shift, scale, rows, 1e-6))
-    for block_k in (None, 64, 512):
-        quotients, scales = norm_modulate_quantize_triton(x, weight, shift, scale, rows, 1e-6, _SMALLEST_SCALE,
-                                                          torch.float32, block_k)
-        assert quotients.shape == (23, 300) and scales.shape == (23, 1)
-        # the row's norm summed in another order: the scales an fp32 rounding or two apart
-        assert ((scales - ref_scales).abs() <= ref_scales * 1e-5).all()
-        assert ((quotients - codes.float()).abs() <= 448 / 16).all()  # within one e4m3 step of the reference
-    print("OK")
-    """
-)
-
-
-def test_triton_norm_modulate_quantiser_under_interpreter_matches_the_two_step_path():
-    assert run_interpreted(NORM_CHECK).split()[-1] == "OK"

@@ -28,13 +28,17 @@ CHECK = textwrap.dedent(
         return kernel
     branch_fused.triton_kernel = recorded
     import h3_core._fp8_triton as fp8_kernels  # loaded on first use: record the quantisers before that
-    quantisers = ("quantize_rows_triton", "gate_heads_quantize_triton", "norm_modulate_quantize_triton",
-                  "swiglu_quantize_triton")
-    for name in quantisers:
-        def counted(*a, _name=name, _kernel=getattr(fp8_kernels, name), **k):
-            used.add(_name)
+    import h3_core.models._block_triton as block_kernels
+    quantisers = ("quantize_rows_triton", "gate_heads_quantize_triton", "swiglu_quantize_triton")
+    def count(module, name, label):
+        def counted(*a, _kernel=getattr(module, name), **k):
+            used.add(label(a))
             return _kernel(*a, **k)
-        setattr(fp8_kernels, name, counted)
+        setattr(module, name, counted)
+    for name in quantisers:
+        count(fp8_kernels, name, lambda a, name=name: name)
+    # the block's norm: the attention input's, and the FFN's after the residual (y and gate given)
+    count(block_kernels, "block_norm_triton", lambda a: "residual + norm" if len(a) > 6 else "norm")
 
     fp8, groups = {fp8}, {groups}
     m, args, ctx = fp32_case(True, fp8)
@@ -43,7 +47,8 @@ CHECK = textwrap.dedent(
         plain = m(*args, hybrid=ctx)
         block_fused.fuse_blocks(m, "compiled")
         fused = m(*args, hybrid=ctx)
-    assert used == {{"qk_norm_rope", "conv_features", "readout", "scan", "gather"}} | (set(quantisers) if fp8 else set()), used
+    kernels = {{"qk_norm_rope", "conv_features", "readout", "scan", "gather", "norm_modulate", "norm", "residual + norm"}}
+    assert used == kernels | (set(quantisers) if fp8 else set()), used
     for a, b in zip(fused, plain):
         if fp8:  # the interpreter's e4m3 cast is not the GPU's: the codes differ, not the computation
             assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.99
