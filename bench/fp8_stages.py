@@ -2,8 +2,8 @@
 CUDA-event timings after a warm-up) beside the two-step form it replaces and checked against it: the row
 quantiser (eager and the library's Triton pass) at the widths of the block's linear inputs; the block's
 norms — the attention's input (norm and modulation), the FFN's (the residual, norm, modulation and ``fc1``'s
-quantisation) — as ``torch.compile``'s passes and as the library's single pass (``block_fused.run(...,
-"norm_modulate", ...)``, ``norm_modulate_quantized``, ``residual_norm``); ``out_proj``'s input — the softmax
+quantisation) — as ``torch.compile``'s passes and as the library's single pass (``norm_modulate_quantized``,
+``residual_norm``; for the attention's input the same kernel as a candidate, ``_block_triton.block_norm_triton``); ``out_proj``'s input — the softmax
 gate and the quantisation — in two passes and as the library's single one (``block_fused.gate_heads_input``); the FFN's SiLU·up and the quantisation of ``fc2``'s input, two passes
 as before and the library's single pass (``block_fused.swiglu_quantized``). ``--tiny`` runs the eager forms
 on a few rows on the CPU.
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
             equal[f"quantise {name}: library vs eager"] = same_codes(quantize_rows(x)[0], quantize_rows_reference(x)[0])
         # the block's norms: the attention's input (norm + modulation, bf16 rows), the FFN's (the residual after
         # the attention, then norm + modulation, quantised for an fp8 fc1), each as torch.compile's passes and
-        # as the library's one Triton pass
+        # as one Triton pass (the library's for the FFN's input, a candidate for the attention's)
         hidden = widths["qkv / fc1 input"]
         x = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
         y = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
@@ -63,10 +63,13 @@ def main(argv=None) -> dict:
         compiled = torch.compile if cuda else (lambda fn: fn)
         norm_passes, residual_passes = compiled(block_fused.norm_modulate), compiled(block_fused.gated_residual_)
         norm = (weight, shift, scale, table_rows, 1e-6)
-        ms["norm + modulation (torch.compile)"] = time_it(lambda: norm_passes(x, *norm))
-        ms["norm + modulation (library)"] = time_it(lambda: block_fused.run(mode, "norm_modulate", x, *norm))
-        equal["norm + modulation: library vs torch.compile (bf16 values)"] = same_values(
-            block_fused.run(mode, "norm_modulate", x, *norm), norm_passes(x, *norm))
+        ms["norm + modulation (library: torch.compile)"] = time_it(lambda: norm_passes(x, *norm))
+        if cuda:
+            from h3_core.models._block_triton import block_norm_triton
+
+            ms["norm + modulation (one Triton pass, candidate)"] = time_it(lambda: block_norm_triton(x, *norm))
+            equal["norm + modulation: Triton vs torch.compile (bf16 values)"] = same_values(
+                block_norm_triton(x, *norm), norm_passes(x, *norm))
         norm_two = lambda: quantize_rows(norm_passes(x, *norm))  # noqa: E731
         norm_one = lambda: block_fused.norm_modulate_quantized(mode, x, *norm)  # noqa: E731
         ms["norm + modulation then quantise (two passes)"] = time_it(norm_two)
