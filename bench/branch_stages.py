@@ -2,13 +2,15 @@
 of 128, bf16), the plain forms next to candidate faster ones, each timed (median of ``--reps`` CUDA-event
 timings after a warm-up) and checked against the plain form.
 
-Stages: features (spatial 5×5 through cuDNN, on a dense tensor and on the projection's slice; then the temporal 5-tap depthwise conv, SiLU, L2), frame statistics
-(fp32, TF32, the Gram products of √β-scaled half-precision features with fp32 sums), the solve (the
-library's inverse by halves at several block sizes, the Cholesky form it replaced, an explicit inverse,
-``cholesky_inverse``), the scans (per frame, and the library's one Triton kernel at several tile sizes),
-the gather (plain, and the fused branch's one Triton pass), the readout (einsum + norm + gate, three passes
-— features, GEMM, finish — or the library's one function: one Triton pass on CUDA); then the whole branch
-plain and fused (``h3_core.models.branch_fused``).
+Stages: features (spatial 5×5 through cuDNN — on a dense tensor and on the projection's slice, in its
+benchmark mode, without cuDNN, channels-first — and a Triton candidate over token tiles; then the temporal
+5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
+half-precision features with fp32 sums), the solve (the library's inverse by halves at several block
+sizes, the Cholesky form it replaced, an explicit inverse, ``cholesky_inverse``), the scans (per frame,
+and the library's one Triton kernel at several tile sizes), the gather (plain, and the fused branch's one
+Triton pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or the library's
+one function: one Triton pass on CUDA); then the whole branch plain and fused
+(``h3_core.models.branch_fused``).
 ``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
@@ -109,6 +111,15 @@ def main(argv=None) -> dict:
         ms[name] = time_it(first)
         diff[name + " vs cuDNN"] = max_diff(first(), spatial)
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
+        if "compiled" in modes:
+            import candidate_kernels
+
+            for block_s, block_c, warps in ((256, 32, 4), (1024, 16, 8), (512, 16, 4), (128, 64, 4), (256, 16, 2)):
+                name = f"spatial conv over token tiles (Triton candidate, {block_s} tokens × {block_c} channels, {warps} warps)"
+                slab = lambda: candidate_kernels.spatial_conv_slab(  # noqa: E731
+                    dense_k, weights[0], grid, block_s, block_c, warps)
+                ms[name] = time_it(slab)
+                diff[name + " vs cuDNN"] = max_diff(slab(), spatial)
         for mode in modes:
             ms[f"temporal + SiLU + L2 ({mode})"] = time_it(
                 lambda: branch_fused.run(mode, "conv_features", spatial, weights[1], H, True))
