@@ -6,11 +6,11 @@ Stages: features (spatial 5×5 through cuDNN — on a dense tensor and on the pr
 benchmark mode, without cuDNN, channels-first — and a Triton candidate over token tiles; then the temporal
 5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
 half-precision features with fp32 sums), the solve (the library's inverse by halves at several block
-sizes, the Cholesky form it replaced, an explicit inverse, ``cholesky_inverse``), the scans (per frame,
-and the library's one Triton kernel at several tile sizes), the gather (plain, and the fused branch's one
-Triton pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or the library's
-one function: one Triton pass on CUDA); then the whole branch plain and fused
-(``h3_core.models.branch_fused``).
+sizes and, as a candidate, with each block written in place; the Cholesky form it replaced, an explicit
+inverse, ``cholesky_inverse``), the scans (per frame, and the library's one Triton kernel at several tile
+sizes), the gather (plain, and the fused branch's one Triton pass), the readout (einsum + norm + gate,
+three passes — features, GEMM, finish — or the library's one function: one Triton pass on CUDA); then the
+whole branch plain and fused (``h3_core.models.branch_fused``).
 ``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import candidate_kernels  # noqa: E402
 import record  # noqa: E402
 
 from h3_core.attention.layout import window_bounds  # noqa: E402
@@ -58,9 +59,10 @@ def solve_cholesky_inverse(alpha, A, B):
     return alpha[..., None] * inv, B @ inv
 
 
-def solve_blocked(alpha, A, B, base):
-    """``linear_branch.solve`` with another block size at which the inverse by halves stops."""
-    inv = lb.spd_inverse(A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device), base)
+def solve_blocked(alpha, A, B, base, inverse=lb.spd_inverse):
+    """``linear_branch.solve`` with another block size at which the inverse by halves stops (or another form
+    of the inverse by halves)."""
+    inv = inverse(A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device), base)
     return alpha[..., None] * inv, B @ inv
 
 
@@ -112,8 +114,6 @@ def main(argv=None) -> dict:
         diff[name + " vs cuDNN"] = max_diff(first(), spatial)
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
         if "compiled" in modes:
-            import candidate_kernels
-
             for block_s, block_c, warps in ((256, 32, 4), (1024, 16, 8), (512, 16, 4), (128, 64, 4), (256, 16, 2)):
                 name = f"spatial conv over token tiles (Triton candidate, {block_s} tokens × {block_c} channels, {warps} warps)"
                 slab = lambda: candidate_kernels.spatial_conv_slab(  # noqa: E731
@@ -157,6 +157,9 @@ def main(argv=None) -> dict:
         ms["Cholesky alone"] = time_it(lambda: torch.linalg.cholesky_ex(A + eye))
         ms["explicit inverse (inv_ex)"] = time_it(lambda: torch.linalg.inv_ex(A + eye))
         ms["solve through cholesky_inverse"] = time_it(lambda: solve_cholesky_inverse(alpha, A, B))
+        in_place = lambda: solve_blocked(alpha, A, B, 16, candidate_kernels.spd_inverse_in_place)  # noqa: E731
+        ms["solve by halves, each block written in place (candidate)"] = time_it(in_place)
+        diff["solve by halves written in place vs library"] = max_diff(in_place(), (T, J))
         for base in (8, 32):
             ms[f"solve by halves, {base}-row blocks"] = time_it(lambda: solve_blocked(alpha, A, B, base))
             diff[f"solve by halves, {base}-row blocks vs library"] = max_diff(solve_blocked(alpha, A, B, base), (T, J))
