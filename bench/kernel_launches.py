@@ -109,7 +109,8 @@ def main(argv=None) -> dict:
         # the row quantisers: plain rows at the hidden width, the FFN's input normed and modulated, out_proj's
         # input gated per head
         x = randn(ROWS, HIDDEN)
-        chunks = ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8))
+        # chunks, and the whole row in one chunk (as the earlier row-at-once kernels held it)
+        chunks = ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (8192, 8), (8192, 16))
         variants("quantise rows (5,376)", lambda: quantize_rows_triton(x, _SMALLEST_SCALE), {
             f"{k} × {w} warps": (lambda k=k, w=w: quantize_rows_triton(x, _SMALLEST_SCALE, block_k=k, warps=w))
             for k, w in chunks})
