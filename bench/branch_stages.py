@@ -115,7 +115,8 @@ def main(argv=None) -> dict:
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
         if "compiled" in modes:
             for block_s, block_c, warps in ((256, 32, 4), (1024, 16, 8), (512, 16, 4), (128, 64, 4), (256, 16, 2)):
-                name = f"spatial conv over token tiles (Triton candidate, {block_s} tokens × {block_c} channels, {warps} warps)"
+                name = (f"spatial conv over token tiles (Triton candidate, {block_s} tokens × {block_c} channels, "
+                        f"{warps} warps)")
                 slab = lambda: candidate_kernels.spatial_conv_slab(  # noqa: E731
                     dense_k, weights[0], grid, block_s, block_c, warps)
                 ms[name] = time_it(slab)

@@ -3,10 +3,11 @@ CUDA-event timings after a warm-up) beside the two-step form it replaces and che
 quantiser (eager and the library's Triton pass) at the widths of the block's linear inputs; the block's
 norms — the attention's input (norm and modulation), the FFN's (the residual, norm, modulation and ``fc1``'s
 quantisation) — as ``torch.compile``'s passes and as the library's single pass (``norm_modulate_quantized``,
-``residual_norm``; for the attention's input the same kernel as a candidate, ``_block_triton.block_norm_triton``); ``out_proj``'s input — the softmax
-gate and the quantisation — in two passes and as the library's single one (``block_fused.gate_heads_input``); the FFN's SiLU·up and the quantisation of ``fc2``'s input, two passes
-as before and the library's single pass (``block_fused.swiglu_quantized``). ``--tiny`` runs the eager forms
-on a few rows on the CPU.
+``residual_norm``; for the attention's input the same kernel as a candidate,
+``_block_triton.block_norm_triton``); ``out_proj``'s input — the softmax gate and the quantisation — in two
+passes and as the library's single one (``block_fused.gate_heads_input``); the FFN's SiLU·up and the
+quantisation of ``fc2``'s input, two passes as before and the library's single pass
+(``block_fused.swiglu_quantized``). ``--tiny`` runs the eager forms on a few rows on the CPU.
 
     python3 bench/fp8_stages.py --out results.json
 """
@@ -90,13 +91,15 @@ def main(argv=None) -> dict:
 
             ms[f"residual, then {what} ({3 if quantized else 2} passes)"] = time_it(passes)
             ms[f"residual + {what} in one pass (library)"] = time_it(one)
-            equal[f"residual + {what}: one pass vs the passes"] = (same_codes if quantized else same_values)(one(), passes())
+            same = same_codes if quantized else same_values
+            equal[f"residual + {what}: one pass vs the passes"] = same(one(), passes())
         # out_proj's input: the window softmax's output times its per-head gate, then quantised
         heads = 56
         soft = torch.randn(rows, heads, widths["out_proj / to_out_linear input"] // heads, generator=g)
         soft = soft.to(device, torch.bfloat16)
         gate = torch.rand(rows, heads, generator=g).to(device, torch.bfloat16)
-        gate_two = lambda: quantize_rows(block_fused.run(mode, "gate_heads_", soft.clone(), gate).view(rows, -1))  # noqa: E731
+        gated = lambda: block_fused.run(mode, "gate_heads_", soft.clone(), gate).view(rows, -1)  # noqa: E731
+        gate_two = lambda: quantize_rows(gated())  # noqa: E731
         # the eager form gates in place, as the two-step path: give it a copy
         gate_one = lambda: block_fused.gate_heads_input(mode, soft if cuda else soft.clone(), gate, True)  # noqa: E731
         ms["copy of the softmax output (inside the two-pass timing)"] = time_it(lambda: soft.clone())

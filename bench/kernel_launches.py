@@ -120,7 +120,17 @@ def main(argv=None) -> dict:
             x, weight, shift, scale, table_rows, 1e-6, smallest=_SMALLEST_SCALE, **kw)
         variants("norm + modulation + quantise (5,376)", norm, {
             f"{k} × {w} warps": (lambda k=k, w=w: norm(block_k=k, warps=w)) for k, w in chunks})
-        del x
+        plain_norm = lambda **kw: _block_triton.block_norm_triton(  # noqa: E731
+            x, weight, shift, scale, table_rows, 1e-6, **kw)
+        variants("norm + modulation (5,376)", plain_norm, {
+            f"{k} × {w} warps": (lambda k=k, w=w: plain_norm(block_k=k, warps=w)) for k, w in chunks})
+        # after the residual, which the kernel writes into y: each call on a copy of y (its time included)
+        y, gate1 = randn(ROWS, HIDDEN), randn(6, HIDDEN)
+        residual = lambda **kw: _block_triton.block_norm_triton(  # noqa: E731
+            x, weight, shift, scale, table_rows, 1e-6, y.clone(), gate1, smallest=_SMALLEST_SCALE, **kw)
+        variants("residual + norm + modulation + quantise (5,376, with a copy of y)", residual, {
+            f"{k} × {w} warps": (lambda k=k, w=w: residual(block_k=k, warps=w)) for k, w in chunks})
+        del x, y
         soft, gate = randn(ROWS, HEADS, HEAD_DIM), randn(ROWS, HEADS)
         gated = lambda **kw: gate_heads_quantize_triton(soft, gate, _SMALLEST_SCALE, **kw)  # noqa: E731
         variants("softmax gate + quantise (7,168)", gated, {

@@ -12,7 +12,9 @@ CHECK = textwrap.dedent(
     result = kernel_launches.main(["--tiny", "--reps", "1"])
     kernels = {name.split(":")[0] for name in result["ms"]}
     assert kernels == {"q/k norm + RoPE", "conv features", "readout", "scans", "gather", "quantise rows (5,376)",
-                       "norm + modulation + quantise (5,376)", "softmax gate + quantise (7,168)",
+                       "norm + modulation + quantise (5,376)", "norm + modulation (5,376)",
+                       "residual + norm + modulation + quantise (5,376, with a copy of y)",
+                       "softmax gate + quantise (7,168)",
                        "SiLU·up + quantise"}, kernels
     assert all(ms >= 0 for ms in result["ms"].values())
     # a launch changes the tiling, not the arithmetic: bf16 rows agree to a rounding of the result
