@@ -3,7 +3,8 @@
 ``conv_features``: each program takes a tile of tokens × one head's channels through the frames, sums the
 temporal taps over the frames around each one (with the model's five taps, held as it goes: each input read
 once), applies SiLU, the L2 norm and √β, and writes the tile head-major. Loads and stores are rows of ``d``
-contiguous channels in both layouts, where the compiled form scatters its head-major writes. The arithmetic is the written function's: fp32 sums over the taps in order, one rounding.
+contiguous channels in both layouts, where the compiled form scatters its head-major writes. The arithmetic
+is the written function's: fp32 sums over the taps in order, one rounding.
 
 ``readout``: each program takes a tile of tokens × one head straight from the projection's q slice, forms
 q̃ = L2(SiLU(q)), multiplies it by the frame's state on the tensor cores, and applies the RMSNorm and the

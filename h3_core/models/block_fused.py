@@ -88,12 +88,17 @@ def swiglu_quantized(mode: str, gate_up: torch.Tensor) -> QuantizedRows:
     return quantize_input(run(mode, "swiglu_", gate_up))
 
 
-def _quantiser(mode: str, rows: torch.Tensor, name: str):
-    """The Triton quantiser ``name`` of ``_fp8_triton`` where ``mode`` runs it (``"compiled"``, CUDA, a half or
-    fp32 dtype); None where the two-step path runs instead."""
+def _kernel(mode: str | None, rows: torch.Tensor, module: str, name: str):
+    """The hand-written Triton kernel ``name`` of ``module`` where ``mode`` runs it on ``rows`` (``"compiled"``,
+    CUDA, a half or fp32 dtype); None where the written or compiled steps run instead."""
     if mode == "compiled" and runs_here(rows) and rows.dtype in _COMPUTE_DTYPES:
-        return triton_form("h3_core._fp8_triton", name)
+        return triton_form(module, name)
     return None
+
+
+def _quantiser(mode: str | None, rows: torch.Tensor, name: str):
+    """``_kernel`` for the fp8 quantiser ``name`` of ``_fp8_triton``."""
+    return _kernel(mode, rows, "h3_core._fp8_triton", name)
 
 
 def norm_modulate_quantized(mode: str, x, weight, shift, scale, rows, eps: float) -> QuantizedRows:
@@ -125,10 +130,9 @@ def residual_norm(mode: str, x, y, gate, rows, weight, shift, scale, eps: float,
 
 
 def _block_norm(mode: str, x: torch.Tensor):
-    """``_block_triton.block_norm_triton`` where ``mode`` runs it on ``x`` (``"compiled"``, CUDA, contiguous
-    half or fp32 rows); None where the steps run as written or compiled."""
-    if mode == "compiled" and runs_here(x) and x.dim() == 2 and x.is_contiguous() and x.dtype in _COMPUTE_DTYPES:
-        return triton_form("h3_core.models._block_triton", "block_norm_triton")
+    """``_kernel`` for ``_block_triton.block_norm_triton``, which takes contiguous ``[T, hidden]`` rows."""
+    if x.dim() == 2 and x.is_contiguous():
+        return _kernel(mode, x, "h3_core.models._block_triton", "block_norm_triton")
     return None
 
 
