@@ -3,10 +3,9 @@ of 128, bf16), the plain forms next to candidate faster ones, each timed (median
 timings after a warm-up) and checked against the plain form.
 
 Stages: features (spatial 5×5 through cuDNN — on a dense tensor and on the projection's slice, in its
-benchmark mode, without cuDNN, channels-first — and a Triton candidate over token tiles; then the temporal
-5-tap depthwise conv, SiLU, L2), frame statistics (fp32, TF32, the Gram products of √β-scaled
-half-precision features with fp32 sums), the solve (the library's inverse by halves at several block
-sizes and, as a candidate, with each block written in place; the Cholesky form it replaced, an explicit
+benchmark mode, without cuDNN, channels-first; then the temporal 5-tap depthwise conv, SiLU, L2), frame
+statistics (fp32, TF32, the Gram products of √β-scaled half-precision features with fp32 sums), the solve
+(the library's inverse by halves at several block sizes; the Cholesky form it replaced, an explicit
 inverse, ``cholesky_inverse``), the scans (per frame, and the library's one Triton kernel at several tile
 sizes), the gather (plain, and the fused branch's one Triton pass), the readout (einsum + norm + gate,
 three passes — features, GEMM, finish — or the library's one function: one Triton pass on CUDA); then the
@@ -25,7 +24,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import candidate_kernels  # noqa: E402
 import record  # noqa: E402
 
 from h3_core.attention.layout import window_bounds  # noqa: E402
@@ -113,14 +111,6 @@ def main(argv=None) -> dict:
         ms[name] = time_it(first)
         diff[name + " vs cuDNN"] = max_diff(first(), spatial)
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
-        if "compiled" in modes:
-            for block_s, block_c, warps in ((256, 32, 4), (1024, 16, 8), (512, 16, 4), (128, 64, 4), (256, 16, 2)):
-                name = (f"spatial conv over token tiles (Triton candidate, {block_s} tokens × {block_c} channels, "
-                        f"{warps} warps)")
-                slab = lambda: candidate_kernels.spatial_conv_slab(  # noqa: E731
-                    dense_k, weights[0], grid, block_s, block_c, warps)
-                ms[name] = time_it(slab)
-                diff[name + " vs cuDNN"] = max_diff(slab(), spatial)
         for mode in modes:
             ms[f"temporal + SiLU + L2 ({mode})"] = time_it(
                 lambda: branch_fused.run(mode, "conv_features", spatial, weights[1], H, True))
@@ -158,9 +148,6 @@ def main(argv=None) -> dict:
         ms["Cholesky alone"] = time_it(lambda: torch.linalg.cholesky_ex(A + eye))
         ms["explicit inverse (inv_ex)"] = time_it(lambda: torch.linalg.inv_ex(A + eye))
         ms["solve through cholesky_inverse"] = time_it(lambda: solve_cholesky_inverse(alpha, A, B))
-        in_place = lambda: solve_blocked(alpha, A, B, 16, candidate_kernels.spd_inverse_in_place)  # noqa: E731
-        ms["solve by halves, each block written in place (candidate)"] = time_it(in_place)
-        diff["solve by halves written in place vs library"] = max_diff(in_place(), (T, J))
         for base in (8, 32):
             ms[f"solve by halves, {base}-row blocks"] = time_it(lambda: solve_blocked(alpha, A, B, base))
             diff[f"solve by halves, {base}-row blocks vs library"] = max_diff(solve_blocked(alpha, A, B, base), (T, J))

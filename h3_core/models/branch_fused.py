@@ -171,7 +171,8 @@ _TRITON = {"conv_features": ("h3_core.models._branch_triton", "conv_features_tri
            "readout": ("h3_core.models._branch_triton", "readout_triton"),
            "scan": ("h3_core.models._branch_triton", "scan_triton"),
            "gather": ("h3_core.models._branch_triton", "gather_triton"),
-           "qk_norm_rope": ("h3_core.models._block_triton", "qk_norm_rope_triton")}
+           "qk_norm_rope": ("h3_core.models._block_triton", "qk_norm_rope_triton"),
+           "norm_modulate": ("h3_core.models._block_triton", "block_norm_triton")}
 
 
 def triton_kernel(name: str):

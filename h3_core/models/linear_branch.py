@@ -89,27 +89,36 @@ def _frame_statistics(k, v, beta):
     return 0.5 * (A + A.transpose(-1, -2)), vf.transpose(-1, -2) @ bk
 
 
-def spd_inverse(M: torch.Tensor, base: int = 16) -> torch.Tensor:
+def spd_inverse(M: torch.Tensor, base: int = 16, out: torch.Tensor | None = None) -> torch.Tensor:
     """The inverse of symmetric positive definite ``M`` ``[..., n, n]`` by halves: with M = [[P, R], [Rᵀ, C]],
     X = P⁻¹R, the Schur complement S = C − RᵀX (positive definite again) and Y = X S⁻¹,
     M⁻¹ = [[P⁻¹ + Y Xᵀ, −Y], [−Yᵀ, S⁻¹]]; blocks of ``base`` rows or fewer go to the library's inverse.
 
     Every level is a few batched GEMMs over all matrices at once, where a Cholesky factor and a triangular
-    inverse run as long chains of small per-column kernels (half the time for 5,600 matrices of 128)."""
+    inverse run as long chains of small per-column kernels (half the time for 5,600 matrices of 128). Each
+    level writes where its result belongs in ``out`` (a new tensor, or a view whose batch dimensions
+    flatten without a copy, as the recursion passes its diagonal blocks): the half inverses straight into
+    the diagonal blocks, −Y by a GEMM with the sign in its α, and the top-left update and the Schur
+    complement by GEMMs that accumulate, so no level runs separate adds, negations or block copies."""
     n = M.shape[-1]
+    if out is None:
+        out = torch.empty(M.shape, dtype=M.dtype, device=M.device)
     if n <= base:
-        return torch.linalg.inv_ex(M)[0]
+        return out.copy_(torch.linalg.inv_ex(M)[0])
     h = n // 2
+
+    def batched(t):  # [..., a, b] as [B, a, b]; .view, so what is written through it lands in ``out``
+        return t.view(-1, *t.shape[-2:])
+
     P, R, C = M[..., :h, :h], M[..., :h, h:], M[..., h:, h:]
-    P_inv = spd_inverse(P, base)
-    X = P_inv @ R
-    S_inv = spd_inverse(C - R.transpose(-1, -2) @ X, base)
-    Y = X @ S_inv
-    out = torch.empty_like(M)
-    out[..., :h, :h] = P_inv + Y @ X.transpose(-1, -2)
-    out[..., :h, h:] = -Y
-    out[..., h:, :h] = -Y.transpose(-1, -2)
-    out[..., h:, h:] = S_inv
+    top_left, top_right = out[..., :h, :h], out[..., :h, h:]
+    X = batched(spd_inverse(P, base, top_left)) @ R.reshape(-1, *R.shape[-2:])
+    S = torch.baddbmm(C.reshape(-1, *C.shape[-2:]), R.transpose(-1, -2).reshape(-1, *R.shape[-1:-3:-1]), X, alpha=-1)
+    S_inv = spd_inverse(S.view(C.shape), base, out[..., h:, h:])
+    neg_y = batched(top_right)
+    torch.baddbmm(neg_y, X, batched(S_inv), beta=0, alpha=-1, out=neg_y)
+    batched(top_left).baddbmm_(neg_y, X.transpose(-1, -2), alpha=-1)
+    out[..., h:, :h] = top_right.transpose(-1, -2)
     return out
 
 

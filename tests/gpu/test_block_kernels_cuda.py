@@ -73,6 +73,8 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
 
     norm = (weight, shift, scale, rows, 1e-6)
     assert close(block_norm_triton(x, *norm), block_fused.run("eager", "norm_modulate", x, *norm))
+    assert close(block_fused.run("compiled", "norm_modulate", x, *norm),  # the attention input's, by name
+                 block_fused.run("eager", "norm_modulate", x, *norm))
     close_codes(block_fused.norm_modulate_quantized("compiled", x, *norm),
                 quantize_input(block_fused.run("eager", "norm_modulate", x, *norm)))
     for quantized in (False, True):

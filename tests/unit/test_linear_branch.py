@@ -67,6 +67,17 @@ def test_spd_inverse_by_halves_is_the_inverse(n, base):
     assert (inv32.double() - torch.linalg.inv(M)).abs().max() <= 1e-5
 
 
+def test_spd_inverse_over_frame_and_head_batches_writes_into_a_view():
+    # [frames, heads, n, n] as the branch solves it, and an ``out`` that is a view of a larger tensor
+    k = torch.nn.functional.normalize(rnd(3, 2, 80, 30, seed=7), dim=-1)
+    M = torch.eye(30, dtype=torch.float64) + k.transpose(-1, -2) @ k
+    whole = torch.full((3, 2, 30, 40), float("nan"), dtype=torch.float64)
+    inv = spd_inverse(M, 4, out=whole[..., :30])
+    assert inv.data_ptr() == whole.data_ptr() and whole[..., 30:].isnan().all()
+    assert (inv - torch.linalg.inv(M)).abs().max() <= 1e-12 * torch.linalg.cond(M).max()
+    assert torch.equal(inv[..., 15:, :15], inv[..., :15, 15:].transpose(-1, -2))  # the lower block mirrored
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-4)])
 def test_scans_match_the_reference(dtype, tol):
     k, v, beta, alpha = stats(F=9)
