@@ -5,11 +5,12 @@ timings after a warm-up) and checked against the plain form.
 Stages: features (spatial 5×5 through cuDNN — on a dense tensor and on the projection's slice, in its
 benchmark mode, without cuDNN, channels-first; then the temporal 5-tap depthwise conv, SiLU, L2), frame
 statistics (fp32, TF32, the Gram products of √β-scaled half-precision features with fp32 sums), the solve
-(the library's inverse by halves at several block sizes; the Cholesky form it replaced, an explicit
-inverse, ``cholesky_inverse``), the scans (per frame, and the library's one Triton kernel at several tile
-sizes), the gather (plain, and the fused branch's one Triton pass), the readout (einsum + norm + gate,
-three passes — features, GEMM, finish — or the library's one function: one Triton pass on CUDA); then the
-whole branch plain and fused (``h3_core.models.branch_fused``).
+(the library's inverse by halves at several block sizes, its blocks inverted by the library or by the
+Triton leaf kernel; the Cholesky form it replaced, an explicit inverse, ``cholesky_inverse``), the scans
+(per frame, and the library's one Triton kernel at several tile sizes), the gather (plain, and the fused
+branch's one Triton pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or
+the library's one function: one Triton pass on CUDA); then the whole branch plain and fused
+(``h3_core.models.branch_fused``).
 ``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
@@ -57,10 +58,10 @@ def solve_cholesky_inverse(alpha, A, B):
     return alpha[..., None] * inv, B @ inv
 
 
-def solve_blocked(alpha, A, B, base, inverse=lb.spd_inverse):
-    """``linear_branch.solve`` with another block size at which the inverse by halves stops (or another form
-    of the inverse by halves)."""
-    inv = inverse(A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device), base)
+def solve_blocked(alpha, A, B, base, leaf=None):
+    """``linear_branch.solve`` with another block size at which the inverse by halves stops (its blocks
+    inverted by ``leaf`` where given)."""
+    inv = lb.spd_inverse(A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device), base, leaf=leaf)
     return alpha[..., None] * inv, B @ inv
 
 
@@ -151,6 +152,12 @@ def main(argv=None) -> dict:
         for base in (8, 32):
             ms[f"solve by halves, {base}-row blocks"] = time_it(lambda: solve_blocked(alpha, A, B, base))
             diff[f"solve by halves, {base}-row blocks vs library"] = max_diff(solve_blocked(alpha, A, B, base), (T, J))
+        leaf = branch_fused.small_inverse("compiled") if cuda else None
+        for base in (16, 32, 64) if leaf is not None else ():
+            name = f"solve by halves, {base}-row blocks inverted by the Triton leaf kernel"
+            with_leaf = lambda base=base: solve_blocked(alpha, A, B, base, leaf)  # noqa: E731
+            ms[name] = time_it(with_leaf)
+            diff[name + " vs fp64 reference"] = max_diff([t.cpu() for t in with_leaf()], (T_ref, J_ref))
         seed = torch.zeros(H, d, d, device=device)
         ms["scans (prefix + suffix)"] = time_it(lambda: lb.scan(T, J, seed))
         P, Q = lb.scan(T, J, seed)

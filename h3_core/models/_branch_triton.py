@@ -20,6 +20,9 @@ small batched GEMM per frame and direction (200 at the release length, each fill
 ``gather``: each frame's state from the prefix and suffix states it reads (or the seed) and their decay
 bridges, read in place and written once, where the library form copies the gathered frames, selects against
 the seed and scales and adds them in separate passes.
+
+``small_inverse``: the solve's smallest blocks (16 × 16) inverted in one pass, a few whole blocks per program
+(Gauss-Jordan without pivoting, which positive definite blocks do not need).
 """
 
 from __future__ import annotations
@@ -274,4 +277,40 @@ def gather_triton(P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds,
         _gather_kernel[(frames, heads, d // block_v)](P, Q, seed, before, after, bridge_before.contiguous(),
                                                       bridge_after.contiguous(), out, heads, D=d, BLOCK_V=block_v,
                                                       num_warps=warps)
+    return out
+
+
+@triton.jit
+def _small_inverse_kernel(src, dst, n_mats, n, s_sb, s_sr, s_sc, s_db, s_dr, s_dc, N: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
+    mats = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None, None]
+    idx = tl.arange(0, N)
+    rows, cols = idx[None, :, None], idx[None, None, :]
+    inside = (mats < n_mats) & (rows < n) & (cols < n)
+    a = tl.load(src + mats * s_sb + rows * s_sr + cols * s_sc, mask=inside, other=0.0).to(tl.float32)
+    a = tl.where(inside, a, (rows == cols).to(tl.float32))  # the identity around each matrix and for missing ones
+    for k in tl.static_range(N):
+        row = tl.sum(tl.where(rows == k, a, 0.0), axis=1)  # [BLOCK_M, N]
+        col = tl.sum(tl.where(cols == k, a, 0.0), axis=2)
+        pivot = tl.sum(tl.where(idx[None, :] == k, row, 0.0), axis=1)
+        row = tl.div_rn(tl.where(idx[None, :] == k, 1.0, row), pivot[:, None])
+        col = tl.where(idx[None, :] == k, 0.0, col)
+        a = tl.where(cols == k, 0.0, a) - col[:, :, None] * row[:, None, :]
+        a = tl.where(rows == k, row[:, None, :], a)
+    tl.store(dst + mats * s_db + rows * s_dr + cols * s_dc, a.to(dst.dtype.element_ty), mask=inside)
+
+
+def small_inverse_triton(M: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The inverses of the symmetric positive definite blocks ``M`` ``[..., n, n]`` (fp32, n up to 64: the
+    leaves of ``linear_branch.spd_inverse``) written into ``out`` (the same shape, a view whose batch
+    dimensions flatten without a copy). Gauss-Jordan elimination without pivoting, each program a few whole
+    blocks in registers: positive definite blocks need no pivoting, and one pass replaces the library's batched
+    LU factorisation, two triangular solves and row swaps (four launches, each a fraction of the GPU)."""
+    n = M.shape[-1]
+    src, dst = M.reshape(-1, n, n), out.view(-1, n, n)
+    size = triton.next_power_of_2(n)
+    block_m = max(1, 4096 // (size * size))
+    if src.shape[0]:
+        _small_inverse_kernel[(triton.cdiv(src.shape[0], block_m),)](
+            src, dst, src.shape[0], n, *src.stride(), *dst.stride(), N=size, BLOCK_M=block_m, num_warps=4)
     return out

@@ -27,7 +27,7 @@ from ..triton_forms import runs_here, triton_form
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
            "gram_statistics", "query_features", "readout_finish", "readout", "scan", "gather", "run", "call",
-           "triton_kernel", "accumulation"]
+           "triton_kernel", "small_inverse", "accumulation"]
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6
@@ -172,12 +172,20 @@ _TRITON = {"conv_features": ("h3_core.models._branch_triton", "conv_features_tri
            "scan": ("h3_core.models._branch_triton", "scan_triton"),
            "gather": ("h3_core.models._branch_triton", "gather_triton"),
            "qk_norm_rope": ("h3_core.models._block_triton", "qk_norm_rope_triton"),
-           "norm_modulate": ("h3_core.models._block_triton", "block_norm_triton")}
+           "norm_modulate": ("h3_core.models._block_triton", "block_norm_triton"),
+           "small_inverse": ("h3_core.models._branch_triton", "small_inverse_triton")}
 
 
 def triton_kernel(name: str):
     """The hand-written Triton form of the fused function ``name``; None if it has none or Triton is missing."""
     return triton_form(*_TRITON[name]) if name in _TRITON else None
+
+
+def small_inverse(mode: str | None):
+    """The solve's leaf inverse (``linear_branch.spd_inverse``'s ``leaf``) in ``mode``: in ``"compiled"`` the
+    Triton pass over all the small blocks at once, where the library's batched inverse launches an LU
+    factorisation, two triangular solves and row swaps per call; None (the library's) otherwise."""
+    return triton_kernel("small_inverse") if mode == "compiled" else None
 
 
 def call(mode: str, fn, *args, name: str | None = None):

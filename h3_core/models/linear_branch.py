@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..triton_forms import runs_here
 from . import branch_fused
 
 __all__ = [
@@ -89,7 +90,7 @@ def _frame_statistics(k, v, beta):
     return 0.5 * (A + A.transpose(-1, -2)), vf.transpose(-1, -2) @ bk
 
 
-def spd_inverse(M: torch.Tensor, base: int = 16, out: torch.Tensor | None = None) -> torch.Tensor:
+def spd_inverse(M: torch.Tensor, base: int = 16, out: torch.Tensor | None = None, leaf=None) -> torch.Tensor:
     """The inverse of symmetric positive definite ``M`` ``[..., n, n]`` by halves: with M = [[P, R], [Rᵀ, C]],
     X = P⁻¹R, the Schur complement S = C − RᵀX (positive definite again) and Y = X S⁻¹,
     M⁻¹ = [[P⁻¹ + Y Xᵀ, −Y], [−Yᵀ, S⁻¹]]; blocks of ``base`` rows or fewer go to the library's inverse.
@@ -99,11 +100,15 @@ def spd_inverse(M: torch.Tensor, base: int = 16, out: torch.Tensor | None = None
     level writes where its result belongs in ``out`` (a new tensor, or a view whose batch dimensions
     flatten without a copy, as the recursion passes its diagonal blocks): the half inverses straight into
     the diagonal blocks, −Y by a GEMM with the sign in its α, and the top-left update and the Schur
-    complement by GEMMs that accumulate, so no level runs separate adds, negations or block copies."""
+    complement by GEMMs that accumulate, so no level runs separate adds, negations or block copies.
+    ``leaf(block, out)``, where given (``branch_fused.small_inverse``), inverts the fp32 blocks of ``base``
+    rows or fewer on the devices its kernel runs on instead of the library's inverse."""
     n = M.shape[-1]
     if out is None:
         out = torch.empty(M.shape, dtype=M.dtype, device=M.device)
     if n <= base:
+        if leaf is not None and M.dtype == torch.float32 and runs_here(M):
+            return leaf(M, out)
         return out.copy_(torch.linalg.inv_ex(M)[0])
     h = n // 2
 
@@ -112,9 +117,9 @@ def spd_inverse(M: torch.Tensor, base: int = 16, out: torch.Tensor | None = None
 
     P, R, C = M[..., :h, :h], M[..., :h, h:], M[..., h:, h:]
     top_left, top_right = out[..., :h, :h], out[..., :h, h:]
-    X = batched(spd_inverse(P, base, top_left)) @ R.reshape(-1, *R.shape[-2:])
+    X = batched(spd_inverse(P, base, top_left, leaf)) @ R.reshape(-1, *R.shape[-2:])
     S = torch.baddbmm(C.reshape(-1, *C.shape[-2:]), R.transpose(-1, -2).reshape(-1, *R.shape[-1:-3:-1]), X, alpha=-1)
-    S_inv = spd_inverse(S.view(C.shape), base, out[..., h:, h:])
+    S_inv = spd_inverse(S.view(C.shape), base, out[..., h:, h:], leaf)
     neg_y = batched(top_right)
     torch.baddbmm(neg_y, X, batched(S_inv), beta=0, alpha=-1, out=neg_y)
     batched(top_left).baddbmm_(neg_y, X.transpose(-1, -2), alpha=-1)
@@ -122,12 +127,12 @@ def spd_inverse(M: torch.Tensor, base: int = 16, out: torch.Tensor | None = None
     return out
 
 
-def solve(alpha, A, B):
+def solve(alpha, A, B, leaf=None):
     """Transitions T = diag(α)(I + A)⁻¹ and injections J = B (I + A)⁻¹. I + A is symmetric positive definite
-    for any A = Σ β k kᵀ (β > 0), with eigenvalues ≥ 1, so its inverse by halves (``spd_inverse``) is well
-    conditioned at every level."""
+    for any A = Σ β k kᵀ (β > 0), with eigenvalues ≥ 1, so its inverse by halves (``spd_inverse``, whose
+    smallest blocks ``leaf`` inverts where given) is well conditioned at every level."""
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    inv = spd_inverse(A + eye)
+    inv = spd_inverse(A + eye, leaf=leaf)
     return alpha[..., None] * inv, B @ inv
 
 
@@ -274,7 +279,8 @@ class LinearBranch(nn.Module):
         _, k, v = featurize(k_raw[None], k_raw[None], v_raw[None], None)
         beta = torch.sigmoid(F.linear(text_x, self.beta_proj.weight[heads]))[None]
         A, B = frame_statistics(k, v, beta)
-        _, J = solve(torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device), A, B)
+        _, J = solve(torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device), A, B,
+                     branch_fused.small_inverse(self.fused))
         return TEXT_STATE_SCALE * J[0]
 
     def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None, heads: slice | None = None):
@@ -300,7 +306,7 @@ class LinearBranch(nn.Module):
             A, B = frame_statistics(k, v, beta, self.statistics_frames)
         del k, v, beta
         alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=branch_fused.accumulation(x.dtype)), heads)
-        T, J = solve(alpha.to(A.dtype), A, B)
+        T, J = solve(alpha.to(A.dtype), A, B, branch_fused.small_inverse(self.fused))
         del A, B  # each [F, h, d, d] fp32: freed as soon as read, so none is held through the readout
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = branch_fused.scan(self.fused, T, J, seed)

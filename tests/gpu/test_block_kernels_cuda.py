@@ -179,3 +179,25 @@ def test_triton_gather_matches_the_fp64_reference():
     rounded = branch_fused.gather("compiled", P.to(DEV), Q.to(DEV), alpha.to(DEV), bounds, seed.to(DEV),
                                   torch.bfloat16)
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.to(torch.bfloat16))
+
+
+def test_triton_leaf_inverse_solves_as_the_library_does():
+    """The solve at the model's head size with its 16-row leaves inverted by the Triton kernel, against the
+    fp64 reference, no further from it than the library's leaves (LU with pivoting) are."""
+    from h3_core.models import branch_fused
+    from h3_core.models.linear_branch import frame_statistics, solve, solve_reference
+
+    leaf = branch_fused.small_inverse("compiled")
+    if leaf is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(8)
+    frames, heads, d = 12, 5, 128
+    k = torch.nn.functional.normalize(torch.randn(frames, 1008, heads, d, generator=g), dim=-1)
+    v = torch.randn(frames, 1008, heads, d, generator=g)
+    beta = torch.sigmoid(torch.randn(frames, 1008, heads, generator=g))
+    A, B = (t.to(DEV) for t in frame_statistics(k, v, beta))
+    alpha = (torch.rand(frames, heads, d, generator=g) * 0.3 + 0.7).to(DEV)
+    want = solve_reference(alpha.cpu(), A.cpu(), B.cpu())
+    for got, lib, ref in zip(solve(alpha, A, B, leaf), solve(alpha, A, B), want):
+        err, lib_err = ((t.cpu().double() - ref).abs().max() for t in (got, lib))
+        assert err <= max(2 * lib_err, 1e-6 * ref.abs().max()), (err, lib_err)

@@ -1,5 +1,6 @@
 """The linear branch's Triton kernels (h3_core.models._branch_triton) against the written functions of
-branch_fused (the temporal conv + SiLU + L2 + √β, and the readout), under Triton's CPU interpreter."""
+branch_fused (the temporal conv + SiLU + L2 + √β, the readout, the scans, the gather) and the solve's leaf
+inverse, under Triton's CPU interpreter."""
 
 import textwrap
 
@@ -128,3 +129,41 @@ GATHER_CHECK = textwrap.dedent(
 
 def test_triton_gather_under_interpreter_matches_the_reference():
     assert run_interpreted(GATHER_CHECK).split()[-1] == "OK"
+
+
+SMALL_INVERSE_CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core.models import branch_fused
+    from h3_core.models._branch_triton import small_inverse_triton
+    from h3_core.models.linear_branch import solve, solve_reference
+
+    g = torch.Generator().manual_seed(6)
+    def spd(*batch, n):  # I + Σ k kᵀ over more tokens than channels, as the solve's blocks are
+        k = torch.nn.functional.normalize(torch.randn(*batch, 3 * n, n, generator=g, dtype=torch.float64), dim=-1)
+        return torch.eye(n, dtype=torch.float64) + k.transpose(-1, -2) @ k
+    # a frame × head batch of 16-row blocks (more than one program's worth), a block of 9 rows (padded
+    # to 16), one row, and 32 rows
+    for batch, n in (((5, 7), 16), ((3,), 9), ((4,), 1), ((2,), 32)):
+        M = spd(*batch, n=n)
+        whole = torch.full((*batch, n, n + 3), float("nan"))  # written through a view of a larger tensor
+        got = small_inverse_triton(M.float(), whole[..., :n])
+        assert got.data_ptr() == whole.data_ptr() and whole[..., n:].isnan().all()
+        want = torch.linalg.inv(M)
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (batch, n)
+    # the solve with its leaves inverted by the kernel, against the fp64 reference and the library's leaves
+    A = spd(6, 2, n=64).float() - torch.eye(64)
+    B, alpha = torch.randn(6, 2, 64, 64, generator=g), torch.rand(6, 2, 64, generator=g) * 0.5 + 0.5
+    leaf = branch_fused.small_inverse("compiled")
+    got, plain, want = solve(alpha, A, B, leaf), solve(alpha, A, B), solve_reference(alpha, A, B)
+    for a, b, c in zip(got, plain, want):
+        assert (a.double() - c).abs().max() <= 1e-4 * c.abs().max()
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    assert branch_fused.small_inverse("eager") is None and branch_fused.small_inverse(None) is None
+    print("OK")
+    """
+)
+
+
+def test_triton_small_inverse_under_interpreter_inverts_the_solve_blocks():
+    assert run_interpreted(SMALL_INVERSE_CHECK).split()[-1] == "OK"

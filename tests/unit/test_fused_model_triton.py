@@ -47,8 +47,8 @@ CHECK = textwrap.dedent(
         plain = m(*args, hybrid=ctx)
         block_fused.fuse_blocks(m, "compiled")
         fused = m(*args, hybrid=ctx)
-    kernels = {{"qk_norm_rope", "conv_features", "readout", "scan", "gather", "norm_modulate", "norm",
-               "residual + norm"}}
+    kernels = {{"qk_norm_rope", "conv_features", "readout", "scan", "gather", "small_inverse", "norm_modulate",
+               "norm", "residual + norm"}}
     assert used == kernels | (set(quantisers) if fp8 else set()), used
     for a, b in zip(fused, plain):
         if fp8:  # the interpreter's e4m3 cast is not the GPU's: the codes differ, not the computation
