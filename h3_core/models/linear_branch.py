@@ -127,12 +127,12 @@ def spd_inverse(M: torch.Tensor, base: int = 16, out: torch.Tensor | None = None
     return out
 
 
-def solve(alpha, A, B, leaf=None):
+def solve(alpha, A, B, leaf=None, base: int = 16):
     """Transitions T = diag(α)(I + A)⁻¹ and injections J = B (I + A)⁻¹. I + A is symmetric positive definite
-    for any A = Σ β k kᵀ (β > 0), with eigenvalues ≥ 1, so its inverse by halves (``spd_inverse``, whose
-    smallest blocks ``leaf`` inverts where given) is well conditioned at every level."""
+    for any A = Σ β k kᵀ (β > 0), with eigenvalues ≥ 1, so its inverse by halves (``spd_inverse``, down to
+    blocks of ``base`` rows, which ``leaf`` inverts where given) is well conditioned at every level."""
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    inv = spd_inverse(A + eye, leaf=leaf)
+    inv = spd_inverse(A + eye, base, leaf=leaf)
     return alpha[..., None] * inv, B @ inv
 
 
@@ -268,6 +268,7 @@ class LinearBranch(nn.Module):
         self.short_conv = _ShortConv(heads * head_dim)
         self.statistics_frames: int | None = None  # frames per chunk of the fp32 statistics (``low_memory``)
         self.fused: str | None = None  # ``branch_fused`` mode: None runs the plain ops below
+        self.solve_block_rows = 16  # rows of the solve's smallest blocks (``spd_inverse``'s ``base``)
 
     def _heads(self, heads: slice | None) -> slice:
         return slice(0, self.heads) if heads is None else heads
@@ -280,7 +281,7 @@ class LinearBranch(nn.Module):
         beta = torch.sigmoid(F.linear(text_x, self.beta_proj.weight[heads]))[None]
         A, B = frame_statistics(k, v, beta)
         _, J = solve(torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device), A, B,
-                     branch_fused.small_inverse(self.fused))
+                     branch_fused.small_inverse(self.fused), self.solve_block_rows)
         return TEXT_STATE_SCALE * J[0]
 
     def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None, heads: slice | None = None):
@@ -306,7 +307,7 @@ class LinearBranch(nn.Module):
             A, B = frame_statistics(k, v, beta, self.statistics_frames)
         del k, v, beta
         alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=branch_fused.accumulation(x.dtype)), heads)
-        T, J = solve(alpha.to(A.dtype), A, B, branch_fused.small_inverse(self.fused))
+        T, J = solve(alpha.to(A.dtype), A, B, branch_fused.small_inverse(self.fused), self.solve_block_rows)
         del A, B  # each [F, h, d, d] fp32: freed as soon as read, so none is held through the readout
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = branch_fused.scan(self.fused, T, J, seed)

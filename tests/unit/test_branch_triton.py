@@ -155,10 +155,11 @@ SMALL_INVERSE_CHECK = textwrap.dedent(
     A = spd(6, 2, n=64).float() - torch.eye(64)
     B, alpha = torch.randn(6, 2, 64, 64, generator=g), torch.rand(6, 2, 64, generator=g) * 0.5 + 0.5
     leaf = branch_fused.small_inverse("compiled")
-    got, plain, want = solve(alpha, A, B, leaf), solve(alpha, A, B), solve_reference(alpha, A, B)
-    for a, b, c in zip(got, plain, want):
-        assert (a.double() - c).abs().max() <= 1e-4 * c.abs().max()
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    plain, want = solve(alpha, A, B), solve_reference(alpha, A, B)
+    for base in (16, 32):
+        for a, b, c in zip(solve(alpha, A, B, leaf, base), plain, want):
+            assert (a.double() - c).abs().max() <= 1e-4 * c.abs().max(), base
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), base
     assert branch_fused.small_inverse("eager") is None and branch_fused.small_inverse(None) is None
     print("OK")
     """
