@@ -3,11 +3,12 @@ CUDA-event timings after a warm-up) beside the two-step form it replaces and che
 quantiser (eager and the library's Triton pass) at the widths of the block's linear inputs; the block's
 norms — the attention's input (norm and modulation), the FFN's (the residual, norm, modulation and ``fc1``'s
 quantisation) — as ``torch.compile``'s passes and as the library's single pass (``norm_modulate_quantized``,
-``residual_norm``; for the attention's input the same kernel as a candidate,
-``_block_triton.block_norm_triton``); ``out_proj``'s input — the softmax gate and the quantisation — in two
-passes and as the library's single one (``block_fused.gate_heads_input``); the FFN's SiLU·up and the
-quantisation of ``fc2``'s input, two passes as before and the library's single pass
-(``block_fused.swiglu_quantized``). ``--tiny`` runs the eager forms on a few rows on the CPU.
+``residual_norm``, and ``block_fused.run("norm_modulate")`` for the attention's input); ``out_proj``'s input
+— the softmax gate and the quantisation — in two passes and as the library's single one
+(``block_fused.gate_heads_input``); the FFN's SiLU·up and the quantisation of ``fc2``'s input, two passes as
+before and the library's single pass (``block_fused.swiglu_quantized``); for a bf16 ``fc2`` the SiLU·up
+written into ``fc1``'s output, the library's form and a Triton candidate
+(``candidate_kernels.swiglu_in_place``). ``--tiny`` runs the eager forms on a few rows on the CPU.
 
     python3 bench/fp8_stages.py --out results.json
 """
@@ -54,7 +55,7 @@ def main(argv=None) -> dict:
             equal[f"quantise {name}: library vs eager"] = same_codes(quantize_rows(x)[0], quantize_rows_reference(x)[0])
         # the block's norms: the attention's input (norm + modulation, bf16 rows), the FFN's (the residual after
         # the attention, then norm + modulation, quantised for an fp8 fc1), each as torch.compile's passes and
-        # as one Triton pass (the library's for the FFN's input, a candidate for the attention's)
+        # as the library's one Triton pass
         hidden = widths["qkv / fc1 input"]
         x = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
         y = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
@@ -64,13 +65,12 @@ def main(argv=None) -> dict:
         compiled = torch.compile if cuda else (lambda fn: fn)
         norm_passes, residual_passes = compiled(block_fused.norm_modulate), compiled(block_fused.gated_residual_)
         norm = (weight, shift, scale, table_rows, 1e-6)
-        ms["norm + modulation (library: torch.compile)"] = time_it(lambda: norm_passes(x, *norm))
+        ms["norm + modulation (torch.compile, before)"] = time_it(lambda: norm_passes(x, *norm))
         if cuda:
-            from h3_core.models._block_triton import block_norm_triton
-
-            ms["norm + modulation (one Triton pass, candidate)"] = time_it(lambda: block_norm_triton(x, *norm))
+            library_norm = lambda: block_fused.run(mode, "norm_modulate", x, *norm)  # noqa: E731
+            ms["norm + modulation (library: one Triton pass)"] = time_it(library_norm)
             equal["norm + modulation: Triton vs torch.compile (bf16 values)"] = same_values(
-                block_norm_triton(x, *norm), norm_passes(x, *norm))
+                library_norm(), norm_passes(x, *norm))
         norm_two = lambda: quantize_rows(norm_passes(x, *norm))  # noqa: E731
         norm_one = lambda: block_fused.norm_modulate_quantized(mode, x, *norm)  # noqa: E731
         ms["norm + modulation then quantise (two passes)"] = time_it(norm_two)
@@ -114,6 +114,18 @@ def main(argv=None) -> dict:
         one_pass = lambda: block_fused.swiglu_quantized(mode, gate_up if cuda else gate_up.clone())  # noqa: E731
         ms["SiLU·up and quantise in one pass (library)"] = time_it(one_pass)
         equal["SiLU·up + quantise: one pass vs two"] = same_codes(one_pass().codes, two_pass()[0])
+        # a bf16 fc2's input: SiLU·up written into fc1's output, torch.compile's form and a Triton candidate
+        library_swiglu = lambda: block_fused.run(mode, "swiglu_", gate_up.clone())  # noqa: E731
+        ms["SiLU·up in place, bf16 FFN (library, with a copy of fc1's output)"] = time_it(library_swiglu)
+        if cuda:
+            import candidate_kernels
+
+            for block_r, block_c, warps in ((4, 1024, 4), (1, 2048, 8), (8, 512, 4), (2, 2048, 8)):
+                candidate = lambda r=block_r, c=block_c, w=warps: candidate_kernels.swiglu_in_place(  # noqa: E731
+                    gate_up.clone(), r, c, w)
+                name = f"SiLU·up in place, bf16 FFN (Triton candidate, {block_r} × {block_c}, {warps} warps)"
+                ms[name + ", with a copy of fc1's output"] = time_it(candidate)
+                equal[name + " vs library (bf16 values)"] = same_values(candidate(), library_swiglu())
     return record.finish(result, args.out, cuda)
 
 
