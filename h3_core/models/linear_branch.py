@@ -115,10 +115,13 @@ def spd_inverse(M: torch.Tensor, base: int = 16, out: torch.Tensor | None = None
     def batched(t):  # [..., a, b] as [B, a, b]; .view, so what is written through it lands in ``out``
         return t.view(-1, *t.shape[-2:])
 
+    def flat(t):  # the same for what is only read (a copy where the batch dimensions do not flatten)
+        return t.reshape(-1, *t.shape[-2:])
+
     P, R, C = M[..., :h, :h], M[..., :h, h:], M[..., h:, h:]
     top_left, top_right = out[..., :h, :h], out[..., :h, h:]
-    X = batched(spd_inverse(P, base, top_left, leaf)) @ R.reshape(-1, *R.shape[-2:])
-    S = torch.baddbmm(C.reshape(-1, *C.shape[-2:]), R.transpose(-1, -2).reshape(-1, *R.shape[-1:-3:-1]), X, alpha=-1)
+    X = batched(spd_inverse(P, base, top_left, leaf)) @ flat(R)
+    S = torch.baddbmm(flat(C), flat(R).transpose(1, 2), X, alpha=-1)
     S_inv = spd_inverse(S.view(C.shape), base, out[..., h:, h:], leaf)
     neg_y = batched(top_right)
     torch.baddbmm(neg_y, X, batched(S_inv), beta=0, alpha=-1, out=neg_y)
