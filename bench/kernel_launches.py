@@ -109,34 +109,33 @@ def main(argv=None) -> dict:
         del T, J
 
         # the row quantisers: plain rows at the hidden width, the FFN's input normed and modulated, out_proj's
-        # input gated per head
-        x = randn(ROWS, HIDDEN)
-        # chunks, and the whole row in one chunk (as the earlier row-at-once kernels held it)
+        # input gated per head; each in chunks, and with the whole row in one chunk (as the earlier row-at-once
+        # kernels held it)
         chunks = ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (8192, 8), (8192, 16))
-        variants("quantise rows (5,376)", lambda: quantize_rows_triton(x, _SMALLEST_SCALE), {
-            f"{k} × {w} warps": (lambda k=k, w=w: quantize_rows_triton(x, _SMALLEST_SCALE, block_k=k, warps=w))
-            for k, w in chunks})
+
+        def chunked(kernel):  # the launches of a chunked kernel that takes block_k and warps
+            return {f"{k} × {w} warps": (lambda k=k, w=w: kernel(block_k=k, warps=w)) for k, w in chunks}
+
+        x = randn(ROWS, HIDDEN)
+        rows = lambda **kw: quantize_rows_triton(x, _SMALLEST_SCALE, **kw)  # noqa: E731
+        variants("quantise rows (5,376)", rows, chunked(rows))
         weight, shift, scale = randn(HIDDEN), randn(6, HIDDEN), randn(6, HIDDEN)
         table_rows = torch.randint(0, 6, (ROWS,), generator=g).to(device)
         norm = lambda **kw: _block_triton.block_norm_triton(  # noqa: E731
             x, weight, shift, scale, table_rows, 1e-6, smallest=_SMALLEST_SCALE, **kw)
-        variants("norm + modulation + quantise (5,376)", norm, {
-            f"{k} × {w} warps": (lambda k=k, w=w: norm(block_k=k, warps=w)) for k, w in chunks})
+        variants("norm + modulation + quantise (5,376)", norm, chunked(norm))
         plain_norm = lambda **kw: _block_triton.block_norm_triton(  # noqa: E731
             x, weight, shift, scale, table_rows, 1e-6, **kw)
-        variants("norm + modulation (5,376)", plain_norm, {
-            f"{k} × {w} warps": (lambda k=k, w=w: plain_norm(block_k=k, warps=w)) for k, w in chunks})
+        variants("norm + modulation (5,376)", plain_norm, chunked(plain_norm))
         # after the residual, which the kernel writes into y: each call on a copy of y (its time included)
         y, gate1 = randn(ROWS, HIDDEN), randn(6, HIDDEN)
         residual = lambda **kw: _block_triton.block_norm_triton(  # noqa: E731
             x, weight, shift, scale, table_rows, 1e-6, y.clone(), gate1, smallest=_SMALLEST_SCALE, **kw)
-        variants("residual + norm + modulation + quantise (5,376, with a copy of y)", residual, {
-            f"{k} × {w} warps": (lambda k=k, w=w: residual(block_k=k, warps=w)) for k, w in chunks})
+        variants("residual + norm + modulation + quantise (5,376, with a copy of y)", residual, chunked(residual))
         del x, y
         soft, gate = randn(ROWS, HEADS, HEAD_DIM), randn(ROWS, HEADS)
         gated = lambda **kw: gate_heads_quantize_triton(soft, gate, _SMALLEST_SCALE, **kw)  # noqa: E731
-        variants("softmax gate + quantise (7,168)", gated, {
-            f"{k} × {w} warps": (lambda k=k, w=w: gated(block_k=k, warps=w)) for k, w in chunks})
+        variants("softmax gate + quantise (7,168)", gated, chunked(gated))
         del soft
         gate_up = randn(ROWS, 2 * FFN)
         variants("SiLU·up + quantise", lambda: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE), {

@@ -28,10 +28,16 @@ import triton.language as tl
 
 
 @triton.jit
+def row_scale(amax, smallest):
+    """A row's scale ``max(amax / 448, smallest)`` (fp32, an IEEE division) from its lanes' largest |x|."""
+    return tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), smallest)
+
+
+@triton.jit
 def quantize_row(x, smallest):
-    """One row's quotients ``x / scale`` and its ``scale = max(amax / 448, smallest)`` (fp32, IEEE divisions),
-    for kernels that hold the row in registers (masked lanes hold 0)."""
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), smallest)
+    """One row's quotients ``x / scale`` and its ``row_scale``, for kernels that hold the row in registers (masked
+    lanes hold 0)."""
+    scale = row_scale(tl.abs(x), smallest)
     return tl.div_rn(x, scale), scale
 
 
@@ -55,7 +61,7 @@ def _quantize_chunked_kernel(src, gate, codes, scales, n_cols, s_row, s_gate, he
     for start in range(0, n_cols, BLOCK_K):
         x, mask = _gated_chunk(src, gate, row, s_row, s_gate, n_cols, head_dim, start, cols, GATED)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), smallest)
+    scale = row_scale(amax, smallest)
     for start in range(0, n_cols, BLOCK_K):
         x, mask = _gated_chunk(src, gate, row, s_row, s_gate, n_cols, head_dim, start, cols, GATED)
         tl.store(codes + row * n_cols + start + cols, tl.div_rn(x, scale).to(codes.dtype.element_ty), mask=mask)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._fp8_triton import chunk_launch, code_buffers
+from .._fp8_triton import chunk_launch, code_buffers, row_scale
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def _block_norm_kernel(x, y, gate, weight, shift, scale, table_rows, out, scales
             v, mask = _row_chunk(x, y, gate, row, entry, hidden, start, cols, RESIDUAL)
             amax = tl.maximum(amax, tl.abs(_modulate(v, weight, shift, scale, entry, hidden, inv, start, cols, mask,
                                                      dtype)))
-        q_scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), smallest)
+        q_scale = row_scale(amax, smallest)
         tl.store(scales + row, q_scale)
     for start in range(0, hidden, BLOCK_K):
         v, mask = _row_chunk(x, y, gate, row, entry, hidden, start, cols, RESIDUAL)

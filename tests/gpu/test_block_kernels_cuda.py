@@ -66,15 +66,12 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
         got, want = got.float(), want.float()
         return ((got - want).abs() <= want.abs() * step + 1e-6 * want.abs().max()).all()
 
-    def close_codes(got, want):
-        assert_codes_within_a_step(got, want, step)
-
     norm = (weight, shift, scale, rows, 1e-6)
     assert close(block_norm_triton(x, *norm), block_fused.run("eager", "norm_modulate", x, *norm))
     assert close(block_fused.run("compiled", "norm_modulate", x, *norm),  # the attention input's, by name
                  block_fused.run("eager", "norm_modulate", x, *norm))
-    close_codes(block_fused.norm_modulate_quantized("compiled", x, *norm),
-                quantize_input(block_fused.run("eager", "norm_modulate", x, *norm)))
+    assert_codes_within_a_step(block_fused.norm_modulate_quantized("compiled", x, *norm),
+                               quantize_input(block_fused.run("eager", "norm_modulate", x, *norm)), step)
     for quantized in (False, True):
         written = y.clone()
         got_x, got_h = block_fused.residual_norm("compiled", x, written, gate, rows, weight, shift, scale, 1e-6,
@@ -83,7 +80,7 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
                                                    quantized)
         assert got_x.data_ptr() == written.data_ptr() and close(got_x, residual) and close(want_x, residual)
         if quantized:
-            close_codes(got_h, want_h)
+            assert_codes_within_a_step(got_h, want_h, step)
         else:
             assert got_h.shape == (300, hidden) and got_h.dtype == dtype and close(got_h, want_h)
 

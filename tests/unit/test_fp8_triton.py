@@ -1,6 +1,7 @@
-"""The Triton row quantisers (h3_core._fp8_triton) against quantize_rows_reference (after the softmax gate or the
-FFN's product for the fused ones), under Triton's CPU interpreter. The interpreter's e4m3 cast is not the GPU's, so here the kernel keeps its fp32 quotients and
-the cast itself is checked on the GPU (tests/gpu/test_fp8_linear_cuda.py)."""
+"""The Triton row quantisers (h3_core._fp8_triton) against quantize_rows_reference (after the softmax gate or
+the FFN's product for the fused ones), under Triton's CPU interpreter. The interpreter's e4m3 cast is not the
+GPU's, so here the kernel keeps its fp32 quotients and the cast itself is checked on the GPU
+(tests/gpu/test_fp8_linear_cuda.py)."""
 
 import textwrap
 
