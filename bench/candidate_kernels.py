@@ -3,7 +3,7 @@
 ``swiglu_in_place``: the bf16 FFN's SiLU·up (``block_fused.swiglu_``: ``silu(gate) · up`` from ``fc1``'s output
 ``[T, 2·ffn]``, written into its gate half) as one Triton pass over tiles of rows × columns. torch.compile
 splits that in-place write into two kernels — the product into a buffer of its own, then a copy into the gate
-half: 2.10 + 1.43 ms per bf16 block at the release size (``bench/results/dit_block_kernels_bf16_leaf_inverse
+half: 2.20 + 1.44 ms per bf16 block at the release size (``bench/results/dit_block_kernels_bf16_leaf_inverse
 .json``) — where one pass reads the row once and writes the product once (≈ 9 GB, ≈ 2.5 ms at the H200's
 bandwidth). The product is rounded once to the rows' dtype, as the library's form stores it.
 """
