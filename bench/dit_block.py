@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
+from device_idle import idle_table  # noqa: E402
 
 from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq  # noqa: E402
@@ -264,6 +265,8 @@ def main(argv=None) -> dict:
                         help="q, k, v as strided views of one stacked GEMM (the layout before they came dense)")
     parser.add_argument("--kernels", type=int, default=0,
                         help="list this many CUDA kernels of one forward by time, and as many of its copies by shape")
+    parser.add_argument("--idle", type=int, default=0,
+                        help="one forward's device idle time by launch site, and this many of its longest gaps")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -300,6 +303,9 @@ def main(argv=None) -> dict:
             with torch.no_grad():
                 stats["kernels"] = kernel_table(lambda: block(x, temb, rows, rope, ctx), args.kernels)
                 stats["copies"] = copy_table(lambda: block(x, temb, rows, rope, ctx), args.kernels)
+        if args.idle and device.type == "cuda":
+            with torch.no_grad():
+                stats["idle"] = idle_table(lambda: block(x, temb, rows, rope, ctx), args.idle)
         result["blocks"][name] = stats
         del block, out
     text = record.write(result, args.out, indent=2)

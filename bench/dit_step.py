@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))  # dit_block's helpers, also when this f
 import record  # noqa: E402
 
 import dit_block  # noqa: E402
+from device_idle import idle_table  # noqa: E402
 
 from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.fp8_linear import quantize_linears  # noqa: E402
@@ -138,6 +139,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--low-memory", default="1:0", help="G:R = head groups : FFN chunk rows (0: none)")
     parser.add_argument("--cap-gib", type=float, default=None, help="limit this process to that much device memory")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--idle", type=int, default=0,
+                        help="one evaluation's device idle time by launch site, and this many of its longest gaps")
     parser.add_argument("--fused-branch", default=None, choices=("eager", "compiled"),
                         help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
     parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
@@ -203,6 +206,9 @@ def main(argv=None) -> dict:
             stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
             if args.profile:
                 stats["profile_s"] = profile(model, inputs, ctx, cuda)
+            if args.idle and cuda:
+                with torch.no_grad():
+                    stats["idle"] = idle_table(lambda: model(*inputs, hybrid=ctx), args.idle)
         except torch.OutOfMemoryError as exc:
             stats = dict(error=f"out of memory: {str(exc).splitlines()[0]}", allocated_before_gib=before)
         result["variants"][variant] = stats

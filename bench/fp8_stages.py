@@ -7,8 +7,8 @@ quantisation) — as ``torch.compile``'s passes and as the library's single pass
 — the softmax gate and the quantisation — in two passes and as the library's single one
 (``block_fused.gate_heads_input``); the FFN's SiLU·up and the quantisation of ``fc2``'s input, two passes as
 before and the library's single pass (``block_fused.swiglu_quantized``); for a bf16 ``fc2`` the SiLU·up
-written into ``fc1``'s output, the library's form and a Triton candidate
-(``candidate_kernels.swiglu_in_place``). ``--tiny`` runs the eager forms on a few rows on the CPU.
+written into ``fc1``'s output, torch.compile's form (before) and the library's Triton pass. ``--tiny`` runs the
+eager forms on a few rows on the CPU.
 
     python3 bench/fp8_stages.py --out results.json
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
 from h3_core.fp8_linear import quantize_rows, quantize_rows_reference  # noqa: E402
-from h3_core.models import block_fused  # noqa: E402
+from h3_core.models import block_fused, branch_fused  # noqa: E402
 
 WIDTHS = {"qkv / fc1 input": 5376, "out_proj / to_out_linear input": 7168, "fc2 input": 14336}
 
@@ -114,18 +114,13 @@ def main(argv=None) -> dict:
         one_pass = lambda: block_fused.swiglu_quantized(mode, gate_up if cuda else gate_up.clone())  # noqa: E731
         ms["SiLU·up and quantise in one pass (library)"] = time_it(one_pass)
         equal["SiLU·up + quantise: one pass vs two"] = same_codes(one_pass().codes, two_pass()[0])
-        # a bf16 fc2's input: SiLU·up written into fc1's output, torch.compile's form and a Triton candidate
+        # a bf16 fc2's input: SiLU·up written into fc1's output, torch.compile's form and the library's
+        compiled_swiglu = lambda: branch_fused.call(mode, block_fused.swiglu_, gate_up.clone())  # noqa: E731
         library_swiglu = lambda: block_fused.run(mode, "swiglu_", gate_up.clone())  # noqa: E731
-        ms["SiLU·up in place, bf16 FFN (library, with a copy of fc1's output)"] = time_it(library_swiglu)
-        if cuda:
-            import candidate_kernels
-
-            for block_r, block_c, warps in ((4, 1024, 4), (1, 2048, 8), (8, 512, 4), (2, 2048, 8)):
-                candidate = lambda r=block_r, c=block_c, w=warps: candidate_kernels.swiglu_in_place(  # noqa: E731
-                    gate_up.clone(), r, c, w)
-                name = f"SiLU·up in place, bf16 FFN (Triton candidate, {block_r} × {block_c}, {warps} warps)"
-                ms[name + ", with a copy of fc1's output"] = time_it(candidate)
-                equal[name + " vs library (bf16 values)"] = same_values(candidate(), library_swiglu())
+        ms["SiLU·up in place, bf16 FFN (torch.compile, before; with a copy of fc1's output)"] = time_it(compiled_swiglu)
+        ms["SiLU·up in place, bf16 FFN (library; with a copy of fc1's output)"] = time_it(library_swiglu)
+        equal["SiLU·up in place, bf16 FFN: library vs torch.compile (bf16 values)"] = same_values(
+            library_swiglu(), compiled_swiglu())
     return record.finish(result, args.out, cuda)
 
 

@@ -1,4 +1,4 @@
-"""The block's norms as Triton passes (see block_fused.py).
+"""The block's norms and the FFN's SiLU·up as Triton passes (see block_fused.py).
 
 ``qk_norm_rope``: each tile of rows is read once (its rotation partners again, from cache), normed, rotated
 and written, where the compiled form splits into a reduction kernel and a pointwise one that reads the rows
@@ -13,6 +13,10 @@ written into ``y``'s storage, as ``gated_residual_`` does), optionally quantised
 rows' dtype where the two-step path stores them; the row's norm is summed in fp32 in another order than
 torch's reduction, so a result may differ from the compiled form's by one rounding where it sits on a
 boundary.
+
+``swiglu``: the FFN's ``silu(gate) · up`` from ``fc1``'s output ``[T, 2·ffn]``, written into its gate half
+(``block_fused.swiglu_``) by one pass over tiles of rows × columns, each element read once and the product
+rounded once; torch.compile splits that in-place write into the product in a buffer of its own and a copy.
 """
 
 from __future__ import annotations
@@ -172,3 +176,28 @@ def block_norm_triton(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor
             scale.contiguous(), table_rows.contiguous(), out, scales, hidden, eps, smallest or 0.0, BLOCK_K=block_k,
             RESIDUAL=residual, QUANTIZE=quantize, num_warps=warps)
     return (out, scales) if quantize else out
+
+
+@triton.jit
+def _swiglu_kernel(gate_up, n_rows, ffn, s_row, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    mask = (rows < n_rows) & (cols < ffn)
+    gate_at = gate_up + rows * s_row + cols
+    gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_at + ffn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(gate_at, (gate * tl.sigmoid(gate) * up).to(gate_up.dtype.element_ty), mask=mask)
+
+
+def swiglu_triton(gate_up: torch.Tensor, block_r: int = 4, block_c: int = 1024, warps: int = 4) -> torch.Tensor:
+    """``block_fused.swiglu_(gate_up)``: ``gate_up`` ``[T, 2·ffn]`` (contiguous columns, any row stride), the
+    product written into its gate half, whose ``[T, ffn]`` view is returned. ``block_r`` rows × ``block_c``
+    columns a program and ``warps`` choose the launch (the H200's table in ``bench/results/dit_block.md``)."""
+    rows, width = gate_up.shape
+    ffn = width // 2
+    assert gate_up.stride(1) == 1 and width == 2 * ffn
+    if rows and ffn:
+        # rows on the grid's first axis: the others stop at 65,535 programs
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(ffn, block_c))
+        _swiglu_kernel[grid](gate_up, rows, ffn, gate_up.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return gate_up[:, :ffn]

@@ -156,7 +156,7 @@ _FUNCTIONS = {"norm_modulate": norm_modulate, "qk_norm_rope": qk_norm_rope, "gat
 
 def run(mode: str, name: str, *args):
     """Call the block's fused function ``name`` as ``mode`` says (``branch_fused.call``: ``"compiled"`` runs
-    ``qk_norm_rope`` on CUDA as its own Triton kernel)."""
+    ``qk_norm_rope``, ``norm_modulate`` and ``swiglu_`` on CUDA as their own Triton kernels)."""
     return branch_fused.call(mode, _FUNCTIONS[name], *args, name=name)
 
 

@@ -173,6 +173,7 @@ _TRITON = {"conv_features": ("h3_core.models._branch_triton", "conv_features_tri
            "gather": ("h3_core.models._branch_triton", "gather_triton"),
            "qk_norm_rope": ("h3_core.models._block_triton", "qk_norm_rope_triton"),
            "norm_modulate": ("h3_core.models._block_triton", "block_norm_triton"),
+           "swiglu_": ("h3_core.models._block_triton", "swiglu_triton"),
            "small_inverse": ("h3_core.models._branch_triton", "small_inverse_triton")}
 
 

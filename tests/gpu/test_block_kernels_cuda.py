@@ -85,6 +85,27 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
             assert got_h.shape == (300, hidden) and got_h.dtype == dtype and close(got_h, want_h)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_swiglu_matches_the_written_function(dtype):
+    """SiLU·up written into fc1's output by the Triton pass (the bf16 FFN's, by name) against the written
+    function: one fp32 product rounded once by both, the up half untouched; more rows than one grid axis of
+    a launch with a row a program holds (65,535)."""
+    if triton_kernel("swiglu_") is None:
+        pytest.skip("needs Triton")
+    from h3_core.models._block_triton import swiglu_triton
+
+    g = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(70_000, 2 * 96, generator=g) * 4).to(DEV, dtype)
+    want = block_fused.run("eager", "swiglu_", gate_up.clone())
+    step = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-6}[dtype]
+    for got_from in (lambda t: block_fused.run("compiled", "swiglu_", t), lambda t: swiglu_triton(t, 1, 128, 4)):
+        written = gate_up.clone()
+        got = got_from(written)
+        assert got.data_ptr() == written.data_ptr() and got.shape == (70_000, 96)
+        assert torch.equal(written[:, 96:], gate_up[:, 96:])
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * step + 1e-6).all()
+
+
 @pytest.mark.parametrize("normalize, with_beta", [(True, True), (False, True), (True, False)])
 def test_triton_conv_features_match_the_written_function(normalize, with_beta):
     from h3_core.models import branch_fused

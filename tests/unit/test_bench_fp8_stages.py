@@ -10,5 +10,5 @@ def test_fp8_stages_dry_run_on_the_cpu(tmp_path):
     spec.loader.exec_module(bench)
     result = bench.main(["--tiny", "--reps", "1", "--out", str(tmp_path / "fp8.json")])
     assert (tmp_path / "fp8.json").read_text().startswith("{")
-    assert len(result["ms"]) == 21 and all(ms >= 0 for ms in result["ms"].values())
+    assert len(result["ms"]) == 22 and all(ms >= 0 for ms in result["ms"].values())
     assert set(result["codes_equal"].values()) == {1.0}  # the CPU runs the eager quantiser both ways

@@ -1,6 +1,7 @@
 """The block's Triton norms (h3_core.models._block_triton) under Triton's CPU interpreter: q/k norm + RoPE
 against block_fused.qk_norm_rope on a slice of a fused projection (row and head strides of the real one); the
-block norm against norm_modulate, after gated_residual_, and quantised as quantize_rows_reference does."""
+block norm against norm_modulate, after gated_residual_, and quantised as quantize_rows_reference does; SiLU·up
+written into fc1's output against swiglu_."""
 
 import textwrap
 
@@ -77,3 +78,31 @@ BLOCK_NORM_CHECK = textwrap.dedent(
 
 def test_triton_block_norm_under_interpreter_matches_the_written_functions():
     assert run_interpreted(BLOCK_NORM_CHECK).split()[-1] == "OK"
+
+
+SWIGLU_CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core.models._block_triton import swiglu_triton
+    from h3_core.models.block_fused import swiglu_
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        # 37 rows of an FFN 40 wide, in a larger buffer (a row stride of its own); tiles that split the rows
+        # and the columns, or cover them
+        whole = (torch.randn(37, 96, generator=g) * 4).to(dtype)
+        want = swiglu_(whole[:, :80].clone())
+        for block_r, block_c in ((4, 16), (1, 64), (64, 8)):
+            buffer = whole.clone()
+            got = swiglu_triton(buffer[:, :80], block_r, block_c)
+            assert got.shape == (37, 40) and got.data_ptr() == buffer.data_ptr()
+            assert torch.equal(buffer[:, 40:], whole[:, 40:])  # the up half and the rest of the row untouched
+            step = 2**-7 if dtype == torch.bfloat16 else 1e-6
+            assert ((got.float() - want.float()).abs() <= want.float().abs() * step + 1e-6).all(), (dtype, block_r)
+    print("OK")
+    """
+)
+
+
+def test_triton_swiglu_under_interpreter_matches_the_written_function():
+    assert run_interpreted(SWIGLU_CHECK).split()[-1] == "OK"

@@ -49,7 +49,8 @@ CHECK = textwrap.dedent(
         fused = m(*args, hybrid=ctx)
     kernels = {{"qk_norm_rope", "conv_features", "readout", "scan", "gather", "small_inverse", "norm_modulate",
                "norm", "residual + norm"}}
-    assert used == kernels | (set(quantisers) if fp8 else set()), used
+    # an fp8 fc2 takes its input quantised as SiLU·up is formed; a bf16 one has it written in place
+    assert used == kernels | (set(quantisers) if fp8 else {{"swiglu_"}}), used
     for a, b in zip(fused, plain):
         if fp8:  # the interpreter's e4m3 cast is not the GPU's: the codes differ, not the computation
             assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.99
