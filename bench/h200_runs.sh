@@ -12,15 +12,18 @@
 #   step-bf16 bench/dit_step.py: dense H3 and VDN-H3 decomposed and flex in bf16, median of 3, blocks fused
 #   step-fp8  bench/dit_step.py: VDN-H3 decomposed and flex with fp8 linears (each step part fits one call;
 #             with flash-attn-4 on PYTHONPATH the same commands give the FA4 table)
+#   clocks    nvidia-smi dmon (power, temperatures, SM and memory clocks each second) beside one fp8 hybrid
+#             block timed ten times and the fp8 model evaluated twice (whether the model's kernels run slower
+#             than the block's under sustained load)
 #   caps      bench/dit_step.py at 80 and 24 GiB caps (the memory model's plan; expandable segments, so the
 #             memory left by building the model at full size on the device goes back)
-# Usage: bash bench/h200_runs.sh [checks] [branch] [fp8] [launches] [block] [kernels] [memory] [step-bf16] [step-fp8] [caps]
+# Usage: bash bench/h200_runs.sh [checks] [branch] [fp8] [launches] [block] [kernels] [memory] [step-bf16] [step-fp8] [clocks] [caps]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(checks branch fp8 launches block kernels memory step-bf16 step-fp8 caps)
+[ ${#parts[@]} -eq 0 ] && parts=(checks branch fp8 launches block kernels memory step-bf16 step-fp8 clocks caps)
 run() {  # name, command...
     local name="$1"; shift
     echo "== $name: $*"
@@ -50,12 +53,20 @@ for part in "${parts[@]}"; do
                 --profile --fused-blocks compiled --out "$out/dit_step_bf16.json" ;;
         step-fp8) run dit_step_fp8 python3 bench/dit_step.py --variants fp8-decomposed fp8-flex --reps 3 --profile \
                 --fused-blocks compiled --out "$out/dit_step_fp8.json" ;;
+        clocks)
+            nvidia-smi dmon -s pc -d 1 -o T > "$out/dmon.txt" 2>&1 &
+            dmon=$!
+            run dit_block_clocks python3 bench/dit_block.py --blocks hybrid --fp8 --reps 10 --profile \
+                --fused-blocks compiled --out "$out/dit_block_clocks.json"
+            run dit_step_clocks python3 bench/dit_step.py --variants fp8-decomposed --reps 2 --profile \
+                --fused-blocks compiled --out "$out/dit_step_clocks.json"
+            kill "$dmon" ;;
         caps)
             export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
             run dit_step_80 python3 bench/dit_step.py --variants bf16-decomposed --cap-gib 80 --reps 3 \
                 --fused-blocks compiled --out "$out/dit_step_cap80.json"
             run dit_step_24 python3 bench/dit_step.py --variants fp8-decomposed --cap-gib 24 --reps 1 \
                 --fused-blocks compiled --out "$out/dit_step_cap24.json" ;;
-        *) echo "unknown part $part (checks branch fp8 launches block kernels memory step-bf16 step-fp8 caps)"; exit 2 ;;
+        *) echo "unknown part $part (checks branch fp8 launches block kernels memory step-bf16 step-fp8 clocks caps)"; exit 2 ;;
     esac
 done
