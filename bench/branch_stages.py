@@ -10,7 +10,9 @@ Triton leaf kernel; the Cholesky form it replaced, an explicit inverse, ``choles
 (per frame, and the library's one Triton kernel at several tile sizes), the gather (plain, and the fused
 branch's one Triton pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or
 the library's one function: one Triton pass on CUDA); then the whole branch plain and fused
-(``h3_core.models.branch_fused``), fused also with the solve's leaves at 32 rows.
+(``h3_core.models.branch_fused``), fused also with the solve's leaves at 32 rows. Candidates: the solve's input
+(symmetrised Gram product + I) in one compiled pass; the readout's bf16 ``to_out_linear`` accumulated into the
+attention's output rows by its GEMM instead of added after it.
 ``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
@@ -136,9 +138,17 @@ def main(argv=None) -> dict:
             diff["statistics TF32 vs fp32"] = max_diff(lb.frame_statistics(kt, vt, beta), (A, B))
             torch.backends.cuda.matmul.allow_tf32 = False
 
-        # solve, scans, gather
+        # the solve's input I + A: the Gram product symmetrised (gram_statistics), then I added (solve), against
+        # one compiled pass doing both
         alpha = (torch.rand(frames, H, d, generator=g) * 0.5 + 0.5).to(device)
         eye = torch.eye(d, device=device)
+        gram = A + 1e-3 * torch.randn(A.shape, generator=g).to(device)  # as a GEMM leaves it: not quite symmetric
+        as_library = lambda: 0.5 * (gram + gram.transpose(-1, -2)) + eye  # noqa: E731
+        ms["solve's input: symmetrise, then add I (library, two passes)"] = time_it(as_library)
+        if "compiled" in modes:
+            one_pass = torch.compile(lambda m: 0.5 * (m + m.transpose(-1, -2)) + eye, dynamic=False)
+            ms["solve's input: symmetrise and add I in one compiled pass (candidate)"] = time_it(lambda: one_pass(gram))
+            diff["solve's input: one pass vs two"] = max_diff(one_pass(gram), as_library())
         ms["solve (library: inverse by halves, 16-row blocks)"] = time_it(lambda: lb.solve(alpha, A, B))
         T, J = lb.solve(alpha, A, B)
         T_ref, J_ref = lb.solve_reference(alpha.cpu(), A.cpu(), B.cpu())
@@ -196,6 +206,19 @@ def main(argv=None) -> dict:
                 lambda: branch_fused.run(mode, "readout", q.view(shape), state, norm_weight, logits))
             diff[f"readout {mode} vs three passes"] = max_diff(
                 branch_fused.run(mode, "readout", q.view(shape), state, norm_weight, logits), three_pass_readout(mode))
+
+        # the readout's to_out_linear (bf16) added into the attention's output rows: a GEMM then an add (library),
+        # or the GEMM accumulating into the rows (β = 1)
+        readout = torch.randn(frames * S, C, generator=g).to(device, dtype)
+        to_out = torch.randn(size["hidden"], C, generator=g).div(C**0.5).to(device, dtype)
+        attended = torch.randn(frames * S, size["hidden"], generator=g).to(device, dtype)
+        ms["copy of the attention's output rows (inside the two to_out_linear timings)"] = time_it(
+            lambda: attended.clone())
+        then_add = lambda: attended.clone().add_(torch.nn.functional.linear(readout, to_out))  # noqa: E731
+        accumulate = lambda: attended.clone().addmm_(readout, to_out.t())  # noqa: E731
+        ms["to_out_linear, then added into the output rows (library)"] = time_it(then_add)
+        ms["to_out_linear accumulated into the output rows (addmm, candidate)"] = time_it(accumulate)
+        diff["to_out_linear accumulated vs added"] = max_diff(accumulate(), then_add())
 
         # the whole branch
         for mode in [None] + modes:

@@ -17,6 +17,7 @@ def test_tiny_dry_run_times_every_stage(tmp_path):
     assert {"whole branch (plain)", "whole branch (eager)", "scans (prefix + suffix)"} <= set(result["ms"])
     assert result["max_diff"]["whole branch eager vs plain"] < 1e-5
     assert result["max_diff"]["k features eager vs plain"] < 1e-5
+    assert result["max_diff"]["to_out_linear accumulated vs added"] < 1e-4  # fp32 on the CPU: sums in another order
 
 
 def test_the_solves_timed_beside_the_library_solve_the_same_system():
