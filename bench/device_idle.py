@@ -2,10 +2,12 @@
 
 ``idle_table(run, top)`` profiles ``run()`` (CPU and CUDA activities, Python frames) and returns the span of
 device work, the time some device activity was running, the idle rest, and the idle time grouped by where
-the next device activity was launched from: the innermost ``h3_core`` (or, failing that, any) Python frame
-around its launch call. A gap whose next launch came after the device had already gone idle is the host
-being late (launch overhead, Python, a synchronisation); one whose launch came earlier is the device's own
-(a dependency between streams or a kernel's start-up). The ``top`` largest gaps are listed one by one.
+the next device activity was launched from: the innermost host op open around its launch call, with the
+innermost ``h3_core`` frame where the profile holds Python frames or stacks (torch 2.11's does not: its
+sites are op names, or none for a Triton launch). Gaps under ``SHORT_NS`` (back-to-back launches) are
+summed as one group. A gap whose next launch came after the device had already gone idle is the host being
+late (launch overhead, Python, a synchronisation); one whose launch came earlier is the device's own (a
+dependency between streams or a kernel's start-up). The ``top`` largest gaps are listed one by one.
 """
 
 from __future__ import annotations
