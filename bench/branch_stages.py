@@ -10,9 +10,10 @@ Triton leaf kernel; the Cholesky form it replaced, an explicit inverse, ``choles
 (per frame, and the library's one Triton kernel at several tile sizes), the gather (plain, and the fused
 branch's one Triton pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or
 the library's one function: one Triton pass on CUDA); then the whole branch plain and fused
-(``h3_core.models.branch_fused``), fused also with the solve's leaves at 32 rows. Candidates: the solve's input
-(symmetrised Gram product + I) in one compiled pass; the readout's bf16 ``to_out_linear`` accumulated into the
-attention's output rows by its GEMM instead of added after it.
+(``h3_core.models.branch_fused``), fused also with the solve's leaves at 32 rows. Candidates: a Triton
+spatial conv (``candidate_kernels.spatial_conv_rolling``); the solve's input (symmetrised Gram product + I)
+in one compiled pass; the readout's bf16 ``to_out_linear`` accumulated into the attention's output rows by
+its GEMM instead of added after it.
 ``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
@@ -114,6 +115,15 @@ def main(argv=None) -> dict:
         ms[name] = time_it(first)
         diff[name + " vs cuDNN"] = max_diff(first(), spatial)
         modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
+        if "compiled" in modes:  # a Triton candidate: rolling output rows over tiles of columns × channels
+            import candidate_kernels
+
+            for block_x, block_c, warps in ((16, 64, 4), (16, 128, 4), (8, 64, 2), (16, 64, 8)):
+                name = f"spatial conv, Triton candidate ({block_x} columns × {block_c} channels, {warps} warps)"
+                candidate = lambda bx=block_x, bc=block_c, w=warps: candidate_kernels.spatial_conv_rolling(  # noqa: E731
+                    dense_k, weights[0], grid, bx, bc, w)
+                ms[name] = time_it(candidate)
+                diff[name + " vs cuDNN"] = max_diff(candidate(), spatial)
         for mode in modes:
             ms[f"temporal + SiLU + L2 ({mode})"] = time_it(
                 lambda: branch_fused.run(mode, "conv_features", spatial, weights[1], H, True))
