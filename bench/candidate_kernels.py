@@ -8,9 +8,11 @@ horizontal tap (five loads, the later four from cache), and a sum is written whe
 Earlier Triton forms lost to cuDNN — a program per output row loading all 25 taps (6.6 ms), the same
 rolling walk over whole 42-column rows padded to 64 lanes with its taps' weights loaded inside the walk
 (5.2–9.2 ms), flattened token tiles (20.9–95.4 ms). This one keeps a third of the lanes the whole-row walk
-left idle (tiles of 16 columns: 48 lanes for 42 columns), loads the 25 weight vectors once before the walk
-(a load inside it cannot be hoisted past the stores) and holds a quarter of the registers per program
-(16 columns × 64 channels a tile), so more programs share a multiprocessor to hide the loads' latency.
+left idle (tiles of 16 columns: 48 lanes for 42 columns) and holds fewer registers per program (16 columns ×
+64 channels a tile), so more programs share a multiprocessor to hide the loads' latency. Its weights come
+widened to fp32 (no conversions in the walk) and are either loaded once before the walk (``hoist``: a load
+inside it cannot be hoisted past the stores, but 25 vectors of a thread's channels cost registers) or as
+each tap column is used (from cache); the benchmark times both.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _tap_row(weight, chans, chan_ok, dy: tl.constexpr):
-    """The five horizontal taps of tap row ``dy`` for the tile's channels, fp32 ``[1, BLOCK_C]`` each."""
-    at = weight + chans * 25 + dy * 5
-    w0 = tl.load(at + 0, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
-    w1 = tl.load(at + 1, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(at + 2, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
-    w3 = tl.load(at + 3, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
-    w4 = tl.load(at + 4, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+def _tap_column(weight, chans, chan_ok, dx: tl.constexpr):
+    """The five vertical taps (dy = 0..4) of tap column ``dx`` for the tile's channels, ``[1, BLOCK_C]`` each."""
+    at = weight + chans * 25 + dx
+    w0 = tl.load(at + 0, mask=chan_ok, other=0.0)[None, :]
+    w1 = tl.load(at + 5, mask=chan_ok, other=0.0)[None, :]
+    w2 = tl.load(at + 10, mask=chan_ok, other=0.0)[None, :]
+    w3 = tl.load(at + 15, mask=chan_ok, other=0.0)[None, :]
+    w4 = tl.load(at + 20, mask=chan_ok, other=0.0)[None, :]
     return w0, w1, w2, w3, w4
 
 
@@ -41,19 +43,30 @@ def _shifted(row_at, cols, dx: tl.constexpr, grid_w, s_token, chan_ok, row_ok):
 
 
 @triton.jit
-def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_frame, s_token,
-                                 BLOCK_X: tl.constexpr, BLOCK_C: tl.constexpr):
+def _add_taps(a0, a1, a2, a3, a4, x, w0, w1, w2, w3, w4):
+    """One shifted input row into the five rolling sums: sum k (output row i − 2 + k) takes tap row 4 − k."""
+    return a0 + x * w4, a1 + x * w3, a2 + x * w2, a3 + x * w1, a4 + x * w0
+
+
+@triton.jit(do_not_specialize=["s_chan"])
+def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_frame, s_token, s_chan,
+                                 BLOCK_X: tl.constexpr, BLOCK_C: tl.constexpr, HOIST: tl.constexpr,
+                                 SCALAR: tl.constexpr):
     chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    # SCALAR: the input's channels read through a stride only known at run time (1), so the compiler cannot
+    # vectorise along them and lays a thread over one channel at several columns, not eight channels at one
+    # column: 25 weights a thread instead of 200
+    read = chans * s_chan if SCALAR else chans
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     frame = tl.program_id(2).to(tl.int64)
     chan_ok = chans < channels
     out_mask = (cols < grid_w)[:, None] & chan_ok[None, :]
-    # w{dy}{dx}: tap (dy, dx); an input row i feeds output row i − 2 + k with tap row dy = 4 − k
-    w00, w01, w02, w03, w04 = _tap_row(weight, chans, chan_ok, 0)
-    w10, w11, w12, w13, w14 = _tap_row(weight, chans, chan_ok, 1)
-    w20, w21, w22, w23, w24 = _tap_row(weight, chans, chan_ok, 2)
-    w30, w31, w32, w33, w34 = _tap_row(weight, chans, chan_ok, 3)
-    w40, w41, w42, w43, w44 = _tap_row(weight, chans, chan_ok, 4)
+    if HOIST:  # w{dy}{dx}: all 25 taps held through the walk
+        w00, w10, w20, w30, w40 = _tap_column(weight, chans, chan_ok, 0)
+        w01, w11, w21, w31, w41 = _tap_column(weight, chans, chan_ok, 1)
+        w02, w12, w22, w32, w42 = _tap_column(weight, chans, chan_ok, 2)
+        w03, w13, w23, w33, w43 = _tap_column(weight, chans, chan_ok, 3)
+        w04, w14, w24, w34, w44 = _tap_column(weight, chans, chan_ok, 4)
     a0 = tl.zeros((BLOCK_X, BLOCK_C), dtype=tl.float32)  # output row i − 2
     a1 = tl.zeros((BLOCK_X, BLOCK_C), dtype=tl.float32)
     a2 = tl.zeros((BLOCK_X, BLOCK_C), dtype=tl.float32)
@@ -61,37 +74,27 @@ def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_f
     a4 = tl.zeros((BLOCK_X, BLOCK_C), dtype=tl.float32)  # output row i + 2
     for i in range(grid_h + 2):
         row_ok = i < grid_h
-        row_at = src + frame * s_frame + (i * grid_w).to(tl.int64) * s_token + chans[None, :]
+        row_at = src + frame * s_frame + (i * grid_w).to(tl.int64) * s_token + read[None, :]
+        if not HOIST:  # each tap column's five weights loaded as it is used (from cache)
+            w00, w10, w20, w30, w40 = _tap_column(weight, chans, chan_ok, 0)
         x = _shifted(row_at, cols, 0, grid_w, s_token, chan_ok, row_ok)
-        a0 += x * w40
-        a1 += x * w30
-        a2 += x * w20
-        a3 += x * w10
-        a4 += x * w00
+        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w00, w10, w20, w30, w40)
+        if not HOIST:
+            w01, w11, w21, w31, w41 = _tap_column(weight, chans, chan_ok, 1)
         x = _shifted(row_at, cols, 1, grid_w, s_token, chan_ok, row_ok)
-        a0 += x * w41
-        a1 += x * w31
-        a2 += x * w21
-        a3 += x * w11
-        a4 += x * w01
+        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w01, w11, w21, w31, w41)
+        if not HOIST:
+            w02, w12, w22, w32, w42 = _tap_column(weight, chans, chan_ok, 2)
         x = _shifted(row_at, cols, 2, grid_w, s_token, chan_ok, row_ok)
-        a0 += x * w42
-        a1 += x * w32
-        a2 += x * w22
-        a3 += x * w12
-        a4 += x * w02
+        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w02, w12, w22, w32, w42)
+        if not HOIST:
+            w03, w13, w23, w33, w43 = _tap_column(weight, chans, chan_ok, 3)
         x = _shifted(row_at, cols, 3, grid_w, s_token, chan_ok, row_ok)
-        a0 += x * w43
-        a1 += x * w33
-        a2 += x * w23
-        a3 += x * w13
-        a4 += x * w03
+        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w03, w13, w23, w33, w43)
+        if not HOIST:
+            w04, w14, w24, w34, w44 = _tap_column(weight, chans, chan_ok, 4)
         x = _shifted(row_at, cols, 4, grid_w, s_token, chan_ok, row_ok)
-        a0 += x * w44
-        a1 += x * w34
-        a2 += x * w24
-        a3 += x * w14
-        a4 += x * w04
+        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w04, w14, w24, w34, w44)
         done = i - 2  # output row i − 2 has all five of its input rows
         if done >= 0:
             token = (frame * grid_h + done) * grid_w + cols.to(tl.int64)
@@ -101,18 +104,21 @@ def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_f
 
 
 def spatial_conv_rolling(x: torch.Tensor, weight: torch.Tensor, grid, block_x: int = 16, block_c: int = 64,
-                         warps: int = 4) -> torch.Tensor:
+                         warps: int = 4, hoist: bool = True, scalar: bool = False) -> torch.Tensor:
     """``branch_fused.spatial_conv`` for a 5×5 ``weight`` ``[C, 1, 5, 5]``: contiguous ``[F, S, C]`` from ``x``
     ``[F, S, C]`` with a contiguous last dimension (any frame and token strides). ``block_x`` columns ×
-    ``block_c`` channels a program and ``warps`` choose the launch; the numbers do not depend on it (each
-    output is its 25 products summed in fp32 in one order, rounded once)."""
+    ``block_c`` channels a program, ``warps``, ``hoist`` (the 25 weights held through the walk, or loaded as
+    each tap column is used) and ``scalar`` (the input's channels read one a thread) choose the launch; the
+    numbers do not depend on it (each output is its 25 products summed in fp32 in one order, rounded once;
+    the weights rounded to ``x``'s dtype, as the library form convolves with them, and widened once here)."""
     frames, tokens, channels = x.shape
     grid_h, grid_w = grid
     assert x.stride(2) == 1 and tokens == grid_h * grid_w and tuple(weight.shape[-2:]) == (5, 5)
     out = torch.empty(frames, tokens, channels, dtype=x.dtype, device=x.device)
     if out.numel():
+        taps = weight.reshape(channels, 25).to(x.dtype).float().contiguous()
         launch = (triton.cdiv(channels, block_c), triton.cdiv(grid_w, block_x), frames)
-        _spatial_conv_rolling_kernel[launch](
-            x, weight.reshape(channels, 25).to(x.dtype).contiguous(), out, grid_h, grid_w, channels, x.stride(0),
-            x.stride(1), BLOCK_X=block_x, BLOCK_C=block_c, num_warps=warps)
+        _spatial_conv_rolling_kernel[launch](x, taps, out, grid_h, grid_w, channels, x.stride(0), x.stride(1), 1,
+                                             BLOCK_X=block_x, BLOCK_C=block_c, HOIST=hoist, SCALAR=scalar,
+                                             num_warps=warps)
     return out

@@ -18,14 +18,16 @@ CHECK = textwrap.dedent(
     stacked = torch.randn(3, 35, 3, C, generator=g)
     x = stacked[:, :, 1]
     want = spatial_conv(x.contiguous(), weight, grid)
-    for block_x, block_c in ((4, 16), (8, 64), (2, 8)):
-        got = spatial_conv_rolling(x, weight, grid, block_x, block_c)
+    for block_x, block_c, hoist, scalar in ((4, 16, True, False), (8, 64, False, True), (2, 8, True, True)):
+        got = spatial_conv_rolling(x, weight, grid, block_x, block_c, hoist=hoist, scalar=scalar)
         assert got.shape == (3, 35, C) and got.is_contiguous()
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (block_x, block_c)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (block_x, block_c, hoist, scalar)
     half = x.to(torch.bfloat16)
-    got, want = spatial_conv_rolling(half, weight, grid).float(), spatial_conv(half.contiguous(), weight, grid).float()
-    # both sum 25 products of bf16 values in fp32 and round once, in other orders: one bf16 step apart
-    assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-6 * want.abs().max()).all()
+    want = spatial_conv(half.contiguous(), weight, grid).float()
+    for hoist in (True, False):
+        got = spatial_conv_rolling(half, weight, grid, hoist=hoist).float()
+        # both sum 25 products of bf16 values in fp32 and round once, in other orders: one bf16 step apart
+        assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-6 * want.abs().max()).all(), hoist
     print("OK")
     """
 )
