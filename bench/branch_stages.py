@@ -118,14 +118,10 @@ def main(argv=None) -> dict:
         if "compiled" in modes:  # a Triton candidate: rolling output rows over tiles of columns × channels
             import candidate_kernels
 
-            # (columns, channels, warps, weights held through the walk, one channel a thread); registers a
-            # thread as ptxas (Triton 3.8, sm_90) allots them: 244, 242, 168, 178, 168
-            for launch in ((16, 64, 4, True, False), (16, 64, 4, False, False), (8, 64, 2, True, False),
-                           (16, 64, 8, True, False), (16, 32, 4, True, True)):
-                block_x, block_c, warps, hoist, scalar = launch
-                name = (f"spatial conv, Triton candidate ({block_x} columns × {block_c} channels, {warps} warps"
-                        + (", weights loaded in the walk" if not hoist else "")
-                        + (", a channel a thread" if scalar else "") + ")")
+            for launch in candidate_kernels.SPATIAL_CONV_LAUNCHES:
+                block_x, block_c, warps, hoist = launch
+                name = (f"spatial conv, Triton candidate ({block_x} columns × {block_c} channels, {warps} warps, "
+                        f"weights {'held' if hoist else 'loaded in the walk'})")
                 candidate = lambda launch=launch: candidate_kernels.spatial_conv_rolling(  # noqa: E731
                     dense_k, weights[0], grid, *launch)
                 ms[name] = time_it(candidate)

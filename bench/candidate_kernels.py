@@ -6,13 +6,17 @@ write its tensor once). Each program walks one frame's grid row by row for a til
 holding the five output rows an input row feeds as rolling fp32 sums: every input row is loaded once per
 horizontal tap (five loads, the later four from cache), and a sum is written when its last input row is in.
 Earlier Triton forms lost to cuDNN — a program per output row loading all 25 taps (6.6 ms), the same
-rolling walk over whole 42-column rows padded to 64 lanes with its taps' weights loaded inside the walk
-(5.2–9.2 ms), flattened token tiles (20.9–95.4 ms). This one keeps a third of the lanes the whole-row walk
-left idle (tiles of 16 columns: 48 lanes for 42 columns) and holds fewer registers per program (16 columns ×
-64 channels a tile), so more programs share a multiprocessor to hide the loads' latency. Its weights come
-widened to fp32 (no conversions in the walk) and are either loaded once before the walk (``hoist``: a load
-inside it cannot be hoisted past the stores, but 25 vectors of a thread's channels cost registers) or as
-each tap column is used (from cache); the benchmark times both.
+rolling walk over whole 42-column rows padded to 64 lanes with its bf16 weights loaded and widened inside
+the walk (5.2–9.2 ms, ``branch_stages_rows_candidate.json``), flattened token tiles (20.9–95.4 ms). Their
+registers were not what held that walk back: compiled for the H200 (``bench/kernel_registers.py``) its
+fastest launch (32 channels, 4 warps: 5.3 ms) takes 254 registers a thread with no stack, and its leaner
+ones were slower (16 channels: 165 registers, 6.4 ms; 8 warps: 174, 9.2 ms). Both of those forms put frames
+on the grid's first axis, so the programs running together read the same channels of different frames, 64
+bytes out of each 14 KB token row. Here the channel blocks come first: programs running together read
+neighbouring channels of the same rows, the whole row between them. Tiles of 16 columns leave 6 of 48 lanes
+idle (the whole-row walk 22 of 64), and the weights come widened to fp32 once, either held through the walk
+(``hoist``) or loaded as each tap column is used (from cache). One launch holds eight channels a thread at
+one column and so 200 registers of weights, and spills (a control); the others take 64–125 registers.
 """
 
 from __future__ import annotations
@@ -48,15 +52,10 @@ def _add_taps(a0, a1, a2, a3, a4, x, w0, w1, w2, w3, w4):
     return a0 + x * w4, a1 + x * w3, a2 + x * w2, a3 + x * w1, a4 + x * w0
 
 
-@triton.jit(do_not_specialize=["s_chan"])
-def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_frame, s_token, s_chan,
-                                 BLOCK_X: tl.constexpr, BLOCK_C: tl.constexpr, HOIST: tl.constexpr,
-                                 SCALAR: tl.constexpr):
+@triton.jit
+def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_frame, s_token,
+                                 BLOCK_X: tl.constexpr, BLOCK_C: tl.constexpr, HOIST: tl.constexpr):
     chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    # SCALAR: the input's channels read through a stride only known at run time (1), so the compiler cannot
-    # vectorise along them and lays a thread over one channel at several columns, not eight channels at one
-    # column: 25 weights a thread instead of 200
-    read = chans * s_chan if SCALAR else chans
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     frame = tl.program_id(2).to(tl.int64)
     chan_ok = chans < channels
@@ -74,7 +73,7 @@ def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_f
     a4 = tl.zeros((BLOCK_X, BLOCK_C), dtype=tl.float32)  # output row i + 2
     for i in range(grid_h + 2):
         row_ok = i < grid_h
-        row_at = src + frame * s_frame + (i * grid_w).to(tl.int64) * s_token + read[None, :]
+        row_at = src + frame * s_frame + (i * grid_w).to(tl.int64) * s_token + chans[None, :]
         if not HOIST:  # each tap column's five weights loaded as it is used (from cache)
             w00, w10, w20, w30, w40 = _tap_column(weight, chans, chan_ok, 0)
         x = _shifted(row_at, cols, 0, grid_w, s_token, chan_ok, row_ok)
@@ -103,14 +102,22 @@ def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_f
         a4 = tl.zeros((BLOCK_X, BLOCK_C), dtype=tl.float32)
 
 
-def spatial_conv_rolling(x: torch.Tensor, weight: torch.Tensor, grid, block_x: int = 16, block_c: int = 64,
-                         warps: int = 4, hoist: bool = True, scalar: bool = False) -> torch.Tensor:
+# (columns, channels, warps, weights held through the walk) timed by branch_stages.py; registers a thread and
+# stack as ptxas gives them for sm_90 (bench/kernel_registers.py, Triton 3.8): the first, eight channels a
+# thread at one column, holds 200 registers of weights alone and spills (255 and 200 bytes of stack); the
+# others 64–125 registers, no stack
+SPATIAL_CONV_LAUNCHES = ((16, 64, 4, True), (16, 64, 8, False), (16, 32, 8, True), (16, 32, 4, False),
+                         (8, 64, 8, False), (16, 16, 4, False))
+
+
+def spatial_conv_rolling(x: torch.Tensor, weight: torch.Tensor, grid, block_x: int = 16, block_c: int = 32,
+                         warps: int = 8, hoist: bool = True) -> torch.Tensor:
     """``branch_fused.spatial_conv`` for a 5×5 ``weight`` ``[C, 1, 5, 5]``: contiguous ``[F, S, C]`` from ``x``
     ``[F, S, C]`` with a contiguous last dimension (any frame and token strides). ``block_x`` columns ×
-    ``block_c`` channels a program, ``warps``, ``hoist`` (the 25 weights held through the walk, or loaded as
-    each tap column is used) and ``scalar`` (the input's channels read one a thread) choose the launch; the
-    numbers do not depend on it (each output is its 25 products summed in fp32 in one order, rounded once;
-    the weights rounded to ``x``'s dtype, as the library form convolves with them, and widened once here)."""
+    ``block_c`` channels a program, ``warps`` and ``hoist`` (the 25 weights held through the walk, or loaded as
+    each tap column is used) choose the launch; the numbers do not depend on it (each output is its 25
+    products summed in fp32 in one order, rounded once; the weights rounded to ``x``'s dtype, as the library
+    form convolves with them, and widened once here)."""
     frames, tokens, channels = x.shape
     grid_h, grid_w = grid
     assert x.stride(2) == 1 and tokens == grid_h * grid_w and tuple(weight.shape[-2:]) == (5, 5)
@@ -118,7 +125,6 @@ def spatial_conv_rolling(x: torch.Tensor, weight: torch.Tensor, grid, block_x: i
     if out.numel():
         taps = weight.reshape(channels, 25).to(x.dtype).float().contiguous()
         launch = (triton.cdiv(channels, block_c), triton.cdiv(grid_w, block_x), frames)
-        _spatial_conv_rolling_kernel[launch](x, taps, out, grid_h, grid_w, channels, x.stride(0), x.stride(1), 1,
-                                             BLOCK_X=block_x, BLOCK_C=block_c, HOIST=hoist, SCALAR=scalar,
-                                             num_warps=warps)
+        _spatial_conv_rolling_kernel[launch](x, taps, out, grid_h, grid_w, channels, x.stride(0), x.stride(1),
+                                             BLOCK_X=block_x, BLOCK_C=block_c, HOIST=hoist, num_warps=warps)
     return out

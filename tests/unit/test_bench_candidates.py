@@ -18,10 +18,10 @@ CHECK = textwrap.dedent(
     stacked = torch.randn(3, 35, 3, C, generator=g)
     x = stacked[:, :, 1]
     want = spatial_conv(x.contiguous(), weight, grid)
-    for block_x, block_c, hoist, scalar in ((4, 16, True, False), (8, 64, False, True), (2, 8, True, True)):
-        got = spatial_conv_rolling(x, weight, grid, block_x, block_c, hoist=hoist, scalar=scalar)
+    for block_x, block_c, hoist in ((4, 16, True), (8, 64, False), (2, 8, True)):
+        got = spatial_conv_rolling(x, weight, grid, block_x, block_c, hoist=hoist)
         assert got.shape == (3, 35, C) and got.is_contiguous()
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (block_x, block_c, hoist, scalar)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (block_x, block_c, hoist)
     half = x.to(torch.bfloat16)
     want = spatial_conv(half.contiguous(), weight, grid).float()
     for hoist in (True, False):
