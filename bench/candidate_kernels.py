@@ -47,8 +47,13 @@ def _shifted(row_at, cols, dx: tl.constexpr, grid_w, s_token, chan_ok, row_ok):
 
 
 @triton.jit
-def _add_taps(a0, a1, a2, a3, a4, x, w0, w1, w2, w3, w4):
-    """One shifted input row into the five rolling sums: sum k (output row i − 2 + k) takes tap row 4 − k."""
+def _tap_column_into(a0, a1, a2, a3, a4, row_at, cols, grid_w, s_token, chan_ok, row_ok, weight, chans,
+                     dx: tl.constexpr, w0, w1, w2, w3, w4, HOIST: tl.constexpr):
+    """The input row shifted by tap column ``dx`` into the five rolling sums (sum k, output row i − 2 + k, takes
+    tap row 4 − k), with the column's weights ``w0..w4`` as held (``HOIST``) or loaded here."""
+    if not HOIST:
+        w0, w1, w2, w3, w4 = _tap_column(weight, chans, chan_ok, dx)
+    x = _shifted(row_at, cols, dx, grid_w, s_token, chan_ok, row_ok)
     return a0 + x * w4, a1 + x * w3, a2 + x * w2, a3 + x * w1, a4 + x * w0
 
 
@@ -60,12 +65,12 @@ def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_f
     frame = tl.program_id(2).to(tl.int64)
     chan_ok = chans < channels
     out_mask = (cols < grid_w)[:, None] & chan_ok[None, :]
-    if HOIST:  # w{dy}{dx}: all 25 taps held through the walk
-        w00, w10, w20, w30, w40 = _tap_column(weight, chans, chan_ok, 0)
-        w01, w11, w21, w31, w41 = _tap_column(weight, chans, chan_ok, 1)
-        w02, w12, w22, w32, w42 = _tap_column(weight, chans, chan_ok, 2)
-        w03, w13, w23, w33, w43 = _tap_column(weight, chans, chan_ok, 3)
-        w04, w14, w24, w34, w44 = _tap_column(weight, chans, chan_ok, 4)
+    # w{dy}{dx}: tap (dy, dx), held through the walk with HOIST (without it unused, and dropped by the compiler)
+    w00, w10, w20, w30, w40 = _tap_column(weight, chans, chan_ok, 0)
+    w01, w11, w21, w31, w41 = _tap_column(weight, chans, chan_ok, 1)
+    w02, w12, w22, w32, w42 = _tap_column(weight, chans, chan_ok, 2)
+    w03, w13, w23, w33, w43 = _tap_column(weight, chans, chan_ok, 3)
+    w04, w14, w24, w34, w44 = _tap_column(weight, chans, chan_ok, 4)
     a0 = tl.zeros((BLOCK_X, BLOCK_C), dtype=tl.float32)  # output row i − 2
     a1 = tl.zeros((BLOCK_X, BLOCK_C), dtype=tl.float32)
     a2 = tl.zeros((BLOCK_X, BLOCK_C), dtype=tl.float32)
@@ -74,26 +79,16 @@ def _spatial_conv_rolling_kernel(src, weight, dst, grid_h, grid_w, channels, s_f
     for i in range(grid_h + 2):
         row_ok = i < grid_h
         row_at = src + frame * s_frame + (i * grid_w).to(tl.int64) * s_token + chans[None, :]
-        if not HOIST:  # each tap column's five weights loaded as it is used (from cache)
-            w00, w10, w20, w30, w40 = _tap_column(weight, chans, chan_ok, 0)
-        x = _shifted(row_at, cols, 0, grid_w, s_token, chan_ok, row_ok)
-        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w00, w10, w20, w30, w40)
-        if not HOIST:
-            w01, w11, w21, w31, w41 = _tap_column(weight, chans, chan_ok, 1)
-        x = _shifted(row_at, cols, 1, grid_w, s_token, chan_ok, row_ok)
-        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w01, w11, w21, w31, w41)
-        if not HOIST:
-            w02, w12, w22, w32, w42 = _tap_column(weight, chans, chan_ok, 2)
-        x = _shifted(row_at, cols, 2, grid_w, s_token, chan_ok, row_ok)
-        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w02, w12, w22, w32, w42)
-        if not HOIST:
-            w03, w13, w23, w33, w43 = _tap_column(weight, chans, chan_ok, 3)
-        x = _shifted(row_at, cols, 3, grid_w, s_token, chan_ok, row_ok)
-        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w03, w13, w23, w33, w43)
-        if not HOIST:
-            w04, w14, w24, w34, w44 = _tap_column(weight, chans, chan_ok, 4)
-        x = _shifted(row_at, cols, 4, grid_w, s_token, chan_ok, row_ok)
-        a0, a1, a2, a3, a4 = _add_taps(a0, a1, a2, a3, a4, x, w04, w14, w24, w34, w44)
+        a0, a1, a2, a3, a4 = _tap_column_into(a0, a1, a2, a3, a4, row_at, cols, grid_w, s_token, chan_ok, row_ok,
+                                              weight, chans, 0, w00, w10, w20, w30, w40, HOIST)
+        a0, a1, a2, a3, a4 = _tap_column_into(a0, a1, a2, a3, a4, row_at, cols, grid_w, s_token, chan_ok, row_ok,
+                                              weight, chans, 1, w01, w11, w21, w31, w41, HOIST)
+        a0, a1, a2, a3, a4 = _tap_column_into(a0, a1, a2, a3, a4, row_at, cols, grid_w, s_token, chan_ok, row_ok,
+                                              weight, chans, 2, w02, w12, w22, w32, w42, HOIST)
+        a0, a1, a2, a3, a4 = _tap_column_into(a0, a1, a2, a3, a4, row_at, cols, grid_w, s_token, chan_ok, row_ok,
+                                              weight, chans, 3, w03, w13, w23, w33, w43, HOIST)
+        a0, a1, a2, a3, a4 = _tap_column_into(a0, a1, a2, a3, a4, row_at, cols, grid_w, s_token, chan_ok, row_ok,
+                                              weight, chans, 4, w04, w14, w24, w34, w44, HOIST)
         done = i - 2  # output row i − 2 has all five of its input rows
         if done >= 0:
             token = (frame * grid_h + done) * grid_w + cols.to(tl.int64)
