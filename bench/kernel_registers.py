@@ -1,6 +1,7 @@
 """What ptxas gives a Triton kernel on the H200 (sm_90), found on any machine: Triton compiles the kernel for
 that target with the toolchain in its wheel, no GPU needed, and ``cuobjdump`` reads the registers a thread,
-the stack (spilled registers and local arrays, bytes a thread) and the static shared memory off the cubin.
+the stack (spilled registers and local arrays, bytes a thread) and the static shared memory off the cubin;
+the PTX shows how wide its global loads and stores are.
 
 A thread with more than 255 registers' worth of live values spills to the stack, and registers above 128
 (64 K a multiprocessor) leave room for fewer than four warps of 128 threads — both slow a memory-bound kernel
@@ -14,8 +15,10 @@ kernels at their release-size launches (``LIBRARY``), and the spatial conv candi
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 H200 = GPUTarget("cuda", 90, 32)
 
 
-def usage(kernel, signature: dict[str, str], constexprs: dict, divisible=(), warps: int = 4,
-          target=H200) -> dict[str, int]:
-    """Registers a thread, stack bytes a thread and static shared bytes of ``kernel`` compiled for ``target``."""
+def usage(kernel, signature: dict[str, str], constexprs: dict, divisible=(), warps: int = 4, target=H200) -> dict:
+    """Registers a thread, stack bytes a thread and static shared bytes of ``kernel`` compiled for ``target``, and
+    its global loads and stores as written in the PTX, counted by kind and width (whether loads vectorise)."""
     names = list(signature) + [n for n in constexprs if n not in signature]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     sig = dict(signature, **{n: "constexpr" for n in constexprs})
@@ -47,7 +50,10 @@ def usage(kernel, signature: dict[str, str], constexprs: dict, divisible=(), war
                               check=True).stdout
     line = next(line for line in text.splitlines() if "REG:" in line)
     fields = dict(item.split(":", 1) for item in line.split() if ":" in item)
-    return dict(registers=int(fields["REG"]), stack=int(fields["STACK"]), shared=int(fields["SHARED"]))
+    # global loads and stores in the PTX by width (b16/b32: one element or pair a thread; v2/v4: 8/16 bytes)
+    accesses = collections.Counter(re.findall(r"\b((?:ld|st)\.global(?:\.\w+)*)", compiled.asm["ptx"]))
+    return dict(registers=int(fields["REG"]), stack=int(fields["STACK"]), shared=int(fields["SHARED"]),
+                global_accesses=dict(sorted(accesses.items())))
 
 
 def available() -> bool:
