@@ -10,10 +10,10 @@ Triton leaf kernel; the Cholesky form it replaced, an explicit inverse, ``choles
 (per frame, and the library's one Triton kernel at several tile sizes), the gather (plain, and the fused
 branch's one Triton pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or
 the library's one function: one Triton pass on CUDA); then the whole branch plain and fused
-(``h3_core.models.branch_fused``), fused also with the solve's leaves at 32 rows. Candidates: a Triton
-spatial conv (``candidate_kernels.spatial_conv_rolling``); the solve's input (symmetrised Gram product + I)
-in one compiled pass; the readout's bf16 ``to_out_linear`` accumulated into the attention's output rows by
-its GEMM instead of added after it.
+(``h3_core.models.branch_fused``). Candidates: a Triton spatial conv
+(``candidate_kernels.spatial_conv_rolling``); the solve's input (symmetrised Gram product + I) in one
+compiled pass; the readout's bf16 ``to_out_linear`` accumulated into the attention's output rows by its GEMM
+instead of added after it.
 ``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
@@ -241,12 +241,6 @@ def main(argv=None) -> dict:
         for mode in modes:
             branch.fused = mode
             diff[f"whole branch {mode} vs plain"] = max_diff(branch(x, q, k, v, grid, bounds), plain)
-        if "compiled" in modes:  # the solve's leaves 32 rows, the Triton leaf kernel inverting them
-            branch.fused, branch.solve_block_rows = "compiled", 32
-            name = "whole branch (compiled, 32-row solve blocks)"
-            ms[name] = time_it(lambda: branch(x, q, k, v, grid, bounds))
-            diff[name + " vs plain"] = max_diff(branch(x, q, k, v, grid, bounds), plain)
-            branch.solve_block_rows = 16
         branch.fused = None
     return record.finish(result, args.out, cuda)
 

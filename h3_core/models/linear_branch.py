@@ -271,7 +271,6 @@ class LinearBranch(nn.Module):
         self.short_conv = _ShortConv(heads * head_dim)
         self.statistics_frames: int | None = None  # frames per chunk of the fp32 statistics (``low_memory``)
         self.fused: str | None = None  # ``branch_fused`` mode: None runs the plain ops below
-        self.solve_block_rows = 16  # rows of the solve's smallest blocks (``spd_inverse``'s ``base``)
 
     def _heads(self, heads: slice | None) -> slice:
         return slice(0, self.heads) if heads is None else heads
@@ -284,7 +283,7 @@ class LinearBranch(nn.Module):
         beta = torch.sigmoid(F.linear(text_x, self.beta_proj.weight[heads]))[None]
         A, B = frame_statistics(k, v, beta)
         _, J = solve(torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device), A, B,
-                     branch_fused.small_inverse(self.fused), self.solve_block_rows)
+                     branch_fused.small_inverse(self.fused))
         return TEXT_STATE_SCALE * J[0]
 
     def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None, heads: slice | None = None):
@@ -310,7 +309,7 @@ class LinearBranch(nn.Module):
             A, B = frame_statistics(k, v, beta, self.statistics_frames)
         del k, v, beta
         alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=branch_fused.accumulation(x.dtype)), heads)
-        T, J = solve(alpha.to(A.dtype), A, B, branch_fused.small_inverse(self.fused), self.solve_block_rows)
+        T, J = solve(alpha.to(A.dtype), A, B, branch_fused.small_inverse(self.fused))
         del A, B  # each [F, h, d, d] fp32: freed as soon as read, so none is held through the readout
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = branch_fused.scan(self.fused, T, J, seed)
