@@ -87,11 +87,8 @@ def main(argv=None) -> dict:
         state = torch.randn(FRAMES, HEADS, HEAD_DIM, HEAD_DIM, generator=g).to(device) / 8
         norm_weight, logits = randn(HEAD_DIM), randn(FRAMES * TOKENS, HEADS * HEAD_DIM)
         readout = lambda **kw: _branch_triton.readout_triton(q_raw, state, norm_weight, logits, **kw)  # noqa: E731
-        variants("readout", readout, {
-            "64 tokens, 4 warps, frames first in the launch order (the launch before)":
-                lambda: readout(frames_first=True),
-            **{f"{s} tokens, {w} warps": (lambda s=s, w=w: readout(block_s=s, warps=w))
-               for s, w in ((32, 4), (64, 8), (128, 8))}})
+        variants("readout", readout, {f"{s} tokens, {w} warps": (lambda s=s, w=w: readout(block_s=s, warps=w))
+                                      for s, w in ((32, 4), (64, 8), (128, 8))})
         del q_raw, logits
 
         # the scans and the gather on fp32 states

@@ -80,7 +80,7 @@ LIBRARY = (
     ("readout", BR, "_readout_kernel",
      dict(q_raw="*bf16", state="*bf16", norm_weight="*bf16", logits="*bf16", dst="*bf16", n_tokens="i32",
           heads="i32", s_frame="i32", s_token="i32", eps="fp32"),
-     dict(HEAD_DIM=128, BLOCK_S=64, BLOCK_D=128, IEEE=False, FRAMES_FIRST=False),
+     dict(HEAD_DIM=128, BLOCK_S=64, BLOCK_D=128, IEEE=False),
      ("q_raw", "state", "norm_weight", "logits", "dst", "n_tokens", "s_frame", "s_token"), 4),
     ("scan", BR, "_scan_kernel",
      dict(transitions="*fp32", injections="*fp32", seed="*fp32", out="*fp32", n_frames="i32", heads="i32"),

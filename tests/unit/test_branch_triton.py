@@ -59,7 +59,6 @@ READOUT_CHECK = textwrap.dedent(
         got = readout_triton(q_raw, state, weight, logits, block_s=16)
         assert got.shape == want.shape == (frames * tokens, heads * d) and got.dtype == want.dtype
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), d
-        assert torch.equal(readout_triton(q_raw, state, weight, logits, block_s=16, frames_first=True), got)
     print("OK")
     """
 )
