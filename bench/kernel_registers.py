@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import subprocess
@@ -30,6 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 
@@ -138,14 +138,11 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    result = dict(command="python3 bench/kernel_registers.py" + "".join(f" {a}" for a in argv or sys.argv[1:]),
-                  triton=triton.__version__, target="cuda sm_90 (H200)", kernels={})
+    result = dict(record.header("kernel_registers.py", argv), triton=triton.__version__, target="cuda sm_90 (H200)",
+                  kernels={})
     for name, kernel, signature, constexprs, divisible, warps in (*library_launches(), *spatial_conv_launches()):
         result["kernels"][name] = usage(kernel, signature, constexprs, divisible, warps)
-    text = json.dumps(result, indent=1, ensure_ascii=False)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    print(record.write(result, args.out))
     return result
 
 
