@@ -191,12 +191,13 @@ def profile_block(block, run, cuda: bool) -> dict:
         import h3_core.models.branch_fused as fused_module
         import h3_core.models.linear_branch as branch_module
 
-        for name in ("featurize", "frame_statistics", "solve"):
+        for name in ("featurize", "frame_statistics"):
             parts.function(name, branch_module, name)
+        parts.function("solve", branch_module, "solve_shifted")
         for name in ("scan", "gather"):  # the branch calls both through branch_fused, plain or fused
             parts.function(name, fused_module, name)
         parts.function("featurize", fused_module, "spatial_conv")
-        parts.function("frame_statistics", fused_module, "gram_statistics")
+        parts.function("frame_statistics", fused_module, "shifted_statistics")
         parts.function("fused features and readout", fused_module, "run")
     run()
     times = clock.close()

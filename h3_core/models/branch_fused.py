@@ -26,7 +26,7 @@ from ..errors import H3InputError
 from ..triton_forms import runs_here, triton_form
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
-           "gram_statistics", "query_features", "readout_finish", "readout", "scan", "gather", "run", "call",
+           "gram_products", "gram_statistics", "shifted_gram", "shifted_statistics", "query_features", "readout_finish", "readout", "scan", "gather", "run", "call",
            "triton_kernel", "small_inverse", "accumulation"]
 
 FUSED_MODES = (None, "eager", "compiled")
@@ -71,15 +71,13 @@ def conv_features(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bo
     return z.permute(0, 2, 1, 3).contiguous().to(y.dtype)
 
 
-def gram_statistics(k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frame statistics from features already scaled by √β (``conv_features`` with ``beta``), head-major
-    ``[F, h, S, d]``: A = Σ_s (√β k̃)(√β k̃)ᵀ, symmetrised, and B = Σ_s (√β ṽ)(√β k̃)ᵀ, ``[F, h, d, d]`` in
-    fp32 (fp64 for fp64 features).
+def gram_products(k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frame statistics' Gram products from features already scaled by √β (``conv_features`` with
+    ``beta``), head-major ``[F, h, S, d]``: Σ_s (√β k̃)(√β k̃)ᵀ as the GEMM leaves it (symmetric up to its
+    roundings) and B = Σ_s (√β ṽ)(√β k̃)ᵀ, ``[F, h, d, d]`` in fp32 (fp64 for fp64 features).
 
-    Both are Gram products of the stored features, so half-precision features go straight into the tensor
-    cores with fp32 sums (``torch.bmm``'s ``out_dtype``, CUDA only) and no fp32 copy of k̃, ṽ or β·k̃ is
-    made; elsewhere the features are widened first. A is positive semi-definite by construction, so I + A
-    stays positive definite (``linear_branch.solve``)."""
+    Half-precision features go straight into the tensor cores with fp32 sums (``torch.bmm``'s ``out_dtype``,
+    CUDA only), so no fp32 copy of k̃, ṽ or β·k̃ is made; elsewhere the features are widened first."""
     frames, heads, tokens, d = k_scaled.shape
     acc = accumulation(k_scaled.dtype)
     g = k_scaled.reshape(frames * heads, tokens, d)
@@ -90,8 +88,28 @@ def gram_statistics(k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[tor
     else:
         g, h = g.to(acc), h.to(acc)
         A, B = g.transpose(1, 2) @ g, h.transpose(1, 2) @ g
-    A = 0.5 * (A + A.transpose(1, 2))
     return A.view(frames, heads, d, d), B.view(frames, heads, d, d)
+
+
+def gram_statistics(k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frame statistics A (symmetrised) and B from ``gram_products``. A is positive semi-definite by
+    construction, so I + A stays positive definite (``linear_branch.solve``)."""
+    A, B = gram_products(k_scaled, v_scaled)
+    return 0.5 * (A + A.transpose(-1, -2)), B
+
+
+def shifted_gram(A: torch.Tensor) -> torch.Tensor:
+    """I + ½(A + Aᵀ): the solve's input from a Gram product, one pass where symmetrising and adding I are
+    three."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    return 0.5 * (A + A.transpose(-1, -2)) + eye
+
+
+def shifted_statistics(mode: str, k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """I + A and B (``gram_statistics``) for ``linear_branch.solve_shifted``, I + A formed by ``shifted_gram``
+    as ``mode`` says (``call``)."""
+    A, B = gram_products(k_scaled, v_scaled)
+    return call(mode, shifted_gram, A), B
 
 
 def query_features(q: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ __all__ = [
     "featurize",
     "frame_statistics",
     "solve",
+    "solve_shifted",
     "spd_inverse",
     "solve_reference",
     "scan",
@@ -131,11 +132,15 @@ def spd_inverse(M: torch.Tensor, base: int = 16, out: torch.Tensor | None = None
 
 
 def solve(alpha, A, B, leaf=None, base: int = 16):
-    """Transitions T = diag(α)(I + A)⁻¹ and injections J = B (I + A)⁻¹. I + A is symmetric positive definite
-    for any A = Σ β k kᵀ (β > 0), with eigenvalues ≥ 1, so its inverse by halves (``spd_inverse``, down to
-    blocks of ``base`` rows, which ``leaf`` inverts where given) is well conditioned at every level."""
-    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    inv = spd_inverse(A + eye, base, leaf=leaf)
+    """Transitions T = diag(α)(I + A)⁻¹ and injections J = B (I + A)⁻¹ (``solve_shifted`` of I + A)."""
+    return solve_shifted(alpha, A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device), B, leaf, base)
+
+
+def solve_shifted(alpha, shifted, B, leaf=None, base: int = 16):
+    """T = diag(α) M⁻¹ and J = B M⁻¹ for ``shifted`` M = I + A. M is symmetric positive definite for any
+    A = Σ β k kᵀ (β > 0), with eigenvalues ≥ 1, so its inverse by halves (``spd_inverse``, down to blocks of
+    ``base`` rows, which ``leaf`` inverts where given) is well conditioned at every level."""
+    inv = spd_inverse(shifted, base, leaf=leaf)
     return alpha[..., None] * inv, B @ inv
 
 
@@ -303,14 +308,16 @@ class LinearBranch(nn.Module):
             # √β·k̃ and √β·ṽ come head-major [F, h, S, d]: the statistics are their Gram products.
             k = self._fused_features(k_raw.view(frames, S, -1), weights[0], weights[1], grid, beta, True)
             v = self._fused_features(v_raw.view(frames, S, -1), weights[2], weights[3], grid, beta, False)
-            A, B = branch_fused.gram_statistics(k, v)
+            shifted, B = branch_fused.shifted_statistics(self.fused, k, v)  # I + A in one pass
         else:
             q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid, weights)
             A, B = frame_statistics(k, v, beta, self.statistics_frames)
+            shifted = A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+            del A
         del k, v, beta
         alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=branch_fused.accumulation(x.dtype)), heads)
-        T, J = solve(alpha.to(A.dtype), A, B, branch_fused.small_inverse(self.fused))
-        del A, B  # each [F, h, d, d] fp32: freed as soon as read, so none is held through the readout
+        T, J = solve_shifted(alpha.to(B.dtype), shifted, B, branch_fused.small_inverse(self.fused))
+        del shifted, B  # each [F, h, d, d] fp32: freed as soon as read, so none is held through the readout
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = branch_fused.scan(self.fused, T, J, seed)
         del T, J

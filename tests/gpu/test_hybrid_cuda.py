@@ -345,6 +345,22 @@ def test_gram_statistics_of_bf16_features_on_cuda_sum_in_fp32():
     assert torch.equal(A, A.transpose(-1, -2))
 
 
+def test_shifted_statistics_compiled_on_cuda_equal_the_eager_pass():
+    from h3_core.models.branch_fused import compiled_branch_available, shifted_statistics
+
+    if not compiled_branch_available():
+        pytest.skip("Triton is not importable here")
+    g = torch.Generator().manual_seed(10)
+    k, v = (torch.nn.functional.normalize(torch.randn(6, 4, 1008, 128, generator=g), dim=-1).to(torch.bfloat16)
+            .to(DEV) for _ in range(2))
+    shifted, B = shifted_statistics("compiled", k, v)
+    want, want_B = shifted_statistics("eager", k, v)
+    assert shifted.dtype == torch.float32 and torch.equal(B, want_B)
+    # ½(a + b) + 1 in fp32 either way: the generated kernel may contract it into one fma
+    assert (shifted - want).abs().max() <= 1e-6 * want.abs().max()
+    assert torch.equal(shifted, shifted.transpose(-1, -2))
+
+
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_fused_branch_on_cuda_is_as_close_to_fp64_as_the_plain_branch(mode):
     from h3_core.models.branch_fused import compiled_branch_available

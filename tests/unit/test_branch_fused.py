@@ -86,6 +86,17 @@ def test_gram_statistics_of_half_precision_features_sum_in_fp32():
     assert (A.double() - wide.transpose(-1, -2) @ wide).abs().max() <= 1e-5 * A.abs().max()
 
 
+def test_shifted_statistics_are_identity_plus_the_gram_statistics():
+    k, v = rnd(FR, H, S, D, seed=24), rnd(FR, H, S, D, seed=25)
+    A, B = branch_fused.gram_statistics(k, v)
+    shifted, B_shifted = branch_fused.shifted_statistics("eager", k, v)
+    assert torch.equal(B_shifted, B)
+    assert torch.equal(shifted, A + torch.eye(D, dtype=A.dtype))
+    # from a product that the GEMM left slightly asymmetric, the one pass symmetrises it first
+    lopsided = A + 1e-3 * rnd(FR, H, D, D, seed=26)
+    assert torch.equal(branch_fused.shifted_gram(lopsided), 0.5 * (lopsided + lopsided.transpose(-1, -2)) + torch.eye(D))
+
+
 def test_query_features_equal_the_plain_features():
     q = rnd(FR, S, H, D, seed=3)
     q_plain, _, _ = featurize(q, q, q, GRID, None)

@@ -14,6 +14,7 @@ from h3_core.models.linear_branch import (
     scan_reference,
     solve,
     solve_reference,
+    solve_shifted,
     spd_inverse,
 )
 
@@ -53,6 +54,9 @@ def test_solve_matches_the_reference_and_the_implicit_delta_rule(dtype, tol):
     residual = S_prev @ torch.diag_embed(alpha[0]) + torch.einsum(
         "sh,shv,shk->hvk", beta[0], v[0] - torch.einsum("hvk,shk->shv", S, k[0]), k[0]) - S
     assert residual.abs().max() <= 1e-12
+    # the same from I + A formed beforehand (the fused branch forms it in one pass with the symmetrisation)
+    shifted = A.to(dtype) + torch.eye(A.shape[-1], dtype=dtype)
+    assert all(torch.equal(a, b) for a, b in zip(solve_shifted(alpha.to(dtype), shifted, B.to(dtype)), (T, J)))
 
 
 @pytest.mark.parametrize("n, base", [(4, 16), (16, 16), (17, 16), (37, 4), (128, 16), (128, 8)])
