@@ -10,10 +10,11 @@ Triton leaf kernel; the Cholesky form it replaced, an explicit inverse, ``choles
 (per frame, and the library's one Triton kernel at several tile sizes), the gather (plain, and the fused
 branch's one Triton pass), the readout (einsum + norm + gate, three passes — features, GEMM, finish — or
 the library's one function: one Triton pass on CUDA); then the whole branch plain and fused
-(``h3_core.models.branch_fused``). Candidates: a Triton spatial conv
-(``candidate_kernels.spatial_conv_rolling``); the solve's input (symmetrised Gram product + I) in one
-compiled pass; the readout's bf16 ``to_out_linear`` accumulated into the attention's output rows by its GEMM
-instead of added after it.
+(``h3_core.models.branch_fused``). Also timed beside the library's: a Triton spatial conv
+(``candidate_kernels.spatial_conv_rolling``; slower than cuDNN at every launch measured); the solve's input
+(symmetrised Gram product + I) in the two library passes it took before, against the one compiled pass the
+fused branch now makes (``branch_fused.shifted_gram``); the readout's bf16 ``to_out_linear`` accumulated into
+the attention's output rows by its GEMM instead of added after it (slower than the GEMM and an add).
 ``--tiny`` runs the same code on a small geometry on the CPU (no compiled forms there).
 
     python3 bench/branch_stages.py --out results.json
@@ -150,16 +151,16 @@ def main(argv=None) -> dict:
             diff["statistics TF32 vs fp32"] = max_diff(lb.frame_statistics(kt, vt, beta), (A, B))
             torch.backends.cuda.matmul.allow_tf32 = False
 
-        # the solve's input I + A: the Gram product symmetrised (gram_statistics), then I added (solve), against
-        # one compiled pass doing both
+        # the solve's input I + A: the Gram product symmetrised, then I added (two library passes, as it was),
+        # against the one compiled pass the fused branch makes (branch_fused.shifted_gram)
         alpha = (torch.rand(frames, H, d, generator=g) * 0.5 + 0.5).to(device)
         eye = torch.eye(d, device=device)
         gram = A + 1e-3 * torch.randn(A.shape, generator=g).to(device)  # as a GEMM leaves it: not quite symmetric
         as_library = lambda: 0.5 * (gram + gram.transpose(-1, -2)) + eye  # noqa: E731
-        ms["solve's input: symmetrise, then add I (library, two passes)"] = time_it(as_library)
+        ms["solve's input: symmetrise, then add I (two library passes, before)"] = time_it(as_library)
         if "compiled" in modes:
-            one_pass = torch.compile(lambda m: 0.5 * (m + m.transpose(-1, -2)) + eye, dynamic=False)
-            ms["solve's input: symmetrise and add I in one compiled pass (candidate)"] = time_it(lambda: one_pass(gram))
+            one_pass = lambda m: branch_fused.call("compiled", branch_fused.shifted_gram, m)  # noqa: E731
+            ms["solve's input: symmetrise and add I in one compiled pass (library)"] = time_it(lambda: one_pass(gram))
             diff["solve's input: one pass vs two"] = max_diff(one_pass(gram), as_library())
         ms["solve (library: inverse by halves, 16-row blocks)"] = time_it(lambda: lb.solve(alpha, A, B))
         T, J = lb.solve(alpha, A, B)

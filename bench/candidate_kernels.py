@@ -1,5 +1,9 @@
 """Candidate forms timed beside the library's (``branch_stages.py``) before one is adopted.
 
+Measured and not adopted (H200, ``branch_stages_conv_rolling.json``): the spatial conv below took 3.96 ms at
+its fastest launch (16 columns × 64 channels, 4 warps, weights held — the spilling one) and 4.6–27.8 ms at the
+others, against cuDNN's 2.73 ms. It stays as the register tool's spilling example (``kernel_registers.py``).
+
 ``spatial_conv_rolling``: the linear branch's depthwise 5×5 over each frame's 24×42 grid
 (``branch_fused.spatial_conv``: cuDNN, 2.6–2.9 ms a call at the release size, ≈ 3.7 × the time to read and
 write its tensor once). Each program walks one frame's grid row by row for a tile of columns × channels,
