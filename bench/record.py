@@ -70,12 +70,14 @@ def timer(cuda: bool, reps: int):
     return run
 
 
-def stage_arguments(description: str, argv):
-    """The arguments of a stage-by-stage benchmark: ``--tiny`` (a dry run on the CPU), ``--reps``, ``--out``;
-    and whether it runs on CUDA."""
+def stage_arguments(description: str, argv, only: bool = False):
+    """The arguments of a stage-by-stage benchmark: ``--tiny`` (a dry run on the CPU), ``--reps``, ``--out``,
+    with ``only`` also ``--only NAME...`` (the parts to run; all by default); and whether it runs on CUDA."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    if only:
+        parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these parts")
     args = parser.parse_args(argv)
     return args, torch.cuda.is_available() and not args.tiny

@@ -20,6 +20,14 @@ CHECK = textwrap.dedent(
     # a launch changes the tiling, not the arithmetic: bf16 rows agree to a rounding of the result
     worst = {name: d for name, d in result["max_diff"].items() if d > 0.02}
     assert not worst, worst
+    # --only runs the parts named, and refuses a name it does not have
+    only = kernel_launches.main(["--tiny", "--reps", "1", "--only", "readout", "states"])
+    assert {name.split(":")[0] for name in only["ms"]} == {"readout", "scans", "gather"}
+    try:
+        kernel_launches.main(["--tiny", "--only", "readouts"])
+        raise AssertionError("an unknown part ran")
+    except SystemExit as refused:
+        assert "readouts" in str(refused)
     print("OK", len(result["max_diff"]))
     """
 )
