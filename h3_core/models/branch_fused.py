@@ -26,8 +26,9 @@ from ..errors import H3InputError
 from ..triton_forms import runs_here, triton_form
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
-           "gram_products", "gram_statistics", "shifted_gram", "shifted_statistics", "query_features", "readout_finish", "readout", "scan", "gather", "run", "call",
-           "triton_kernel", "small_inverse", "accumulation"]
+           "gram_products", "gram_statistics", "shifted_gram", "shifted_statistics", "query_features",
+           "readout_finish", "readout", "scan", "gather", "run", "call", "triton_kernel", "small_inverse",
+           "accumulation"]
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6

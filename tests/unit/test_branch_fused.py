@@ -94,7 +94,8 @@ def test_shifted_statistics_are_identity_plus_the_gram_statistics():
     assert torch.equal(shifted, A + torch.eye(D, dtype=A.dtype))
     # from a product that the GEMM left slightly asymmetric, the one pass symmetrises it first
     lopsided = A + 1e-3 * rnd(FR, H, D, D, seed=26)
-    assert torch.equal(branch_fused.shifted_gram(lopsided), 0.5 * (lopsided + lopsided.transpose(-1, -2)) + torch.eye(D))
+    symmetrised = 0.5 * (lopsided + lopsided.transpose(-1, -2))
+    assert torch.equal(branch_fused.shifted_gram(lopsided), symmetrised + torch.eye(D))
 
 
 def test_query_features_equal_the_plain_features():
