@@ -38,11 +38,8 @@ def max_diff(a, b) -> float:
 
 
 def main(argv=None) -> dict:
-    args, cuda = record.stage_arguments(__doc__.splitlines()[0], argv, only=True)
+    args, cuda = record.stage_arguments(__doc__.splitlines()[0], argv, PARTS)
     parts = args.only or PARTS
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        raise SystemExit(f"--only takes parts of {PARTS}, got {unknown}")
     if not cuda and not args.tiny:
         raise SystemExit("kernel_launches.py times CUDA kernels: run it on a GPU (or --tiny under the interpreter)")
     size = TINY if args.tiny else RELEASE

@@ -70,14 +70,14 @@ def timer(cuda: bool, reps: int):
     return run
 
 
-def stage_arguments(description: str, argv, only: bool = False):
+def stage_arguments(description: str, argv, parts: tuple[str, ...] = ()):
     """The arguments of a stage-by-stage benchmark: ``--tiny`` (a dry run on the CPU), ``--reps``, ``--out``,
-    with ``only`` also ``--only NAME...`` (the parts to run; all by default); and whether it runs on CUDA."""
+    with ``parts`` also ``--only NAME...`` (some of those parts; None for all); and whether it runs on CUDA."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
-    if only:
-        parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these parts")
+    if parts:
+        parser.add_argument("--only", nargs="+", default=None, choices=parts, help="run only these parts")
     args = parser.parse_args(argv)
     return args, torch.cuda.is_available() and not args.tiny
