@@ -7,6 +7,11 @@ under its own name. The map is checked against the module itself: every module k
 every file key consumed, every shape must fit, or the file is refused with a message naming it, the
 layout it resembled and the first offending keys. Files are memory-mapped and each tensor goes straight
 to the target device and dtype; the module is built on the meta device, so nothing is held twice.
+
+Quantised files (ComfyUI's ``comfy_quant`` layers, ``h3_core.quantized_files``) are read through their view: a
+quantised weight that is an ``nn.Linear``'s, read under a plain rule (one file key, no ``combine``) and not an
+fp32 island, is kept as a comfy-kitchen ``QuantizedTensor`` where comfy-kitchen has kernels for the device
+(``h3_core.kitchen``), else dequantised into the target dtype; one log line per load says which.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import torch
 from safetensors import safe_open
 
 from .errors import H3InputError
-from .fp8_scaled import fp8_scaled_view
+from .quantized_files import FORMATS, HELD, QuantizedView, quantized_view
 
-__all__ = ["Rule", "KeyMap", "CheckpointFiles", "load_into", "match_layout", "swap_halves", "QUANTIZED_DTYPES"]
+__all__ = ["Rule", "KeyMap", "CheckpointFiles", "load_into", "match_layout", "quantized_plan", "swap_halves",
+           "QUANTIZED_DTYPES"]
 
 QUANTIZED_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "I4", "U4"}
 _SHOW = 5
@@ -128,6 +134,9 @@ def _read_header(path: Path) -> dict:
         head = fh.read(8)
         if len(head) != 8:
             raise H3InputError(f"{path}: too short to be a safetensors file")
+        if head[:4] == b"GGUF":
+            raise H3InputError(f"{path}: a GGUF file (named .safetensors); GGUF checkpoints are not supported yet, "
+                               f"use the .safetensors file")
         size = int.from_bytes(head, "little")
         if size <= 0 or size > 100 * 2**20:
             raise H3InputError(f"{path}: not a safetensors file (header size {size})")
@@ -145,20 +154,6 @@ def _read_header(path: Path) -> dict:
     return header
 
 
-def quantization_format(files: CheckpointFiles) -> str | None:
-    """The format ComfyUI's per-layer quantization sidecars (``<layer>.comfy_quant``, JSON bytes) declare,
-    e.g. "int8_tensorwise with convrot" or "float8_e4m3fn"; None when there are none."""
-    sidecar = next((k for k in sorted(files.keys) if k.endswith(".comfy_quant")), None)
-    if sidecar is None:
-        return "scaled fp8 (legacy)" if "scaled_fp8" in files.keys else None
-    try:
-        spec = json.loads(bytes(files.get(sidecar).tolist()).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError, TypeError):
-        return "ComfyUI per-layer quantization"
-    fmt = str(spec.get("format", "unknown format"))
-    return fmt + (" with convrot" if spec.get("convrot") else "")
-
-
 def _plan(keymap: KeyMap, targets: Iterable[str], available: set[str]):
     plan, missing = {}, []
     for key in targets:
@@ -173,11 +168,13 @@ def _plan(keymap: KeyMap, targets: Iterable[str], available: set[str]):
 def match_layout(files: CheckpointFiles, targets: Sequence[str], keymaps: Sequence[KeyMap], what: str):
     """The key map whose plan the file fits exactly, or an error naming the closest one."""
     available = files.keys
-    quantized = sorted({d for d in files.dtypes.values() if d in QUANTIZED_DTYPES})
-    if quantized:
+    stray = sorted(k for k, d in files.dtypes.items() if d in QUANTIZED_DTYPES)
+    if stray:
+        kinds = sorted({files.dtypes[k] for k in stray})
         raise H3InputError(
-            f"{files.path}: a quantized {what} ({quantization_format(files) or ', '.join(quantized) + ' tensors'}) "
-            f"is not supported yet; use the bf16/fp16/fp32 file"
+            f"{files.path}: holds {', '.join(kinds)} tensors that no ComfyUI quantization sidecar (comfy_quant) "
+            f"describes, first {stray[:_SHOW]}; a {what} loads from bf16/fp16/fp32 files or ComfyUI's quantised "
+            f"ones ({', '.join(FORMATS)})"
         )
     scored = []
     for keymap in keymaps:
@@ -197,6 +194,30 @@ def match_layout(files: CheckpointFiles, targets: Sequence[str], keymaps: Sequen
     )
 
 
+def quantized_plan(module: torch.nn.Module, plan: dict, files, keep_fp32: Callable[[str], bool]):
+    """For a plan read from a ``QuantizedView``: ``(candidates, forced, quants)``. ``candidates`` maps each module key
+    that may hold a comfy-kitchen weight (an ``nn.Linear``'s weight, read from one quantised file key under no
+    ``combine``, not an fp32 island) to its ``LayerQuant``; ``forced`` gives the file keys that are dequantised
+    whatever the device allows, with the reason; ``quants`` is every quantised layer the plan reads."""
+    candidates, forced, quants = {}, {}, {}
+    for key, (sources, combine) in plan.items():
+        for source in sources:
+            quant = files.quant(source)
+            if quant is None:
+                continue
+            quants[source] = quant
+            owner = key.rpartition(".")[0]
+            if keep_fp32(key):
+                forced[source] = "kept in fp32, as released"
+            elif combine is not None or len(sources) > 1:
+                forced[source] = "the layout's key map re-lays it out"
+            elif not (key.endswith(".weight") and isinstance(module.get_submodule(owner), torch.nn.Linear)):
+                forced[source] = "not a linear layer's weight"
+            else:
+                candidates[key] = quant
+    return candidates, forced, list(quants.values())
+
+
 def load_into(
     module: torch.nn.Module,
     path: str | Path | CheckpointFiles,
@@ -206,15 +227,38 @@ def load_into(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     keep_fp32: Callable[[str], bool] = lambda key: False,
+    held: str = "auto",
+    run_device: torch.device | str | None = None,
 ) -> str:
     """Fill ``module`` (built on the meta device) from ``path``; return the layout's name.
 
-    Floating-point tensors go to ``dtype`` (default: as stored), except keys ``keep_fp32`` selects."""
-    files = fp8_scaled_view(path if isinstance(path, CheckpointFiles) else CheckpointFiles(path))
+    Floating-point tensors go to ``dtype`` (default: as stored), except keys ``keep_fp32`` selects. A quantised
+    file's linear weights are held by ``held`` (``quantized_files.HELD``: "auto" keeps them as comfy-kitchen
+    weights where it has kernels for ``run_device``, default ``device``, else dequantises them; see the module
+    docstring); they then compute in ``dtype`` (fp32 when None). A kept weight is a ``QuantizedTensor``: LoRAs
+    cannot be merged into it afterwards (``h3_core.checkpoints.load_h3_model`` merges them first)."""
+    from .kitchen import hold_layers
+
+    if held not in HELD:
+        raise H3InputError(f"held: got {held!r}; allowed: {', '.join(map(repr, HELD))}")
+    device = torch.device(device)
+    run_device = device if run_device is None else torch.device(run_device)
+    # comfy-kitchen dequantises on the GPU the model will run on, when there is one
+    work = run_device if run_device.type == "cuda" and torch.cuda.is_available() else device
+    files = quantized_view(path if isinstance(path, CheckpointFiles) else CheckpointFiles(path), work_device=work)
     expected = module.state_dict()
     keymap, plan = match_layout(files, list(expected), keymaps, what)
+    candidates, kept = {}, []
+    if isinstance(files, QuantizedView):
+        candidates, forced, quants = quantized_plan(module, plan, files, keep_fp32)
+        holding = hold_layers(files.path, quants, held, dtype or torch.float32, run_device, forced)
+        candidates = {k: q for k, q in candidates.items() if q.weight in holding.kept}
     state = {}
     for key, (sources, combine) in plan.items():
+        if key in candidates:
+            state[key] = holding.kitchen_weight(files, candidates[key], device, tuple(expected[key].shape))
+            kept.append(key)
+            continue
         tensors = [files.get(s) for s in sources]
         value = tensors[0] if combine is None else combine(tensors)
         if tuple(value.shape) != tuple(expected[key].shape):
@@ -226,4 +270,6 @@ def load_into(
         state[key] = value.to(device=device, dtype=target_dtype if value.is_floating_point() else value.dtype)
         del tensors, value
     module.load_state_dict(state, strict=True, assign=True)
+    for key in kept:
+        module.get_parameter(key).requires_grad_(False)
     return keymap.name

@@ -142,12 +142,13 @@ def test_wrong_shape_is_refused(folder, tmp_path):
         load_video_vae(path, cfg=tiny_cfg())
 
 
-def test_quantized_file_is_refused_by_format(folder, tmp_path):
+def test_int8_tensors_without_a_quantization_sidecar_are_refused(folder, tmp_path):
     sd = weights(folder)
     sd["decoder.proj_out.weight"] = sd["decoder.proj_out.weight"].to(torch.int8)
     path = tmp_path / "int8.safetensors"
     save_file(sd, str(path))
-    with pytest.raises(H3InputError, match=r"int8\.safetensors: a quantized MiniMax H3 video VAE \(I8 tensors\)"):
+    with pytest.raises(H3InputError, match=r"int8\.safetensors: holds I8 tensors that no ComfyUI quantization sidecar "
+                                           r"\(comfy_quant\) describes, first \['decoder\.proj_out\.weight'\]"):
         load_video_vae(path, cfg=tiny_cfg())
 
 
