@@ -1,10 +1,10 @@
 """The DiT's one entry point: say what a checkpoint is from its header, then load H3 or VDN-H3 with LoRAs.
 
-It composes what exists: ``CheckpointFiles`` and ``match_layout`` (keymap), ``fp8_scaled_view``,
-``load_dit`` / ``curve_grid`` / ``layouts`` (models.dit), ``load_vdn`` / ``branch_layouts`` (models.vdn) and
-``read_lora`` / ``merge_lora`` (lora). The key maps decide every layout; this module adds what the keys
-alone cannot say (official shards or ComfyUI's file, base or branch, a complete set of shards) and checks a
-checkpoint's shapes against the model before any weight is read.
+It composes what exists: ``CheckpointFiles`` and ``match_layout`` (keymap), ``quantized_view``
+(quantized_files), ``load_dit`` / ``curve_grid`` / ``layouts`` (models.dit), ``load_vdn`` / ``branch_layouts``
+(models.vdn), ``load_layers`` (dit_layers) and ``read_lora`` / ``merge_lora`` (lora). The key maps decide every
+layout; this module adds what the keys alone cannot say (official shards or ComfyUI's file, base or branch, a
+complete set of shards) and checks a checkpoint's shapes against the model before any weight is read.
 
 How a path is recognised (``describe_dit_checkpoint``):
   * a missing path is refused, and so are GGUF and anything that is neither a ``.safetensors`` file nor a
@@ -18,32 +18,29 @@ How a path is recognised (``describe_dit_checkpoint``):
   * a VDN-H3 linear-branch file holds keys that a branch layout reads (``transformer_blocks.{i}.attn.
     softmax_gate`` ...) and none that a DiT layout reads; anything else is described as a base DiT;
   * the layout is the key map whose keys the file fits exactly: ComfyUI (native names, with or without
-    ``model.diffusion_model.``) or diffusers; a quantized file (int8 convrot, nvfp4, ...) or one that fits
-    no map is refused naming the file, the layout it came closest to and its first offending keys;
+    ``model.diffusion_model.``) or diffusers; one that fits no map is refused naming the file, the layout
+    it came closest to and its first offending keys;
   * **official shards**: native names without a prefix, in a folder. Their keys and shapes equal ComfyUI's;
     only their ``qkv_proj`` rows differ (interleaved per head), which no header shows. What does differ is
     the packaging: ComfyUI ships one file per model (``diffusion_models/minimax_h3_*.safetensors``), the
     official release a ``transformer/`` folder of shards. A native single file is therefore read as
     ComfyUI's, a native folder as the official shards; ``qkv_interleaved=True/False`` overrides the rule
     (a consolidated official file, or ComfyUI's file in a folder of its own);
-  * pruned (AdaLN curves): an ``adaln_t_table`` ``[grid, width]``; fp8-scaled: every fp8 weight has its
-    scale (ComfyUI's ``comfy_quant`` form or the older ``scaled_fp8`` one); both still load.
+  * pruned (AdaLN curves): an ``adaln_t_table`` ``[grid, width]``;
+  * quantised: ComfyUI's per-layer ``comfy_quant`` layers (``h3_core.quantized_files``): fp8-scaled (also the
+    older ``scaled_fp8`` form), ``int8_convrot`` (the ``*_int8_convrot`` files, full and pruned), int8
+    without rotation, nvfp4; each layer's sidecars are checked against its weight. Another format, or GGUF,
+    is refused naming the format, the file and the layer.
 Describing reads headers only (and the few-byte JSON ``comfy_quant`` sidecars of ComfyUI-quantized files),
 including every tensor's shape, checked against the model the config builds: a 66 GB file is described
 in well under a second, and a file for another model size is refused before anything is loaded.
 
-How the big linears are held (``load_h3_model(linears=...)``): "dtype" puts every weight in ``dtype`` (an
-fp8-scaled file dequantised as it is read); "fp8" makes the ``FP8_LAYERS`` (qkv_proj, out_proj, fc1, fc2,
-to_out_linear, the refiner's included) ``Fp8Linear`` layers computing in ``dtype``, one layer at a time:
-  * a layer no LoRA touches whose weight the file stores in e4m3 with a scale per tensor or per row takes the
-    file's codes and scales as they are, re-laid out by the layout's rule (``fp8_scaled.layer_codes``: the
-    official shards' qkv interleave, diffusers' q, k, v and FFN halves, each source's scale spread to its
-    rows), so the layer's ``codes · scale`` is bit for bit the file's dequantised weight;
-  * any other layer (touched by a LoRA, not fp8 in the file, e5m2, or a layout that cannot keep the codes
-    exact) is read in fp32 (dequantised where the file is fp8), has its LoRA updates merged in fp32, in
-    order, and is quantised with ``Fp8Linear.from_linear``: LoRAs always merge before quantisation.
-Only one layer's weight is ever held in fp32 at a time; everything else goes, memory-mapped, straight to
-the target device as the "dtype" path does.
+How the big linears are held (``load_h3_model(linears=..., held=...)``): "dtype" puts every weight in
+``dtype`` (an fp8-scaled file dequantised as it is read), except that a file quantised in another format
+(int8_convrot, nvfp4) keeps its quantised linears as comfy-kitchen layers where comfy-kitchen has kernels for
+the run device, else dequantises them (``held``, ``h3_core.kitchen``); "fp8" makes the ``FP8_LAYERS``
+``Fp8Linear`` layers computing in ``dtype``. Both build those layers one at a time (``h3_core.dit_layers``),
+taking the file's codes as they are where they can and merging LoRAs in fp32 before any (re)quantisation.
 """
 
 from __future__ import annotations
@@ -58,25 +55,21 @@ from pathlib import Path
 from typing import Sequence, Union
 
 import torch
-import torch.nn as nn
 
+from .dit_layers import BRANCH, DIT, load_layers, meta_model, meta_shapes, needs_layers
 from .errors import H3InputError
-from .fp8_linear import FP8_LAYERS, Fp8Linear, quantization_targets
-from .fp8_scaled import LayerCodes, fp8_scaled_view, layer_codes
 from .keymap import CheckpointFiles, KeyMap, match_layout
 from .lora import LoraDelta, merge_lora, read_lora
-from .models.dit import DiTConfig, H3DiT, curve_grid, keeps_fp32, layouts, load_dit, native_layout
+from .models.dit import DiTConfig, H3DiT, curve_grid, layouts, load_dit, native_layout
 from .models.vdn import BranchWeights, branch_layouts, load_vdn
+from .quantized_files import HELD, QuantizedView, describe_formats, quantized_view
 from .sizes import sizes_from_metadata
 
 __all__ = ["DiTCheckpointInfo", "LoraSpec", "MergedLora", "LINEARS", "describe_dit_checkpoint", "load_h3_model"]
 
-DIT = "MiniMax H3 DiT"
-BRANCH = "VDN-H3 linear branch"
 LOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LINEARS = ("dtype", "fp8")
 FP8_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FROM_FILE, AT_LOAD = "codes from the file", "quantised at load"
 _SHARD_NAME = re.compile(r".+-(?P<k>\d{5})-of-(?P<n>\d{5})\.safetensors")
 _ADAPTER_KEY = re.compile(r".+\.lora_[AB]\.(?P<adapter>[^.]+)\.weight")
 _SHOW = 5
@@ -90,7 +83,9 @@ class DiTCheckpointInfo:
     safetensors files. ``layout`` is the key map's name: "ComfyUI", "diffusers" or "official" for a base
     model, "VDN-H3 v2" or "VDN-H3 pre-v2" for a branch file; ``key_prefix`` is the prefix every key carries
     ("" or "model.diffusion_model."). ``curve`` is the pruned form's ``(grid, width)``, None for the full
-    form. ``cfg`` is the config the weights fit (the given one, with the curve's grid and width)."""
+    form. ``fp8_scaled``: every quantised layer is fp8; ``quantization``: ``(format, layers)`` for each format the
+    file's quantised layers are in (``LayerQuant.kind``: "int8_convrot", "nvfp4", "float8_e4m3fn", ...), () for
+    a plain file. ``cfg`` is the config the weights fit (the given one, with the curve's grid and width)."""
 
     path: Path
     files: tuple[Path, ...]
@@ -101,6 +96,7 @@ class DiTCheckpointInfo:
     curve: tuple[int, int] | None
     fp8_scaled: bool
     cfg: DiTConfig
+    quantization: tuple[tuple[str, int], ...] = ()
 
     @property
     def pruned(self) -> bool:
@@ -118,6 +114,8 @@ class DiTCheckpointInfo:
             parts.append(f"pruned (AdaLN curves, grid {self.curve[0]} x width {self.curve[1]})")
         if self.fp8_scaled:
             parts.append("fp8-scaled")
+        elif self.quantization:
+            parts.append("quantised: " + describe_formats(dict(self.quantization)))
         return ", ".join(parts) + f", {len(self.files)} file(s)"
 
 
@@ -158,11 +156,11 @@ def describe_dit_checkpoint(path, *, cfg: DiTConfig | None = None,
     where = _resolve(Path(path))
     files = CheckpointFiles(where)
     cfg = replace(cfg or sizes_from_metadata(files.metadata, DiTConfig, where) or DiTConfig(), hybrid=False)
-    view = fp8_scaled_view(files)
+    view = quantized_view(files)
     curve = curve_grid(files)
     if curve is not None:
         cfg = replace(cfg, adaln_curve_grid=curve[0], time_embed=curve[1])
-    base_targets, branch_targets = _meta_shapes(H3DiT, cfg), _meta_shapes(BranchWeights, cfg)
+    base_targets, branch_targets = meta_shapes(H3DiT, cfg), meta_shapes(BranchWeights, cfg)
     is_branch = _is_branch_file(view.keys, base_targets, branch_targets, cfg)
     if is_branch:
         targets, keymaps, what, interleaved = branch_targets, branch_layouts(), BRANCH, False
@@ -173,14 +171,17 @@ def describe_dit_checkpoint(path, *, cfg: DiTConfig | None = None,
         keymaps = layouts(cfg, interleaved)
     keymap, plan = match_layout(view, list(targets), keymaps, what)
     _check_header_shapes(view, keymap, plan, targets, what, cfg)
+    formats = view.formats() if isinstance(view, QuantizedView) else {}
     return DiTCheckpointInfo(path=where, files=tuple(files.files), is_branch=is_branch, layout=keymap.name,
                              key_prefix=keymap.prefix, qkv_interleaved=interleaved, curve=curve,
-                             fp8_scaled=view is not files, cfg=cfg)
+                             fp8_scaled=bool(formats) and all(k.startswith("float8") for k in formats), cfg=cfg,
+                             quantization=tuple(formats.items()))
 
 
 def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device="cpu",
                   dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
-                  qkv_interleaved: bool | None = None, linears: str = "dtype") -> H3DiT:
+                  qkv_interleaved: bool | None = None, linears: str = "dtype", held: str = "auto",
+                  run_device=None) -> H3DiT:
     """MiniMax H3 (``base`` alone) or VDN-H3 (``base`` + ``branch``) with ``loras`` merged, in order.
 
     Every input is checked first (paths, strengths, both checkpoints' headers, the LoRA files), so a bad
@@ -192,8 +193,14 @@ def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device=
     the ``FP8_LAYERS`` become ``Fp8Linear`` layers computing in ``dtype``, layer by layer (module docstring):
     a layer no LoRA touches keeps an fp8-scaled file's e4m3 codes and scales as they are; any other is read
     in fp32, merged with its LoRA updates in fp32 (in the order given) and then quantised, so LoRAs always
-    merge before quantisation. With ``"fp8"`` the LoRAs are also checked against the model before any
-    weight is read.
+    merge before quantisation. A file quantised in another format (``*_int8_convrot``, nvfp4) loads layer by
+    layer too (``h3_core.dit_layers``), its quantised linears held by ``held``: comfy-kitchen layers (their
+    weights comfy-kitchen ``QuantizedTensor``s, ``F.linear`` running the library's matmul) where comfy-kitchen
+    has kernels for ``run_device`` and the format, else dequantised by comfy-kitchen into ``dtype`` ("auto");
+    always dequantised ("dequantize"); comfy-kitchen layers or ``H3BackendUnavailable`` ("kitchen"). One log
+    line per file says which. A LoRA touching such a layer merges in fp32 into its dequantised weight, which is
+    then requantised by comfy-kitchen into the file's layout (kept) or rounded to ``dtype``. On that path and
+    with ``"fp8"`` the LoRAs are checked against the model before any weight is read.
 
     Args:
         base: the H3 DiT checkpoint (file or folder). branch: VDN-H3's ``linear_branch/model.safetensors``.
@@ -203,23 +210,36 @@ def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device=
             ``linears="fp8"`` the fp8 layers' compute dtype (bf16, fp16 or fp32).
         cfg: the model's sizes (default: released). qkv_interleaved: as ``describe_dit_checkpoint``.
         linears: "dtype" (every weight in ``dtype``) or "fp8" (the big linears in e4m3). Default: "dtype".
+        held: how a quantised file's layers are held with ``linears="dtype"`` (``quantized_files.HELD``).
+        run_device: the device the model will run on, which decides ``held="auto"`` (default ``device``): a
+            model loaded to the CPU and moved to a GPU later keeps comfy-kitchen layers for that GPU.
     Returns:
         The model in eval mode, with ``layout`` (as the loaders set it), ``checkpoint`` and
         ``branch_checkpoint`` (``DiTCheckpointInfo``, the latter None without a branch), ``merged_loras`` (a
         tuple of ``MergedLora`` in merge order), ``linears`` (one line for the user: "dtype (bfloat16)",
         "fp8 (codes from the file)", "fp8 (quantised at load)" or, mixed, "fp8 (codes from the file: n
-        layers; quantised at load: m layers)") and ``fp8_layers`` (each fp8 layer's name → "codes from the
-        file" or "quantised at load (why)"; empty with "dtype").
+        layers; quantised at load: m layers)", for a quantised file "bfloat16; quantised layers: kept as a
+        comfy-kitchen layer: n layers; ..."), ``fp8_layers`` (each fp8 layer's name → "codes from the file" or
+        "quantised at load (why)"; empty with "dtype") and ``quantized_layers`` (each of a quantised file's
+        linears → "kept as a comfy-kitchen layer", "requantised by comfy-kitchen after its LoRA merge",
+        "dequantised", "dequantised, LoRA merged in fp32"; empty otherwise).
     """
     _check_dtype(dtype)
     _check_linears(linears, dtype)
+    if not isinstance(held, str) or held not in HELD:
+        raise H3InputError(f"held: got {held!r}; allowed: 'auto' (comfy-kitchen layers where it has kernels for the "
+                           f"run device, else dequantised), 'dequantize' or 'kitchen'")
     base_info = _describe_role("base", base, cfg, qkv_interleaved, want_branch=False)
     branch_info = None if branch is None else _describe_role("branch", branch, cfg, None, want_branch=True)
     if not isinstance(loras, (list, tuple)):
         raise H3InputError(f"loras: expected a list of (path, strength) or (path, strength, adapter), got {loras!r}")
     read = [_read_lora_input(i, entry) for i, entry in enumerate(loras)]
-    if linears == "fp8":
-        model, merged = _load_fp8(base_info, branch_info, read, device, dtype)
+    if linears == "fp8" or needs_layers(base_info) or needs_layers(branch_info):
+        model = meta_model(base_info, branch_info)
+        merged = _check_loras_on_meta(model, read)
+        named = [(f"loras[{i}] ({spec.path})", lora_deltas) for i, (spec, lora_deltas) in enumerate(read)]
+        load_layers(model, base_info, branch_info, named, device=device, dtype=dtype, linears=linears, held=held,
+                    run_device=run_device)
     else:
         if branch_info is None:
             model = load_dit(base_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
@@ -233,7 +253,8 @@ def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device=
             source = f"loras[{i}] ({spec.path})"
             _check_lora_hits(model, lora_deltas, source)
             merged.append(MergedLora(spec, merge_lora(model, lora_deltas, source=source)))
-        model.linears, model.fp8_layers = f"dtype ({str(dtype).removeprefix('torch.')})", {}
+        model.linears = f"dtype ({str(dtype).removeprefix('torch.')})"
+        model.fp8_layers, model.quantized_layers = {}, {}
     model.checkpoint, model.branch_checkpoint, model.merged_loras = base_info, branch_info, tuple(merged)
     return model
 
@@ -247,101 +268,6 @@ def _check_linears(linears, dtype) -> None:
                            f"{', '.join(str(d) for d in FP8_COMPUTE_DTYPES)}")
 
 
-@dataclass(frozen=True)
-class _Planned:
-    """How one key of the model is read: from which (possibly dequantising) files, which file keys, combined
-    how, and whether it is an fp32 island."""
-
-    files: object
-    sources: tuple[str, ...]
-    combine: object
-    fp32: bool
-
-
-def _plan_keys(model: H3DiT, base_info: DiTCheckpointInfo, branch_info: DiTCheckpointInfo | None) -> tuple[dict, str]:
-    """Every key of ``model`` (built on meta) with how it is read, and the layout's name as ``load_dit`` /
-    ``load_vdn`` give it."""
-    cfg = base_info.cfg
-    curve = cfg.adaln_curve_grid > 0
-    base_files = fp8_scaled_view(CheckpointFiles(base_info.path))
-    base_map, base_plan = match_layout(base_files, list(_meta_shapes(H3DiT, cfg)),
-                                       layouts(cfg, base_info.qkv_interleaved), DIT)
-    planned = {key: _Planned(base_files, sources, combine, keeps_fp32(key, curve))
-               for key, (sources, combine) in base_plan.items()}
-    layout = base_map.name + (" (pruned AdaLN curves)" if curve else "")
-    if branch_info is not None:
-        branch_files = fp8_scaled_view(CheckpointFiles(branch_info.path))
-        branch_map, branch_plan = match_layout(branch_files, list(_meta_shapes(BranchWeights, cfg)),
-                                               branch_layouts(), BRANCH)
-        for key, (sources, combine) in branch_plan.items():
-            planned["blocks." + key.removeprefix("transformer_blocks.")] = _Planned(branch_files, sources, combine,
-                                                                                    False)
-        layout += f" + {branch_map.name}"
-    expected = set(model.state_dict())
-    if set(planned) != expected:  # the key maps and the model disagree: a bug here, not in the file
-        raise AssertionError(f"planned keys differ from the model's: {sorted(set(planned) ^ expected)[:_SHOW]}")
-    return planned, layout
-
-
-def _read_planned(key: str, entry: _Planned, shape: tuple[int, ...]) -> torch.Tensor:
-    """One model tensor as the key map builds it (dequantised where the file is fp8), on the CPU."""
-    tensors = [entry.files.get(s) for s in entry.sources]
-    value = tensors[0] if entry.combine is None else entry.combine(tensors)
-    if tuple(value.shape) != tuple(shape):
-        raise H3InputError(f"{entry.files.path}: key {entry.sources[0]!r} has shape {tuple(value.shape)}, the model "
-                           f"needs {tuple(shape)} for {key!r}")
-    return value
-
-
-def _load_fp8(base_info: DiTCheckpointInfo, branch_info: DiTCheckpointInfo | None, read, device, dtype):
-    """``load_h3_model(linears="fp8")``: the model with its ``FP8_LAYERS`` as ``Fp8Linear`` (module docstring)
-    and the LoRAs merged; returns ``(model, merged)``."""
-    cfg = replace(base_info.cfg, hybrid=branch_info is not None)
-    with torch.device("meta"):
-        # .to("meta"): the LoRA check below needs every weight on meta, even where torch.empty is wrapped (the
-        # device context then misses it and builds on the CPU)
-        model = H3DiT(cfg).to("meta")
-    planned, layout = _plan_keys(model, base_info, branch_info)
-    names = {id(module): name for name, module in model.named_modules()}
-    layers = [(names[id(linear)], parent, attribute, linear)
-              for parent, attribute, linear in quantization_targets(model, frozenset(FP8_LAYERS))]
-    merged = _check_loras_on_meta(model, read)
-    by_layer: dict[str, list[tuple[str, list[LoraDelta]]]] = {name: [] for name, *_ in layers}
-    elsewhere = []
-    for i, (spec, lora_deltas) in enumerate(read):
-        source = f"loras[{i}] ({spec.path})"
-        for name in by_layer:
-            hits = [d for d in lora_deltas if d.module == name]
-            if hits:
-                by_layer[name].append((source, hits))
-        elsewhere.append((source, [d for d in lora_deltas if d.module not in by_layer]))
-    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    fp8_keys = {f"{name}.{p}" for name, *_ in layers for p in ("weight", "bias")} & set(shapes)
-    state = {}
-    for key, entry in planned.items():
-        if key in fp8_keys:
-            continue
-        value = _read_planned(key, entry, shapes[key])
-        target = torch.float32 if entry.fp32 else dtype
-        state[key] = value.to(device=device, dtype=target if value.is_floating_point() else value.dtype)
-        del value
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if result.unexpected_keys or set(result.missing_keys) != fp8_keys:
-        raise AssertionError(f"fp8 load left {sorted(set(result.missing_keys) ^ fp8_keys)[:_SHOW]}")
-    del state
-    how = {}
-    for name, parent, attribute, linear in layers:
-        layer, how[name] = _fp8_layer(model, name, linear, planned, shapes, by_layer[name], device, dtype)
-        setattr(parent, attribute, layer)
-        del layer
-    for source, lora_deltas in elsewhere:
-        if lora_deltas:
-            merge_lora(model, lora_deltas, source=source)
-    model.layout, model.fp8_layers = layout, how
-    model.linears = _describe_linears(how)
-    return model.eval(), merged
-
-
 def _check_loras_on_meta(model: H3DiT, read) -> list[MergedLora]:
     """Every LoRA checked against ``model`` while it is still on the meta device: each ``merge_lora`` check
     runs, on meta copies of the updates, so a bad LoRA is refused before any weight is read."""
@@ -353,49 +279,6 @@ def _check_loras_on_meta(model: H3DiT, read) -> list[MergedLora]:
                    for d in lora_deltas]
         merged.append(MergedLora(spec, merge_lora(model, on_meta, source=source)))
     return merged
-
-
-@torch.no_grad()
-def _fp8_layer(model: H3DiT, name: str, linear: nn.Linear, planned: dict, shapes: dict, lora_updates, device,
-               dtype) -> tuple[Fp8Linear, str]:
-    """One of the ``FP8_LAYERS`` as an ``Fp8Linear`` and how it was made: the file's codes as they are, or its
-    weight read in fp32, merged with ``lora_updates`` (``(source, deltas)`` in merge order) and quantised."""
-    weight_key, bias_key = f"{name}.weight", f"{name}.bias"
-    entry = planned[weight_key]
-    bias = None
-    if bias_key in planned:
-        bias = _read_planned(bias_key, planned[bias_key], shapes[bias_key]).to(device=device, dtype=dtype)
-    if lora_updates:
-        why = "LoRA merged"
-    else:
-        found = layer_codes(entry.files, entry.sources, entry.combine, shapes[weight_key])
-        if isinstance(found, LayerCodes):
-            return Fp8Linear.from_scaled(found.codes.to(device), found.scale, bias, dtype), FROM_FILE
-        why = found
-    weight = _read_planned(weight_key, entry, shapes[weight_key]).to(device=device, dtype=torch.float32)
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    del weight
-    for source, deltas in lora_updates:
-        merge_lora(model, deltas, source=source)
-    layer = Fp8Linear.from_linear(linear, dtype)
-    linear.weight = nn.Parameter(torch.empty(shapes[weight_key], device="meta"), requires_grad=False)
-    return layer, f"{AT_LOAD} ({why})"
-
-
-def _describe_linears(how: dict[str, str]) -> str:
-    """One line for the user from each fp8 layer's origin."""
-    from_file = sum(v == FROM_FILE for v in how.values())
-    at_load = len(how) - from_file
-    if not at_load:
-        return f"fp8 ({FROM_FILE})"
-    if not from_file:
-        return f"fp8 ({AT_LOAD})"
-    return f"fp8 ({FROM_FILE}: {_layers(from_file)}; {AT_LOAD}: {_layers(at_load)})"
-
-
-def _layers(count: int) -> str:
-    return f"{count} layer" + ("" if count == 1 else "s")
 
 
 def _resolve(path: Path) -> Path:
@@ -432,13 +315,6 @@ def _check_shard_set(path: Path) -> None:
     if totals and (len(set(totals)) > 1 or len(totals) != totals[0]):
         raise H3InputError(f"{path}: holds {len(totals)} shards named '-of-' totals {sorted(set(totals))}; "
                            f"the set is incomplete or mixed")
-
-
-def _meta_shapes(build, cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
-    """The state-dict shapes of ``build(cfg)``, built on the meta device (no memory, no init)."""
-    with torch.device("meta"):
-        module = build(cfg)
-    return {key: tuple(value.shape) for key, value in module.state_dict().items()}
 
 
 def _source_keys(keymaps: Sequence[KeyMap], targets) -> set[str]:

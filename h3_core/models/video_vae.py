@@ -449,7 +449,13 @@ def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cf
     The decoder's blocks are held in ``dtype``; the encoder, the latent convs, the first and last
     decoder projections, the norms and the LayerScales stay fp32. ``cfg`` gives the sizes (default: the
     released model); the file's ``latents_mean`` / ``latents_std`` tensors or a folder's ``config.json``
-    supply the latent statistics."""
+    supply the latent statistics.
+
+    ComfyUI's quantised file (``minimax_h3_video_vae_int8_convrot.safetensors``: the decoder blocks' linears in
+    int8 ConvRot, ``h3_core.quantized_files``) loads too: on a GPU where comfy-kitchen has kernels for them the
+    quantised linears keep the file's codes as comfy-kitchen weights (the blocks' ``F.linear`` calls run the
+    library's int8 matmul), anywhere else they are dequantised by comfy-kitchen into ``dtype``; one log line
+    says which (``keymap.load_into``)."""
     return load_model(VideoVAE, VideoVAEConfig, cfg, path, layouts, what="MiniMax H3 video VAE",
                       device=device, dtype=dtype, keep_fp32=keeps_fp32)
 

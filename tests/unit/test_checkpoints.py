@@ -317,19 +317,21 @@ def test_incomplete_or_mixed_shard_sets_are_refused_naming_the_files(tmp_path, d
 
 
 @pytest.mark.parametrize("spec, named", [
-    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}, "int8_tensorwise with convrot"),
-    ({"format": "nvfp4"}, "nvfp4"),
+    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256},
+     r"\(int8_convrot\): its 24 input columns are not a multiple of its convrot_groupsize 256"),
+    ({"format": "nvfp4"}, r"\(nvfp4\): 'blocks\.0\.attn\.qkv_proj\.weight_scale' is F32 \[96, 1\], expected "
+                          r"F8_E4M3 block scales \[128, 4\]"),
+    ({"format": "svdquant_w4a4"}, r"is quantized as 'svdquant_w4a4', which this pack does not read"),
 ])
-def test_quantized_files_are_refused_naming_the_format(tmp_path, dense_state, spec, named):
+def test_malformed_or_unknown_quantized_files_are_refused_naming_the_layer(tmp_path, dense_state, spec, named):
     state = dict(dense_state)
-    stored = torch.int8 if "int8" in named else torch.uint8
+    stored = torch.uint8 if spec["format"] == "nvfp4" else torch.int8
     state["blocks.0.attn.qkv_proj.weight"] = torch.zeros(3 * INNER, CFG.hidden, dtype=stored)
     state["blocks.0.attn.qkv_proj.weight_scale"] = torch.ones(3 * INNER, 1)
     state["blocks.0.attn.qkv_proj.comfy_quant"] = comfy_quant(spec)
     path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
     save_file(state, str(path))
-    with pytest.raises(H3InputError, match=rf"{path.name}: a quantized MiniMax H3 DiT \({named}\) is not supported "
-                                           rf"yet; use the bf16/fp16/fp32 file"):
+    with pytest.raises(H3InputError, match=rf"{path.name}: layer 'blocks\.0\.attn\.qkv_proj' {named}"):
         describe_dit_checkpoint(path, cfg=CFG)
 
 

@@ -139,19 +139,21 @@ def test_official_shards_with_per_head_interleaved_qkv(folder, tmp_path):
 
 
 @pytest.mark.parametrize("spec, named", [
-    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}, "int8_tensorwise with convrot"),
-    ({"format": "nvfp4"}, "nvfp4"),
+    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256},
+     r"\(int8_convrot\): its 4 input columns are not a multiple of its convrot_groupsize 256"),
+    ({"format": "nvfp4"}, r"\(nvfp4\): 'blocks\.0\.attn\.qkv_proj\.weight' holds 8 columns, not a multiple of the 16"),
+    ({"format": "mxfp8"}, r"is quantized as 'mxfp8', which this pack does not read"),
 ])
-def test_quantized_comfy_files_are_refused_by_format(tmp_path, spec, named):
+def test_malformed_or_unknown_quantized_comfy_files_are_refused(tmp_path, spec, named):
     import json
 
     sidecar = torch.tensor(list(json.dumps(spec).encode()), dtype=torch.uint8)
-    dtype = torch.int8 if "int8" in named else torch.uint8
+    dtype = torch.uint8 if spec["format"] == "nvfp4" else torch.int8
     path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
     save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(4, 4).to(dtype),
                "blocks.0.attn.qkv_proj.weight_scale": torch.ones(4, 1),
                "blocks.0.attn.qkv_proj.comfy_quant": sidecar}, str(path))
-    with pytest.raises(H3InputError, match=rf"a quantized MiniMax H3 DiT \({named}\) is not supported yet"):
+    with pytest.raises(H3InputError, match=rf"{path.name}: layer 'blocks\.0\.attn\.qkv_proj' {named}"):
         load_dit(path, cfg=DiTConfig(**TINY))
 
 
