@@ -6,8 +6,10 @@ auto / off) and the device's free memory into a ``MemoryPlan`` for the request's
 and a chunked FFN, the AdaLN projections in host memory, more groups, then streaming blocks) until the
 prediction fits; ``"off"`` runs the plain path. ``place_for_run`` applies the plan and returns what it
 did in words. On CUDA with Triton the blocks run fused (``models.block_fused``, compiled): 1.5× faster per
-hybrid block and less memory (``bench/results/dit_block.md``), and the plan is made for that. On a device
-without CUDA nothing is planned: the model simply runs there, on the plain path.
+hybrid block and less memory (``bench/results/dit_block.md``), and the plan is made for that — unless the
+user's ``compile`` is ``"off"`` (``COMPILE_MODES``) or the model's compiled path failed earlier in this
+process (``block_fused.evaluate``), which run the plain path. On a device without CUDA nothing is planned:
+the model simply runs there, on the plain path.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import torch
 from .errors import H3InputError
 from .fitting import FittedModel, apply_plan
 from .memory_model import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
-from .models.block_fused import fuse_blocks
+from .models.block_fused import compile_failed, fuse_blocks
 from .models.branch_fused import compiled_branch_available
 from .models.low_memory import LowMemory, apply_low_memory
+from .triton_forms import COMPILE_MODES, check_compile
 
-__all__ = ["PLACEMENTS", "MEMORY_MODES", "BUDGET_SHARE", "decide_placement", "place_for_run", "fuse_for",
-           "working_bytes"]
+__all__ = ["PLACEMENTS", "MEMORY_MODES", "COMPILE_MODES", "BUDGET_SHARE", "decide_placement", "place_for_run",
+           "fuse_for", "working_bytes"]
 
 PLACEMENTS = ("auto", "resident", "stream blocks")
 MEMORY_MODES = ("auto", "off")
@@ -46,12 +49,24 @@ def _bytes_on(model, device: torch.device) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device == device)
 
 
-def fuse_for(model, device) -> str | None:
-    """Run ``model``'s blocks fused (compiled) where CUDA and Triton are present, else on the plain path;
-    returns the mode set."""
-    fused = "compiled" if compiled_branch_available(torch.device(device)) else None
+def fuse_for(model, device, compile: str = "auto") -> str | None:
+    """Run ``model``'s blocks fused (compiled) where CUDA and Triton are present and ``compile`` is ``"auto"``,
+    unless its compiled path failed before; else on the plain path. Returns the mode set."""
+    check_compile(compile)
+    compiled = compile == "auto" and not compile_failed(model) and compiled_branch_available(torch.device(device))
+    fused = "compiled" if compiled else None
     fuse_blocks(model, fused)
     return fused
+
+
+def _blocks_said(model, compile: str, fused: str | None) -> str:
+    if fused:
+        return "fused blocks (compiled)"
+    if compile == "off":
+        return "plain blocks (compile off)"
+    if compile_failed(model):
+        return "plain blocks (compiling failed earlier)"
+    return "plain blocks (no Triton)"
 
 
 def _fused(model) -> bool:
@@ -97,11 +112,12 @@ def decide_placement(model, packed, *, placement: str, memory: str, free_bytes: 
 
 
 def place_for_run(model, packed, device, *, placement: str = "auto", memory: str = "auto", free_bytes: int | None = None,
-                  steps: int = 50) -> FittedModel:
+                  steps: int = 50, compile: str = "auto") -> FittedModel:
     """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says (CUDA), or simply there (any
-    other device). Call ``remove()`` on the result before placing the model for another request."""
+    other device), its blocks fused or plain as ``fuse_for`` says for ``compile``. Call ``remove()`` on the
+    result before placing the model for another request."""
     device = torch.device(device)
-    fused = fuse_for(model, device)
+    fused = fuse_for(model, device, compile)
     if device.type != "cuda":
         model.to(device)
         plan = MemoryPlan(LowMemory(), False, None, {"total": 0.0}, float("inf"), (), "none")
@@ -115,5 +131,5 @@ def place_for_run(model, packed, device, *, placement: str = "auto", memory: str
         model.to(device)
     fitted = apply_plan(model, plan, device)
     fitted.said.insert(0, f"memory policy {memory}, placement {placement}, {free_bytes / GiB:.1f} GiB free, "
-                          + ("fused blocks (compiled)" if fused else "plain blocks (no Triton)"))
+                          + _blocks_said(model, compile, fused))
     return fitted

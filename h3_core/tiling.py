@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from .errors import H3InputError
+from .triton_forms import CompileFailure, check_compile, compiles_on, plain_path
 
 __all__ = [
     "TRAINED_TILE_PX",
@@ -388,16 +389,19 @@ class _DecodeState:
                     ) from None
 
 
-def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrides=None, **options) -> torch.Tensor:
+def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrides=None, compile: str = "auto",
+                 **options) -> torch.Tensor:
     """Latents of one video ``[24, T, h, w]`` → RGB frames ``[F, H, W, 3]`` in [0, 1] on the CPU.
 
     ``vae`` is a ``h3_core.models.video_vae.VideoVAE``; ``normalized`` latents are in model space (the
     sampler's output). ``overrides`` picks the decoder's attention backend (``h3_core.attention.vae``);
-    ``options`` go to ``decode_tiled`` (tile size, tiles per batch, progress, cancel, report, ...). If a
-    single tile runs out of memory, the decoder's blocks are streamed from host memory (unless ``offload``
-    is given)."""
+    ``compile`` (``"auto"`` / ``"off"``) whether the decoder blocks run compiled where CUDA and Triton are
+    present (``decoder_blocks``; see ``_decoder``); ``options`` go to ``decode_tiled`` (tile size, tiles per
+    batch, progress, cancel, report, ...). If a single tile runs out of memory, the decoder's blocks are
+    streamed from host memory (unless ``offload`` is given)."""
     from .models.video_vae import IMAGENET_MEAN, IMAGENET_STD
 
+    check_compile(compile)
     z = vae.denormalize_latents(latents) if normalized else latents
     mean = torch.tensor(IMAGENET_MEAN, device=z.device).view(3, 1, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=z.device).view(3, 1, 1, 1)
@@ -405,11 +409,38 @@ def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrid
     options.setdefault("offload", vae.offload_decoder_blocks)
     with torch.inference_mode():
         return decode_tiled(
-            lambda tiles: vae.decode_tiles(tiles, overrides), z,
+            _decoder(vae, overrides, compile == "auto" and compiles_on(z.device)), z,
             spatial_ratio=cfg.spatial_ratio, temporal_ratio=cfg.temporal_ratio,
             clip_length=cfg.clip_length, token_drop=cfg.token_drop,
             finish=lambda pixels: (pixels * std + mean).clamp(0, 1), **options,
         )
+
+
+# The decoder blocks' compiled halves failed in this process (they are shared by every VAE): eager from then on.
+_decoder_compile_failed = False
+
+
+def _decoder(vae, overrides, compiled: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``decode_tiled``'s ``decode``: ``vae.decode_tiles`` with the blocks compiled when ``compiled`` and they
+    have not failed before, else eager with no Triton kernel (``triton_forms.plain_path``). A batch whose
+    compiled blocks fail to compile or launch is decoded again eagerly (the decode writes nothing in place
+    outside itself), one line naming the cause is logged, and every later batch and decode runs eagerly."""
+    from .models.video_vae import decoder_blocks
+
+    def decode(tiles):
+        global _decoder_compile_failed
+        if compiled and not _decoder_compile_failed:
+            try:
+                with decoder_blocks(compiled=True):
+                    return vae.decode_tiles(tiles, overrides)
+            except CompileFailure as failure:
+                _decoder_compile_failed = True
+                log.warning("compiling the video decoder's blocks failed (%s); decoding eagerly from now on",
+                            failure.describe())
+        with decoder_blocks(compiled=False), plain_path():
+            return vae.decode_tiles(tiles, overrides)
+
+    return decode
 
 
 def _blend_edge(previous: torch.Tensor, tile: torch.Tensor, width: int, dim: int) -> torch.Tensor:

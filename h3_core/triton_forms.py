@@ -1,19 +1,107 @@
-"""The hand-written Triton kernels are optional: each is imported on first use, and where Triton (or the kernel's
-module) cannot be imported the caller runs its eager reference instead. They run on CUDA tensors — and on any
-tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module is imported), which is how the
-CPU tests drive them through the model's own path."""
+"""The compiled paths are optional: the hand-written Triton kernels and the ``torch.compile``d functions.
+
+Each hand-written kernel is imported on first use, and where Triton (or the kernel's module) cannot be
+imported the caller runs its eager reference instead. They run on CUDA tensors — and on any tensor under
+Triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module is imported), which is how the CPU tests
+drive them through the model's own path.
+
+The user's ``compile`` choice (``COMPILE_MODES``): ``"auto"`` compiles where CUDA and Triton are present,
+``"off"`` runs the plain path. Inside ``plain_path()`` no hand-written kernel is handed out (``triton_form``
+returns None, so every caller takes its eager reference) and ``compiling()`` is False, which the modules that
+``torch.compile`` read. A kernel or compiled function wrapped by ``guarded`` that fails to compile or launch
+(a missing C compiler or ptxas, an inductor or Triton error) raises ``CompileFailure`` with the error as its
+cause, so the caller that owns a whole computation can run it again on the plain path.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
+import importlib.util
 import os
 
 import torch
 
-__all__ = ["triton_form", "runs_here"]
+from .errors import H3InputError
+
+__all__ = ["COMPILE_MODES", "CompileFailure", "check_compile", "plain_path", "compiling", "compiles_on", "guarded",
+           "triton_form", "runs_here"]
+
+COMPILE_MODES = ("auto", "off")
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_plain: contextvars.ContextVar[bool] = contextvars.ContextVar("h3_plain_path", default=False)
+
+
+class CompileFailure(RuntimeError):
+    """A compiled function or hand-written kernel failed to compile or launch; ``__cause__`` is the error."""
+
+    def describe(self) -> str:
+        """The cause as one line: its type and the first line of its message (continued when that line only
+        introduces the next, as dynamo's ``backend='inductor' raised:`` does)."""
+        cause = self.__cause__
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
+        return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+
+
+def check_compile(compile: str) -> str:
+    """``compile`` if it is one of ``COMPILE_MODES``; an ``H3InputError`` naming the input otherwise."""
+    if compile not in COMPILE_MODES:
+        raise H3InputError(f"compile must be one of {list(COMPILE_MODES)}, got {compile!r}")
+    return compile
+
+
+@contextlib.contextmanager
+def plain_path(on: bool = True):
+    """Within the block (when ``on``), no hand-written kernel and no ``torch.compile``: the plain path."""
+    token = _plain.set(_plain.get() or on)
+    try:
+        yield
+    finally:
+        _plain.reset(token)
+
+
+def compiling() -> bool:
+    """Whether compiled paths may run here (not inside ``plain_path``)."""
+    return not _plain.get()
+
+
+def compiles_on(device: torch.device | str) -> bool:
+    """Whether ``torch.compile`` makes Triton kernels for ``device``: CUDA with Triton importable."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def _passes_through(exc: BaseException) -> bool:
+    """Out of memory (also as the cause a compiler reports) and bad input are the run's own errors."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (torch.OutOfMemoryError, MemoryError, H3InputError, CompileFailure)):
+            return True
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__
+    return False
+
+
+def guarded(fn):
+    """``fn`` (a compiled function or a hand-written kernel) raising ``CompileFailure`` from whatever it raises
+    but out of memory, an ``H3InputError`` or an interrupt: being a compiled path's own call, such an error is
+    the toolchain's or the kernel's, not the computation's."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if _passes_through(exc):
+                raise
+            raise CompileFailure(f"{getattr(fn, '__name__', fn)} failed to compile or launch") from exc
+
+    return call
 
 
 def runs_here(t: torch.Tensor) -> bool:
@@ -21,11 +109,15 @@ def runs_here(t: torch.Tensor) -> bool:
     return t.is_cuda or _INTERPRETED
 
 
-@functools.cache
 def triton_form(module: str, attribute: str):
-    """``attribute`` of the module ``module`` (an absolute name, e.g. ``h3_core.attention._merge_triton``), or
-    None when it cannot be imported."""
+    """``attribute`` of the module ``module`` (an absolute name, e.g. ``h3_core.attention._merge_triton``),
+    ``guarded``; None when it cannot be imported, and inside ``plain_path``."""
+    return None if _plain.get() else _imported(module, attribute)
+
+
+@functools.cache
+def _imported(module: str, attribute: str):
     try:
-        return getattr(importlib.import_module(module), attribute)
+        return guarded(getattr(importlib.import_module(module), attribute))
     except ImportError:
         return None

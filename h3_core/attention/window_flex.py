@@ -4,9 +4,12 @@ The mask is a pure ``mask_mod`` over four per-row tables (the row's frame, the c
 row, and whether a key row is an anchor column), so one compiled kernel serves every geometry of the
 same length. Block masks are cached (bounded LRU) by geometry, block size and device.
 
-On CUDA the kernel is compiled once per shape; when flash-attn-4 is importable on sm90+ it runs through
-flex's FLASH backend (FA4), falling back to Triton for the rest of the process if FLASH fails. On other
-devices flex runs eagerly (it materialises the scores: fine for tests, not for long sequences).
+On CUDA with Triton the kernel (and the block mask) is compiled once per shape; when flash-attn-4 is
+importable on sm90+ it runs through flex's FLASH backend (FA4), falling back to Triton for the rest of the
+process if FLASH fails, and to eager flex for the rest of the process if compiling fails (one line logged).
+On other devices, and on the plain path (``triton_forms.plain_path``: the user's ``compile="off"``), flex runs
+eagerly (it materialises the scores: fine for tests, not for long sequences). Dynamo's recompile limit is
+raised only around the compiled calls.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import warnings
 
 import torch
 
+from ..triton_forms import CompileFailure, compiles_on, compiling, guarded
 from ._lru import BoundedLRU
 from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
 
@@ -31,6 +35,9 @@ preferred_kernel = "auto"
 _masks = BoundedLRU(MAX_CACHED_MASKS)
 _compiled = None
 _flash_failed = False
+_compile_failed = False
+# One compiled kernel (and mask) per sequence length: more than dynamo's default 8 geometries.
+RECOMPILE_LIMIT = 64
 # Flex kernels index with int32: one call may hold at most this many elements per q/k/v tensor.
 _MAX_ELEMENTS = 2**31 - 1
 
@@ -75,11 +82,42 @@ def _row_tables(layout: SequenceLayout, window: WindowSpec, device):
     return tuple(t.to(device) for t in (row_frame, row_lo, row_hi, is_column_anchor))
 
 
+def _compiles(device: torch.device) -> bool:
+    """Whether flex is compiled for ``device``: CUDA with Triton, off the plain path, and compiling has not
+    failed in this process."""
+    return not _compile_failed and compiling() and compiles_on(device)
+
+
+def _recompile_limit():
+    """Dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` while the block runs (restored after)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)})
+
+
+def _compile_failing(failure: CompileFailure) -> None:
+    """Eager flex from now on, said once."""
+    global _compile_failed
+    _compile_failed = True
+    log.warning("compiling flex attention failed (%s); running it eagerly from now on", failure.describe())
+
+
 def build_window_block_mask(layout: SequenceLayout, window: WindowSpec, device, block_size=None):
-    """The FlexAttention ``BlockMask`` of the window rule for ``layout`` (uncached)."""
+    """The FlexAttention ``BlockMask`` of the window rule for ``layout`` (uncached), built by a compiled
+    function where flex is compiled (``_compiles``)."""
+    device = torch.device(device)
+    if _compiles(device):
+        try:
+            with _recompile_limit():
+                return _block_mask(layout, window, device, block_size, True)
+        except CompileFailure as failure:
+            _compile_failing(failure)
+    return _block_mask(layout, window, device, block_size, False)
+
+
+def _block_mask(layout: SequenceLayout, window: WindowSpec, device: torch.device, block_size, compiled: bool):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    device = torch.device(device)
     row_frame, row_lo, row_hi, is_column_anchor = _row_tables(layout, window, device)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -92,10 +130,9 @@ def build_window_block_mask(layout: SequenceLayout, window: WindowSpec, device, 
         # torch >= 2.10 deprecates the flag in favour of torch.compile(create_block_mask); both build the
         # mask blockwise instead of materialising T×T.
         warnings.filterwarnings("ignore", message=".*_compile flag on create_block_mask.*")
-        return create_block_mask(
-            mask_mod, None, None, T, T, device=device,
-            BLOCK_SIZE=block_size or block_size_for(device), _compile=device.type == "cuda",
-        )
+        build = guarded(create_block_mask) if compiled else create_block_mask
+        return build(mask_mod, None, None, T, T, device=device, BLOCK_SIZE=block_size or block_size_for(device),
+                     _compile=compiled)
 
 
 def cached_block_mask(layout: SequenceLayout, window: WindowSpec, device):
@@ -123,18 +160,22 @@ def _flash_usable(device) -> bool:
 
 
 def _run(q4, k4, v4, mask, scale, device):
-    global _compiled, _flash_failed
-    if device.type != "cuda":
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"
-    if _compiled is None:
-        # One compiled kernel per sequence length: allow more than dynamo's default 8 geometries.
-        config = torch._dynamo.config
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(config, name):
-                setattr(config, name, max(getattr(config, name), 64))
-        _compiled = torch.compile(_flex(), dynamic=False)
+    global _compiled
+    if _compiles(device):
+        if _compiled is None:
+            _compiled = torch.compile(_flex(), dynamic=False)
+        try:
+            with _recompile_limit():
+                return _run_compiled(q4, k4, v4, mask, scale, device)
+        except CompileFailure as failure:
+            _compile_failing(failure)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"
+
+
+def _run_compiled(q4, k4, v4, mask, scale, device):
+    global _flash_failed
     if _flash_usable(device):
         try:
             return _compiled(q4, k4, v4, block_mask=mask, scale=scale, kernel_options={"BACKEND": "FLASH"}), "flash"
@@ -143,7 +184,7 @@ def _run(q4, k4, v4, mask, scale, device):
                 raise
             _flash_failed = True
             log.warning("flex FLASH backend failed (%s); using the Triton backend from now on", exc)
-    return _compiled(q4, k4, v4, block_mask=mask, scale=scale), "triton"
+    return guarded(_compiled)(q4, k4, v4, block_mask=mask, scale=scale), "triton"
 
 
 last_kernel = None

@@ -10,20 +10,30 @@ one rounding of the result; the AdaLN rows are looked up per packed row from its
 Modes (``fuse_blocks``): ``"compiled"`` runs these functions (and the linear branch's, ``branch_fused``)
 through ``torch.compile``, ``"eager"`` as written (the same arithmetic op by op: for tests), ``None`` the
 plain path.
+
+``evaluate`` runs one model evaluation and is the way out when a compiled function or Triton kernel fails to
+compile or launch: the evaluation — which writes in place only into tensors it made itself, never into its
+inputs — runs again from its inputs on the plain path, and the model stays there for the rest of the process.
 """
 
 from __future__ import annotations
+
+import logging
+import weakref
 
 import torch
 import torch.nn as nn
 
 from ..errors import H3InputError
 from ..fp8_linear import _COMPUTE_DTYPES, _SMALLEST_SCALE, QuantizedRows, quantize_input
-from ..triton_forms import runs_here, triton_form
+from ..triton_forms import CompileFailure, plain_path, runs_here, triton_form
 from . import branch_fused
 
 __all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized",
-           "norm_modulate_quantized", "residual_norm", "gate_heads_input", "row_index", "run", "fuse_blocks"]
+           "norm_modulate_quantized", "residual_norm", "gate_heads_input", "row_index", "run", "fuse_blocks",
+           "evaluate", "compile_failed"]
+
+log = logging.getLogger(__name__)
 
 
 def row_index(runs, device) -> torch.Tensor:
@@ -174,3 +184,35 @@ def fuse_blocks(model: nn.Module, mode: str | None = "compiled") -> int:
         block.mlp.fused = mode
     branch_fused.fuse_branches(model, mode)
     return len(blocks)
+
+
+# The models whose compiled path failed in this process: each runs the plain path from then on.
+_failed: weakref.WeakSet = weakref.WeakSet()
+
+
+def compile_failed(model) -> bool:
+    """Whether ``model``'s compiled path failed earlier in this process (``evaluate``)."""
+    try:
+        return model in _failed
+    except TypeError:  # not weakly referable: never recorded
+        return False
+
+
+def evaluate(model, compile: str, *args, **kwargs):
+    """``model(*args, **kwargs)``, one evaluation. With ``compile="off"``, or for a model whose compiled path
+    failed before, it runs on the plain path: the blocks unfused and no compiled function or Triton kernel
+    anywhere in it (``triton_forms.plain_path``). Where a compiled function or kernel fails to compile or
+    launch (``CompileFailure``), the model's blocks go plain, one line naming the cause is logged, and the
+    evaluation runs again from the same inputs on the plain path: what the failed attempt wrote in place was
+    its own intermediates, so the result is the plain path's."""
+    if compile == "auto" and not compile_failed(model):
+        try:
+            return model(*args, **kwargs)
+        except CompileFailure as failure:
+            _failed.add(model)
+            log.warning("the compiled DiT path failed (%s); this model runs the plain path from now on",
+                        failure.describe())
+    if isinstance(model, nn.Module) and any(getattr(m, "fused", None) for m in model.modules()):
+        fuse_blocks(model, None)
+    with plain_path():
+        return model(*args, **kwargs)

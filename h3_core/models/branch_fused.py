@@ -11,19 +11,19 @@ the roundings it skips.
 
 Modes (``fuse_branches``): ``"compiled"`` runs these functions through ``torch.compile`` (one generated
 kernel each; needs Triton on CUDA), ``"eager"`` runs them as written (the same arithmetic, op by op: for
-tests and for checking the math), ``None`` the plain path.
+tests and for checking the math), ``None`` the plain path. The compiled functions and the Triton kernels are
+``triton_forms.guarded``: one that fails to compile or launch raises ``CompileFailure``, and the model
+evaluation is run again on the plain path (``block_fused.evaluate``).
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import H3InputError
-from ..triton_forms import runs_here, triton_form
+from ..triton_forms import compiles_on, compiling, guarded, runs_here, triton_form
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
            "gram_products", "gram_statistics", "shifted_gram", "shifted_statistics", "query_features",
@@ -178,10 +178,8 @@ _compiled: dict[object, object] = {}  # each fused function's torch.compile wrap
 
 
 def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
-    """Whether ``"compiled"`` can run on ``device``: CUDA with Triton importable."""
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return False
-    return importlib.util.find_spec("triton") is not None
+    """Whether ``"compiled"`` can run on ``device``: CUDA with Triton importable (``triton_forms.compiles_on``)."""
+    return compiles_on(device)
 
 
 # Hand-written Triton forms that ``"compiled"`` runs on CUDA instead of ``torch.compile``'s (module, function):
@@ -211,15 +209,16 @@ def small_inverse(mode: str | None):
 def call(mode: str, fn, *args, name: str | None = None):
     """``fn(*args)`` as ``mode`` says: ``"eager"`` as written, ``"compiled"`` through ``torch.compile`` — or, for
     CUDA rows with a contiguous last dimension, through the Triton kernel registered for ``name`` (which sums
-    in fp32, so fp64 rows keep the compiled form's fp64 sums)."""
-    if mode == "compiled":
+    in fp32, so fp64 rows keep the compiled form's fp64 sums). Inside ``triton_forms.plain_path`` nothing is
+    compiled: ``"compiled"`` runs as written."""
+    if mode == "compiled" and compiling():
         lead = args[0]
         if name is not None and runs_here(lead) and lead.dtype != torch.float64 and lead.stride(-1) == 1:
             kernel = triton_kernel(name)
             if kernel is not None:
                 return kernel(*args)
         if fn not in _compiled:
-            _compiled[fn] = torch.compile(fn)
+            _compiled[fn] = guarded(torch.compile(fn))
         fn = _compiled[fn]
     return fn(*args)
 

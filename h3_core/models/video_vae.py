@@ -12,6 +12,7 @@ residual stream, the RoPE angles and the first and last projections run in fp32.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -22,10 +23,12 @@ import torch.nn.functional as F
 
 from ..attention.vae import vae_attention
 from ..keymap import KeyMap, Rule, swap_halves
+from ..triton_forms import guarded
 from ._common import LatentStats, load_model
 
 __all__ = [
     "compile_decoder_blocks",
+    "decoder_blocks",
     "VideoVAEConfig",
     "VideoVAE",
     "load_video_vae",
@@ -239,20 +242,35 @@ def block_finish(x, attn, out_w, out_b, scale1, norm2_w, w1_w, w1_b, w2_w, w2_b,
     return x + F.linear(F.silu(gate) * up, w2_w, w2_b).float() * scale2
 
 
-# The two halves every block runs; ``compile_decoder_blocks`` swaps in compiled versions (one graph each,
-# shared by all blocks, as the weights are arguments).
-_block_fns = {"attention_inputs": block_attention_inputs, "finish": block_finish}
+# The two halves every block runs; ``compile_decoder_blocks`` and ``decoder_blocks`` swap in compiled versions
+# (one graph each, shared by all blocks, as the weights are arguments).
+_EAGER_BLOCKS = {"attention_inputs": block_attention_inputs, "finish": block_finish}
+_block_fns = dict(_EAGER_BLOCKS)
+_compiled_blocks: dict = {}  # the compiled halves, made on first use and ``guarded``
+
+
+def _compiled_block_fns() -> dict:
+    if not _compiled_blocks:
+        _compiled_blocks.update({name: guarded(torch.compile(fn, dynamic=False)) for name, fn in _EAGER_BLOCKS.items()})
+    return _compiled_blocks
 
 
 def compile_decoder_blocks(enabled: bool = True) -> None:
     """Run the decoder blocks' elementwise work (norms, RoPE, casts, LayerScale) fused by ``torch.compile``;
     attention stays on the kernel layer. Idempotent; ``enabled=False`` restores the eager functions."""
-    if not enabled:
-        _block_fns.update(attention_inputs=block_attention_inputs, finish=block_finish)
-        return
-    if _block_fns["finish"] is block_finish:
-        _block_fns["attention_inputs"] = torch.compile(block_attention_inputs, dynamic=False)
-        _block_fns["finish"] = torch.compile(block_finish, dynamic=False)
+    _block_fns.update(_compiled_block_fns() if enabled else _EAGER_BLOCKS)
+
+
+@contextlib.contextmanager
+def decoder_blocks(compiled: bool):
+    """The decoder blocks compiled (``compile_decoder_blocks``: a compiled half that fails to compile or launch
+    raises ``triton_forms.CompileFailure``) or eager within the block, whatever was set before; restored after."""
+    saved = dict(_block_fns)
+    _block_fns.update(_compiled_block_fns() if compiled else _EAGER_BLOCKS)
+    try:
+        yield
+    finally:
+        _block_fns.update(saved)
 
 
 class DecoderAttention(nn.Module):

@@ -19,6 +19,7 @@ import torch
 from ..attention.layout import WindowSpec
 from ..errors import H3InputError
 from ..models.hybrid import RELEASE_WINDOW, HybridContext
+from ..triton_forms import check_compile
 from .geometry import audio_latents, check_canvas, check_frames, latent_frames
 from .noise import initial_noise
 from .packing import PackedSequence, Reference, pack_ref2va, pack_sequence, unpatchify
@@ -47,12 +48,16 @@ def generate(
     window: WindowSpec = RELEASE_WINDOW,
     backend: str = "auto",
     before_sampling: Callable[[PackedSequence], None] | None = None,
+    compile: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` is a sequence of
     ``(anchor, latent)`` pairs. For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the
     window softmax; a plain H3 model ignores them. ``before_sampling(packed)`` is called once the request is
-    packed, before the first evaluation (e.g. to fit the model to the device for that sequence). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in
-    model space, fp32."""
+    packed, before the first evaluation (e.g. to fit the model to the device for that sequence). ``compile``
+    (``"auto"`` / ``"off"``): ``"off"`` runs every evaluation on the plain path, no ``torch.compile`` and no
+    Triton kernel (``block_fused.evaluate``); give ``placement.place_for_run`` the same. Returns
+    ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32."""
+    check_compile(compile)
     T, h, w, Ta = _clip_shape(frames, width, height)
     for anchor, latent in keyframes:
         if tuple(latent.shape) != (24, 1, h, w):
@@ -61,7 +66,8 @@ def generate(
     packed = pack_sequence(prompt.tags, T, h, w, Ta, keyframes=tuple(a for a, _ in keyframes))
     return _sample(model, prompt, packed, [z for _, z in keyframes], [], (T, h, w, Ta), steps=steps, seed=seed,
                    video_shift=video_shift, audio_shift=audio_shift, device=device, progress=progress,
-                   check_cancel=check_cancel, window=window, backend=backend, before_sampling=before_sampling)
+                   check_cancel=check_cancel, window=window, backend=backend, before_sampling=before_sampling,
+                   compile=compile)
 
 
 @dataclass(frozen=True)
@@ -122,9 +128,11 @@ def generate_ref2va(
     window: WindowSpec = RELEASE_WINDOW,
     backend: str = "auto",
     before_sampling: Callable[[PackedSequence], None] | None = None,
+    compile: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
     them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``."""
+    check_compile(compile)
     T, h, w, Ta = _clip_shape(frames, width, height)
     geometry = [ref.geometry(i) for i, ref in enumerate(references)]
     packed = pack_ref2va(prompt.tags, geometry, T, h, w, Ta)
@@ -132,7 +140,8 @@ def generate_ref2va(
     audio_refs = [rows for rows in (ref.audio_rows() for ref in references) if rows is not None]
     return _sample(model, prompt, packed, conditions, audio_refs, (T, h, w, Ta), steps=steps, seed=seed,
                    video_shift=video_shift, audio_shift=audio_shift, device=device, progress=progress,
-                   check_cancel=check_cancel, window=window, backend=backend, before_sampling=before_sampling)
+                   check_cancel=check_cancel, window=window, backend=backend, before_sampling=before_sampling,
+                   compile=compile)
 
 
 def _clip_shape(frames: int, width: int, height: int) -> tuple[int, int, int, int]:
@@ -143,7 +152,7 @@ def _clip_shape(frames: int, width: int, height: int) -> tuple[int, int, int, in
 
 
 def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape, *, steps, seed, video_shift,
-            audio_shift, device, progress, check_cancel, window, backend, before_sampling):
+            audio_shift, device, progress, check_cancel, window, backend, before_sampling, compile):
     """Noise drawn in the released order, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
     text_dim = getattr(getattr(model, "cfg", None), "text_dim", None)
@@ -165,7 +174,7 @@ def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape
     video_rows, audio_rows = denoise(
         model, packed, prompt.embeds.to(device), video_rows, audio_rows, steps,
         video_shift=video_shift, audio_shift=audio_shift, condition_audio_rows=reference_audio,
-        progress=progress, check_cancel=check_cancel, hybrid=hybrid,
+        progress=progress, check_cancel=check_cancel, hybrid=hybrid, compile=compile,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, h, w)

@@ -9,6 +9,8 @@ from typing import Callable
 import torch
 
 from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
+from ..models.block_fused import evaluate
+from ..triton_forms import check_compile
 from .noise import row_timesteps
 from .packing import PackedSequence
 from .schedule import AUDIO_SHIFT, VIDEO_SHIFT, euler_step, sigma_grid, timesteps_of
@@ -30,6 +32,7 @@ def denoise(
     progress: Callable[[int, int], None] | None = None,
     check_cancel: Callable[[], None] | None = None,
     hybrid=None,
+    compile: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
 
@@ -41,9 +44,12 @@ def denoise(
         progress: ``progress(step, steps)`` after every step; check_cancel: before every evaluation and, for a
             model with a ``check_cancel`` slot (``H3DiT``), before every block; it raises to stop.
         hybrid: a ``HybridContext`` passed to the model as ``hybrid=`` (VDN-H3); None passes nothing.
+        compile: ``"auto"`` or ``"off"`` (``triton_forms.COMPILE_MODES``): each evaluation runs through
+            ``block_fused.evaluate``, on the plain path when ``"off"`` or once the compiled path has failed.
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
     """
+    check_compile(compile)
     video_sigmas, audio_sigmas = sigma_grid(steps, video_shift), sigma_grid(steps, audio_shift)
     video_ts, audio_ts = timesteps_of(video_sigmas), timesteps_of(audio_sigmas)
     n = min(len(video_ts), len(audio_ts))  # equal unless a strong shift collapsed grid points
@@ -62,9 +68,10 @@ def denoise(
             if check_cancel is not None:
                 check_cancel()
             device = video_rows.device
-            v_video, v_audio = model(video_rows, audio_rows, text_rows, timesteps.to(device), index.to(device),
-                                     packed.tags.to(device), packed.positions.to(device), packed.video_index.to(device),
-                                     packed.audio_index.to(device), packed.text_index.to(device), **extra)
+            v_video, v_audio = evaluate(model, compile, video_rows, audio_rows, text_rows, timesteps.to(device),
+                                        index.to(device), packed.tags.to(device), packed.positions.to(device),
+                                        packed.video_index.to(device), packed.audio_index.to(device),
+                                        packed.text_index.to(device), **extra)
             video_rows[cv:] = euler_step(video_rows[cv:], v_video[cv:].float(), float(video_sigmas[i]),
                                          float(video_sigmas[i + 1]), video_ts[i])
             audio_rows[ca:] = euler_step(audio_rows[ca:], v_audio[ca:].float(), float(audio_sigmas[i]),
