@@ -10,6 +10,11 @@ right shapes, frame counts, rates and channels. Every file says so in its metada
     vae/h3_tiny_random_video_vae.safetensors                    ComfyUI layout, with its latent statistics
     vae/h3_tiny_random_audio_vae.safetensors
     text_encoders/h3_tiny_random_qwen3vl/                       tokenizer/, processor/, text_encoder/ folders
+
+``write_tiny_text_encoder_file`` also writes the text encoder as ComfyUI ships it, one file in its key layout
+(``text_encoders/h3_tiny_random_qwen3vl.safetensors``): a Qwen3-VL of Qwen3-VL-32B's family (its head size,
+RoPE sections, vision heads and deepstack blocks, Qwen's vocabulary and token ids) at a tiny width, read with
+Qwen's tokenizer (the host's ``qwen25_tokenizer``) and Qwen3-VL's published processors.
 """
 
 from __future__ import annotations
@@ -23,11 +28,11 @@ import torch
 from .models.audio_vae import AudioVAE, AudioVAEConfig
 from .models.dit import DiTConfig, H3DiT
 from .models.video_vae import VideoVAE, VideoVAEConfig
-from .pipeline.text_encoder import SETTINGS_FILE
+from .pipeline.text_encoder import CONDITIONING_LAYER, SETTINGS_FILE
 from .sizes import NOTE_KEY, sizes_metadata
 
-__all__ = ["TinyCheckpoints", "write_tiny_checkpoints", "TINY_PREFIX", "TINY_FILES", "TINY_DIT", "TINY_VIDEO_VAE", "TINY_AUDIO_VAE",
-           "TINY_TEXT_WIDTH"]
+__all__ = ["TinyCheckpoints", "write_tiny_checkpoints", "TINY_PREFIX", "TINY_FILES", "TINY_DIT", "TINY_VIDEO_VAE",
+           "TINY_AUDIO_VAE", "TINY_TEXT_WIDTH", "TINY_TEXT_ENCODER_FILE", "tiny_qwen3vl", "write_tiny_text_encoder_file"]
 
 TINY_PREFIX = "h3_tiny_random_"
 # Each file's (or folder's) name in its ComfyUI model folder, by ``TinyCheckpoints`` field.
@@ -36,6 +41,7 @@ TINY_FILES = {"dit": f"{TINY_PREFIX}dit.safetensors", "linear_branch": f"{TINY_P
               "text_encoder": f"{TINY_PREFIX}qwen3vl"}
 NOTE = "H3 Hybrid tiny RANDOM weights for tests and the quick start: not a trained model, it generates noise"
 TINY_TEXT_WIDTH = 32
+TINY_TEXT_ENCODER_FILE = f"{TINY_PREFIX}qwen3vl.safetensors"
 TINY_DIT = DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=TINY_TEXT_WIDTH, freq_dim=16,
                      time_hidden=24, time_embed=20, rope_freqs=4)
 TINY_VIDEO_VAE = VideoVAEConfig(decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6,
@@ -58,11 +64,13 @@ class TinyCheckpoints:
 
 
 def _save(state: dict, path: Path, cfg) -> Path:
+    """``state`` written to ``path`` with the note and, for a config dataclass ``cfg``, its sizes."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(partial), metadata=sizes_metadata(cfg, NOTE))
+    metadata = sizes_metadata(cfg, NOTE) if cfg is not None else {NOTE_KEY: NOTE}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(partial), metadata=metadata)
     partial.replace(path)
     return path
 
@@ -128,6 +136,36 @@ def _text_encoder_folder(models: Path) -> Path:
     transformers.Qwen3VLForConditionalGeneration(cfg).save_pretrained(root / "text_encoder")
     (root / SETTINGS_FILE).write_text(json.dumps({"conditioning_layer": _TEXT_LAYERS, NOTE_KEY: NOTE}, indent=1) + "\n")
     return root
+
+
+def tiny_qwen3vl(layers: int = CONDITIONING_LAYER, *, seed: int = 4):
+    """A seeded random ``Qwen3VLForConditionalGeneration`` (bf16) of Qwen3-VL-32B's family at a tiny width: what
+    the shapes of a file cannot tell is the published model's (``qwen3vl_checkpoint.PUBLISHED``), so its
+    ComfyUI file describes itself from its header like the real one."""
+    import transformers
+
+    from .pipeline.qwen3vl_checkpoint import PUBLISHED
+
+    cfg = transformers.Qwen3VLConfig(
+        text_config=dict(hidden_size=TINY_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=151936,
+                         **PUBLISHED["text"]),
+        vision_config=dict(depth=25, hidden_size=64, intermediate_size=64, out_hidden_size=TINY_TEXT_WIDTH,
+                           num_position_embeddings=64, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+                           **PUBLISHED["vision"]),
+        **PUBLISHED["ids"])
+    torch.manual_seed(seed)
+    return transformers.Qwen3VLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+
+
+def write_tiny_text_encoder_file(models: str | Path, layers: int = CONDITIONING_LAYER) -> Path:
+    """``text_encoders/h3_tiny_random_qwen3vl.safetensors`` under ``models``: ``tiny_qwen3vl(layers)`` in
+    ComfyUI's layout, as its H3 file is cut (no final norm, no output head)."""
+    from .pipeline.qwen3vl_checkpoint import LAYOUTS
+
+    state = {LAYOUTS[0].file_key(k): v for k, v in tiny_qwen3vl(layers).state_dict().items()
+             if k not in ("lm_head.weight", "model.language_model.norm.weight")}
+    return _save(state, Path(models) / "text_encoders" / TINY_TEXT_ENCODER_FILE, None)
 
 
 def write_tiny_checkpoints(models: str | Path) -> TinyCheckpoints:

@@ -1,19 +1,27 @@
 """Prompt encoding with Qwen3-VL, as H3 was trained: the hidden states after decoder layer 50 (no final
 norm), no chat template and no special tokens around the prompt, every prompt row tagged as text.
 
-The encoder loads from a local Hugging Face folder holding the config and weights (``text_encoder/``) and
-the tokenizer (``tokenizer/``, or the same folder). Only the first 50 layers run: a hook on layer 50 takes
-its output and stops the forward, which is exactly ``hidden_states[50]`` of a full run without computing
-the layers after it.
+The encoder loads from either source, and holds only what H3 reads: the embeddings, the decoder layers up to
+the conditioning layer, the vision tower and the rotary tables; the later layers, the final norm and the
+output head are never read (``h3_core.pipeline.qwen3vl_checkpoint``), and the forward stops after the
+conditioning layer (a hook takes its output), which is exactly ``hidden_states[50]`` of the full model.
+
+* a local Hugging Face folder: config.json and weights (``text_encoder/``), the tokenizer (``tokenizer/``, or
+  the same folder), the image/video processor configs (``processor/``, or the tokenizer's or model's folder);
+* ComfyUI's single file (``qwen3vl_32b_minimax_h3_bf16.safetensors``), whose configuration comes from its
+  header; it ships no tokenizer or processor files: the tokenizer is built from the Qwen BPE folder passed in
+  (``h3_core.pipeline.qwen3vl_tokens``), the processors from a folder passed in or Qwen3-VL's published
+  settings.
 
 Keyframes (FL2VA) and references (Ref2VA) appear inside the text as labels and vision blocks
-(``presentation``); their pixels go through Qwen3-VL's own image and video processors, read from the
-``processor/`` folder (or the tokenizer's or model's folder) when such a request first comes, and the
-model places them with its multimodal RoPE from the per-token modality ids.
+(``presentation``); their pixels go through Qwen3-VL's own image and video processors, and the model places
+them with its multimodal RoPE from the per-token modality ids.
 
-Qwen3-VL-32B is 64 GB in bf16. When the device cannot hold it (``offload="auto"`` asks the device how much is
-free), the weights stay in host memory and each decoder layer visits the device only for its own forward:
-one layer's weights on the card at a time, the same numbers as the resident model.
+Placement: loading puts the weights in host memory (memory-mapped where the file's dtype is the one asked
+for). Each encode runs on ``device`` with the model either resident there or with its decoder layers
+streamed: they stay in host memory and each visits the device for its own forward only, the same numbers
+as the resident model. ``resident_bytes`` and ``streamed_bytes`` say what either needs on the device;
+``place`` and ``to_host`` let a caller decide per run; otherwise the first encode decides by ``offload``.
 """
 
 from __future__ import annotations
@@ -22,17 +30,22 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..errors import H3InputError
+from ..keymap import CheckpointFiles, load_into
 from .media import quantize_pixels
 from .presentation import PresentedReference, VisionIds, presentation_tokens, video_blocks
 from .prompt import PromptEmbedding
+from .qwen3vl_checkpoint import LAYOUTS, describe_text_encoder_file, layout_keymap
+from .qwen3vl_tokens import folder_processors, published_processors, qwen3vl_tokenizer
 
-__all__ = ["TextEncoder", "load_text_encoder", "CONDITIONING_LAYER", "OFFLOAD_MODES", "SETTINGS_FILE"]
+__all__ = ["TextEncoder", "load_text_encoder", "CONDITIONING_LAYER", "OFFLOAD_MODES", "SETTINGS_FILE", "fits_on"]
 
 CONDITIONING_LAYER = 50
 OFFLOAD_MODES = ("auto", "none", "layers")
 _HEADROOM = 1.15  # activations and the allocator's slack on top of the weights
+_HOST = torch.device("cpu")
 
 
 class _Stop(Exception):
@@ -40,54 +53,113 @@ class _Stop(Exception):
         self.hidden = hidden
 
 
+class _NotHeld(nn.Module):
+    """Stands where the full model has a part H3 never runs (the final norm, the output head)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"the text encoder does not hold {self.what}: it keeps only what H3 reads, the layers "
+                           "up to the conditioning layer")
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class TextEncoder:
-    def __init__(self, model, tokenizer, layer: int = CONDITIONING_LAYER, device: torch.device | str | None = None,
-                 stream: bool = False, processor_dirs: tuple[Path, ...] = ()):
-        """``device``: where the forward runs; ``stream``: the decoder layers stay where they are (host memory)
-        and each visits ``device`` for its own forward only; ``processor_dirs``: where to look for the image
-        and video processor configs, in order."""
+    def __init__(self, model, tokenizer, layer: int = CONDITIONING_LAYER, device: torch.device | str = "cpu",
+                 offload: str = "auto", fits=None, processors=None):
+        """``model``: a (truncated) ``Qwen3VLForConditionalGeneration`` in host memory; ``device``: where each
+        encode runs; ``offload``: how the first encode places the model when nobody placed it ("none"
+        resident, "layers" streamed, "auto" streamed only when ``fits(device, resident_bytes)`` says no);
+        ``processors``: a function returning the image and video processors, called when a request first
+        needs them."""
+        if offload not in OFFLOAD_MODES:
+            raise H3InputError(f"offload must be one of {list(OFFLOAD_MODES)}, got {offload!r}")
         self.model, self.tokenizer, self.layer = model, tokenizer, layer
-        self.processor_dirs = tuple(Path(d) for d in processor_dirs)
-        self._processors = None
         layers = self.language_model.layers
         if not 1 <= layer <= len(layers):
             raise H3InputError(f"conditioning layer {layer} is outside the text model's {len(layers)} layers")
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.streamed = stream
+        self.device, self.offload, self.fits = torch.device(device), offload, fits or fits_on
+        self._processor_source, self._processors = processors, None
+        self.streamed: bool | None = None  # how the model was last placed; None until then
         self.layer_visits = 0
-        if self.streamed:
-            self._stream_layers()
-
-    def to_device(self) -> "TextEncoder":
-        """Put back on ``device`` what runs there (after the weights were moved to host memory to free the
-        device): the whole model, or with streamed layers everything but the decoder layers."""
-        if not self.streamed:
-            self.model.to(self.device)
-            return self
-        for name, child in self.language_model.named_children():
-            if name != "layers":
-                child.to(self.device)  # embeddings, rotary tables, final norm: small, kept on the device
-        self.model.model.visual.to(self.device)  # the vision tower: about 1 % of the weights
-        return self
-
-    def _stream_layers(self):
-        lm, home = self.language_model, next(self.language_model.layers.parameters()).device
-        self.to_device()
-
-        def arrive(module, args, kwargs):
-            self.layer_visits += 1
-            module.to(self.device)
-
-        def leave(module, args, kwargs, output):
-            module.to(home)
-
-        for block in lm.layers[: self.layer]:
-            block.register_forward_pre_hook(arrive, with_kwargs=True)
-            block.register_forward_hook(leave, with_kwargs=True, always_call=True)
+        for block in layers[:layer]:
+            block.register_forward_pre_hook(self._arrive, with_kwargs=True)
+            block.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
 
     @property
     def language_model(self):
         return self.model.model.language_model
+
+    def _layer_modules(self):
+        return list(self.language_model.layers)
+
+    @property
+    def layer_bytes(self) -> int:
+        """The largest decoder layer's weights: what one streamed layer brings to the device."""
+        return max(_nbytes(block.parameters()) for block in self._layer_modules())
+
+    @property
+    def resident_bytes(self) -> int:
+        """Every weight and table held: what must be on the device to run resident."""
+        return _nbytes(self.model.parameters()) + _nbytes(self.model.buffers())
+
+    @property
+    def kept_bytes(self) -> int:
+        """What stays on the device while the decoder layers stream (embeddings, vision tower, rotary tables)."""
+        return self.resident_bytes - sum(_nbytes(block.parameters()) for block in self._layer_modules())
+
+    @property
+    def streamed_bytes(self) -> int:
+        """What must be on the device to run with streamed layers: what stays plus one layer."""
+        return self.kept_bytes + self.layer_bytes
+
+    def place(self, device: torch.device | str | None = None, *, stream: bool = False) -> "TextEncoder":
+        """Put the model on ``device`` (default: the encoder's) for the next encodes: whole, or with the decoder
+        layers left in host memory to visit the device one at a time (``stream``)."""
+        if device is not None:
+            self.device = torch.device(device)
+        if stream:
+            self.language_model.layers.to(_HOST)
+            for name, child in self.language_model.named_children():
+                if name != "layers":
+                    child.to(self.device)
+            self.model.model.visual.to(self.device)
+        else:
+            self.model.to(self.device)
+        self.streamed = stream
+        return self
+
+    def to_host(self) -> "TextEncoder":
+        """Move every weight back to host memory (the next encode, or ``place``, puts it on the device again)."""
+        self.model.to(_HOST)
+        return self
+
+    def to_device(self) -> "TextEncoder":
+        """Put the model back on its device the way it was last placed (deciding by ``offload`` if it never
+        was), e.g. after the host moved its weights to host memory to free the device."""
+        return self.place(stream=self._decide() if self.streamed is None else self.streamed)
+
+    def _decide(self) -> bool:
+        if self.offload == "auto":
+            return not self.fits(self.device, self.resident_bytes)
+        return self.offload == "layers"
+
+    def _placed(self) -> bool:
+        return self.streamed is not None and self.language_model.embed_tokens.weight.device == self.device
+
+    def _arrive(self, module, args, kwargs):
+        if self.streamed:
+            self.layer_visits += 1
+            module.to(self.device)
+
+    def _leave(self, module, args, kwargs, output):
+        if self.streamed:
+            module.to(_HOST)
 
     @torch.no_grad()
     def encode(self, prompt: str, *, keyframes=(), references: tuple[PresentedReference, ...] = ()) -> PromptEmbedding:
@@ -107,6 +179,8 @@ class TextEncoder:
         items = [(r.kind, r.has_audio) for r in references]
         ids, tags = presentation_tokens(tokenize, VisionIds.of(self.tokenizer) if vision else None, prompt, items,
                                         image_tokens, video_tokens, video_times)
+        if not self._placed():
+            self.to_device()
         hidden = self._layer_states(torch.tensor([ids]), vision)
         return PromptEmbedding(hidden.cpu(), torch.tensor(tags, dtype=torch.long), prompt, features=hidden.shape[-1])
 
@@ -155,7 +229,8 @@ class TextEncoder:
                                              select=torch.tensor(frames)).numpy())
                 video_times.append(stamps)
             features = video_processor(videos=clips, do_sample_frames=False, return_tensors="pt")
-            inputs.update(pixel_values_videos=features["pixel_values_videos"], video_grid_thw=features["video_grid_thw"])
+            inputs.update(pixel_values_videos=features["pixel_values_videos"],
+                          video_grid_thw=features["video_grid_thw"])
             video_tokens = [int(grid[1]) * int(grid[2]) // merge for grid in features["video_grid_thw"]]
             for stamps, grid in zip(video_times, features["video_grid_thw"]):
                 if int(grid[0]) != len(stamps):
@@ -165,14 +240,11 @@ class TextEncoder:
 
     def _load_processors(self):
         if self._processors is None:
-            from transformers import AutoImageProcessor, AutoVideoProcessor
-
-            found = next((d for d in self.processor_dirs if (d / "preprocessor_config.json").is_file()), None)
+            found = self._processor_source() if self._processor_source is not None else None
             if found is None:
                 raise H3InputError("keyframes and references need Qwen3-VL's image/video processor, but no "
-                                   f"preprocessor_config.json is in {[str(d) for d in self.processor_dirs]}")
-            self._processors = (AutoImageProcessor.from_pretrained(found, local_files_only=True),
-                                AutoVideoProcessor.from_pretrained(found, local_files_only=True))
+                                   "preprocessor_config.json was found beside the text encoder")
+            self._processors = found
         return self._processors
 
 
@@ -200,32 +272,111 @@ def _folder_settings(folder: Path) -> dict:
     return settings
 
 
-def load_text_encoder(folder: str | Path, *, device="cpu", dtype: torch.dtype = torch.bfloat16,
-                      layer: int | None = None, offload: str = "auto",
-                      fits=fits_on) -> TextEncoder:
-    """Load Qwen3-VL from a local folder: ``folder`` itself or its ``text_encoder/`` and ``tokenizer/``.
+def _truncated_model(config, layer: int, present: int, where):
+    """``Qwen3VLForConditionalGeneration`` of ``config`` cut to ``layer`` decoder layers, built on the meta
+    device, with its rotary tables computed in host memory and no final norm or output head."""
+    import copy
 
-    ``layer``: the hidden states handed to the DiT; default the folder's ``h3_hybrid.json``
-    ``conditioning_layer`` (a checkpoint of another size names its own), else the released 50.
-    ``offload``: "none" puts the whole model on ``device``; "layers" keeps it in host memory and streams one
-    decoder layer at a time; "auto" streams only when ``fits(device, weight_bytes)`` says it does not fit."""
+    from transformers import Qwen3VLForConditionalGeneration
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3_vl
+
+    if not 1 <= layer <= present:
+        raise H3InputError(f"conditioning layer {layer} is outside the text model's {present} layers ({where})")
+    config = copy.deepcopy(config)
+    config.text_config.num_hidden_layers = layer
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(config)
+    model.lm_head = _NotHeld("the output head")
+    model.model.language_model.norm = _NotHeld("the final norm")
+    model.model.language_model.rotary_emb = qwen3_vl.Qwen3VLTextRotaryEmbedding(config.text_config)
+    model.model.visual.rotary_pos_emb = qwen3_vl.Qwen3VLVisionRotaryEmbedding(config.vision_config)
+    return model
+
+
+def _read_weights(model, files: CheckpointFiles, keymap, dtype: torch.dtype):
+    load_into(model, files, [keymap], what="Qwen3-VL text encoder", dtype=dtype)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"the text model has tensors nothing filled: {left[:5]}")
+    return model.eval()
+
+
+def _check_vision_ids(tokenizer, config, where) -> None:
+    try:
+        ids = VisionIds.of(tokenizer)
+    except H3InputError:
+        return  # a text-only tokenizer: a request with pixels is refused when it comes
+    want = (config.vision_start_token_id, config.vision_end_token_id, config.image_token_id, config.video_token_id)
+    if (ids.start, ids.end, ids.image_pad, ids.video_pad) != want:
+        raise H3InputError(f"{where}: the tokenizer's vision tokens have ids {ids} but the model's config says "
+                           f"{want}; the tokenizer is not this model's")
+
+
+def load_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None, processor: str | Path | None = None,
+                      device="cpu", dtype: torch.dtype = torch.bfloat16, layer: int | None = None,
+                      offload: str = "auto", fits=fits_on) -> TextEncoder:
+    """Load Qwen3-VL for H3 into host memory, from a folder or ComfyUI's single ``.safetensors`` file.
+
+    Args:
+        path: a folder (``path`` itself or its ``text_encoder/``, ``tokenizer/``, ``processor/``), or a file
+            in ComfyUI's layout (or transformers' names in one file).
+        tokenizer: a folder holding Qwen's ``vocab.json`` and ``merges.txt`` (ComfyUI's
+            ``comfy/text_encoders/qwen25_tokenizer``), read as H3's tokenizer; required for a single file,
+            and used instead of a folder's own tokenizer when given.
+        processor: a folder with Qwen3-VL's preprocessor_config.json; default the folder's own (a single
+            file: Qwen3-VL's published settings).
+        device: where each encode runs; nothing goes there at load.
+        dtype: the weights' dtype.
+        layer: the hidden states handed to the DiT; default a folder's ``h3_hybrid.json``
+            ``conditioning_layer`` (a checkpoint of another size names its own), else the released 50.
+        offload: "none" runs the whole model on ``device``; "layers" keeps it in host memory and streams one
+            decoder layer at a time; "auto" decides at the first encode: streams only when
+            ``fits(device, resident_bytes)`` says it does not fit.
+    """
     if offload not in OFFLOAD_MODES:
         raise H3InputError(f"offload must be one of {list(OFFLOAD_MODES)}, got {offload!r}")
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+    path = Path(path)
+    if path.is_file():
+        model, token_source, processor_dirs, layer, where = _single_file(path, tokenizer, processor, layer, dtype)
+    elif path.is_dir():
+        model, token_source, processor_dirs, layer, where = _folder(path, tokenizer, processor, layer, dtype)
+    else:
+        raise H3InputError(f"{path}: no such file or folder; point at a Qwen3-VL folder or ComfyUI's "
+                           "qwen3vl_32b_minimax_h3_bf16.safetensors")
+    _check_vision_ids(token_source, model.config, where)
+    fallback = published_processors if path.is_file() and processor is None else (lambda: None)
+    return TextEncoder(model, token_source, layer, device=device, offload=offload, fits=fits,
+                       processors=lambda: folder_processors(processor_dirs) or fallback())
 
-    folder = Path(folder)
+
+def _single_file(path: Path, tokenizer, processor, layer, dtype):
+    if tokenizer is None:
+        raise H3InputError(f"{path}: a single-file text encoder holds no tokenizer; pass tokenizer= a folder with "
+                           "Qwen's vocab.json and merges.txt (ComfyUI's comfy/text_encoders/qwen25_tokenizer)")
+    described = describe_text_encoder_file(path)
+    layer = CONDITIONING_LAYER if layer is None else layer
+    model = _truncated_model(described.config, layer, described.layers, path)
+    tokens = qwen3vl_tokenizer(tokenizer)
+    keymap = layout_keymap(described.layout, described.layers, layer)
+    model = _read_weights(model, CheckpointFiles(path), keymap, dtype)
+    processor_dirs = (Path(processor),) if processor is not None else ()
+    return model, tokens, processor_dirs, layer, path
+
+
+def _folder(folder: Path, tokenizer, processor, layer, dtype):
+    from transformers import AutoTokenizer, Qwen3VLConfig
+
     if layer is None:
         layer = _folder_settings(folder).get("conditioning_layer", CONDITIONING_LAYER)
     model_dir = folder / "text_encoder" if (folder / "text_encoder").is_dir() else folder
     token_dir = folder / "tokenizer" if (folder / "tokenizer").is_dir() else model_dir
     if not (model_dir / "config.json").is_file():
         raise H3InputError(f"{model_dir}: no config.json; point at a Qwen3-VL folder (config, weights, tokenizer)")
-    tokenizer = AutoTokenizer.from_pretrained(token_dir, local_files_only=True)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()
-    device = torch.device(device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.model.language_model.parameters())
-    stream = offload == "layers" or (offload == "auto" and not fits(device, weight_bytes))
-    if not stream:
-        model.to(device)
-    processor_dirs = tuple(dict.fromkeys((folder / "processor", token_dir, model_dir, folder)))
-    return TextEncoder(model, tokenizer, layer, device=device, stream=stream, processor_dirs=processor_dirs)
+    config = Qwen3VLConfig.from_pretrained(model_dir, local_files_only=True)
+    present = config.text_config.num_hidden_layers
+    model = _truncated_model(config, layer, present, model_dir)
+    model = _read_weights(model, CheckpointFiles(model_dir), layout_keymap(LAYOUTS[1], present, layer), dtype)
+    tokens = (qwen3vl_tokenizer(tokenizer) if tokenizer is not None
+              else AutoTokenizer.from_pretrained(token_dir, local_files_only=True))
+    found = (Path(processor),) if processor is not None else (folder / "processor", token_dir, model_dir, folder)
+    return model, tokens, tuple(dict.fromkeys(found)), layer, folder

@@ -47,8 +47,10 @@ def test_layer_states_without_final_norm_and_without_special_tokens(folder):
     emb = encoder.encode("a fox runs through snow")
     ids = encoder.tokenizer("a fox runs through snow", add_special_tokens=False, return_tensors="pt").input_ids
     assert ids.shape[1] == 5 and emb.embeds.shape == (5, 32)
+    assert len(encoder.language_model.layers) == 3  # the layer after the conditioning layer is not held
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(folder / "text_encoder", dtype=torch.float32)
     with torch.no_grad():
-        full = encoder.language_model(input_ids=ids, output_hidden_states=True)
+        full = model.eval().model.language_model(input_ids=ids, output_hidden_states=True)
     assert torch.equal(emb.embeds, full.hidden_states[3][0])
     assert not torch.allclose(emb.embeds, full.last_hidden_state[0])  # the final norm is not applied
     assert emb.tags.tolist() == [1] * 5 and emb.prompt == "a fox runs through snow"
@@ -67,16 +69,18 @@ def test_bad_requests(folder, tmp_path):
 def test_streamed_layers_give_the_same_states(folder):
     resident = load_text_encoder(folder, dtype=torch.float32, layer=3, offload="none")
     streamed = load_text_encoder(folder, dtype=torch.float32, layer=3, offload="layers")
-    assert not resident.streamed and streamed.streamed
     a, b = resident.encode("a fox runs"), streamed.encode("a fox runs")
+    assert not resident.streamed and streamed.streamed
     assert torch.equal(a.embeds, b.embeds)
     assert streamed.layer_visits == 3  # layers past the conditioning layer never run
-    # "auto" streams exactly when the device says the weights do not fit
+    # "auto" decides at the first encode, streaming exactly when the device says the weights do not fit
     asked = []
     tight = load_text_encoder(folder, dtype=torch.float32, layer=3,
                               fits=lambda device, nbytes: asked.append(nbytes) or False)
     roomy = load_text_encoder(folder, dtype=torch.float32, layer=3, fits=lambda device, nbytes: True)
-    assert tight.streamed and not roomy.streamed and asked and asked[0] > 0
+    assert tight.streamed is None and not asked
+    tight.encode("a fox runs"), roomy.encode("a fox runs")
+    assert tight.streamed and not roomy.streamed and asked == [tight.resident_bytes] and asked[0] > 0
     with pytest.raises(H3InputError, match=r"offload must be one of \['auto', 'none', 'layers'\], got 'disk'"):
         load_text_encoder(folder, dtype=torch.float32, layer=3, offload="disk")
 
