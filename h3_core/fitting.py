@@ -17,7 +17,7 @@ from .models.adaln_tables import keep_adaln_on_host
 from .models.low_memory import LowMemory, apply_low_memory
 from .models.offload import BlockOffload, offload_blocks
 
-__all__ = ["FittedModel", "apply_plan"]
+__all__ = ["FittedModel", "apply_plan", "plan_lines"]
 
 GiB = 2**30
 
@@ -32,25 +32,40 @@ class FittedModel:
     offload: BlockOffload | None = None
     said: list[str] = field(default_factory=list)
 
-    def remove(self) -> None:
-        """Stop streaming blocks (every block back on the device the model was offloaded to)."""
+    def remove(self, device=None, *, streamed_to=None) -> None:
+        """Stop streaming blocks: every block back on the device the model was offloaded to, or as
+        ``BlockOffload.remove`` puts them (``device``, ``streamed_to``)."""
         if self.offload is not None:
-            self.offload.remove()
+            self.offload.remove(device, streamed_to=streamed_to)
             self.offload = None
+
+    @property
+    def layout(self) -> tuple:
+        """What the plan put where: two placements with the same layout hold the weights in the same places."""
+        return _layout(self.plan)
+
+
+def _layout(plan: MemoryPlan) -> tuple:
+    return plan.options, plan.adaln_on_host, plan.resident_blocks
+
+
+def plan_lines(plan: MemoryPlan) -> list[str]:
+    """What ``plan`` gives up and predicts, in the sentences a user is shown."""
+    peak = plan.predicted["total"] / GiB
+    if not plan.steps:
+        lines = [f"the model fits as it is: predicted peak {peak:.1f} GiB of {plan.budget / GiB:.1f} GiB"]
+    else:
+        lines = [f"to fit {plan.budget / GiB:.1f} GiB (predicted peak {peak:.1f} GiB): " + "; ".join(plan.steps)
+                 + f" ({plan.extra_time})"]
+    if not plan.fits:
+        lines.append(f"even so the predicted peak is {peak:.1f} GiB, above the {plan.budget / GiB:.1f} GiB "
+                     "available: free memory (unload other models) or use a larger card")
+    return lines
 
 
 def apply_plan(model: torch.nn.Module, plan: MemoryPlan, device, *, prefetch: int = 1) -> FittedModel:
     """Apply ``plan`` to ``model`` (an ``H3DiT`` already on ``device``, or on the host when blocks will stream)."""
-    fitted = FittedModel(model, plan)
-    peak = plan.predicted["total"] / GiB
-    if not plan.steps:
-        fitted.said.append(f"the model fits as it is: predicted peak {peak:.1f} GiB of {plan.budget / GiB:.1f} GiB")
-    else:
-        fitted.said.append(f"to fit {plan.budget / GiB:.1f} GiB (predicted peak {peak:.1f} GiB): " + "; ".join(plan.steps)
-                           + f" ({plan.extra_time})")
-    if not plan.fits:
-        fitted.said.append(f"even so the predicted peak is {peak:.1f} GiB, above the {plan.budget / GiB:.1f} GiB "
-                           "available: free memory (unload other models) or use a larger card")
+    fitted = FittedModel(model, plan, said=plan_lines(plan))
     if plan.options != LowMemory():
         apply_low_memory(model, plan.options)
     if plan.adaln_on_host:

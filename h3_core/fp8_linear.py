@@ -286,6 +286,31 @@ class Fp8Linear(nn.Module):
         """The fp32 weight ``[out, in]`` this layer stands for."""
         return self.weight.float() * self.weight_scale[:, None]
 
+    # A weight patcher (ComfyUI's ModelPatcher finds these by the names ``convert_<param>`` / ``set_<param>``)
+    # reads the codes as plain numbers, turns them into the weight they stand for with ``convert_weight``,
+    # adds its patches in fp32 and hands the result to ``set_weight``, which quantises it afresh.
+    def convert_weight(self, codes: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """The weight ``codes`` ``[out, in]`` (this layer's codes as floats) stand for, scaled per channel."""
+        scale = self.weight_scale.to(device=codes.device, dtype=codes.dtype)[:, None]
+        return codes.mul_(scale) if inplace else codes * scale
+
+    @torch.no_grad()
+    def set_weight(self, weight: torch.Tensor, inplace_update: bool = False, seed=None, **_) -> None:
+        """Quantise ``weight`` ``[out, in]`` (fp32) as ``from_linear`` does — a fresh scale per channel, amax / 448
+        — and hold its codes and scales. ``inplace_update`` writes into the current tensors (same devices);
+        otherwise the codes become a new parameter where ``weight`` is, and the scales are copied into the
+        existing buffer. ``seed`` is accepted for the patcher's signature; the rounding is deterministic."""
+        self._check_storage()
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise H3InputError(f"Fp8Linear.set_weight: expected a weight of shape {list(self.weight.shape)}, got "
+                               f"{list(weight.shape)}")
+        codes, scale = quantize_rows(weight)
+        self.weight_scale.copy_(scale.view(-1))
+        if inplace_update:
+            self.weight.copy_(codes)
+        else:
+            self.weight = nn.Parameter(codes, requires_grad=False)
+
     def _check_storage(self) -> None:
         if self.weight.dtype != E4M3 or self.weight_scale.dtype != torch.float32:
             raise H3InputError(f"Fp8Linear's weight must stay float8_e4m3fn with an fp32 weight_scale, found "

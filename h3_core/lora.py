@@ -11,6 +11,11 @@ Module names may be native (``blocks.{i}.attn.qkv_proj``) or diffusers' (``trans
 also under VDN's ``.attn.orig.``): a LoRA on ``to_q`` / ``to_k`` / ``to_v`` lands on its third of the fused
 ``qkv_proj`` rows, one on ``ff.net.0.proj`` has its ``B`` rows swapped to the native ``[gate; up]`` order.
 A module the model does not have is an error that names it; nothing is merged partially.
+
+Besides merging, ``lora_patches`` lays the same updates out as per-weight patches (a weight key, the rows it
+updates, ``up``, ``down`` and ``alpha / rank``) for a weight patcher that applies them when the model is loaded
+to its device and can take them off again; ``describe_lora_file`` says from a file's header alone whether it
+is a LoRA for this DiT.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import torch
 from safetensors import safe_open
 
 from .errors import H3InputError
+from .keymap import CheckpointFiles
 
-__all__ = ["LoraDelta", "read_lora", "merge_lora"]
+__all__ = ["LoraDelta", "LoraPatch", "read_lora", "merge_lora", "lora_patches", "describe_lora_file"]
 
 _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
 _PAIR = re.compile(r"(?P<module>.+?)\.(?P<which>lora_A|lora_B|lora_down|lora_up)(\.(?P<adapter>[^.]+))?\.weight")
@@ -113,12 +119,10 @@ def read_lora(path: str | Path, strength: float = 1.0, adapter: str | None = Non
     return deltas
 
 
-@torch.no_grad()
-def merge_lora(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str = "LoRA") -> int:
-    """Add every update to ``model``'s weights (all checked first, so a bad file merges nothing);
-    returns the number of weights changed."""
+def _check_targets(model: torch.nn.Module, deltas: list[LoraDelta], source: str) -> list:
+    """Each update's module, checked against ``model`` (it exists, has a weight, the shapes fit)."""
     modules = dict(model.named_modules())
-    plans = []
+    targets = []
     for d in deltas:
         target = modules.get(d.module)
         if target is None or not isinstance(getattr(target, "weight", None), torch.Tensor):
@@ -131,12 +135,80 @@ def merge_lora(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str =
                         "a LoRA made for the full model's AdaLN cannot merge into them: use the full (bf16) model")
             raise H3InputError(f"{source}: the update of '{d.module}' is {tuple(d.up.shape)} @ {tuple(d.down.shape)}, "
                                f"the weight is {tuple(target.weight.shape)}{hint}")
-        plans.append((target, d))
+        targets.append(target)
+    return targets
+
+
+def _native_up(d: LoraDelta) -> torch.Tensor:
+    """``d.up`` with its rows in the model's order (a diffusers ``[up; gate]`` input projection swapped)."""
+    if not d.swap_halves:
+        return d.up
+    up_half, gate_half = d.up.chunk(2)
+    return torch.cat([gate_half, up_half])
+
+
+@dataclass(frozen=True)
+class LoraPatch:
+    """One low-rank update as a weight patch: ``weight[rows] += strength · scale · up @ down``."""
+
+    key: str  # the model's state-dict key of the weight, "<module>.weight"
+    rows: tuple[int, int] | None  # (first row, row count) of the weight it updates; None: every row
+    up: torch.Tensor  # [row count, rank], rows in the model's order
+    down: torch.Tensor  # [rank, in]
+    scale: float  # alpha / rank; the strength is the patcher's
+
+
+def lora_patches(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str = "LoRA") -> list[LoraPatch]:
+    """``deltas`` (read with strength 1) as weight patches for ``model``, all checked first: a module the model
+    lacks or a shape that does not fit is an error naming it, and no patch is returned."""
+    targets = _check_targets(model, deltas, source)
+    patches = []
+    for target, d in zip(targets, deltas):
+        rows = None
+        if d.part is not None:
+            third = target.weight.shape[0] // 3
+            rows = (d.part * third, third)
+        patches.append(LoraPatch(f"{d.module}.weight", rows, _native_up(d), d.down, d.scale))
+    return patches
+
+
+# Where the DiT's modules live (``H3DiT``'s children): a LoRA target outside them is another model's.
+_DIT_STEMS = ("blocks.", "token_refiner.", "final_layer.", "time_embedder.", "video_patch_proj", "audio_patch_proj",
+              "condition_proj")
+
+
+def describe_lora_file(path: str | Path) -> str:
+    """What the LoRA at ``path`` targets, from its header alone (e.g. "100 modules, e.g. blocks.0.attn.qkv_proj");
+    an ``H3InputError`` naming the file when it is not a safetensors LoRA or targets another model's modules."""
+    path = Path(path)
+    files = CheckpointFiles(path)
+    modules, other = set(), []
+    for key in sorted(files.keys):
+        m = _PAIR.fullmatch(key)
+        if m is None:
+            if not key.endswith(".alpha"):
+                other.append(key)
+            continue
+        modules.add(_native(m.group("module"))[0])
+    if other or not modules:
+        shown = other[:3] or sorted(files.keys)[:3]
+        raise H3InputError(f"{path.name}: not a LoRA (a LoRA holds <module>.lora_A / lora_B / lora_down / lora_up "
+                           f"weights); found keys such as {shown}")
+    foreign = sorted(m for m in modules if not m.startswith(_DIT_STEMS))
+    if foreign:
+        raise H3InputError(f"{path.name}: a LoRA for another model: it targets {len(foreign)} modules this DiT does not "
+                           f"have, e.g. {foreign[:3]}; a MiniMax H3 LoRA targets modules such as "
+                           "'blocks.0.attn.qkv_proj' (native) or 'transformer_blocks.0.attn.to_q' (diffusers)")
+    return f"{len(modules)} modules, e.g. {sorted(modules)[0]}"
+
+
+@torch.no_grad()
+def merge_lora(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str = "LoRA") -> int:
+    """Add every update to ``model``'s weights (all checked first, so a bad file merges nothing);
+    returns the number of weights changed."""
+    plans = list(zip(_check_targets(model, deltas, source), deltas))
     for target, d in plans:
-        up = d.up.float()
-        if d.swap_halves:
-            up_half, gate_half = up.chunk(2)
-            up = torch.cat([gate_half, up_half])
+        up = _native_up(d).float()
         update = (up @ d.down.float()) * d.scale
         weight = target.weight
         rows = slice(None) if d.part is None else slice(d.part * weight.shape[0] // 3, (d.part + 1) * weight.shape[0] // 3)

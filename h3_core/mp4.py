@@ -49,18 +49,26 @@ def _check_audio(waveform, sample_rate) -> torch.Tensor:
 
 
 def write_mp4(path: str | Path, frames: torch.Tensor, waveform: torch.Tensor | None = None, sample_rate: int = 32000,
-              *, fps: int = 24, crf: int = 18, check_cancel: Callable[[], None] | None = None) -> Path:
+              *, fps: int = 24, crf: int = 18, check_cancel: Callable[[], None] | None = None,
+              metadata: dict[str, str] | None = None) -> Path:
     """Write ``frames`` ``[F, H, W, 3]`` (floats in [0, 1] or uint8) at ``fps`` and, when given, ``waveform``
-    ``[channels, samples]`` in [-1, 1] at ``sample_rate`` as AAC, into ``path``. ``check_cancel`` is called
-    between frames; whatever it raises stops the write and removes the partial file."""
+    ``[channels, samples]`` in [-1, 1] at ``sample_rate`` as AAC, into ``path``. ``metadata`` (text by key) goes
+    into the container's tags, custom keys kept (``movflags=use_metadata_tags``): where a host stores the
+    workflow that made the clip. ``check_cancel`` is called between frames; whatever it raises stops the write
+    and removes the partial file, as does any failure (a full disk)."""
     import av
 
     path = Path(path)
     pixels = _frames_uint8(frames)
     audio = None if waveform is None else _check_audio(waveform, sample_rate)
+    tags = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
+        raise H3InputError(f"metadata must map text keys to text values, got {sorted(map(repr, tags))[:4]}")
     partial = path.with_name(f".{path.stem}.partial{path.suffix}")
     try:
-        with av.open(str(partial), mode="w", format="mp4") as container:
+        with av.open(str(partial), mode="w", format="mp4", options={"movflags": "use_metadata_tags"}) as container:
+            for key, value in tags.items():
+                container.metadata[key] = value
             video = container.add_stream(VIDEO_CODEC, rate=fps)
             video.width, video.height = int(pixels.shape[2]), int(pixels.shape[1])
             video.pix_fmt = "yuv420p"

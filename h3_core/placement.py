@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from .errors import H3InputError
-from .fitting import FittedModel, apply_plan
+from .fitting import FittedModel, apply_plan, plan_lines
 from .memory_model import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
 from .models.block_fused import compile_failed, fuse_blocks
 from .models.branch_fused import compiled_branch_available
@@ -112,24 +112,33 @@ def decide_placement(model, packed, *, placement: str, memory: str, free_bytes: 
 
 
 def place_for_run(model, packed, device, *, placement: str = "auto", memory: str = "auto", free_bytes: int | None = None,
-                  steps: int = 50, compile: str = "auto") -> FittedModel:
+                  steps: int = 50, compile: str = "auto", current: FittedModel | None = None) -> FittedModel:
     """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says (CUDA), or simply there (any
-    other device), its blocks fused or plain as ``fuse_for`` says for ``compile``. Call ``remove()`` on the
-    result before placing the model for another request."""
+    other device), its blocks fused or plain as ``fuse_for`` says for ``compile``. ``current``: the placement
+    of the model's last run, which this one replaces; when the new plan holds the weights where it did (the
+    same blocks streamed, the same AdaLN residency), nothing moves. Otherwise call ``remove()`` on the result
+    before placing the model for another request."""
     device = torch.device(device)
     fused = fuse_for(model, device, compile)
     if device.type != "cuda":
+        if current is not None:
+            current.remove(streamed_to="cpu")
         model.to(device)
         plan = MemoryPlan(LowMemory(), False, None, {"total": 0.0}, float("inf"), (), "none")
         return FittedModel(model, plan, said=[f"running on the {device.type.upper()}; no memory plan needed"])
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0]
     free_bytes += _bytes_on(model, device)  # a model left on the device by the last run is counted in the plan
-    apply_low_memory(model, LowMemory())  # the last run's choices give way to this one's
     plan = decide_placement(model, packed, placement=placement, memory=memory, free_bytes=free_bytes, steps=steps)
-    if plan.resident_blocks is None:
-        model.to(device)
-    fitted = apply_plan(model, plan, device)
+    if current is not None and current.layout == (plan.options, plan.adaln_on_host, plan.resident_blocks):
+        fitted = FittedModel(model, plan, current.offload, plan_lines(plan))
+    else:
+        if current is not None:
+            current.remove(streamed_to="cpu")  # streamed blocks stay in host memory: the new plan places them
+        apply_low_memory(model, LowMemory())  # the last run's choices give way to this one's
+        if plan.resident_blocks is None:
+            model.to(device)
+        fitted = apply_plan(model, plan, device)
     fitted.said.insert(0, f"memory policy {memory}, placement {placement}, {free_bytes / GiB:.1f} GiB free, "
                           + _blocks_said(model, compile, fused))
     return fitted

@@ -7,7 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..keymap import CheckpointFiles, KeyMap, load_into
+from ..errors import H3InputError
+from ..keymap import CheckpointFiles, KeyMap, load_into, match_layout
 from ..sizes import sizes_from_metadata
 
 
@@ -32,6 +33,34 @@ class LatentStats:
         return z * std + mean
 
 
+def _sized(config_cls, cfg, files: CheckpointFiles):
+    """``cfg``, or the sizes in the file's metadata, or the released ``config_cls()``; with the file's latent
+    statistics when it carries them."""
+    if cfg is None:
+        cfg = sizes_from_metadata(files.metadata, config_cls, files.path) or config_cls()
+    stats = files.latent_stats()
+    if stats is not None:
+        cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])
+    return cfg
+
+
+def describe_model(model_cls, config_cls, cfg, path, layouts: Callable[[object], Sequence[KeyMap]], *,
+                   what: str) -> str:
+    """The layout ``load_model`` would load ``path`` with, found from the file's header alone (no weight is
+    read): its keys and shapes against ``model_cls`` built on the meta device. Raises ``H3InputError`` for
+    what ``load_model`` would refuse."""
+    files = CheckpointFiles(path)
+    cfg = _sized(config_cls, cfg, files)
+    with torch.device("meta"):
+        expected = model_cls(cfg).state_dict()
+    keymap, plan = match_layout(files, list(expected), layouts(cfg), what)
+    for key, (sources, combine) in plan.items():
+        if combine is None and tuple(files.shape(sources[0])) != tuple(expected[key].shape):
+            raise H3InputError(f"{files.path}: {what} key {sources[0]!r} has shape {files.shape(sources[0])}, the "
+                               f"{keymap.name} layout needs {tuple(expected[key].shape)} for {key!r}")
+    return keymap.name
+
+
 def load_model(
     model_cls,
     config_cls,
@@ -49,11 +78,7 @@ def load_model(
     file's metadata (``h3_core.sizes``) or are the released ``config_cls()``. ``model.layout`` names the
     layout found."""
     files = CheckpointFiles(path)
-    if cfg is None:
-        cfg = sizes_from_metadata(files.metadata, config_cls, files.path) or config_cls()
-    stats = files.latent_stats()
-    if stats is not None:
-        cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])
+    cfg = _sized(config_cls, cfg, files)
     with torch.device("meta"):
         model = model_cls(cfg)
     model.layout = load_into(model, files, layouts(cfg), what=what, device=device, dtype=dtype, keep_fp32=keep_fp32)

@@ -33,7 +33,7 @@ import torch.nn as nn
 from ..errors import H3InputError
 from .host_arena import HostArena, aligned
 
-__all__ = ["BlockOffload", "OffloadStats", "offload_blocks"]
+__all__ = ["BlockOffload", "OffloadStats", "offload_blocks", "block_image_bytes"]
 
 _MARK = "_h3_block_offload"  # the model attribute that holds its handle while it is offloaded
 
@@ -97,6 +97,11 @@ def _checked(model, device, resident_blocks, prefetch) -> tuple[nn.ModuleList, t
     if getattr(model, _MARK, None) is not None:
         raise H3InputError("model is already offloaded: call remove() on the handle offload_blocks returned "
                            "before offloading it again")
+    packed = sorted({type(p.data).__name__ for p in blocks.parameters() if type(p.data) is not torch.Tensor})
+    if packed:
+        raise H3InputError(f"the blocks hold weights of a packed type ({', '.join(packed)}: comfy-kitchen layers kept "
+                           "quantised), whose bytes cannot be streamed as an image; keep them resident, or load the "
+                           "file dequantised")
     count = len(blocks)
     if isinstance(resident_blocks, bool) or not isinstance(resident_blocks, int) or not 0 <= resident_blocks <= count:
         raise H3InputError(f"resident_blocks must be an integer from 0 (stream every block) to {count} (keep all "
@@ -154,6 +159,11 @@ def _block_layout(block: nn.Module) -> tuple[list[_Place], list[torch.Tensor], i
                                  offsets[id(tensor)], nbytes))
             tensors.append(tensor)
     return places, tensors, size
+
+
+def block_image_bytes(block: nn.Module) -> int:
+    """The bytes of ``block``'s image: what one slot holds and one copy moves when it streams."""
+    return _block_layout(block)[2]
 
 
 def _typed_view(image: torch.Tensor, place: _Place) -> torch.Tensor:
@@ -354,14 +364,17 @@ class BlockOffload:
     # ---- undoing ----------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def remove(self, device=None) -> None:
+    def remove(self, device=None, *, streamed_to=None) -> None:
         """Undo the offload: hooks removed, the slots and the host arena released, and the model a plain module
         with every tensor on ``device`` (default: the device it was offloaded to, i.e. fully resident there;
-        "cpu" gives the host a plain copy of everything, for a card that cannot hold the whole model). Calling it
-        again does nothing."""
+        "cpu" gives the host a plain copy of everything, for a card that cannot hold the whole model).
+        ``streamed_to`` puts the blocks that were streamed elsewhere (default: ``device``): "cpu" keeps the
+        resident part where it is and the streamed blocks in host memory, e.g. to stream more of them next.
+        Calling it again does nothing."""
         if self._removed:
             return
         target = self.device if device is None else _device(device, "device")
+        streamed_target = target if streamed_to is None else _device(streamed_to, "streamed_to")
         for handle in self._hooks:
             handle.remove()
         for ordinal in list(self._active):
@@ -370,8 +383,8 @@ class BlockOffload:
             self._copy_stream.synchronize()  # no copy still reads the arena or writes a slot
         self.slots, self._slot_views = (), []
         for places, views in zip(self._places, self._host_views):
-            _point(places, _own_copies(places, views, target))
-        _move_all_but(self.model, set(), target)
+            _point(places, _own_copies(places, views, streamed_target))
+        _move_all_but(self.model, {id(block) for block in self._streamed}, target)
         self._host_views, self._images = [], []
         self._arena.release()
         self._arena = None

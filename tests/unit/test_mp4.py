@@ -39,6 +39,17 @@ def test_uint8_frames_and_no_audio(tmp_path):
         assert not container.streams.audio and container.streams.video[0].frames == 5
 
 
+def test_metadata_is_kept_as_custom_tags(tmp_path):
+    """The tags a host stores its workflow under come back from the container as written."""
+    tags = {"workflow": '{"nodes": [], "links": []}', "prompt": '{"1": {"class_type": "H3Sampler"}}'}
+    path = write_mp4(tmp_path / "tagged.mp4", torch.rand(3, 32, 32, 3), metadata=tags)
+    with av.open(str(path)) as container:
+        assert {k: container.metadata.get(k) for k in tags} == tags
+    with pytest.raises(H3InputError, match="metadata must map text keys to text values"):
+        write_mp4(tmp_path / "bad.mp4", torch.rand(3, 32, 32, 3), metadata={"workflow": {"nodes": []}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tagged.mp4"]
+
+
 def test_a_cancelled_write_leaves_no_file(tmp_path):
     calls = []
 
