@@ -40,6 +40,9 @@ def _sized(config_cls, cfg, files: CheckpointFiles):
         cfg = sizes_from_metadata(files.metadata, config_cls, files.path) or config_cls()
     stats = files.latent_stats()
     if stats is not None:
+        if len(stats[0]) != cfg.latent_channels:
+            raise H3InputError(f"{files.path}: its latent statistics have {len(stats[0])} channels, a "
+                               f"{config_cls.__name__} has {cfg.latent_channels}")
         cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])
     return cfg
 
