@@ -1,6 +1,8 @@
 """H3 Hybrid: a ComfyUI node pack for MiniMax H3 and VDN-H3.
 
-Importing this package registers the pack's nodes (and its model folders) with the host and touches no GPU.
+The host imports this folder as a package and registers the nodes ``comfy_entrypoint`` lists (its V3 way); the
+browser loads ``nodes/web`` (the migration of workflows saved with earlier node inputs). Importing it touches no
+GPU and no host module: the nodes are imported when the host asks for them.
 """
 
 import os
@@ -12,10 +14,16 @@ _ROOT = os.path.dirname(os.path.abspath(__file__))
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
-from .nodes._host import register_folders  # noqa: E402
+WEB_DIRECTORY = "./nodes/web"
 
-register_folders()
 
-WEB_DIRECTORY = None
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+async def comfy_entrypoint():
+    """The pack's ``ComfyExtension`` (the host's V3 registration): its nodes and model folders."""
+    from .nodes import H3Extension
+    from .nodes._host import register_folders
+
+    register_folders()
+    return H3Extension()
+
+
+__all__ = ["comfy_entrypoint", "WEB_DIRECTORY"]

@@ -29,6 +29,24 @@ def model_path(folder: str, name: str, what: str) -> Path:
     return Path(path)
 
 
+def path_version(path) -> tuple | None:
+    """(path, size, modification time) of a file, or None when it is missing: changes when the file does, so
+    a node fingerprinted with it runs again."""
+    try:
+        stat = os.stat(path)
+    except (OSError, TypeError):
+        return None
+    return (str(path), stat.st_size, stat.st_mtime_ns)
+
+
+def file_version(folder: str, name) -> tuple | None:
+    """``path_version`` of the file the host resolves ``name`` to in ``folder``."""
+    import folder_paths
+
+    path = folder_paths.get_full_path(folder, name) if isinstance(name, str) else None
+    return path_version(path) if path else None
+
+
 def model_folders(folder: str, marker: str) -> list[str]:
     """Sub-folders of the host's ``folder`` paths that hold ``marker`` (e.g. a model's config file),
     directly or one level down; their names relative to the folder path."""
@@ -64,10 +82,26 @@ def torch_device():
     return comfy.model_management.get_torch_device()
 
 
-def free_device_memory(device) -> int:
-    import comfy.model_management
+def free_memory(device) -> int:
+    """Device memory free for the pack by the host's rules: what ``get_free_memory`` reports (including memory
+    the host's allocator holds unused) less ``extra_reserved_memory()`` (``--reserve-vram``)."""
+    import comfy.model_management as mm
 
-    return int(comfy.model_management.get_free_memory(device))
+    return max(int(mm.get_free_memory(device)) - int(mm.extra_reserved_memory()), 0)
+
+
+def device_budget(device, keep=()) -> int:
+    """``free_memory`` plus the weights the host's loaded models hold on ``device`` (it unloads them when a model
+    asks for the room), except the patchers in ``keep``."""
+    import comfy.model_management as mm
+
+    held = 0
+    for loaded in mm.current_loaded_models:
+        patcher = loaded.model
+        if patcher is None or loaded.device != device or any(patcher.is_clone(k) for k in keep):
+            continue
+        held += int(loaded.model_loaded_memory())
+    return free_memory(device) + held
 
 
 def check_cancel() -> None:

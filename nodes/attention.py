@@ -1,23 +1,26 @@
-"""The attention and memory settings node: window softmax backend, VAE attention overrides and the
-low-VRAM policy that the sampler and the decoders follow."""
+"""The attention and memory settings node: window softmax backend, VAE attention overrides, the low-VRAM
+policy and compilation, which the sampler and the decoders follow."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from comfy_api.v0_0_2 import io
+
 from h3_core.attention.vae import VAE_BACKENDS, check_vae_overrides
 from h3_core.attention.window import BACKENDS
-from h3_core.errors import H3InputError
-from h3_core.placement import MEMORY_MODES
+from h3_core.placement import COMPILE_MODES, MEMORY_MODES
 
 from . import _host
-
+from .checks import check_choice, verdict
+from .io_types import H3Attention
 
 @dataclass(frozen=True)
 class AttentionSettings:
     window_backend: str = "auto"
     vae_overrides: tuple[tuple[str, str], ...] = ()
     memory: str = "auto"
+    compile: str = "auto"
 
     @property
     def overrides(self) -> dict[str, str]:
@@ -27,32 +30,45 @@ class AttentionSettings:
 DEFAULT = AttentionSettings()
 
 
-class H3AttentionSettings:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("H3_ATTENTION",)
-    RETURN_NAMES = ("attention",)
-    FUNCTION = "settings"
-    DESCRIPTION = ("Window softmax backend, VAE attention per component, and the memory policy: with memory_mode auto "
-                   "the sampler predicts the run's peak against the free memory and gives things up in order "
-                   "(head groups and a chunked FFN, AdaLN projections in host memory, then streamed blocks), saying "
-                   "what it chose.")
+class H3AttentionSettings(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3AttentionSettings", display_name="H3 Attention & Memory", category=_host.CATEGORY,
+            description="Window softmax backend, VAE attention per component, the memory policy (auto: the sampler "
+                        "predicts the run's peak against the memory the host gives it and gives things up in order: "
+                        "head groups and a chunked FFN, AdaLN projections in host memory, then streamed blocks, saying "
+                        "what it chose) and compilation (auto: compiled and hand-written kernels where CUDA and Triton "
+                        "are present, falling back to the plain path if they fail; off: the plain path).",
+            inputs=[
+                io.Combo.Input("window_backend", options=list(BACKENDS), default="auto",
+                               tooltip="auto: decomposed with the best dense kernel on CUDA; an explicit choice that "
+                                       "cannot run is an error"),
+                io.Combo.Input("video_vae_attention", options=list(VAE_BACKENDS), default="auto"),
+                io.Combo.Input("audio_vae_attention", options=list(VAE_BACKENDS), default="auto",
+                               tooltip="auto: fp32 causal SDPA as released; a fused backend casts q/k/v for the "
+                                       "attention only"),
+                io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default="auto",
+                               tooltip="auto: the low-VRAM policy; off: run the plain path whatever the free memory"),
+                io.Combo.Input("compile", options=list(COMPILE_MODES), default="auto",
+                               tooltip="auto: torch.compile and the Triton kernels where they run, the plain path if "
+                                       "they fail (one log line says why); off: the plain path always"),
+            ],
+            outputs=[H3Attention.Output(display_name="attention")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "window_backend": (list(BACKENDS), {"default": "auto", "tooltip": "auto: decomposed with the best dense "
-                               "kernel on CUDA; an explicit choice that cannot run is an error"}),
-            "video_vae_attention": (list(VAE_BACKENDS), {"default": "auto"}),
-            "audio_vae_attention": (list(VAE_BACKENDS), {"default": "auto", "tooltip": "auto: fp32 causal SDPA as "
-                                    "released; a fused backend casts q/k/v for the attention only"}),
-            "memory_mode": (list(MEMORY_MODES), {"default": "auto", "tooltip": "auto: the low-VRAM policy; off: run "
-                            "the plain path whatever the free memory"}),
-        }}
+    def validate_inputs(cls, window_backend=None, video_vae_attention=None, audio_vae_attention=None,
+                        memory_mode=None, compile=None):
+        return verdict(
+            lambda: check_choice("window_backend", window_backend, BACKENDS),
+            lambda: check_choice("video_vae_attention", video_vae_attention, VAE_BACKENDS),
+            lambda: check_choice("audio_vae_attention", audio_vae_attention, VAE_BACKENDS),
+            lambda: check_choice("memory_mode", memory_mode, MEMORY_MODES),
+            lambda: check_choice("compile", compile, COMPILE_MODES),
+        )
 
-    def settings(self, window_backend, video_vae_attention, audio_vae_attention, memory_mode):
-        if window_backend not in BACKENDS:
-            raise H3InputError(f"window_backend must be one of {list(BACKENDS)}, got {window_backend!r}")
-        if memory_mode not in MEMORY_MODES:
-            raise H3InputError(f"memory_mode must be one of {list(MEMORY_MODES)}, got {memory_mode!r}")
+    @classmethod
+    def execute(cls, window_backend, video_vae_attention, audio_vae_attention, memory_mode, compile="auto"):
         overrides = check_vae_overrides({"video_vae": video_vae_attention, "audio_vae": audio_vae_attention})
-        return (AttentionSettings(window_backend, tuple(sorted(overrides.items())), memory_mode),)
+        return io.NodeOutput(AttentionSettings(window_backend, tuple(sorted(overrides.items())), memory_mode, compile))

@@ -1,64 +1,76 @@
-"""Decode nodes: the video latents to IMAGE frames by trained-size tiles, the audio latents to the host's
-AUDIO (stereo, 32 kHz)."""
+"""Decode nodes: the video latents to IMAGE frames by trained-size tiles, the audio latents to the host's AUDIO
+(stereo, 32 kHz). Each has the host load its VAE, with room for the decode's working memory."""
 
 from __future__ import annotations
 
+from comfy_api.v0_0_2 import io
+
+from h3_core.decode_memory import decode_working_bytes
 from h3_core.pipeline.media import AUDIO_SAMPLE_RATE
 from h3_core.pipeline.soundtrack import decode_soundtrack
 from h3_core.tiling import TRAINED_OVERLAP_PX, TRAINED_TILE_PX, UNTRAINED_TILES_NOTE, decode_video
 
 from . import _host
 from .attention import DEFAULT
+from .io_types import H3Attention, H3AudioVAE, H3VideoVAE
 from .latents import from_latent
-from .residency import ready
 
 
-class H3VideoDecode:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("IMAGE",)
-    RETURN_NAMES = ("images",)
-    FUNCTION = "decode"
-    DESCRIPTION = ("Decodes the video latents as the decoder was trained: 256 px tiles with tile-local positions, "
-                   "blended over every tile that covers a pixel, 17-frame temporal windows with the released "
-                   "cross-fade; memory does not grow with the clip's length. Progress per tile.")
+class H3VideoDecode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3VideoDecode", display_name="H3 Video Decode (tiled)", category=_host.CATEGORY,
+            description="Decodes the video latents as the decoder was trained: 256 px tiles with tile-local positions, "
+                        "blended over every tile that covers a pixel, 17-frame temporal windows with the released "
+                        "cross-fade; memory does not grow with the clip's length. Progress per tile.",
+            inputs=[
+                H3VideoVAE.Input("video_vae"),
+                io.Latent.Input("latent"),
+                io.Int.Input("tile_size", default=TRAINED_TILE_PX, min=64, max=2048, step=16,
+                             tooltip=f"pixels; 256 is the trained size. {UNTRAINED_TILES_NOTE}"),
+                io.Int.Input("overlap", default=TRAINED_OVERLAP_PX, min=16, max=1024, step=16,
+                             tooltip=f"minimum overlap in pixels; 64 is the trained setting. {UNTRAINED_TILES_NOTE}"),
+                io.Int.Input("tiles_per_batch", default=4, min=1, max=64,
+                             tooltip="tiles decoded together; fewer use less memory (an out-of-memory retries with "
+                                     "fewer by itself)"),
+                H3Attention.Input("attention", optional=True),
+            ],
+            outputs=[io.Image.Output(display_name="images")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "video_vae": ("H3_VIDEO_VAE",),
-            "latent": ("LATENT",),
-            "tile_size": ("INT", {"default": TRAINED_TILE_PX, "min": 64, "max": 2048, "step": 16,
-                                  "tooltip": f"pixels; 256 is the trained size. {UNTRAINED_TILES_NOTE}"}),
-            "overlap": ("INT", {"default": TRAINED_OVERLAP_PX, "min": 16, "max": 1024, "step": 16,
-                                "tooltip": f"minimum overlap in pixels; 64 is the trained setting. {UNTRAINED_TILES_NOTE}"}),
-            "tiles_per_batch": ("INT", {"default": 4, "min": 1, "max": 64, "tooltip": "tiles decoded together; "
-                                "fewer use less memory (an out-of-memory retries with fewer by itself)"}),
-        }, "optional": {"attention": ("H3_ATTENTION",)}}
+    def execute(cls, video_vae, latent, tile_size, overlap, tiles_per_batch, attention=None):
+        from .patchers import load_vae
 
-    def decode(self, video_vae, latent, tile_size, overlap, tiles_per_batch, attention=None):
         settings = attention or DEFAULT
         video, _, _ = from_latent(latent)
-        video_vae = ready(video_vae, "video VAE")
-        device = next(video_vae.parameters()).device
-        frames = decode_video(video_vae, video.to(device), overrides=settings.overrides, tile_px=tile_size,
+        working = decode_working_bytes(video_vae.model.cfg, video.shape[-1] * video_vae.model.cfg.spatial_ratio,
+                                       tile_px=tile_size, tiles_per_batch=tiles_per_batch,
+                                       dtype=video_vae.model.decoder.transformer_blocks[0].ff.w1.weight.dtype
+                                       if len(video_vae.model.decoder.transformer_blocks) else video.dtype)
+        vae = load_vae(video_vae, working)
+        frames = decode_video(vae, video.to(video_vae.load_device), overrides=settings.overrides,
+                              compile=settings.compile, tile_px=tile_size,
                               overlap_px=overlap, tiles_per_batch=tiles_per_batch, progress=_host.Progress(),
                               check_cancel=_host.check_cancel, report=_host.say)
-        return (frames,)
+        return io.NodeOutput(frames)
 
 
-class H3AudioDecode:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("AUDIO",)
-    RETURN_NAMES = ("audio",)
-    FUNCTION = "decode"
-    DESCRIPTION = "Decodes the stereo audio latents (fp32, 32 kHz), cut to the video's duration."
+class H3AudioDecode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3AudioDecode", display_name="H3 Audio Decode", category=_host.CATEGORY,
+            description="Decodes the stereo audio latents (fp32, 32 kHz), cut to the video's duration.",
+            inputs=[H3AudioVAE.Input("audio_vae"), io.Latent.Input("latent")],
+            outputs=[io.Audio.Output(display_name="audio")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"audio_vae": ("H3_AUDIO_VAE",), "latent": ("LATENT",)}}
+    def execute(cls, audio_vae, latent):
+        from .patchers import load_vae
 
-    def decode(self, audio_vae, latent):
         _, audio, frames = from_latent(latent)
-        audio_vae = ready(audio_vae, "audio VAE")
-        waveform = decode_soundtrack(audio_vae, audio, frames=frames, check_cancel=_host.check_cancel)
-        return ({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE},)
+        waveform = decode_soundtrack(load_vae(audio_vae), audio, frames=frames, check_cancel=_host.check_cancel)
+        return io.NodeOutput({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE})

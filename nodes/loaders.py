@@ -1,21 +1,25 @@
-"""Loader nodes: the DiT (with the optional VDN linear branch and LoRAs), both VAEs, the text encoder and
-prompt-embedding files. Files come from the host's model folders."""
+"""Loader nodes: the DiT (with the optional VDN linear branch), both VAEs, the text encoder and prompt-embedding
+files, from the host's model folders. Each file is checked from its header at validation, before any loader
+runs; loaders read into host memory only and hand the model to the host's model management, which moves it to
+the device when the node that runs it asks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from comfy_api.v0_0_2 import io
 
 from h3_core.checkpoints import load_h3_model
-from h3_core.errors import H3InputError
 from h3_core.models.audio_vae import load_audio_vae
 from h3_core.models.video_vae import load_video_vae
 from h3_core.pipeline.prompt import load_prompt_embedding
 from h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
 
 from . import _host
+from .checks import check_choice, check_model_file, check_path, verdict
 from .conditioning import to_conditioning
+from .io_types import H3AudioVAE, H3Model, H3TextEncoder, H3VideoVAE
 
 NONE = "none"
 WEIGHT_DTYPES = {"bf16": (torch.bfloat16, "dtype"), "fp16": (torch.float16, "dtype"), "fp8": (torch.bfloat16, "fp8")}
@@ -23,151 +27,212 @@ OFFLOAD_POLICIES = ("auto", "resident", "stream blocks")
 TEXT_ENCODER_MARKER = "config.json"
 
 
-@dataclass
-class H3Model:
-    """What the DiT loader hands the sampler: the model (on the host until a run places it) and how the
-    user wants it placed."""
-
-    model: torch.nn.Module
-    offload: str
-    description: str
-    fitted: object = field(default=None, repr=False)  # the last run's FittedModel, undone before the next
-    residency: object = field(default=None, repr=False)  # how the host's model management sees the model
-
-
 def _describe(model) -> str:
     kind = "VDN-H3 (hybrid attention)" if model.cfg.hybrid else "MiniMax H3 (dense attention)"
-    loras = ", ".join(f"{m.lora.path.name} × {m.lora.strength:g}" for m in model.merged_loras) or "no LoRAs"
-    return f"{kind}, {model.checkpoint.layout} layout, linears {model.linears}, {loras}"
+    return f"{kind}, {model.checkpoint.layout} layout, linears {model.linears}"
 
 
-class H3LoraList:
-    """One LoRA with its strength, added to a list that the DiT loader merges in order."""
-
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("H3_LORAS",)
-    RETURN_NAMES = ("loras",)
-    FUNCTION = "add"
-    DESCRIPTION = "Adds a LoRA (ComfyUI .safetensors file from loras/) with its strength to the list the DiT loader merges."
-
+class H3DiTLoader(io.ComfyNode):
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"lora_name": (_host.model_files("loras"),),
-                             "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.05})},
-                "optional": {"loras": ("H3_LORAS", {"tooltip": "LoRAs added before this one (merged first)"})}}
-
-    def add(self, lora_name, strength, loras=None):
-        path = _host.model_path("loras", lora_name, "lora_name")
-        return (list(loras or []) + [(str(path), float(strength))],)
-
-
-class H3DiTLoader:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("H3_MODEL",)
-    RETURN_NAMES = ("model",)
-    FUNCTION = "load"
-    DESCRIPTION = ("Loads the MiniMax H3 DiT from diffusion_models/ (ComfyUI, official, diffusers, pruned or "
-                   "fp8-scaled files), optionally with VDN-H3's linear branch, and merges LoRAs before any quantisation.")
-
-    @classmethod
-    def INPUT_TYPES(cls):
+    def define_schema(cls):
         files = _host.model_files("diffusion_models")
-        return {"required": {
-            "dit_name": (files, {"tooltip": "the H3 DiT checkpoint"}),
-            "linear_branch": ([NONE] + files, {"default": NONE, "tooltip": "VDN-H3's linear_branch/model.safetensors "
-                                                                            "(hybrid attention); none runs plain H3"}),
-            "weight_dtype": (list(WEIGHT_DTYPES), {"default": "bf16", "tooltip": "fp8: the big linears in e4m3 with "
-                                                   "per-channel scales (fp8-scaled files are used as they are)"}),
-            "offload": (list(OFFLOAD_POLICIES), {"default": "auto", "tooltip": "auto: the attention node's memory "
-                        "policy decides per run; resident: all weights on the GPU; stream blocks: blocks from host memory"}),
-        }, "optional": {"loras": ("H3_LORAS",)}}
+        return io.Schema(
+            node_id="H3DiTLoader", display_name="H3 DiT Loader", category=_host.CATEGORY,
+            description="Loads the MiniMax H3 DiT from diffusion_models/ (ComfyUI, official, diffusers, pruned or "
+                        "fp8-scaled files), optionally with VDN-H3's linear branch, into host memory; the sampler "
+                        "has the host load it to the GPU. Add LoRAs with H3 LoRA nodes after it.",
+            inputs=[
+                io.Combo.Input("dit_name", options=files, tooltip="the H3 DiT checkpoint"),
+                io.Combo.Input("linear_branch", options=[NONE] + files, default=NONE,
+                               tooltip="VDN-H3's linear_branch/model.safetensors (hybrid attention); none runs plain H3"),
+                io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="bf16",
+                               tooltip="fp8: the big linears in e4m3 with per-channel scales (fp8-scaled files are "
+                                       "used as they are)"),
+                io.Combo.Input("offload", options=list(OFFLOAD_POLICIES), default="auto",
+                               tooltip="auto: the attention node's memory policy decides per run; resident: all "
+                                       "weights on the GPU; stream blocks: blocks from host memory"),
+            ],
+            outputs=[H3Model.Output(display_name="model")],
+        )
 
-    def load(self, dit_name, linear_branch, weight_dtype, offload, loras=None):
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise H3InputError(f"weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {weight_dtype!r}")
-        if offload not in OFFLOAD_POLICIES:
-            raise H3InputError(f"offload must be one of {list(OFFLOAD_POLICIES)}, got {offload!r}")
+    @classmethod
+    def validate_inputs(cls, dit_name=None, linear_branch=None, weight_dtype=None, offload=None):
+        return verdict(
+            lambda: check_choice("weight_dtype", weight_dtype, WEIGHT_DTYPES),
+            lambda: check_choice("offload", offload, OFFLOAD_POLICIES),
+            lambda: check_model_file("diffusion_models", dit_name, "dit_name", "dit"),
+            lambda: linear_branch in (None, NONE) or check_model_file("diffusion_models", linear_branch,
+                                                                      "linear_branch", "linear_branch"),
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, dit_name, linear_branch, weight_dtype, offload):
+        return (_host.file_version("diffusion_models", dit_name),
+                None if linear_branch == NONE else _host.file_version("diffusion_models", linear_branch),
+                weight_dtype, offload)
+
+    @classmethod
+    def execute(cls, dit_name, linear_branch, weight_dtype, offload):
+        from .patchers import H3DiTPatcher
+
         base = _host.model_path("diffusion_models", dit_name, "dit_name")
-        branch = None if linear_branch == NONE else _host.model_path("diffusion_models", linear_branch, "linear_branch")
+        branch = None if linear_branch == NONE else _host.model_path("diffusion_models", linear_branch,
+                                                                      "linear_branch")
+        import comfy.model_management as mm
+
         dtype, linears = WEIGHT_DTYPES[weight_dtype]
-        model = load_h3_model(base, branch=branch, loras=list(loras or []), device="cpu", dtype=dtype, linears=linears)
-        description = _describe(model)
-        _host.say(f"loaded {base.name}: {description}")
-        return (H3Model(model, offload, description),)
+        # Read into host memory; a quantised file's layers stay comfy-kitchen layers when the device the host
+        # will run the model on has the library's kernels for them.
+        model = load_h3_model(base, branch=branch, device="cpu", dtype=dtype, linears=linears,
+                              run_device=mm.get_torch_device())
+        _host.say(f"loaded {base.name} into host memory: {_describe(model)}")
+        return io.NodeOutput(H3DiTPatcher.wrap(model, offload))
 
 
-class H3VideoVAELoader:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("H3_VIDEO_VAE",)
-    RETURN_NAMES = ("video_vae",)
-    FUNCTION = "load"
-    DESCRIPTION = "Loads the MiniMax H3 video VAE (minimax_h3_video_vae_fp16.safetensors or a diffusers folder) from vae/."
+def _vae_patcher(model):
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.vae_device(), offload_device=mm.vae_offload_device())
+
+
+def _vae_schema(node_id: str, display_name: str, description: str, output) -> io.Schema:
+    return io.Schema(node_id=node_id, display_name=display_name, category=_host.CATEGORY, description=description,
+                     inputs=[io.Combo.Input("vae_name", options=_host.model_files("vae"))], outputs=[output])
+
+
+class H3VideoVAELoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _vae_schema("H3VideoVAELoader", "H3 Video VAE Loader",
+                           "Loads the MiniMax H3 video VAE (minimax_h3_video_vae_fp16.safetensors or a diffusers folder) "
+                           "from vae/ into host memory; the decoder runs in fp16 on a GPU.",
+                           H3VideoVAE.Output(display_name="video_vae"))
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"vae_name": (_host.model_files("vae"),)}}
+    def validate_inputs(cls, vae_name=None):
+        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", "video_vae"))
 
-    def load(self, vae_name):
+    @classmethod
+    def fingerprint_inputs(cls, vae_name):
+        return _host.file_version("vae", vae_name)
+
+    @classmethod
+    def execute(cls, vae_name):
+        import comfy.model_management as mm
+
         path = _host.model_path("vae", vae_name, "vae_name")
-        return (load_video_vae(path, device=_host.torch_device(), dtype=torch.float16 if _on_gpu() else torch.float32),)
+        dtype = torch.float16 if mm.vae_device().type == "cuda" else torch.float32
+        return io.NodeOutput(_vae_patcher(load_video_vae(path, device="cpu", dtype=dtype)))
 
 
-class H3AudioVAELoader:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("H3_AUDIO_VAE",)
-    RETURN_NAMES = ("audio_vae",)
-    FUNCTION = "load"
-    DESCRIPTION = "Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/; it runs in fp32."
+class H3AudioVAELoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _vae_schema("H3AudioVAELoader", "H3 Audio VAE Loader",
+                           "Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/ into host "
+                           "memory; it runs in fp32.", H3AudioVAE.Output(display_name="audio_vae"))
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"vae_name": (_host.model_files("vae"),)}}
+    def validate_inputs(cls, vae_name=None):
+        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", "audio_vae"))
 
-    def load(self, vae_name):
+    @classmethod
+    def fingerprint_inputs(cls, vae_name):
+        return _host.file_version("vae", vae_name)
+
+    @classmethod
+    def execute(cls, vae_name):
         path = _host.model_path("vae", vae_name, "vae_name")
-        return (load_audio_vae(path, device=_host.torch_device()),)
+        return io.NodeOutput(_vae_patcher(load_audio_vae(path, device="cpu")))
 
 
-class H3TextEncoderLoader:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("H3_TEXT_ENCODER",)
-    RETURN_NAMES = ("text_encoder",)
-    FUNCTION = "load"
-    DESCRIPTION = ("Loads Qwen3-VL (a folder in text_encoders/ with its config, weights and tokenizer) whose layer-50 "
-                   "states condition H3.")
+def _text_encoder_choices() -> list[str]:
+    """ComfyUI's single text-encoder files and Hugging Face folders in ``text_encoders/``."""
+    folders = _host.model_folders("text_encoders", TEXT_ENCODER_MARKER)
+    files = [f for f in _host.model_files("text_encoders")
+             if f.endswith(".safetensors") and f.replace("\\", "/").split("/")[0] not in folders]
+    return sorted(set(files) | set(folders))
+
+
+def _text_encoder_path(name):
+    """The file or folder the dropdown's ``name`` is."""
+    if name in _host.model_folders("text_encoders", TEXT_ENCODER_MARKER):
+        return _host.model_folder("text_encoders", name, TEXT_ENCODER_MARKER, "text_encoder_name")
+    return _host.model_path("text_encoders", name, "text_encoder_name")
+
+
+def _host_tokenizer():
+    """The Qwen tokenizer files the host ships (a single file has none of its own)."""
+    import comfy.text_encoders
+
+    return Path(list(comfy.text_encoders.__path__)[0]) / "qwen25_tokenizer"  # a namespace package: no __file__
+
+
+class H3TextEncoderLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3TextEncoderLoader", display_name="H3 Text Encoder Loader", category=_host.CATEGORY,
+            description="Loads Qwen3-VL, whose layer-50 states condition H3, into host memory: ComfyUI's single file "
+                        "(qwen3vl_32b_minimax_h3_bf16.safetensors; tokenized with the host's Qwen tokenizer files) or "
+                        "a Hugging Face folder, from text_encoders/; only the layers up to the 50th and the vision "
+                        "tower are held.",
+            inputs=[
+                io.Combo.Input("text_encoder_name", options=_text_encoder_choices()),
+                io.Combo.Input("offload", options=list(OFFLOAD_MODES), default="auto",
+                               tooltip="layers: stream one decoder layer at a time from host memory; auto: when the "
+                                       "host cannot give the whole model room on the GPU; none: always whole"),
+            ],
+            outputs=[H3TextEncoder.Output(display_name="text_encoder")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "folder": (_host.model_folders("text_encoders", TEXT_ENCODER_MARKER),),
-            "offload": (list(OFFLOAD_MODES), {"default": "auto", "tooltip": "layers: stream one decoder layer at a "
-                        "time from host memory; auto: only when the model does not fit"}),
-        }}
-
-    def load(self, folder, offload):
-        path = _host.model_folder("text_encoders", folder, TEXT_ENCODER_MARKER, "folder")
-        dtype = torch.bfloat16 if _on_gpu() else torch.float32
-        return (load_text_encoder(path, device=_host.torch_device(), dtype=dtype, offload=offload),)
-
-
-class H3PromptEmbeddingLoader:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("CONDITIONING",)
-    RETURN_NAMES = ("conditioning",)
-    FUNCTION = "load"
-    DESCRIPTION = "Loads a saved prompt embedding (.safetensors, or a .pt read with weights_only) from the input folder."
+    def validate_inputs(cls, text_encoder_name=None, offload=None):
+        return verdict(
+            lambda: check_choice("offload", offload, OFFLOAD_MODES),
+            lambda: text_encoder_name is None or check_path(_text_encoder_path(text_encoder_name), "text_encoder",
+                                                            "text_encoder_name"),
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        import folder_paths
+    def fingerprint_inputs(cls, text_encoder_name, offload):
+        return _host.path_version(_text_encoder_path(text_encoder_name)), offload
 
-        files = sorted(f for f in folder_paths.get_filename_list(_host.PROMPT_FOLDER))
-        return {"required": {"embedding": (files,)}}
+    @classmethod
+    def execute(cls, text_encoder_name, offload):
+        import comfy.model_management as mm
 
-    def load(self, embedding):
+        from .patchers import TextEncoderPatcher
+
+        path = _text_encoder_path(text_encoder_name)
+        dtype = torch.bfloat16 if mm.text_encoder_device().type == "cuda" else torch.float32
+        tokenizer = _host_tokenizer() if path.is_file() else None
+        encoder = load_text_encoder(path, tokenizer=tokenizer, device="cpu", dtype=dtype, offload="none")
+        _host.say(f"loaded {path.name} into host memory: Qwen3-VL, {encoder.resident_bytes / 2**30:.2f} GiB held")
+        return io.NodeOutput(TextEncoderPatcher.wrap(encoder, offload))
+
+
+class H3PromptEmbeddingLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3PromptEmbeddingLoader", display_name="H3 Prompt Embedding Loader", category=_host.CATEGORY,
+            description="Loads a saved prompt embedding (.safetensors, or a .pt read with weights_only) from "
+                        "models/h3_prompts/.",
+            inputs=[io.Combo.Input("embedding", options=sorted(_host.model_files(_host.PROMPT_FOLDER)))],
+            outputs=[io.Conditioning.Output(display_name="conditioning")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, embedding=None):
+        return verdict(lambda: check_model_file(_host.PROMPT_FOLDER, embedding, "embedding", "prompt_embedding"))
+
+    @classmethod
+    def fingerprint_inputs(cls, embedding):
+        return _host.file_version(_host.PROMPT_FOLDER, embedding)
+
+    @classmethod
+    def execute(cls, embedding):
         path = _host.model_path(_host.PROMPT_FOLDER, embedding, "embedding")
-        return (to_conditioning(load_prompt_embedding(path)),)
-
-
-def _on_gpu() -> bool:
-    return _host.torch_device().type == "cuda"
+        return io.NodeOutput(to_conditioning(load_prompt_embedding(path)))

@@ -14,8 +14,12 @@ from h3_core.pipeline.media import (encode_reference, normalize_audio_reference,
                                     normalize_video_reference)
 from h3_core.pipeline.presentation import PresentedReference
 
+from comfy_api.v0_0_2 import io
+
 from . import _host
+from .checks import check_choice, check_linked_types, linked, verdict
 from .images import single_image, single_waveform
+from .io_types import H3References
 
 KINDS = ("image", "video", "audio")
 AUDIO_EXTENSIONS = (".wav", ".flac", ".mp3", ".ogg", ".m4a", ".aac", ".opus", ".mp4", ".mov", ".mkv", ".webm")
@@ -56,69 +60,98 @@ def encoded(references, frames: int, video_vae, audio_vae, check_cancel, overrid
             for n in normalized(references, frames)]
 
 
-class H3AddReference:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("H3_REFERENCES",)
-    RETURN_NAMES = ("references",)
-    FUNCTION = "add"
-    DESCRIPTION = ("Adds one Ref2VA reference after the ones connected: an image (one IMAGE), a video (its frames as an "
-                   "IMAGE batch with their fps, and optionally its soundtrack as AUDIO) or audio. The prompt names them "
-                   "<Picture i>, <Video k> and <Audio j>, counted per kind in this order.")
+def check_kind(kind, input_types) -> None:
+    """What each kind of reference needs connected (known at validation)."""
+    check_choice("kind", kind, KINDS)
+    images, audio = linked(input_types, "images"), linked(input_types, "audio")
+    if kind == "image" and audio:
+        raise H3InputError("kind image: takes no audio; add the audio as its own reference (kind audio)")
+    if kind == "audio" and images:
+        raise H3InputError("kind audio: takes no images; add a video reference for pictures with sound")
+
+
+class H3AddReference(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3AddReference", display_name="H3 Add Reference (Ref2VA)", category=_host.CATEGORY,
+            description="Adds one Ref2VA reference after the ones connected: an image (one IMAGE), a video (its "
+                        "frames as an IMAGE batch with their fps, and optionally its soundtrack as AUDIO) or audio. "
+                        "The prompt names them <Picture i>, <Video k> and <Audio j>, counted per kind in this order.",
+            inputs=[
+                io.Combo.Input("kind", options=list(KINDS), default="image"),
+                io.Float.Input("fps", default=24.0, min=1.0, max=240.0, step=0.001,
+                               tooltip="the video's frame rate (video references)"),
+                io.Image.Input("images", optional=True, tooltip="the image, or the video's frames"),
+                io.Audio.Input("audio", optional=True, tooltip="the audio reference, or the video's soundtrack"),
+                H3References.Input("references", optional=True, tooltip="references added before this one"),
+            ],
+            outputs=[H3References.Output(display_name="references")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "kind": (list(KINDS), {"default": "image"}),
-            "fps": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 240.0, "step": 0.001,
-                              "tooltip": "the video's frame rate (video references)"}),
-        }, "optional": {
-            "images": ("IMAGE", {"tooltip": "the image, or the video's frames"}),
-            "audio": ("AUDIO", {"tooltip": "the audio reference, or the video's soundtrack"}),
-            "references": ("H3_REFERENCES", {"tooltip": "references added before this one"}),
-        }}
+    def validate_inputs(cls, kind=None, input_types=None):
+        return verdict(lambda: check_linked_types(cls, input_types), lambda: check_kind(kind, input_types))
 
-    def add(self, kind, fps, images=None, audio=None, references=None):
-        if kind not in KINDS:
-            raise H3InputError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    @classmethod
+    def execute(cls, kind, fps, images=None, audio=None, references=None):
+        check_kind(kind, {name: None for name, value in (("images", images), ("audio", audio)) if value is not None})
         waveform, rate = single_waveform(audio, "audio") if audio is not None else (None, None)
         if kind == "image":
             if images is None:
-                raise H3InputError("an image reference needs the images input (one image)")
-            if audio is not None:
-                raise H3InputError("an image reference takes no audio; add the audio as its own reference")
+                raise H3InputError("kind image: needs the images input (one image)")
             ref = RawReference("image", single_image(images, "images"))
         elif kind == "video":
             if images is None or images.dim() != 4:
-                raise H3InputError("a video reference needs its frames on the images input (an IMAGE batch)")
+                raise H3InputError("kind video: needs its frames on the images input (an IMAGE batch)")
             ref = RawReference("video", images[..., :3], float(fps), waveform, rate)
         else:
             if waveform is None:
-                raise H3InputError("an audio reference needs the audio input")
-            if images is not None:
-                raise H3InputError("an audio reference takes no images; add a video reference for pictures with sound")
+                raise H3InputError("kind audio: needs the audio input")
             ref = RawReference("audio", waveform=waveform, sample_rate=rate)
-        return (list(references or []) + [ref],)
+        return io.NodeOutput(list(references or []) + [ref])
 
 
-class H3LoadAudio:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("AUDIO",)
-    RETURN_NAMES = ("audio",)
-    FUNCTION = "load"
-    DESCRIPTION = "Loads every sample of an audio (or video) file's first audio stream from the input folder, with PyAV."
+def _audio_files() -> list[str]:
+    import folder_paths
+
+    folder = folder_paths.get_input_directory()
+    return sorted(f for f in folder_paths.recursive_search(folder)[0] if f.lower().endswith(AUDIO_EXTENSIONS))
+
+
+def check_audio_file(audio_file) -> None:
+    import folder_paths
+
+    if audio_file is not None and not folder_paths.exists_annotated_filepath(audio_file):
+        raise H3InputError(f"audio_file: {audio_file!r} is not in the input folder; pick one from the list")
+
+
+class H3LoadAudio(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3LoadAudio", display_name="H3 Load Audio", category=_host.CATEGORY,
+            description="Loads every sample of an audio (or video) file's first audio stream from the input folder, "
+                        "with PyAV.",
+            inputs=[io.Combo.Input("audio_file", options=_audio_files())],
+            outputs=[io.Audio.Output(display_name="audio")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
+    def validate_inputs(cls, audio_file=None):
+        return verdict(lambda: check_audio_file(audio_file))
+
+    @classmethod
+    def fingerprint_inputs(cls, audio_file):
         import folder_paths
 
-        folder = folder_paths.get_input_directory()
-        files = sorted(f for f in folder_paths.recursive_search(folder)[0] if f.lower().endswith(AUDIO_EXTENSIONS))
-        return {"required": {"audio_file": (files,)}}
+        path = folder_paths.get_annotated_filepath(audio_file)
+        return _host.path_version(path)
 
-    def load(self, audio_file):
+    @classmethod
+    def execute(cls, audio_file):
         import folder_paths
 
-        if not folder_paths.exists_annotated_filepath(audio_file):
-            raise H3InputError(f"audio_file: {audio_file!r} is not in the input folder")
+        check_audio_file(audio_file)
         waveform, rate = read_audio(folder_paths.get_annotated_filepath(audio_file))
-        return ({"waveform": waveform[None], "sample_rate": rate},)
+        return io.NodeOutput({"waveform": waveform[None], "sample_rate": rate})

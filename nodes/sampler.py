@@ -1,127 +1,154 @@
-"""The sampler node: one T2VA or FL2VA generation from the prompt (and keyframes) to video + audio latents."""
+"""The sampler node: one T2VA, FL2VA or Ref2VA generation from the prompt (and keyframes or references) to video
++ audio latents, on the canvas the text encoding used."""
 
 from __future__ import annotations
+
+import torch
+from comfy_api.v0_0_2 import io
 
 from h3_core.errors import H3InputError
 from h3_core.pipeline.generate import generate, generate_ref2va
 from h3_core.pipeline.media import encode_keyframes
 from h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
-from h3_core.placement import fuse_for, place_for_run, working_bytes
 
 from . import _host
 from .attention import DEFAULT
+from .checks import check_choice, check_linked_types, linked, verdict
 from .conditioning import prompt_of, references_of
 from .images import single_image
+from .io_types import H3Attention, H3AudioVAE, H3Canvas, H3Model, H3References, H3VideoVAE
 from .latents import to_latent
 from .references import encoded
-from .residency import make_room, ready
 
 MODES = ("T2VA", "FL2VA", "Ref2VA")
 
 
-class H3Sampler:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ("LATENT",)
-    RETURN_NAMES = ("latent",)
-    FUNCTION = "sample"
-    DESCRIPTION = ("Generates video and stereo audio latents: T2VA from the prompt alone, FL2VA with a first and/or "
-                   "last frame (encoded with the video VAE), Ref2VA with references (images and videos through the "
-                   "video VAE, audio and soundtracks through the audio VAE). Euler flow matching, video shift 12 and audio shift 3 "
-                   "as released. Progress per step; cancel stops within one model evaluation.")
+def check_mode(mode, connected) -> None:
+    """What ``mode`` needs connected and refuses (``connected(name)``: whether an input is linked)."""
+    check_choice("mode", mode, MODES)
+    keyframes = [name for name in ("first_frame", "last_frame") if connected(name)]
+    if mode != "FL2VA" and keyframes:
+        raise H3InputError(f"mode {mode}: takes no keyframes, but {' and '.join(keyframes)} is connected; choose mode "
+                           "FL2VA or disconnect it")
+    if mode != "Ref2VA" and connected("references"):
+        raise H3InputError(f"mode {mode}: takes no references, but references are connected; choose mode Ref2VA or "
+                           "disconnect them")
+    if mode == "FL2VA":
+        if not keyframes:
+            raise H3InputError("mode FL2VA: needs a first_frame, a last_frame or both; connect an image")
+        if not connected("video_vae"):
+            raise H3InputError("mode FL2VA: needs the video_vae input to encode the keyframes; connect an H3 Video VAE "
+                               "Loader")
+    if mode == "Ref2VA" and not connected("references"):
+        raise H3InputError("mode Ref2VA: needs references; connect an H3 Add Reference chain")
+
+
+class H3Sampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3Sampler", display_name="H3 Sampler", category=_host.CATEGORY,
+            description="Generates video and stereo audio latents: T2VA from the prompt alone, FL2VA with a first and/or "
+                        "last frame (encoded with the video VAE), Ref2VA with references (images and videos through "
+                        "the video VAE, audio and soundtracks through the audio VAE). Euler flow matching, video shift "
+                        "12 and audio shift 3 as released. Progress per step; cancel stops within one model "
+                        "evaluation.",
+            inputs=[
+                H3Model.Input("model"),
+                io.Conditioning.Input("conditioning"),
+                H3Canvas.Input("canvas", tooltip="the clip's size and length (H3 Canvas), as on H3 Text Encode"),
+                io.Combo.Input("mode", options=list(MODES), default="T2VA"),
+                io.Int.Input("steps", default=20, min=1, max=200),
+                io.Float.Input("video_shift", default=VIDEO_SHIFT, min=0.1, max=100.0, step=0.1),
+                io.Float.Input("audio_shift", default=AUDIO_SHIFT, min=0.1, max=100.0, step=0.1),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+                H3Attention.Input("attention", optional=True),
+                H3VideoVAE.Input("video_vae", optional=True,
+                                 tooltip="encodes the keyframes (FL2VA) and image/video references"),
+                H3AudioVAE.Input("audio_vae", optional=True,
+                                 tooltip="encodes audio references and video soundtracks (Ref2VA)"),
+                io.Image.Input("first_frame", optional=True),
+                io.Image.Input("last_frame", optional=True),
+                H3References.Input("references", optional=True),
+            ],
+            outputs=[io.Latent.Output(display_name="latent")],
+            hidden=[io.Hidden.unique_id],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("H3_MODEL",),
-            "conditioning": ("CONDITIONING",),
-            "mode": (list(MODES), {"default": "T2VA"}),
-            "width": ("INT", {"default": 1344, "min": 32, "max": 4096, "step": 32}),
-            "height": ("INT", {"default": 768, "min": 32, "max": 4096, "step": 32}),
-            "length": ("INT", {"default": 124, "min": 5, "max": 3600, "step": 17,
-                               "tooltip": "frames at 24 fps: 17k + 5 (124-362 trained)"}),
-            "steps": ("INT", {"default": 20, "min": 1, "max": 200}),
-            "video_shift": ("FLOAT", {"default": VIDEO_SHIFT, "min": 0.1, "max": 100.0, "step": 0.1}),
-            "audio_shift": ("FLOAT", {"default": AUDIO_SHIFT, "min": 0.1, "max": 100.0, "step": 0.1}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF}),
-        }, "optional": {
-            "attention": ("H3_ATTENTION",),
-            "video_vae": ("H3_VIDEO_VAE", {"tooltip": "encodes the keyframes (FL2VA) and image/video references"}),
-            "audio_vae": ("H3_AUDIO_VAE", {"tooltip": "encodes audio references and video soundtracks (Ref2VA)"}),
-            "first_frame": ("IMAGE",),
-            "last_frame": ("IMAGE",),
-            "references": ("H3_REFERENCES",),
-        }, "hidden": {"node_id": "UNIQUE_ID"}}
+    def validate_inputs(cls, mode=None, input_types=None):
+        def connections():
+            if mode is not None:
+                check_mode(mode, lambda name: linked(input_types, name))
 
-    def sample(self, model, conditioning, mode, width, height, length, steps, video_shift, audio_shift, seed,
-               attention=None, video_vae=None, audio_vae=None, first_frame=None, last_frame=None, references=None,
-               node_id=None):
+        return verdict(lambda: check_linked_types(cls, input_types), connections)
+
+    @classmethod
+    def execute(cls, model, conditioning, canvas, mode, steps, video_shift, audio_shift, seed, attention=None,
+                video_vae=None, audio_vae=None, first_frame=None, last_frame=None, references=None):
+        from .patchers import DiTRun, load_vae
+
         settings = attention or DEFAULT
+        given = {"first_frame": first_frame, "last_frame": last_frame, "references": references,
+                 "video_vae": video_vae, "audio_vae": audio_vae}
+        check_mode(mode, lambda name: given[name] is not None)
         prompt = prompt_of(conditioning)
-        images = [(anchor, image) for anchor, image in (("first", first_frame), ("last", last_frame)) if image is not None]
-        if mode not in MODES:
-            raise H3InputError(f"mode must be one of {list(MODES)}, got {mode!r}")
-        if mode != "FL2VA" and images:
-            raise H3InputError(f"mode {mode} takes no keyframes, but {' and '.join(a + '_frame' for a, _ in images)} "
-                               "is connected; choose mode FL2VA or disconnect it")
-        if mode != "Ref2VA" and references:
-            raise H3InputError(f"mode {mode} takes no references, but references are connected; choose mode Ref2VA "
-                               "or disconnect them")
-        reference_latents = None
+        width, height, length = canvas.width, canvas.height, canvas.length
+        reference_latents, keyframes = None, ()
         if mode == "Ref2VA":
-            reference_latents = self._references(references, conditioning, length, video_vae, audio_vae,
-                                                 settings.overrides)
-        keyframes = ()
+            reference_latents = _reference_latents(references, conditioning, length, video_vae, audio_vae, settings)
         if mode == "FL2VA":
-            if not images:
-                raise H3InputError("mode FL2VA needs a first_frame, a last_frame or both; connect an image")
-            if video_vae is None:
-                raise H3InputError("mode FL2VA needs the video_vae input to encode the keyframes; connect an H3 Video "
-                                   "VAE loader")
+            images = [(anchor, given[f"{anchor}_frame"]) for anchor in ("first", "last") if given[f"{anchor}_frame"]
+                      is not None]
             anchors = tuple(anchor for anchor, _ in images)
-            if prompt.keyframe_anchors and (prompt.keyframe_anchors != anchors or (prompt.width, prompt.height)
-                                            != (width, height)):
-                raise H3InputError(f"the conditioning was encoded with keyframes {list(prompt.keyframe_anchors)} on a "
+            if prompt.keyframe_anchors and (prompt.keyframe_anchors != anchors
+                                            or (prompt.width, prompt.height) != (width, height)):
+                raise H3InputError(f"conditioning: was encoded with keyframes {list(prompt.keyframe_anchors)} on a "
                                    f"{prompt.width}x{prompt.height} canvas, but the sampler has {list(anchors)} on "
-                                   f"{width}x{height}; connect the same images and size to H3 Text Encode")
-            video_vae = ready(video_vae, "video VAE")
-            keyframes = encode_keyframes(video_vae, [(a, single_image(i, a + "_frame")) for a, i in images], width,
-                                         height, check_cancel=_host.check_cancel)
-        device = _host.torch_device()
-        holder = model
+                                   f"{width}x{height}; connect the same images and canvas to H3 Text Encode")
+            keyframes = encode_keyframes(load_vae(video_vae), [(a, single_image(i, a + "_frame")) for a, i in images],
+                                         width, height, check_cancel=_host.check_cancel)
+        node_id = cls.hidden.unique_id
 
         def fit(packed):
-            fuse_for(holder.model, device)  # the paths the run will take, so the room asked for is theirs
-            make_room(holder, device, working_bytes(holder.model, packed))
-            if holder.fitted is not None:
-                holder.fitted.remove()
-            holder.fitted = place_for_run(holder.model, packed, device, placement=holder.offload,
-                                          memory=settings.memory, steps=steps)
-            _host.tell(node_id, holder.fitted.said)
+            import comfy.model_management as mm
+
+            working = model.prepare(DiTRun(packed, settings.memory, steps, settings.compile))
+            mm.load_models_gpu([model], memory_required=working)
+            _host.tell(node_id, model.said())
 
         common = dict(frames=length, width=width, height=height, steps=steps, seed=seed, video_shift=video_shift,
-                      audio_shift=audio_shift, device=device, progress=_host.Progress(steps),
-                      check_cancel=_host.check_cancel, backend=settings.window_backend, before_sampling=fit)
-        if reference_latents is not None:
-            video, audio = generate_ref2va(model.model, prompt, reference_latents, **common)
-        else:
-            video, audio = generate(model.model, prompt, keyframes=keyframes, **common)
-        return (to_latent(video, audio, length),)
+                      audio_shift=audio_shift, device=model.load_device, progress=_host.Progress(steps),
+                      check_cancel=_host.check_cancel, backend=settings.window_backend, before_sampling=fit,
+                      compile=settings.compile)
+        try:
+            if reference_latents is not None:
+                video, audio = generate_ref2va(model.model, prompt, reference_latents, **common)
+            else:
+                video, audio = generate(model.model, prompt, keyframes=keyframes, **common)
+        except torch.OutOfMemoryError as exc:
+            # Raised again as the same kind, so the host still frees its models for the next prompt.
+            raise torch.OutOfMemoryError(
+                f"out of memory while sampling {width}x{height}, {length} frames (memory_mode {settings.memory}): set "
+                "memory_mode auto on H3 Attention & Memory (it plans for the room the card has), choose a smaller "
+                f"canvas or length, or free other models. {str(exc).splitlines()[0]}") from exc
+        return io.NodeOutput(to_latent(video, audio, length))
 
-    @staticmethod
-    def _references(references, conditioning, length, video_vae, audio_vae, overrides):
-        if not references:
-            raise H3InputError("mode Ref2VA needs references; connect an H3 Add Reference chain")
-        kinds = tuple(ref.kind for ref in references)
-        if references_of(conditioning) != (kinds, length):
-            raise H3InputError(f"the conditioning was encoded with references {references_of(conditioning) or 'none'}, "
-                               f"but the sampler has {kinds} at length {length}; connect the same references and "
-                               "length to H3 Text Encode")
-        if video_vae is None and any(kind != "audio" for kind in kinds):
-            raise H3InputError("image and video references need the video_vae input; connect an H3 Video VAE loader")
-        needs_audio = any(ref.kind == "audio" or ref.waveform is not None for ref in references)
-        if audio_vae is None and needs_audio:
-            raise H3InputError("audio references and video soundtracks need the audio_vae input; connect an H3 Audio "
-                               "VAE loader")
-        video_vae = ready(video_vae, "video VAE") if video_vae is not None else None
-        audio_vae = ready(audio_vae, "audio VAE") if audio_vae is not None else None
-        return encoded(references, length, video_vae, audio_vae, _host.check_cancel, overrides)
+
+def _reference_latents(references, conditioning, length, video_vae, audio_vae, settings):
+    from .patchers import load_vae
+
+    kinds = tuple(ref.kind for ref in references)
+    if references_of(conditioning) != (kinds, length):
+        raise H3InputError(f"conditioning: was encoded with references {references_of(conditioning) or 'none'}, but "
+                           f"the sampler has {kinds} at length {length}; connect the same references and canvas to H3 "
+                           "Text Encode")
+    if video_vae is None and any(kind != "audio" for kind in kinds):
+        raise H3InputError("video_vae: image and video references need it; connect an H3 Video VAE Loader")
+    needs_audio = any(ref.kind == "audio" or ref.waveform is not None for ref in references)
+    if audio_vae is None and needs_audio:
+        raise H3InputError("audio_vae: audio references and video soundtracks need it; connect an H3 Audio VAE "
+                           "Loader")
+    video = load_vae(video_vae) if video_vae is not None else None
+    audio = load_vae(audio_vae) if audio_vae is not None else None
+    return encoded(references, length, video, audio, _host.check_cancel, settings.overrides)

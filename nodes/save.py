@@ -1,8 +1,13 @@
-"""The save node: frames and soundtrack into one mp4 (H.264 yuv420p + AAC) in the output folder."""
+"""The save node: frames and soundtrack into one mp4 (H.264 yuv420p + AAC) in the output folder, with the
+workflow and the prompt in its metadata as the host's own SaveVideo stores them, so dropping the clip on the
+canvas loads the workflow that made it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from comfy_api.v0_0_2 import io
 
 from h3_core.mp4 import write_mp4
 from h3_core.pipeline.geometry import FPS
@@ -11,23 +16,39 @@ from . import _host
 from .images import single_waveform
 
 
-class H3SaveVideo:
-    CATEGORY = _host.CATEGORY
-    RETURN_TYPES = ()
-    OUTPUT_NODE = True
-    FUNCTION = "save"
-    DESCRIPTION = ("Writes the frames and the soundtrack as an mp4 (H.264 yuv420p, AAC) in the output folder; the file "
-                   "appears under its name only when complete.")
+def _workflow_tags(prompt, extra_pnginfo) -> dict[str, str]:
+    """The host's metadata for a saved video: ``prompt`` and each entry of ``extra_pnginfo`` (the workflow), as
+    JSON text; none when the server runs with ``--disable-metadata``."""
+    from comfy.cli_args import args
+
+    if args.disable_metadata:
+        return {}
+    tags = {key: json.dumps(value) for key, value in (extra_pnginfo or {}).items()}
+    if prompt is not None:
+        tags["prompt"] = json.dumps(prompt)
+    return tags
+
+
+class H3SaveVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SaveVideo", display_name="H3 Save Video (mp4)", category=_host.CATEGORY,
+            description="Writes the frames and the soundtrack as an mp4 (H.264 yuv420p, AAC) in the output folder, "
+                        "with the workflow in its metadata; the file appears under its name only when complete.",
+            inputs=[
+                io.Image.Input("images"),
+                io.String.Input("filename_prefix", default="H3/clip"),
+                io.Int.Input("fps", default=FPS, min=1, max=120),
+                io.Audio.Input("audio", optional=True),
+            ],
+            outputs=[],
+            is_output_node=True,
+            hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "images": ("IMAGE",),
-            "filename_prefix": ("STRING", {"default": "H3/clip"}),
-            "fps": ("INT", {"default": FPS, "min": 1, "max": 120}),
-        }, "optional": {"audio": ("AUDIO",)}}
-
-    def save(self, images, filename_prefix, fps, audio=None):
+    def execute(cls, images, filename_prefix, fps, audio=None):
         import folder_paths
 
         waveform, rate = single_waveform(audio, "audio") if audio is not None else (None, 32000)
@@ -35,7 +56,13 @@ class H3SaveVideo:
         folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, output,
                                                                                images.shape[2], images.shape[1])
         target = Path(folder) / f"{name}_{counter:05d}.mp4"
-        write_mp4(target, images, waveform, rate, fps=fps, check_cancel=_host.check_cancel)
+        try:
+            write_mp4(target, images, waveform, rate, fps=fps, check_cancel=_host.check_cancel,
+                      metadata=_workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo))
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise OSError(exc.errno, f"could not write {target.name} in {target.parent}: {reason}; nothing was left "
+                                     "under that name (free space there, or change filename_prefix)") from exc
         _host.say(f"saved {target}")
-        return {"ui": {"images": [{"filename": target.name, "subfolder": subfolder, "type": "output"}],
-                       "animated": (True,)}}
+        return io.NodeOutput(ui={"images": [{"filename": target.name, "subfolder": subfolder, "type": "output"}],
+                                 "animated": (True,)})

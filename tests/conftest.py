@@ -56,11 +56,14 @@ def server(tmp_path_factory):
 
     from comfy_host import ComfyServer
     from h3_core.mp4 import write_mp4
-    from h3_core.tiny_checkpoints import write_tiny_checkpoints
+    from h3_core.tiny_checkpoints import write_tiny_checkpoints, write_tiny_text_encoder_file
 
     base = tmp_path_factory.mktemp("comfy")
     host = ComfyServer(base)
+    # the test-only probes of the host's model management, installed beside the pack
+    (host.base / "custom_nodes" / "h3_host_probe").symlink_to(ROOT / "tests" / "host" / "probe_nodes")
     host.tiny = write_tiny_checkpoints(host.models)
+    host.text_encoder_file = write_tiny_text_encoder_file(host.models)  # ComfyUI's single-file layout
     rng = np.random.default_rng(0)
     for name, size in (("first.png", (96, 64)), ("last.png", (80, 48))):
         Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(host.input / name)

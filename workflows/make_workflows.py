@@ -78,23 +78,26 @@ def build(mode: str) -> dict:
     audio_vae = g.node("H3AudioVAELoader", (0, 320), [AUDIO_VAE], [("audio_vae", "H3_AUDIO_VAE")],
                        files=[(AUDIO_VAE, COMFY_REPO, "vae")])
     encoder = g.node("H3TextEncoderLoader", (0, 440), [TEXT_ENCODER, "auto"], [("text_encoder", "H3_TEXT_ENCODER")])
-    attention = g.node("H3AttentionSettings", (0, 580), ["auto", "auto", "auto", "auto"], [("attention", "H3_ATTENTION")],
-                       (340, 160))
+    attention = g.node("H3AttentionSettings", (0, 580), ["auto", "auto", "auto", "auto", "auto"],
+                       [("attention", "H3_ATTENTION")], (340, 180))
+    canvas = g.node("H3Canvas", (400, 300), [1344, 768, 124], [("canvas", "H3_CANVAS"), ("width", "INT"),
+                                                                ("height", "INT"), ("length", "INT")], (320, 130))
     prompt = REFERENCE_PROMPT if mode == "Ref2VA" else PROMPT
-    encode = g.node("H3TextEncode", (400, 0), [prompt, 1344, 768, 124], [("conditioning", "CONDITIONING")], (400, 240))
-    sampler = g.node("H3Sampler", (860, 0), [mode, 1344, 768, 124, 20, 12.0, 3.0, 42, "fixed"], [("latent", "LATENT")],
-                     (340, 420))
+    encode = g.node("H3TextEncode", (400, 0), [prompt], [("conditioning", "CONDITIONING")], (400, 240))
+    sampler = g.node("H3Sampler", (860, 0), [mode, 20, 12.0, 3.0, 42, "fixed"], [("latent", "LATENT")], (340, 420))
     decode = g.node("H3VideoDecode", (1260, 0), [256, 64, 4], [("images", "IMAGE")], (320, 170))
     audio = g.node("H3AudioDecode", (1260, 220), [], [("audio", "AUDIO")])
     save = g.node("H3SaveVideo", (1620, 0), [f"H3/{mode.lower()}", 24], (), (400, 400))
     g.link(encoder, 0, encode, "text_encoder")
+    g.link(canvas, 0, encode, "canvas")
     g.link(dit, 0, sampler, "model")
     g.link(encode, 0, sampler, "conditioning")
+    g.link(canvas, 0, sampler, "canvas")
     g.link(attention, 0, sampler, "attention")
     g.link(video_vae, 0, sampler, "video_vae")
     if mode == "FL2VA":
         for anchor, name, y in (("first", FIRST, 760), ("last", LAST, 1100)):
-            image = g.node("LoadImage", (400, y), [name, "image"], [("IMAGE", "IMAGE"), ("MASK", "MASK")], (320, 320),
+            image = g.node("LoadImage", (400, y + 40), [name, "image"], [("IMAGE", "IMAGE"), ("MASK", "MASK")], (320, 320),
                            title=f"{anchor} frame")
             g.link(image, 0, encode, f"{anchor}_frame")
             g.link(image, 0, sampler, f"{anchor}_frame")

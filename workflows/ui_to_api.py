@@ -79,9 +79,11 @@ EMBEDDED_FILES = {
     "H3DiTLoader": {"dit_name": TINY_FILES["dit"], "linear_branch": TINY_FILES["linear_branch"]},
     "H3VideoVAELoader": {"vae_name": TINY_FILES["video_vae"]},
     "H3AudioVAELoader": {"vae_name": TINY_FILES["audio_vae"]},
-    "H3TextEncoderLoader": {"folder": TINY_FILES["text_encoder"]},
+    "H3TextEncoderLoader": {"text_encoder_name": TINY_FILES["text_encoder"]},
 }
 EMBEDDED_SIZE = {"width": 256, "height": 160, "length": 56, "steps": 4}
+# The nodes each of those widgets lives on.
+SIZED_NODES = ("H3Canvas", "H3Sampler")
 
 
 def embedded_default(prompt: dict) -> dict:
@@ -90,7 +92,7 @@ def embedded_default(prompt: dict) -> dict:
     for node_id, node in prompt.items():
         inputs = dict(node["inputs"])
         inputs.update(EMBEDDED_FILES.get(node["class_type"], {}))
-        if node["class_type"] in ("H3Sampler", "H3TextEncode"):
+        if node["class_type"] in SIZED_NODES:
             inputs.update({k: v for k, v in EMBEDDED_SIZE.items() if k in inputs})
         out[node_id] = {"class_type": node["class_type"], "inputs": inputs}
     return out

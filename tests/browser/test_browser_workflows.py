@@ -1,6 +1,9 @@
 """The bundled workflows in the host's own frontend, in headless Chromium: loaded as a drop loads them, no
-missing node types, the frontend's API form equal to ours, queued from the page and finished."""
+missing node types, the frontend's API form equal to ours, queued from the page and finished; the saved mp4
+carries the workflow, and dropping it back on the canvas loads it. Workflows saved with the earlier node inputs
+(``earlier_workflows/``: the bundled ones as they were) load through the pack's migration and run."""
 
+import base64
 import json
 import time
 from pathlib import Path
@@ -8,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from comfy_host import error_message, mp4_files
-from ui_to_api import EMBEDDED_FILES, EMBEDDED_SIZE, to_api
+from ui_to_api import EMBEDDED_FILES, EMBEDDED_SIZE, SIZED_NODES, to_api
 
 playwright = pytest.importorskip("playwright.sync_api", reason="install the test requirements (tests/run.sh does)")
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
+EARLIER = sorted((Path(__file__).resolve().parent / "earlier_workflows").glob("*.json"))
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
          "--disable-sync", "--no-first-run"]
@@ -34,29 +38,28 @@ def page(server):
 
 def load(page, workflow):
     page.evaluate("async (w) => { await window.app.loadGraphData(w); }", workflow)
+    return nodes_on_canvas(page)
+
+
+def nodes_on_canvas(page):
     return page.evaluate("() => window.app.graph._nodes.map(n => [n.type, !!(n.constructor && n.constructor.nodeData)])")
 
 
-@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
-def test_a_workflow_loads_converts_and_runs_in_the_frontend(server, page, path):
-    workflow = json.loads(path.read_text())
-    nodes = load(page, workflow)
-    assert sorted(t for t, _ in nodes) == sorted(n["type"] for n in workflow["nodes"])
-    assert [t for t, known in nodes if not known] == [], "missing node types"
-    frontend = page.evaluate("async () => (await window.app.graphToPrompt()).output")
-    ours = to_api(workflow, server.object_info())
-    assert {k: (v["class_type"], v["inputs"]) for k, v in frontend.items()} == \
-           {k: (v["class_type"], v["inputs"]) for k, v in ours.items()}
-    # the embedded default, set on the widgets as a user would pick them
-    page.evaluate("""([files, size]) => {
+def frontend_prompt(page):
+    return page.evaluate("async () => (await window.app.graphToPrompt()).output")
+
+
+def queue_on_tiny(server, page):
+    """Set the embedded default on the widgets as a user would pick them, queue from the page, and wait."""
+    page.evaluate("""([files, size, sized]) => {
         for (const node of window.app.graph._nodes) {
-            const wanted = {...(files[node.type] || {}), ...((node.type === 'H3Sampler' || node.type === 'H3TextEncode') ? size : {})};
+            const wanted = {...(files[node.type] || {}), ...(sized.includes(node.type) ? size : {})};
             for (const w of node.widgets || []) if (w.name in wanted) w.value = wanted[w.name];
         }
-    }""", [EMBEDDED_FILES, EMBEDDED_SIZE])
+    }""", [EMBEDDED_FILES, EMBEDDED_SIZE, list(SIZED_NODES)])
     before = set(server.get("/history"))
     page.evaluate("async () => { await window.app.queuePrompt(0); }")
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     new = set()
     while not new and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -64,4 +67,47 @@ def test_a_workflow_loads_converts_and_runs_in_the_frontend(server, page, path):
     assert new, "the queued prompt never reached the history"
     entry = server.wait(new.pop())
     assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
-    assert len(mp4_files(entry, server.output)) == 1
+    (path,) = mp4_files(entry, server.output)
+    return path
+
+
+def shape(prompt):
+    """An API-form prompt without its node ids: each node's type and widget values, and its links by the types
+    of the nodes they come from."""
+    def value(v):
+        return ("link", prompt[v[0]]["class_type"], v[1]) if isinstance(v, list) else v
+    return sorted(json.dumps([node["class_type"], {k: value(v) for k, v in sorted(node["inputs"].items())}])
+                  for node in prompt.values())
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
+def test_a_workflow_loads_converts_runs_and_comes_back_from_its_mp4(server, page, path):
+    workflow = json.loads(path.read_text())
+    nodes = load(page, workflow)
+    assert sorted(t for t, _ in nodes) == sorted(n["type"] for n in workflow["nodes"])
+    assert [t for t, known in nodes if not known] == [], "missing node types"
+    ours = to_api(workflow, server.object_info())
+    assert {k: (v["class_type"], v["inputs"]) for k, v in frontend_prompt(page).items()} == \
+           {k: (v["class_type"], v["inputs"]) for k, v in ours.items()}
+    mp4 = queue_on_tiny(server, page)
+    page.evaluate("async () => { await window.app.loadGraphData({nodes: [], links: [], version: 0.4}); }")
+    assert nodes_on_canvas(page) == []
+    # the saved clip dropped back on the canvas: the frontend reads the workflow from its metadata
+    page.evaluate("""async (b64) => {
+        const bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
+        await window.app.handleFile(new File([bytes], 'clip.mp4', {type: 'video/mp4'}));
+    }""", base64.b64encode(mp4.read_bytes()).decode())
+    page.wait_for_function("window.app.graph._nodes.length > 0", timeout=60_000)
+    assert sorted(t for t, _ in nodes_on_canvas(page)) == sorted(n["type"] for n in workflow["nodes"])
+
+
+@pytest.mark.parametrize("path", EARLIER, ids=[p.stem for p in EARLIER])
+def test_a_workflow_saved_with_the_earlier_inputs_is_migrated_and_runs(server, page, path):
+    earlier = json.loads(path.read_text())
+    nodes = load(page, earlier)
+    assert [t for t, known in nodes if not known] == [], "missing node types"
+    types = sorted(t for t, _ in nodes)
+    assert types.count("H3Canvas") == 1 and "H3LoraList" not in types
+    current = json.loads((ROOT / "workflows" / path.name).read_text())
+    assert shape(frontend_prompt(page)) == shape(to_api(current, server.object_info()))
+    assert queue_on_tiny(server, page).is_file()

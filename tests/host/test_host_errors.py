@@ -1,24 +1,48 @@
-"""Bad input through a real ComfyUI server: each gives a node error whose message names the input and what
-is allowed, and the server goes on to run the next prompt."""
+"""Bad input through a real ComfyUI server. What needs no model — the files' kinds from their headers, the
+canvas and length grids, the mode against what is connected — is refused when the prompt is queued, before any
+loader runs, with a message naming the input, what was given and what is allowed; what only a run can tell is a
+node error. Either way the server goes on to run the next prompt."""
 
 import json
+import pickle
 import re
 
 import pytest
-from safetensors.torch import save_file
 import torch
+from safetensors.torch import save_file
 
 from comfy_host import error_message, mp4_files
-from graphs import TINY_AUDIO_VAE, generation, with_references
+from graphs import TINY_AUDIO_VAE, TINY_DIT, generation, with_references
 
 
 @pytest.fixture(scope="module")
-def broken_files(server):
-    """A DiT file with the wrong tensors and a text file posing as a checkpoint, in the host's folders."""
-    save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(3, 3)}, str(server.models / "diffusion_models" / "broken.safetensors"))
-    (server.models / "vae" / "notes.safetensors").write_bytes(b"\x00\x01 not a checkpoint")
-    # the host caches folder listings; a new file shows after its folder's mtime changes, which writing did
+def bad_files(server):
+    """Files a user may pick by mistake, in the host's folders: a DiT-named file of the wrong tensors, text posing
+    as a checkpoint, a truncated DiT, a DiT whose header length lies, an audio VAE among the DiTs and a DiT
+    among the VAEs, a pickle renamed .safetensors."""
+    dit_folder, vae_folder = server.models / "diffusion_models", server.models / "vae"
+    save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(3, 3)}, str(dit_folder / "broken.safetensors"))
+    (vae_folder / "notes.safetensors").write_bytes(b"\x00\x01 not a checkpoint")
+    whole = (dit_folder / TINY_DIT).read_bytes()
+    (dit_folder / "truncated.safetensors").write_bytes(whole[: len(whole) // 2])
+    lying = bytearray(whole)
+    lying[:8] = (len(whole) * 4).to_bytes(8, "little")
+    (dit_folder / "lying_header.safetensors").write_bytes(bytes(lying))
+    (dit_folder / "picked_audio_vae.safetensors").write_bytes((vae_folder / TINY_AUDIO_VAE).read_bytes())
+    (vae_folder / "picked_dit.safetensors").write_bytes((dit_folder / TINY_DIT).read_bytes())
+    with open(dit_folder / "pickled.safetensors", "wb") as out:
+        pickle.dump({"blocks.0.attn.qkv_proj.weight": [0.0] * 4}, out)
     return server
+
+
+def refused_at_validation(server, prompt, pattern):
+    """The prompt is refused when queued (nothing runs), with a message matching ``pattern``; the next runs."""
+    loads = server.log_path.read_text().count("into host memory")
+    answer = server.queue(prompt)
+    assert "prompt_id" not in answer, answer
+    errors = json.dumps(answer.get("node_errors", {}))
+    assert re.search(pattern, errors), errors
+    assert server.log_path.read_text().count("into host memory") == loads, "a loader ran for a refused prompt"
 
 
 def expect_node_error(server, prompt, pattern):
@@ -29,28 +53,35 @@ def expect_node_error(server, prompt, pattern):
     assert not mp4_files(entry, server.output)
 
 
-@pytest.mark.parametrize("change, pattern", [
-    (dict(dit="broken.safetensors"), r"dit_name|base: .*broken\.safetensors: not a MiniMax H3 DiT checkpoint"),
-    (dict(video_vae=TINY_AUDIO_VAE), r"h3_tiny_random_audio_vae\.safetensors: not a MiniMax H3 video VAE checkpoint"),
-    (dict(video_vae="notes.safetensors"), r"notes\.safetensors: .*safetensors"),
-    (dict(length=60), r"length must be 17k \+ 5 frames .* got 60; nearest: 56 or 73"),
-    (dict(mode="FL2VA"), r"mode FL2VA needs a first_frame, a last_frame or both"),
-    (dict(first="first.png"), r"mode T2VA takes no keyframes, but first_frame is connected"),
-], ids=["wrong-dit-file", "audio-vae-as-video-vae", "not-a-checkpoint", "length-off-grid", "fl2va-without-images",
-        "t2va-with-an-image"])
-def test_bad_input_is_a_clear_node_error_and_the_next_prompt_runs(broken_files, change, pattern):
-    server = broken_files
-    expect_node_error(server, generation(prefix="H3/bad", **change), pattern)
+def next_prompt_runs(server):
     entry = server.run(generation(prefix="H3/after", length=22))
     assert entry["status"]["status_str"] == "success", error_message(entry)
     assert len(mp4_files(entry, server.output)) == 1
 
 
-def test_a_file_not_in_the_folder_is_refused_before_running(server):
-    answer = server.queue(generation(dit="no_such_model.safetensors"))
-    assert "prompt_id" not in answer
-    errors = json.dumps(answer["node_errors"])
-    assert "dit_name" in errors and "no_such_model.safetensors" in errors
+@pytest.mark.parametrize("change, pattern", [
+    (dict(dit="broken.safetensors"), r"dit_name: 'broken\.safetensors' cannot be loaded as an H3 DiT checkpoint"),
+    (dict(dit="truncated.safetensors"), r"dit_name: 'truncated\.safetensors' cannot be loaded .*(truncated|header)"),
+    (dict(dit="lying_header.safetensors"), r"dit_name: 'lying_header\.safetensors' cannot be loaded .*safetensors"),
+    (dict(dit="pickled.safetensors"), r"dit_name: 'pickled\.safetensors' cannot be loaded .*not a safetensors file"),
+    (dict(dit="picked_audio_vae.safetensors"), r"dit_name: 'picked_audio_vae\.safetensors' is the H3 audio VAE, not an "
+                                                r"H3 DiT checkpoint; pick it in H3 Audio VAE Loader"),
+    (dict(video_vae=TINY_AUDIO_VAE), r"vae_name: 'h3_tiny_random_audio_vae\.safetensors' is the H3 audio VAE, not the "
+                                     r"H3 video VAE; pick it in H3 Audio VAE Loader"),
+    (dict(video_vae="picked_dit.safetensors"), r"vae_name: 'picked_dit\.safetensors' is an H3 DiT checkpoint"),
+    (dict(video_vae="notes.safetensors"), r"vae_name: 'notes\.safetensors' cannot be loaded .*safetensors"),
+    (dict(dit="no_such_model.safetensors"), r"dit_name: 'no_such_model\.safetensors' is not a file in the "
+                                             r"diffusion_models folder"),
+    (dict(length=60), r"length must be 17k \+ 5 frames .* got 60; nearest: 56 or 73"),
+    (dict(width=100), r"width must be a multiple of 32 px .* got 100; nearest: 96"),
+    (dict(mode="FL2VA"), r"mode FL2VA: needs a first_frame, a last_frame or both"),
+    (dict(first="first.png"), r"mode T2VA: takes no keyframes, but first_frame is connected"),
+], ids=["wrong-tensors", "truncated", "lying-header-length", "pickle-renamed", "audio-vae-as-dit",
+        "audio-vae-as-video-vae", "dit-as-video-vae", "not-a-checkpoint", "file-not-in-folder", "length-off-grid",
+        "width-off-grid", "fl2va-without-images", "t2va-with-an-image"])
+def test_what_needs_no_model_is_refused_before_anything_loads(bad_files, change, pattern):
+    refused_at_validation(bad_files, generation(prefix="H3/bad", **change), pattern)
+    next_prompt_runs(bad_files)
 
 
 def _without_encoder_references(prompt):
@@ -60,10 +91,23 @@ def _without_encoder_references(prompt):
 
 @pytest.mark.parametrize("build, pattern", [
     (lambda: with_references(generation("T2VA", prefix="H3/bad"), image="first.png"),
-     r"mode T2VA takes no references, but references are connected"),
-    (lambda: generation("Ref2VA", prefix="H3/bad"), r"mode Ref2VA needs references"),
-    (lambda: _without_encoder_references(with_references(generation("Ref2VA", prefix="H3/bad"), image="first.png")),
-     r"the conditioning was encoded with references none, but the sampler has \('image',\) at length 56"),
-], ids=["t2va-with-references", "ref2va-without-references", "references-not-encoded"])
-def test_bad_ref2va_requests_are_clear_node_errors(server, build, pattern):
-    expect_node_error(server, build(), pattern)
+     r"mode T2VA: takes no references, but references are connected"),
+    (lambda: generation("Ref2VA", prefix="H3/bad"), r"mode Ref2VA: needs references"),
+], ids=["t2va-with-references", "ref2va-without-references"])
+def test_bad_ref2va_requests_are_refused_when_queued(server, build, pattern):
+    refused_at_validation(server, build(), pattern)
+
+
+def test_keyframes_and_references_together_are_refused_at_the_text_encode(server):
+    prompt = with_references(generation("Ref2VA", prefix="H3/bad"), image="first.png")
+    prompt["31"] = {"class_type": "LoadImage", "inputs": {"image": "first.png"}}
+    prompt["5"]["inputs"]["first_frame"] = ["31", 0]
+    refused_at_validation(server, prompt, r"keyframes \(first_frame / last_frame: FL2VA\) and references \(Ref2VA\) "
+                                          r"cannot be used together")
+
+
+def test_conditioning_encoded_without_the_references_is_a_node_error(server):
+    prompt = _without_encoder_references(with_references(generation("Ref2VA", prefix="H3/bad"), image="first.png"))
+    expect_node_error(server, prompt, r"conditioning: was encoded with references none, but the sampler has "
+                                      r"\('image',\) at length 56")
+    next_prompt_runs(server)

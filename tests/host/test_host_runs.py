@@ -11,22 +11,28 @@ from graphs import TINY_DIT, TINY_VIDEO_VAE, generation, with_references
 
 NODES = {
     "H3DiTLoader": ({"dit_name", "linear_branch", "weight_dtype", "offload"}, ["H3_MODEL"]),
-    "H3LoraList": ({"lora_name", "strength"}, ["H3_LORAS"]),
+    "H3LoraLoader": ({"model", "lora_name", "strength"}, ["H3_MODEL"]),
     "H3VideoVAELoader": ({"vae_name"}, ["H3_VIDEO_VAE"]),
     "H3AudioVAELoader": ({"vae_name"}, ["H3_AUDIO_VAE"]),
-    "H3TextEncoderLoader": ({"folder", "offload"}, ["H3_TEXT_ENCODER"]),
+    "H3TextEncoderLoader": ({"text_encoder_name", "offload"}, ["H3_TEXT_ENCODER"]),
     "H3PromptEmbeddingLoader": ({"embedding"}, ["CONDITIONING"]),
-    "H3TextEncode": ({"text_encoder", "prompt", "width", "height", "length"}, ["CONDITIONING"]),
+    "H3Canvas": ({"width", "height", "length"}, ["H3_CANVAS", "INT", "INT", "INT"]),
+    "H3TextEncode": ({"text_encoder", "prompt", "canvas"}, ["CONDITIONING"]),
     "H3AddReference": ({"kind", "fps"}, ["H3_REFERENCES"]),
     "H3LoadAudio": ({"audio_file"}, ["AUDIO"]),
-    "H3AttentionSettings": ({"window_backend", "video_vae_attention", "audio_vae_attention", "memory_mode"},
+    "H3AttentionSettings": ({"window_backend", "video_vae_attention", "audio_vae_attention", "memory_mode", "compile"},
                             ["H3_ATTENTION"]),
-    "H3Sampler": ({"model", "conditioning", "mode", "width", "height", "length", "steps", "video_shift", "audio_shift",
-                   "seed"}, ["LATENT"]),
+    "H3Sampler": ({"model", "conditioning", "canvas", "mode", "steps", "video_shift", "audio_shift", "seed"},
+                  ["LATENT"]),
     "H3VideoDecode": ({"video_vae", "latent", "tile_size", "overlap", "tiles_per_batch"}, ["IMAGE"]),
     "H3AudioDecode": ({"audio_vae", "latent"}, ["AUDIO"]),
     "H3SaveVideo": ({"images", "filename_prefix", "fps"}, []),
 }
+
+
+def options(spec):
+    """A dropdown's choices, as the host lists them (V3: ``("COMBO", {"options": [...]})``)."""
+    return spec[1]["options"] if spec[0] == "COMBO" else spec[0]
 
 
 def test_object_info_lists_every_node_with_its_types(server):
@@ -41,11 +47,11 @@ def test_object_info_lists_every_node_with_its_types(server):
     assert set(info["H3Sampler"]["input"]["optional"]) == {"attention", "video_vae", "audio_vae", "first_frame",
                                                            "last_frame", "references"}
     # the dropdowns list the tiny checkpoints from the host's model folders
-    dit_files = info["H3DiTLoader"]["input"]["required"]["dit_name"][0]
-    assert TINY_DIT in dit_files and "none" in info["H3DiTLoader"]["input"]["required"]["linear_branch"][0]
-    assert TINY_VIDEO_VAE in info["H3VideoVAELoader"]["input"]["required"]["vae_name"][0]
-    assert info["H3TextEncoderLoader"]["input"]["required"]["folder"][0] == ["h3_tiny_random_qwen3vl"]
-    assert info["H3Sampler"]["input"]["required"]["mode"][0] == ["T2VA", "FL2VA", "Ref2VA"]
+    required = info["H3DiTLoader"]["input"]["required"]
+    assert TINY_DIT in options(required["dit_name"]) and "none" in options(required["linear_branch"])
+    assert TINY_VIDEO_VAE in options(info["H3VideoVAELoader"]["input"]["required"]["vae_name"])
+    assert "h3_tiny_random_qwen3vl" in options(info["H3TextEncoderLoader"]["input"]["required"]["text_encoder_name"])
+    assert options(info["H3Sampler"]["input"]["required"]["mode"]) == ["T2VA", "FL2VA", "Ref2VA"]
 
 
 def check_mp4(path, frames, width, height):

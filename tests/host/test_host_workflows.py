@@ -31,7 +31,9 @@ def test_every_node_and_link_fits_the_server(server, path):
     prompt = to_api(workflow, info)
     assert {node["class_type"] for node in prompt.values()} == {node["type"] for node in workflow["nodes"]}
     sampler = next(node for node in prompt.values() if node["class_type"] == "H3Sampler")
-    assert sampler["inputs"]["seed"] == 42 and sampler["inputs"]["length"] == 124
+    canvas = next(node for node in prompt.values() if node["class_type"] == "H3Canvas")
+    assert sampler["inputs"]["seed"] == 42 and canvas["inputs"] == {"width": 1344, "height": 768, "length": 124}
+    assert sampler["inputs"]["canvas"][0] == next(k for k, v in prompt.items() if v["class_type"] == "H3Canvas")
     attention = next(node for node in prompt.values() if node["class_type"] == "H3AttentionSettings")
     assert attention["inputs"]["memory_mode"] == "auto"
 

@@ -1,0 +1,116 @@
+"""A node pack the host tests install beside H3 Hybrid: it reports what the host's model management holds, makes
+the host ask the loaded DiT for memory as it does when another model needs the room, and (on a GPU) holds device
+memory so that a run meets an out-of-memory. Never shipped. Each probe takes optional inputs of any type, only
+to be placed after the nodes whose outputs it takes, and passes a model through."""
+
+import comfy.model_management as mm
+
+
+class AnyType(str):
+    """A socket type every output fits (the host compares types with ``!=``)."""
+
+    def __ne__(self, other):
+        return False
+
+
+ANY = AnyType("*")
+AFTER = {"optional": {"model": (ANY,), "after_images": (ANY,), "after_audio": (ANY,)}}
+
+
+def _ours(patcher) -> bool:
+    return type(patcher).__module__.endswith("nodes.patchers") or type(patcher.model).__module__.startswith("h3_core")
+
+
+class _Probe:
+    CATEGORY = "H3 test probes"
+    RETURN_TYPES = (ANY,)
+    RETURN_NAMES = ("model",)
+    OUTPUT_NODE = True
+    FUNCTION = "probe"
+
+    @classmethod
+    def IS_CHANGED(cls, **_):
+        return float("nan")  # runs every time
+
+
+class H3ProbeLoadedModels(_Probe):
+    """The host's loaded models (``current_loaded_models``) as its model management sees them."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"tag": ("STRING", {"default": ""})}, **AFTER}
+
+    def probe(self, tag, model=None, **_):
+        listed = []
+        for loaded in mm.current_loaded_models:
+            patcher = loaded.model
+            if patcher is None:
+                continue
+            listed.append({"patcher": type(patcher).__name__, "model": type(patcher.model).__name__,
+                           "loaded_bytes": int(patcher.loaded_size()), "size": int(patcher.model_size()),
+                           "device": str(loaded.device), "ours": _ours(patcher)})
+        return {"ui": {"loaded": listed}, "result": (model,)}
+
+
+class H3ProbeHostUnload(_Probe):
+    """The host asking the loaded DiT ``model`` for ``megabytes`` of device memory, as its ``free_memory`` does when
+    another model is loaded and the room is short: ``LoadedModel.model_unload(memory_to_free=...)``, which calls
+    the model's ``partially_unload`` (or unloads it whole when that frees too little). Reports what the DiT was
+    asked and what it freed, by its own record and by the host's count of its loaded bytes."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"megabytes": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1e6, "step": 0.0001}),
+                             "tag": ("STRING", {"default": ""})}, **AFTER}
+
+    def probe(self, megabytes, tag, model=None, **_):
+        wanted = int(round(megabytes * 2**20))
+        entry = next((m for m in mm.current_loaded_models if m.model is not None and model is not None
+                      and m.model.is_clone(model)), None)
+        if entry is None:
+            return {"ui": {"unload": [{"loaded": False}]}, "result": (model,)}
+        patcher = entry.model
+        placement = patcher.attachments["h3_placement"]
+        placement.last_unload = None
+        before = int(patcher.loaded_size())
+        stays = not entry.model_unload(memory_to_free=wanted)
+        if not stays:
+            mm.current_loaded_models.remove(entry)  # as the host's free_memory does with a model it unloaded
+        blocks = [sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers()))
+                  for b in patcher.model.blocks]
+        asked, freed = placement.last_unload or (None, None)
+        return {"ui": {"unload": [{"loaded": True, "asked": asked, "freed": freed, "before": before,
+                                   "after": int(patcher.loaded_size()), "stays_loaded": stays,
+                                   "largest_block": max(blocks, default=0), "wanted": wanted}]},
+                "result": (model,)}
+
+
+_BALLAST = []
+
+
+class H3ProbeBallast(_Probe):
+    """On a GPU: take all but ``leave_megabytes`` of the device's free memory (held until released), so the next
+    run meets an out-of-memory as it would on a smaller card; ``release`` gives it back."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"leave_megabytes": ("FLOAT", {"default": 64.0, "min": 0.0, "max": 1e7}),
+                             "release": ("BOOLEAN", {"default": False})}, **AFTER}
+
+    def probe(self, leave_megabytes, release, model=None, **_):
+        import torch
+
+        _BALLAST.clear()
+        device = mm.get_torch_device()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            if not release:
+                free, _ = torch.cuda.mem_get_info(device)
+                _BALLAST.append(torch.empty(max(free - int(leave_megabytes * 2**20), 0), dtype=torch.uint8,
+                                            device=device))
+        held = sum(t.numel() for t in _BALLAST)
+        return {"ui": {"ballast": [{"held": held, "device": device.type}]}, "result": (model,)}
+
+
+NODE_CLASS_MAPPINGS = {"H3ProbeLoadedModels": H3ProbeLoadedModels, "H3ProbeHostUnload": H3ProbeHostUnload,
+                       "H3ProbeBallast": H3ProbeBallast}
