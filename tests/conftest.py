@@ -12,6 +12,26 @@ for folder in (ROOT / "workflows", ROOT / "tests" / "host"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+
+
+class CheckoutRootIsNotATestPackage:
+    """The checkout's root has an ``__init__.py`` (ComfyUI imports the folder as a package), so pytest would
+    collect it as a package and import that ``__init__.py`` under a name made from the folder's: a clone named
+    ``ComfyUI-H3-Hybrid`` is no Python name, the file is then imported with no parent package and its relative
+    imports fail. Collected as a plain directory it is not imported at all (its tests import the pack as the
+    host does). A plugin rather than a hook of this file: pytest asks the hooks of the folder above the root."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collect_directory(self, path, parent):
+        if path == ROOT:
+            return pytest.Dir.from_parent(parent, path=path)
+        return None
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(CheckoutRootIsNotATestPackage(), "h3-checkout-root")
+
+
 # Tensors drawn at collection (parametrize lists) and inside tests without their own generator are the
 # same on every run, so a result never depends on the draw.
 torch.manual_seed(0)

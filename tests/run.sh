@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Set up a virtual environment from nothing (or reuse an up-to-date one) and run the whole test suite.
-# Usage: bash tests/run.sh [pytest args...]
+# Set up a virtual environment from nothing (or reuse an up-to-date one) and run the whole test suite, then
+# the minimum-version lane (tests/lanes/minimum.sh: the host tests again with every requirement at its floor).
+# Usage: bash tests/run.sh [pytest args...]: with arguments, pytest runs them in the main environment only.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source tests/setup_env.sh
-exec "$venv/bin/python" -m pytest tests "$@"
+if [ "$#" -gt 0 ]; then
+    exec "$venv/bin/python" -m pytest tests "$@"
+fi
+status=0
+"$venv/bin/python" -m pytest tests || status=$?
+bash tests/lanes/minimum.sh || status=$?
+exit "$status"

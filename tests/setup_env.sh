@@ -9,11 +9,11 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] |
     echo "setting up $venv"
     "$python" -m venv "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip
-    # torch 2.14.1 first, so the range in requirements.txt installs nothing newer.
+    # torch 2.14.1 first: the host's part (requirements.txt names no torch, torchvision or torchaudio).
     "$venv/bin/python" -m pip install -q "torch==2.14.1"
     "$venv/bin/python" -m pip install -q -r "$root/requirements.txt" -r "$root/tests/requirements.txt"
     # The host the pack runs in here: ComfyUI 0.3.75 (or COMFYUI_PATH) and its requirements.
-    bash "$root/tests/host/install_comfyui.sh" "$venv/bin/python"
+    bash "$root/tests/host/install_comfyui.sh" "$venv/bin/python" -r "$root/tests/host/requirements.txt"
     echo "$want" > "$stamp"
 fi
 # The browser tests drive Debian's Chromium (not a downloaded browser build).

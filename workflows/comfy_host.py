@@ -6,10 +6,15 @@ directory (models, custom_nodes with a link to this pack, input, output, user) a
 the GPU when ``H3_COMFY_GPU=1`` is set (the same tests then exercise the nodes' CUDA paths).
 ``H3_COMFY_ARGS`` adds arguments to the host's command line (for example ``--front-end-root DIR`` where the
 frontend package is not installed).
+
+The driver needs nothing the host does not install: HTTP goes through ``urllib.request`` (no proxy: the server
+is on the loopback address), the event stream through aiohttp's WebSocket client (aiohttp is the host's own
+server library, in its requirements), so the host tests run in any environment that runs the host.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -18,10 +23,10 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
-
-import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HOST = ROOT / ".host" / "comfyui-0.3.75"
@@ -29,6 +34,7 @@ TEXT_EVENT = 3  # the host's binary event type of a node's progress text
 END_EVENTS = ("execution_success", "execution_error", "execution_interrupted")
 DEVICE_FLAGS = () if os.environ.get("H3_COMFY_GPU") == "1" else ("--cpu",)
 EXTRA_ARGS = tuple(shlex.split(os.environ.get("H3_COMFY_ARGS", "")))
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # http_proxy must not catch 127.0.0.1
 
 
 def comfyui_root() -> Path:
@@ -84,9 +90,9 @@ class ComfyServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if requests.get(self.url + "/object_info/H3Sampler", timeout=5).status_code == 200:
-                    return self
-            except requests.ConnectionError:
+                self.request("GET", "/object_info/H3Sampler", timeout=5)
+                return self
+            except OSError:  # not listening yet: refused, reset or timed out (urllib's errors are OSErrors)
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"ComfyUI did not answer within {timeout} s:\n{self.log_tail()}")
@@ -113,18 +119,33 @@ class ComfyServer:
                 raise TimeoutError(f"{text!r} not logged {count} times in {timeout} s:\n{self.log_tail()}")
             time.sleep(0.1)
 
+    def request(self, method: str, path: str, body=None, timeout: float = 60):
+        """``method`` ``path`` with ``body`` (JSON) if given; the answer's JSON, or None for an empty answer.
+        An HTTP error status raises ``urllib.error.HTTPError`` (its ``read()`` holds the server's answer)."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {} if data is None else {"Content-Type": "application/json"}
+        request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        with _LOOPBACK.open(request, timeout=timeout) as response:
+            answer = response.read()
+        return json.loads(answer) if answer.strip() else None
+
     def get(self, path: str):
-        response = requests.get(self.url + path, timeout=60)
-        response.raise_for_status()
-        return response.json()
+        return self.request("GET", path)
+
+    def post(self, path: str, body=None, timeout: float = 60):
+        """POST ``body`` as JSON (``/free`` takes ``{"unload_models": ..., "free_memory": ...}``)."""
+        return self.request("POST", path, {} if body is None else body, timeout)
 
     def object_info(self) -> dict:
         return self.get("/object_info")
 
     def queue(self, prompt: dict) -> dict:
         """POST /prompt; the server's answer: ``prompt_id`` or ``error`` with ``node_errors``."""
-        response = requests.post(self.url + "/prompt", json={"prompt": prompt, "client_id": self.client_id}, timeout=60)
-        return response.json()
+        try:
+            return self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})
+        except urllib.error.HTTPError as refused:  # 400 with the validation errors as JSON
+            with refused:
+                return json.loads(refused.read())
 
     def wait(self, prompt_id: str, timeout: float = 600) -> dict:
         """The history entry of a finished prompt (``status``, ``outputs``)."""
@@ -148,16 +169,17 @@ class ComfyServer:
         the JSON messages about this prompt (the last one ``execution_success``, ``execution_error`` or
         ``execution_interrupted``) and ``("text", (node, text))`` for a node's progress text. The first event
         is ``("queued", {"prompt_id": ...})``."""
-        import websocket
-
-        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=timeout)
+        ws = _EventSocket(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}")
         try:
             answer = self.queue(prompt)
             assert "prompt_id" in answer, json.dumps(answer, indent=1)
             prompt_id = answer["prompt_id"]
             yield "queued", {"prompt_id": prompt_id}
             while True:
-                message = ws.recv()
+                try:
+                    message = ws.receive(timeout)
+                except TimeoutError:
+                    raise TimeoutError(f"no event from the server in {timeout} s:\n{self.log_tail()}") from None
                 if isinstance(message, bytes):
                     (kind,) = struct.unpack(">I", message[:4])
                     if kind == TEXT_EVENT:  # node id length, node id, text
@@ -174,7 +196,53 @@ class ComfyServer:
             ws.close()
 
     def interrupt(self) -> None:
-        requests.post(self.url + "/interrupt", timeout=30)
+        self.post("/interrupt", timeout=30)
+
+
+class _EventSocket:
+    """A blocking reader of the host's WebSocket: aiohttp's client, driven on an event loop of its own."""
+
+    def __init__(self, url: str):
+        import aiohttp
+
+        self._loop = asyncio.new_event_loop()
+
+        async def connect():
+            session = aiohttp.ClientSession()
+            try:
+                return session, await session.ws_connect(url, max_msg_size=0)  # no cap on a message's size
+            except BaseException:
+                await session.close()
+                raise
+
+        try:
+            self._session, self._ws = self._loop.run_until_complete(connect())
+        except BaseException:
+            self._loop.close()
+            raise
+
+    def receive(self, timeout: float) -> str | bytes:
+        """The next text (``str``) or binary (``bytes``) message; ``TimeoutError`` when none comes in time,
+        ``ConnectionError`` when the server closes the socket."""
+        import aiohttp
+
+        try:
+            message = self._loop.run_until_complete(self._ws.receive(timeout))
+        except asyncio.TimeoutError:  # an alias of TimeoutError from Python 3.11 on
+            raise TimeoutError(f"no message in {timeout} s") from None
+        if message.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+            return message.data
+        raise ConnectionError(f"the server's WebSocket ended ({message.type.name}: {message.extra})")
+
+    def close(self) -> None:
+        async def close():
+            await self._ws.close()
+            await self._session.close()
+
+        try:
+            self._loop.run_until_complete(close())
+        finally:
+            self._loop.close()
 
 
 def error_message(entry: dict) -> str:
