@@ -75,7 +75,9 @@ def shape(prompt):
     """An API-form prompt without its node ids: each node's type and widget values, and its links by the types
     of the nodes they come from."""
     def value(v):
-        return ("link", prompt[v[0]]["class_type"], v[1]) if isinstance(v, list) else v
+        if isinstance(v, list):
+            return ("link", prompt[v[0]]["class_type"], v[1])
+        return int(v) if isinstance(v, float) and v.is_integer() else v  # JSON from the page has 3 for 3.0
     return sorted(json.dumps([node["class_type"], {k: value(v) for k, v in sorted(node["inputs"].items())}])
                   for node in prompt.values())
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU runs of the pack inside its host, each writing a log (and JSON) under $OUT (default ./out/h200_host).
+# The host's Python packages that the GPU machine lacks travel as wheels in ignored folders of the checkout
+# (.whl_a, .whl_b, .whl_c; comfy-kitchen's wheel, when carried, split in two: .whl_a/kitchen.part.aa and
+# .whl_b/kitchen.part.ab) and are installed with --target into $SITE (default /tmp/site), first on PYTHONPATH.
+# The host itself travels as .host_gpu/comfyui-0.3.75 (the test host less two tokenizers it never reads here),
+# linked as .host when the checkout has none.
+#   install   every wheel found in .whl_a .whl_b .whl_c (the kitchen parts joined first) into $SITE
+#   checks    python -m pytest on the GPU tests of what the host integration touches (the fused model and its
+#             compile fallback, block offload, the VAEs)
+#   lora      bench/lora_repatch.py: a strength change against a fresh load from a cold page cache, release size
+#   host      the host tests (tests/host) with the ComfyUI server on the GPU (H3_COMFY_GPU=1)
+# Usage: bash bench/h200_host.sh install [checks] [lora] [host]
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-out/h200_host}"
+site="${SITE:-/tmp/site}"
+mkdir -p "$out" "$site"
+[ -e .host ] || { [ -d .host_gpu ] && ln -s .host_gpu .host; }
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+run() {  # name, command...
+    local name="$1"; shift
+    echo "== $name: $*"
+    local start=$SECONDS
+    "$@" > "$out/$name.log" 2>&1
+    echo "   exit $? after $((SECONDS - start)) s ($(tail -1 "$out/$name.log" | cut -c1-200))"
+}
+for part in "$@"; do
+    case "$part" in
+        install)
+            wheels=$(mktemp -d)
+            for folder in .whl_a .whl_b .whl_c; do
+                [ -d "$folder" ] && cp "$folder"/*.whl "$wheels"/ 2>/dev/null
+            done
+            if [ -f .whl_a/kitchen.part.aa ] && [ -f .whl_b/kitchen.part.ab ]; then
+                cat .whl_a/kitchen.part.aa .whl_b/kitchen.part.ab \
+                    > "$wheels/comfy_kitchen-0.2.40-cp312-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"
+            fi
+            run install python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target "$site" "$wheels"/*.whl ;;
+        checks) run gpu_checks python3 -m pytest -q -p no:warnings tests/gpu/test_hybrid_cuda.py \
+                tests/gpu/test_offload_cuda.py tests/gpu/test_vae_cuda.py ;;
+        lora) mkdir -p /root/h3_bench
+            run lora_repatch python3 bench/lora_repatch.py --dit /root/h3_bench/minimax_h3_pruned_fp8_random.safetensors \
+                --out "$out/lora_repatch.json" ;;
+        host)
+            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
+            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_tests python3 -m pytest -q \
+                -p no:warnings -rs tests/host ;;
+        *) echo "unknown part $part"; exit 2 ;;
+    esac
+done
