@@ -81,7 +81,6 @@ def next_prompt_runs(server):
         "width-off-grid", "fl2va-without-images", "t2va-with-an-image"])
 def test_what_needs_no_model_is_refused_before_anything_loads(bad_files, change, pattern):
     refused_at_validation(bad_files, generation(prefix="H3/bad", **change), pattern)
-    next_prompt_runs(bad_files)
 
 
 def _without_encoder_references(prompt):
@@ -96,6 +95,11 @@ def _without_encoder_references(prompt):
 ], ids=["t2va-with-references", "ref2va-without-references"])
 def test_bad_ref2va_requests_are_refused_when_queued(server, build, pattern):
     refused_at_validation(server, build(), pattern)
+
+
+def test_after_the_refusals_the_server_runs_the_next_prompt(bad_files):
+    """A refused prompt never reaches the worker, so one run after them all shows the server goes on."""
+    next_prompt_runs(bad_files)
 
 
 def test_keyframes_and_references_together_are_refused_at_the_text_encode(server):
