@@ -1,5 +1,5 @@
-"""The DiT held by the host's own model management: a ``comfy.model_patcher.ModelPatcher`` whose loading and
-unloading place the DiT as the low-VRAM policy says.
+"""The pack's models held by the host's own model management, ``comfy.model_patcher.ModelPatcher``: the VAEs by
+the host's class itself, the DiT and the text encoder by subclasses whose loading and unloading place them.
 
 The loader wraps the DiT (in host memory) in an ``H3DiTPatcher``; LoRA nodes clone it and add patches, as the
 host's own LoRA loaders do. Before a run the sampler tells the patcher what it will run (``prepare``: the packed
@@ -11,6 +11,9 @@ AdaLN projections in host memory, streamed blocks: ``h3_core.placement``), appli
 weights will run (fp8 linears re-quantised from the patched weights through their ``convert_weight`` /
 ``set_weight``) and places the model. When the host needs memory back it calls ``partially_unload`` with the
 bytes it wants: more blocks move to pinned host memory and stream, until at least that much is free.
+
+The text encoder loads whole when the host gives it the room and otherwise keeps its decoder layers in host
+memory, each visiting the device for its own forward; asked for memory back, it leaves its layers there.
 """
 
 from __future__ import annotations
