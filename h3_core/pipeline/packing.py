@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from einops import rearrange
 
 from ..attention.layout import SequenceLayout, Span
 from ..errors import H3InputError
@@ -40,16 +41,15 @@ def patchify(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> 
     C, T, h, w = latents.shape
     if T % pt or h % ph or w % pw:
         raise H3InputError(f"latents of shape {tuple(latents.shape)} do not divide into {patch} patches")
-    x = latents.reshape(C, T // pt, pt, h // ph, ph, w // pw, pw).permute(1, 3, 5, 0, 2, 4, 6)
-    return x.reshape(-1, C * pt * ph * pw)
+    return rearrange(latents, "c (t pt) (h ph) (w pw) -> (t h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
 
 
 def unpatchify(rows: torch.Tensor, channels: int, frames: int, height: int, width: int,
                patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
     """The inverse of ``patchify``: rows → ``[C, T, h, w]``."""
     pt, ph, pw = patch
-    x = rows.reshape(frames // pt, height // ph, width // pw, channels, pt, ph, pw).permute(3, 0, 4, 1, 5, 2, 6)
-    return x.reshape(channels, frames, height, width)
+    return rearrange(rows, "(t h w) (c pt ph pw) -> c (t pt) (h ph) (w pw)", t=frames // pt, h=height // ph,
+                     w=width // pw, c=channels, pt=pt, ph=ph, pw=pw)
 
 
 def _spatial_axis(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:
