@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch
 from .errors import H3BackendUnavailable, H3InputError
 from .quantized_files import HELD, LayerQuant, count_kinds, describe_formats
 
-__all__ = ["Holding", "dequantize", "hold_layers", "kitchen_support", "kitchen_tensor", "requantize"]
+__all__ = ["Holding", "dequantize", "hold_layers", "kitchen_support", "kitchen_tensor", "requantize", "stored_bytes"]
 
 _LAYOUTS = {"int8_tensorwise": "TensorWiseINT8Layout", "nvfp4": "TensorCoreNVFP4Layout"}
 # The registry call whose capable backend decides, by format.
@@ -85,6 +86,15 @@ def dequantize(view, quant: LayerQuant, dtype: torch.dtype, device, shape: tuple
     if dtype not in _OUTPUT_DTYPES:
         return kitchen_tensor(view, quant, torch.float32, device, shape).dequantize().to(dtype)
     return kitchen_tensor(view, quant, dtype, device, shape).dequantize()
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` occupies: a comfy-kitchen ``QuantizedTensor``'s codes and scales (what its
+    ``state_dict`` stores), any other tensor's elements."""
+    ck_tensor = sys.modules.get("comfy_kitchen.tensor")  # no QuantizedTensor exists before the library is loaded
+    if ck_tensor is not None and isinstance(tensor, ck_tensor.QuantizedTensor):
+        return sum(t.numel() * t.element_size() for t in tensor.state_dict().values())
+    return tensor.numel() * tensor.element_size()
 
 
 def requantize(like, weight: torch.Tensor, dtype: torch.dtype):

@@ -334,13 +334,15 @@ def read_state_dict(path, keys: Iterable[str], *, dtype: torch.dtype = torch.bfl
         raise H3InputError(f"held: got {held!r}; allowed: {', '.join(map(repr, HELD))}")
     device = torch.device(device)
     run_device = device if run_device is None else torch.device(run_device)
-    view = quantized_view(files, work_device=run_device if run_device.type == "cuda" else "cpu")
+    # comfy-kitchen dequantises on the GPU the model will run on, when there is one
+    work = run_device if run_device.type == "cuda" and torch.cuda.is_available() else "cpu"
+    view = quantized_view(files, work_device=work)
     missing = [k for k in keys if k not in view.keys]
     if missing:
         raise H3InputError(f"{files.path}: has no {len(missing)} of the {len(keys)} keys asked for, first "
                            f"{missing[:_SHOW]}")
     quants = [view.quant(k) for k in keys if view.quant(k) is not None] if isinstance(view, QuantizedView) else []
-    dense = {q.weight: "the caller holds it dense" for q in quants if not may_keep(q.weight)}
+    dense = {q.weight: "the caller holds it dense (it runs no F.linear)" for q in quants if not may_keep(q.weight)}
     holding = hold_layers(files.path, quants, held, dtype, run_device, dense)
     state: dict[str, torch.Tensor] = {}
     for key in keys:

@@ -15,6 +15,9 @@ right shapes, frame counts, rates and channels. Every file says so in its metada
 (``text_encoders/h3_tiny_random_qwen3vl.safetensors``): a Qwen3-VL of Qwen3-VL-32B's family (its head size,
 RoPE sections, vision heads and deepstack blocks, Qwen's vocabulary and token ids) at a tiny width, read with
 Qwen's tokenizer (the host's ``qwen25_tokenizer``) and Qwen3-VL's published processors.
+``write_tiny_quantized_text_encoder_file`` writes it as ComfyUI's quantised files store theirs
+(``h3_tiny_random_qwen3vl_int8_convrot.safetensors``, ``..._nvfp4_awq.safetensors``), each layer quantised by
+comfy-kitchen's own quantiser (``quantize_text_encoder_state``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from .pipeline.text_encoder import CONDITIONING_LAYER, SETTINGS_FILE
 from .sizes import NOTE_KEY, sizes_metadata
 
 __all__ = ["TinyCheckpoints", "write_tiny_checkpoints", "TINY_PREFIX", "TINY_FILES", "TINY_DIT", "TINY_VIDEO_VAE",
-           "TINY_AUDIO_VAE", "TINY_TEXT_WIDTH", "TINY_TEXT_ENCODER_FILE", "tiny_qwen3vl", "write_tiny_text_encoder_file"]
+           "TINY_AUDIO_VAE", "TINY_TEXT_WIDTH", "TINY_TEXT_ENCODER_FILE", "tiny_qwen3vl",
+           "write_tiny_text_encoder_file", "TEXT_ENCODER_QUANTIZATIONS", "quantize_text_encoder_state",
+           "write_tiny_quantized_text_encoder_file"]
 
 TINY_PREFIX = "h3_tiny_random_"
 # Each file's (or folder's) name in its ComfyUI model folder, by ``TinyCheckpoints`` field.
@@ -161,11 +166,81 @@ def tiny_qwen3vl(layers: int = CONDITIONING_LAYER, *, seed: int = 4):
 def write_tiny_text_encoder_file(models: str | Path, layers: int = CONDITIONING_LAYER) -> Path:
     """``text_encoders/h3_tiny_random_qwen3vl.safetensors`` under ``models``: ``tiny_qwen3vl(layers)`` in
     ComfyUI's layout, as its H3 file is cut (no final norm, no output head)."""
+    return _save(_tiny_text_encoder_state(layers), Path(models) / "text_encoders" / TINY_TEXT_ENCODER_FILE, None)
+
+
+def _tiny_text_encoder_state(layers: int) -> dict[str, torch.Tensor]:
     from .pipeline.qwen3vl_checkpoint import LAYOUTS
 
-    state = {LAYOUTS[0].file_key(k): v for k, v in tiny_qwen3vl(layers).state_dict().items()
-             if k not in ("lm_head.weight", "model.language_model.norm.weight")}
-    return _save(state, Path(models) / "text_encoders" / TINY_TEXT_ENCODER_FILE, None)
+    return {LAYOUTS[0].file_key(k): v for k, v in tiny_qwen3vl(layers).state_dict().items()
+            if k not in ("lm_head.weight", "model.language_model.norm.weight")}
+
+
+TEXT_ENCODER_QUANTIZATIONS = ("int8_convrot", "nvfp4_awq")
+_DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                    "mlp.up_proj", "mlp.down_proj")
+# AWQ scales on the two linears whose input no norm precedes (ModelOpt folds the others' into the norms)
+_PRESCALED = ("self_attn.o_proj", "mlp.down_proj")
+_TOWER_LINEARS = ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2", "linear_fc1", "linear_fc2")
+
+
+def _comfy_quant(spec: dict) -> torch.Tensor:
+    """A ``comfy_quant`` sidecar: the JSON bytes ComfyUI's ``_quantized_weight_state_dict`` writes."""
+    return torch.tensor(list(json.dumps(spec).encode("utf-8")), dtype=torch.uint8)
+
+
+def quantize_text_encoder_state(state: dict, kind: str, *, group: int = 256, tower: bool = False,
+                                seed: int = 5) -> tuple[dict, dict]:
+    """A text encoder's ``state`` in ComfyUI's layout (``model.*``, ``visual.*``) as ComfyUI's ``kind`` file
+    (``TEXT_ENCODER_QUANTIZATIONS``) stores it: every decoder layer's seven linears quantised by comfy-kitchen
+    (int8 ConvRot in groups of ``group`` with a scale per row; nvfp4, full-precision matmuls), the embedding table
+    in int8 with a scale per row, the rest as given. With ``tower`` the vision tower's linears are quantised
+    too. nvfp4_awq gives ``o_proj`` and ``down_proj`` seeded AWQ input scales ``s`` in [0.5, 2] and stores their
+    weights divided by them column-wise (the layer computes ``(x·s) (W/s)ᵀ``). Returns the file's tensors and each
+    quantised weight's ``QuantizedTensor`` by weight key."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    if kind not in TEXT_ENCODER_QUANTIZATIONS:
+        raise ValueError(f"kind must be one of {TEXT_ENCODER_QUANTIZATIONS}, got {kind!r}")
+    generator = torch.Generator().manual_seed(seed)
+    tensors, quantized = {}, {}
+    for key, value in state.items():
+        layer = key.removesuffix(".weight")
+        decoder = key.startswith("model.layers.") and layer.split(".", 3)[-1] in _DECODER_LINEARS
+        in_tower = tower and key.startswith("visual.") and layer.endswith(_TOWER_LINEARS)
+        if key == "model.embed_tokens.weight":
+            qt = QuantizedTensor.from_float(value, "TensorWiseINT8Layout", per_channel=True)
+            spec, extra = {"format": "int8_tensorwise"}, {}
+        elif (decoder or in_tower) and kind == "int8_convrot":
+            qt = QuantizedTensor.from_float(value, "TensorWiseINT8Layout", per_channel=True, convrot=True,
+                                            convrot_groupsize=group)
+            spec, extra = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}, {}
+        elif decoder or in_tower:
+            extra, weight = {}, value
+            if layer.endswith(_PRESCALED):
+                scale = (0.5 + 1.5 * torch.rand(value.shape[1], generator=generator)).to(value.dtype)
+                extra[f"{layer}.pre_quant_scale"] = scale
+                weight = (value.float() / scale.float()).to(value.dtype)
+            qt = QuantizedTensor.from_float(weight, "TensorCoreNVFP4Layout")
+            spec = {"format": "nvfp4", "full_precision_matrix_mult": True}
+        else:
+            tensors[key] = value
+            continue
+        tensors.update(qt.state_dict(key))
+        tensors[f"{layer}.comfy_quant"] = _comfy_quant(spec)
+        tensors.update(extra)
+        quantized[key] = qt
+    return tensors, quantized
+
+
+def write_tiny_quantized_text_encoder_file(models: str | Path, kind: str, layers: int = CONDITIONING_LAYER, *,
+                                           group: int = 16) -> Path:
+    """``text_encoders/h3_tiny_random_qwen3vl_<kind>.safetensors`` under ``models``: the file
+    ``write_tiny_text_encoder_file`` writes, quantised as ComfyUI's ``kind`` file (``quantize_text_encoder_state``;
+    ConvRot groups of ``group``, which the tiny width must hold)."""
+    tensors, _ = quantize_text_encoder_state(_tiny_text_encoder_state(layers), kind, group=group)
+    name = TINY_TEXT_ENCODER_FILE.replace(".safetensors", f"_{kind}.safetensors")
+    return _save(tensors, Path(models) / "text_encoders" / name, None)
 
 
 def write_tiny_checkpoints(models: str | Path) -> TinyCheckpoints:

@@ -26,6 +26,16 @@ the MLP width, the tower's width, depth, MLP width, patch, temporal patch, input
 grid and output width) and what no shape tells is Qwen3-VL-32B's published configuration (``PUBLISHED``).
 Everything here reads headers only; a file that is not a Qwen3-VL text encoder of that family is refused
 naming what it looks like, before any weight is read.
+
+ComfyUI's quantised single files (``qwen3vl_32b_minimax_h3_int8_convrot`` / ``_nvfp4_awq``) store some 2-D weights
+per layer in ComfyUI's ``comfy_quant`` form (``h3_core.quantized_files``, which checks each layer's sidecars against
+its stored codes): ``int8_tensorwise`` (int8 codes ``[N, K]``, a scale per row or per tensor; ConvRot in the
+int8_convrot file's linears, plain in an embedding table) and ``nvfp4`` (two e2m1 codes a byte ``[N, K/2]``, block
+scales, a per-tensor scale and, for AWQ, the input scales ``pre_quant_scale [K]``). Reading a file's header also
+reads those few-byte ``comfy_quant`` sidecars (never a weight); each quantised weight then stands for the ``[N,
+K]`` tensor it holds, and the shapes are checked against the unquantised layout like a bf16 file's. Other formats
+(fp8, or any a ``comfy_quant`` names that comfy-kitchen layers do not hold) are refused naming the format, the file
+and the layer.
 """
 
 from __future__ import annotations
@@ -40,11 +50,17 @@ import torch
 
 from ..errors import H3InputError
 from ..keymap import QUANTIZED_DTYPES, CheckpointFiles, KeyMap, Rule
+from ..quantized_files import LayerQuant, QuantizedView, count_kinds, layer_quants
 
 __all__ = ["Layout", "LAYOUTS", "PUBLISHED", "TextEncoderCheckpoint", "HeldBytes", "describe_text_encoder_file",
-           "describe_text_encoder_header", "held_bytes", "qwen3vl_header", "layout_keymap", "meta_shapes"]
+           "describe_text_encoder_header", "held_bytes", "qwen3vl_header", "layout_keymap", "meta_shapes",
+           "TEXT_ENCODER_FORMATS"]
 
 _SHOW = 5
+_SIDECARS = (".comfy_quant", ".weight_scale", ".weight_scale_2", ".pre_quant_scale", ".input_scale", ".scale_weight")
+# The comfy_quant formats ComfyUI's Qwen3-VL text encoders are stored in (int8_convrot: int8_tensorwise layers;
+# nvfp4_awq: nvfp4 layers and an int8_tensorwise embedding table), the ones comfy-kitchen layers hold.
+TEXT_ENCODER_FORMATS = ("int8_tensorwise", "nvfp4")
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
                 "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -81,6 +97,15 @@ class Layout:
             return self.head
         raise KeyError(model_key)
 
+    def model_key(self, file_key: str) -> str:
+        """The key of transformers' ``Qwen3VLForConditionalGeneration`` for a file's name (``file_key``'s
+        inverse for the language model and the vision tower)."""
+        parts = sorted(((self.text, "model.language_model."), (self.vision, "model.visual.")), key=lambda p: -len(p[0]))
+        for theirs, ours in parts:
+            if file_key.startswith(theirs):
+                return ours + file_key[len(theirs):]
+        raise KeyError(file_key)
+
 
 LAYOUTS = (Layout("ComfyUI", "model.", "visual.", None),
            Layout("transformers", "model.language_model.", "model.visual.", "lm_head.weight"))
@@ -107,7 +132,10 @@ class HeldBytes:
 @dataclass(frozen=True)
 class TextEncoderCheckpoint:
     """A Qwen3-VL text-encoder file as its header describes it. ``config``: transformers' ``Qwen3VLConfig`` of
-    the layers the file holds (``layers``); ``dtypes``: the tensors' dtypes as stored."""
+    the layers the file holds (``layers``); ``dtypes``: the tensors' dtypes as stored; ``quantization``:
+    ``(format, layers)`` for each format its quantised layers are in (``LayerQuant.kind``: "int8_convrot",
+    "int8_tensorwise", "nvfp4", "nvfp4_awq"), () for a plain file; ``prescaled``: the file's names of the layers
+    whose input an AWQ ``pre_quant_scale`` multiplies."""
 
     path: Path
     layout: Layout
@@ -115,14 +143,21 @@ class TextEncoderCheckpoint:
     layers: int
     dtypes: tuple[str, ...]
     file_bytes: int
+    quantization: tuple[tuple[str, int], ...] = ()
+    prescaled: tuple[str, ...] = ()
 
     def held(self, layer: int) -> HeldBytes:
         return held_bytes(_read_header(self.path), layer, file_bytes=self.file_bytes)
 
 
 def _read_header(path: Path) -> dict:
-    files = CheckpointFiles(path)  # refuses what is not a whole safetensors file
-    return {k: {"dtype": files.dtypes[k], "shape": list(files.shape(k))} for k in files.keys}
+    return _header_of(CheckpointFiles(path))  # refuses what is not a whole safetensors file
+
+
+def _header_of(files) -> dict:
+    """``{key: {"dtype", "shape"}}`` of a ``CheckpointFiles`` or a ``QuantizedView`` (quantised weights as the
+    ``[N, K]`` tensors they stand for, sidecars hidden)."""
+    return {k: {"dtype": files.dtypes[k], "shape": list(files.shape(k))} for k in sorted(files.keys)}
 
 
 def _layer_index(layout: Layout, key: str) -> int | None:
@@ -142,7 +177,7 @@ def _is_held(layout: Layout, key: str, layer: int) -> bool:
     index = _layer_index(layout, key)
     if index is not None:
         return index < layer
-    return _text_part(layout, key) == "embed_tokens.weight"
+    return (_text_part(layout, key) or "").startswith("embed_tokens.")  # the table and a quantised one's scales
 
 
 def held_bytes(header: dict, layer: int, *, file_bytes: int | None = None) -> HeldBytes:
@@ -210,9 +245,14 @@ def describe_text_encoder_header(header: dict, where: str = "the checkpoint"):
         raise H3InputError(f"{where}: not a Qwen3-VL text encoder: it looks like {_looks_like(tensors)}; "
                            f"expected {EXPECTED}")
     quantized = sorted({v["dtype"] for v in tensors.values()} & QUANTIZED_DTYPES)
-    if quantized or any(k.endswith((".comfy_quant", ".weight_scale")) for k in tensors):
+    stray = sorted(k for k, v in tensors.items() if v["dtype"] in QUANTIZED_DTYPES or k.endswith(_SIDECARS))
+    if stray:
+        how = ("whose layers' formats describe_text_encoder_file reads from their comfy_quant sidecars"
+               if any(k.endswith(".comfy_quant") for k in stray)
+               else f"whose quantized layers each carry a comfy_quant sidecar (none describes {stray[:_SHOW]})")
         raise H3InputError(f"{where}: a quantized Qwen3-VL text encoder ({', '.join(quantized) or 'scaled'} "
-                           "weights) is not supported; use the bf16 file (qwen3vl_32b_minimax_h3_bf16.safetensors)")
+                           f"weights) is not supported; use the bf16 file or ComfyUI's int8_convrot or nvfp4_awq "
+                           f"file, {how}")
     t, v = layout.text, layout.vision
     vocab, hidden = _shape(tensors, t + "embed_tokens.weight", where, 2)
     present = sorted({i for i in map(lambda k: _layer_index(layout, k), tensors) if i is not None})
@@ -303,10 +343,49 @@ def describe_text_encoder_file(path: str | Path) -> TextEncoderCheckpoint:
     path = Path(path)
     if path.is_dir():
         raise H3InputError(f"{path}: a folder; describe_text_encoder_file reads one .safetensors file")
-    header = _read_header(path)
-    layout, config, layers = describe_text_encoder_header(header, str(path))
+    files = CheckpointFiles(path)
+    header = _header_of(files)
+    quants = _text_encoder_quants(files, header)
+    view = QuantizedView(files, quants) if quants else files
+    layout, config, layers = describe_text_encoder_header(_header_of(view), str(path))
+    prescaled = _check_prescaled(files, view, layout, quants)
     return TextEncoderCheckpoint(path, layout, config, layers, tuple(sorted({v["dtype"] for v in header.values()})),
-                                 path.stat().st_size)
+                                 path.stat().st_size, tuple(count_kinds(quants.values()).items()), prescaled)
+
+
+def _text_encoder_quants(files: CheckpointFiles, header: dict) -> dict[str, LayerQuant]:
+    """The quantised layers of a file that looks like a Qwen3-VL text encoder (``layer_quants``: their formats
+    from the ``comfy_quant`` sidecars, each checked against its stored codes), by weight key; {} for a plain
+    file or one that is no text encoder (which ``describe_text_encoder_header`` then refuses)."""
+    if _detect_layout(header) is None or not any(k.endswith(".comfy_quant") or k == "scaled_fp8" for k in header):
+        return {}
+    quants = layer_quants(files)  # refuses a format this pack does not read, naming it, the file and the layer
+    for quant in quants.values():
+        if quant.format not in TEXT_ENCODER_FORMATS:
+            raise H3InputError(f"{files.path}: layer '{quant.layer}' is quantized as '{quant.kind}', which the text "
+                               f"encoder does not read; it reads ComfyUI's int8_convrot and nvfp4_awq text encoders "
+                               f"({', '.join(TEXT_ENCODER_FORMATS)} layers, through comfy-kitchen)")
+    return quants
+
+
+def _check_prescaled(files: CheckpointFiles, view, layout: Layout, quants: dict[str, LayerQuant]) -> tuple[str, ...]:
+    """The layers whose input an AWQ ``pre_quant_scale`` multiplies, each checked: one scale per input column
+    of the weight it stands for, and a layer that has an input (a linear, not an embedding table)."""
+    tables = {layout.text + "embed_tokens", layout.vision + "pos_embed"}
+    prescaled = []
+    for quant in quants.values():
+        if quant.pre_quant_scale is None:
+            continue
+        columns = view.shape(quant.weight)[1]
+        shape = list(files.shape(quant.pre_quant_scale))
+        if quant.layer in tables:
+            raise H3InputError(f"{files.path}: layer '{quant.layer}' is an embedding table, which has no input for its "
+                               f"'{quant.pre_quant_scale}' (AWQ input scales) to scale")
+        if shape != [columns]:
+            raise H3InputError(f"{files.path}: layer '{quant.layer}' (nvfp4_awq): '{quant.pre_quant_scale}' is "
+                               f"{shape}, expected one AWQ input scale per input column, [{columns}]")
+        prescaled.append(quant.layer)
+    return tuple(prescaled)
 
 
 def layout_keymap(layout: Layout, present: int, layer: int) -> KeyMap:

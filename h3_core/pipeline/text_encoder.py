@@ -8,10 +8,12 @@ conditioning layer (a hook takes its output), which is exactly ``hidden_states[5
 
 * a local Hugging Face folder: config.json and weights (``text_encoder/``), the tokenizer (``tokenizer/``, or
   the same folder), the image/video processor configs (``processor/``, or the tokenizer's or model's folder);
-* ComfyUI's single file (``qwen3vl_32b_minimax_h3_bf16.safetensors``), whose configuration comes from its
-  header; it ships no tokenizer or processor files: the tokenizer is built from the Qwen BPE folder passed in
-  (``h3_core.pipeline.qwen3vl_tokens``), the processors from a folder passed in or Qwen3-VL's published
-  settings.
+* ComfyUI's single file (``qwen3vl_32b_minimax_h3_bf16.safetensors``, or the quantised ``_int8_convrot`` and
+  ``_nvfp4_awq`` ones), whose configuration comes from its header; it ships no tokenizer or processor files: the
+  tokenizer is built from the Qwen BPE folder passed in (``h3_core.pipeline.qwen3vl_tokens``), the processors from
+  a folder passed in or Qwen3-VL's published settings. A quantised file's layers are kept as comfy-kitchen layers
+  where it has kernels for the run device, else dequantised on load (``h3_core.pipeline.qwen3vl_weights``); the
+  model then runs as the bf16 file's does.
 
 Keyframes (FL2VA) and references (Ref2VA) appear inside the text as labels and vision blocks
 (``presentation``); their pixels go through Qwen3-VL's own image and video processors, and the model places
@@ -21,7 +23,8 @@ Placement: loading puts the weights in host memory (memory-mapped where the file
 for). Each encode runs on ``device`` with the model either resident there or with its decoder layers
 streamed: they stay in host memory and each visits the device for its own forward only, the same numbers
 as the resident model. ``resident_bytes`` and ``streamed_bytes`` say what either needs on the device;
-``place`` and ``to_host`` let a caller decide per run; otherwise the first encode decides by ``offload``.
+``place`` and ``to_host`` let a caller decide per run; otherwise the first encode decides by ``offload``. A kept
+comfy-kitchen layer counts at its stored size (codes and scales).
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ from torch import nn
 
 from ..errors import H3InputError
 from ..keymap import CheckpointFiles, load_into
+from ..kitchen import stored_bytes
+from ..quantized_files import HELD
 from .media import quantize_pixels
 from .presentation import PresentedReference, VisionIds, presentation_tokens, video_blocks
 from .prompt import PromptEmbedding
 from .qwen3vl_checkpoint import LAYOUTS, describe_text_encoder_file, layout_keymap
 from .qwen3vl_tokens import folder_processors, published_processors, qwen3vl_tokenizer
+from .qwen3vl_weights import read_text_encoder_file
 
 __all__ = ["TextEncoder", "load_text_encoder", "CONDITIONING_LAYER", "OFFLOAD_MODES", "SETTINGS_FILE", "fits_on"]
 
@@ -66,7 +72,11 @@ class _NotHeld(nn.Module):
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(stored_bytes(t) for t in tensors)
+
+
+def _module_bytes(module: nn.Module) -> int:
+    return _nbytes([*module.parameters(), *module.buffers()])
 
 
 class TextEncoder:
@@ -87,6 +97,10 @@ class TextEncoder:
         self._processor_source, self._processors = processors, None
         self.streamed: bool | None = None  # how the model was last placed; None until then
         self.layer_visits = 0
+        # a quantised file's weights (file keys) kept as comfy-kitchen layers or dequantised, and the line logged
+        self.kept_layers: tuple[str, ...] = ()
+        self.dequantised_layers: tuple[str, ...] = ()
+        self.load_report = ""
         for block in layers[:layer]:
             block.register_forward_pre_hook(self._arrive, with_kwargs=True)
             block.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
@@ -100,8 +114,8 @@ class TextEncoder:
 
     @property
     def layer_bytes(self) -> int:
-        """The largest decoder layer's weights: what one streamed layer brings to the device."""
-        return max(_nbytes(block.parameters()) for block in self._layer_modules())
+        """The largest decoder layer's weights (and AWQ scales): what one streamed layer brings to the device."""
+        return max(_module_bytes(block) for block in self._layer_modules())
 
     @property
     def resident_bytes(self) -> int:
@@ -111,7 +125,7 @@ class TextEncoder:
     @property
     def kept_bytes(self) -> int:
         """What stays on the device while the decoder layers stream (embeddings, vision tower, rotary tables)."""
-        return self.resident_bytes - sum(_nbytes(block.parameters()) for block in self._layer_modules())
+        return self.resident_bytes - sum(_module_bytes(block) for block in self._layer_modules())
 
     @property
     def streamed_bytes(self) -> int:
@@ -295,6 +309,10 @@ def _truncated_model(config, layer: int, present: int, where):
 
 def _read_weights(model, files: CheckpointFiles, keymap, dtype: torch.dtype):
     load_into(model, files, [keymap], what="Qwen3-VL text encoder", dtype=dtype)
+    return _checked_filled(model)
+
+
+def _checked_filled(model):
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise RuntimeError(f"the text model has tensors nothing filled: {left[:5]}")
@@ -314,7 +332,7 @@ def _check_vision_ids(tokenizer, config, where) -> None:
 
 def load_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None, processor: str | Path | None = None,
                       device="cpu", dtype: torch.dtype = torch.bfloat16, layer: int | None = None,
-                      offload: str = "auto", fits=fits_on) -> TextEncoder:
+                      offload: str = "auto", fits=fits_on, held: str = "auto", run_device=None) -> TextEncoder:
     """Load Qwen3-VL for H3 into host memory, from a folder or ComfyUI's single ``.safetensors`` file.
 
     Args:
@@ -332,12 +350,21 @@ def load_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None, 
         offload: "none" runs the whole model on ``device``; "layers" keeps it in host memory and streams one
             decoder layer at a time; "auto" decides at the first encode: streams only when
             ``fits(device, resident_bytes)`` says it does not fit.
+        held: how a quantised file's linear layers are held (``quantized_files.HELD``): "auto" keeps them as
+            comfy-kitchen layers where it has kernels for ``run_device``, else dequantises them into ``dtype``;
+            "dequantize" always dequantises; "kitchen" keeps them or raises ``H3BackendUnavailable`` naming why.
+        run_device: the device the encodes will run on, which decides ``held="auto"`` (default ``device``).
     """
     if offload not in OFFLOAD_MODES:
         raise H3InputError(f"offload must be one of {list(OFFLOAD_MODES)}, got {offload!r}")
+    if held not in HELD:
+        raise H3InputError(f"held: got {held!r}; allowed: {', '.join(map(repr, HELD))}")
     path = Path(path)
+    loaded = None
     if path.is_file():
-        model, token_source, processor_dirs, layer, where = _single_file(path, tokenizer, processor, layer, dtype)
+        run_device = device if run_device is None else run_device
+        model, token_source, processor_dirs, layer, where, loaded = _single_file(path, tokenizer, processor, layer,
+                                                                                 dtype, held, run_device)
     elif path.is_dir():
         model, token_source, processor_dirs, layer, where = _folder(path, tokenizer, processor, layer, dtype)
     else:
@@ -345,11 +372,15 @@ def load_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None, 
                            "qwen3vl_32b_minimax_h3_bf16.safetensors")
     _check_vision_ids(token_source, model.config, where)
     fallback = published_processors if path.is_file() and processor is None else (lambda: None)
-    return TextEncoder(model, token_source, layer, device=device, offload=offload, fits=fits,
-                       processors=lambda: folder_processors(processor_dirs) or fallback())
+    encoder = TextEncoder(model, token_source, layer, device=device, offload=offload, fits=fits,
+                          processors=lambda: folder_processors(processor_dirs) or fallback())
+    if loaded is not None:
+        encoder.kept_layers, encoder.dequantised_layers, encoder.load_report = \
+            loaded.kept, loaded.dequantised, loaded.report
+    return encoder
 
 
-def _single_file(path: Path, tokenizer, processor, layer, dtype):
+def _single_file(path: Path, tokenizer, processor, layer, dtype, held, run_device):
     if tokenizer is None:
         raise H3InputError(f"{path}: a single-file text encoder holds no tokenizer; pass tokenizer= a folder with "
                            "Qwen's vocab.json and merges.txt (ComfyUI's comfy/text_encoders/qwen25_tokenizer)")
@@ -357,10 +388,9 @@ def _single_file(path: Path, tokenizer, processor, layer, dtype):
     layer = CONDITIONING_LAYER if layer is None else layer
     model = _truncated_model(described.config, layer, described.layers, path)
     tokens = qwen3vl_tokenizer(tokenizer)
-    keymap = layout_keymap(described.layout, described.layers, layer)
-    model = _read_weights(model, CheckpointFiles(path), keymap, dtype)
+    loaded = read_text_encoder_file(model, described, dtype=dtype, held=held, run_device=run_device)
     processor_dirs = (Path(processor),) if processor is not None else ()
-    return model, tokens, processor_dirs, layer, path
+    return _checked_filled(model), tokens, processor_dirs, layer, path, loaded
 
 
 def _folder(folder: Path, tokenizer, processor, layer, dtype):
