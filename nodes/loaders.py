@@ -206,9 +206,12 @@ class H3TextEncoderLoader(io.ComfyNode):
         from .patchers import TextEncoderPatcher
 
         path = _text_encoder_path(text_encoder_name)
-        dtype = torch.bfloat16 if mm.text_encoder_device().type == "cuda" else torch.float32
+        run_device = mm.text_encoder_device()
+        dtype = torch.bfloat16 if run_device.type == "cuda" else torch.float32
         tokenizer = _host_tokenizer() if path.is_file() else None
-        encoder = load_text_encoder(path, tokenizer=tokenizer, device="cpu", dtype=dtype, offload="none")
+        # into host memory; a quantised file's linears stay comfy-kitchen layers where the device has its kernels
+        encoder = load_text_encoder(path, tokenizer=tokenizer, device="cpu", dtype=dtype, offload="none",
+                                    run_device=run_device)
         _host.say(f"loaded {path.name} into host memory: Qwen3-VL, {encoder.resident_bytes / 2**30:.2f} GiB held")
         return io.NodeOutput(TextEncoderPatcher.wrap(encoder, offload))
 
