@@ -1,7 +1,8 @@
 """The bundled workflows in the host's own frontend, in headless Chromium: loaded as a drop loads them, no
 missing node types, the frontend's API form equal to ours, queued from the page and finished; the saved mp4
 carries the workflow, and dropping it back on the canvas loads it. Workflows saved with the earlier node inputs
-(``earlier_workflows/``: the bundled ones as they were) load through the pack's migration and run."""
+(``earlier_workflows/``: the bundled ones as they were) load through the pack's migration into the current
+graphs, and the FL2VA one runs."""
 
 import base64
 import json
@@ -112,4 +113,5 @@ def test_a_workflow_saved_with_the_earlier_inputs_is_migrated_and_runs(server, p
     assert types.count("H3Canvas") == 1 and "H3LoraList" not in types
     current = json.loads((ROOT / "workflows" / path.name).read_text())
     assert shape(frontend_prompt(page)) == shape(to_api(current, server.object_info()))
-    assert queue_on_tiny(server, page).is_file()
+    if path.stem == "h3_fl2va":  # the migrated graphs equal the current ones; one of them runs from the page
+        assert queue_on_tiny(server, page).is_file()
