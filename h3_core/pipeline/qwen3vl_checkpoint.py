@@ -69,9 +69,11 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 # rope_dims [24, 20, 20], interleaved_mrope, rms_norm_eps 1e-6, max_position_embeddings 262144) and
 # qwen3vl.py QWEN3VL_VISION["qwen3vl_32b"] + QWEN3VL_VISION_COMMON (num_heads 16, deepstack [8, 16, 24]) at
 # 21f3a1ca; the token ids are transformers' Qwen3VLConfig defaults and minimax.py's VISION_START/VISION_END.
+# The RoPE settings are given as ``rope_theta`` + ``rope_scaling``, which transformers 4.57 reads and 5.x
+# turns into its ``rope_parameters`` (the same inverse frequencies in both).
 PUBLISHED = {
-    "text": dict(rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
-                                  "mrope_interleaved": True},
+    "text": dict(rope_theta=5_000_000.0, rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20],
+                                                       "mrope_interleaved": True},
                  rms_norm_eps=1e-6, max_position_embeddings=262144, hidden_act="silu", attention_bias=False),
     "vision": dict(num_heads=16, deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
     "ids": dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
@@ -275,7 +277,7 @@ def describe_text_encoder_header(header: dict, where: str = "the checkpoint"):
     out_width = _shape(tensors, v + "merger.linear_fc2.weight", where, 2)[0]
     stacks = len({k.split(".")[len(v.split("."))] for k in tensors if k.startswith(v + "deepstack_merger_list.")})
     merge = math.isqrt(merged // width) if merged % width == 0 else 0
-    mrope = PUBLISHED["text"]["rope_parameters"]["mrope_section"]
+    mrope = PUBLISHED["text"]["rope_scaling"]["mrope_section"]
     indexes = PUBLISHED["vision"]["deepstack_visual_indexes"]
     problems = []
     if q_rows % head_dim or kv_rows % head_dim:

@@ -76,13 +76,21 @@ def _bpe(folder: Path) -> tuple[dict[str, int], list[tuple[str, str]]]:
 def qwen3vl_tokenizer(folder: str | Path):
     """H3's Qwen3-VL tokenizer from the BPE files in ``folder`` (module docstring): a transformers
     ``Qwen2Tokenizer`` whose added tokens have Qwen3-VL's and H3's ids."""
+    import inspect
+
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     folder = Path(folder)
     vocab, merges = _bpe(folder)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token=None,
-                               pad_token=None, clean_up_tokenization_spaces=False)
+    plain = dict(unk_token=None, bos_token=None, eos_token=None, pad_token=None, clean_up_tokenization_spaces=False)
+    if "vocab" in inspect.signature(Qwen2Tokenizer.__init__).parameters:  # transformers 5: takes the tables
+        tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, **plain)
+    else:  # transformers 4.57: the fast class builds the same tables from the files
+        from transformers import Qwen2TokenizerFast
+
+        tokenizer = Qwen2TokenizerFast(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"),
+                                       **plain)
     added = [*QWEN3_ADDED_TOKENS, *((token, True) for token in H3_ADDED_TOKENS)]
     tokenizer.add_tokens([AddedToken(token, special=special, normalized=False) for token, special in added])
     ids = tokenizer.convert_tokens_to_ids([token for token, _ in added])
@@ -95,9 +103,11 @@ def qwen3vl_tokenizer(folder: str | Path):
 
 def published_processors():
     """``(image processor, video processor)`` with Qwen3-VL's published settings."""
-    from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
+    import transformers
 
-    return Qwen2VLImageProcessor(**PREPROCESSOR), Qwen3VLVideoProcessor(**VIDEO_PREPROCESSOR)
+    # the class Qwen3-VL's preprocessor_config.json names (image_processor_type), where this transformers has it
+    image_cls = getattr(transformers, "Qwen2VLImageProcessorFast", None) or transformers.Qwen2VLImageProcessor
+    return image_cls(**PREPROCESSOR), transformers.Qwen3VLVideoProcessor(**VIDEO_PREPROCESSOR)
 
 
 def folder_processors(folders) -> tuple | None:

@@ -303,8 +303,18 @@ def _truncated_model(config, layer: int, present: int, where):
     model.lm_head = _NotHeld("the output head")
     model.model.language_model.norm = _NotHeld("the final norm")
     model.model.language_model.rotary_emb = qwen3_vl.Qwen3VLTextRotaryEmbedding(config.text_config)
-    model.model.visual.rotary_pos_emb = qwen3_vl.Qwen3VLVisionRotaryEmbedding(config.vision_config)
+    model.model.visual.rotary_pos_emb = _vision_rotary(qwen3_vl.Qwen3VLVisionRotaryEmbedding, config.vision_config)
     return model
+
+
+def _vision_rotary(rotary_cls, vision):
+    """The vision tower's rotary table as the installed transformers builds it: from the config (5.x), or from
+    half a head's width (4.57: ``Qwen3VLVisionModel`` passes ``hidden_size // num_heads // 2``)."""
+    import inspect
+
+    if "config" in inspect.signature(rotary_cls).parameters:
+        return rotary_cls(vision)
+    return rotary_cls(vision.hidden_size // vision.num_heads // 2)
 
 
 def _read_weights(model, files: CheckpointFiles, keymap, dtype: torch.dtype):
