@@ -3,6 +3,7 @@ cloned into ``custom_nodes/`` (``ComfyUI-H3-Hybrid``): the checkout's files (tra
 ignore) copied under that name, a slice of the suite run there in a fresh interpreter, and the pack imported
 there as ComfyUI imports a folder."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -19,16 +20,24 @@ SLICE = ["tests/unit/test_import.py", "tests/unit/test_packaging.py", "tests/uni
 # nodes.py at e60e19b), its path with "." replaced by "_x_" in 0.3.75 (the host the tests run).
 COMFYUI_IMPORT = textwrap.dedent(
     """
-    import importlib.util, os, sys
-    module_path, naming = sys.argv[1:]
+    import asyncio, importlib.util, os, sys
+    module_path, naming, host = sys.argv[1:]
+    sys.path.insert(0, host)
+    import comfy.options
+    comfy.options.enable_args_parsing(False)
+    from comfy.cli_args import args
+    args.cpu = True
     name = os.path.basename(module_path) if naming == "folder name" else module_path.replace(".", "_x_")
     spec = importlib.util.spec_from_file_location(name, os.path.join(module_path, "__init__.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    print(sorted(module.NODE_CLASS_MAPPINGS))
+    # the host's V3 registration: the entry point's extension lists the nodes
+    extension = asyncio.run(module.comfy_entrypoint())
+    print(sorted(node.GET_SCHEMA().node_id for node in asyncio.run(extension.get_node_list())))
     """
 )
+HOST = Path(os.environ.get("COMFYUI_PATH") or ROOT / ".host" / "comfyui-0.3.75")  # as comfy_host.py finds it
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +65,9 @@ def test_a_slice_of_the_suite_passes_in_a_checkout_named_like_a_clone(checkout):
 
 @pytest.mark.parametrize("naming", ["folder name", "folder path"])
 def test_comfyui_imports_the_pack_from_a_folder_named_like_a_clone(checkout, naming):
-    proc = subprocess.run([sys.executable, "-c", COMFYUI_IMPORT, str(checkout), naming], cwd=checkout.parent,
-                          capture_output=True, text=True, timeout=300)
+    if not (HOST / "main.py").is_file():
+        pytest.fail(f"no ComfyUI at {HOST}: tests/run.sh installs it")
+    proc = subprocess.run([sys.executable, "-c", COMFYUI_IMPORT, str(checkout), naming, str(HOST)],
+                          cwd=checkout.parent, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "H3Sampler" in proc.stdout
