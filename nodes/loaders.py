@@ -96,22 +96,22 @@ def _vae_patcher(model):
     return comfy.model_patcher.ModelPatcher(model, load_device=mm.vae_device(), offload_device=mm.vae_offload_device())
 
 
-def _vae_schema(node_id: str, display_name: str, description: str, output) -> io.Schema:
-    return io.Schema(node_id=node_id, display_name=display_name, category=_host.CATEGORY, description=description,
-                     inputs=[io.Combo.Input("vae_name", options=_host.model_files("vae"))], outputs=[output])
+class _VAELoader(io.ComfyNode):
+    """A VAE from the host's ``vae`` folder, checked as ``KIND`` from its header, read into host memory and held by
+    the host's own ModelPatcher."""
 
+    NODE_ID = DISPLAY = DESCRIPTION = KIND = ""
+    OUTPUT = None
 
-class H3VideoVAELoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return _vae_schema("H3VideoVAELoader", "H3 Video VAE Loader",
-                           "Loads the MiniMax H3 video VAE (minimax_h3_video_vae_fp16.safetensors or a diffusers folder) "
-                           "from vae/ into host memory; the decoder runs in fp16 on a GPU.",
-                           H3VideoVAE.Output(display_name="video_vae"))
+        return io.Schema(node_id=cls.NODE_ID, display_name=cls.DISPLAY, category=_host.CATEGORY,
+                         description=cls.DESCRIPTION, inputs=[io.Combo.Input("vae_name", options=_host.model_files("vae"))],
+                         outputs=[cls.OUTPUT.Output(display_name=cls.KIND)])
 
     @classmethod
     def validate_inputs(cls, vae_name=None):
-        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", "video_vae"))
+        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", cls.KIND))
 
     @classmethod
     def fingerprint_inputs(cls, vae_name):
@@ -119,32 +119,30 @@ class H3VideoVAELoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae_name):
+        return io.NodeOutput(_vae_patcher(cls.read(_host.model_path("vae", vae_name, "vae_name"))))
+
+
+class H3VideoVAELoader(_VAELoader):
+    NODE_ID, DISPLAY, KIND, OUTPUT = "H3VideoVAELoader", "H3 Video VAE Loader", "video_vae", H3VideoVAE
+    DESCRIPTION = ("Loads the MiniMax H3 video VAE (minimax_h3_video_vae_fp16.safetensors or a diffusers folder) from "
+                   "vae/ into host memory; the decoder runs in fp16 on a GPU.")
+
+    @staticmethod
+    def read(path):
         import comfy.model_management as mm
 
-        path = _host.model_path("vae", vae_name, "vae_name")
         dtype = torch.float16 if mm.vae_device().type == "cuda" else torch.float32
-        return io.NodeOutput(_vae_patcher(load_video_vae(path, device="cpu", dtype=dtype)))
+        return load_video_vae(path, device="cpu", dtype=dtype)
 
 
-class H3AudioVAELoader(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return _vae_schema("H3AudioVAELoader", "H3 Audio VAE Loader",
-                           "Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/ into host "
-                           "memory; it runs in fp32.", H3AudioVAE.Output(display_name="audio_vae"))
+class H3AudioVAELoader(_VAELoader):
+    NODE_ID, DISPLAY, KIND, OUTPUT = "H3AudioVAELoader", "H3 Audio VAE Loader", "audio_vae", H3AudioVAE
+    DESCRIPTION = ("Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/ into host memory; "
+                   "it runs in fp32.")
 
-    @classmethod
-    def validate_inputs(cls, vae_name=None):
-        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", "audio_vae"))
-
-    @classmethod
-    def fingerprint_inputs(cls, vae_name):
-        return _host.file_version("vae", vae_name)
-
-    @classmethod
-    def execute(cls, vae_name):
-        path = _host.model_path("vae", vae_name, "vae_name")
-        return io.NodeOutput(_vae_patcher(load_audio_vae(path, device="cpu")))
+    @staticmethod
+    def read(path):
+        return load_audio_vae(path, device="cpu")
 
 
 def _text_encoder_choices() -> list[str]:
