@@ -226,16 +226,21 @@ def test_placement_on_cuda_moves_what_it_says(pair, monkeypatch):
     assert all(t.device.type == "cpu" for t in tensors)  # the loader puts nothing on the device
     slack = 512 * len(tensors)  # the caching allocator rounds each tensor up to 512 bytes
     base = torch.cuda.memory_allocated()
+    encoder.place(stream=False)
+    assert 0 <= torch.cuda.memory_allocated() - base - encoder.resident_bytes < slack
+    encoder.to_host()
+    assert torch.cuda.memory_allocated() == base
     encoder.place(stream=True)
     assert 0 <= torch.cuda.memory_allocated() - base - encoder.kept_bytes < slack
     got = encoder.encode("a fox runs", **REQUESTS["fl2va"])
     assert all(p.device.type == "cpu" for p in encoder.language_model.layers.parameters())
     assert torch.allclose(got.embeds, want.embeds, atol=1e-5, rtol=1e-4)
     encoder.place(stream=False)
-    assert 0 <= torch.cuda.memory_allocated() - base - encoder.resident_bytes < slack
     assert torch.equal(encoder.encode("a fox runs", **REQUESTS["fl2va"]).embeds, got.embeds)  # streamed = resident
+    # after encodes the allocator also holds cuBLAS's workspaces (32 MiB and more on Hopper), so the weights'
+    # leaving is checked on the tensors themselves
     encoder.to_host()
-    assert torch.cuda.memory_allocated() == base
+    assert all(t.device.type == "cpu" for t in (*encoder.model.parameters(), *encoder.model.buffers()))
     assert encoder.encode("a fox runs").embeds.device.type == "cpu" and not encoder.streamed  # placed again
 
 
