@@ -17,7 +17,10 @@ RoPE sections, vision heads and deepstack blocks, Qwen's vocabulary and token id
 Qwen's tokenizer (the host's ``qwen25_tokenizer``) and Qwen3-VL's published processors.
 ``write_tiny_quantized_text_encoder_file`` writes it as ComfyUI's quantised files store theirs
 (``h3_tiny_random_qwen3vl_int8_convrot.safetensors``, ``..._nvfp4_awq.safetensors``), each layer quantised by
-comfy-kitchen's own quantiser (``quantize_text_encoder_state``).
+comfy-kitchen's own quantiser (``quantize_text_encoder_state``). ``write_tiny_quantized_checkpoints`` writes the
+tiny DiT and video VAE as ComfyUI's ``int8_convrot`` files store theirs (``..._dit_int8_convrot.safetensors``,
+``..._video_vae_int8_convrot.safetensors``: the DiT blocks' four linears and the VAE decoder blocks' linears in
+int8 ConvRot, the rest in bf16 / fp16).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from .sizes import NOTE_KEY, sizes_metadata
 __all__ = ["TinyCheckpoints", "write_tiny_checkpoints", "TINY_PREFIX", "TINY_FILES", "TINY_DIT", "TINY_VIDEO_VAE",
            "TINY_AUDIO_VAE", "TINY_TEXT_WIDTH", "TINY_TEXT_ENCODER_FILE", "tiny_qwen3vl",
            "write_tiny_text_encoder_file", "TEXT_ENCODER_QUANTIZATIONS", "quantize_text_encoder_state",
-           "write_tiny_quantized_text_encoder_file"]
+           "write_tiny_quantized_text_encoder_file", "write_tiny_quantized_checkpoints", "INT8_CONVROT_FILES",
+           "quantize_int8_convrot"]
 
 TINY_PREFIX = "h3_tiny_random_"
 # Each file's (or folder's) name in its ComfyUI model folder, by ``TinyCheckpoints`` field.
@@ -184,6 +188,13 @@ _PRESCALED = ("self_attn.o_proj", "mlp.down_proj")
 _TOWER_LINEARS = ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2", "linear_fc1", "linear_fc2")
 
 
+# The linears ComfyUI's int8_convrot files quantise: the DiT blocks' four, the video VAE decoder blocks' four.
+_DIT_INT8_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+_VIDEO_VAE_INT8_LINEARS = ("attn.to_qkv", "attn.to_out", "ff.w1", "ff.w2")
+INT8_CONVROT_FILES = {"dit": TINY_FILES["dit"].replace(".safetensors", "_int8_convrot.safetensors"),
+                      "video_vae": TINY_FILES["video_vae"].replace(".safetensors", "_int8_convrot.safetensors")}
+
+
 def _comfy_quant(spec: dict) -> torch.Tensor:
     """A ``comfy_quant`` sidecar: the JSON bytes ComfyUI's ``_quantized_weight_state_dict`` writes."""
     return torch.tensor(list(json.dumps(spec).encode("utf-8")), dtype=torch.uint8)
@@ -234,13 +245,85 @@ def quantize_text_encoder_state(state: dict, kind: str, *, group: int = 256, tow
 
 
 def write_tiny_quantized_text_encoder_file(models: str | Path, kind: str, layers: int = CONDITIONING_LAYER, *,
-                                           group: int = 16) -> Path:
+                                           group: int = 16, dequantised: torch.dtype | None = None) -> Path:
     """``text_encoders/h3_tiny_random_qwen3vl_<kind>.safetensors`` under ``models``: the file
     ``write_tiny_text_encoder_file`` writes, quantised as ComfyUI's ``kind`` file (``quantize_text_encoder_state``;
-    ConvRot groups of ``group``, which the tiny width must hold)."""
-    tensors, _ = quantize_text_encoder_state(_tiny_text_encoder_state(layers), kind, group=group)
+    ConvRot groups of ``group``, which the tiny width must hold). For int8_convrot, ``dequantised`` (a dtype) also
+    writes ``..._dequantised.safetensors`` holding comfy-kitchen's dequantisation of its layers."""
+    tensors, quantized = quantize_text_encoder_state(_tiny_text_encoder_state(layers), kind, group=group)
     name = TINY_TEXT_ENCODER_FILE.replace(".safetensors", f"_{kind}.safetensors")
-    return _save(tensors, Path(models) / "text_encoders" / name, None)
+    path = _save(tensors, Path(models) / "text_encoders" / name, None)
+    if dequantised is not None:
+        if kind != "int8_convrot":  # nvfp4_awq's input scales have no place in a plain file
+            raise ValueError(f"dequantised copies are written for int8_convrot only, got {kind!r}")
+        _dequantised_copy(tensors, quantized, dequantised, _dequantised_name(path), None)
+    return path
+
+
+def quantize_int8_convrot(state: dict, layers, *, group: int) -> tuple[dict, dict]:
+    """``state`` with the weights of ``layers`` (layer names, without ``.weight``) quantised by comfy-kitchen in
+    int8 ConvRot (groups of ``group``, a scale per row) as ComfyUI's int8_convrot files store them, each beside its
+    ``comfy_quant`` sidecar. Returns the file's tensors and each quantised weight's ``QuantizedTensor``."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    layers = set(layers)
+    tensors, quantized = {}, {}
+    for key, value in state.items():
+        layer = key.removesuffix(".weight")
+        if layer not in layers or not key.endswith(".weight"):
+            tensors[key] = value
+            continue
+        qt = QuantizedTensor.from_float(value, "TensorWiseINT8Layout", per_channel=True, convrot=True,
+                                        convrot_groupsize=group)
+        tensors.update(qt.state_dict(key))
+        tensors[f"{layer}.comfy_quant"] = _comfy_quant({"format": "int8_tensorwise", "convrot": True,
+                                                        "convrot_groupsize": group})
+        quantized[key] = qt
+    return tensors, quantized
+
+
+def _dequantised_copy(tensors: dict, quantized: dict, dtype: torch.dtype, path: Path, cfg) -> Path:
+    """``tensors`` (a quantised file's) with each quantised weight replaced by comfy-kitchen's own dequantisation
+    of its ``QuantizedTensor`` standing for a ``dtype`` weight, and the sidecars dropped, saved at ``path``."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    stored = {k for key, qt in quantized.items() for k in qt.state_dict(key)}
+    stored |= {key.removesuffix("weight") + "comfy_quant" for key in quantized}
+    state = {k: v for k, v in tensors.items() if k not in stored}
+    for key, qt in quantized.items():
+        codes = qt.layout_cls.get_plain_tensors(qt)[0]
+        state[key] = QuantizedTensor(codes, qt.layout_cls.__name__, replace(qt.params, orig_dtype=dtype)).dequantize()
+    return _save(state, path, cfg)
+
+
+def _dequantised_name(path: Path) -> Path:
+    return path.with_name(path.name.replace(".safetensors", "_dequantised.safetensors"))
+
+
+def write_tiny_quantized_checkpoints(models: str | Path, *, group: int = 16,
+                                     dequantised: dict[str, torch.dtype] | None = None) -> tuple[Path, Path]:
+    """The tiny DiT and video VAE (written by ``write_tiny_checkpoints`` under ``models`` first) as ComfyUI's
+    int8_convrot files (``INT8_CONVROT_FILES``): the DiT in bf16 with its blocks' four linears quantised, the VAE in
+    fp16 with its decoder blocks' linears quantised (``quantize_int8_convrot``). ``dequantised`` ({"dit": dtype,
+    "video_vae": dtype}) also writes beside each a ``*_dequantised.safetensors`` holding comfy-kitchen's
+    dequantisation of its layers in that dtype. Returns (DiT, VAE) paths."""
+    from safetensors.torch import load_file
+
+    models = Path(models)
+    written = []
+    for kind, cfg, dtype, linears, blocks in (
+            ("dit", TINY_DIT, torch.bfloat16, _DIT_INT8_LINEARS, "blocks"),
+            ("video_vae", TINY_VIDEO_VAE, torch.float16, _VIDEO_VAE_INT8_LINEARS, "decoder.transformer_blocks")):
+        folder = models / ("diffusion_models" if kind == "dit" else "vae")
+        state = {k: v.to(dtype) if v.is_floating_point() else v
+                 for k, v in load_file(str(folder / TINY_FILES[kind])).items()}
+        count = cfg.layers if kind == "dit" else cfg.decoder_layers
+        tensors, quantized = quantize_int8_convrot(
+            state, [f"{blocks}.{i}.{name}" for i in range(count) for name in linears], group=group)
+        written.append(_save(tensors, folder / INT8_CONVROT_FILES[kind], cfg))
+        if dequantised and kind in dequantised:
+            _dequantised_copy(tensors, quantized, dequantised[kind], _dequantised_name(written[-1]), cfg)
+    return written[0], written[1]
 
 
 def write_tiny_checkpoints(models: str | Path) -> TinyCheckpoints:

@@ -132,7 +132,8 @@ class H3VideoVAELoader(_VAELoader):
         import comfy.model_management as mm
 
         dtype = torch.float16 if mm.vae_device().type == "cuda" else torch.float32
-        return load_video_vae(path, device="cpu", dtype=dtype)
+        # a quantised file's decoder linears stay comfy-kitchen layers where the host's VAE device has kernels
+        return load_video_vae(path, device="cpu", dtype=dtype, run_device=mm.vae_device())
 
 
 class H3AudioVAELoader(_VAELoader):

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import H3InputError
 from ..keymap import CheckpointFiles, KeyMap, load_into, match_layout
+from ..quantized_files import QuantizedView, describe_formats, quantized_view
 from ..sizes import sizes_from_metadata
 
 
@@ -50,9 +51,10 @@ def _sized(config_cls, cfg, files: CheckpointFiles):
 def describe_model(model_cls, config_cls, cfg, path, layouts: Callable[[object], Sequence[KeyMap]], *,
                    what: str) -> str:
     """The layout ``load_model`` would load ``path`` with, found from the file's header alone (no weight is
-    read): its keys and shapes against ``model_cls`` built on the meta device. Raises ``H3InputError`` for
-    what ``load_model`` would refuse."""
-    files = CheckpointFiles(path)
+    read; a quantised file's sidecars describe its layers): its keys and shapes against ``model_cls`` built on the
+    meta device, and the quantised formats it holds. Raises ``H3InputError`` for what ``load_model`` would
+    refuse."""
+    files = quantized_view(CheckpointFiles(path))
     cfg = _sized(config_cls, cfg, files)
     with torch.device("meta"):
         expected = model_cls(cfg).state_dict()
@@ -61,6 +63,8 @@ def describe_model(model_cls, config_cls, cfg, path, layouts: Callable[[object],
         if combine is None and tuple(files.shape(sources[0])) != tuple(expected[key].shape):
             raise H3InputError(f"{files.path}: {what} key {sources[0]!r} has shape {files.shape(sources[0])}, the "
                                f"{keymap.name} layout needs {tuple(expected[key].shape)} for {key!r}")
+    if isinstance(files, QuantizedView):
+        return f"{keymap.name}, {describe_formats(files.formats())}"
     return keymap.name
 
 
@@ -75,14 +79,16 @@ def load_model(
     device,
     dtype: torch.dtype | None,
     keep_fp32: Callable[[str], bool] = lambda key: False,
+    run_device=None,
 ):
     """Build ``model_cls(cfg)`` on the meta device and fill it from ``path``; the file's latent statistics
     (tensors, or a folder's ``config.json``) replace the config's. Without ``cfg``, the sizes come from the
     file's metadata (``h3_core.sizes``) or are the released ``config_cls()``. ``model.layout`` names the
-    layout found."""
+    layout found. ``run_device`` is where the model will run, when it is read elsewhere (``keymap.load_into``)."""
     files = CheckpointFiles(path)
     cfg = _sized(config_cls, cfg, files)
     with torch.device("meta"):
         model = model_cls(cfg)
-    model.layout = load_into(model, files, layouts(cfg), what=what, device=device, dtype=dtype, keep_fp32=keep_fp32)
+    model.layout = load_into(model, files, layouts(cfg), what=what, device=device, dtype=dtype, keep_fp32=keep_fp32,
+                             run_device=run_device)
     return model.eval()

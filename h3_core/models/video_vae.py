@@ -461,7 +461,8 @@ def keeps_fp32(key: str) -> bool:
     return _FP32_KEYS.match(key) is not None
 
 
-def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cfg: VideoVAEConfig | None = None) -> VideoVAE:
+def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cfg: VideoVAEConfig | None = None,
+                   run_device=None) -> VideoVAE:
     """Load a video VAE checkpoint (a single file or a folder) in any supported layout.
 
     The decoder's blocks are held in ``dtype``; the encoder, the latent convs, the first and last
@@ -473,9 +474,10 @@ def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cf
     int8 ConvRot, ``h3_core.quantized_files``) loads too: on a GPU where comfy-kitchen has kernels for them the
     quantised linears keep the file's codes as comfy-kitchen weights (the blocks' ``F.linear`` calls run the
     library's int8 matmul), anywhere else they are dequantised by comfy-kitchen into ``dtype``; one log line
-    says which (``keymap.load_into``)."""
+    says which (``keymap.load_into``). Read into ``device`` for a run on ``run_device`` (default ``device``), the
+    choice is made for ``run_device``."""
     return load_model(VideoVAE, VideoVAEConfig, cfg, path, layouts, what="MiniMax H3 video VAE",
-                      device=device, dtype=dtype, keep_fp32=keeps_fp32)
+                      device=device, dtype=dtype, keep_fp32=keeps_fp32, run_device=run_device)
 
 
 def layouts(cfg: VideoVAEConfig) -> tuple[KeyMap, ...]:

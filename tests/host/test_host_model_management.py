@@ -4,10 +4,12 @@ kept across runs, unloaded by its "unload models", and the DiT freeing what the 
 time — when another model needs the room. A test-only node pack beside ours (``tests/host/probe_nodes``)
 reports what the host holds and makes the host's own unload call."""
 
+import os
 from dataclasses import replace
 
 import av
 import numpy as np
+import pytest
 
 from comfy_host import error_message, mp4_files
 from graphs import generation
@@ -68,36 +70,45 @@ def test_the_models_are_the_hosts_stay_loaded_and_go_when_it_unloads(server):
     assert {name: requested(server, name) for name in counts} == {name: n + 1 for name, n in counts.items()}
 
 
-def test_the_dit_frees_what_the_host_asks_a_block_at_a_time(server):
-    """A six-block DiT: the host asks it for two and a half blocks' bytes; it streams the last blocks from host
-    memory until at least that much is free (never a whole block more) and stays loaded; asked for more than
-    streaming can free, it is unloaded whole. Each time the sampler then runs with it and makes the same clip."""
+def write_probe_dit(server, name, cfg, seed=4):
+    """A random DiT of ``cfg`` in the server's diffusion_models; returns its largest block's bytes as the loader
+    holds it (bf16, the released fp32 islands in fp32)."""
     import torch
     from safetensors.torch import save_file
 
     from h3_core.models.dit import H3DiT, keeps_fp32
 
-    cfg = replace(TINY_DIT, layers=6)
-    torch.manual_seed(4)
+    torch.manual_seed(seed)
     model = H3DiT(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)
-    name = "h3_probe_six_blocks.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()},
               str(server.models / "diffusion_models" / name), metadata=sizes_metadata(cfg))
+    return max(sum(t.numel() * (4 if keeps_fp32(f"blocks.{i}.{key}") else 2) for key, t in b.state_dict().items())
+               for i, b in enumerate(model.blocks))
+
+
+def probed_before_sampler(prompt, node):
+    """``prompt`` with the probe ``node`` (id "1001", taking the DiT) between the DiT loader and the sampler."""
+    probed = dict(prompt)
+    probed["1001"] = {**node, "inputs": {**node["inputs"], "model": ["1", 0]}}
+    probed["7"] = {"class_type": "H3Sampler", "inputs": {**prompt["7"]["inputs"], "model": ["1001", 0]}}
+    return probed
+
+
+def test_the_dit_frees_what_the_host_asks_a_block_at_a_time(server):
+    """A six-block DiT: the host asks it for two and a half blocks' bytes; it streams the last blocks from host
+    memory until at least that much is free (never a whole block more) and stays loaded; asked for more than
+    streaming can free, it is unloaded whole. Each time the sampler then runs with it and makes the same clip."""
+    name = "h3_probe_six_blocks.safetensors"
+    block = write_probe_dit(server, name, replace(TINY_DIT, layers=6))
     prompt = generation(length=22, prefix="H3/six_blocks", dit=name, branch="none")
     before = frames(run(server, prompt), server)
-    # the loader holds it in bf16 (weight_dtype), the released fp32 islands in fp32
-    block = max(sum(t.numel() * (4 if keeps_fp32(f"blocks.{i}.{name}") else 2) for name, t in b.state_dict().items())
-                for i, b in enumerate(model.blocks))
     for blocks, stays in ((2.5, True), (100, False)):
         asked = int(blocks * block)
-        probed = dict(prompt)
-        probed["1001"] = {"class_type": "H3ProbeHostUnload",
-                          "inputs": {"megabytes": asked / 2**20, "tag": str(blocks), "model": ["1", 0]}}
-        probed["7"] = {"class_type": "H3Sampler", "inputs": {**prompt["7"]["inputs"], "model": ["1001", 0]}}
-        entry = run(server, probed)
+        entry = run(server, probed_before_sampler(prompt, {"class_type": "H3ProbeHostUnload", "inputs": {
+            "megabytes": asked / 2**20, "tag": str(blocks)}}))
         report = entry["outputs"]["1001"]["unload"][0]
         assert report["loaded"] and report["stays_loaded"] is stays, report
         if stays:
@@ -106,6 +117,30 @@ def test_the_dit_frees_what_the_host_asks_a_block_at_a_time(server):
             assert report["before"] - report["after"] == report["freed"]
             assert "the DiT freed" in server.log_tail(200)
         assert np.array_equal(frames(entry, server), before)
+
+
+@pytest.mark.skipif(os.environ.get("H3_COMFY_GPU") != "1",
+                    reason="the host frees device memory for a load only on a GPU (load_models_gpu skips the CPU)")
+def test_another_model_loaded_while_the_dit_is_resident_gets_the_bytes_the_host_asked_for(server):
+    """The host loads another model (through its own load_models_gpu) with working memory that leaves it short by
+    two and a half of the DiT's blocks: the host asks the resident DiT for what is missing, the DiT streams its
+    last blocks until at least that much is free (never a whole block more) and stays loaded, the other model
+    comes onto the device, and the next run with the DiT makes the same clip."""
+    name = "h3_probe_wide_blocks.safetensors"
+    block = write_probe_dit(server, name, replace(TINY_DIT, layers=6, hidden=1024, heads=8, head_dim=128, ffn=4096))
+    prompt = generation(length=22, prefix="H3/wide_blocks", dit=name, branch="none")
+    before = frames(run(server, prompt), server)
+    wanted = int(2.5 * block)
+    entry = run(server, probed_before_sampler(prompt, {"class_type": "H3ProbeLoadAnother", "inputs": {
+        "megabytes": wanted / 2**20, "other_megabytes": 64.0, "tag": "another"}}))
+    report = entry["outputs"]["1001"]["load"][0]
+    assert report["loaded"] and report["stays_loaded"], report
+    assert report["other_loaded"] == report["other_size"], report
+    # what the host asked is the shortfall it measured itself: ours, less what the device gained meanwhile
+    assert abs(report["asked"] - wanted) <= 2 * 2**20, report
+    assert report["asked"] <= report["freed"] < report["asked"] + report["largest_block"], report
+    assert report["before"] - report["after"] == report["freed"], report
+    assert np.array_equal(frames(entry, server), before)
 
 
 def test_two_prompts_queued_back_to_back_share_the_loaded_models(server):

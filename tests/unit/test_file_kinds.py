@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
 from h3_core.file_kinds import KINDS, check_file
-from h3_core.tiny_checkpoints import write_tiny_checkpoints
+from h3_core.tiny_checkpoints import (write_tiny_checkpoints, write_tiny_quantized_checkpoints,
+                                      write_tiny_quantized_text_encoder_file)
 
 OWN = {"dit": "dit", "linear_branch": "linear_branch", "video_vae": "video_vae", "audio_vae": "audio_vae",
        "text_encoder": "text_encoder"}
@@ -33,6 +34,21 @@ def test_each_checkpoint_is_its_own_kind_and_no_other(tiny, field):
         with pytest.raises(H3InputError, match=re.escape(f"input: '{path.name}' is {own.name}, not {info.name}; pick it "
                                                          f"in {own.loader}")):
             check_file(path, kind, "input")
+
+
+def test_comfyuis_quantised_files_are_their_kind_with_their_format(tiny, tmp_path_factory):
+    """The int8_convrot DiT and video VAE and the quantised single-file text encoders, as ComfyUI ships them."""
+    models = tiny.dit.parent.parent
+    dit, vae = write_tiny_quantized_checkpoints(models)
+    assert "int8_convrot (8 layers)" in check_file(dit, "dit", "dit_name")
+    assert check_file(vae, "video_vae", "vae_name").endswith("int8_convrot (4 layers)")
+    with pytest.raises(H3InputError, match="is the H3 video VAE, not an H3 DiT"):
+        check_file(vae, "dit", "dit_name")
+    for kind in ("int8_convrot", "nvfp4_awq"):
+        path = write_tiny_quantized_text_encoder_file(models, kind, layers=2)
+        assert check_file(path, "text_encoder", "text_encoder_name")
+        with pytest.raises(H3InputError, match="is a Qwen3-VL text encoder, not the H3 video VAE"):
+            check_file(path, "video_vae", "vae_name")
 
 
 def test_broken_files_are_refused_by_name(tiny, tmp_path):

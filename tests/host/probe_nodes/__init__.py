@@ -85,6 +85,60 @@ class H3ProbeHostUnload(_Probe):
                 "result": (model,)}
 
 
+class H3ProbeLoadAnother(_Probe):
+    """On a GPU: load another model (a plain module of ``other_megabytes`` held by the host's own ModelPatcher)
+    through the host's ``load_models_gpu`` while the DiT ``model`` is resident, with the working memory chosen so
+    that the host must find ``megabytes`` more than the device has free. The host's other loaded models are first
+    unloaded by its own ``free_memory`` (keeping the DiT), so the DiT is the one it asks. Reports what the host
+    asked of the DiT and what the DiT freed (its own record), the DiT's loaded bytes before and after by the host's
+    count, and whether the other model came onto the device; then the host unloads the other model again."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"megabytes": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1e6, "step": 0.0001}),
+                             "other_megabytes": ("FLOAT", {"default": 16.0, "min": 1.0, "max": 1e6}),
+                             "tag": ("STRING", {"default": ""})}, **AFTER}
+
+    def probe(self, megabytes, other_megabytes, tag, model=None, **_):
+        import torch
+        import comfy.model_patcher
+
+        device = mm.get_torch_device()
+        ours = next((m for m in mm.current_loaded_models if m.model is not None and model is not None
+                     and m.model.is_clone(model)), None)
+        if device.type != "cuda" or ours is None:
+            return {"ui": {"load": [{"loaded": ours is not None, "device": device.type}]}, "result": (model,)}
+        mm.free_memory(float("inf"), device, keep_loaded=[ours])
+        patcher = ours.model
+        placement = patcher.attachments["h3_placement"]
+        placement.last_unload = None
+        other_bytes = int(other_megabytes * 2**20)
+        other_module = torch.nn.Module()
+        other_module.weight = torch.nn.Parameter(torch.zeros(other_bytes // 2, dtype=torch.bfloat16),
+                                                 requires_grad=False)
+        other = comfy.model_patcher.ModelPatcher(other_module, load_device=device,
+                                                 offload_device=mm.unet_offload_device())
+        wanted = int(round(megabytes * 2**20))
+        before = int(patcher.loaded_size())
+        free = mm.get_free_memory(device)
+        # load_models_gpu asks free_memory for 1.1 x the new model's size + (memory_required + --reserve-vram)
+        working = free + wanted - 1.1 * other.model_size() - mm.extra_reserved_memory()
+        mm.load_models_gpu([other], memory_required=working)
+        other_loaded = int(other.loaded_size())
+        still_ours = any(m.model is patcher for m in mm.current_loaded_models)
+        asked, freed = placement.last_unload or (None, None)
+        blocks = [sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers()))
+                  for b in patcher.model.blocks]
+        report = {"loaded": True, "device": device.type, "wanted": wanted, "asked": asked, "freed": freed,
+                  "before": before, "after": int(patcher.loaded_size()), "stays_loaded": still_ours,
+                  "largest_block": max(blocks, default=0), "other_size": int(other.model_size()),
+                  "other_loaded": other_loaded}
+        entry = next(m for m in mm.current_loaded_models if m.model is other)
+        entry.model_unload()
+        mm.current_loaded_models.remove(entry)
+        return {"ui": {"load": [report]}, "result": (model,)}
+
+
 _BALLAST = []
 
 
@@ -113,4 +167,4 @@ class H3ProbeBallast(_Probe):
 
 
 NODE_CLASS_MAPPINGS = {"H3ProbeLoadedModels": H3ProbeLoadedModels, "H3ProbeHostUnload": H3ProbeHostUnload,
-                       "H3ProbeBallast": H3ProbeBallast}
+                       "H3ProbeBallast": H3ProbeBallast, "H3ProbeLoadAnother": H3ProbeLoadAnother}
