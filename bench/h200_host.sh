@@ -8,9 +8,11 @@
 #   install   every wheel found in .whl_a .whl_b .whl_c (the kitchen parts joined first) into $SITE
 #   checks    python -m pytest on the GPU tests of what the host integration touches (the fused model and its
 #             compile fallback, block offload, the VAEs)
+#   quant     the GPU tests of comfy-kitchen's formats (the DiT and video VAE kept against dequantised, the
+#             quantised text encoders) and the single-file text encoder on CUDA
 #   lora      bench/lora_repatch.py: a strength change against a fresh load from a cold page cache, release size
 #   host      the host tests (tests/host) with the ComfyUI server on the GPU (H3_COMFY_GPU=1)
-# Usage: bash bench/h200_host.sh install [checks] [lora] [host]
+# Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [host]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out/h200_host}"
@@ -40,6 +42,8 @@ for part in "$@"; do
                 --target "$site" "$wheels"/*.whl ;;
         checks) run gpu_checks python3 -m pytest -q -p no:warnings tests/gpu/test_hybrid_cuda.py \
                 tests/gpu/test_offload_cuda.py tests/gpu/test_vae_cuda.py ;;
+        quant) run quant_checks python3 -m pytest -q -p no:warnings -rs tests/gpu/test_quantized_cuda.py \
+                tests/gpu/test_text_encoder_quantized_cuda.py tests/unit/test_text_encoder_file.py ;;
         lora) mkdir -p /root/h3_bench
             run lora_repatch python3 bench/lora_repatch.py --dit /root/h3_bench/minimax_h3_pruned_fp8_random.safetensors \
                 --out "$out/lora_repatch.json" ;;
