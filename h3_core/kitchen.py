@@ -88,11 +88,16 @@ def dequantize(view, quant: LayerQuant, dtype: torch.dtype, device, shape: tuple
     return kitchen_tensor(view, quant, dtype, device, shape).dequantize()
 
 
+def is_kitchen_tensor(tensor) -> bool:
+    """Whether ``tensor`` is a comfy-kitchen ``QuantizedTensor`` (False before the library is loaded)."""
+    ck_tensor = sys.modules.get("comfy_kitchen.tensor")
+    return ck_tensor is not None and isinstance(tensor, ck_tensor.QuantizedTensor)
+
+
 def stored_bytes(tensor: torch.Tensor) -> int:
     """The bytes ``tensor`` occupies: a comfy-kitchen ``QuantizedTensor``'s codes and scales (what its
     ``state_dict`` stores), any other tensor's elements."""
-    ck_tensor = sys.modules.get("comfy_kitchen.tensor")  # no QuantizedTensor exists before the library is loaded
-    if ck_tensor is not None and isinstance(tensor, ck_tensor.QuantizedTensor):
+    if is_kitchen_tensor(tensor):
         return sum(t.numel() * t.element_size() for t in tensor.state_dict().values())
     return tensor.numel() * tensor.element_size()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from comfy_api.v0_0_2 import io
 
 from h3_core.errors import H3InputError
@@ -70,11 +69,6 @@ class H3LoraLoader(io.ComfyNode):
     def execute(cls, model, lora_name, strength):
         path = _host.model_path("loras", lora_name, "lora_name")
         patches = lora_patches(model.model, read_lora(path, 1.0), source=f"lora_name ({path.name})")
-        kept = sorted({p.key for p in patches if type(model.model.get_parameter(p.key).data) is not torch.Tensor})
-        if kept:
-            raise H3InputError(f"lora_name ({path.name}): patches {len(kept)} weights the DiT holds as comfy-kitchen "
-                               f"quantised layers (e.g. {kept[0]}), which cannot take patches yet; load the bf16 or "
-                               "fp8-scaled DiT file for LoRAs")
         patched = model.clone()
         added = patched.add_patches(host_patches(patches), strength_patch=float(strength))
         if len(added) != len(patches):

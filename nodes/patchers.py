@@ -27,6 +27,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 
 from h3_core.errors import H3InputError
+from h3_core.kitchen import is_kitchen_tensor, requantize
 from h3_core.placement import decide_placement, fuse_for, place_for_run, working_bytes
 from h3_core.models.offload import block_image_bytes, offload_blocks
 
@@ -163,12 +164,29 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         change with its codes, so they are backed up beside the weight and restored with it."""
         module_name, _, name = key.rpartition(".")
         module = self.model.get_submodule(module_name)
+        weight = getattr(module, name)
+        if is_kitchen_tensor(weight):
+            self._patch_kitchen(key, module, name, weight, device)
+            return
         scale = getattr(module, f"{name}_scale", None)
         if hasattr(module, f"set_{name}") and isinstance(scale, torch.Tensor):
             self.backup[f"{key}_scale"] = _Backup(scale.detach().to(self.offload_device, copy=True), True)
         # AdaLN projections kept in host memory are patched there: the run reads them once, to make its tables.
         on_host = ".adaln_proj." in key and getattr(self.model, "adaln_on_host", False)
         self.patch_weight_to_device(key, device_to=None if on_host else device)
+
+    def _patch_kitchen(self, key: str, module, name: str, weight, device: torch.device) -> None:
+        """A layer kept as a comfy-kitchen weight: the library dequantises it in fp32 on ``device``, the host's
+        own patch arithmetic (``comfy.lora.calculate_weight``) adds the patches, and the library quantises the
+        result afresh in the layer's own layout, as the host's ``set_weight`` does for its quantised layers.
+        The original stays in the host's backup, which its unpatch puts back as it was."""
+        import comfy.lora
+
+        self.backup[key] = _Backup(weight.to(self.offload_device), False)
+        on_device = weight.to(device)
+        dense = on_device.dequantize().to(torch.float32)
+        merged = comfy.lora.calculate_weight(self.patches[key], dense, key)
+        setattr(module, name, torch.nn.Parameter(requantize(on_device, merged, on_device.dtype), requires_grad=False))
 
     # ---- unloading --------------------------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ own quantiser (``h3_core.tiny_checkpoints``). Where comfy-kitchen has no kernels
 every quantised layer is dequantised on load with one line saying so, and the clip is, frame for frame, the one
 the same workflow makes from files holding comfy-kitchen's own dequantisation of those layers. Where it has
 kernels (a GPU), the int8 layers stay comfy-kitchen layers, the line says so, and the clip differs from the
-dequantised one only by the int8 rounding of the activations."""
+dequantised one only by the int8 rounding of the activations. A LoRA on the int8 DiT patches its layers as the
+host loads it (dequantised, patched and quantised afresh by comfy-kitchen where the layers are kept) and comes off
+again: the plain clip returns exactly."""
 
 import os
 
@@ -15,6 +17,7 @@ import torch
 
 from comfy_host import error_message, mp4_files
 from graphs import generation
+from test_host_loras import lora_files, with_loras
 from h3_core.tiny_checkpoints import (INT8_CONVROT_FILES, TINY_TEXT_ENCODER_FILE, write_tiny_quantized_checkpoints,
                                       write_tiny_quantized_text_encoder_file)
 
@@ -90,3 +93,23 @@ def test_nvfp4_awq_text_encoder(files):
     said = server.log_path.read_text()[log_start:]
     assert any(f"{text_encoder('nvfp4_awq')}: " in line and "nvfp4" in line for line in said.splitlines()), said[-3000:]
     assert frames.shape[0] == 22 and np.isfinite(frames).all()
+
+
+def test_a_lora_on_the_int8_convrot_dit(files):
+    server = files
+    lora_files(server)
+    chain = [("style.safetensors", 0.8), ("motion.safetensors", 0.8)]
+    base = workflow(INT8_CONVROT_FILES["dit"], INT8_CONVROT_FILES["video_vae"], text_encoder("int8_convrot"),
+                    "H3/int8_lora_plain")
+    plain = clip(server, base)
+    patched = clip(server, with_loras(base, *chain))
+    reference = clip(server, with_loras(workflow(
+        dequantised(INT8_CONVROT_FILES["dit"]), dequantised(INT8_CONVROT_FILES["video_vae"]),
+        dequantised(text_encoder("int8_convrot")), "H3/int8_lora_dequantised"), *chain))
+    assert not np.array_equal(patched, plain)
+    if ON_GPU:
+        difference = np.abs(patched - reference).mean()
+        assert 0 < difference < 0.25 * reference.std(), (difference, reference.std())
+    else:
+        assert np.array_equal(patched, reference)
+    assert np.array_equal(clip(server, base), plain)  # the LoRAs taken off: the file's own weights again

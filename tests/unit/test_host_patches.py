@@ -1,7 +1,8 @@
 """The DiT in the host's own ModelPatcher (ComfyUI 0.3.75, imported from the test host): LoRA patches made by the
 pack's LoRA node are applied by the host when it loads the model — into bf16 weights as ``merge_lora`` merges them,
 into fp8 linears re-quantised from the patched weights — and taken off again bit for bit when the base model (or
-another strength) is loaded; the DiT's partial unload frees what is asked, a block at a time."""
+another strength) is loaded, and into comfy-kitchen layers dequantised, patched and quantised afresh by the library
+(the original put back as it was); the DiT's partial unload frees what is asked, a block at a time."""
 
 import importlib.util
 import sys
@@ -126,6 +127,61 @@ def test_patches_apply_on_load_and_come_off_exactly(pack, tmp_path, fp8):
     assert_same(snapshot(model), original)
     if fp8:
         assert isinstance(model.blocks[0].attn.qkv_proj, Fp8Linear)
+
+
+def test_patches_on_comfy_kitchen_layers_requantise_and_come_off_exactly(pack, tmp_path, monkeypatch):
+    """An int8_convrot file's block linears kept as comfy-kitchen weights (the library's eager kernels allowed
+    on the CPU): the host's patch arithmetic on comfy-kitchen's fp32 dequantisation, quantised afresh by the
+    library in the layer's own layout; the base model again puts the file's own weights back."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    from h3_core import kitchen
+    from h3_core.checkpoints import load_h3_model
+    from h3_core.tiny_checkpoints import quantize_int8_convrot
+
+    mm, lora, patchers = pack
+    monkeypatch.setattr(kitchen, "kitchen_support", lambda fmt, kind, dtype, device: (True, "eager backend (test)"))
+    state = {k: v.to(torch.bfloat16) for k, v in tiny(False).state_dict().items()}
+    layers = [f"blocks.{i}.{n}" for i in range(CFG.layers) for n in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1",
+                                                                   "mlp.fc2")]
+    tensors, _ = quantize_int8_convrot(state, layers, group=16)
+    path = tmp_path / "int8_convrot.safetensors"
+    save_file(tensors, str(path))
+
+    def kept():
+        return load_h3_model(path, device="cpu", dtype=torch.bfloat16, cfg=CFG, run_device="cpu")
+
+    model, reference = kept(), kept()
+    assert isinstance(model.blocks[0].attn.qkv_proj.weight, QuantizedTensor)
+    original = {k: model.get_parameter(f"{k}.weight").detach().clone() for k in layers}
+    base = patchers.H3DiTPatcher.wrap(model, "auto")
+    patched = base.clone()
+    patched.add_patches(lora.host_patches(lora_patches(model, read_lora(lora_file(tmp_path), 1.0))),
+                        strength_patch=0.5)
+    load(mm, patchers, patched)
+
+    touched = set()
+    for d in read_lora(lora_file(tmp_path), 0.5):
+        like = reference.get_parameter(f"{d.module}.weight")
+        merged = torch.nn.Linear(like.shape[1], like.shape[0], bias=False)
+        merged.weight.data = like.dequantize().float()
+        merge_lora(torch.nn.ModuleDict({"m": merged}), [type(d)("m", d.down, d.up, d.scale, d.part, d.swap_halves)])
+        want = kitchen.requantize(like, merged.weight.data, torch.bfloat16)
+        got = model.get_parameter(f"{d.module}.weight")
+        assert isinstance(got, QuantizedTensor) and got.dtype == torch.bfloat16
+        for g, w in zip(got.layout_cls.get_plain_tensors(got), want.layout_cls.get_plain_tensors(want)):
+            assert torch.equal(g, w), d.module
+        assert not torch.equal(got.dequantize(), original[d.module].dequantize())
+        touched.add(d.module)
+    for key in set(layers) - touched:
+        assert torch.equal(model.get_parameter(f"{key}.weight").dequantize(), original[key].dequantize())
+
+    load(mm, patchers, base)  # the base model again: the file's own weights, bit for bit
+    for key in layers:
+        got, want = model.get_parameter(f"{key}.weight"), original[key]
+        assert isinstance(got, QuantizedTensor) and got.dtype == want.dtype, key
+        for g, w in zip(got.layout_cls.get_plain_tensors(got), want.layout_cls.get_plain_tensors(want)):
+            assert torch.equal(g, w), key
 
 
 def test_a_new_strength_re_patches_from_the_base_weights(pack, tmp_path):
