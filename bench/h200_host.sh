@@ -12,7 +12,10 @@
 #             quantised text encoders) and the single-file text encoder on CUDA
 #   lora      bench/lora_repatch.py: a strength change against a fresh load from a cold page cache, release size
 #   host      the host tests (tests/host) with the ComfyUI server on the GPU (H3_COMFY_GPU=1)
-# Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [host]
+#   e2e-write, e2e-cold, e2e-restart
+#             bench/end_to_end.py's phases (write + eval; cold; restart + report) under /root/h3_e2e, each
+#             within one 10-minute call, the results gathered there between calls; the report goes to $out
+# Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [host] [e2e-write] [e2e-cold] [e2e-restart]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out/h200_host}"
@@ -47,6 +50,13 @@ for part in "$@"; do
         lora) mkdir -p /root/h3_bench
             run lora_repatch python3 bench/lora_repatch.py --dit /root/h3_bench/minimax_h3_pruned_fp8_random.safetensors \
                 --out "$out/lora_repatch.json" ;;
+        e2e-write) run e2e_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write eval ;;
+        e2e-cold|e2e-restart)
+            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid benchmark</body></html>" > /tmp/h3_frontend/index.html
+            phases=(cold); [ "$part" = e2e-restart ] && phases=(restart report)
+            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" python3 \
+                bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --out "$out/end_to_end.json"
+            cp /root/h3_e2e/end_to_end_state.json "$out/" 2>/dev/null ;;
         host)
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_tests python3 -m pytest -q \

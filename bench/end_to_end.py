@@ -1,0 +1,389 @@
+"""Prompt to mp4 through a real ComfyUI server, stage by stage: the bundled T2VA workflow (and FL2VA once) at the
+release size, queued over HTTP as the frontend queues it, the prompt from a saved prompt embedding.
+
+Release-size RANDOM checkpoints (timings do not depend on the values) in the layouts users have, labelled random
+in their metadata: ComfyUI's pruned fp8-scaled DiT single file (``bench/lora_repatch.py``'s writer), VDN-H3's
+linear branch file, the fp16 video VAE and the fp32 audio VAE, and a 300-token prompt embedding. The bundled
+workflow's text encoder and text encode nodes are replaced by the prompt embedding loader; everything else is the
+workflow as shipped, with the release canvas (1344×768, 345 frames), 8 steps and the fp8 DiT.
+
+Stages come from the server's own events, timed as they arrive: ``executing`` (a node starts; the next one
+ends it), the sampler's progress text (sent once the host has loaded the DiT for the run), its ``progress``
+events (one per step), ``execution_success``. Per run: the loaders (file into host memory), the sampler's
+preparation (the host's ``load_models_gpu`` and the run's placement; FL2VA's keyframe encoding too), the first
+step (compilation included) and the steady steps, the video decode, the audio decode, the save (the mp4's tail
+after the last decoded frame) and the total from queueing to the mp4.
+
+Phases, each a separate call (each fits a 10-minute command; the results gather in ``--state``):
+
+* ``write``: the files, under ``--base``'s model folders;
+* ``eval``: one steady DiT evaluation of the variant the nodes run (``bench/dit_step.py``), on this machine;
+* ``cold``: a new server with the files' pages dropped from the page cache and an empty compile cache: T2VA
+  (the cold run), then T2VA again with another seed (warm: models loaded, kernels compiled);
+* ``restart``: a new server process, page cache and compile cache filled: T2VA (the first run of a restarted
+  server), then FL2VA once;
+* ``report``: ``--out`` (JSON) and the same path with ``.md``: per kernel environment (``--env``), the summary
+  figures and every run's stages.
+
+``--tiny`` dry-runs every phase on the CPU with the tiny random checkpoints and a small canvas.
+
+    python3 bench/end_to_end.py --base /root/h3_e2e --env pytorch --phase write eval cold restart report \\
+        --out bench/results/end_to_end.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "workflows"))
+import record  # noqa: E402
+
+NOTE = "H3 Hybrid benchmark RANDOM weights: not a trained model"
+GiB = 2**30
+RELEASE = dict(width=1344, height=768, length=345, steps=8, text=300)
+TINY = dict(width=64, height=32, length=22, steps=2, text=6)
+FILES = {"dit": "minimax_h3_fl2va_pruned_fp8_scaled_random.safetensors",
+         "branch": "vdn_h3_linear_branch_random.safetensors",
+         "video_vae": "minimax_h3_video_vae_fp16_random.safetensors",
+         "audio_vae": "minimax_h3_audio_vae_fp32_random.safetensors",
+         "prompt": "h3_prompt_300_tokens_random.safetensors"}
+FOLDERS = {"dit": "diffusion_models", "branch": "diffusion_models", "video_vae": "vae", "audio_vae": "vae",
+           "prompt": "h3_prompts"}
+STAGES = ("loaders_s", "sampler_prepare_s", "first_step_s", "steady_step_s", "sampling_s", "sampler_tail_s",
+          "decode_s", "audio_s", "mp4_tail_s", "total_s")
+
+
+def paths(base: Path, tiny: bool) -> dict[str, Path]:
+    if tiny:
+        from h3_core.tiny_checkpoints import TINY_FILES
+
+        names = {"dit": TINY_FILES["dit"], "branch": TINY_FILES["linear_branch"],
+                 "video_vae": TINY_FILES["video_vae"], "audio_vae": TINY_FILES["audio_vae"],
+                 "prompt": "h3_tiny_prompt_random.safetensors"}
+    else:
+        names = FILES
+    return {kind: base / "models" / FOLDERS[kind] / name for kind, name in names.items()}
+
+
+# ---- the files ------------------------------------------------------------------------------------------
+
+
+def _save(state: dict, path: Path, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(partial),
+              metadata={"note": NOTE, **(metadata or {})})
+    os.replace(partial, path)
+
+
+def write_files(base: Path, tiny: bool) -> dict:
+    """Every file the workflow reads, at the release size (or the tiny ones); returns their sizes in bytes."""
+    from h3_core.pipeline.prompt import PromptEmbedding, save_prompt_embedding
+
+    files = paths(base, tiny)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if tiny:
+        from h3_core.tiny_checkpoints import TINY_TEXT_WIDTH, write_tiny_checkpoints
+
+        write_tiny_checkpoints(base / "models")
+        width = TINY_TEXT_WIDTH
+    else:
+        import lora_repatch
+        from vae_decode import random_audio_vae, random_video_vae
+
+        from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
+        from h3_core.models.video_vae import VideoVAEConfig
+        from h3_core.pipeline.prompt import TEXT_WIDTH
+        from h3_core.tiny_checkpoints import _BRANCH_PARTS
+
+        files["dit"].parent.mkdir(parents=True, exist_ok=True)
+        lora_repatch.write_checkpoint(files["dit"], lora_repatch.release_config())
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in H3DiT(DiTConfig(hybrid=True)).state_dict().items()
+                      if any(part in k for part in _BRANCH_PARTS)}
+        g = torch.Generator(device=device).manual_seed(2)
+        branch = {}
+        for key, shape in shapes.items():
+            value = torch.randn(shape, generator=g, device=device) * 0.02
+            branch["transformer_blocks." + key.removeprefix("blocks.")] = \
+                value.to(torch.float32 if keeps_fp32(key) else torch.bfloat16)
+        _save(branch, files["branch"])
+        video = dict(random_video_vae(device).state_dict())
+        cfg = VideoVAEConfig()
+        video["latents_mean"] = torch.tensor(cfg.latents_mean)
+        video["latents_std"] = torch.tensor(cfg.latents_std)
+        _save(video, files["video_vae"])
+        _save(dict(random_audio_vae(device).state_dict()), files["audio_vae"])
+        width = TEXT_WIDTH
+    text = (TINY if tiny else RELEASE)["text"]
+    g = torch.Generator().manual_seed(3)
+    embeds = (torch.randn(text, width, generator=g) * 0.5).to(torch.bfloat16 if not tiny else torch.float32)
+    files["prompt"].parent.mkdir(parents=True, exist_ok=True)
+    save_prompt_embedding(files["prompt"], PromptEmbedding(embeds, torch.ones(text, dtype=torch.long),
+                                                           prompt="random prompt embedding (benchmark)", features=width))
+    return {kind: path.stat().st_size for kind, path in files.items()}
+
+
+def drop_page_cache(files) -> None:
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# ---- the workflow ---------------------------------------------------------------------------------------
+
+
+def workflow(name: str, object_info: dict, files: dict[str, Path], size: dict, seed: int) -> dict:
+    """The bundled workflow ``name`` in API form with the benchmark's files, size and steps, its text encoding
+    replaced by the saved prompt embedding."""
+    from ui_to_api import to_api
+
+    prompt = to_api(json.loads((ROOT / "workflows" / name).read_text()), object_info)
+    by_class = {node["class_type"]: node_id for node_id, node in prompt.items()}
+    for drop in ("H3TextEncoderLoader", "H3TextEncode"):
+        prompt.pop(by_class[drop])
+    prompt["900"] = {"class_type": "H3PromptEmbeddingLoader", "inputs": {"embedding": files["prompt"].name}}
+    inputs = {cls: prompt[node_id]["inputs"] for cls, node_id in by_class.items() if node_id in prompt}
+    inputs["H3DiTLoader"].update(dit_name=files["dit"].name, linear_branch=files["branch"].name, weight_dtype="fp8")
+    inputs["H3VideoVAELoader"]["vae_name"] = files["video_vae"].name
+    inputs["H3AudioVAELoader"]["vae_name"] = files["audio_vae"].name
+    inputs["H3Canvas"].update(width=size["width"], height=size["height"], length=size["length"])
+    inputs["H3Sampler"].update(steps=size["steps"], seed=seed, conditioning=["900", 0])
+    inputs["H3SaveVideo"]["filename_prefix"] = f"H3/e2e_{Path(name).stem}"
+    return prompt
+
+
+def keyframe_images(folder: Path, size: dict) -> None:
+    """The FL2VA workflow's two keyframes (generated patterns) at the canvas size."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0 : size["height"], 0 : size["width"]]
+    first = np.stack([x * 255 // max(size["width"] - 1, 1), y * 255 // max(size["height"] - 1, 1),
+                      np.full_like(x, 96)], -1).astype(np.uint8)
+    last = np.stack([np.full_like(x, 200), (x + y) % 256, y * 255 // max(size["height"] - 1, 1)], -1).astype(np.uint8)
+    Image.fromarray(first).save(folder / "h3_first_frame.png")
+    Image.fromarray(last).save(folder / "h3_last_frame.png")
+
+
+# ---- one run ---------------------------------------------------------------------------------------------
+
+
+def timed_events(server, prompt: dict, timeout: float) -> list[tuple[float, str, object]]:
+    start = time.perf_counter()
+    events = []
+    for kind, data in server.events(prompt, timeout=timeout):
+        events.append((time.perf_counter() - start, kind, data))
+    return events
+
+
+def stages(events, prompt: dict, steps: int) -> dict:
+    """The stage times of one run from its events (module docstring)."""
+    end_kind = events[-1][1]
+    if end_kind != "execution_success":
+        raise RuntimeError(f"the run ended with {end_kind}: {json.dumps(events[-1][2])[:2000]}")
+    total = events[-1][0]
+    spans, current = {}, None
+    for t, kind, data in events:
+        if kind in ("executing", "execution_success"):
+            node = data.get("node") if isinstance(data, dict) else None
+            if current is not None:
+                spans[current[0]] = (current[1], t)
+            current = (node, t) if node is not None else None
+    by_class = {}
+    for node_id, (t0, t1) in spans.items():
+        by_class.setdefault(prompt[node_id]["class_type"], []).append((t0, t1))
+    sampler = next(node_id for node_id, node in prompt.items() if node["class_type"] == "H3Sampler")
+    told = [t for t, kind, data in events if kind == "text" and data[0] == sampler]
+    progress = {data["value"]: t for t, kind, data in events if kind == "progress" and data.get("node") == sampler}
+    (s0, s1), = by_class["H3Sampler"]
+    loaded = told[0] if told else s0
+    first, last = progress.get(1), progress.get(steps)
+
+    def span(cls):
+        return sum(t1 - t0 for t0, t1 in by_class.get(cls, []))
+
+    out = dict(
+        loaders_s=sum(span(c) for c in ("H3DiTLoader", "H3VideoVAELoader", "H3AudioVAELoader",
+                                         "H3PromptEmbeddingLoader")),
+        dit_loader_s=span("H3DiTLoader"),
+        sampler_prepare_s=loaded - s0,
+        first_step_s=None if first is None else first - loaded,
+        steady_step_s=None if first is None or last is None or steps < 2 else (last - first) / (steps - 1),
+        sampling_s=None if last is None else last - loaded,
+        sampler_tail_s=None if last is None else s1 - last,
+        decode_s=span("H3VideoDecode"),
+        audio_s=span("H3AudioDecode"),
+        mp4_tail_s=span("H3SaveVideo"),
+        total_s=total,
+        cached=[prompt[n]["class_type"] for t, kind, data in events if kind == "execution_cached"
+                for n in data.get("nodes", []) if n in prompt],
+    )
+    return out
+
+
+# ---- the phases -----------------------------------------------------------------------------------------
+
+
+def load_state(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save_state(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state, indent=1))
+
+
+def serve(base: Path, compile_cache: Path, runs: list[tuple[str, str, int]], size: dict, timeout: float) -> dict:
+    """A new server on ``base`` with its compile caches under ``compile_cache``; each run
+    (label, workflow, seed) queued in turn; returns the stages by label."""
+    from comfy_host import ComfyServer
+
+    for env, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ[env] = str(compile_cache / sub)
+    server = ComfyServer(base)
+    started = time.perf_counter()
+    server.start(timeout=600)
+    results = {"server_start_s": time.perf_counter() - started}
+    try:
+        info = server.object_info()
+        files = paths(base, size is TINY)
+        keyframe_images(server.input, size)
+        for label, name, seed in runs:
+            prompt = workflow(name, info, files, size, seed)
+            events = timed_events(server, prompt, timeout)
+            results[label] = stages(events, prompt, size["steps"])
+            print(label, json.dumps(results[label]), flush=True)
+    finally:
+        server.stop()
+    results["server_log_tail"] = server.log_tail(40)
+    return results
+
+
+def steady_evaluation(tiny: bool) -> dict:
+    """One steady evaluation of the variant the nodes run (fp8 linears, VDN-H3's decomposed window softmax,
+    fused compiled blocks), by ``bench/dit_step.py`` in its own process."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / "h3_e2e_dit_step.json"
+    command = [sys.executable, str(ROOT / "bench" / "dit_step.py"), "--variants", "fp8-decomposed",
+               "--fused-blocks", "compiled", "--reps", "3", "--out", str(out)]
+    if tiny:
+        command += ["--tiny"]
+    subprocess.run(command, check=True)
+    stats = json.loads(out.read_text())["variants"]["fp8-decomposed"]
+    return dict(command=" ".join(command[1:]), stats=stats)
+
+
+def environment() -> str:
+    try:
+        import flash_attn.cute  # noqa: F401
+        return "fa4"
+    except ImportError:
+        return "pytorch"
+
+
+def summary(env_state: dict) -> dict:
+    cold, warm, restart = env_state.get("cold", {}), env_state.get("warm", {}), env_state.get("restart", {})
+    evaluation = env_state.get("eval", {}).get("stats", {})
+    t_eval = evaluation.get("median_s", evaluation.get("seconds"))
+    figures = dict(t_eval_s=t_eval, sampling_s=warm.get("sampling_s"), decode_s=warm.get("decode_s"),
+                   audio_s=warm.get("audio_s"), mp4_tail_s=warm.get("mp4_tail_s"), total_s=warm.get("total_s"),
+                   cold_total_s=cold.get("total_s"), text_encode_s=env_state.get("text_encode_s"),
+                   first_run_extra_s=(restart["total_s"] - warm["total_s"]) if restart and warm else None,
+                   empty_cache_first_run_s=cold.get("total_s"))
+    if t_eval and warm.get("sampling_s"):
+        steps = env_state.get("size", {}).get("steps", RELEASE["steps"])
+        figures["sampler_overhead"] = warm["sampling_s"] / (steps * t_eval) - 1
+        figures["goal_total_s"] = steps * t_eval + 13
+    return figures
+
+
+def markdown(state: dict) -> str:
+    lines = ["# Prompt to mp4 through the server", "",
+             "Written by `bench/end_to_end.py` (see its docstring for the method). Random weights of the released "
+             "sizes; the bundled workflows as shipped but for the prompt embedding in place of the text encoder.", ""]
+    for env, env_state in state.get("environments", {}).items():
+        header = env_state.get("header", {})
+        lines += [f"## {env}", "", f"{header.get('device')}, torch {header.get('torch')}, CUDA {header.get('cuda')}, "
+                  f"{header.get('date')}; size {env_state.get('size')}", ""]
+        figures = summary(env_state)
+        lines += ["| figure | value |", "|---|---:|"]
+        lines += [f"| `{k}` | {'—' if v is None else f'{v:.3f}' if isinstance(v, float) else v} |"
+                  for k, v in figures.items()]
+        runs = [label for label in ("cold", "warm", "restart", "fl2va") if label in env_state]
+        lines += ["", "| stage (s) | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
+        for stage in ("loaders_s", "dit_loader_s") + STAGES[1:]:
+            cells = [env_state[r].get(stage) for r in runs]
+            lines.append(f"| {stage} | " + " | ".join("—" if c is None else f"{c:.2f}" for c in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", type=Path, required=True, help="the server's base folder (models, output)")
+    parser.add_argument("--phase", nargs="+", required=True,
+                        choices=("write", "eval", "cold", "restart", "report"))
+    parser.add_argument("--env", default=None, help="the kernel environment's label (default: detected)")
+    parser.add_argument("--state", type=Path, default=None, help="where the phases gather results "
+                                                                  "(default: <base>/end_to_end_state.json)")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--tiny", action="store_true", help="the tiny checkpoints on the CPU: a dry run")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    base = args.base.resolve()
+    state_path = args.state or base / "end_to_end_state.json"
+    state = load_state(state_path)
+    env = args.env or environment()
+    size = TINY if args.tiny else RELEASE
+    env_state = state.setdefault("environments", {}).setdefault(env, {})
+    env_state["header"] = record.header("end_to_end.py", argv)
+    env_state["size"] = size
+    compile_cache = base / f"compile_cache_{env}"
+    for phase in args.phase:
+        started = time.perf_counter()
+        if phase == "write":
+            state["files"] = write_files(base, args.tiny)
+        elif phase == "eval":
+            env_state["eval"] = steady_evaluation(args.tiny)
+        elif phase == "cold":
+            shutil.rmtree(compile_cache, ignore_errors=True)
+            drop_page_cache(paths(base, args.tiny).values())
+            env_state.update(serve(base, compile_cache, [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)],
+                                   size, args.timeout))
+        elif phase == "restart":
+            env_state.update(serve(base, compile_cache, [("restart", "h3_t2va.json", 3), ("fl2va", "h3_fl2va.json", 4)],
+                                   size, args.timeout))
+        elif phase == "report":
+            result = dict(environments={e: dict(summary(s), runs={k: v for k, v in s.items()
+                                                                   if k in ("cold", "warm", "restart", "fl2va")},
+                                                eval=s.get("eval"), header=s.get("header"), size=s.get("size"))
+                                        for e, s in state.get("environments", {}).items()}, files=state.get("files"))
+            record.write(result, args.out)
+            if args.out is not None:
+                args.out.with_suffix(".md").write_text(markdown(state))
+        print(f"{phase}: {time.perf_counter() - started:.1f} s", flush=True)
+        save_state(state_path, state)
+    return state
+
+
+if __name__ == "__main__":
+    main()
