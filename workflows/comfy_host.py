@@ -51,6 +51,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PromptRefused(AssertionError):
+    """The server refused a prompt when it was queued (validation): ``answer`` is its JSON answer, the message
+    ``failure_message(answer)``."""
+
+    def __init__(self, answer: dict):
+        super().__init__(failure_message(answer))
+        self.answer = answer
+
+
 class ComfyServer:
     def __init__(self, base: Path):
         self.base = base
@@ -160,8 +169,10 @@ class ComfyServer:
         raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s:\n{self.log_tail()}")
 
     def run(self, prompt: dict, timeout: float = 600) -> dict:
+        """The history entry of ``prompt`` once it has run; ``PromptRefused`` when the server refuses it."""
         answer = self.queue(prompt)
-        assert "prompt_id" in answer, json.dumps(answer, indent=1)
+        if "prompt_id" not in answer:
+            raise PromptRefused(answer)
         return self.wait(answer["prompt_id"], timeout)
 
     def events(self, prompt: dict, timeout: float = 300):
@@ -172,7 +183,8 @@ class ComfyServer:
         ws = _EventSocket(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}")
         try:
             answer = self.queue(prompt)
-            assert "prompt_id" in answer, json.dumps(answer, indent=1)
+            if "prompt_id" not in answer:
+                raise PromptRefused(answer)
             prompt_id = answer["prompt_id"]
             yield "queued", {"prompt_id": prompt_id}
             while True:
@@ -243,6 +255,49 @@ class _EventSocket:
             self._loop.run_until_complete(close())
         finally:
             self._loop.close()
+
+
+def failure_message(answer: dict) -> str:
+    """What went wrong with a prompt, readably, naming each failing node by id and class type.
+
+    ``answer`` is either what ``ComfyServer.queue`` returned for a refused prompt (the host's ``error`` and,
+    per node, ``node_errors``: each error's message and details) or the history entry of a prompt that failed
+    while running (its ``execution_error``: the node and the exception's message)."""
+    if "status" in answer:
+        status = answer["status"]
+        for kind, data in status.get("messages", []):
+            if kind in ("execution_error", "execution_interrupted"):
+                node = f"node {data.get('node_id')} ({data.get('node_type')})"
+                if kind == "execution_interrupted":
+                    return f"the prompt was interrupted at {node}"
+                exception = (data.get("exception_type") or "").rsplit(".", 1)[-1]
+                text = str(data.get("exception_message", "")).strip()
+                return f"{node} failed: {exception + ': ' if exception else ''}{text}"
+        return f"the prompt ended with status {status.get('status_str')!r} and no error message"
+    error = answer.get("error")
+    if isinstance(error, dict):
+        head = ": ".join(str(part).strip() for part in (error.get("message"), error.get("details")) if part)
+    else:
+        head = str(error or "no error given")
+    lines = [f"the server refused the prompt: {head}"]
+    node_errors = answer.get("node_errors") or {}
+    for node_id in sorted(node_errors, key=lambda key: (len(key), key)):  # "9" before "10"
+        node = node_errors[node_id]
+        # The host repeats a node's own validation verdict once per input it checked ("mode - <verdict>",
+        # "input_types - <verdict>"): one line per verdict, naming those inputs.
+        verdicts = {}
+        for entry in node.get("errors") or [{}]:
+            message, details = str(entry.get("message") or "").strip(), str(entry.get("details") or "").strip()
+            name = (entry.get("extra_info") or {}).get("input_name")
+            if name and details.startswith(f"{name} - "):
+                verdicts.setdefault((message, details[len(name) + 3:]), []).append(name)
+            else:
+                verdicts.setdefault((message, details), [])
+        for (message, details), names in verdicts.items():
+            details = f"{', '.join(names)} - {details}" if names else details
+            text = ": ".join(part for part in (message, details) if part) or "failed validation"
+            lines.append(f"  node {node_id} ({node.get('class_type', '?')}): {text}")
+    return "\n".join(lines)
 
 
 def error_message(entry: dict) -> str:
