@@ -1,13 +1,17 @@
 """Writing a generated clip as an mp4 (H.264 yuv420p video + AAC stereo audio) and reading audio files,
 with PyAV (no torchaudio).
 
-``write_mp4`` writes to a temporary name beside the target and renames it when the file is complete, so a
-failed or cancelled write never leaves a half-written file under the final name.
+``Mp4Writer`` takes the frames a range at a time (``write_mp4`` all at once); both write to a temporary name
+beside the target and rename it when the file is complete, so a failed or cancelled write never leaves a
+half-written file under the final name.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
+import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable
@@ -16,9 +20,11 @@ import torch
 
 from .errors import H3InputError
 
-__all__ = ["write_mp4", "read_audio", "VIDEO_CODEC", "AUDIO_CODEC"]
+__all__ = ["Mp4Writer", "Mp4Worker", "write_mp4", "read_audio", "VIDEO_CODEC", "AUDIO_CODEC", "PRESETS", "DEFAULT_PRESET"]
 
 VIDEO_CODEC = "libx264"
+PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
+DEFAULT_PRESET = "medium"  # libx264's own default
 AUDIO_CODEC = "aac"
 _AUDIO_CHUNK = 1024  # AAC frame size
 
@@ -48,57 +54,192 @@ def _check_audio(waveform, sample_rate) -> torch.Tensor:
     return waveform.detach().float().clamp(-1, 1).cpu()
 
 
-def write_mp4(path: str | Path, frames: torch.Tensor, waveform: torch.Tensor | None = None, sample_rate: int = 32000,
-              *, fps: int = 24, crf: int = 18, check_cancel: Callable[[], None] | None = None,
-              metadata: dict[str, str] | None = None) -> Path:
-    """Write ``frames`` ``[F, H, W, 3]`` (floats in [0, 1] or uint8) at ``fps`` and, when given, ``waveform``
-    ``[channels, samples]`` in [-1, 1] at ``sample_rate`` as AAC, into ``path``. ``metadata`` (text by key) goes
-    into the container's tags, custom keys kept (``movflags=use_metadata_tags``): where a host stores the
-    workflow that made the clip. ``check_cancel`` is called between frames; whatever it raises stops the write
-    and removes the partial file, as does any failure (a full disk)."""
-    import av
+class Mp4Writer:
+    """An mp4 written a frame range at a time: H.264 yuv420p video at ``fps`` (libx264 at ``crf`` with ``preset``
+    and ``threads``; 0 lets libx264 choose) and, when ``waveform`` ``[channels, samples]`` in [-1, 1] is given,
+    AAC audio at ``sample_rate``, muxed once the video ends. ``metadata`` (text by key) goes into the container's
+    tags, custom keys kept (``movflags=use_metadata_tags``). Everything is written to a temporary name beside
+    ``path``: ``close`` finishes the file and renames it, ``abort`` (or leaving a ``with`` block by an exception)
+    removes it, so a failed or cancelled write never leaves a file under the final name."""
 
-    path = Path(path)
-    pixels = _frames_uint8(frames)
-    audio = None if waveform is None else _check_audio(waveform, sample_rate)
-    tags = dict(metadata or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
-        raise H3InputError(f"metadata must map text keys to text values, got {sorted(map(repr, tags))[:4]}")
-    partial = path.with_name(f".{path.stem}.partial{path.suffix}")
-    try:
-        with av.open(str(partial), mode="w", format="mp4", options={"movflags": "use_metadata_tags"}) as container:
+    def __init__(self, path: str | Path, width: int, height: int, *, fps: int = 24, crf: int = 18,
+                 preset: str = DEFAULT_PRESET, threads: int = 0, waveform: torch.Tensor | None = None,
+                 sample_rate: int = 32000, metadata: dict[str, str] | None = None):
+        import av
+
+        if width % 2 or height % 2 or width <= 0 or height <= 0:
+            raise H3InputError(f"frames: H.264 yuv420p needs an even width and height, got {width}x{height}")
+        if preset not in PRESETS:
+            raise H3InputError(f"preset: got {preset!r}; allowed: {', '.join(PRESETS)}")
+        if not isinstance(threads, int) or threads < 0:
+            raise H3InputError(f"threads: got {threads!r}; allowed: 0 (libx264 chooses) or a positive count")
+        self.audio = None if waveform is None else _check_audio(waveform, sample_rate)
+        tags = dict(metadata or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
+            raise H3InputError(f"metadata must map text keys to text values, got {sorted(map(repr, tags))[:4]}")
+        self.path, self.fps, self.sample_rate = Path(path), fps, sample_rate
+        self.size = (height, width)
+        self.partial = self.path.with_name(f".{self.path.stem}.partial{self.path.suffix}")
+        self.frames = 0
+        self._container = av.open(str(self.partial), mode="w", format="mp4",
+                                  options={"movflags": "use_metadata_tags"})
+        try:
             for key, value in tags.items():
-                container.metadata[key] = value
-            video = container.add_stream(VIDEO_CODEC, rate=fps)
-            video.width, video.height = int(pixels.shape[2]), int(pixels.shape[1])
-            video.pix_fmt = "yuv420p"
-            video.options = {"crf": str(crf)}
-            sound = None
-            if audio is not None:
-                sound = container.add_stream(AUDIO_CODEC, rate=sample_rate)
-                sound.layout = "stereo" if audio.shape[0] == 2 else "mono"
-            for index in range(pixels.shape[0]):
-                if check_cancel is not None:
-                    check_cancel()
-                frame = av.VideoFrame.from_ndarray(pixels[index].numpy(), format="rgb24")
-                frame.pts = index
-                frame.time_base = Fraction(1, fps)
-                container.mux(video.encode(frame))
-            container.mux(video.encode())
-            if sound is not None:
-                planar = audio.numpy()
+                self._container.metadata[key] = value
+            self._video = self._container.add_stream(VIDEO_CODEC, rate=fps)
+            self._video.width, self._video.height = width, height
+            self._video.pix_fmt = "yuv420p"
+            self._video.options = {"crf": str(crf), "preset": preset, "threads": str(threads)}
+            self._sound = None
+            if self.audio is not None:
+                self._sound = self._container.add_stream(AUDIO_CODEC, rate=sample_rate)
+                self._sound.layout = "stereo" if self.audio.shape[0] == 2 else "mono"
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, frames: torch.Tensor, check_cancel: Callable[[], None] | None = None) -> None:
+        """Encode ``frames`` ``[f, H, W, 3]`` (floats in [0, 1] or uint8), the next ones of the clip; ``check_cancel``
+        is called between frames."""
+        import av
+
+        pixels = _frames_uint8(frames)
+        if tuple(pixels.shape[1:3]) != self.size:
+            raise H3InputError(f"frames: got {pixels.shape[2]}x{pixels.shape[1]}, the clip is "
+                               f"{self.size[1]}x{self.size[0]}")
+        for image in pixels:
+            if check_cancel is not None:
+                check_cancel()
+            frame = av.VideoFrame.from_ndarray(image.numpy(), format="rgb24")
+            frame.pts = self.frames
+            frame.time_base = Fraction(1, self.fps)
+            self._container.mux(self._video.encode(frame))
+            self.frames += 1
+
+    def close(self) -> Path:
+        """Finish the video, write the audio, close the file and give it its name; returns the path."""
+        import av
+
+        if self.frames == 0:
+            self.abort()
+            raise H3InputError("frames: there are no frames to write")
+        try:
+            self._container.mux(self._video.encode())
+            if self._sound is not None:
+                planar = self.audio.numpy()
                 for start in range(0, planar.shape[1], _AUDIO_CHUNK):
                     chunk = av.AudioFrame.from_ndarray(planar[:, start : start + _AUDIO_CHUNK].copy(), format="fltp",
-                                                       layout=sound.layout.name)
-                    chunk.sample_rate = sample_rate
+                                                       layout=self._sound.layout.name)
+                    chunk.sample_rate = self.sample_rate
                     chunk.pts = start
-                    chunk.time_base = Fraction(1, sample_rate)
-                    container.mux(sound.encode(chunk))
-                container.mux(sound.encode())
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path
+                    chunk.time_base = Fraction(1, self.sample_rate)
+                    self._container.mux(self._sound.encode(chunk))
+                self._container.mux(self._sound.encode())
+            self._container.close()
+            os.replace(self.partial, self.path)
+        finally:
+            self.abort()
+        return self.path
+
+    def abort(self) -> None:
+        """Stop writing and remove the temporary file (nothing once ``close`` has renamed it)."""
+        try:
+            self._container.close()
+        except Exception:  # a container that failed mid-write (a full disk) may fail to close too
+            pass
+        self.partial.unlink(missing_ok=True)
+
+    def __enter__(self) -> "Mp4Writer":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None:
+            self.abort()
+
+
+class Mp4Worker:
+    """An ``Mp4Writer`` fed by a thread of its own, so the clip is encoded while its next frames are made: ``put``
+    hands over frames (which must not change afterwards) and returns at once; ``close`` waits for the frames
+    handed over (cancellable), finishes the file and returns its path (``tail_s``: how long that took); ``abort`` (or leaving
+    a ``with`` block by an exception) stops and removes the file. A failure in the thread is raised by the next
+    ``put`` or ``close``."""
+
+    def __init__(self, writer: Mp4Writer):
+        self.writer = writer
+        self.tail_s: float | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="h3-mp4-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (frames := self._queue.get()) is not None:
+            if self._error is None and not self._stopping:
+                try:
+                    self.writer.write(frames, self._check_stopping)
+                except BaseException as exc:  # handed to the caller by the next put or close
+                    self._error = exc
+
+    def _check_stopping(self) -> None:
+        if self._stopping:
+            raise InterruptedError("the mp4 was aborted")
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def put(self, frames: torch.Tensor) -> None:
+        self._raise()
+        self._queue.put(frames)
+
+    def close(self, check_cancel: Callable[[], None] | None = None) -> Path:
+        """``check_cancel`` is called while the thread still encodes; whatever it raises stops and removes the
+        file."""
+        started = time.perf_counter()
+        self._queue.put(None)
+        while self._thread.is_alive():
+            if check_cancel is not None:
+                try:
+                    check_cancel()
+                except BaseException:
+                    self.abort()
+                    raise
+            self._thread.join(0.05)
+        try:
+            self._raise()
+        except BaseException:
+            self.writer.abort()
+            raise
+        path = self.writer.close()
+        self.tail_s = time.perf_counter() - started
+        return path
+
+    def abort(self) -> None:
+        self._stopping = True
+        self._queue.put(None)
+        self._thread.join()
+        self.writer.abort()
+
+    def __enter__(self) -> "Mp4Worker":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None:
+            self.abort()
+
+
+def write_mp4(path: str | Path, frames: torch.Tensor, waveform: torch.Tensor | None = None, sample_rate: int = 32000,
+              *, fps: int = 24, crf: int = 18, preset: str = DEFAULT_PRESET, threads: int = 0,
+              check_cancel: Callable[[], None] | None = None, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``frames`` ``[F, H, W, 3]`` (floats in [0, 1] or uint8) and, when given, ``waveform`` as one mp4
+    (``Mp4Writer``, whose arguments these are). ``check_cancel`` is called between frames; whatever it raises
+    stops the write and removes the partial file, as does any failure (a full disk)."""
+    pixels = _frames_uint8(frames)
+    with Mp4Writer(path, int(pixels.shape[2]), int(pixels.shape[1]), fps=fps, crf=crf, preset=preset,
+                   threads=threads, waveform=waveform, sample_rate=sample_rate, metadata=metadata) as writer:
+        writer.write(pixels, check_cancel)
+        return writer.close()
 
 
 def read_audio(path: str | Path) -> tuple[torch.Tensor, int]:

@@ -183,6 +183,7 @@ def decode_tiled(
     check_cancel: Callable[[], None] | None = None,
     offload: Callable[[], str] | None = None,
     report: Callable[[str], None] | None = None,
+    on_frames: Callable[[int, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Decode ``latents`` ``[C, T, h, w]`` window by window and tile by tile.
 
@@ -203,6 +204,8 @@ def decode_tiled(
         offload: called once if a single tile still runs out of memory, to move weights off the device;
             returns what it did. Without it, or if it fails to help, ``DecodeOutOfMemory`` is raised.
         report: receives a sentence whenever the decode changes its settings to fit.
+        on_frames: called after each window with ``(start, frames)``: ``frames`` is ``out[start:stop]``, final
+            (copied off the device) and never written again; the calls cover every frame once, in order.
     Returns:
         ``out``: ``[F, H, W, 3]`` with F from ``temporal_plan``.
     """
@@ -232,6 +235,7 @@ def decode_tiled(
     tiles_total = len(plan.windows) * len(grid_y.starts) * len(grid_x.starts)
     done = 0
     held_tail = None  # the previous window's tail, raw, [3, f, H, W] on the decoder's device
+    announced = 0  # frames handed to on_frames
     for index, (z0, z1) in enumerate(plan.windows):
         window = latents[:, z0:z1]
         # The running weighted mean of rows [band_top, band_top + band_rows) and the weight it holds;
@@ -266,6 +270,12 @@ def decode_tiled(
             held = torch.cat([held[final:], torch.zeros_like(held[:final])])
             band_top += final
         held_tail = new_tail
+        # Frames before the next window's first kept frame are final: that one is cross-faded with this tail.
+        ready = plan.num_frames if last else min(plan.num_frames, plan.output_start(index + 1))
+        if on_frames is not None and ready > announced:
+            sink.flush()
+            on_frames(announced, sink.out[announced:ready])
+            announced = ready
     return sink.close()
 
 
@@ -347,10 +357,14 @@ class _HostSink:
             self.out[frame0 : frame0 + pinned.shape[0], top:stop] = pinned
             self.staged = None
 
-    def close(self) -> torch.Tensor:
+    def flush(self) -> None:
+        """Wait until every row put so far is in ``out``."""
         self._drain()
         if self.mode == "pinned":
             torch.cuda.current_stream().synchronize()
+
+    def close(self) -> torch.Tensor:
+        self.flush()
         return self.out
 
 

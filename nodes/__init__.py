@@ -6,6 +6,7 @@ from comfy_api.v0_0_2 import ComfyExtension
 from .attention import H3AttentionSettings
 from .canvas import H3Canvas
 from .decode import H3AudioDecode, H3VideoDecode
+from .decode_and_save import H3DecodeAndSave
 from .loaders import H3AudioVAELoader, H3DiTLoader, H3PromptEmbeddingLoader, H3TextEncoderLoader, H3VideoVAELoader
 from .lora import H3LoraLoader
 from .references import H3AddReference, H3LoadAudio
@@ -15,7 +16,7 @@ from .text import H3TextEncode
 
 NODES = [H3DiTLoader, H3LoraLoader, H3VideoVAELoader, H3AudioVAELoader, H3TextEncoderLoader, H3PromptEmbeddingLoader,
          H3Canvas, H3TextEncode, H3AddReference, H3LoadAudio, H3AttentionSettings, H3Sampler, H3VideoDecode,
-         H3AudioDecode, H3SaveVideo]
+         H3AudioDecode, H3SaveVideo, H3DecodeAndSave]
 
 
 class H3Extension(ComfyExtension):

@@ -27,13 +27,7 @@ class H3VideoDecode(io.ComfyNode):
             inputs=[
                 H3VideoVAE.Input("video_vae"),
                 io.Latent.Input("latent"),
-                io.Int.Input("tile_size", default=TRAINED_TILE_PX, min=64, max=2048, step=16,
-                             tooltip=f"pixels; 256 is the trained size. {UNTRAINED_TILES_NOTE}"),
-                io.Int.Input("overlap", default=TRAINED_OVERLAP_PX, min=16, max=1024, step=16,
-                             tooltip=f"minimum overlap in pixels; 64 is the trained setting. {UNTRAINED_TILES_NOTE}"),
-                io.Int.Input("tiles_per_batch", default=4, min=1, max=64,
-                             tooltip="tiles decoded together; fewer use less memory (an out-of-memory retries with "
-                                     "fewer by itself)"),
+                *tile_inputs(),
                 H3Attention.Input("attention", optional=True),
             ],
             outputs=[io.Image.Output(display_name="images")],
@@ -41,20 +35,49 @@ class H3VideoDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, video_vae, latent, tile_size, overlap, tiles_per_batch, attention=None):
-        from .patchers import load_vae
+        vae, video, options = prepare_video_decode(video_vae, latent, tile_size, overlap, tiles_per_batch, attention)
+        return io.NodeOutput(decode_video(vae, video, **options))
 
-        settings = attention or DEFAULT
-        video, _, _ = from_latent(latent)
-        working = decode_working_bytes(video_vae.model.cfg, video.shape[-1] * video_vae.model.cfg.spatial_ratio,
-                                       tile_px=tile_size, tiles_per_batch=tiles_per_batch,
-                                       dtype=video_vae.model.decoder.transformer_blocks[0].ff.w1.weight.dtype
-                                       if len(video_vae.model.decoder.transformer_blocks) else video.dtype)
-        vae = load_vae(video_vae, working)
-        frames = decode_video(vae, video.to(video_vae.load_device), overrides=settings.overrides,
-                              compile=settings.compile, tile_px=tile_size,
-                              overlap_px=overlap, tiles_per_batch=tiles_per_batch, progress=_host.Progress(),
-                              check_cancel=_host.check_cancel, report=_host.say)
-        return io.NodeOutput(frames)
+
+def tile_inputs() -> list:
+    """The tiled decode's inputs, shared by every node that decodes the video."""
+    return [
+        io.Int.Input("tile_size", default=TRAINED_TILE_PX, min=64, max=2048, step=16,
+                     tooltip=f"pixels; 256 is the trained size. {UNTRAINED_TILES_NOTE}"),
+        io.Int.Input("overlap", default=TRAINED_OVERLAP_PX, min=16, max=1024, step=16,
+                     tooltip=f"minimum overlap in pixels; 64 is the trained setting. {UNTRAINED_TILES_NOTE}"),
+        io.Int.Input("tiles_per_batch", default=4, min=1, max=64,
+                     tooltip="tiles decoded together; fewer use less memory (an out-of-memory retries with "
+                             "fewer by itself)"),
+    ]
+
+
+def prepare_video_decode(video_vae, latent, tile_size, overlap, tiles_per_batch, attention):
+    """The host loads the video VAE with room for the decode's working memory; returns the VAE, the video latents
+    on its device and ``decode_video``'s options (the user's settings, progress per tile, cancel)."""
+    from .patchers import load_vae
+
+    settings = attention or DEFAULT
+    video, _, _ = from_latent(latent)
+    cfg = video_vae.model.cfg
+    blocks = video_vae.model.decoder.transformer_blocks
+    working = decode_working_bytes(cfg, video.shape[-1] * cfg.spatial_ratio, tile_px=tile_size,
+                                   tiles_per_batch=tiles_per_batch,
+                                   dtype=blocks[0].ff.w1.weight.dtype if len(blocks) else video.dtype)
+    vae = load_vae(video_vae, working)
+    options = dict(overrides=settings.overrides, compile=settings.compile, tile_px=tile_size, overlap_px=overlap,
+                   tiles_per_batch=tiles_per_batch, progress=_host.Progress(), check_cancel=_host.check_cancel,
+                   report=_host.say)
+    return vae, video.to(video_vae.load_device), options
+
+
+def decode_audio(audio_vae, latent):
+    """The host loads the audio VAE; returns the soundtrack ``[2, samples]`` and its rate."""
+    from .patchers import load_vae
+
+    _, audio, frames = from_latent(latent)
+    return decode_soundtrack(load_vae(audio_vae), audio, frames=frames, check_cancel=_host.check_cancel), \
+        AUDIO_SAMPLE_RATE
 
 
 class H3AudioDecode(io.ComfyNode):
@@ -69,8 +92,5 @@ class H3AudioDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, audio_vae, latent):
-        from .patchers import load_vae
-
-        _, audio, frames = from_latent(latent)
-        waveform = decode_soundtrack(load_vae(audio_vae), audio, frames=frames, check_cancel=_host.check_cancel)
-        return io.NodeOutput({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE})
+        waveform, rate = decode_audio(audio_vae, latent)
+        return io.NodeOutput({"waveform": waveform[None], "sample_rate": rate})

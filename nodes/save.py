@@ -5,6 +5,7 @@ canvas loads the workflow that made it."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from comfy_api.v0_0_2 import io
@@ -49,20 +50,36 @@ class H3SaveVideo(io.ComfyNode):
 
     @classmethod
     def execute(cls, images, filename_prefix, fps, audio=None):
-        import folder_paths
-
         waveform, rate = single_waveform(audio, "audio") if audio is not None else (None, 32000)
-        output = str(_host.output_directory())
-        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, output,
-                                                                               images.shape[2], images.shape[1])
-        target = Path(folder) / f"{name}_{counter:05d}.mp4"
-        try:
+        target, subfolder = output_target(filename_prefix, images.shape[2], images.shape[1])
+        with disk_errors(target):
             write_mp4(target, images, waveform, rate, fps=fps, check_cancel=_host.check_cancel,
                       metadata=_workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo))
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
-            raise OSError(exc.errno, f"could not write {target.name} in {target.parent}: {reason}; nothing was left "
-                                     "under that name (free space there, or change filename_prefix)") from exc
-        _host.say(f"saved {target}")
-        return io.NodeOutput(ui={"images": [{"filename": target.name, "subfolder": subfolder, "type": "output"}],
-                                 "animated": (True,)})
+        return saved(target, subfolder)
+
+
+def output_target(filename_prefix: str, width: int, height: int) -> tuple[Path, str]:
+    """The next free ``<prefix>_NNNNN.mp4`` in the host's output folder, and its subfolder there."""
+    import folder_paths
+
+    output = str(_host.output_directory())
+    folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, output, width, height)
+    return Path(folder) / f"{name}_{counter:05d}.mp4", subfolder
+
+
+@contextmanager
+def disk_errors(target: Path):
+    """A failed write said with the file it was for and what to do (the writer has removed the partial file)."""
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise OSError(exc.errno, f"could not write {target.name} in {target.parent}: {reason}; nothing was left "
+                                 "under that name (free space there, or change filename_prefix)") from exc
+
+
+def saved(target: Path, subfolder: str, *outputs) -> io.NodeOutput:
+    """The node's result for a saved clip: the file in the UI's output list, and ``outputs``."""
+    _host.say(f"saved {target}")
+    return io.NodeOutput(*outputs, ui={"images": [{"filename": target.name, "subfolder": subfolder, "type": "output"}],
+                                       "animated": (True,)})

@@ -71,3 +71,13 @@ def with_references(prompt: dict, *, image: str | None = None, video: str | None
         prompt["5"]["inputs"]["references"] = [last, 0]
         prompt["7"]["inputs"]["references"] = [last, 0]
     return prompt
+
+
+def with_decode_and_save(prompt: dict, prefix: str) -> dict:
+    """``prompt`` (a ``generation``) with its decode and save nodes replaced by one H3 Decode & Save (node "8")."""
+    prompt = {k: {"class_type": v["class_type"], "inputs": dict(v["inputs"])} for k, v in prompt.items()
+              if k not in ("8", "9", "10")}
+    prompt["8"] = {"class_type": "H3DecodeAndSave", "inputs": {
+        "video_vae": ["2", 0], "audio_vae": ["3", 0], "latent": ["7", 0], "filename_prefix": prefix, "fps": 24,
+        "tile_size": 256, "overlap": 64, "tiles_per_batch": 4, "attention": ["6", 0]}}
+    return prompt

@@ -1,4 +1,5 @@
-"""Writing clips as mp4 and reading audio with PyAV (h3_core.mp4), read back with av."""
+"""Writing clips as mp4 (at once, in ranges, from a thread of its own) and reading audio with PyAV
+(h3_core.mp4), read back with av."""
 
 from fractions import Fraction
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from h3_core.errors import H3InputError
-from h3_core.mp4 import read_audio, write_mp4
+from h3_core.mp4 import Mp4Worker, Mp4Writer, read_audio, write_mp4
 
 
 def tone(seconds, rate=32000, channels=2):
@@ -84,3 +85,53 @@ def test_unreadable_audio_is_named(tmp_path):
     silent = write_mp4(tmp_path / "silent.mp4", torch.zeros(2, 32, 32, 3, dtype=torch.uint8))
     with pytest.raises(H3InputError, match="silent.mp4: has no audio stream"):
         read_audio(silent)
+
+
+def test_a_clip_written_in_ranges_is_the_clip_written_at_once(tmp_path):
+    frames = torch.rand(30, 32, 48, 3, generator=torch.Generator().manual_seed(1))
+    whole = write_mp4(tmp_path / "whole.mp4", frames, tone(30 / 24), 32000, metadata={"workflow": "{}"})
+    with Mp4Writer(tmp_path / "ranges.mp4", 48, 32, waveform=tone(30 / 24), metadata={"workflow": "{}"}) as writer:
+        for start in (0, 7, 19):
+            writer.write(frames[start : {0: 7, 7: 19, 19: 30}[start]])
+        ranges = writer.close()
+    assert ranges.read_bytes() == whole.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ranges.mp4", "whole.mp4"]
+
+
+def test_the_worker_writes_the_same_file_and_hands_back_failures(tmp_path):
+    frames = torch.rand(20, 32, 48, 3, generator=torch.Generator().manual_seed(2))
+    whole = write_mp4(tmp_path / "whole.mp4", frames, tone(20 / 24), 32000)
+    with Mp4Worker(Mp4Writer(tmp_path / "worker.mp4", 48, 32, waveform=tone(20 / 24))) as worker:
+        worker.put(frames[:13])
+        worker.put(frames[13:])
+        path = worker.close()
+    assert path.read_bytes() == whole.read_bytes() and worker.tail_s is not None
+    worker = Mp4Worker(Mp4Writer(tmp_path / "bad.mp4", 48, 32))
+    worker.put(frames[:5])
+    worker.put(torch.rand(2, 16, 16, 3))  # another size: fails in the thread
+    with pytest.raises(H3InputError, match="frames: got 16x16, the clip is 48x32"):
+        worker.close()
+    with Mp4Worker(Mp4Writer(tmp_path / "aborted.mp4", 48, 32)) as worker:
+        worker.put(frames[:5])
+        worker.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["whole.mp4", "worker.mp4"]
+
+
+@pytest.mark.parametrize("preset, threads, message", [("warp", 0, "preset: got 'warp'; allowed: ultrafast"),
+                                                      ("medium", -1, "threads: got -1")])
+def test_encoder_settings_are_checked(tmp_path, preset, threads, message):
+    with pytest.raises(H3InputError, match=message):
+        Mp4Writer(tmp_path / "x.mp4", 32, 32, preset=preset, threads=threads)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cancel_while_the_worker_still_encodes_leaves_no_file(tmp_path):
+    worker = Mp4Worker(Mp4Writer(tmp_path / "late.mp4", 320, 240))
+    worker.put(torch.rand(200, 240, 320, 3))
+
+    def cancel():
+        raise InterruptedError("cancelled")
+
+    with pytest.raises(InterruptedError):
+        worker.close(cancel)
+    assert list(tmp_path.iterdir()) == []

@@ -303,3 +303,19 @@ def test_working_memory_does_not_grow_with_the_clip():
     two, six = working_memory_kib(12), working_memory_kib(32)
     # Holding one more window's frames would add 28 × 3 × 512 × 1024 × 4 B = 168 MiB.
     assert six <= two * 1.01, (two, six)
+
+
+@pytest.mark.parametrize("T", [4, 7, 12, 23])
+def test_frames_are_announced_once_in_order_and_final_when_announced(vae, T):
+    """Every frame is handed to ``on_frames`` once, in order, window by window, already equal to what the decode
+    returns (the released decode's frames): nothing written after it was announced."""
+    z = latents(T, 2, 3, seed=T)
+    announced = []
+    got = decode_tiled(decoder_of(vae), z, on_frames=lambda start, frames: announced.append((start, frames.clone())))
+    starts = [start for start, _ in announced]
+    assert starts[0] == 0 and torch.equal(torch.cat([f for _, f in announced]), got)
+    assert all(b == a + len(f) for (a, f), b in zip(announced, starts[1:]))
+    assert len(announced) <= len(temporal_plan(T).windows)
+    if len(temporal_plan(T).windows) > 1:
+        assert len(announced) > 1  # handed over window by window, not at the end
+    torch.testing.assert_close(got, reference_decode(vae, z), atol=2e-5, rtol=1e-4)
