@@ -11,11 +11,13 @@
 #   quant     the GPU tests of comfy-kitchen's formats (the DiT and video VAE kept against dequantised, the
 #             quantised text encoders) and the single-file text encoder on CUDA
 #   lora      bench/lora_repatch.py: a strength change against a fresh load from a cold page cache, release size
+#   mp4       bench/mp4_presets.py: libx264 presets x threads (seconds, MB, PSNR) on a clip built from the photos
+#             carried as .photos (written beforehand by bench/mp4_presets.py --extract .photos)
 #   host      the host tests (tests/host) with the ComfyUI server on the GPU (H3_COMFY_GPU=1)
 #   e2e-write, e2e-cold, e2e-restart
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report) under /root/h3_e2e, each
 #             within one 10-minute call, the results gathered there between calls; the report goes to $out
-# Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [host] [e2e-write] [e2e-cold] [e2e-restart]
+# Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [mp4] [host] [e2e-write] [e2e-cold] [e2e-restart]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out/h200_host}"
@@ -50,6 +52,7 @@ for part in "$@"; do
         lora) mkdir -p /root/h3_bench
             run lora_repatch python3 bench/lora_repatch.py --dit /root/h3_bench/minimax_h3_pruned_fp8_random.safetensors \
                 --out "$out/lora_repatch.json" ;;
+        mp4) run mp4_presets python3 bench/mp4_presets.py --photos .photos --out "$out/mp4_presets.json" ;;
         e2e-write) run e2e_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write eval ;;
         e2e-cold|e2e-restart)
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid benchmark</body></html>" > /tmp/h3_frontend/index.html

@@ -1,0 +1,383 @@
+"""What libx264's preset and thread count cost and give when the pack writes a clip: per configuration the wall
+seconds of the encode, the file size and the PSNR of the decoded file against the source frames, on a
+natural-content clip of the release size (345 frames, 1344×768, 24 fps).
+
+The clip: photographs bundled with scikit-image, one after another, each panned and zoomed slowly and
+continuously (bicubic ``grid_sample``) across its own share of the frames; built in memory as uint8
+``[frames, height, width, 3]``. The photos are 300 to 741 pixels wide, so the frames are enlarged views of them.
+
+Each configuration is encoded as ``h3_core/mp4.py`` writes video (PyAV, ``libx264`` at 24 fps, ``yuv420p``,
+options ``crf``, ``preset``, ``threads``; ``threads`` 0 is libx264's auto) into a temporary file; the seconds are
+``time.perf_counter`` around opening, encoding, muxing and closing the file, frames already in memory (the
+RGB-to-yuv420p conversion PyAV does before the encoder included, as in the pack). ``--thread-types``: ``slice``
+is PyAV's default codec threading, the one the pack runs today (libx264 then uses sliced threads); ``frame``
+gives libx264 its frame threads. The file is decoded back to rgb24 with PyAV: PSNR per frame (mean over the
+frames) and from the clip's total squared error (global). The same figures for the yuv420p round trip alone
+(a lossless encoder) are the ceiling of every configuration. The x264 settings each file records (its SEI) give the
+threads libx264 actually ran.
+
+``--out X.json`` also writes ``X.md``: a row per configuration, ΔPSNR and speed-up against crf 18 ``medium``
+at the same threads, and the fastest configuration within ``--tolerance-db`` (both PSNRs) of crf 18 ``medium``
+with threads auto and the pack's threading.
+
+Step 1, where scikit-image is installed (``pip install scikit-image``; the pack does not need it): the photos as
+PNG files named by their scikit-image name (``motorcycle_left`` is ``stereo_motorcycle()``'s left image).
+
+    python3 bench/mp4_presets.py --extract .photos
+
+Step 2, on the machine measured (PyAV, PIL, torch):
+
+    python3 bench/mp4_presets.py --photos .photos --out bench/results/mp4_presets.json
+
+A dry run of the code: ``--frames 24 --width 256 --height 144 --threads 0 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
+
+from h3_core.mp4 import VIDEO_CODEC  # noqa: E402
+
+PHOTOS = ("astronaut", "chelsea", "coffee", "motorcycle_left", "rocket")
+PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium")
+REFERENCE_PRESET, REFERENCE_CRF = "medium", 18
+FPS = 24
+PEAK = 255.0
+
+
+def extract(folder: Path) -> dict:
+    """Each of ``PHOTOS`` from ``skimage.data`` written as ``folder/<name>.png``; their sizes."""
+    from PIL import Image
+    from skimage import data
+
+    loaders = {"motorcycle_left": lambda: data.stereo_motorcycle()[0]}
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name in PHOTOS:
+        pixels = loaders[name]() if name in loaders else getattr(data, name)()
+        path = folder / f"{name}.png"
+        Image.fromarray(np.ascontiguousarray(pixels[..., :3])).save(path, optimize=True)
+        written[name] = dict(shape=list(pixels.shape), bytes=path.stat().st_size)
+    return written
+
+
+def read_photos(folder: Path) -> dict[str, torch.Tensor]:
+    """The PNG files of ``folder`` by name (sorted), each as float ``[1, 3, H, W]`` in [0, 255]."""
+    from PIL import Image
+
+    paths = sorted(folder.glob("*.png"))
+    if not paths:
+        raise SystemExit(f"{folder}: no PNG photos (write them with --extract {folder})")
+    photos = {}
+    for path in paths:
+        pixels = np.asarray(Image.open(path).convert("RGB"))
+        photos[path.stem] = torch.from_numpy(pixels.copy()).permute(2, 0, 1)[None].float()
+    return photos
+
+
+def camera(photo_w: int, photo_h: int, aspect: float, t: float, forward: bool) -> torch.Tensor:
+    """The affine ``theta`` ``[1, 2, 3]`` of one frame at ``t`` in [0, 1] of a photo's shot: the widest window of
+    the frame's aspect zoomed 1.0 to 1.3 (or back) while its centre crosses most of the photo and drifts down."""
+    full_x = min(1.0, aspect * photo_h / photo_w)
+    full_y = full_x * photo_w / (aspect * photo_h)
+    zoom = 1.0 + 0.3 * (t if forward else 1.0 - t)
+    sx, sy = full_x / zoom, full_y / zoom
+    across = (2 * t - 1) * (1 if forward else -1)
+    tx, ty = 0.8 * across * (1 - sx), -0.5 * (2 * t - 1) * (1 - sy)
+    return torch.tensor([[[sx, 0.0, tx], [0.0, sy, ty]]])
+
+
+def build_clip(photos: dict[str, torch.Tensor], frames: int, height: int, width: int) -> torch.Tensor:
+    """uint8 ``[frames, height, width, 3]``: the photos in order, each panned and zoomed over an equal share of
+    the frames (the first ones one frame longer when they do not divide evenly)."""
+    clip = torch.empty(frames, height, width, 3, dtype=torch.uint8)
+    shares = [frames // len(photos) + (i < frames % len(photos)) for i in range(len(photos))]
+    index = 0
+    for shot, (photo, share) in enumerate(zip(photos.values(), shares)):
+        for step in range(share):
+            theta = camera(photo.shape[3], photo.shape[2], width / height, step / max(share - 1, 1), shot % 2 == 0)
+            grid = F.affine_grid(theta, [1, 3, height, width], align_corners=False)
+            frame = F.grid_sample(photo, grid, mode="bicubic", padding_mode="border", align_corners=False)
+            clip[index] = frame[0].permute(1, 2, 0).clamp(0, 255).round().to(torch.uint8)
+            index += 1
+    return clip
+
+
+def encode(path: Path, clip: torch.Tensor, preset: str, crf: int, threads: int, thread_type: str) -> float:
+    """Seconds to write ``clip`` to ``path`` as the pack writes its video."""
+    import av
+
+    start = time.perf_counter()
+    with av.open(str(path), mode="w", format="mp4", options={"movflags": "use_metadata_tags"}) as container:
+        video = container.add_stream(VIDEO_CODEC, rate=FPS)
+        video.width, video.height = int(clip.shape[2]), int(clip.shape[1])
+        video.pix_fmt = "yuv420p"
+        video.codec_context.thread_type = thread_type.upper()
+        video.options = {"crf": str(crf), "preset": preset, "threads": str(threads)}
+        for index in range(clip.shape[0]):
+            frame = av.VideoFrame.from_ndarray(clip[index].numpy(), format="rgb24")
+            frame.pts = index
+            frame.time_base = Fraction(1, FPS)
+            container.mux(video.encode(frame))
+        container.mux(video.encode())
+    return time.perf_counter() - start
+
+
+def psnr(errors: list[tuple[int, int]]) -> dict:
+    """PSNR in dB from per-frame (sum of squared errors, values): the mean of the frames' and the global one."""
+    def db(sse, count):
+        return 10 * math.log10(PEAK**2 / max(sse / count, 1e-10))
+
+    return dict(psnr_mean=statistics.fmean(db(s, n) for s, n in errors),
+                psnr_global=db(sum(s for s, _ in errors), sum(n for _, n in errors)))
+
+
+def frame_error(frame, source: torch.Tensor) -> tuple[int, int]:
+    """A yuv420p ``frame`` converted to rgb24 by PyAV against ``source``: (sum of squared errors, values)."""
+    diff = np.subtract(frame.to_ndarray(format="rgb24"), source.numpy(), dtype=np.int16).astype(np.int32)
+    return int(np.einsum("ijk,ijk->", diff, diff, dtype=np.int64)), diff.size
+
+
+def errors_of(frames, clip: torch.Tensor) -> list[tuple[int, int]]:
+    """``frame_error`` of each of ``frames`` against the clip's frame of the same index, on every CPU."""
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        futures = [pool.submit(frame_error, frame, clip[min(i, clip.shape[0] - 1)]) for i, frame in enumerate(frames)]
+        return [future.result() for future in futures]
+
+
+def decoded_psnr(path: Path, clip: torch.Tensor) -> dict:
+    """The file decoded and converted to rgb24 against ``clip``, frame by frame."""
+    import av
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        errors = errors_of(container.decode(stream), clip)
+    if len(errors) != clip.shape[0]:
+        raise RuntimeError(f"{path}: {len(errors)} frames decoded, {clip.shape[0]} written")
+    return psnr(errors)
+
+
+def yuv420p_round_trip(clip: torch.Tensor) -> dict:
+    """Seconds of PyAV's RGB-to-yuv420p conversion of the clip alone, and the PSNR of converting back (no
+    encoder): the ceiling of every configuration."""
+    import av
+
+    start = time.perf_counter()
+    frames = [av.VideoFrame.from_ndarray(image.numpy(), format="rgb24").reformat(format="yuv420p") for image in clip]
+    seconds = time.perf_counter() - start
+    return dict(rgb_to_yuv420p_s=seconds, **psnr(errors_of(frames, clip)))
+
+
+def x264_settings(path: Path) -> dict:
+    """The x264 version and threading settings written into the file's SEI."""
+    text = path.read_bytes()[:1 << 20]
+    found = re.search(rb"x264 - core (\d+)( r\d+ [0-9a-f]+)?", text)
+    options = re.search(rb"options: ([^\x00]*)", text)
+    pairs = {}
+    if options:
+        pairs = dict(item.split("=", 1) for item in options.group(1).decode(errors="replace").split() if "=" in item)
+    return dict(x264=found.group(0).decode() if found else None,
+                **{f"x264_{k}": pairs.get(k) for k in ("threads", "lookahead_threads", "sliced_threads")})
+
+
+def configurations(args) -> list[dict]:
+    """crf 18 for every preset and threading type at threads auto, the extra crfs there, then the other thread
+    counts."""
+    def at(threads):
+        return [dict(preset=p, crf=REFERENCE_CRF, threads=threads, thread_type=k)
+                for k in args.thread_types for p in args.presets]
+
+    extra = [dict(preset=p, crf=c, threads=0, thread_type=k)
+             for k in args.thread_types for p in args.extra_crf_presets for c in args.extra_crfs]
+    return at(0) + extra + [row for t in args.threads if t != 0 for row in at(t)]
+
+
+def measure(clip: torch.Tensor, config: dict, folder: Path, reps: int) -> dict:
+    path = folder / "clip.mp4"
+    seconds = [encode(path, clip, config["preset"], config["crf"], config["threads"], config["thread_type"])
+               for _ in range(reps)]
+    row = dict(config, seconds=statistics.median(seconds), seconds_each=seconds, bytes=path.stat().st_size)
+    row.update(decoded_psnr(path, clip))
+    row.update((k, v) for k, v in x264_settings(path).items() if k != "x264")
+    path.unlink()
+    return row
+
+
+def reference(rows: list[dict], threads: int, thread_type: str) -> dict | None:
+    return next((r for r in rows if (r["preset"], r["crf"], r["threads"], r["thread_type"])
+                 == (REFERENCE_PRESET, REFERENCE_CRF, threads, thread_type)), None)
+
+
+def compare(rows: list[dict]) -> None:
+    """Each row's ΔPSNR (dB) and speed-up against crf 18 medium at its threads and threading type."""
+    for row in rows:
+        ref = reference(rows, row["threads"], row["thread_type"])
+        row["delta_psnr_mean"] = None if ref is None else row["psnr_mean"] - ref["psnr_mean"]
+        row["delta_psnr_global"] = None if ref is None else row["psnr_global"] - ref["psnr_global"]
+        row["speedup_vs_medium"] = None if ref is None else ref["seconds"] / row["seconds"]
+
+
+def fastest_within(rows: list[dict], ref: dict | None, tolerance: float, threads_auto: bool) -> dict | None:
+    """The fastest row whose PSNRs (mean and global) are both no more than ``tolerance`` dB below ``ref``'s."""
+    if ref is None:
+        return None
+    fits = [r for r in rows if r["psnr_mean"] >= ref["psnr_mean"] - tolerance
+            and r["psnr_global"] >= ref["psnr_global"] - tolerance and (r["threads"] == 0 or not threads_auto)]
+    return min(fits, key=lambda r: r["seconds"], default=None)
+
+
+def cell(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def describe(row: dict | None, ref: dict) -> str:
+    if row is None:
+        return "none measured"
+    return (f"`{row['preset']}` crf {row['crf']}, threads {row['threads']} ({row['thread_type']}): "
+            f"{row['seconds']:.2f} s against {ref['seconds']:.2f} s ({ref['seconds'] / row['seconds']:.2f}×), "
+            f"{row['bytes'] / 1e6:.2f} MB against {ref['bytes'] / 1e6:.2f} MB, PSNR {row['psnr_mean']:.2f} / "
+            f"{row['psnr_global']:.2f} dB ({row['psnr_mean'] - ref['psnr_mean']:+.2f} / "
+            f"{row['psnr_global'] - ref['psnr_global']:+.2f})")
+
+
+def table_row(r: dict) -> str:
+    return (f"| {r['preset']} | {r['threads']} | {r['thread_type']} "
+            f"| {r['x264_threads']}+{r['x264_lookahead_threads']} | {r['crf']} | {r['seconds']:.2f} "
+            f"| {r['bytes'] / 1e6:.2f} | {r['psnr_mean']:.2f} | {r['psnr_global']:.2f} "
+            f"| {cell(r['delta_psnr_mean'], '+.2f')} | {cell(r['delta_psnr_global'], '+.2f')} "
+            f"| {cell(r['speedup_vs_medium'], '.2f')} |")
+
+
+def choice(result: dict) -> list[str]:
+    ref, tol = result["reference"], result["tolerance_db"]
+    if ref is None:
+        return ["crf 18 `medium` with threads auto was not measured: no choice made."]
+    today = ", the pack's encode today" if ref["thread_type"] == "slice" else ""
+    return [f"Reference: crf 18 `medium`, threads 0, {ref['thread_type']} threading{today}: {ref['seconds']:.2f} s, "
+            f"{ref['bytes'] / 1e6:.2f} MB, PSNR {ref['psnr_mean']:.2f} / {ref['psnr_global']:.2f} dB.", "",
+            f"- Fastest within {tol} dB (both PSNRs), threads auto: {describe(result['fastest_threads_auto'], ref)}.",
+            f"- Fastest within {tol} dB (both PSNRs), any threads: {describe(result['fastest_any_threads'], ref)}."]
+
+
+def markdown(result: dict) -> str:
+    clip, ceiling, rows = result["clip"], result["yuv420p_round_trip"], result["rows"]
+    lines = ["# libx264 presets and threads for the pack's mp4", "",
+             f"Written by `bench/mp4_presets.py` (see its docstring for the method): `{result['command']}`.", "",
+             f"{result['cpu_count']} CPUs ({result['cpus_usable']} usable), PyAV {result['pyav']}, FFmpeg "
+             f"{result['ffmpeg']}, {result['x264']}; {result['date']}.", "",
+             f"Clip: {clip['frames']} frames, {clip['width']}×{clip['height']} at {FPS} fps, built from "
+             f"{', '.join(clip['photos'])} (scikit-image) in {clip['build_s']:.1f} s. The RGB-to-yuv420p conversion "
+             f"alone (inside every row's seconds) takes {ceiling['rgb_to_yuv420p_s']:.2f} s; the yuv420p round trip "
+             f"alone gives PSNR {ceiling['psnr_mean']:.2f} / {ceiling['psnr_global']:.2f} dB (mean / global), the "
+             "ceiling of every row.", "",
+             "Δ and speed-up: against crf 18 `medium` at the same threads and threading type. x264 threads: what "
+             "libx264 ran (its SEI: threads + lookahead threads).", "",
+             "| preset | threads | threading | x264 threads | crf | s | MB | PSNR mean | PSNR global | Δ mean | "
+             "Δ global | × vs medium |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    order = {p: i for i, p in enumerate(PRESETS)}
+    types = list(dict.fromkeys(r["thread_type"] for r in rows))
+    counts = list(dict.fromkeys(r["threads"] for r in rows))
+    lines += [table_row(r) for r in sorted(rows, key=lambda r: (
+        types.index(r["thread_type"]), counts.index(r["threads"]), r["crf"] != REFERENCE_CRF,
+        order.get(r["preset"], len(order)), r["crf"]))]
+    return "\n".join(lines + [""] + choice(result)) + "\n"
+
+
+def write(result: dict, out: Path | None) -> str:
+    text = record.write(result, out)
+    if out is not None:
+        out.with_suffix(".md").write_text(markdown(result))
+    return text
+
+
+def versions() -> dict:
+    import av
+
+    return dict(pyav=av.__version__, ffmpeg=av.ffmpeg_version_info,
+                libavcodec=".".join(map(str, av.library_versions["libavcodec"])))
+
+
+def finish(result: dict, thread_type: str, tolerance: float) -> None:
+    """The comparisons and the choice, from the rows measured so far."""
+    rows = result["rows"]
+    compare(rows)
+    result["reference"] = ref = reference(rows, 0, thread_type)
+    result["fastest_threads_auto"] = fastest_within(rows, ref, tolerance, threads_auto=True)
+    result["fastest_any_threads"] = fastest_within(rows, ref, tolerance, threads_auto=False)
+
+
+def measure_all(clip: torch.Tensor, args, result: dict) -> None:
+    """Every configuration into ``result["rows"]``, the comparisons and ``--out`` brought up to date after each."""
+    reference_type = "slice" if "slice" in args.thread_types else args.thread_types[0]
+    with tempfile.TemporaryDirectory(prefix="h3_mp4_presets_") as folder:
+        warm = Path(folder) / "warm.mp4"
+        encode(warm, clip[: min(8, args.frames)], "ultrafast", REFERENCE_CRF, 0, args.thread_types[0])
+        result["x264"] = x264_settings(warm)["x264"]
+        for config in configurations(args):
+            row = measure(clip, config, Path(folder), args.reps)
+            result["rows"].append(row)
+            print(f"{row['preset']:>9} crf {row['crf']} threads {row['threads']:>2} {row['thread_type']:>5}: "
+                  f"{row['seconds']:6.2f} s {row['bytes'] / 1e6:7.2f} MB {row['psnr_mean']:.2f} / "
+                  f"{row['psnr_global']:.2f} dB", flush=True)
+            finish(result, reference_type, args.tolerance_db)
+            write(result, args.out)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--extract", type=Path, help="write the photos as PNG files into this folder and stop")
+    parser.add_argument("--photos", type=Path, help="the folder of PNG photos the clip is built from")
+    parser.add_argument("--frames", type=int, default=345)
+    parser.add_argument("--width", type=int, default=1344)
+    parser.add_argument("--height", type=int, default=768)
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS))
+    parser.add_argument("--threads", type=int, nargs="+", default=[0, 4, 8, 16], help="libx264 threads (0: auto)")
+    parser.add_argument("--thread-types", nargs="+", default=["slice", "frame"], choices=("slice", "frame"),
+                        help="PyAV's codec threading (slice: its default, the pack's today)")
+    parser.add_argument("--extra-crfs", type=int, nargs="*", default=[16, 20], help="also at threads auto, for:")
+    parser.add_argument("--extra-crf-presets", nargs="*", default=["ultrafast", "superfast", "veryfast"])
+    parser.add_argument("--reps", type=int, default=1, help="encodes per configuration (the median is kept)")
+    parser.add_argument("--tolerance-db", type=float, default=0.5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.extract:
+        print(record.write(dict(photos=extract(args.extract), folder=str(args.extract)), None))
+        return {}
+    if args.photos is None:
+        parser.error("--photos (or --extract) is required")
+
+    start = time.perf_counter()
+    photos = read_photos(args.photos)
+    clip = build_clip(photos, args.frames, args.height, args.width)
+    result = record.header("mp4_presets.py", argv)
+    result.update(cpu_count=os.cpu_count(), cpus_usable=len(os.sched_getaffinity(0)), **versions())
+    result["clip"] = dict(frames=args.frames, width=args.width, height=args.height, fps=FPS, photos=list(photos),
+                          build_s=time.perf_counter() - start)
+    result["yuv420p_round_trip"] = yuv420p_round_trip(clip)
+    result.update(tolerance_db=args.tolerance_db, rows=[], reference=None)
+    measure_all(clip, args, result)
+    print(write(result, args.out))
+    return result
+
+if __name__ == "__main__":
+    main()
