@@ -168,7 +168,8 @@ def workflow(name: str, object_info: dict, files: dict[str, Path], size: dict, s
     inputs["H3AudioVAELoader"]["vae_name"] = files["audio_vae"].name
     inputs["H3Canvas"].update(width=size["width"], height=size["height"], length=size["length"])
     inputs["H3Sampler"].update(steps=size["steps"], seed=seed, conditioning=["900", 0])
-    inputs["H3SaveVideo"]["filename_prefix"] = f"H3/e2e_{Path(name).stem}"
+    saving = "H3DecodeAndSave" if "H3DecodeAndSave" in inputs else "H3SaveVideo"
+    inputs[saving]["filename_prefix"] = f"H3/e2e_{Path(name).stem}"
     return prompt
 
 
@@ -231,13 +232,20 @@ def stages(events, prompt: dict, steps: int) -> dict:
         steady_step_s=None if first is None or last is None or steps < 2 else (last - first) / (steps - 1),
         sampling_s=None if last is None else last - loaded,
         sampler_tail_s=None if last is None else s1 - last,
-        decode_s=span("H3VideoDecode"),
-        audio_s=span("H3AudioDecode"),
-        mp4_tail_s=span("H3SaveVideo"),
-        total_s=total,
         cached=[prompt[n]["class_type"] for t, kind, data in events if kind == "execution_cached"
                 for n in data.get("nodes", []) if n in prompt],
     )
+    combined = next((node_id for node_id, node in prompt.items() if node["class_type"] == "H3DecodeAndSave"), None)
+    if combined is None:  # the separate decode, audio decode and save nodes
+        out.update(decode_s=span("H3VideoDecode"), audio_s=span("H3AudioDecode"), mp4_tail_s=span("H3SaveVideo"))
+    else:
+        # Decode & Save: the soundtrack (its progress text), the video decode (to the last tile's progress), the
+        # mp4's tail (the rest)
+        (d0, d1), = by_class["H3DecodeAndSave"]
+        sound = next(t for t, kind, data in events if kind == "text" and data[0] == combined)
+        tiles = [t for t, kind, data in events if kind == "progress" and data.get("node") == combined]
+        out.update(audio_s=sound - d0, decode_s=tiles[-1] - sound, mp4_tail_s=d1 - tiles[-1])
+    out["total_s"] = total
     return out
 
 

@@ -31,22 +31,23 @@ class H3DecodeAndSave(io.ComfyNode):
                 io.Latent.Input("latent"),
                 io.String.Input("filename_prefix", default="H3/clip"),
                 io.Int.Input("fps", default=FPS, min=1, max=120),
-                H3AudioVAE.Input("audio_vae", optional=True,
-                                 tooltip="the soundtrack's VAE; without it the clip is silent"),
-                io.Combo.Input("encoder_preset", options=list(PRESETS), default=DEFAULT_PRESET, optional=True,
+                io.Combo.Input("encoder_preset", options=list(PRESETS), default=DEFAULT_PRESET,
                                tooltip="libx264's speed/size trade at the same quality setting (crf 18)"),
                 *tile_inputs(),
+                H3AudioVAE.Input("audio_vae", optional=True,
+                                 tooltip="the soundtrack's VAE; without it the clip is silent"),
                 H3Attention.Input("attention", optional=True),
             ],
             outputs=[io.Image.Output(display_name="images")],
             is_output_node=True,
-            hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo],
+            hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo, io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, video_vae, latent, filename_prefix, fps, tile_size, overlap, tiles_per_batch, audio_vae=None,
-                encoder_preset=DEFAULT_PRESET, attention=None):
+    def execute(cls, video_vae, latent, filename_prefix, fps, encoder_preset, tile_size, overlap, tiles_per_batch,
+                audio_vae=None, attention=None):
         waveform, rate = decode_audio(audio_vae, latent) if audio_vae is not None else (None, 32000)
+        _host.tell(cls.hidden.unique_id, ["soundtrack decoded" if audio_vae is not None else "no soundtrack"])
         video, _, _ = from_latent(latent)
         ratio = video_vae.model.cfg.spatial_ratio
         width, height = video.shape[-1] * ratio, video.shape[-2] * ratio

@@ -85,9 +85,8 @@ def build(mode: str) -> dict:
     prompt = REFERENCE_PROMPT if mode == "Ref2VA" else PROMPT
     encode = g.node("H3TextEncode", (400, 0), [prompt], [("conditioning", "CONDITIONING")], (400, 240))
     sampler = g.node("H3Sampler", (860, 0), [mode, 20, 12.0, 3.0, 42, "fixed"], [("latent", "LATENT")], (340, 420))
-    decode = g.node("H3VideoDecode", (1260, 0), [256, 64, 4], [("images", "IMAGE")], (320, 170))
-    audio = g.node("H3AudioDecode", (1260, 220), [], [("audio", "AUDIO")])
-    save = g.node("H3SaveVideo", (1620, 0), [f"H3/{mode.lower()}", 24], (), (400, 400))
+    save = g.node("H3DecodeAndSave", (1260, 0), [f"H3/{mode.lower()}", 24, "medium", 256, 64, 4], [("images", "IMAGE")],
+                  (400, 460))
     g.link(encoder, 0, encode, "text_encoder")
     g.link(canvas, 0, encode, "canvas")
     g.link(dit, 0, sampler, "model")
@@ -113,13 +112,10 @@ def build(mode: str) -> dict:
         g.link(music, 0, encode, "references")
         g.link(music, 0, sampler, "references")
         g.link(audio_vae, 0, sampler, "audio_vae")
-    g.link(video_vae, 0, decode, "video_vae")
-    g.link(sampler, 0, decode, "latent")
-    g.link(attention, 0, decode, "attention")
-    g.link(audio_vae, 0, audio, "audio_vae")
-    g.link(sampler, 0, audio, "latent")
-    g.link(decode, 0, save, "images")
-    g.link(audio, 0, save, "audio")
+    g.link(video_vae, 0, save, "video_vae")
+    g.link(sampler, 0, save, "latent")
+    g.link(audio_vae, 0, save, "audio_vae")
+    g.link(attention, 0, save, "attention")
     return g.workflow(mode)
 
 
