@@ -17,6 +17,7 @@
 #   e2e-write, e2e-cold, e2e-restart
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report) under /root/h3_e2e, each
 #             within one 10-minute call, the results gathered there between calls; the report goes to $out
+#   e2e-quick write, cold (the cold and the warm run) and report in one call, without the evaluation beside
 # Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [mp4] [host] [e2e-write] [e2e-cold] [e2e-restart]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -54,12 +55,15 @@ for part in "$@"; do
                 --out "$out/lora_repatch.json" ;;
         mp4) run mp4_presets python3 bench/mp4_presets.py --photos .photos --out "$out/mp4_presets.json" ;;
         e2e-write) run e2e_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write eval ;;
+        e2e-quick) run e2e_quick_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write ;&
         e2e-cold|e2e-restart)
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid benchmark</body></html>" > /tmp/h3_frontend/index.html
             phases=(cold); [ "$part" = e2e-restart ] && phases=(restart report)
+            [ "$part" = e2e-quick ] && phases=(cold report)
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" python3 \
-                bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --out "$out/end_to_end.json"
-            cp /root/h3_e2e/end_to_end_state.json "$out/" 2>/dev/null ;;
+                bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --out "$out/end_to_end.json" \
+                --state "$out/end_to_end_state.json"
+            ;;
         host)
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_tests python3 -m pytest -q \

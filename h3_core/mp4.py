@@ -90,6 +90,9 @@ class Mp4Writer:
             self._video.width, self._video.height = width, height
             self._video.pix_fmt = "yuv420p"
             self._video.options = {"crf": str(crf), "preset": preset, "threads": str(threads)}
+            # PyAV asks for slice threads, which make libx264 split each frame; its own frame threads give the same
+            # picture faster (bench/mp4_presets.py)
+            self._video.codec_context.thread_type = "FRAME"
             self._sound = None
             if self.audio is not None:
                 self._sound = self._container.add_stream(AUDIO_CODEC, rate=sample_rate)
