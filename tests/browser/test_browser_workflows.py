@@ -72,15 +72,19 @@ def queue_on_tiny(server, page):
     return path
 
 
-def shape(prompt):
-    """An API-form prompt without its node ids: each node's type and widget values, and its links by the types
-    of the nodes they come from."""
+# How the clip is written: the current workflows decode and save in one node, earlier ones in three (which stay).
+WRITERS = {"H3VideoDecode", "H3AudioDecode", "H3SaveVideo", "H3DecodeAndSave"}
+
+
+def shape(prompt, leave_out=()):
+    """An API-form prompt without its node ids (and without the node types ``leave_out``): each node's type and
+    widget values, and its links by the types of the nodes they come from."""
     def value(v):
         if isinstance(v, list):
             return ("link", prompt[v[0]]["class_type"], v[1])
         return int(v) if isinstance(v, float) and v.is_integer() else v  # JSON from the page has 3 for 3.0
     return sorted(json.dumps([node["class_type"], {k: value(v) for k, v in sorted(node["inputs"].items())}])
-                  for node in prompt.values())
+                  for node in prompt.values() if node["class_type"] not in leave_out)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
@@ -112,6 +116,6 @@ def test_a_workflow_saved_with_the_earlier_inputs_is_migrated_and_runs(server, p
     types = sorted(t for t, _ in nodes)
     assert types.count("H3Canvas") == 1 and "H3LoraList" not in types
     current = json.loads((ROOT / "workflows" / path.name).read_text())
-    assert shape(frontend_prompt(page)) == shape(to_api(current, server.object_info()))
+    assert shape(frontend_prompt(page), WRITERS) == shape(to_api(current, server.object_info()), WRITERS)
     if path.stem == "h3_fl2va":  # the migrated graphs equal the current ones; one of them runs from the page
         assert queue_on_tiny(server, page).is_file()
