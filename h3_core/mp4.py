@@ -8,6 +8,7 @@ half-written file under the final name.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -20,9 +21,14 @@ import torch
 
 from .errors import H3InputError
 
-__all__ = ["Mp4Writer", "Mp4Worker", "write_mp4", "read_audio", "VIDEO_CODEC", "AUDIO_CODEC", "PRESETS", "DEFAULT_PRESET"]
+__all__ = ["Mp4Writer", "Mp4Worker", "write_mp4", "video_encoder", "ENCODERS", "HARDWARE_ENCODERS", "read_audio", "VIDEO_CODEC", "AUDIO_CODEC", "PRESETS", "DEFAULT_PRESET"]
 
 VIDEO_CODEC = "libx264"
+# Hardware H.264 encoders tried first, in order, where they open: NVENC on NVIDIA cards that have a video encoder
+# (consumer and workstation cards; data-centre Hopper has none). PyAV lists them wherever FFmpeg was built with
+# them, so only opening one tells.
+HARDWARE_ENCODERS = ("h264_nvenc",)
+ENCODERS = ("auto", VIDEO_CODEC, *HARDWARE_ENCODERS)
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 DEFAULT_PRESET = "medium"  # libx264's own default
 AUDIO_CODEC = "aac"
@@ -54,17 +60,71 @@ def _check_audio(waveform, sample_rate) -> torch.Tensor:
     return waveform.detach().float().clamp(-1, 1).cpu()
 
 
+_log = logging.getLogger(__name__)
+_said: set[tuple[str, str]] = set()  # the encoder choices already logged
+_opened: dict[tuple[str, int, int], str | None] = {}  # (encoder, width, height) -> why it failed to open, or None
+
+
+def _fails_to_open(name: str, width: int, height: int, fps: int) -> str | None:
+    """Why ``name`` cannot encode ``width``×``height`` yuv420p here (it is opened and given a blank frame), or
+    None when it can. Asked once per process and size."""
+    import av
+
+    key = (name, width, height)
+    if key not in _opened:
+        try:
+            context = av.CodecContext.create(name, "w")
+            context.width, context.height, context.pix_fmt = width, height, "yuv420p"
+            context.time_base = Fraction(1, fps)
+            context.open()
+            blank = av.VideoFrame(width, height, "yuv420p")
+            blank.pts = 0
+            context.encode(blank)
+            context.encode(None)
+            _opened[key] = None
+        except Exception as exc:  # unknown to this FFmpeg, no device, no driver, a size it refuses
+            _opened[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return _opened[key]
+
+
+def video_encoder(width: int, height: int, fps: int = 24, choice: str = "auto",
+                  candidates: tuple[str, ...] | None = None) -> tuple[str, str]:
+    """The H.264 encoder a clip is written with, and why: for ``choice="auto"`` the first of ``candidates``
+    (default ``HARDWARE_ENCODERS``) that opens here (``_fails_to_open``), else libx264; any other ``choice`` (``ENCODERS``) as named, refused when it
+    does not open."""
+    if choice not in ENCODERS:
+        raise H3InputError(f"encoder: got {choice!r}; allowed: {', '.join(ENCODERS)}")
+    if choice == VIDEO_CODEC:
+        return VIDEO_CODEC, "chosen"
+    if choice != "auto":
+        failed = _fails_to_open(choice, width, height, fps)
+        if failed:
+            raise H3InputError(f"encoder: {choice} does not open on this machine ({failed}); pick auto or "
+                               f"{VIDEO_CODEC}")
+        return choice, "chosen"
+    reasons = []
+    for name in HARDWARE_ENCODERS if candidates is None else candidates:
+        failed = _fails_to_open(name, width, height, fps)
+        if failed is None:
+            return name, f"{name} opened"
+        reasons.append(f"{name}: {failed}")
+    return VIDEO_CODEC, "no hardware encoder opened (" + "; ".join(reasons) + ")" if reasons else "chosen"
+
+
 class Mp4Writer:
     """An mp4 written a frame range at a time: H.264 yuv420p video at ``fps`` (libx264 at ``crf`` with ``preset``
     and ``threads``; 0 lets libx264 choose) and, when ``waveform`` ``[channels, samples]`` in [-1, 1] is given,
     AAC audio at ``sample_rate``, muxed once the video ends. ``metadata`` (text by key) goes into the container's
     tags, custom keys kept (``movflags=use_metadata_tags``). Everything is written to a temporary name beside
     ``path``: ``close`` finishes the file and renames it, ``abort`` (or leaving a ``with`` block by an exception)
-    removes it, so a failed or cancelled write never leaves a file under the final name."""
+    removes it, so a failed or cancelled write never leaves a file under the final name. ``encoder``
+    (``video_encoder``): "auto" writes with a hardware encoder where one opens (NVENC at constant quality ``crf``
+    + 1 with its preset p5; its quality against libx264's is not measured here), else libx264; ``encoder_used``
+    and ``encoder_reason`` say which and why."""
 
     def __init__(self, path: str | Path, width: int, height: int, *, fps: int = 24, crf: int = 18,
                  preset: str = DEFAULT_PRESET, threads: int = 0, waveform: torch.Tensor | None = None,
-                 sample_rate: int = 32000, metadata: dict[str, str] | None = None):
+                 sample_rate: int = 32000, metadata: dict[str, str] | None = None, encoder: str = VIDEO_CODEC):
         import av
 
         if width % 2 or height % 2 or width <= 0 or height <= 0:
@@ -77,6 +137,10 @@ class Mp4Writer:
         tags = dict(metadata or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
             raise H3InputError(f"metadata must map text keys to text values, got {sorted(map(repr, tags))[:4]}")
+        self.encoder_used, self.encoder_reason = video_encoder(width, height, fps, encoder)
+        if encoder == "auto" and (self.encoder_used, self.encoder_reason) not in _said:
+            _said.add((self.encoder_used, self.encoder_reason))
+            _log.info("writing H.264 with %s: %s", self.encoder_used, self.encoder_reason)
         self.path, self.fps, self.sample_rate = Path(path), fps, sample_rate
         self.size = (height, width)
         self.partial = self.path.with_name(f".{self.path.stem}.partial{self.path.suffix}")
@@ -86,13 +150,16 @@ class Mp4Writer:
         try:
             for key, value in tags.items():
                 self._container.metadata[key] = value
-            self._video = self._container.add_stream(VIDEO_CODEC, rate=fps)
+            self._video = self._container.add_stream(self.encoder_used, rate=fps)
             self._video.width, self._video.height = width, height
             self._video.pix_fmt = "yuv420p"
-            self._video.options = {"crf": str(crf), "preset": preset, "threads": str(threads)}
-            # PyAV asks for slice threads, which make libx264 split each frame; its own frame threads give the same
-            # picture faster (bench/mp4_presets.py)
-            self._video.codec_context.thread_type = "FRAME"
+            if self.encoder_used == VIDEO_CODEC:
+                self._video.options = {"crf": str(crf), "preset": preset, "threads": str(threads)}
+                # PyAV asks for slice threads, which make libx264 split each frame; its own frame threads give the
+                # same picture faster (bench/mp4_presets.py)
+                self._video.codec_context.thread_type = "FRAME"
+            else:
+                self._video.options = {"rc": "vbr", "cq": str(crf + 1), "preset": "p5", "b": "0"}
             self._sound = None
             if self.audio is not None:
                 self._sound = self._container.add_stream(AUDIO_CODEC, rate=sample_rate)
@@ -234,13 +301,15 @@ class Mp4Worker:
 
 def write_mp4(path: str | Path, frames: torch.Tensor, waveform: torch.Tensor | None = None, sample_rate: int = 32000,
               *, fps: int = 24, crf: int = 18, preset: str = DEFAULT_PRESET, threads: int = 0,
-              check_cancel: Callable[[], None] | None = None, metadata: dict[str, str] | None = None) -> Path:
+              check_cancel: Callable[[], None] | None = None, metadata: dict[str, str] | None = None,
+              encoder: str = VIDEO_CODEC) -> Path:
     """Write ``frames`` ``[F, H, W, 3]`` (floats in [0, 1] or uint8) and, when given, ``waveform`` as one mp4
     (``Mp4Writer``, whose arguments these are). ``check_cancel`` is called between frames; whatever it raises
     stops the write and removes the partial file, as does any failure (a full disk)."""
     pixels = _frames_uint8(frames)
     with Mp4Writer(path, int(pixels.shape[2]), int(pixels.shape[1]), fps=fps, crf=crf, preset=preset,
-                   threads=threads, waveform=waveform, sample_rate=sample_rate, metadata=metadata) as writer:
+                   threads=threads, waveform=waveform, sample_rate=sample_rate, metadata=metadata,
+                   encoder=encoder) as writer:
         writer.write(pixels, check_cancel)
         return writer.close()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.mp4 import DEFAULT_PRESET, PRESETS, Mp4Writer
+from h3_core.mp4 import DEFAULT_PRESET, ENCODERS, PRESETS, Mp4Writer
 from h3_core.pipeline.decode_to_mp4 import decode_to_mp4
 from h3_core.pipeline.geometry import FPS
 
@@ -31,6 +31,9 @@ class H3DecodeAndSave(io.ComfyNode):
                 io.Latent.Input("latent"),
                 io.String.Input("filename_prefix", default="H3/clip"),
                 io.Int.Input("fps", default=FPS, min=1, max=120),
+                io.Combo.Input("encoder", options=list(ENCODERS), default="auto",
+                               tooltip="auto: a hardware H.264 encoder (NVENC) where one opens on this machine, else "
+                                       "libx264; NVENC's quality against libx264's is not measured"),
                 io.Combo.Input("encoder_preset", options=list(PRESETS), default=DEFAULT_PRESET,
                                tooltip="libx264's speed/size trade at the same quality setting (crf 18)"),
                 *tile_inputs(),
@@ -44,8 +47,8 @@ class H3DecodeAndSave(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, video_vae, latent, filename_prefix, fps, encoder_preset, tile_size, overlap, tiles_per_batch,
-                audio_vae=None, attention=None):
+    def execute(cls, video_vae, latent, filename_prefix, fps, encoder, encoder_preset, tile_size, overlap,
+                tiles_per_batch, audio_vae=None, attention=None):
         waveform, rate = decode_audio(audio_vae, latent) if audio_vae is not None else (None, 32000)
         _host.tell(cls.hidden.unique_id, ["soundtrack decoded" if audio_vae is not None else "no soundtrack"])
         video, _, _ = from_latent(latent)
@@ -56,7 +59,8 @@ class H3DecodeAndSave(io.ComfyNode):
         target, subfolder = output_target(filename_prefix, width, height)
         with disk_errors(target):
             writer = Mp4Writer(target, width, height, fps=fps, preset=encoder_preset, waveform=waveform,
-                               sample_rate=rate, metadata=_workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo))
+                               sample_rate=rate, metadata=_workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo),
+                               encoder=encoder)
             _, frames, tail_s = decode_to_mp4(vae, latents, writer, **options)
         _host.say(f"the mp4 was complete {tail_s:.2f} s after the decode ended")
         return saved(target, subfolder, frames)

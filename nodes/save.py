@@ -54,7 +54,7 @@ class H3SaveVideo(io.ComfyNode):
         target, subfolder = output_target(filename_prefix, images.shape[2], images.shape[1])
         with disk_errors(target):
             write_mp4(target, images, waveform, rate, fps=fps, check_cancel=_host.check_cancel,
-                      metadata=_workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo))
+                      metadata=_workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo), encoder="auto")
         return saved(target, subfolder)
 
 

@@ -135,3 +135,30 @@ def test_a_cancel_while_the_worker_still_encodes_leaves_no_file(tmp_path):
     with pytest.raises(InterruptedError):
         worker.close(cancel)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_hardware_encoder_is_used_where_it_opens_and_libx264_elsewhere(tmp_path, monkeypatch, caplog):
+    """Detection opens each candidate: one this FFmpeg lacks and NVENC where no NVIDIA encoder is reachable
+    fail, libx264 is used and one line says why; a candidate that opens (libx264 standing in for a hardware
+    encoder) is the one written with."""
+    import logging
+
+    from h3_core import mp4
+
+    if mp4._fails_to_open("h264_nvenc", 64, 32, 24) is None:
+        pytest.skip("NVENC opens on this machine")
+    used, why = mp4.video_encoder(64, 32, candidates=("h264_missing", "h264_nvenc"))
+    assert used == "libx264" and "h264_missing: UnknownCodecError" in why and "h264_nvenc:" in why
+    with pytest.raises(H3InputError, match="encoder: h264_nvenc does not open on this machine"):
+        mp4.video_encoder(64, 32, choice="h264_nvenc")
+    with pytest.raises(H3InputError, match="encoder: got 'x265'; allowed: auto, libx264, h264_nvenc"):
+        mp4.video_encoder(64, 32, choice="x265")
+    with caplog.at_level(logging.INFO, logger="h3_core.mp4"):
+        path = write_mp4(tmp_path / "auto.mp4", torch.rand(4, 32, 64, 3), encoder="auto")
+    assert "writing H.264 with libx264: no hardware encoder opened (h264_nvenc:" in caplog.text
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].codec_context.name == "h264"
+    monkeypatch.setattr(mp4, "HARDWARE_ENCODERS", ("h264_missing", "libx264"))
+    with Mp4Writer(tmp_path / "first_that_opens.mp4", 64, 32, encoder="auto") as writer:
+        assert (writer.encoder_used, writer.encoder_reason) == ("libx264", "libx264 opened")
+        writer.abort()
