@@ -18,6 +18,8 @@ Phases, each a separate call (each fits a 10-minute command; the results gather 
 
 * ``write``: the files, under ``--base``'s model folders;
 * ``eval``: one steady DiT evaluation of the variant the nodes run (``bench/dit_step.py``), on this machine;
+* ``text``: a 300-token prompt through the pack's text encoder at the released size, random weights built on the
+  GPU, resident and streamed (``bench/text_encode.py``);
 * ``cold``: a new server with the files' pages dropped from the page cache and an empty compile cache: T2VA
   (the cold run), then T2VA again with another seed (warm: models loaded, kernels compiled);
 * ``restart``: a new server process, page cache and compile cache filled: T2VA (the first run of a restarted
@@ -300,6 +302,15 @@ def steady_evaluation(tiny: bool) -> dict:
     return dict(command=" ".join(command[1:]), stats=stats)
 
 
+def text_encoding(tiny: bool) -> dict:
+    """One 300-token prompt through the pack's encoder at the released size, resident and streamed
+    (``bench/text_encode.py``), in its own process."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / "h3_e2e_text_encode.json"
+    command = [sys.executable, str(ROOT / "bench" / "text_encode.py"), "--out", str(out)] + (["--tiny"] if tiny else [])
+    subprocess.run(command, check=True)
+    return json.loads(out.read_text())
+
+
 def environment() -> str:
     try:
         import flash_attn.cute  # noqa: F401
@@ -314,7 +325,9 @@ def summary(env_state: dict) -> dict:
     t_eval = evaluation.get("median_s", evaluation.get("seconds"))
     figures = dict(t_eval_s=t_eval, sampling_s=warm.get("sampling_s"), decode_s=warm.get("decode_s"),
                    audio_s=warm.get("audio_s"), mp4_tail_s=warm.get("mp4_tail_s"), total_s=warm.get("total_s"),
-                   cold_total_s=cold.get("total_s"), text_encode_s=env_state.get("text_encode_s"),
+                   cold_total_s=cold.get("total_s"),
+                   text_encode_s=env_state.get("text_encode", {}).get("resident", {}).get("median_s"),
+                   text_encode_streamed_s=env_state.get("text_encode", {}).get("streamed", {}).get("median_s"),
                    first_run_extra_s=(restart["total_s"] - warm["total_s"]) if restart and warm else None,
                    empty_cache_first_run_s=cold.get("total_s"))
     if t_eval and warm.get("sampling_s"):
@@ -349,7 +362,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, required=True, help="the server's base folder (models, output)")
     parser.add_argument("--phase", nargs="+", required=True,
-                        choices=("write", "eval", "cold", "restart", "report"))
+                        choices=("write", "eval", "text", "cold", "restart", "report"))
     parser.add_argument("--env", default=None, help="the kernel environment's label (default: detected)")
     parser.add_argument("--state", type=Path, default=None, help="where the phases gather results "
                                                                   "(default: <base>/end_to_end_state.json)")
@@ -372,6 +385,8 @@ def main(argv=None) -> dict:
             state["files"] = write_files(base, args.tiny)
         elif phase == "eval":
             env_state["eval"] = steady_evaluation(args.tiny)
+        elif phase == "text":
+            env_state["text_encode"] = text_encoding(args.tiny)
         elif phase == "cold":
             shutil.rmtree(compile_cache, ignore_errors=True)
             drop_page_cache(paths(base, args.tiny).values())
