@@ -24,6 +24,8 @@ Phases, each a separate call (each fits a 10-minute command; the results gather 
   (the cold run), then T2VA again with another seed (warm: models loaded, kernels compiled);
 * ``restart``: a new server process, page cache and compile cache filled: T2VA (the first run of a restarted
   server), then FL2VA once;
+* ``small``: a new server whose host budget is ``--budget-gib`` (``--reserve-vram`` set to the rest of the free
+  memory; the memory policy on, as the workflow ships): T2VA once, its total and torch's peak;
 * ``report``: ``--out`` (JSON) and the same path with ``.md``: per kernel environment (``--env``), the summary
   figures and every run's stages.
 
@@ -64,6 +66,7 @@ FILES = {"dit": "minimax_h3_fl2va_pruned_fp8_scaled_random.safetensors",
          "prompt": "h3_prompt_300_tokens_random.safetensors"}
 FOLDERS = {"dit": "diffusion_models", "branch": "diffusion_models", "video_vae": "vae", "audio_vae": "vae",
            "prompt": "h3_prompts"}
+RUNS = ("cold", "warm", "restart", "fl2va", "small")
 STAGES = ("loaders_s", "sampler_prepare_s", "first_step_s", "steady_step_s", "sampling_s", "sampler_tail_s",
           "decode_s", "audio_s", "mp4_tail_s", "total_s")
 
@@ -263,14 +266,20 @@ def save_state(path: Path, state: dict) -> None:
     path.write_text(json.dumps(state, indent=1))
 
 
-def serve(base: Path, compile_cache: Path, runs: list[tuple[str, str, int]], size: dict, timeout: float) -> dict:
-    """A new server on ``base`` with its compile caches under ``compile_cache``; each run
-    (label, workflow, seed) queued in turn; returns the stages by label."""
+def serve(base: Path, compile_cache: Path, runs: list[tuple[str, str, int]], size: dict, timeout: float,
+          extra_args: tuple[str, ...] = ()) -> dict:
+    """A new server on ``base`` with its compile caches under ``compile_cache`` (and ``extra_args`` on its command
+    line); each run (label, workflow, seed) queued in turn, with the probe of torch's peak device memory after
+    it; returns the stages (and the peak) by label."""
     from comfy_host import ComfyServer
 
     for env, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
         os.environ[env] = str(compile_cache / sub)
-    server = ComfyServer(base)
+    probes = base / "custom_nodes" / "h3_host_probe"
+    if not probes.exists():
+        probes.parent.mkdir(parents=True, exist_ok=True)
+        probes.symlink_to(ROOT / "tests" / "host" / "probe_nodes", target_is_directory=True)
+    server = ComfyServer(base, extra_args)
     started = time.perf_counter()
     server.start(timeout=600)
     results = {"server_start_s": time.perf_counter() - started}
@@ -280,8 +289,13 @@ def serve(base: Path, compile_cache: Path, runs: list[tuple[str, str, int]], siz
         keyframe_images(server.input, size)
         for label, name, seed in runs:
             prompt = workflow(name, info, files, size, seed)
+            writer = next(k for k, v in prompt.items() if v["class_type"] in ("H3DecodeAndSave", "H3SaveVideo"))
+            prompt["990"] = {"class_type": "H3ProbePeakMemory", "inputs": {"tag": label, "after_images": [writer, 0]}}
             events = timed_events(server, prompt, timeout)
             results[label] = stages(events, prompt, size["steps"])
+            peak = next((data["output"]["peak"][0] for _, kind, data in events
+                         if kind == "executed" and data.get("node") == "990"), None)
+            results[label]["peak"] = peak
             print(label, json.dumps(results[label]), flush=True)
     finally:
         server.stop()
@@ -311,6 +325,15 @@ def text_encoding(tiny: bool) -> dict:
     return json.loads(out.read_text())
 
 
+def reserve_for_budget(budget_gib: float) -> float:
+    """The ``--reserve-vram`` (GB as the host reads it: 2**30 bytes) that leaves the host ``budget_gib`` of the
+    device's free memory (``get_free_memory`` less ``extra_reserved_memory``), from nvidia-smi (no CUDA context
+    in this process)."""
+    free_mib = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i",
+                                   "0"], check=True, capture_output=True, text=True).stdout.split()[0])
+    return max(free_mib / 1024 - budget_gib, 0.0)
+
+
 def environment() -> str:
     try:
         import flash_attn.cute  # noqa: F401
@@ -329,7 +352,10 @@ def summary(env_state: dict) -> dict:
                    text_encode_s=env_state.get("text_encode", {}).get("resident", {}).get("median_s"),
                    text_encode_streamed_s=env_state.get("text_encode", {}).get("streamed", {}).get("median_s"),
                    first_run_extra_s=(restart["total_s"] - warm["total_s"]) if restart and warm else None,
-                   empty_cache_first_run_s=cold.get("total_s"))
+                   empty_cache_first_run_s=cold.get("total_s"),
+                   small_card_total_s=env_state.get("small", {}).get("total_s"),
+                   small_card_peak_gib=(env_state.get("small", {}).get("peak") or {}).get("allocated_gib"),
+                   small_card_reserve_vram_gb=env_state.get("small_reserve_vram_gb"))
     if t_eval and warm.get("sampling_s"):
         steps = env_state.get("size", {}).get("steps", RELEASE["steps"])
         figures["sampler_overhead"] = warm["sampling_s"] / (steps * t_eval) - 1
@@ -349,11 +375,13 @@ def markdown(state: dict) -> str:
         lines += ["| figure | value |", "|---|---:|"]
         lines += [f"| `{k}` | {'—' if v is None else f'{v:.3f}' if isinstance(v, float) else v} |"
                   for k, v in figures.items()]
-        runs = [label for label in ("cold", "warm", "restart", "fl2va") if label in env_state]
+        runs = [label for label in RUNS if label in env_state]
         lines += ["", "| stage (s) | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
         for stage in ("loaders_s", "dit_loader_s") + STAGES[1:]:
             cells = [env_state[r].get(stage) for r in runs]
             lines.append(f"| {stage} | " + " | ".join("—" if c is None else f"{c:.2f}" for c in cells) + " |")
+        peaks = [(env_state[r].get("peak") or {}).get("allocated_gib") for r in runs]
+        lines.append("| torch peak (GiB) | " + " | ".join("—" if p is None else f"{p:.1f}" for p in peaks) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -362,11 +390,12 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, required=True, help="the server's base folder (models, output)")
     parser.add_argument("--phase", nargs="+", required=True,
-                        choices=("write", "eval", "text", "cold", "restart", "report"))
+                        choices=("write", "eval", "text", "cold", "restart", "small", "report"))
     parser.add_argument("--env", default=None, help="the kernel environment's label (default: detected)")
     parser.add_argument("--state", type=Path, default=None, help="where the phases gather results "
                                                                   "(default: <base>/end_to_end_state.json)")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--budget-gib", type=float, default=24.0, help="the small-card run's budget (phase small)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoints on the CPU: a dry run")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -395,9 +424,14 @@ def main(argv=None) -> dict:
         elif phase == "restart":
             env_state.update(serve(base, compile_cache, [("restart", "h3_t2va.json", 3), ("fl2va", "h3_fl2va.json", 4)],
                                    size, args.timeout))
+        elif phase == "small":
+            reserve = reserve_for_budget(args.budget_gib)
+            env_state["small_reserve_vram_gb"] = reserve
+            env_state.update(serve(base, compile_cache, [("small", "h3_t2va.json", 5)], size, args.timeout,
+                                   ("--reserve-vram", f"{reserve:.3f}")))
         elif phase == "report":
             result = dict(environments={e: dict(summary(s), runs={k: v for k, v in s.items()
-                                                                   if k in ("cold", "warm", "restart", "fl2va")},
+                                                                   if k in RUNS},
                                                 eval=s.get("eval"), header=s.get("header"), size=s.get("size"))
                                         for e, s in state.get("environments", {}).items()}, files=state.get("files"))
             record.write(result, args.out)

@@ -19,9 +19,10 @@
 #             within one 10-minute call, the results gathered there between calls (a copy in $out after each
 #             part); the report goes to $out
 #   e2e-text  the release-size text encoder's timing (bench/text_encode.py) into the same state
+#   e2e-small the T2VA run with the host's budget at 24 GiB (--reserve-vram), its total and torch's peak
 #   e2e-quick write, cold (the cold and the warm run) and report in one call, without the evaluation beside
 # Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [mp4] [host] [e2e-write] [e2e-text] [e2e-cold]
-#        [e2e-restart] [e2e-quick]
+#        [e2e-restart] [e2e-small] [e2e-quick]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out/h200_host}"
@@ -61,10 +62,11 @@ for part in "$@"; do
         e2e-text) run e2e_text python3 bench/end_to_end.py --base /root/h3_e2e --phase text
             cp /root/h3_e2e/end_to_end_state.json "$out/" ;;
         e2e-quick) run e2e_quick_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write ;&
-        e2e-cold|e2e-restart)
+        e2e-cold|e2e-restart|e2e-small)
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid benchmark</body></html>" > /tmp/h3_frontend/index.html
             phases=(cold); [ "$part" = e2e-restart ] && phases=(restart report)
             [ "$part" = e2e-quick ] && phases=(cold report)
+            [ "$part" = e2e-small ] && phases=(small report)
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" python3 \
                 bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --out "$out/end_to_end.json"
             cp /root/h3_e2e/end_to_end_state.json "$out/" ;;

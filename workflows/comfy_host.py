@@ -61,8 +61,8 @@ class PromptRefused(AssertionError):
 
 
 class ComfyServer:
-    def __init__(self, base: Path):
-        self.base = base
+    def __init__(self, base: Path, extra_args: tuple[str, ...] = ()):
+        self.base, self.extra_args = base, tuple(extra_args)
         for folder in ("models", "custom_nodes", "input", "output", "user"):
             (base / folder).mkdir(parents=True, exist_ok=True)
         link = base / "custom_nodes" / "h3_hybrid"
@@ -91,7 +91,8 @@ class ComfyServer:
         log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "main.py", *DEVICE_FLAGS, "--listen", "127.0.0.1", "--port", str(self.port),
-             "--base-directory", str(self.base), "--disable-auto-launch", *EXTRA_ARGS],
+             "--base-directory", str(self.base), "--disable-auto-launch", *EXTRA_ARGS,
+             *self.extra_args],
             cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         deadline = time.monotonic() + timeout

@@ -139,6 +139,26 @@ class H3ProbeLoadAnother(_Probe):
         return {"ui": {"load": [report]}, "result": (model,)}
 
 
+class H3ProbePeakMemory(_Probe):
+    """On a GPU: the most device memory torch held in this server process since the last probe (allocated and
+    reserved by its caching allocator); the count starts again after it."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"tag": ("STRING", {"default": ""})}, **AFTER}
+
+    def probe(self, tag, model=None, **_):
+        import torch
+
+        report = {"device": mm.get_torch_device().type}
+        if torch.cuda.is_available():
+            report.update(allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                          reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                          total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+        return {"ui": {"peak": [report]}, "result": (model,)}
+
+
 _BALLAST = []
 
 
@@ -167,4 +187,4 @@ class H3ProbeBallast(_Probe):
 
 
 NODE_CLASS_MAPPINGS = {"H3ProbeLoadedModels": H3ProbeLoadedModels, "H3ProbeHostUnload": H3ProbeHostUnload,
-                       "H3ProbeBallast": H3ProbeBallast, "H3ProbeLoadAnother": H3ProbeLoadAnother}
+                       "H3ProbeBallast": H3ProbeBallast, "H3ProbeLoadAnother": H3ProbeLoadAnother, "H3ProbePeakMemory": H3ProbePeakMemory}
