@@ -20,9 +20,11 @@ WEB_DIRECTORY = "./nodes/web"
 async def comfy_entrypoint():
     """The pack's ``ComfyExtension`` (the host's V3 registration): its nodes and model folders."""
     from .nodes import H3Extension
-    from .nodes._host import register_folders
+    from .nodes._host import keep_compiled_kernels, register_folders, say
 
     register_folders()
+    caches = keep_compiled_kernels()
+    say("compiled kernels are kept in " + ", ".join(sorted(set(caches.values()))))
     return H3Extension()
 
 

@@ -139,6 +139,28 @@ def say(message: str) -> None:
 PROMPT_FOLDER = "h3_prompts"
 
 
+COMPILE_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str, str]:
+    """Keep what torch.compile and Triton build in ``<user directory>/h3_hybrid/compile_cache`` (the host's user
+    folder, which outlives the temporary one their defaults use), so a restarted server finds the kernels its
+    last run compiled. A cache folder the user set (its environment variable) is left as it is. Returns the
+    folders in use by variable."""
+    if user_directory is None:
+        import folder_paths
+
+        user_directory = folder_paths.get_user_directory()
+    root = Path(user_directory) / "h3_hybrid" / "compile_cache"
+    chosen = {}
+    for variable, folder in COMPILE_CACHES.items():
+        if not os.environ.get(variable):
+            (root / folder).mkdir(parents=True, exist_ok=True)
+            os.environ[variable] = str(root / folder)
+        chosen[variable] = os.environ[variable]
+    return chosen
+
+
 def register_folders() -> None:
     """Add the pack's own model folder (saved prompt embeddings: ``models/h3_prompts``) to the host's list; a
     no-op outside ComfyUI."""
