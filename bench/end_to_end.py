@@ -17,7 +17,8 @@ after the last decoded frame) and the total from queueing to the mp4.
 Phases, each a separate call (each fits a 10-minute command; the results gather in ``--state``):
 
 * ``write``: the files, under ``--base``'s model folders;
-* ``eval``: one steady DiT evaluation of the variant the nodes run (``bench/dit_step.py``), on this machine;
+* ``eval``: one steady DiT evaluation of the variant the nodes run (``bench/dit_step.py``) and the decodes with
+  the nodes' settings in their own bench (``bench/vae_decode.py``), on this machine;
 * ``text``: a 300-token prompt through the pack's text encoder at the released size, random weights built on the
   GPU, resident and streamed (``bench/text_encode.py``);
 * ``cold``: a new server with the files' pages dropped from the page cache and an empty compile cache: T2VA
@@ -316,6 +317,21 @@ def steady_evaluation(tiny: bool) -> dict:
     return dict(command=" ".join(command[1:]), stats=stats)
 
 
+def decode_bench(tiny: bool) -> dict | None:
+    """The video decode (the node's settings: auto attention, compiled blocks, output in pageable memory) and the
+    audio decode in their own bench (``bench/vae_decode.py``), in its own process; None on the CPU (that bench
+    needs CUDA)."""
+    if tiny or not torch.cuda.is_available():
+        return None
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / "h3_e2e_vae_decode.json"
+    command = [sys.executable, str(ROOT / "bench" / "vae_decode.py"), "--backends", "auto", "--output-memory",
+               "pageable", "--out", str(out)]
+    subprocess.run(command, check=True)
+    report = json.loads(out.read_text())
+    return dict(command=" ".join(command[1:]), decode_s=report["video"][0].get("seconds"),
+                audio_s=report["audio"]["seconds"])
+
+
 def text_encoding(tiny: bool) -> dict:
     """One 300-token prompt through the pack's encoder at the released size, resident and streamed
     (``bench/text_encode.py``), in its own process."""
@@ -356,6 +372,12 @@ def summary(env_state: dict) -> dict:
                    small_card_total_s=env_state.get("small", {}).get("total_s"),
                    small_card_peak_gib=(env_state.get("small", {}).get("peak") or {}).get("allocated_gib"),
                    small_card_reserve_vram_gb=env_state.get("small_reserve_vram_gb"))
+    bench = env_state.get("decode_bench") or {}
+    if bench.get("decode_s") and warm.get("decode_s"):
+        figures["decode_bench_s"] = bench["decode_s"]
+        figures["decode_over_bench"] = warm["decode_s"] / bench["decode_s"] - 1
+    if t_eval and warm.get("steady_step_s"):
+        figures["step_over_eval"] = warm["steady_step_s"] / t_eval - 1
     if t_eval and warm.get("sampling_s"):
         steps = env_state.get("size", {}).get("steps", RELEASE["steps"])
         figures["sampler_overhead"] = warm["sampling_s"] / (steps * t_eval) - 1
@@ -414,6 +436,7 @@ def main(argv=None) -> dict:
             state["files"] = write_files(base, args.tiny)
         elif phase == "eval":
             env_state["eval"] = steady_evaluation(args.tiny)
+            env_state["decode_bench"] = decode_bench(args.tiny)
         elif phase == "text":
             env_state["text_encode"] = text_encoding(args.tiny)
         elif phase == "cold":
