@@ -21,6 +21,9 @@
 #   e2e-text  the release-size text encoder's timing (bench/text_encode.py) into the same state
 #   e2e-small the T2VA run with the host's budget at 24 GiB (--reserve-vram), its total and torch's peak
 #   e2e-quick write, cold (the cold and the warm run) and report in one call, without the evaluation beside
+#   fa4-a, fa4-b  FA4 (flash-attn-4 and the CUTLASS DSL) carried in two calls: .fa4_a (the small wheels and the
+#             first part of nvidia-cutlass-dsl-libs-cu13), then .fa4_b (its second part): joined and installed with
+#             --target into $FA4 (default /tmp/fa4); with H3_FA4=1 every later part runs with it on PYTHONPATH
 # Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [mp4] [host] [e2e-write] [e2e-text] [e2e-cold]
 #        [e2e-restart] [e2e-small] [e2e-quick]
 set -uo pipefail
@@ -30,6 +33,8 @@ site="${SITE:-/tmp/site}"
 mkdir -p "$out" "$site"
 [ -e .host ] || { [ -d .host_gpu ] && ln -s .host_gpu .host; }
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fa4="${FA4:-/tmp/fa4}"
+[ "${H3_FA4:-0}" = 1 ] && export PYTHONPATH="$fa4:$fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 run() {  # name, command...
     local name="$1"; shift
     echo "== $name: $*"
@@ -50,6 +55,13 @@ for part in "$@"; do
             fi
             run install python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                 --target "$site" "$wheels"/*.whl ;;
+        fa4-a) mkdir -p /tmp/fa4_parts && cp .fa4_a/* /tmp/fa4_parts/ && echo "   FA4 part a kept" ;;
+        fa4-b)
+            cat /tmp/fa4_parts/cu13.part.aa .fa4_b/cu13.part.ab \
+                > /tmp/fa4_parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+            rm -f /tmp/fa4_parts/cu13.part.aa
+            run fa4_install python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target "$fa4" /tmp/fa4_parts/*.whl ;;
         checks) run gpu_checks python3 -m pytest -q -p no:warnings tests/gpu/test_hybrid_cuda.py \
                 tests/gpu/test_offload_cuda.py tests/gpu/test_vae_cuda.py ;;
         quant) run quant_checks python3 -m pytest -q -p no:warnings -rs tests/gpu/test_quantized_cuda.py \
