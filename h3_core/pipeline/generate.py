@@ -30,6 +30,7 @@ from .schedule import AUDIO_SHIFT, VIDEO_SHIFT
 __all__ = ["generate", "generate_ref2va", "ReferenceLatents"]
 
 
+@torch.inference_mode()
 def generate(
     model,
     prompt: PromptEmbedding,
@@ -55,7 +56,8 @@ def generate(
     window softmax; a plain H3 model ignores them. ``before_sampling(packed)`` is called once the request is
     packed, before the first evaluation (e.g. to fit the model to the device for that sequence). ``compile``
     (``"auto"`` / ``"off"``): ``"off"`` runs every evaluation on the plain path, no ``torch.compile`` and no
-    Triton kernel (``block_fused.evaluate``); give ``placement.place_for_run`` the same. Returns
+    Triton kernel (``block_fused.evaluate``); give ``placement.place_for_run`` the same. Runs under inference
+    mode whatever the caller's grad state (a model fresh from its constructor included). Returns
     ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32."""
     check_compile(compile)
     T, h, w, Ta = _clip_shape(frames, width, height)
@@ -110,6 +112,7 @@ class ReferenceLatents:
         return None if self.audio is None else self.audio.float().transpose(1, 2).reshape(-1, 32)
 
 
+@torch.inference_mode()
 def generate_ref2va(
     model,
     prompt: PromptEmbedding,

@@ -5,7 +5,7 @@ import torch
 
 from h3_core.errors import H3InputError
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.pipeline.generate import generate
+from h3_core.pipeline.generate import generate, generate_ref2va
 from h3_core.pipeline.prompt import from_conditioning
 
 
@@ -126,3 +126,16 @@ def test_a_prompt_of_the_wrong_width_is_named(dit):
     narrow = PromptEmbedding(torch.randn(4, 32), torch.ones(4, dtype=torch.long), features=32)
     with pytest.raises(H3InputError, match="the prompt embedding is 32 wide but this DiT reads 5120-wide text states"):
         generate(dit, narrow, frames=22, width=64, height=32, steps=1, seed=0)
+
+
+def test_generation_runs_whatever_the_callers_grad_state(dit):
+    """A model fresh from its constructor (parameters requiring grad), called with grad enabled: the library runs
+    under inference mode itself and gives the same clip as under no_grad, tracking nothing."""
+    assert all(p.requires_grad for p in dit.parameters())
+    with torch.enable_grad():
+        video, audio = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=7)
+        ref_video, _ = generate_ref2va(dit, prompt(), references(), frames=22, width=64, height=32, steps=2, seed=7)
+    with torch.no_grad():
+        want, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=7)
+    assert torch.equal(video, want) and not video.requires_grad and not audio.requires_grad
+    assert not ref_video.requires_grad
