@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.mp4 import DEFAULT_PRESET, ENCODERS, PRESETS, Mp4Writer
+from h3_core.mp4 import DEFAULT_PRESET, ENCODERS, PRESETS, Mp4Writer, video_encoder
 from h3_core.pipeline.decode_to_mp4 import decode_to_mp4
 from h3_core.pipeline.geometry import FPS
 
 from . import _host
+from .checks import verdict
 from .decode import decode_audio, prepare_video_decode, tile_inputs
 from .io_types import H3Attention, H3AudioVAE, H3VideoVAE
 from .latents import from_latent
-from .save import _workflow_tags, disk_errors, output_target, saved
+from .save import workflow_tags, disk_errors, output_target, saved
 
 
 class H3DecodeAndSave(io.ComfyNode):
@@ -47,6 +48,11 @@ class H3DecodeAndSave(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, encoder):
+        # an encoder named outright must open here (tried at a small size: the clip's is known only later)
+        return verdict(lambda: video_encoder(256, 256, choice=encoder))
+
+    @classmethod
     def execute(cls, video_vae, latent, filename_prefix, fps, encoder, encoder_preset, tile_size, overlap,
                 tiles_per_batch, audio_vae=None, attention=None):
         waveform, rate = decode_audio(audio_vae, latent) if audio_vae is not None else (None, 32000)
@@ -59,8 +65,9 @@ class H3DecodeAndSave(io.ComfyNode):
         target, subfolder = output_target(filename_prefix, width, height)
         with disk_errors(target):
             writer = Mp4Writer(target, width, height, fps=fps, preset=encoder_preset, waveform=waveform,
-                               sample_rate=rate, metadata=_workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo),
+                               sample_rate=rate, metadata=workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo),
                                encoder=encoder)
             _, frames, tail_s = decode_to_mp4(vae, latents, writer, **options)
         _host.say(f"the mp4 was complete {tail_s:.2f} s after the decode ended")
         return saved(target, subfolder, frames)
+

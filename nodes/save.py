@@ -17,7 +17,7 @@ from . import _host
 from .images import single_waveform
 
 
-def _workflow_tags(prompt, extra_pnginfo) -> dict[str, str]:
+def workflow_tags(prompt, extra_pnginfo) -> dict[str, str]:
     """The host's metadata for a saved video: ``prompt`` and each entry of ``extra_pnginfo`` (the workflow), as
     JSON text; none when the server runs with ``--disable-metadata``."""
     from comfy.cli_args import args
@@ -54,7 +54,7 @@ class H3SaveVideo(io.ComfyNode):
         target, subfolder = output_target(filename_prefix, images.shape[2], images.shape[1])
         with disk_errors(target):
             write_mp4(target, images, waveform, rate, fps=fps, check_cancel=_host.check_cancel,
-                      metadata=_workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo), encoder="auto")
+                      metadata=workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo), encoder="auto")
         return saved(target, subfolder)
 
 

@@ -1,12 +1,13 @@
 """H3 Decode & Save in a real ComfyUI server: the latents of a run written as one mp4 whose video and audio equal,
 frame for frame and sample for sample, what H3 Video Decode + H3 Audio Decode + H3 Save Video write from the same
 latents, with the workflow in its metadata and its frames passed on; a cancel while it decodes leaves no file and
-the next prompt runs."""
+the next prompt runs; an encoder named outright that does not open on this machine is refused when queued."""
 
 import json
 
 import av
 import numpy as np
+import pytest
 
 from comfy_host import error_message, mp4_files
 from graphs import generation, with_decode_and_save
@@ -52,3 +53,14 @@ def test_a_cancel_during_decode_and_save_leaves_no_file(server):
     assert kind == "execution_interrupted", kind
     assert not server.wait(prompt_id).get("outputs") and nothing_written(server, "cancel_decode_and_save")
     next_prompt_runs(server, "H3/after_cancel_decode_and_save")
+
+
+def test_an_encoder_that_does_not_open_here_is_refused_when_queued(server):
+    from h3_core import mp4
+    from test_host_errors import refused_at_validation
+
+    if mp4._fails_to_open("h264_nvenc", 256, 256, 24) is None:
+        pytest.skip("NVENC opens on this machine")
+    prompt = with_decode_and_save(generation(prefix="H3/unused"), "H3/nvenc")
+    prompt["8"]["inputs"]["encoder"] = "h264_nvenc"
+    refused_at_validation(server, prompt, r"encoder: h264_nvenc does not open on this machine .*pick auto or libx264")
