@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "workflows"))
+import lora_repatch  # noqa: E402
 import record  # noqa: E402
 
 NOTE = "H3 Hybrid benchmark RANDOM weights: not a trained model"
@@ -109,7 +110,6 @@ def write_files(base: Path, tiny: bool) -> dict:
         write_tiny_checkpoints(base / "models")
         width = TINY_TEXT_WIDTH
     else:
-        import lora_repatch
         from vae_decode import random_audio_vae, random_video_vae
 
         from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
@@ -143,16 +143,6 @@ def write_files(base: Path, tiny: bool) -> dict:
     save_prompt_embedding(files["prompt"], PromptEmbedding(embeds, torch.ones(text, dtype=torch.long),
                                                            prompt="random prompt embedding (benchmark)", features=width))
     return {kind: path.stat().st_size for kind, path in files.items()}
-
-
-def drop_page_cache(files) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 # ---- the workflow ---------------------------------------------------------------------------------------
@@ -304,41 +294,35 @@ def serve(base: Path, compile_cache: Path, runs: list[tuple[str, str, int]], siz
     return results
 
 
+def bench_in_process(script: str, *arguments: str) -> tuple[str, dict]:
+    """``bench/<script>`` run in its own process with ``arguments``; its command and the JSON it wrote."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"h3_e2e_{Path(script).stem}.json"
+    command = [sys.executable, str(ROOT / "bench" / script), *arguments, "--out", str(out)]
+    subprocess.run(command, check=True)
+    return " ".join(command[1:]), json.loads(out.read_text())
+
+
 def steady_evaluation(tiny: bool) -> dict:
     """One steady evaluation of the variant the nodes run (fp8 linears, VDN-H3's decomposed window softmax,
-    fused compiled blocks), by ``bench/dit_step.py`` in its own process."""
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / "h3_e2e_dit_step.json"
-    command = [sys.executable, str(ROOT / "bench" / "dit_step.py"), "--variants", "fp8-decomposed",
-               "--fused-blocks", "compiled", "--reps", "3", "--out", str(out)]
-    if tiny:
-        command += ["--tiny"]
-    subprocess.run(command, check=True)
-    stats = json.loads(out.read_text())["variants"]["fp8-decomposed"]
-    return dict(command=" ".join(command[1:]), stats=stats)
+    fused compiled blocks), by ``bench/dit_step.py``."""
+    command, report = bench_in_process("dit_step.py", "--variants", "fp8-decomposed", "--fused-blocks", "compiled",
+                                       "--reps", "3", *(["--tiny"] if tiny else []))
+    return dict(command=command, stats=report["variants"]["fp8-decomposed"])
 
 
 def decode_bench(tiny: bool) -> dict | None:
     """The video decode (the node's settings: auto attention, compiled blocks, output in pageable memory) and the
-    audio decode in their own bench (``bench/vae_decode.py``), in its own process; None on the CPU (that bench
-    needs CUDA)."""
+    audio decode in their own bench (``bench/vae_decode.py``); None on the CPU (that bench needs CUDA)."""
     if tiny or not torch.cuda.is_available():
         return None
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / "h3_e2e_vae_decode.json"
-    command = [sys.executable, str(ROOT / "bench" / "vae_decode.py"), "--backends", "auto", "--output-memory",
-               "pageable", "--out", str(out)]
-    subprocess.run(command, check=True)
-    report = json.loads(out.read_text())
-    return dict(command=" ".join(command[1:]), decode_s=report["video"][0].get("seconds"),
-                audio_s=report["audio"]["seconds"])
+    command, report = bench_in_process("vae_decode.py", "--backends", "auto", "--output-memory", "pageable")
+    return dict(command=command, decode_s=report["video"][0].get("seconds"), audio_s=report["audio"]["seconds"])
 
 
 def text_encoding(tiny: bool) -> dict:
     """One 300-token prompt through the pack's encoder at the released size, resident and streamed
-    (``bench/text_encode.py``), in its own process."""
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / "h3_e2e_text_encode.json"
-    command = [sys.executable, str(ROOT / "bench" / "text_encode.py"), "--out", str(out)] + (["--tiny"] if tiny else [])
-    subprocess.run(command, check=True)
-    return json.loads(out.read_text())
+    (``bench/text_encode.py``)."""
+    return bench_in_process("text_encode.py", *(["--tiny"] if tiny else []))[1]
 
 
 def reserve_for_budget(budget_gib: float) -> float:
@@ -441,7 +425,8 @@ def main(argv=None) -> dict:
             env_state["text_encode"] = text_encoding(args.tiny)
         elif phase == "cold":
             shutil.rmtree(compile_cache, ignore_errors=True)
-            drop_page_cache(paths(base, args.tiny).values())
+            for path in paths(base, args.tiny).values():
+                lora_repatch.drop_page_cache(path)
             env_state.update(serve(base, compile_cache, [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)],
                                    size, args.timeout))
         elif phase == "restart":
