@@ -21,7 +21,8 @@ import torch
 
 from .errors import H3InputError
 
-__all__ = ["Mp4Writer", "Mp4Worker", "write_mp4", "video_encoder", "ENCODERS", "HARDWARE_ENCODERS", "read_audio", "VIDEO_CODEC", "AUDIO_CODEC", "PRESETS", "DEFAULT_PRESET"]
+__all__ = ["Mp4Writer", "Mp4Worker", "write_mp4", "video_encoder", "read_audio", "VIDEO_CODEC", "AUDIO_CODEC",
+           "HARDWARE_ENCODERS", "ENCODERS", "PRESETS", "DEFAULT_PRESET"]
 
 VIDEO_CODEC = "libx264"
 # Hardware H.264 encoders tried first, in order, where they open: NVENC on NVIDIA cards that have a video encoder
@@ -90,8 +91,8 @@ def _fails_to_open(name: str, width: int, height: int, fps: int) -> str | None:
 def video_encoder(width: int, height: int, fps: int = 24, choice: str = "auto",
                   candidates: tuple[str, ...] | None = None) -> tuple[str, str]:
     """The H.264 encoder a clip is written with, and why: for ``choice="auto"`` the first of ``candidates``
-    (default ``HARDWARE_ENCODERS``) that opens here (``_fails_to_open``), else libx264; any other ``choice`` (``ENCODERS``) as named, refused when it
-    does not open."""
+    (default ``HARDWARE_ENCODERS``) that opens here (``_fails_to_open``), else libx264; any other ``choice``
+    (``ENCODERS``) as named, refused when it does not open."""
     if choice not in ENCODERS:
         raise H3InputError(f"encoder: got {choice!r}; allowed: {', '.join(ENCODERS)}")
     if choice == VIDEO_CODEC:
@@ -230,9 +231,9 @@ class Mp4Writer:
 class Mp4Worker:
     """An ``Mp4Writer`` fed by a thread of its own, so the clip is encoded while its next frames are made: ``put``
     hands over frames (which must not change afterwards) and returns at once; ``close`` waits for the frames
-    handed over (cancellable), finishes the file and returns its path (``tail_s``: how long that took); ``abort`` (or leaving
-    a ``with`` block by an exception) stops and removes the file. A failure in the thread is raised by the next
-    ``put`` or ``close``."""
+    handed over (cancellable), finishes the file and returns its path (``tail_s``: how long that took);
+    ``abort`` (or leaving a ``with`` block by an exception) stops and removes the file. A failure in the thread is
+    raised by the next ``put`` or ``close``."""
 
     def __init__(self, writer: Mp4Writer):
         self.writer = writer

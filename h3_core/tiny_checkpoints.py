@@ -200,6 +200,16 @@ def _comfy_quant(spec: dict) -> torch.Tensor:
     return torch.tensor(list(json.dumps(spec).encode("utf-8")), dtype=torch.uint8)
 
 
+def _int8_convrot(weight: torch.Tensor, group: int):
+    """``weight`` quantised by comfy-kitchen in int8 ConvRot (groups of ``group``, a scale per row), and the
+    ``comfy_quant`` spec ComfyUI's files store beside it."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    qt = QuantizedTensor.from_float(weight, "TensorWiseINT8Layout", per_channel=True, convrot=True,
+                                    convrot_groupsize=group)
+    return qt, {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}
+
+
 def quantize_text_encoder_state(state: dict, kind: str, *, group: int = 256, tower: bool = False,
                                 seed: int = 5) -> tuple[dict, dict]:
     """A text encoder's ``state`` in ComfyUI's layout (``model.*``, ``visual.*``) as ComfyUI's ``kind`` file
@@ -223,9 +233,7 @@ def quantize_text_encoder_state(state: dict, kind: str, *, group: int = 256, tow
             qt = QuantizedTensor.from_float(value, "TensorWiseINT8Layout", per_channel=True)
             spec, extra = {"format": "int8_tensorwise"}, {}
         elif (decoder or in_tower) and kind == "int8_convrot":
-            qt = QuantizedTensor.from_float(value, "TensorWiseINT8Layout", per_channel=True, convrot=True,
-                                            convrot_groupsize=group)
-            spec, extra = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}, {}
+            (qt, spec), extra = _int8_convrot(value, group), {}
         elif decoder or in_tower:
             extra, weight = {}, value
             if layer.endswith(_PRESCALED):
@@ -264,8 +272,6 @@ def quantize_int8_convrot(state: dict, layers, *, group: int) -> tuple[dict, dic
     """``state`` with the weights of ``layers`` (layer names, without ``.weight``) quantised by comfy-kitchen in
     int8 ConvRot (groups of ``group``, a scale per row) as ComfyUI's int8_convrot files store them, each beside its
     ``comfy_quant`` sidecar. Returns the file's tensors and each quantised weight's ``QuantizedTensor``."""
-    from comfy_kitchen.tensor import QuantizedTensor
-
     layers = set(layers)
     tensors, quantized = {}, {}
     for key, value in state.items():
@@ -273,11 +279,9 @@ def quantize_int8_convrot(state: dict, layers, *, group: int) -> tuple[dict, dic
         if layer not in layers or not key.endswith(".weight"):
             tensors[key] = value
             continue
-        qt = QuantizedTensor.from_float(value, "TensorWiseINT8Layout", per_channel=True, convrot=True,
-                                        convrot_groupsize=group)
+        qt, spec = _int8_convrot(value, group)
         tensors.update(qt.state_dict(key))
-        tensors[f"{layer}.comfy_quant"] = _comfy_quant({"format": "int8_tensorwise", "convrot": True,
-                                                        "convrot_groupsize": group})
+        tensors[f"{layer}.comfy_quant"] = _comfy_quant(spec)
         quantized[key] = qt
     return tensors, quantized
 

@@ -14,8 +14,7 @@ from . import _host
 from .checks import verdict
 from .decode import decode_audio, prepare_video_decode, tile_inputs
 from .io_types import H3Attention, H3AudioVAE, H3VideoVAE
-from .latents import from_latent
-from .save import workflow_tags, disk_errors, output_target, saved
+from .save import disk_errors, output_target, saved, workflow_tags
 
 
 class H3DecodeAndSave(io.ComfyNode):
@@ -57,11 +56,10 @@ class H3DecodeAndSave(io.ComfyNode):
                 tiles_per_batch, audio_vae=None, attention=None):
         waveform, rate = decode_audio(audio_vae, latent) if audio_vae is not None else (None, 32000)
         _host.tell(cls.hidden.unique_id, ["soundtrack decoded" if audio_vae is not None else "no soundtrack"])
-        video, _, _ = from_latent(latent)
-        ratio = video_vae.model.cfg.spatial_ratio
-        width, height = video.shape[-1] * ratio, video.shape[-2] * ratio
         vae, latents, options = prepare_video_decode(video_vae, latent, tile_size, overlap, tiles_per_batch,
                                                      attention)
+        ratio = vae.cfg.spatial_ratio
+        width, height = latents.shape[-1] * ratio, latents.shape[-2] * ratio
         target, subfolder = output_target(filename_prefix, width, height)
         with disk_errors(target):
             writer = Mp4Writer(target, width, height, fps=fps, preset=encoder_preset, waveform=waveform,
