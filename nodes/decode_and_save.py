@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.mp4 import DEFAULT_PRESET, ENCODERS, PRESETS, Mp4Writer, video_encoder
+from h3_core.mp4 import DEFAULT_PRESET, ENCODERS, HARDWARE_ENCODERS, PRESETS, Mp4Writer, video_encoder
 from h3_core.pipeline.decode_to_mp4 import decode_to_mp4
 from h3_core.pipeline.geometry import FPS
 
@@ -48,8 +48,9 @@ class H3DecodeAndSave(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, encoder):
-        # an encoder named outright must open here (tried at a small size: the clip's is known only later)
-        return verdict(lambda: video_encoder(256, 256, choice=encoder))
+        # a hardware encoder named outright must open here (tried at a small size: the clip's is known only later);
+        # "auto" is decided when the clip is written
+        return verdict(lambda: encoder in HARDWARE_ENCODERS and video_encoder(256, 256, choice=encoder))
 
     @classmethod
     def execute(cls, video_vae, latent, filename_prefix, fps, encoder, encoder_preset, tile_size, overlap,
