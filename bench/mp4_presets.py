@@ -6,19 +6,22 @@ The clip: photographs bundled with scikit-image, one after another, each panned 
 continuously (bicubic ``grid_sample``) across its own share of the frames; built in memory as uint8
 ``[frames, height, width, 3]``. The photos are 300 to 741 pixels wide, so the frames are enlarged views of them.
 
-Each configuration is encoded as ``h3_core/mp4.py`` writes video (PyAV, ``libx264`` at 24 fps, ``yuv420p``,
-options ``crf``, ``preset``, ``threads``; ``threads`` 0 is libx264's auto) into a temporary file; the seconds are
-``time.perf_counter`` around opening, encoding, muxing and closing the file, frames already in memory (the
-RGB-to-yuv420p conversion PyAV does before the encoder included, as in the pack). ``--thread-types``: ``slice``
-is PyAV's default codec threading, the one the pack runs today (libx264 then uses sliced threads); ``frame``
-gives libx264 its frame threads. The file is decoded back to rgb24 with PyAV: PSNR per frame (mean over the
-frames) and from the clip's total squared error (global). The same figures for the yuv420p round trip alone
-(a lossless encoder) are the ceiling of every configuration. The x264 settings each file records (its SEI) give the
-threads libx264 actually ran.
+Each configuration is written by the pack's own ``Mp4Writer`` (PyAV, ``libx264`` at 24 fps, ``yuv420p``, options
+``crf``, ``preset``, ``threads``; ``threads`` 0 is libx264's auto) into a temporary file, every frame at once; the
+seconds are ``time.perf_counter`` around opening, encoding, muxing and closing the file, frames already in memory
+(the RGB-to-yuv420p conversion PyAV does before the encoder included). ``--thread-types``: ``frame`` is the pack's
+(libx264's frame threads); ``slice`` puts back PyAV's default codec threading (libx264 then slices each frame).
+The file is decoded back to rgb24 with PyAV: PSNR per frame (mean over the frames) and from the clip's total
+squared error (global). The same figures for the yuv420p round trip alone (a lossless encoder) are the ceiling of
+every configuration. The x264 settings each file records (its SEI) give the threads libx264 actually ran.
+
+The streamed tail (crf 18, frame threads, ``--tail-threads``): the pack's ``Mp4Worker`` is fed as H3 Decode & Save
+feeds it, each decoder window's final frames (the decoder's own temporal plan) ``--window-s`` apart, and the tail
+is the time from the last window to the finished file: what the encoder adds to prompt→mp4.
 
 ``--out X.json`` also writes ``X.md``: a row per configuration, ΔPSNR and speed-up against crf 18 ``medium``
-at the same threads, and the fastest configuration within ``--tolerance-db`` (both PSNRs) of crf 18 ``medium``
-with threads auto and the pack's threading.
+at the same threads, the fastest configuration within ``--tolerance-db`` (both PSNRs) of crf 18 ``medium``
+with threads auto and the pack's threading, and the one with the shortest streamed tail within it.
 
 Step 1, where scikit-image is installed (``pip install scikit-image``; the pack does not need it): the photos as
 PNG files named by their scikit-image name (``motorcycle_left`` is ``stereo_motorcycle()``'s left image).
@@ -54,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
-from h3_core.mp4 import VIDEO_CODEC  # noqa: E402
+from h3_core.mp4 import Mp4Worker, Mp4Writer  # noqa: E402
+from h3_core.tiling import temporal_plan  # noqa: E402
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "motorcycle_left", "rocket")
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium")
@@ -121,24 +125,52 @@ def build_clip(photos: dict[str, torch.Tensor], frames: int, height: int, width:
     return clip
 
 
-def encode(path: Path, clip: torch.Tensor, preset: str, crf: int, threads: int, thread_type: str) -> float:
-    """Seconds to write ``clip`` to ``path`` as the pack writes its video."""
-    import av
+def writer(path: Path, clip: torch.Tensor, preset: str, crf: int, threads: int, thread_type: str) -> Mp4Writer:
+    """The pack's own writer for ``clip``; ``thread_type`` "slice" puts back PyAV's default codec threading, which
+    the pack replaced by libx264's frame threads."""
+    made = Mp4Writer(path, int(clip.shape[2]), int(clip.shape[1]), fps=FPS, crf=crf, preset=preset, threads=threads)
+    if thread_type == "slice":
+        made._video.codec_context.thread_type = "SLICE"  # the codec opens at the first frame
+    return made
 
+
+def encode(path: Path, clip: torch.Tensor, preset: str, crf: int, threads: int, thread_type: str) -> float:
+    """Seconds to write ``clip`` to ``path`` with the pack's writer, every frame at once."""
     start = time.perf_counter()
-    with av.open(str(path), mode="w", format="mp4", options={"movflags": "use_metadata_tags"}) as container:
-        video = container.add_stream(VIDEO_CODEC, rate=FPS)
-        video.width, video.height = int(clip.shape[2]), int(clip.shape[1])
-        video.pix_fmt = "yuv420p"
-        video.codec_context.thread_type = thread_type.upper()
-        video.options = {"crf": str(crf), "preset": preset, "threads": str(threads)}
-        for index in range(clip.shape[0]):
-            frame = av.VideoFrame.from_ndarray(clip[index].numpy(), format="rgb24")
-            frame.pts = index
-            frame.time_base = Fraction(1, FPS)
-            container.mux(video.encode(frame))
-        container.mux(video.encode())
+    with writer(path, clip, preset, crf, threads, thread_type) as made:
+        made.write(clip)
+        made.close()
     return time.perf_counter() - start
+
+
+def window_ends(frames: int) -> list[int]:
+    """The frame counts final after each decoder window of a ``frames``-frame clip (what H3 Decode & Save hands
+    the encoder), from the decoder's own temporal plan."""
+    plan = next((p for p in map(temporal_plan, range(2, frames + 2)) if p.num_frames == frames), None)
+    if plan is None:
+        raise SystemExit(f"--frames {frames}: no latent count decodes to exactly that many frames")
+    return [min(frames, plan.output_start(i + 1)) for i in range(len(plan.windows) - 1)] + [frames]
+
+
+def streamed_tail(path: Path, clip: torch.Tensor, preset: str, crf: int, threads: int, window_s: float,
+                  busy: bool) -> dict:
+    """The encoder fed as H3 Decode & Save feeds it: the pack's ``Mp4Worker`` gets each window's final frames
+    every ``window_s`` seconds (the decode's time per window); ``tail_s`` is the time from the last window to the
+    finished file. ``busy``: the feeding thread runs Python for the whole window (as the decode's thread launching
+    kernels holds the interpreter) instead of sleeping."""
+    handed = 0
+    with Mp4Worker(writer(path, clip, preset, crf, threads, "frame")) as worker:
+        for end in window_ends(int(clip.shape[0])):
+            until = time.perf_counter() + window_s
+            if busy:
+                while time.perf_counter() < until:
+                    pass
+            else:
+                time.sleep(window_s)
+            worker.put(clip[handed:end])
+            handed = end
+        worker.close()
+    return dict(tail_s=worker.tail_s, frames_behind=worker.frames_behind)
 
 
 def psnr(errors: list[tuple[int, int]]) -> dict:
@@ -215,14 +247,20 @@ def configurations(args) -> list[dict]:
     return at(0) + extra + [row for t in args.threads if t != 0 for row in at(t)]
 
 
-def measure(clip: torch.Tensor, config: dict, folder: Path, reps: int) -> dict:
+def measure(clip: torch.Tensor, config: dict, folder: Path, args) -> dict:
     path = folder / "clip.mp4"
     seconds = [encode(path, clip, config["preset"], config["crf"], config["threads"], config["thread_type"])
-               for _ in range(reps)]
+               for _ in range(args.reps)]
     row = dict(config, seconds=statistics.median(seconds), seconds_each=seconds, bytes=path.stat().st_size)
     row.update(decoded_psnr(path, clip))
     row.update((k, v) for k, v in x264_settings(path).items() if k != "x264")
     path.unlink()
+    if config["thread_type"] == "frame" and config["threads"] in args.tail_threads and config["crf"] == REFERENCE_CRF:
+        for load in args.tail_loads:
+            tail = streamed_tail(path, clip, config["preset"], config["crf"], config["threads"], args.window_s,
+                                 busy=load == "busy")
+            row.update({f"tail_{load}_s": tail["tail_s"], f"frames_behind_{load}": tail["frames_behind"]})
+        path.unlink()
     return row
 
 
@@ -268,18 +306,29 @@ def table_row(r: dict) -> str:
             f"| {r['x264_threads']}+{r['x264_lookahead_threads']} | {r['crf']} | {r['seconds']:.2f} "
             f"| {r['bytes'] / 1e6:.2f} | {r['psnr_mean']:.2f} | {r['psnr_global']:.2f} "
             f"| {cell(r['delta_psnr_mean'], '+.2f')} | {cell(r['delta_psnr_global'], '+.2f')} "
-            f"| {cell(r['speedup_vs_medium'], '.2f')} |")
+            f"| {cell(r['speedup_vs_medium'], '.2f')} | {cell(r.get('tail_idle_s'), '.2f')} "
+            f"| {cell(r.get('tail_busy_s'), '.2f')} |")
 
 
 def choice(result: dict) -> list[str]:
     ref, tol = result["reference"], result["tolerance_db"]
     if ref is None:
         return ["crf 18 `medium` with threads auto was not measured: no choice made."]
-    today = ", the pack's encode today" if ref["thread_type"] == "slice" else ""
+    today = ", the pack's threading" if ref["thread_type"] == "frame" else ""
     return [f"Reference: crf 18 `medium`, threads 0, {ref['thread_type']} threading{today}: {ref['seconds']:.2f} s, "
             f"{ref['bytes'] / 1e6:.2f} MB, PSNR {ref['psnr_mean']:.2f} / {ref['psnr_global']:.2f} dB.", "",
             f"- Fastest within {tol} dB (both PSNRs), threads auto: {describe(result['fastest_threads_auto'], ref)}.",
-            f"- Fastest within {tol} dB (both PSNRs), any threads: {describe(result['fastest_any_threads'], ref)}."]
+            f"- Fastest within {tol} dB (both PSNRs), any threads: {describe(result['fastest_any_threads'], ref)}.",
+            f"- Shortest streamed tail within {tol} dB (both PSNRs): {tail_text(result.get('shortest_tail'))}."]
+
+
+def tail_text(row: dict | None) -> str:
+    if row is None:
+        return "none measured"
+    return (f"`{row['preset']}` crf {row['crf']}, threads {row['threads']}: tail "
+            f"{cell(row.get('tail_idle_s'), '.2f')} s idle, {cell(row.get('tail_busy_s'), '.2f')} s busy "
+            f"({row.get('frames_behind_busy', '—')} frames behind "
+            f"at the last window)")
 
 
 def markdown(result: dict) -> str:
@@ -296,9 +345,12 @@ def markdown(result: dict) -> str:
              "ceiling of every row.", "",
              "Δ and speed-up: against crf 18 `medium` at the same threads and threading type. x264 threads: what "
              "libx264 ran (its SEI: threads + lookahead threads).", "",
+             f"Tail: seconds from the last window's frames to the finished file when the pack's worker is fed "
+             f"{result['window_s']:.3f} s apart per decoder window (idle: the feeding thread sleeps; busy: it runs "
+             "Python), crf 18 rows with frame threads only.", "",
              "| preset | threads | threading | x264 threads | crf | s | MB | PSNR mean | PSNR global | Δ mean | "
-             "Δ global | × vs medium |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Δ global | × vs medium | tail idle s | tail busy s |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     order = {p: i for i, p in enumerate(PRESETS)}
     types = list(dict.fromkeys(r["thread_type"] for r in rows))
     counts = list(dict.fromkeys(r["threads"] for r in rows))
@@ -329,17 +381,31 @@ def finish(result: dict, thread_type: str, tolerance: float) -> None:
     result["reference"] = ref = reference(rows, 0, thread_type)
     result["fastest_threads_auto"] = fastest_within(rows, ref, tolerance, threads_auto=True)
     result["fastest_any_threads"] = fastest_within(rows, ref, tolerance, threads_auto=False)
+    result["shortest_tail"] = shortest_tail(rows, ref, tolerance)
+
+
+def shortest_tail(rows: list[dict], ref: dict | None, tolerance: float) -> dict | None:
+    """The row with the shortest streamed tail (busy when measured, else idle) whose PSNRs are both no more than
+    ``tolerance`` dB below ``ref``'s."""
+    def tail(row):
+        return row.get("tail_busy_s", row.get("tail_idle_s"))
+
+    if ref is None:
+        return None
+    fits = [r for r in rows if tail(r) is not None and r["psnr_mean"] >= ref["psnr_mean"] - tolerance
+            and r["psnr_global"] >= ref["psnr_global"] - tolerance]
+    return min(fits, key=tail, default=None)
 
 
 def measure_all(clip: torch.Tensor, args, result: dict) -> None:
     """Every configuration into ``result["rows"]``, the comparisons and ``--out`` brought up to date after each."""
-    reference_type = "slice" if "slice" in args.thread_types else args.thread_types[0]
+    reference_type = "frame" if "frame" in args.thread_types else args.thread_types[0]
     with tempfile.TemporaryDirectory(prefix="h3_mp4_presets_") as folder:
         warm = Path(folder) / "warm.mp4"
         encode(warm, clip[: min(8, args.frames)], "ultrafast", REFERENCE_CRF, 0, args.thread_types[0])
         result["x264"] = x264_settings(warm)["x264"]
         for config in configurations(args):
-            row = measure(clip, config, Path(folder), args.reps)
+            row = measure(clip, config, Path(folder), args)
             result["rows"].append(row)
             print(f"{row['preset']:>9} crf {row['crf']} threads {row['threads']:>2} {row['thread_type']:>5}: "
                   f"{row['seconds']:6.2f} s {row['bytes'] / 1e6:7.2f} MB {row['psnr_mean']:.2f} / "
@@ -363,6 +429,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--extra-crf-presets", nargs="*", default=["ultrafast", "superfast", "veryfast"])
     parser.add_argument("--reps", type=int, default=1, help="encodes per configuration (the median is kept)")
     parser.add_argument("--tolerance-db", type=float, default=0.5)
+    parser.add_argument("--window-s", type=float, default=0.567,
+                        help="seconds per decoder window when the encoder is fed as H3 Decode & Save feeds it (the "
+                             "release-size decode's time per window)")
+    parser.add_argument("--tail-loads", nargs="*", default=["idle", "busy"], choices=("idle", "busy"),
+                        help="the feeding thread sleeps (idle) or runs Python (busy) between windows")
+    parser.add_argument("--tail-threads", type=int, nargs="*", default=[0],
+                        help="thread counts whose crf 18 frame-threaded rows also get the streamed tail")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.extract:
@@ -379,7 +452,7 @@ def main(argv=None) -> dict:
     result["clip"] = dict(frames=args.frames, width=args.width, height=args.height, fps=FPS, photos=list(photos),
                           build_s=time.perf_counter() - start)
     result["yuv420p_round_trip"] = yuv420p_round_trip(clip)
-    result.update(tolerance_db=args.tolerance_db, rows=[], reference=None)
+    result.update(tolerance_db=args.tolerance_db, window_s=args.window_s, rows=[], reference=None)
     measure_all(clip, args, result)
     print(write(result, args.out))
     return result

@@ -115,13 +115,13 @@ def video_encoder(width: int, height: int, fps: int = 24, choice: str = "auto",
 class Mp4Writer:
     """An mp4 written a frame range at a time: H.264 yuv420p video at ``fps`` (libx264 at ``crf`` with ``preset``
     and ``threads``; 0 lets libx264 choose) and, when ``waveform`` ``[channels, samples]`` in [-1, 1] is given,
-    AAC audio at ``sample_rate``, muxed once the video ends. ``metadata`` (text by key) goes into the container's
-    tags, custom keys kept (``movflags=use_metadata_tags``). Everything is written to a temporary name beside
-    ``path``: ``close`` finishes the file and renames it, ``abort`` (or leaving a ``with`` block by an exception)
-    removes it, so a failed or cancelled write never leaves a file under the final name. ``encoder``
-    (``video_encoder``): "auto" writes with a hardware encoder where one opens (NVENC at constant quality ``crf``
-    + 1 with its preset p5; its quality against libx264's is not measured here), else libx264; ``encoder_used``
-    and ``encoder_reason`` say which and why."""
+    AAC audio at ``sample_rate``, encoded before the first frame (``write_audio``; ``audio_written`` says whether it
+    is in). ``metadata`` (text by key) goes into the container's tags, custom keys kept
+    (``movflags=use_metadata_tags``). Everything is written to a temporary name beside ``path``: ``close`` finishes
+    the file and renames it, ``abort`` (or leaving a ``with`` block by an exception) removes it, so a failed or
+    cancelled write never leaves a file under the final name. ``encoder`` (``video_encoder``): "auto" writes with a
+    hardware encoder where one opens (NVENC at constant quality ``crf`` + 1 with its preset p5; its quality against
+    libx264's is not measured here), else libx264; ``encoder_used`` and ``encoder_reason`` say which and why."""
 
     def __init__(self, path: str | Path, width: int, height: int, *, fps: int = 24, crf: int = 18,
                  preset: str = DEFAULT_PRESET, threads: int = 0, waveform: torch.Tensor | None = None,
@@ -161,7 +161,7 @@ class Mp4Writer:
                 self._video.codec_context.thread_type = "FRAME"
             else:
                 self._video.options = {"rc": "vbr", "cq": str(crf + 1), "preset": "p5", "b": "0"}
-            self._sound = None
+            self._sound, self.audio_written = None, False
             if self.audio is not None:
                 self._sound = self._container.add_stream(AUDIO_CODEC, rate=sample_rate)
                 self._sound.layout = "stereo" if self.audio.shape[0] == 2 else "mono"
@@ -178,6 +178,7 @@ class Mp4Writer:
         if tuple(pixels.shape[1:3]) != self.size:
             raise H3InputError(f"frames: got {pixels.shape[2]}x{pixels.shape[1]}, the clip is "
                                f"{self.size[1]}x{self.size[0]}")
+        self.write_audio()
         for image in pixels:
             if check_cancel is not None:
                 check_cancel()
@@ -187,25 +188,32 @@ class Mp4Writer:
             self._container.mux(self._video.encode(frame))
             self.frames += 1
 
-    def close(self) -> Path:
-        """Finish the video, write the audio, close the file and give it its name; returns the path."""
+    def write_audio(self) -> None:
+        """Encode the soundtrack (nothing without one, or when already done). It always goes into the file before
+        the first frame, whoever calls this (``write`` does; ``Mp4Worker`` does it as soon as it starts, while the
+        frames are still being made), so every path writes the same bytes and the end of the file is video only."""
         import av
 
+        if self._sound is None or self.audio_written:
+            return
+        self.audio_written = True
+        planar = self.audio.numpy()
+        for start in range(0, planar.shape[1], _AUDIO_CHUNK):
+            chunk = av.AudioFrame.from_ndarray(planar[:, start : start + _AUDIO_CHUNK].copy(), format="fltp",
+                                               layout=self._sound.layout.name)
+            chunk.sample_rate = self.sample_rate
+            chunk.pts = start
+            chunk.time_base = Fraction(1, self.sample_rate)
+            self._container.mux(self._sound.encode(chunk))
+        self._container.mux(self._sound.encode())
+
+    def close(self) -> Path:
+        """Finish the video, close the file and give it its name; returns the path."""
         if self.frames == 0:
             self.abort()
             raise H3InputError("frames: there are no frames to write")
         try:
             self._container.mux(self._video.encode())
-            if self._sound is not None:
-                planar = self.audio.numpy()
-                for start in range(0, planar.shape[1], _AUDIO_CHUNK):
-                    chunk = av.AudioFrame.from_ndarray(planar[:, start : start + _AUDIO_CHUNK].copy(), format="fltp",
-                                                       layout=self._sound.layout.name)
-                    chunk.sample_rate = self.sample_rate
-                    chunk.pts = start
-                    chunk.time_base = Fraction(1, self.sample_rate)
-                    self._container.mux(self._sound.encode(chunk))
-                self._container.mux(self._sound.encode())
             self._container.close()
             os.replace(self.partial, self.path)
         finally:
@@ -230,14 +238,18 @@ class Mp4Writer:
 
 class Mp4Worker:
     """An ``Mp4Writer`` fed by a thread of its own, so the clip is encoded while its next frames are made: ``put``
-    hands over frames (which must not change afterwards) and returns at once; ``close`` waits for the frames
-    handed over (cancellable), finishes the file and returns its path (``tail_s``: how long that took);
+    hands over frames (which must not change afterwards) and returns at once; the soundtrack is encoded first,
+    before any frame; ``close`` waits for the frames handed over (cancellable), finishes the file and returns its
+    path (``tail_s``: how long that took, ``frames_behind``: how many frames handed over were not yet encoded
+    when it was called);
     ``abort`` (or leaving a ``with`` block by an exception) stops and removes the file. A failure in the thread is
     raised by the next ``put`` or ``close``."""
 
     def __init__(self, writer: Mp4Writer):
         self.writer = writer
         self.tail_s: float | None = None
+        self.frames_behind: int | None = None
+        self._handed = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._stopping = False
@@ -245,11 +257,15 @@ class Mp4Worker:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self.writer.write_audio()
+        except BaseException as exc:  # handed to the caller by the next put or close
+            self._error = exc
         while (frames := self._queue.get()) is not None:
             if self._error is None and not self._stopping:
                 try:
                     self.writer.write(frames, self._check_stopping)
-                except BaseException as exc:  # handed to the caller by the next put or close
+                except BaseException as exc:
                     self._error = exc
 
     def _check_stopping(self) -> None:
@@ -262,12 +278,14 @@ class Mp4Worker:
 
     def put(self, frames: torch.Tensor) -> None:
         self._raise()
+        self._handed += int(frames.shape[0])
         self._queue.put(frames)
 
     def close(self, check_cancel: Callable[[], None] | None = None) -> Path:
         """``check_cancel`` is called while the thread still encodes; whatever it raises stops and removes the
         file."""
         started = time.perf_counter()
+        self.frames_behind = self._handed - self.writer.frames
         self._queue.put(None)
         while self._thread.is_alive():
             if check_cancel is not None:

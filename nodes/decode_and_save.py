@@ -66,7 +66,8 @@ class H3DecodeAndSave(io.ComfyNode):
             writer = Mp4Writer(target, width, height, fps=fps, preset=encoder_preset, waveform=waveform,
                                sample_rate=rate, metadata=workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo),
                                encoder=encoder)
-            _, frames, tail_s = decode_to_mp4(vae, latents, writer, **options)
-        _host.say(f"the mp4 was complete {tail_s:.2f} s after the decode ended")
-        return saved(target, subfolder, frames)
+            clip = decode_to_mp4(vae, latents, writer, **options)
+        _host.say(f"the mp4 was complete {clip.tail_s:.2f} s after the decode ended ({clip.frames_behind} frames "
+                  f"were still to encode then)")
+        return saved(target, subfolder, clip.frames)
 

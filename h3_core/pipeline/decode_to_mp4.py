@@ -1,25 +1,32 @@
 """The video decode streamed into the mp4: each decoder window's finished frames go to an ``Mp4Worker`` as soon
 as they are final, so the clip is encoded on the host while the GPU decodes the next window, and only the last
-window's frames and the audio are left to write once the decode ends. The file is the one ``decode_video``
-followed by ``write_mp4`` makes, frame for frame."""
+window's frames (the audio is encoded first, while the first window decodes) are left to write once the decode
+ends. The file is the one ``decode_video`` followed by ``write_mp4`` makes, byte for byte."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from ..mp4 import Mp4Worker, Mp4Writer
 from ..tiling import decode_video
 
-__all__ = ["decode_to_mp4"]
+__all__ = ["decode_to_mp4", "DecodedClip"]
 
 
-def decode_to_mp4(vae, latents: torch.Tensor, writer: Mp4Writer, **decode_options) -> tuple[Path, torch.Tensor, float]:
-    """Decode ``latents`` (``decode_video``'s arguments in ``decode_options``) into ``writer``; returns the mp4's
-    path, the frames ``[F, H, W, 3]`` in [0, 1] and the seconds between the decode's end and the file's. Any
-    failure or cancel (``check_cancel`` raising) removes the partial file."""
+class DecodedClip(NamedTuple):
+    path: Path  # the finished mp4
+    frames: torch.Tensor  # [F, H, W, 3] in [0, 1]
+    tail_s: float  # seconds between the decode's end and the file's
+    frames_behind: int  # frames the encoder had still to take when the decode ended
+
+
+def decode_to_mp4(vae, latents: torch.Tensor, writer: Mp4Writer, **decode_options) -> DecodedClip:
+    """Decode ``latents`` (``decode_video``'s arguments in ``decode_options``) into ``writer``. Any failure or
+    cancel (``check_cancel`` raising) removes the partial file."""
     with Mp4Worker(writer) as worker:
         frames = decode_video(vae, latents, on_frames=lambda start, ready: worker.put(ready), **decode_options)
         path = worker.close(decode_options.get("check_cancel"))
-    return path, frames, worker.tail_s
+    return DecodedClip(path, frames, worker.tail_s, worker.frames_behind)

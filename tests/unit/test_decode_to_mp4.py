@@ -30,10 +30,10 @@ def test_streamed_equals_decoding_then_writing(vae, tmp_path):
     frames = decode_video(vae, z, compile="off")
     reference = write_mp4(tmp_path / "reference.mp4", frames, sound, 32000, metadata=tags)
     writer = Mp4Writer(tmp_path / "streamed.mp4", frames.shape[2], frames.shape[1], waveform=sound, metadata=tags)
-    path, streamed, tail_s = decode_to_mp4(vae, z, writer, compile="off")
-    assert torch.equal(streamed, frames)
-    assert path.read_bytes() == reference.read_bytes()
-    assert tail_s >= 0
+    clip = decode_to_mp4(vae, z, writer, compile="off")
+    assert torch.equal(clip.frames, frames)
+    assert clip.path.read_bytes() == reference.read_bytes()
+    assert clip.tail_s >= 0 and 0 <= clip.frames_behind <= frames.shape[0]
 
 
 def test_a_cancel_during_the_decode_leaves_no_file(vae, tmp_path):

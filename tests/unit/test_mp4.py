@@ -1,6 +1,7 @@
 """Writing clips as mp4 (at once, in ranges, from a thread of its own) and reading audio with PyAV
 (h3_core.mp4), read back with av."""
 
+import threading
 from fractions import Fraction
 
 import av
@@ -162,3 +163,20 @@ def test_a_hardware_encoder_is_used_where_it_opens_and_libx264_elsewhere(tmp_pat
     with Mp4Writer(tmp_path / "first_that_opens.mp4", 64, 32, encoder="auto") as writer:
         assert (writer.encoder_used, writer.encoder_reason) == ("libx264", "libx264 opened")
         writer.abort()
+
+
+def test_the_soundtrack_is_encoded_before_the_first_frame(tmp_path):
+    """The worker encodes the audio as soon as it starts, before any frame arrives (so the encoder's work after the
+    last frame is video only), and writes the same bytes as the whole write."""
+    frames = torch.rand(30, 32, 48, 3, generator=torch.Generator().manual_seed(3))
+    whole = write_mp4(tmp_path / "whole.mp4", frames, tone(30 / 24), 32000)
+    writer = Mp4Writer(tmp_path / "late.mp4", 48, 32, waveform=tone(30 / 24))
+    with Mp4Worker(writer) as worker:
+        for _ in range(200):  # the thread starts with the soundtrack, before any frame is handed over
+            if writer.audio_written:
+                break
+            threading.Event().wait(0.01)
+        assert writer.audio_written and writer.frames == 0
+        worker.put(frames)
+        late = worker.close()
+    assert late.read_bytes() == whole.read_bytes()
