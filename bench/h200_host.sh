@@ -14,6 +14,8 @@
 #   mp4       bench/mp4_presets.py: libx264 presets x threads (seconds, MB, PSNR) on a clip built from the photos
 #             carried as .photos (written beforehand by bench/mp4_presets.py --extract .photos)
 #   host      the host tests (tests/host) with the ComfyUI server on the GPU (H3_COMFY_GPU=1)
+#   load      bench/dit_load.py on the files e2e-write wrote: the DiT loader's and the move to the GPU's seconds, each
+#             profiled
 #   e2e-write, e2e-cold, e2e-restart
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report) under /root/h3_e2e, each
 #             within one 10-minute call, the results gathered there between calls (a copy in $out after each
@@ -24,7 +26,7 @@
 #   fa4-a, fa4-b  FA4 (flash-attn-4 and the CUTLASS DSL) carried in two calls: .fa4_a (the small wheels and the
 #             first part of nvidia-cutlass-dsl-libs-cu13), then .fa4_b (its second part): joined and installed with
 #             --target into $FA4 (default /tmp/fa4); with H3_FA4=1 every later part runs with it on PYTHONPATH
-# Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [mp4] [host] [e2e-write] [e2e-text] [e2e-cold]
+# Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [mp4] [host] [e2e-write] [load] [e2e-text] [e2e-cold]
 #        [e2e-restart] [e2e-small] [e2e-quick]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -69,7 +71,10 @@ for part in "$@"; do
         lora) mkdir -p /root/h3_bench
             run lora_repatch python3 bench/lora_repatch.py --dit /root/h3_bench/minimax_h3_pruned_fp8_random.safetensors \
                 --out "$out/lora_repatch.json" ;;
-        mp4) run mp4_presets python3 bench/mp4_presets.py --photos .photos --out "$out/mp4_presets.json" ;;
+        load) models=/root/h3_e2e/models/diffusion_models
+            run dit_load python3 bench/dit_load.py --dit $models/minimax_h3_fl2va_pruned_fp8_scaled_random.safetensors \
+                --branch $models/vdn_h3_linear_branch_random.safetensors --out "$out/dit_load.json" ;;
+        mp4) run mp4_presets python3 bench/mp4_presets.py --photos .photos --threads 0 8 --out "$out/mp4_presets.json" ;;
         e2e-write) run e2e_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write eval ;;
         e2e-text) run e2e_text python3 bench/end_to_end.py --base /root/h3_e2e --phase text
             cp /root/h3_e2e/end_to_end_state.json "$out/" ;;

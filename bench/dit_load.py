@@ -1,0 +1,97 @@
+"""Where a DiT load's seconds go, as the nodes run it: H3 DiT Loader's ``load_h3_model`` into host memory (the
+node's arguments: fp8 linears, bf16 compute, the run device named), then the weights onto the device as the
+placement puts a resident model there (``model.to(device)``), each under ``cProfile`` so the functions that
+take the time are listed beside the wall seconds. The file's pages are read once first (the page cache filled, as
+for a restarted server), or dropped from the cache with ``--cold``.
+
+    python3 bench/dit_load.py --dit /root/h3_e2e/models/diffusion_models/<dit>.safetensors \\
+        [--branch <branch>.safetensors] --out bench/results/dit_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
+from lora_repatch import drop_page_cache  # noqa: E402
+
+from h3_core.checkpoints import load_h3_model  # noqa: E402
+
+
+def fill_page_cache(path: Path, chunk: int = 1 << 26) -> float:
+    """Read ``path`` once; returns the seconds it took."""
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as handle:
+        buffer = bytearray(chunk)
+        while handle.readinto(buffer):
+            pass
+    return time.perf_counter() - start
+
+
+def profiled(fn, top: int):
+    """``fn()``'s result, its wall seconds and the ``top`` functions by own time and by cumulative time."""
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    result = profile.runcall(fn)
+    seconds = time.perf_counter() - start
+    stats = pstats.Stats(profile)
+
+    def rows(key):
+        entries = sorted(stats.stats.items(), key=lambda item: item[1][key], reverse=True)[:top]
+        return [dict(function=f"{Path(file).name}:{line} {name}", calls=calls, own_s=own, cumulative_s=cumulative)
+                for (file, line, name), (_, calls, own, cumulative, _) in entries]
+
+    return result, seconds, dict(by_own_time=rows(2), by_cumulative=rows(3))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dit", type=Path, required=True)
+    parser.add_argument("--branch", type=Path)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--cold", action="store_true", help="drop the files' pages from the page cache before each")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    files = [p for p in (args.dit, args.branch) if p is not None]
+    result = record.header("dit_load.py", argv)
+    result.update(files={str(p): p.stat().st_size for p in files}, cold=args.cold, runs=[])
+    for _ in range(args.reps):
+        if args.cold:
+            for path in files:
+                drop_page_cache(path)
+        read_s = None if args.cold else sum(fill_page_cache(p) for p in files)
+        model, load_s, load_profile = profiled(
+            lambda: load_h3_model(args.dit, branch=args.branch, device="cpu", dtype=torch.bfloat16, linears="fp8",
+                                  run_device=device), args.top)
+
+        def to_device():
+            model.to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        _, move_s, move_profile = profiled(to_device, args.top)
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        result["runs"].append(dict(page_cache_read_s=read_s, load_s=load_s, to_device_s=move_s, weight_bytes=weights,
+                                   load_gb_per_s=weights / load_s / 1e9, to_device_gb_per_s=weights / move_s / 1e9,
+                                   load_profile=load_profile, to_device_profile=move_profile))
+        print(f"load {load_s:.2f} s, to {device} {move_s:.2f} s ({weights / 1e9:.2f} GB)", flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return record.finish(result, args.out, device.type == "cuda")
+
+
+if __name__ == "__main__":
+    main()
