@@ -175,7 +175,7 @@ class TextEncoder:
         if self.streamed:
             module.to(_HOST)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def encode(self, prompt: str, *, keyframes=(), references: tuple[PresentedReference, ...] = ()) -> PromptEmbedding:
         """The prompt's presentation → its layer-50 states ``[L, hidden]`` (the model's dtype) and row tags.
 

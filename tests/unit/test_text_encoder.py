@@ -192,3 +192,16 @@ def test_bad_vision_requests(folder, tmp_path):
     bare.tokenizer = encoder.tokenizer
     with pytest.raises(H3InputError, match="no preprocessor_config.json"):
         bare.encode("a fox", keyframes=[pixels(8, 8, 3)])
+
+
+def test_encoding_runs_whatever_the_callers_grad_state(folder):
+    """Weights that require grad, grad enabled: the encoder runs under inference mode itself and gives the states it
+    gives under no_grad, as inference tensors."""
+    encoder = load_text_encoder(folder, dtype=torch.float32, layer=3)
+    for parameter in encoder.language_model.parameters():
+        parameter.requires_grad_(True)
+    with torch.enable_grad():
+        tracked = encoder.encode("a fox runs through snow")
+    with torch.no_grad():
+        plain = encoder.encode("a fox runs through snow")
+    assert torch.equal(tracked.embeds, plain.embeds) and tracked.embeds.is_inference()
