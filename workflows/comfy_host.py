@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HOST = ROOT / ".host" / "comfyui-0.3.75"
@@ -86,7 +87,22 @@ class ComfyServer:
     def input(self) -> Path:
         return self.base / "input"
 
-    def start(self, timeout: float = 240) -> "ComfyServer":
+    def stall_check(self, what: str, stall: float) -> Callable[[], None]:
+        """A check that raises ``TimeoutError`` (naming ``what``) once the server's log has not grown for ``stall``
+        seconds: waits end on a lack of progress, not on how fast this machine happens to be."""
+        seen = {"size": -1, "since": time.monotonic()}
+
+        def check() -> None:
+            size = self.log_path.stat().st_size if self.log_path.exists() else 0
+            now = time.monotonic()
+            if size != seen["size"]:
+                seen.update(size=size, since=now)
+            elif now - seen["since"] > stall:
+                raise TimeoutError(f"{what}: the server logged nothing for {stall:.0f} s:\n{self.log_tail()}")
+
+        return check
+
+    def start(self, stall: float = 240) -> "ComfyServer":
         root = comfyui_root()
         log = open(self.log_path, "w")
         self.process = subprocess.Popen(
@@ -95,8 +111,8 @@ class ComfyServer:
              *self.extra_args],
             cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        check = self.stall_check("ComfyUI did not start answering", stall)
+        while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
@@ -104,8 +120,8 @@ class ComfyServer:
                 return self
             except OSError:  # not listening yet: refused, reset or timed out (urllib's errors are OSErrors)
                 pass
+            check()
             time.sleep(0.5)
-        raise RuntimeError(f"ComfyUI did not answer within {timeout} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -120,13 +136,12 @@ class ComfyServer:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def wait_for_log(self, text: str, count: int, timeout: float = 60) -> None:
+    def wait_for_log(self, text: str, count: int, stall: float = 120) -> None:
         """Until ``text`` appears ``count`` times in the server's log: for what the host does between prompts
         (its worker takes a ``/free`` request's flags when it wakes, which a prompt queued at once can beat)."""
-        deadline = time.monotonic() + timeout
+        check = self.stall_check(f"{text!r} not logged {count} times", stall)
         while self.log_path.read_text(errors="replace").count(text) < count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{text!r} not logged {count} times in {timeout} s:\n{self.log_tail()}")
+            check()
             time.sleep(0.1)
 
     def request(self, method: str, path: str, body=None, timeout: float = 60):
@@ -157,24 +172,25 @@ class ComfyServer:
             with refused:
                 return json.loads(refused.read())
 
-    def wait(self, prompt_id: str, timeout: float = 600) -> dict:
-        """The history entry of a finished prompt (``status``, ``outputs``)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def wait(self, prompt_id: str, stall: float = 600) -> dict:
+        """The history entry of a finished prompt (``status``, ``outputs``); ``TimeoutError`` when the server logs
+        nothing for ``stall`` seconds before it finishes."""
+        check = self.stall_check(f"prompt {prompt_id} did not finish", stall)
+        while True:
             history = self.get(f"/history/{prompt_id}")
             if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
                 entry = history[prompt_id]
                 if entry["status"].get("status_str") in ("success", "error"):
                     return entry
+            check()
             time.sleep(0.25)
-        raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s:\n{self.log_tail()}")
 
-    def run(self, prompt: dict, timeout: float = 600) -> dict:
+    def run(self, prompt: dict, stall: float = 600) -> dict:
         """The history entry of ``prompt`` once it has run; ``PromptRefused`` when the server refuses it."""
         answer = self.queue(prompt)
         if "prompt_id" not in answer:
             raise PromptRefused(answer)
-        return self.wait(answer["prompt_id"], timeout)
+        return self.wait(answer["prompt_id"], stall)
 
     def events(self, prompt: dict, timeout: float = 300):
         """Queue ``prompt`` and yield its events from the host's websocket until it ends: ``(type, data)`` for

@@ -60,12 +60,12 @@ def queue_on_tiny(server, page):
     }""", [EMBEDDED_FILES, EMBEDDED_SIZE, list(SIZED_NODES)])
     before = set(server.get("/history"))
     page.evaluate("async () => { await window.app.queuePrompt(0); }")
-    deadline = time.monotonic() + 600
+    check = server.stall_check("the queued prompt never reached the history", 600)
     new = set()
-    while not new and time.monotonic() < deadline:
+    while not new:
+        check()
         time.sleep(0.5)
         new = set(server.get("/history")) - before
-    assert new, "the queued prompt never reached the history"
     entry = server.wait(new.pop())
     assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
     (path,) = mp4_files(entry, server.output)

@@ -65,7 +65,7 @@ PACK = PRELUDE + textwrap.dedent(
 
 def run(script):
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(ROOT)], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script, str(ROOT)], cwd=ROOT, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

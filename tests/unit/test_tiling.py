@@ -293,7 +293,7 @@ def working_memory_kib(T):
     # mark is the peak of live tensors rather than of the allocator's caches.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_ARENA_MAX="1")
     proc = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(root=root, T=T)], capture_output=True,
-                          text=True, timeout=600, env=env)
+                          text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return int(proc.stdout.split("WORKING_KIB")[-1])
 
