@@ -7,10 +7,9 @@ reads the row twice and runs its division as a generic (unvectorised) mixed-dtyp
 * ``swiglu_quantize_triton``: ``fc2``'s input, SiLU·up straight from ``fc1``'s output, never stored.
 
 The first two (and the block's norms, ``models._block_triton``) read their row in chunks of a power of two
-columns, again for each pass over it (the amax, then the codes; later reads come from cache): holding a row
-of 5,376 or 7,168 columns padded to 8,192 lanes left a third of them idle and took 0.94 / 0.85 ms at 104,266
-rows, in chunks 0.58 / 0.73 (H200, ``bench/fp8_stages.py``). The SwiGLU one holds its row whole, which
-measured faster there than in chunks.
+columns, again for each pass over it (the amax, then the codes; later reads come from cache), since a row held
+whole, padded to the next power of two, leaves up to a third of its lanes idle. The SwiGLU one holds its row
+whole, which was faster there (``bench/results/dit_block.md``).
 
 Same numbers as the eager reference: the amax is exact, the scale is ``amax / 448`` and the codes ``x / scale``
 with IEEE-rounded divisions (as torch's CUDA kernels divide), and the cast to e4m3 rounds to nearest even
@@ -69,8 +68,8 @@ def _quantize_chunked_kernel(src, gate, codes, scales, n_cols, s_row, s_gate, he
 
 
 def chunk_launch(cols: int, block_k: int | None, warps: int | None) -> tuple[int, int]:
-    """Chunk width and warps for rows of ``cols`` columns: the fastest measured at the model's widths (H200,
-    104,266 rows: 5,376 → 512 × 4 warps, 7,168 → 1,024 × 4, 14,336 → 2,048 × 8)."""
+    """Chunk width and warps for rows of ``cols`` columns: the fastest measured at the model's widths (5,376,
+    7,168 and 14,336 columns; ``bench/results/dit_block.md``)."""
     auto_k, auto_warps = (512, 4) if cols <= 6144 else (1024, 4) if cols <= 8192 else (2048, 8)
     return min(block_k or auto_k, triton.next_power_of_2(max(cols, 1))), warps or auto_warps
 

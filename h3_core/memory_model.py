@@ -42,20 +42,18 @@ __all__ = ["BlockShape", "block_peaks", "ROTATE_TEMPS", "BRANCH_BUFFERS", "FUSED
 
 ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each, plus the result
 # The linear branch's own buffers at its peak, in C / G: q̃, k̃, ṽ (3) and fp32 k̃, ṽ, β·k̃ (6) account for 9;
-# the rest are layout copies around the depthwise convolutions and the feature normalisation. Measured when
-# one group's raw q, k, v were strided views of the stacked projection; they now come dense (as a group's
-# always did), so the plain path's peak may sit below these figures (not re-measured; the fused path is).
+# the rest are layout copies around the depthwise convolutions and the feature normalisation. Measured
+# (bench/results/block_memory.md) when one group's raw q, k, v were strided views of the stacked projection;
+# they now come dense, so the plain path's peak may sit below these figures.
 BRANCH_BUFFERS = {1: 13.77, "grouped": 14.67}
 # Of those, the fp32 copies of k̃, ṽ and β·k̃ for every frame (read off the code): with ``branch_frames`` they
 # exist for that many frames only. This reduction is derived, not yet measured, so ``plan_for_memory`` does
 # not use the option.
 FP32_STATISTICS = 6.0
-# Fused blocks, in the same units: measured with one head group (dense block 10.12 GiB, hybrid 10.44 GiB in
-# bf16 and 10.35 GiB with fp8 linears above its inputs at T = 104,266; the fused branch forms its statistics
-# as Gram products of the bf16 features, with no fp32 copies, reads q, k, v as dense tensors, frees its
-# fp32 frame states as soon as read and reads out in one pass without q̃: its peak is now where it convolves
-# v beside k̃, about 3 C). The grouped branch was measured at 5.71 before the last three changes (0.9 C / G
-# above the one-group figure then) and is kept there, an overestimate.
+# Fused blocks, in the same units, measured with one head group (bench/results/dit_block.md): the fused
+# branch forms its statistics as Gram products of the bf16 features, with no fp32 copies, frees its fp32 frame
+# states as soon as read and reads out in one pass without q̃, so its peak is where it convolves v beside k̃,
+# about 3 C. The grouped figure predates the last of those changes and is kept, an overestimate.
 FUSED_ROTATE_TEMPS = 0.5
 FUSED_BRANCH_BUFFERS = {1: 3.10, "grouped": 5.71}
 
@@ -176,12 +174,11 @@ def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *,
     return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))
 
 
-# Extra time of each lower-memory choice, as a fraction of a hybrid block's time, measured on an H200 at the
-# release length (bench/results/dit_block.md): 2 head groups with a chunked FFN cost nothing, 8 groups 19 %.
+# Extra time of each lower-memory choice, as a fraction of a hybrid block's time at the release length
+# (bench/results/dit_block.md).
 HEAD_GROUP_COST = {1: 0.0, 2: 0.0, 4: 0.08, 8: 0.19}
-# With fused blocks, of a whole evaluation (bench/results/dit_step.md, the latest runs): 2 groups with a
-# 32,768-row FFN cost 2 % (bf16: 14.38 against 14.14 s); 8 groups with a 16,384-row FFN and 14 of 50 blocks
-# streamed cost 91 % (fp8: 22.23 against 11.61 s; the groups' share not separated).
+# With fused blocks, as a fraction of a whole evaluation (bench/results/dit_step.md): 2 groups with a
+# 32,768-row FFN; 8 groups with a 16,384-row FFN and 14 of 50 blocks streamed (the groups' share not separated).
 FUSED_HEAD_GROUP_COST = {1: 0.0, 2: 0.02, 8: 0.91}
 # Host-to-device copy rate assumed for streamed blocks when no measurement overrides it (pinned memory, PCIe 5).
 HOST_COPY_BYTES_PER_S = 25e9

@@ -5,8 +5,8 @@ auto / off) and the device's free memory into a ``MemoryPlan`` for the request's
 ``memory="auto"`` the memory model predicts the run's peak and gives things up in its order (head groups
 and a chunked FFN, the AdaLN projections in host memory, more groups, then streaming blocks) until the
 prediction fits; ``"off"`` runs the plain path. ``place_for_run`` applies the plan and returns what it
-did in words. On CUDA with Triton the blocks run fused (``models.block_fused``, compiled): 1.5× faster per
-hybrid block and less memory (``bench/results/dit_block.md``), and the plan is made for that — unless the
+did in words. On CUDA with Triton the blocks run fused (``models.block_fused``, compiled), faster and in less
+memory than the plain blocks (``bench/results/dit_block.md``), and the plan is made for that — unless the
 user's ``compile`` is ``"off"`` (``COMPILE_MODES``) or the model's compiled path failed earlier in this
 process (``block_fused.evaluate``), which run the plain path. On a device without CUDA nothing is planned:
 the model simply runs there, on the plain path.

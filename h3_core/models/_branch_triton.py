@@ -131,7 +131,7 @@ def conv_features_triton(y: torch.Tensor, taps: torch.Tensor, heads: int, normal
     if not out.numel():
         return out
     beta_arg = beta if beta is not None else y
-    # 32 tokens of 128 channels; walking the frames 1.37 → 1.31 ms a call against 16 tokens (H200)
+    # 32 tokens of 128 channels, the faster tile (bench/results/dit_block.md)
     block_s = block_s or max(1, 4096 // block_d)
     if rolling and taps.shape[1] == 5:
         _conv_features_rolling_kernel[(heads, triton.cdiv(tokens, block_s))](
@@ -149,7 +149,7 @@ def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, s_f
                     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     head_dim = HEAD_DIM  # a compile-time size: the column masks fold away when it fills the tile
     # token tiles vary fastest in the launch order, so the programs that share a frame's state for one head
-    # run together and read it from L2 (frames first measured 2.51 against 2.40 ms, dit_block.md)
+    # run together and read it from L2 (faster than frames first: bench/results/dit_block.md)
     head = tl.program_id(1).to(tl.int64)
     frame = tl.program_id(2).to(tl.int64)
     tokens = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
@@ -163,8 +163,8 @@ def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, s_f
     # the state [d_v, d_k] taken as [d_k, d_v]: o[s, v] = Σ_k q̃[s, k] S[v, k]
     square = col_ok[:, None] & col_ok[None, :]
     matrix = state + (frame * heads + head) * head_dim * head_dim
-    # rows of S loaded as stored (contiguous) and transposed on chip: 2.88 → 2.47 ms a call with the state
-    # already rounded to the rows' dtype (H200, bench/kernel_launches.py)
+    # rows of S loaded as stored (contiguous) and transposed on chip, faster than a strided load
+    # (bench/results/dit_block.md)
     st = tl.trans(tl.load(matrix + cols[:, None] * head_dim + cols[None, :], mask=square, other=0.0))
     rows_dtype = q_raw.dtype.element_ty
     if IEEE:  # fp32 rows: a full-precision product, as torch.matmul's (not TF32)
