@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from h3_core.attention.layout import SequenceLayout, WindowSpec
 from h3_core.checkpoints import describe_dit_checkpoint
+from h3_core.errors import H3InputError
 from h3_core.keymap import load_into
 from h3_core.models.dit import DiTConfig, HybridAttention
 from h3_core.models.hybrid import HybridContext
@@ -37,7 +38,17 @@ from h3_core.triton_forms import plain_path
 DT = torch.float64
 EPS = 1e-6  # the L2 normalisation's and the readout RMSNorm's epsilon (§2 table, §3)
 TEXT_STATE_SCALE = 0.5  # both scans start from 0.5 · S_text (§3, §11.5)
-TOL = 1e-11  # fp64 paths: max |got − want| against max |want|
+TOL = 1e-13  # fp64 paths: max |got − want| against max |want|
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Run this module's tiny tensor ops on one intra-op thread (restored afterwards): on a shared, busy
+    machine a second thread only adds waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,7 +337,7 @@ def test_oracle_update_is_the_implicit_delta_rule():
     """The oracle's solved state satisfies S_f = S_{f−1}·diag(α_f) + Σ_s β_s (ṽ_s − S_f k̃_s) k̃_sᵀ, token by token
     (§3's reading of ``vdn_solve``), and the solve is from the right (an orientation check of the oracle)."""
     torch.manual_seed(0)
-    branch, (x, q, k, v, *_) = branch_case(heads=2, d=6, frames=3)
+    branch, (x, _, k, v, *_) = branch_case(heads=2, d=6, frames=3)
     alpha, A, B, k_t, v_t, beta = oracle_states(weights(branch), x, k, v, GRID, 3)
     prev = torch.randn(6, 6, dtype=DT)
     for f in range(3):
@@ -445,7 +456,7 @@ INTERPRETED = textwrap.dedent(
 def test_compiled_branch_kernels_under_the_triton_interpreter_match_the_oracle(tmp_path):
     """The ``"compiled"`` path with its hand-written Triton kernels (features, small inverse, scans, gather,
     readout), run by Triton's CPU interpreter in fp32, against the fp64 oracle on the same fp32 inputs and
-    weights; fp32 sums and solves of 16×16 systems stay within 1e-4 of the output's scale."""
+    weights, to 1e-5 of the output's scale (fp32 sums and solves of systems whose eigenvalues are ≥ 1)."""
     from triton_interpreter import run_interpreted
 
     torch.manual_seed(0)
@@ -464,8 +475,8 @@ def test_compiled_branch_kernels_under_the_triton_interpreter_match_the_oracle(t
     seed_want = oracle_text_state(w, text_x, text_k, text_v)
     want = oracle_linear_branch(w, x, q, k, v, GRID, bounds, seed_want)
     assert got["out"].dtype == torch.float32
-    assert relative_error(got["seed"], seed_want) <= 1e-4
-    assert relative_error(got["out"], want) <= 1e-4
+    assert relative_error(got["seed"], seed_want) <= 1e-5
+    assert relative_error(got["out"], want) <= 1e-5
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -653,7 +664,7 @@ def test_a_released_size_branch_file_with_documented_names_is_recognised(tmp_pat
     renamed["transformer_blocks.3.attn.linear_attention.alpha.a_log"] = renamed.pop(
         next(k for k in keys if k.startswith("transformer_blocks.3.") and k.endswith("A_log")))
     _sparse_safetensors(tmp_path / "renamed.safetensors", renamed)
-    with pytest.raises(Exception, match="a_log"):
+    with pytest.raises(H3InputError, match="a_log"):
         describe_dit_checkpoint(tmp_path / "renamed.safetensors")
 
 
