@@ -1,5 +1,5 @@
 """Peak device memory of one full-size DiT block, phase by phase, for several geometries and lower-memory
-options: the measurements the memory model (``h3_core.memory_model``) is checked against.
+options: the measurements the memory model (``h3_core.memory.predict``) is checked against.
 
 For each clip length, block kind (dense, hybrid) and option set ``G:R`` (G head groups, FFN chunks of R
 rows; R = 0 for none) it runs one forward after a warm-up and reports, above what was allocated when
@@ -26,7 +26,7 @@ import record  # noqa: E402
 
 import dit_block  # noqa: E402
 
-from h3_core.memory_model import BlockShape, block_peaks  # noqa: E402
+from h3_core.memory.predict import BlockShape, block_peaks  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
 from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
 

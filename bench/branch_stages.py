@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
         ms["scans (prefix + suffix)"] = time_it(lambda: lb.scan(T, J, seed))
         P, Q = lb.scan(T, J, seed)
         if cuda and branch_fused.triton_kernel("scan") is not None:
-            from h3_core.models._branch_triton import scan_triton
+            from h3_core.models.branch_triton import scan_triton
 
             # (64 rows, 8 warps) asks for 320 KB of shared memory, over the H200's 227 KB
             for block_v, warps, precision in ((32, 8, "tf32x3"), (16, 4, "tf32x3"), (32, 4, "tf32x3"), (16, 8, "tf32x3"),

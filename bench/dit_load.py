@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 from lora_repatch import drop_page_cache  # noqa: E402
 
-from h3_core.checkpoints import load_h3_model  # noqa: E402
+from h3_core.formats.checkpoints import load_h3_model  # noqa: E402
 
 
 def fill_page_cache(path: Path, chunk: int = 1 << 26) -> float:

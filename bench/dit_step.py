@@ -3,7 +3,7 @@ not depend on the values) at 345 frames, 1344×768, T2VA: seconds, peak GiB, the
 and where the time goes, for each variant in one process.
 
 Variants: ``dense-bf16`` (plain H3), ``bf16-decomposed``, ``bf16-flex``, ``fp8-decomposed``, ``fp8-flex``
-(VDN-H3 with the release window; fp8 = the fp8 linears of ``h3_core.fp8_linear``). The variants run in
+(VDN-H3 with the release window; fp8 = the fp8 linears of ``h3_core.models.fp8_linear``). The variants run in
 that order, whatever the order asked: the model is quantised in place for the first fp8 one. ``--low-memory G:R`` runs attention and the
 branch in G head groups and the FFN over R rows at a time. ``--cap-gib`` (one variant) lets the memory model
 plan for that much device memory (``plan_for_memory``: lower-memory paths, AdaLN projections in host
@@ -35,9 +35,9 @@ import dit_block  # noqa: E402
 from device_idle import idle_table  # noqa: E402
 
 from h3_core.attention import last_window_run  # noqa: E402
-from h3_core.fp8_linear import quantize_linears  # noqa: E402
-from h3_core.fitting import apply_plan  # noqa: E402
-from h3_core.memory_model import BlockShape, evaluation_peak, plan_for_memory  # noqa: E402
+from h3_core.models.fp8_linear import quantize_linears  # noqa: E402
+from h3_core.memory.apply import apply_plan  # noqa: E402
+from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory  # noqa: E402
 from h3_core.models.adaln_tables import prepare_adaln_tables  # noqa: E402
 from h3_core.models.block_fused import fuse_blocks  # noqa: E402
 from h3_core.models.branch_fused import fuse_branches  # noqa: E402

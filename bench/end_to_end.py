@@ -75,7 +75,7 @@ STAGES = ("loaders_s", "sampler_prepare_s", "first_step_s", "steady_step_s", "sa
 
 def paths(base: Path, tiny: bool) -> dict[str, Path]:
     if tiny:
-        from h3_core.tiny_checkpoints import TINY_FILES
+        from h3_core.pipeline.tiny_checkpoints import TINY_FILES
 
         names = {"dit": TINY_FILES["dit"], "branch": TINY_FILES["linear_branch"],
                  "video_vae": TINY_FILES["video_vae"], "audio_vae": TINY_FILES["audio_vae"],
@@ -105,7 +105,7 @@ def write_files(base: Path, tiny: bool) -> dict:
     files = paths(base, tiny)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if tiny:
-        from h3_core.tiny_checkpoints import TINY_TEXT_WIDTH, write_tiny_checkpoints
+        from h3_core.pipeline.tiny_checkpoints import TINY_TEXT_WIDTH, write_tiny_checkpoints
 
         write_tiny_checkpoints(base / "models")
         width = TINY_TEXT_WIDTH
@@ -115,7 +115,7 @@ def write_files(base: Path, tiny: bool) -> dict:
         from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
         from h3_core.models.video_vae import VideoVAEConfig
         from h3_core.pipeline.prompt import TEXT_WIDTH
-        from h3_core.tiny_checkpoints import _BRANCH_PARTS
+        from h3_core.pipeline.tiny_checkpoints import _BRANCH_PARTS
 
         files["dit"].parent.mkdir(parents=True, exist_ok=True)
         lora_repatch.write_checkpoint(files["dit"], lora_repatch.release_config())

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
-from h3_core.fp8_linear import quantize_rows, quantize_rows_reference  # noqa: E402
+from h3_core.models.fp8_linear import quantize_rows, quantize_rows_reference  # noqa: E402
 from h3_core.models import block_fused, branch_fused  # noqa: E402
 
 WIDTHS = {"qkv / fc1 input": 5376, "out_proj / to_out_linear input": 7168, "fc2 input": 14336}

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
 from h3_core.attention.layout import window_bounds  # noqa: E402
-from h3_core.fp8_linear import _SMALLEST_SCALE  # noqa: E402
-from h3_core.models import _block_triton, _branch_triton  # noqa: E402
-from h3_core._fp8_triton import gate_heads_quantize_triton, quantize_rows_triton, swiglu_quantize_triton  # noqa: E402
+from h3_core.models.fp8_linear import _SMALLEST_SCALE  # noqa: E402
+from h3_core.models import block_triton as _block_triton, branch_triton as _branch_triton  # noqa: E402
+from h3_core.models.fp8_triton import gate_heads_quantize_triton, quantize_rows_triton, swiglu_quantize_triton  # noqa: E402
 
 # rows, heads, head size, hidden and FFN widths; the branch's frames (all but the two anchors) and their tokens
 RELEASE = dict(rows=104266, heads=56, head_dim=128, hidden=5376, ffn=14336, frames=100, tokens=1008)

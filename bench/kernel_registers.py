@@ -71,7 +71,7 @@ def _kernel(module: str, name: str):
 # The library's hand-written kernels at the launches the release size gets (bf16 rows, head_dim 128, hidden
 # 5,376, inner 7,168, ffn 14,336, 1,008 tokens a frame): (label, module, kernel, {argument: Triton type},
 # constexprs, arguments specialised as multiples of 16, warps).
-BR, BL, FP = "h3_core.models._branch_triton", "h3_core.models._block_triton", "h3_core._fp8_triton"
+BR, BL, FP = "h3_core.models.branch_triton", "h3_core.models.block_triton", "h3_core.models.fp8_triton"
 LIBRARY = (
     ("conv features (k: L2, √β)", BR, "_conv_features_rolling_kernel",
      dict(src="*bf16", taps="*bf16", beta="*bf16", dst="*bf16", n_frames="i32", n_tokens="i32", heads="i32",
@@ -108,7 +108,7 @@ LIBRARY = (
     ("SiLU·up + quantise (fc2's input)", FP, "_swiglu_quantize_kernel",
      dict(src="*bf16", codes="*fp8e4nv", scales="*fp32", ffn="i32", s_row="i32", smallest="fp32"),
      dict(BLOCK=16384), ("src", "codes", "scales", "ffn", "s_row"), 32),
-    ("fp16 staging (scaled, saturated)", "h3_core.attention._convert_triton", "_convert_kernel",
+    ("fp16 staging (scaled, saturated)", "h3_core.attention.convert_triton", "_convert_kernel",
      dict(src="*bf16", dst="*fp16", scale="*fp32", n_rows="i32", head_dim="i32", s_sn="i32", s_sh="i32",
           s_dn="i32", s_dh="i32", limit="fp32"), dict(HAS_SCALE=True, SATURATE=True, BLOCK_N=32, BLOCK_D=128),
      ("src", "dst", "scale", "head_dim", "s_sn", "s_sh", "s_dn", "s_dh"), 4),

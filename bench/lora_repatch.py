@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
-from h3_core.fp8_linear import FP8_LAYERS  # noqa: E402
+from h3_core.models.fp8_linear import FP8_LAYERS  # noqa: E402
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32  # noqa: E402
-from h3_core.sizes import sizes_metadata  # noqa: E402
+from h3_core.formats.sizes import sizes_metadata  # noqa: E402
 
 NOTE = "H3 Hybrid benchmark RANDOM weights: not a trained model"
 # The AdaLN curve of the pruned form: a table this many rows long (its size hardly counts), 8 wide as published.
@@ -134,8 +134,8 @@ def main(argv=None) -> dict:
     from h3_hybrid.nodes.lora import host_patches
     from h3_hybrid.nodes.patchers import DiTRun, H3DiTPatcher
 
-    from h3_core.checkpoints import load_h3_model
-    from h3_core.lora import lora_patches, read_lora
+    from h3_core.formats.checkpoints import load_h3_model
+    from h3_core.formats.lora import lora_patches, read_lora
     from h3_core.pipeline.packing import pack_sequence
 
     cfg = release_config(args.layers)

@@ -57,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
-from h3_core.mp4 import Mp4Worker, Mp4Writer  # noqa: E402
-from h3_core.tiling import temporal_plan  # noqa: E402
+from h3_core.media.mp4 import Mp4Worker, Mp4Writer  # noqa: E402
+from h3_core.media.tiling import temporal_plan  # noqa: E402
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "motorcycle_left", "rocket")
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium")

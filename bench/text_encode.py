@@ -38,7 +38,7 @@ def random_encoder_model(tiny: bool, device: torch.device):
     from transformers import Qwen3VLForConditionalGeneration
 
     if tiny:
-        from h3_core.tiny_checkpoints import tiny_qwen3vl
+        from h3_core.pipeline.tiny_checkpoints import tiny_qwen3vl
 
         return tiny_qwen3vl().to(device)
     config = qwen3vl_config(5120, 25600, 64, 8, CONDITIONING_LAYER, TOWER)

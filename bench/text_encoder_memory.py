@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 from checkpoint_memory import _resident  # noqa: E402  (VmRSS, RssAnon, RssFile from /proc, as the DiT's bench reads)
 
-from h3_core.pipeline.qwen3vl_checkpoint import LAYOUTS, PUBLISHED, held_bytes, qwen3vl_header  # noqa: E402
+from h3_core.formats.qwen3vl_checkpoint import LAYOUTS, PUBLISHED, held_bytes, qwen3vl_header  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RELEASE_LAYERS, LAYER = 64, 50

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h3_core.attention.vae import resolve_vae_attention  # noqa: E402
 from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32  # noqa: E402
-from h3_core.tiling import decode_video, temporal_plan  # noqa: E402
+from h3_core.media.tiling import decode_video, temporal_plan  # noqa: E402
 
 GiB = 2**30
 

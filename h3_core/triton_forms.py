@@ -110,7 +110,7 @@ def runs_here(t: torch.Tensor) -> bool:
 
 
 def triton_form(module: str, attribute: str):
-    """``attribute`` of the module ``module`` (an absolute name, e.g. ``h3_core.attention._merge_triton``),
+    """``attribute`` of the module ``module`` (an absolute name, e.g. ``h3_core.attention.merge_triton``),
     ``guarded``; None when it cannot be imported, and inside ``plain_path``."""
     return None if _plain.get() else _imported(module, attribute)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from h3_core.errors import H3InputError
-from h3_core.file_kinds import check_file
+from h3_core.formats.file_kinds import check_file
 
 from . import _host
 
@@ -57,5 +57,5 @@ def check_model_file(folder: str, name, input_name: str, kind: str) -> str | Non
 
 
 def check_path(path, kind: str, input_name: str) -> str:
-    """``path`` read as ``kind`` from its header (``h3_core.file_kinds.check_file``)."""
+    """``path`` read as ``kind`` from its header (``h3_core.formats.file_kinds.check_file``)."""
     return check_file(path, kind, input_name)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from comfy_api.v0_0_2 import io
 
-from h3_core.checkpoints import load_h3_model
+from h3_core.formats.checkpoints import load_h3_model
 from h3_core.models.audio_vae import load_audio_vae
 from h3_core.models.video_vae import load_video_vae
 from h3_core.pipeline.prompt import load_prompt_embedding

@@ -12,7 +12,7 @@ import math
 from comfy_api.v0_0_2 import io
 
 from h3_core.errors import H3InputError
-from h3_core.lora import lora_patches, read_lora
+from h3_core.formats.lora import lora_patches, read_lora
 
 from . import _host
 from .checks import check_model_file, verdict
@@ -28,7 +28,7 @@ def _check_strength(strength) -> None:
 
 
 def host_patches(patches) -> dict:
-    """``h3_core.lora.LoraPatch``es as the host's patches: key (or key with a row offset) → ``LoRAAdapter``
+    """``h3_core.formats.lora.LoraPatch``es as the host's patches: key (or key with a row offset) → ``LoRAAdapter``
     whose alpha over the rank gives the patch's scale."""
     from comfy.weight_adapter.lora import LoRAAdapter
 

@@ -7,7 +7,7 @@ sequence and the user's memory choices), which gives the activations the run nee
 load the model with ``load_models_gpu(..., memory_required=those activations)``, so the host frees other models
 for the activations as well as the weights. The host decides how much of the weights may sit on the device and
 calls ``partially_load``; ``load`` plans the run within that room plus the activations it reserved (head groups,
-AdaLN projections in host memory, streamed blocks: ``h3_core.placement``), applies the LoRA patches where the
+AdaLN projections in host memory, streamed blocks: ``h3_core.memory.policy``), applies the LoRA patches where the
 weights will run (fp8 linears re-quantised from the patched weights through their ``convert_weight`` /
 ``set_weight``) and places the model. When the host needs memory back it calls ``partially_unload`` with the
 bytes it wants: more blocks move to pinned host memory and stream, until at least that much is free.
@@ -27,9 +27,9 @@ import comfy.model_management as mm
 import comfy.model_patcher
 
 from h3_core.errors import H3InputError
-from h3_core.kitchen import is_kitchen_tensor, requantize
-from h3_core.placement import decide_placement, fuse_for, place_for_run, working_bytes
-from h3_core.models.offload import block_image_bytes, offload_blocks
+from h3_core.formats.kitchen import is_kitchen_tensor, requantize
+from h3_core.memory.policy import decide_placement, fuse_for, place_for_run, working_bytes
+from h3_core.memory.offload import block_image_bytes, offload_blocks
 
 from . import _host
 
@@ -55,7 +55,7 @@ class _Placement:
     offload: str  # the loader's choice: "auto" / "resident" / "stream blocks"
     run: DiTRun | None = None
     working: int = 0  # the activations asked of the host for the run
-    fitted: object = None  # h3_core.fitting.FittedModel of the last load
+    fitted: object = None  # h3_core.memory.apply.FittedModel of the last load
     said: list[str] = field(default_factory=list)
     last_unload: tuple[int, int] | None = None  # (bytes asked, bytes freed) of the last partial unload
 

@@ -1,6 +1,6 @@
 """Ref2VA references: the node that collects them (images, videos with their soundtrack, audio) in the order
 the prompt names them, and the audio-file loader. The references are normalised to H3's rates and sizes
-where they are used (``h3_core.pipeline.media``)."""
+where they are used (``h3_core.pipeline.conditioning``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from h3_core.errors import H3InputError
-from h3_core.mp4 import read_audio
-from h3_core.pipeline.media import (encode_reference, normalize_audio_reference, normalize_image_reference,
+from h3_core.media.mp4 import read_audio
+from h3_core.pipeline.conditioning import (encode_reference, normalize_audio_reference, normalize_image_reference,
                                     normalize_video_reference)
 from h3_core.pipeline.presentation import PresentedReference
 

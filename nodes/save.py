@@ -10,7 +10,7 @@ from pathlib import Path
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.mp4 import write_mp4
+from h3_core.media.mp4 import write_mp4
 from h3_core.pipeline.geometry import FPS
 
 from . import _host

@@ -75,8 +75,8 @@ def server(tmp_path_factory):
     from PIL import Image
 
     from comfy_host import ComfyServer
-    from h3_core.mp4 import write_mp4
-    from h3_core.tiny_checkpoints import write_tiny_checkpoints, write_tiny_text_encoder_file
+    from h3_core.media.mp4 import write_mp4
+    from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints, write_tiny_text_encoder_file
 
     base = tmp_path_factory.mktemp("comfy")
     host = ComfyServer(base)

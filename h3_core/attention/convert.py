@@ -29,7 +29,7 @@ def scale_convert_reference(src, dst, scale=None, saturate=False) -> torch.Tenso
 
 def scale_convert(src, dst, scale=None, saturate=False) -> torch.Tensor:
     if dst.is_cuda and dst.dim() == 3 and src.shape == dst.shape and dst.numel():
-        fused = triton_form("h3_core.attention._convert_triton", "scale_convert_triton")
+        fused = triton_form("h3_core.attention.convert_triton", "scale_convert_triton")
         if fused is not None:
             return fused(src, dst, scale, saturate)
     return scale_convert_reference(src, dst, scale, saturate)

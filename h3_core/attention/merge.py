@@ -30,7 +30,7 @@ def merge_partials_reference(o_a, lse_a, o_b, lse_b, out) -> torch.Tensor:
 def merge_partials(o_a, lse_a, o_b, lse_b, out) -> torch.Tensor:
     """Merge two partial attention results into ``out`` (one fused pass on CUDA)."""
     if out.is_cuda and out.dtype != torch.float64 and out.shape[0] > 0:
-        fused = triton_form("h3_core.attention._merge_triton", "merge_partials_triton")
+        fused = triton_form("h3_core.attention.merge_triton", "merge_partials_triton")
         if fused is not None:
             return fused(o_a, lse_a, o_b, lse_b, out)
     return merge_partials_reference(o_a, lse_a, o_b, lse_b, out)

@@ -8,9 +8,9 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import H3InputError
-from ..keymap import CheckpointFiles, KeyMap, load_into, match_layout
-from ..quantized_files import QuantizedView, describe_formats, quantized_view
-from ..sizes import sizes_from_metadata
+from ..formats.keymap import CheckpointFiles, KeyMap, load_into, match_layout
+from ..formats.quantized_files import QuantizedView, describe_formats, quantized_view
+from ..formats.sizes import sizes_from_metadata
 
 
 class LatentStats:
@@ -83,7 +83,7 @@ def load_model(
 ):
     """Build ``model_cls(cfg)`` on the meta device and fill it from ``path``; the file's latent statistics
     (tensors, or a folder's ``config.json``) replace the config's. Without ``cfg``, the sizes come from the
-    file's metadata (``h3_core.sizes``) or are the released ``config_cls()``. ``model.layout`` names the
+    file's metadata (``h3_core.formats.sizes``) or are the released ``config_cls()``. ``model.layout`` names the
     layout found. ``run_device`` is where the model will run, when it is read elsewhere (``keymap.load_into``)."""
     files = CheckpointFiles(path)
     cfg = _sized(config_cls, cfg, files)

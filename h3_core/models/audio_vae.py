@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.vae import vae_attention
-from ..keymap import KeyMap, Rule
+from ..formats.keymap import KeyMap, Rule
 from ._common import LatentStats, load_model
 
 __all__ = ["AudioVAEConfig", "AudioVAE", "load_audio_vae", "layouts", "AUDIO_LATENTS_MEAN", "AUDIO_LATENTS_STD"]

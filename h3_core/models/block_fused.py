@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import H3InputError
-from ..fp8_linear import _COMPUTE_DTYPES, _SMALLEST_SCALE, QuantizedRows, quantize_input
+from .fp8_linear import _COMPUTE_DTYPES, _SMALLEST_SCALE, QuantizedRows, quantize_input
 from ..triton_forms import CompileFailure, plain_path, runs_here, triton_form
 from . import branch_fused
 
@@ -108,7 +108,7 @@ def _kernel(mode: str | None, rows: torch.Tensor, module: str, name: str):
 
 def _quantiser(mode: str | None, rows: torch.Tensor, name: str):
     """``_kernel`` for the fp8 quantiser ``name`` of ``_fp8_triton``."""
-    return _kernel(mode, rows, "h3_core._fp8_triton", name)
+    return _kernel(mode, rows, "h3_core.models.fp8_triton", name)
 
 
 def norm_modulate_quantized(mode: str, x, weight, shift, scale, rows, eps: float) -> QuantizedRows:
@@ -142,7 +142,7 @@ def residual_norm(mode: str, x, y, gate, rows, weight, shift, scale, eps: float,
 def _block_norm(mode: str, x: torch.Tensor):
     """``_kernel`` for ``_block_triton.block_norm_triton``, which takes contiguous ``[T, hidden]`` rows."""
     if x.dim() == 2 and x.is_contiguous():
-        return _kernel(mode, x, "h3_core.models._block_triton", "block_norm_triton")
+        return _kernel(mode, x, "h3_core.models.block_triton", "block_norm_triton")
     return None
 
 

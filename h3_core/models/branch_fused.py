@@ -184,14 +184,14 @@ def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
 
 # Hand-written Triton forms that ``"compiled"`` runs on CUDA instead of ``torch.compile``'s (module, function):
 # each does in one pass what the compiled form splits into several or writes with scattered stores.
-_TRITON = {"conv_features": ("h3_core.models._branch_triton", "conv_features_triton"),
-           "readout": ("h3_core.models._branch_triton", "readout_triton"),
-           "scan": ("h3_core.models._branch_triton", "scan_triton"),
-           "gather": ("h3_core.models._branch_triton", "gather_triton"),
-           "qk_norm_rope": ("h3_core.models._block_triton", "qk_norm_rope_triton"),
-           "norm_modulate": ("h3_core.models._block_triton", "block_norm_triton"),
-           "swiglu_": ("h3_core.models._block_triton", "swiglu_triton"),
-           "small_inverse": ("h3_core.models._branch_triton", "small_inverse_triton")}
+_TRITON = {"conv_features": ("h3_core.models.branch_triton", "conv_features_triton"),
+           "readout": ("h3_core.models.branch_triton", "readout_triton"),
+           "scan": ("h3_core.models.branch_triton", "scan_triton"),
+           "gather": ("h3_core.models.branch_triton", "gather_triton"),
+           "qk_norm_rope": ("h3_core.models.block_triton", "qk_norm_rope_triton"),
+           "norm_modulate": ("h3_core.models.block_triton", "block_norm_triton"),
+           "swiglu_": ("h3_core.models.block_triton", "swiglu_triton"),
+           "small_inverse": ("h3_core.models.branch_triton", "small_inverse_triton")}
 
 
 def triton_kernel(name: str):

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
 from ..errors import H3InputError
-from ..fp8_linear import Fp8Linear, quantize_input
-from ..keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
-from ..sizes import sizes_from_metadata
+from .fp8_linear import Fp8Linear, quantize_input
+from ..formats.keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
+from ..formats.sizes import sizes_from_metadata
 from . import block_fused
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
 from .adaln_tables import adaln_tables_for
@@ -526,7 +526,7 @@ def load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: Di
     the fp32 islands in fp32. ``qkv_interleaved`` marks the official shards, whose keys match ComfyUI's
     but whose ``qkv_proj`` rows are interleaved per head. A pruned ("curve") file is recognised by its
     ``adaln_t_table``, whose shape sets ``cfg.adaln_curve_grid`` and ``cfg.time_embed``. Without ``cfg`` the
-    sizes are those in the file's metadata (``h3_core.sizes``), else the released model's."""
+    sizes are those in the file's metadata (``h3_core.formats.sizes``), else the released model's."""
     files = path if isinstance(path, CheckpointFiles) else CheckpointFiles(path)
     cfg = cfg or sizes_from_metadata(files.metadata, DiTConfig, files.path) or DiTConfig()
     curve = curve_grid(files)

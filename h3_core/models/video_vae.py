@@ -3,7 +3,7 @@ non-causal ViT3D decoder that turns every latent voxel into a 4×16×16 pixel bl
 
 Pixels are ImageNet-normalised RGB (``(x - mean) / std`` on [0, 1]); latents in model space are
 ``(z - latents_mean) / latents_std``. Shapes: pixels ``[B, 3, F, H, W]``, latents ``[B, 24, T, h, w]``.
-The encoder sees 17-frame clips (see ``h3_core.tiling`` for the clip and tile plans); the decoder sees
+The encoder sees 17-frame clips (see ``h3_core.media.tiling`` for the clip and tile plans); the decoder sees
 one tile of one temporal window at a time, with positions local to that tile, as it was trained.
 
 Precision follows the released recipe: weights may be fp16 or bf16, but the decoder's norms, the
@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.vae import vae_attention
-from ..keymap import KeyMap, Rule, swap_halves
+from ..formats.keymap import KeyMap, Rule, swap_halves
 from ..triton_forms import guarded
 from ._common import LatentStats, load_model
 
@@ -471,7 +471,7 @@ def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cf
     supply the latent statistics.
 
     ComfyUI's quantised file (``minimax_h3_video_vae_int8_convrot.safetensors``: the decoder blocks' linears in
-    int8 ConvRot, ``h3_core.quantized_files``) loads too: on a GPU where comfy-kitchen has kernels for them the
+    int8 ConvRot, ``h3_core.formats.quantized_files``) loads too: on a GPU where comfy-kitchen has kernels for them the
     quantised linears keep the file's codes as comfy-kitchen weights (the blocks' ``F.linear`` calls run the
     library's int8 matmul), anywhere else they are dequantised by comfy-kitchen into ``dtype``; one log line
     says which (``keymap.load_into``). Read into ``device`` for a run on ``run_device`` (default ``device``), the

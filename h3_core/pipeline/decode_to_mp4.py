@@ -10,8 +10,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..mp4 import Mp4Worker, Mp4Writer
-from ..tiling import decode_video
+from ..media.mp4 import Mp4Worker, Mp4Writer
+from ..media.tiling import decode_video
 
 __all__ = ["decode_to_mp4", "DecodedClip"]
 

@@ -2,7 +2,7 @@
 
 ``generate`` packs the request, draws the noise from ``seed`` in the released order, runs the denoising loop
 and returns the latents in model space: video ``[24, T, h, w]`` and audio ``[2, 32, Ta]`` (left, right). The
-caller decodes them (``h3_core.tiling.decode_video``, the audio VAE). Keyframes come as latents in model space
+caller decodes them (``h3_core.media.tiling.decode_video``, the audio VAE). Keyframes come as latents in model space
 (``[24, 1, h, w]``, as the released encode produces them) with their anchors, "first" and/or "last".
 ``generate_ref2va`` does the same for a Ref2VA request: images and videos as latents of their own size, their
 soundtracks and audio references as audio latents. Reference video rows are noised to ``t = 0.999`` and held

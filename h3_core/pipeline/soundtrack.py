@@ -8,7 +8,7 @@ import torch
 
 from ..errors import H3InputError
 from .geometry import FPS
-from .media import AUDIO_SAMPLE_RATE
+from .conditioning import AUDIO_SAMPLE_RATE
 
 __all__ = ["decode_soundtrack", "clip_samples"]
 

@@ -3,7 +3,7 @@ norm), no chat template and no special tokens around the prompt, every prompt ro
 
 The encoder loads from either source, and holds only what H3 reads: the embeddings, the decoder layers up to
 the conditioning layer, the vision tower and the rotary tables; the later layers, the final norm and the
-output head are never read (``h3_core.pipeline.qwen3vl_checkpoint``), and the forward stops after the
+output head are never read (``h3_core.formats.qwen3vl_checkpoint``), and the forward stops after the
 conditioning layer (a hook takes its output), which is exactly ``hidden_states[50]`` of the full model.
 
 * a local Hugging Face folder: config.json and weights (``text_encoder/``), the tokenizer (``tokenizer/``, or
@@ -12,7 +12,7 @@ conditioning layer (a hook takes its output), which is exactly ``hidden_states[5
   ``_nvfp4_awq`` ones), whose configuration comes from its header; it ships no tokenizer or processor files: the
   tokenizer is built from the Qwen BPE folder passed in (``h3_core.pipeline.qwen3vl_tokens``), the processors from
   a folder passed in or Qwen3-VL's published settings. A quantised file's layers are kept as comfy-kitchen layers
-  where it has kernels for the run device, else dequantised on load (``h3_core.pipeline.qwen3vl_weights``); the
+  where it has kernels for the run device, else dequantised on load (``h3_core.formats.qwen3vl_weights``); the
   model then runs as the bf16 file's does.
 
 Keyframes (FL2VA) and references (Ref2VA) appear inside the text as labels and vision blocks
@@ -36,15 +36,15 @@ import torch
 from torch import nn
 
 from ..errors import H3InputError
-from ..keymap import CheckpointFiles, load_into
-from ..kitchen import stored_bytes
-from ..quantized_files import HELD
-from .media import quantize_pixels
+from ..formats.keymap import CheckpointFiles, load_into
+from ..formats.kitchen import stored_bytes
+from ..formats.quantized_files import HELD
+from .conditioning import quantize_pixels
 from .presentation import PresentedReference, VisionIds, presentation_tokens, video_blocks
 from .prompt import PromptEmbedding
-from .qwen3vl_checkpoint import LAYOUTS, describe_text_encoder_file, layout_keymap
+from ..formats.qwen3vl_checkpoint import LAYOUTS, describe_text_encoder_file, layout_keymap
 from .qwen3vl_tokens import folder_processors, published_processors, qwen3vl_tokenizer
-from .qwen3vl_weights import read_text_encoder_file
+from ..formats.qwen3vl_weights import read_text_encoder_file
 
 __all__ = ["TextEncoder", "load_text_encoder", "CONDITIONING_LAYER", "OFFLOAD_MODES", "SETTINGS_FILE", "fits_on"]
 

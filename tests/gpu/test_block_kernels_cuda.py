@@ -25,7 +25,7 @@ def test_triton_qk_norm_rope_matches_the_written_function(dtype, rotary):
     if rotary:
         angles = torch.randn(1500, rotary // 2, generator=g).repeat(1, 2)
         cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
-    from h3_core.models._block_triton import qk_norm_rope_triton
+    from h3_core.models.block_triton import qk_norm_rope_triton
 
     for x, per_head in ((qkv[:, 0], False), (qkv[:, 1], False), (qkv[:, 1], True)):
         got = (block_fused.run("compiled", "qk_norm_rope", x, weight, cos, sin, 1e-6) if not per_head
@@ -46,12 +46,12 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
     residual (the FFN's), written and quantised, against the written functions run as written: the row's
     norm is summed in another order, so a value on a rounding boundary may round the other way — each result
     within a step of the rows' dtype, the scales too, at most one code in a thousand one e4m3 step apart."""
-    from h3_core.fp8_linear import quantize_input
+    from h3_core.models.fp8_linear import quantize_input
 
-    from h3_core.models._block_triton import block_norm_triton
+    from h3_core.models.block_triton import block_norm_triton
     from h3_core.triton_forms import triton_form
 
-    if triton_form("h3_core.models._block_triton", "block_norm_triton") is None:
+    if triton_form("h3_core.models.block_triton", "block_norm_triton") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(300, hidden, generator=g) * torch.logspace(-3, 3, 300)[:, None]).to(DEV, dtype)
@@ -92,7 +92,7 @@ def test_triton_swiglu_matches_the_written_function(dtype):
     a launch with a row a program holds (65,535)."""
     if triton_kernel("swiglu_") is None:
         pytest.skip("needs Triton")
-    from h3_core.models._block_triton import swiglu_triton
+    from h3_core.models.block_triton import swiglu_triton
 
     g = torch.Generator().manual_seed(4)
     gate_up = (torch.randn(70_000, 2 * 96, generator=g) * 4).to(DEV, dtype)
@@ -120,7 +120,7 @@ def test_triton_conv_features_match_the_written_function(normalize, with_beta):
     taps = (torch.randn(heads * 128, 1, 5, generator=g) / 2).to(DEV, torch.bfloat16)
     beta = torch.sigmoid(torch.randn(frames, grid[0] * grid[1], heads, generator=g)).to(DEV, torch.bfloat16)
     y = branch_fused.spatial_conv(raw, spatial, grid)
-    from h3_core.models._branch_triton import conv_features_triton
+    from h3_core.models.branch_triton import conv_features_triton
 
     args = (y, taps, heads, normalize, beta if with_beta else None)
     want = branch_fused.run("eager", "conv_features", *args).float()

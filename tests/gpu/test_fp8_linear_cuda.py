@@ -1,4 +1,4 @@
-"""fp8 linear layers (h3_core.fp8_linear) on a CUDA GPU (skipped without one): the row-wise ``torch._scaled_mm``
+"""fp8 linear layers (h3_core.models.fp8_linear) on a CUDA GPU (skipped without one): the row-wise ``torch._scaled_mm``
 path against the dequantising reference, the shapes and dtypes that must fall back, and a reduced DiT, one
 step, against bf16. The ``_scaled_mm`` checks also need compute capability 8.9 or newer.
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3_core.fp8_linear import (
+from h3_core.models.fp8_linear import (
     Fp8Linear,
     fp8_linear_reference,
     fp8_linear_scaled_mm,
@@ -139,12 +139,12 @@ def test_cuda_quantiser_equals_the_cpu_one():
 @pytest.mark.parametrize("width, dtype, strided", [(5376, torch.bfloat16, False), (14336, torch.bfloat16, True),
                                                    (7168, torch.float32, False), (40, torch.float16, True)])
 def test_the_triton_quantiser_gives_the_reference_codes(width, dtype, strided):
-    """One pass per row on CUDA (h3_core._fp8_triton) against the eager reference on the same device, bit for
+    """One pass per row on CUDA (h3_core.models.fp8_triton) against the eager reference on the same device, bit for
     bit, at the model's widths, for rows of a wider tensor (the FFN's gate half) and with a zero row."""
-    from h3_core.fp8_linear import quantize_rows_reference
+    from h3_core.models.fp8_linear import quantize_rows_reference
     from h3_core.triton_forms import triton_form
 
-    if triton_form("h3_core._fp8_triton", "quantize_rows_triton") is None:
+    if triton_form("h3_core.models.fp8_triton", "quantize_rows_triton") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(6)
     full = torch.randn(257, 2 * width if strided else width, generator=g) * torch.logspace(-4, 4, 257)[:, None]
@@ -162,11 +162,11 @@ def test_the_fused_swiglu_quantiser_gives_the_two_step_codes(ffn, dtype):
     """The FFN's SiLU·up and the quantisation of fc2's input in one Triton pass, bit for bit what the product
     written into fc1's output by the compiled SiLU·up and quantised after gives, at the model's width and with a
     zero row."""
-    from h3_core.fp8_linear import quantize_input
+    from h3_core.models.fp8_linear import quantize_input
     from h3_core.models import block_fused
     from h3_core.triton_forms import triton_form
 
-    if triton_form("h3_core._fp8_triton", "swiglu_quantize_triton") is None:
+    if triton_form("h3_core.models.fp8_triton", "swiglu_quantize_triton") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(7)
     # rows from 1e-3 to 30 in size: products up to ≈ 2·10⁴, inside fp16's range
@@ -189,11 +189,11 @@ def test_the_fused_gate_quantiser_gives_the_two_step_codes(heads, head_dim, dtyp
     """out_proj's input — the window softmax's output times its per-head gate — quantised in one Triton pass,
     bit for bit what the compiled gate written in place and quantised after gives, at the model's width (a
     head group's columns of the gate, a zero row) and at a width whose chunks split heads."""
-    from h3_core.fp8_linear import quantize_input
+    from h3_core.models.fp8_linear import quantize_input
     from h3_core.models import block_fused
     from h3_core.triton_forms import triton_form
 
-    if triton_form("h3_core._fp8_triton", "gate_heads_quantize_triton") is None:
+    if triton_form("h3_core.models.fp8_triton", "gate_heads_quantize_triton") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(8)
     soft = (torch.randn(300, heads, head_dim, generator=g) * torch.logspace(-3, 2, 300)[:, None, None]).to(DEV, dtype)
@@ -303,7 +303,7 @@ def test_one_step_of_a_reduced_dit_against_bf16(hybrid, fused):
 
 @needs_fp8
 def test_rows_quantised_once_give_every_slice_what_quantising_it_again_gives():
-    from h3_core.fp8_linear import quantize_input
+    from h3_core.models.fp8_linear import quantize_input
 
     torch.manual_seed(0)
     layer = Fp8Linear.from_linear(nn.Linear(512, 3 * 256, bias=False).to(DEV, torch.bfloat16)).to(DEV)

@@ -1,4 +1,4 @@
-"""Block offload (h3_core.models.offload) on a CUDA GPU (skipped without one): a reduced DiT (hidden 1024, 8 heads
+"""Block offload (h3_core.memory.offload) on a CUDA GPU (skipped without one): a reduced DiT (hidden 1024, 8 heads
 of 128, 6 blocks) in bf16, with and without fp8 linears, dense and hybrid, streamed from page-locked host memory
 through a side stream, gives the resident model's outputs bit for bit; and streaming lowers the peak device
 memory by at least the streamed blocks' bytes minus the slot pool.
@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from h3_core.attention import WindowSpec
-from h3_core.fp8_linear import quantize_linears
+from h3_core.models.fp8_linear import quantize_linears
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
 from h3_core.models.hybrid import HybridContext
-from h3_core.models.offload import offload_blocks
+from h3_core.memory.offload import offload_blocks
 from h3_core.pipeline.packing import pack_sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

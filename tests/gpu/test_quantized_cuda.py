@@ -25,13 +25,13 @@ import torch.nn.functional as F
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import save_file
 
-from h3_core.checkpoints import load_h3_model
-from h3_core.dit_layers import KEPT
-from h3_core.kitchen import kitchen_support
+from h3_core.formats.checkpoints import load_h3_model
+from h3_core.formats.dit_layers import KEPT
+from h3_core.formats.kitchen import kitchen_support
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, load_video_vae
 from h3_core.pipeline.packing import pack_sequence
-from h3_core.quantized_files import read_state_dict
+from h3_core.formats.quantized_files import read_state_dict
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

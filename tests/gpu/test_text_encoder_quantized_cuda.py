@@ -1,5 +1,5 @@
 """The quantised text encoders' comfy-kitchen layers on a CUDA GPU (skipped without one), against the same files
-dequantised on load (h3_core.pipeline.qwen3vl_weights / text_encoder).
+dequantised on load (h3_core.formats.qwen3vl_weights / text_encoder).
 
 The files are written as ComfyUI writes ``qwen3vl_32b_minimax_h3_int8_convrot`` / ``_nvfp4_awq``
 (``quantize_text_encoder_state``: comfy-kitchen's own quantisers, ``comfy_quant`` sidecars), from a random
@@ -18,9 +18,9 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import save_file
 
-from h3_core.kitchen import kitchen_support
+from h3_core.formats.kitchen import kitchen_support
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.tiny_checkpoints import quantize_text_encoder_state
+from h3_core.pipeline.tiny_checkpoints import quantize_text_encoder_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -45,7 +45,7 @@ def wide_state() -> dict[str, torch.Tensor]:
     as its H3 file is cut (no final norm, no output head)."""
     import transformers
 
-    from h3_core.pipeline.qwen3vl_checkpoint import LAYOUTS, PUBLISHED
+    from h3_core.formats.qwen3vl_checkpoint import LAYOUTS, PUBLISHED
 
     cfg = transformers.Qwen3VLConfig(
         text_config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=LAYER + 1, num_attention_heads=2,

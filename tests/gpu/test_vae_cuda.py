@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32
-from h3_core.tiling import decode_video
+from h3_core.media.tiling import decode_video
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -56,7 +56,7 @@ def test_a_cancel_during_decode_and_save_leaves_no_file(server):
 
 
 def test_an_encoder_that_does_not_open_here_is_refused_when_queued(server):
-    from h3_core import mp4
+    from h3_core.media import mp4
     from test_host_errors import refused_at_validation
 
     if mp4._fails_to_open("h264_nvenc", 256, 256, 24) is None:

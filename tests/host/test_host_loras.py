@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from comfy_host import error_message, mp4_files
 from graphs import generation
-from h3_core.tiny_checkpoints import TINY_DIT
+from h3_core.pipeline.tiny_checkpoints import TINY_DIT
 
 
 def write_lora(path, modules, seed):

@@ -13,8 +13,8 @@ import pytest
 
 from comfy_host import error_message, mp4_files
 from graphs import generation
-from h3_core.sizes import sizes_metadata
-from h3_core.tiny_checkpoints import TINY_DIT
+from h3_core.formats.sizes import sizes_metadata
+from h3_core.pipeline.tiny_checkpoints import TINY_DIT
 
 def run(server, prompt):
     entry = server.run(prompt)

@@ -78,7 +78,7 @@ def test_a_generation_writes_a_playable_mp4(server, mode, frames):
     check_mp4(files[0], 56, 64, 32)
 
 
-# An image reference is encoded at its released size (a 2048 px short edge, h3_core.pipeline.media), the costliest
+# An image reference is encoded at its released size (a 2048 px short edge, h3_core.pipeline.conditioning), the costliest
 # part of a run on the CPU: one case holds an image, beside a video with its soundtrack and a sound.
 @pytest.mark.parametrize("refs", [dict(image="first.png", video="clip.mp4", audio="tone.wav"), dict(audio="tone.wav")],
                          ids=["image-video-audio", "audio-only"])

@@ -112,7 +112,7 @@ def test_a_fused_model_equals_the_plain_model(hybrid, options):
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_a_fused_fp8_model_equals_the_plain_fp8_model(hybrid):
     """With fp8 linears the fused FFN hands fc2 its input already quantised (``swiglu_quantized``)."""
-    from h3_core.fp8_linear import QuantizedRows
+    from h3_core.models.fp8_linear import QuantizedRows
 
     m, args, ctx = fp32_case(hybrid)
     fc2_inputs = []

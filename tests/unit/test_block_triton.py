@@ -1,4 +1,4 @@
-"""The block's Triton norms (h3_core.models._block_triton) under Triton's CPU interpreter: q/k norm + RoPE
+"""The block's Triton norms (h3_core.models.block_triton) under Triton's CPU interpreter: q/k norm + RoPE
 against block_fused.qk_norm_rope on a slice of a fused projection (row and head strides of the real one); the
 block norm against norm_modulate, after gated_residual_, and quantised as quantize_rows_reference does; SiLU·up
 written into fc1's output against swiglu_."""
@@ -10,7 +10,7 @@ from triton_interpreter import run_interpreted
 CHECK = textwrap.dedent(
     """
     import torch
-    from h3_core.models._block_triton import qk_norm_rope_triton
+    from h3_core.models.block_triton import qk_norm_rope_triton
     from h3_core.models.block_fused import qk_norm_rope
 
     g = torch.Generator().manual_seed(0)
@@ -41,8 +41,8 @@ def test_triton_qk_norm_rope_under_interpreter_matches_the_written_function():
 BLOCK_NORM_CHECK = textwrap.dedent(
     """
     import torch
-    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
-    from h3_core.models._block_triton import block_norm_triton
+    from h3_core.models.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models.block_triton import block_norm_triton
     from h3_core.models.block_fused import gated_residual_, norm_modulate
 
     # fp32 rows: the interpreter emulates bf16 rounding by truncation, so the bf16 case runs on the GPU only
@@ -83,7 +83,7 @@ def test_triton_block_norm_under_interpreter_matches_the_written_functions():
 SWIGLU_CHECK = textwrap.dedent(
     """
     import torch
-    from h3_core.models._block_triton import swiglu_triton
+    from h3_core.models.block_triton import swiglu_triton
     from h3_core.models.block_fused import swiglu_
 
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The linear branch's Triton kernels (h3_core.models._branch_triton) against the written functions of
+"""The linear branch's Triton kernels (h3_core.models.branch_triton) against the written functions of
 branch_fused (the temporal conv + SiLU + L2 + √β, the readout, the scans, the gather) and the solve's leaf
 inverse, under Triton's CPU interpreter."""
 
@@ -9,7 +9,7 @@ from triton_interpreter import run_interpreted
 CHECK = textwrap.dedent(
     """
     import torch
-    from h3_core.models._branch_triton import conv_features_triton
+    from h3_core.models.branch_triton import conv_features_triton
     from h3_core.models.branch_fused import conv_features
 
     g = torch.Generator().manual_seed(0)
@@ -47,7 +47,7 @@ READOUT_CHECK = textwrap.dedent(
     """
     import torch
     from h3_core.models import branch_fused
-    from h3_core.models._branch_triton import readout_triton
+    from h3_core.models.branch_triton import readout_triton
 
     g = torch.Generator().manual_seed(0)
     for heads, d in ((3, 16), (2, 24)):  # d a power of two, and not (masked to the tile)
@@ -72,7 +72,7 @@ SCAN_CHECK = textwrap.dedent(
     """
     import torch
     from h3_core.models import branch_fused
-    from h3_core.models._branch_triton import scan_triton
+    from h3_core.models.branch_triton import scan_triton
     from h3_core.models.linear_branch import frame_statistics, scan_reference, solve
 
     g = torch.Generator().manual_seed(4)
@@ -105,7 +105,7 @@ GATHER_CHECK = textwrap.dedent(
     """
     import torch
     from h3_core.attention.layout import window_bounds
-    from h3_core.models._branch_triton import gather_triton
+    from h3_core.models.branch_triton import gather_triton
     from h3_core.models.linear_branch import gather_reference
 
     g = torch.Generator().manual_seed(5)
@@ -134,7 +134,7 @@ SMALL_INVERSE_CHECK = textwrap.dedent(
     """
     import torch
     from h3_core.models import branch_fused
-    from h3_core.models._branch_triton import small_inverse_triton
+    from h3_core.models.branch_triton import small_inverse_triton
     from h3_core.models.linear_branch import solve, solve_reference
 
     g = torch.Generator().manual_seed(6)

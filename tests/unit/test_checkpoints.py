@@ -1,4 +1,4 @@
-"""The DiT entry point (h3_core.checkpoints): describing a checkpoint from its headers in every layout, refusing
+"""The DiT entry point (h3_core.formats.checkpoints): describing a checkpoint from its headers in every layout, refusing
 what cannot load, and loading H3 / VDN-H3 with LoRAs exactly as the individual loaders and merge_lora do."""
 
 import json
@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.attention import WindowSpec
-from h3_core.checkpoints import LoraSpec, describe_dit_checkpoint, load_h3_model
+from h3_core.formats.checkpoints import LoraSpec, describe_dit_checkpoint, load_h3_model
 from h3_core.errors import H3InputError
-from h3_core.lora import merge_lora, read_lora
+from h3_core.formats.lora import merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT, load_dit
 from h3_core.models.hybrid import HybridContext
-from h3_core.models.vdn import load_vdn
+from h3_core.formats.vdn import load_vdn
 from h3_core.pipeline.packing import pack_sequence
 
 CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,

@@ -18,7 +18,9 @@ from torch._inductor.exc import InvalidCxxCompiler
 from tiny_dit import CFG, model, request
 from triton_interpreter import run_interpreted
 
-from h3_core import placement, tiling, triton_forms
+from h3_core.memory import policy as placement
+from h3_core.media import tiling
+from h3_core import triton_forms
 from h3_core.attention import WindowSpec, window_flex, window_softmax
 from h3_core.errors import H3InputError
 from h3_core.models import block_fused, branch_fused, video_vae
@@ -215,9 +217,9 @@ CHECK = textwrap.dedent(
     torch.compile = lambda fn, **kwargs: compiled.append(fn) or fn  # the Triton kernels differ, nothing else
     from triton.runtime.errors import PTXASError
 
-    import h3_core._fp8_triton as fp8_kernels
-    import h3_core.models._block_triton as block_kernels
-    import h3_core.models._branch_triton as branch_kernels
+    import h3_core.models.fp8_triton as fp8_kernels
+    import h3_core.models.block_triton as block_kernels
+    import h3_core.models.branch_triton as branch_kernels
     from h3_core import placement
     from h3_core.pipeline.generate import generate
     from h3_core.pipeline.prompt import PromptEmbedding

@@ -39,7 +39,7 @@ def test_dispatch_on_cpu_is_the_reference_and_writes_strided_views():
 TRITON_CHECK = textwrap.dedent(
     """
     import torch
-    from h3_core.attention._convert_triton import scale_convert_triton
+    from h3_core.attention.convert_triton import scale_convert_triton
     from h3_core.attention.convert import scale_convert_reference
 
     g = torch.Generator().manual_seed(1)

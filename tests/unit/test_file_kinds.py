@@ -1,4 +1,4 @@
-"""A file's kind from its header alone (h3_core.file_kinds): each of the pack's tiny checkpoints is what it is
+"""A file's kind from its header alone (h3_core.formats.file_kinds): each of the pack's tiny checkpoints is what it is
 and is refused as anything else with the loader to pick it in; broken files are refused by name without a
 weight being read; a LoRA is told from another model's LoRA by its module names."""
 
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
-from h3_core.file_kinds import KINDS, check_file
-from h3_core.tiny_checkpoints import (write_tiny_checkpoints, write_tiny_quantized_checkpoints,
+from h3_core.formats.file_kinds import KINDS, check_file
+from h3_core.pipeline.tiny_checkpoints import (write_tiny_checkpoints, write_tiny_quantized_checkpoints,
                                       write_tiny_quantized_text_encoder_file)
 
 OWN = {"dit": "dit", "linear_branch": "linear_branch", "video_vae": "video_vae", "audio_vae": "audio_vae",

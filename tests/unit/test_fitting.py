@@ -1,9 +1,9 @@
-"""A memory plan put into effect on a model gives the plain model's generation (h3_core.fitting)."""
+"""A memory plan put into effect on a model gives the plain model's generation (h3_core.memory.apply)."""
 
 import torch
 
-from h3_core.fitting import apply_plan
-from h3_core.memory_model import BlockShape, evaluation_peak, plan_for_memory
+from h3_core.memory.apply import apply_plan
+from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.packing import pack_sequence

@@ -1,4 +1,4 @@
-"""fp8 linear layers (h3_core.fp8_linear) on CPU: the quantiser against an independent e4m3 rounding, the
+"""fp8 linear layers (h3_core.models.fp8_linear) on CPU: the quantiser against an independent e4m3 rounding, the
 layer against the same arithmetic in fp64, fp8-scaled checkpoints taken as they are, and a tiny DiT swapped.
 
 Error bounds of e4m3 (3 mantissa bits, exponent bias 7, largest value 448, smallest normal 2^-6, subnormal
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
-from h3_core.fp8_linear import (
+from h3_core.models.fp8_linear import (
     E4M3_MAX,
     FP8_LAYERS,
     Fp8Linear,
@@ -29,8 +29,8 @@ from h3_core.fp8_linear import (
     quantize_rows,
     scaled_mm_supports,
 )
-from h3_core.fp8_scaled import fp8_scaled_view
-from h3_core.keymap import CheckpointFiles
+from h3_core.formats.fp8_scaled import fp8_scaled_view
+from h3_core.formats.keymap import CheckpointFiles
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
 
 TINY = dict(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, refiner_layers=2, text_dim=40, freq_dim=16,

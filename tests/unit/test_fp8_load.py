@@ -1,4 +1,4 @@
-"""load_h3_model(linears="fp8") (h3_core.checkpoints): the big linears loaded as Fp8Linear.
+"""load_h3_model(linears="fp8") (h3_core.formats.checkpoints): the big linears loaded as Fp8Linear.
 
 An fp8-scaled file's e4m3 codes and scales go in as they are, re-laid out per layout (ComfyUI per tensor and
 per row, the legacy ``scaled_fp8`` form, the official shards' per-head qkv interleave, diffusers' separately
@@ -18,13 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3_core.attention import WindowSpec
-from h3_core.checkpoints import load_h3_model
+from h3_core.formats.checkpoints import load_h3_model
 from h3_core.errors import H3InputError
-from h3_core.fp8_linear import Fp8Linear
-from h3_core.fp8_scaled import Fp8ScaledView
+from h3_core.models.fp8_linear import Fp8Linear
+from h3_core.formats.fp8_scaled import Fp8ScaledView
 from h3_core.models.dit import DiTConfig, H3DiT, diffusers_layout, load_dit
 from h3_core.models.hybrid import HybridContext
-from h3_core.models.vdn import load_vdn
+from h3_core.formats.vdn import load_vdn
 from h3_core.pipeline.packing import pack_sequence
 
 CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
@@ -457,8 +457,8 @@ def test_e5m2_layers_are_dequantised_and_requantised(written, dense, tmp_path):
 def test_layer_codes_takes_row_layouts_and_refuses_anything_else(written):
     """Directly on a file's view: a rule that re-orders whole rows keeps the codes (exactly); one that moves
     columns, or does arithmetic, gives a reason, so the loader requantises that layer."""
-    from h3_core.fp8_scaled import LayerCodes, fp8_scaled_view, layer_codes
-    from h3_core.keymap import CheckpointFiles
+    from h3_core.formats.fp8_scaled import LayerCodes, fp8_scaled_view, layer_codes
+    from h3_core.formats.keymap import CheckpointFiles
 
     path, _, fp8, *_ = written["comfy per row, prefixed"]
     view = fp8_scaled_view(CheckpointFiles(path))

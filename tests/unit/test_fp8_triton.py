@@ -1,4 +1,4 @@
-"""The Triton row quantisers (h3_core._fp8_triton) against quantize_rows_reference (after the softmax gate or
+"""The Triton row quantisers (h3_core.models.fp8_triton) against quantize_rows_reference (after the softmax gate or
 the FFN's product for the fused ones), under Triton's CPU interpreter. The interpreter's e4m3 cast is not the
 GPU's, so here the kernel keeps its fp32 quotients and the cast itself is checked on the GPU
 (tests/gpu/test_fp8_linear_cuda.py)."""
@@ -10,8 +10,8 @@ from triton_interpreter import run_interpreted
 CHECK = textwrap.dedent(
     """
     import torch
-    from h3_core._fp8_triton import quantize_rows_triton
-    from h3_core.fp8_linear import E4M3_MAX, _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models.fp8_triton import quantize_rows_triton
+    from h3_core.models.fp8_linear import E4M3_MAX, _SMALLEST_SCALE, quantize_rows_reference
 
     g = torch.Generator().manual_seed(3)
     wide = (torch.randn(37, 300, generator=g) * torch.logspace(-3, 3, 37)[:, None]).to(torch.bfloat16)
@@ -39,8 +39,8 @@ def test_triton_quantiser_under_interpreter_matches_reference():
 SWIGLU_CHECK = textwrap.dedent(
     """
     import torch
-    from h3_core._fp8_triton import swiglu_quantize_triton
-    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models.fp8_triton import swiglu_quantize_triton
+    from h3_core.models.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
     from h3_core.models.block_fused import swiglu_
 
     # fp32 rows: the interpreter emulates bf16 rounding by truncation, so the bf16 case runs on the GPU only
@@ -66,8 +66,8 @@ def test_triton_swiglu_quantiser_under_interpreter_matches_the_two_step_path():
 GATE_CHECK = textwrap.dedent(
     """
     import torch
-    from h3_core._fp8_triton import gate_heads_quantize_triton
-    from h3_core.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
+    from h3_core.models.fp8_triton import gate_heads_quantize_triton
+    from h3_core.models.fp8_linear import _SMALLEST_SCALE, quantize_rows_reference
     from h3_core.models.block_fused import gate_heads_
 
     g = torch.Generator().manual_seed(4)

@@ -27,8 +27,8 @@ CHECK = textwrap.dedent(
             used.add(name)
         return kernel
     branch_fused.triton_kernel = recorded
-    import h3_core._fp8_triton as fp8_kernels  # loaded on first use: record the quantisers before that
-    import h3_core.models._block_triton as block_kernels
+    import h3_core.models.fp8_triton as fp8_kernels  # loaded on first use: record the quantisers before that
+    import h3_core.models.block_triton as block_kernels
     quantisers = ("quantize_rows_triton", "gate_heads_quantize_triton", "swiglu_quantize_triton")
     def count(module, name, label):
         def counted(*a, _kernel=getattr(module, name), **k):

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from h3_core.fp8_linear import Fp8Linear, quantize_linears, quantize_rows_reference
-from h3_core.lora import lora_patches, merge_lora, read_lora
+from h3_core.models.fp8_linear import Fp8Linear, quantize_linears, quantize_rows_reference
+from h3_core.formats.lora import lora_patches, merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.packing import pack_sequence
 
@@ -135,9 +135,9 @@ def test_patches_on_comfy_kitchen_layers_requantise_and_come_off_exactly(pack, t
     library in the layer's own layout; the base model again puts the file's own weights back."""
     from comfy_kitchen.tensor import QuantizedTensor
 
-    from h3_core import kitchen
-    from h3_core.checkpoints import load_h3_model
-    from h3_core.tiny_checkpoints import quantize_int8_convrot
+    from h3_core.formats import kitchen
+    from h3_core.formats.checkpoints import load_h3_model
+    from h3_core.pipeline.tiny_checkpoints import quantize_int8_convrot
 
     mm, lora, patchers = pack
     monkeypatch.setattr(kitchen, "kitchen_support", lambda fmt, kind, dtype, device: (True, "eager backend (test)"))

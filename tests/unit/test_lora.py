@@ -1,4 +1,4 @@
-"""LoRA merging into the DiT (h3_core.lora): a merged LoRA equals the unmerged forward."""
+"""LoRA merging into the DiT (h3_core.formats.lora): a merged LoRA equals the unmerged forward."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
-from h3_core.lora import merge_lora, read_lora
+from h3_core.formats.lora import merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT
 
 CFG = DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=40, freq_dim=16, time_hidden=24,

@@ -1,4 +1,4 @@
-"""LoRAs merged into the pruned ("AdaLN curve") DiT (h3_core.lora on a model from h3_core.models.dit).
+"""LoRAs merged into the pruned ("AdaLN curve") DiT (h3_core.formats.lora on a model from h3_core.models.dit).
 
 The pruned form changes only the time path (a table instead of the time MLP, rank-r AdaLN linears); the
 attention and MLP weights are the full model's, so LoRAs on them merge as they would there. Each merged weight
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
-from h3_core.lora import merge_lora, read_lora
+from h3_core.formats.lora import merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT, load_dit
 from h3_core.pipeline.packing import pack_sequence
 

@@ -55,7 +55,7 @@ def test_low_memory_runs_on_fp8_linears(hybrid):
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_head_groups_share_one_quantisation_of_the_projection_input(hybrid, monkeypatch):
-    from h3_core.fp8_linear import QuantizedRows
+    from h3_core.models.fp8_linear import QuantizedRows
     from h3_core.models.dit import Attention
 
     m, args, ctx = fp32_case(hybrid)

@@ -1,4 +1,4 @@
-"""User media → conditioning latents (h3_core.pipeline.media) against diffusers 0.42.1's MiniMax-H3 blocks:
+"""User media → conditioning latents (h3_core.pipeline.conditioning) against diffusers 0.42.1's MiniMax-H3 blocks:
 the FL2VA resize + keyframe encode steps and the Ref2VA setup + reference encode steps, run as diffusers
 pipelines on tiny random VAEs that hold the same weights as ours. Pillow's LANCZOS and torchaudio's
 resampler are checked on their own."""
@@ -13,7 +13,7 @@ from PIL import Image
 from h3_core.errors import H3InputError
 from h3_core.models.audio_vae import AudioVAEConfig, load_audio_vae
 from h3_core.models.video_vae import VideoVAEConfig, load_video_vae
-from h3_core.pipeline.media import (
+from h3_core.pipeline.conditioning import (
     encode_keyframes,
     encode_reference,
     fit_keyframe,

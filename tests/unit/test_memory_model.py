@@ -1,4 +1,4 @@
-"""The block memory model (h3_core.memory_model) against the peaks measured on the H200, and its shape."""
+"""The block memory model (h3_core.memory.predict) against the peaks measured on the H200, and its shape."""
 
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3_core.memory_model import BlockShape, block_peaks
+from h3_core.memory.predict import BlockShape, block_peaks
 from h3_core.models.dit import DiTConfig
 from h3_core.models.low_memory import LowMemory
 from h3_core.pipeline.packing import pack_sequence
@@ -65,8 +65,8 @@ TINY = DiTConfig(hidden=64, layers=3, heads=2, head_dim=32, ffn=96, text_dim=40,
 @pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("linears", ["dtype", "fp8"])
 def test_weight_bytes_are_what_a_built_model_holds(hybrid, linears):
-    from h3_core.fp8_linear import quantize_linears
-    from h3_core.memory_model import weight_bytes
+    from h3_core.models.fp8_linear import quantize_linears
+    from h3_core.memory.predict import weight_bytes
     from h3_core.models.dit import H3DiT, keeps_fp32
 
     cfg = DiTConfig(**{**TINY.__dict__, "hybrid": hybrid})
@@ -81,7 +81,7 @@ def test_weight_bytes_are_what_a_built_model_holds(hybrid, linears):
 
 
 def test_evaluation_peak_adds_weights_by_residency():
-    from h3_core.memory_model import evaluation_peak, weight_bytes
+    from h3_core.memory.predict import evaluation_peak, weight_bytes
 
     cfg = DiTConfig(hybrid=True)
     shape = release_shape()
@@ -115,7 +115,7 @@ def test_dit_step_bench_runs_every_variant_on_the_cpu(tmp_path):
 
 
 def test_adaln_on_host_trades_the_projections_for_the_run_tables():
-    from h3_core.memory_model import evaluation_peak, weight_bytes
+    from h3_core.memory.predict import evaluation_peak, weight_bytes
 
     cfg = DiTConfig(hybrid=True)
     shape = release_shape()
@@ -129,7 +129,7 @@ def test_adaln_on_host_trades_the_projections_for_the_run_tables():
 
 
 def test_the_plan_takes_the_cheapest_steps_that_fit():
-    from h3_core.memory_model import evaluation_peak, plan_for_memory
+    from h3_core.memory.predict import evaluation_peak, plan_for_memory
 
     cfg, shape = DiTConfig(hybrid=True), release_shape()
     roomy = plan_for_memory(cfg, shape, 139 * GiB, hybrid=True)
@@ -185,7 +185,7 @@ def test_fused_blocks_are_predicted_within_ten_percent_of_their_measured_peaks()
         assert predicted == pytest.approx(measured, rel=0.10), kind
         assert predicted < block_peaks(shape, hybrid=kind == "hybrid")["block"] / GiB
     # the whole evaluation (weights + the largest block) against the peaks of the full-size model
-    from h3_core.memory_model import evaluation_peak
+    from h3_core.memory.predict import evaluation_peak
 
     # the latest H200 runs: PyTorch only, with FA4, flex; the first file's bf16 entry ran on the model already
     # quantised (the bench then ran variants in the order asked), so only its fp8 entry is taken

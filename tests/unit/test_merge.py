@@ -105,7 +105,7 @@ TRITON_SCRIPT = textwrap.dedent(
     import os
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch
-    from h3_core.attention._merge_triton import merge_partials_triton
+    from h3_core.attention.merge_triton import merge_partials_triton
     from h3_core.attention.merge import merge_partials_reference
 
     g = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
 """Writing clips as mp4 (at once, in ranges, from a thread of its own) and reading audio with PyAV
-(h3_core.mp4), read back with av."""
+(h3_core.media.mp4), read back with av."""
 
 import threading
 from fractions import Fraction
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from h3_core.errors import H3InputError
-from h3_core.mp4 import Mp4Worker, Mp4Writer, read_audio, write_mp4
+from h3_core.media.mp4 import Mp4Worker, Mp4Writer, read_audio, write_mp4
 
 
 def tone(seconds, rate=32000, channels=2):
@@ -144,7 +144,7 @@ def test_a_hardware_encoder_is_used_where_it_opens_and_libx264_elsewhere(tmp_pat
     encoder) is the one written with."""
     import logging
 
-    from h3_core import mp4
+    from h3_core.media import mp4
 
     if mp4._fails_to_open("h264_nvenc", 64, 32, 24) is None:
         pytest.skip("NVENC opens on this machine")
@@ -154,7 +154,7 @@ def test_a_hardware_encoder_is_used_where_it_opens_and_libx264_elsewhere(tmp_pat
         mp4.video_encoder(64, 32, choice="h264_nvenc")
     with pytest.raises(H3InputError, match="encoder: got 'x265'; allowed: auto, libx264, h264_nvenc"):
         mp4.video_encoder(64, 32, choice="x265")
-    with caplog.at_level(logging.INFO, logger="h3_core.mp4"):
+    with caplog.at_level(logging.INFO, logger="h3_core.media.mp4"):
         path = write_mp4(tmp_path / "auto.mp4", torch.rand(4, 32, 64, 3), encoder="auto")
     assert "writing H.264 with libx264: no hardware encoder opened (h264_nvenc:" in caplog.text
     with av.open(str(path)) as container:

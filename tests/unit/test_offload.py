@@ -1,4 +1,4 @@
-"""Block offload (h3_core.models.offload) on the CPU: the same images, slots and prefetch schedule as on a GPU,
+"""Block offload (h3_core.memory.offload) on the CPU: the same images, slots and prefetch schedule as on a GPU,
 with plain copies instead of a side stream. A streamed model must give the plain model's outputs bit for bit."""
 
 import pytest
@@ -7,10 +7,10 @@ import torch.nn as nn
 
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
-from h3_core.fp8_linear import quantize_linears
+from h3_core.models.fp8_linear import quantize_linears
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
 from h3_core.models.hybrid import HybridContext
-from h3_core.models.offload import offload_blocks
+from h3_core.memory.offload import offload_blocks
 from h3_core.pipeline.packing import pack_sequence
 
 LAYERS = 5

@@ -1,14 +1,14 @@
-"""The low-VRAM policy (h3_core.placement): what it decides for a request against the free memory."""
+"""The low-VRAM policy (h3_core.memory.policy): what it decides for a request against the free memory."""
 
 import pytest
 import torch
 
 from h3_core.errors import H3InputError
-from h3_core.memory_model import BlockShape, evaluation_peak
+from h3_core.memory.predict import BlockShape, evaluation_peak
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.low_memory import LowMemory
 from h3_core.pipeline.packing import pack_sequence
-from h3_core.placement import BUDGET_SHARE, decide_placement, place_for_run
+from h3_core.memory.policy import BUDGET_SHARE, decide_placement, place_for_run
 
 CFG = DiTConfig(hidden=64, layers=4, heads=8, head_dim=16, ffn=96, text_dim=32, freq_dim=16, time_hidden=24,
                 time_embed=20, rope_freqs=2, hybrid=True)
@@ -74,7 +74,7 @@ def test_bad_choices_are_named(model, packed, placement, memory, message):
 
 def test_the_host_is_asked_for_the_runs_activations_of_the_path_it_will_take(packed):
     from h3_core.models.block_fused import fuse_blocks
-    from h3_core.placement import fuse_for, working_bytes
+    from h3_core.memory.policy import fuse_for, working_bytes
 
     with torch.device("meta"):
         fresh = H3DiT(CFG).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Reading ComfyUI's quantised checkpoints (h3_core.quantized_files, h3_core.kitchen) on files written the way
+"""Reading ComfyUI's quantised checkpoints (h3_core.formats.quantized_files, h3_core.formats.kitchen) on files written the way
 the host writes them: each layer quantised by comfy-kitchen's own ``QuantizedTensor.from_float`` and stored
 through its ``state_dict`` (``<layer>.weight``, ``weight_scale``, ``weight_scale_2``), beside the
 ``comfy_quant`` JSON bytes ComfyUI's ``_quantized_weight_state_dict`` writes. comfy-kitchen is the oracle: what
@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import save_file
 
-from h3_core import kitchen
+from h3_core.formats import kitchen
 from h3_core.errors import H3BackendUnavailable, H3InputError
-from h3_core.keymap import CheckpointFiles
-from h3_core.quantized_files import QuantizedView, layer_quants, quantized_view, read_state_dict
+from h3_core.formats.keymap import CheckpointFiles
+from h3_core.formats.quantized_files import QuantizedView, layer_quants, quantized_view, read_state_dict
 
 GROUP = 16  # a ConvRot group size (a power of 4) that tiny layers can hold
 INT8_CONVROT = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": GROUP}
@@ -108,7 +108,7 @@ def test_formats_come_from_the_header_and_the_sidecars_only(mixed, monkeypatch):
 def test_dequantised_weights_equal_comfy_kitchens_dequantisation_bit_for_bit(mixed, caplog):
     path, oracle = mixed
     keys = list(oracle) + ["plain.weight"]
-    with caplog.at_level(logging.INFO, logger="h3_core.kitchen"):
+    with caplog.at_level(logging.INFO, logger="h3_core.formats.kitchen"):
         read = read_state_dict(path, keys, dtype=torch.bfloat16)
     for key, qt in oracle.items():
         assert torch.equal(read.state[key], qt.dequantize()), key  # qt stands for a bf16 weight

@@ -1,4 +1,4 @@
-"""H3's quantised files loaded by the DiT and video VAE loaders (h3_core.checkpoints, h3_core.dit_layers,
+"""H3's quantised files loaded by the DiT and video VAE loaders (h3_core.formats.checkpoints, h3_core.formats.dit_layers,
 h3_core.models.video_vae): ``minimax_h3_*_int8_convrot`` (full and pruned) and
 ``minimax_h3_video_vae_int8_convrot``, written here as ComfyUI writes them (the released files' four block
 linears ``qkv_proj``, ``out_proj``, ``fc1``, ``fc2`` and the VAE decoder blocks' linears quantised by
@@ -21,9 +21,9 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import save_file
 
-from h3_core import kitchen
-from h3_core.checkpoints import describe_dit_checkpoint, load_h3_model
-from h3_core.dit_layers import KEPT, REQUANTISED
+from h3_core.formats import kitchen
+from h3_core.formats.checkpoints import describe_dit_checkpoint, load_h3_model
+from h3_core.formats.dit_layers import KEPT, REQUANTISED
 from h3_core.errors import H3BackendUnavailable, H3InputError
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, load_video_vae
@@ -113,7 +113,7 @@ def test_described_from_the_header(dit_files, name):
 @pytest.mark.parametrize("name", ["full", "pruned", "prefixed"])
 def test_dequantised_on_load_equals_comfy_kitchen_and_the_bf16_model(dit_files, name, caplog):
     path, plain, oracle, cfg = dit_files[name]
-    with caplog.at_level(logging.INFO, logger="h3_core.kitchen"):
+    with caplog.at_level(logging.INFO, logger="h3_core.formats.kitchen"):
         model = load_h3_model(path, cfg=CFG, dtype=torch.bfloat16)
     assert f"{path.name}: int8_convrot (8 layers) dequantised on load to bfloat16: comfy-kitchen has no " \
            f"int8_convrot kernels for cpu" in caplog.text
@@ -224,7 +224,7 @@ def test_loaded_to_the_cpu_for_a_gpu_keeps_the_decision_for_the_run_device(dit_f
 
 def test_fp8_linears_from_an_int8_file_are_quantised_at_load(dit_files, caplog):
     path, _, oracle, _ = dit_files["full"]
-    with caplog.at_level(logging.INFO, logger="h3_core.kitchen"):
+    with caplog.at_level(logging.INFO, logger="h3_core.formats.kitchen"):
         model = load_h3_model(path, cfg=CFG, dtype=torch.bfloat16, linears="fp8")
     assert "linears='fp8' requantises the big linears to e4m3" in caplog.text
     assert model.fp8_layers["blocks.0.attn.qkv_proj"] == \
@@ -291,7 +291,7 @@ def latents():
 
 def test_video_vae_dequantised_on_load_equals_the_fp16_vae(vae_files, caplog):
     path, plain, oracle = vae_files
-    with caplog.at_level(logging.INFO, logger="h3_core.kitchen"):
+    with caplog.at_level(logging.INFO, logger="h3_core.formats.kitchen"):
         vae = load_video_vae(path, dtype=torch.float16, cfg=VAE_CFG)
     assert "int8_convrot (8 layers) dequantised on load to float16: comfy-kitchen has no int8_convrot kernels " \
            "for cpu" in caplog.text

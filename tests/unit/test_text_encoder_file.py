@@ -1,4 +1,4 @@
-"""ComfyUI's single-file Qwen3-VL text encoder (h3_core.pipeline.qwen3vl_checkpoint / qwen3vl_tokens /
+"""ComfyUI's single-file Qwen3-VL text encoder (h3_core.formats.qwen3vl_checkpoint / qwen3vl_tokens /
 text_encoder): it describes itself from its header, loads holding only what H3 reads, and gives the folder
 path's states bit for bit; what is not such a file is refused before any weight is read.
 
@@ -18,13 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3InputError
-from h3_core.keymap import CheckpointFiles
+from h3_core.formats.keymap import CheckpointFiles
 from h3_core.pipeline.presentation import PresentedReference
-from h3_core.pipeline.qwen3vl_checkpoint import (LAYOUTS, describe_text_encoder_file, describe_text_encoder_header,
+from h3_core.formats.qwen3vl_checkpoint import (LAYOUTS, describe_text_encoder_file, describe_text_encoder_header,
                                                  held_bytes, qwen3vl_header)
 from h3_core.pipeline.qwen3vl_tokens import published_processors, qwen3vl_tokenizer
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.tiny_checkpoints import TINY_TEXT_WIDTH, tiny_qwen3vl, write_tiny_text_encoder_file
+from h3_core.pipeline.tiny_checkpoints import TINY_TEXT_WIDTH, tiny_qwen3vl, write_tiny_text_encoder_file
 
 transformers = pytest.importorskip("transformers")
 

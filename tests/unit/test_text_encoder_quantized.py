@@ -1,5 +1,5 @@
 """ComfyUI's quantised single-file text encoders (``qwen3vl_32b_minimax_h3_int8_convrot`` / ``_nvfp4_awq``) read by
-h3_core.pipeline.qwen3vl_checkpoint / qwen3vl_weights / text_encoder.
+h3_core.formats.qwen3vl_checkpoint / qwen3vl_weights / text_encoder.
 
 The files are written here as ComfyUI writes them, from one tiny random Qwen3-VL of Qwen3-VL-32B's family
 (``tiny_qwen3vl``, one decoder layer more than the conditioning layer): each layer quantised by comfy-kitchen's
@@ -33,13 +33,13 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import load_file, save_file
 
-from h3_core import kitchen
+from h3_core.formats import kitchen
 from h3_core.errors import H3BackendUnavailable, H3InputError
-from h3_core.keymap import CheckpointFiles
-from h3_core.pipeline.qwen3vl_checkpoint import describe_text_encoder_file
-from h3_core.pipeline.qwen3vl_weights import PreScaledLinear
+from h3_core.formats.keymap import CheckpointFiles
+from h3_core.formats.qwen3vl_checkpoint import describe_text_encoder_file
+from h3_core.formats.qwen3vl_weights import PreScaledLinear
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.tiny_checkpoints import (TINY_TEXT_WIDTH, quantize_text_encoder_state,
+from h3_core.pipeline.tiny_checkpoints import (TINY_TEXT_WIDTH, quantize_text_encoder_state,
                                       write_tiny_quantized_text_encoder_file, write_tiny_text_encoder_file)
 
 LAYER = 3  # the conditioning layer; the files hold LAYER + 1 decoder layers
@@ -157,7 +157,7 @@ def test_described_from_the_header_and_the_sidecars(files, kind, monkeypatch):
 def test_dequantised_weights_equal_comfy_kitchens_bit_for_bit(files, kind, dtype, monkeypatch, caplog):
     written = files[kind]
     read = _reads(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="h3_core.kitchen"):
+    with caplog.at_level(logging.INFO, logger="h3_core.formats.kitchen"):
         encoder = load(written.path, dtype=dtype, held="dequantize")
     # the weights and scales H3 holds, each once; besides them only the few-byte comfy_quant sidecars
     tensors = [k for k in read if not k.endswith(".comfy_quant")]

@@ -1,4 +1,4 @@
-"""Tiled video decode (h3_core.tiling) against the released geometry, as diffusers 0.42.1's
+"""Tiled video decode (h3_core.media.tiling) against the released geometry, as diffusers 0.42.1's
 AutoencoderKLMiniMaxH3 implements it, and against a direct normalised overlap-add."""
 
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from h3_core.tiling import (
+from h3_core.media.tiling import (
     DecodeOutOfMemory,
     decode_tiled,
     ramp_weights,
@@ -262,7 +262,7 @@ def test_a_canvas_of_one_tile_decodes_exactly_as_the_direct_decode(vae, T):
 MEMORY_PROBE = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
-from h3_core.tiling import decode_tiled
+from h3_core.media.tiling import decode_tiled
 
 def decode(z):
     weight = torch.linspace(-1, 1, 24 * 3).view(3, 24)

@@ -1,5 +1,5 @@
-"""The tiny random checkpoints (h3_core.tiny_checkpoints) load through the same loaders as real files, take
-their sizes from their metadata (h3_core.sizes), and run a whole generation to a soundtrack."""
+"""The tiny random checkpoints (h3_core.pipeline.tiny_checkpoints) load through the same loaders as real files, take
+their sizes from their metadata (h3_core.formats.sizes), and run a whole generation to a soundtrack."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from h3_core.checkpoints import describe_dit_checkpoint, load_h3_model
+from h3_core.formats.checkpoints import describe_dit_checkpoint, load_h3_model
 from h3_core.errors import H3InputError
 from h3_core.models.audio_vae import load_audio_vae
 from h3_core.models.dit import DiTConfig
@@ -15,9 +15,9 @@ from h3_core.models.video_vae import load_video_vae
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.soundtrack import clip_samples, decode_soundtrack
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.sizes import NOTE_KEY, SIZES_KEY, sizes_from_metadata, sizes_metadata
-from h3_core.tiling import decode_video
-from h3_core.tiny_checkpoints import TINY_DIT, TINY_PREFIX, write_tiny_checkpoints
+from h3_core.formats.sizes import NOTE_KEY, SIZES_KEY, sizes_from_metadata, sizes_metadata
+from h3_core.media.tiling import decode_video
+from h3_core.pipeline.tiny_checkpoints import TINY_DIT, TINY_PREFIX, write_tiny_checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Loading VDN-H3 from the base DiT file plus the linear-branch file (h3_core.models.vdn)."""
+"""Loading VDN-H3 from the base DiT file plus the linear-branch file (h3_core.formats.vdn)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.models.vdn import load_vdn
+from h3_core.formats.vdn import load_vdn
 
 CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
                 time_embed=10, rope_freqs=2, hybrid=True)

@@ -14,8 +14,8 @@ What is compared:
     interpreter, in fp32 — the ``"compiled"`` path's hand-written kernels;
   * ``h3_core.models.dit.HybridAttention`` with a ``HybridContext`` (the softmax gate, ``out_proj``, the
     window softmax as a dense masked softmax and the branch through ``to_out_linear`` on video rows only);
-  * the branch file's key names and shapes the loader expects (``h3_core.models.vdn.branch_layouts``,
-    ``BranchWeights``, ``h3_core.checkpoints.describe_dit_checkpoint``) against the documented table.
+  * the branch file's key names and shapes the loader expects (``h3_core.formats.vdn.branch_layouts``,
+    ``BranchWeights``, ``h3_core.formats.checkpoints.describe_dit_checkpoint``) against the documented table.
 """
 
 import json
@@ -26,13 +26,13 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.attention.layout import SequenceLayout, WindowSpec
-from h3_core.checkpoints import describe_dit_checkpoint
+from h3_core.formats.checkpoints import describe_dit_checkpoint
 from h3_core.errors import H3InputError
-from h3_core.keymap import load_into
+from h3_core.formats.keymap import load_into
 from h3_core.models.dit import DiTConfig, HybridAttention
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch
-from h3_core.models.vdn import BranchWeights, branch_layouts
+from h3_core.formats.vdn import BranchWeights, branch_layouts
 from h3_core.triton_forms import plain_path
 
 DT = torch.float64

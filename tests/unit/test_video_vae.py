@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3InputError
 from h3_core.models.video_vae import IMAGENET_MEAN, IMAGENET_STD, VideoVAEConfig, keeps_fp32, load_video_vae
-from h3_core.tiling import decode_video
+from h3_core.media.tiling import decode_video
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -235,7 +235,7 @@ def test_truncated_file_says_so(folder, tmp_path):
 
 @pytest.mark.parametrize("frames, size", [(1, (48, 32)), (22, (32, 48)), (39, (320, 288)), (17, (32, 64))])
 def test_encode_matches_the_released_encoder(reference, folder, frames, size):
-    from h3_core.tiling import encode_tiled
+    from h3_core.media.tiling import encode_tiled
 
     vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
     pixels = randn(3, frames, *size, seed=frames)
@@ -249,7 +249,7 @@ def test_encode_matches_the_released_encoder(reference, folder, frames, size):
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 def test_encode_shapes_on_the_frame_grid(folder, k):
-    from h3_core.tiling import encode_video
+    from h3_core.media.tiling import encode_video
 
     vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
     z = encode_video(vae, torch.rand(17 * k + 5, 32, 48, 3))
@@ -257,7 +257,7 @@ def test_encode_shapes_on_the_frame_grid(folder, k):
 
 
 def test_conditioning_encode_is_seeded_and_fp16_rounded(folder):
-    from h3_core.tiling import encode_video
+    from h3_core.media.tiling import encode_video
 
     vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
     image = torch.rand(1, 48, 32, 3, generator=torch.Generator().manual_seed(3))

@@ -4,7 +4,7 @@ fused paths compare against itself."""
 import torch
 
 from h3_core.attention import WindowSpec
-from h3_core.fp8_linear import quantize_linears
+from h3_core.models.fp8_linear import quantize_linears
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.hybrid import HybridContext
 from h3_core.pipeline.packing import pack_sequence

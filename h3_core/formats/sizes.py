@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from .errors import H3InputError
+from ..errors import H3InputError
 
 __all__ = ["SIZES_KEY", "KIND_KEY", "NOTE_KEY", "sizes_metadata", "sizes_from_metadata"]
 

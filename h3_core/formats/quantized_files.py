@@ -28,9 +28,9 @@ format, the file and the layer.
 
 Reading (``QuantizedView``, the reading side of ``CheckpointFiles``): the sidecars are hidden; a quantised
 weight reads as the fp32 tensor it stands for, dequantised by comfy-kitchen's own layouts
-(``TensorWiseINT8Layout`` / ``TensorCoreNVFP4Layout`` through ``QuantizedTensor.dequantize``, ``h3_core.kitchen``);
+(``TensorWiseINT8Layout`` / ``TensorCoreNVFP4Layout`` through ``QuantizedTensor.dequantize``, ``h3_core.formats.kitchen``);
 fp8 as ``codes.float() · scale``, the product ComfyUI's ``TensorCoreFP8Layout.dequantize`` forms. Where a model
-keeps the codes instead, ``h3_core.kitchen`` builds the library's ``QuantizedTensor`` from the stored tensors.
+keeps the codes instead, ``h3_core.formats.kitchen`` builds the library's ``QuantizedTensor`` from the stored tensors.
 ``read_state_dict`` reads a chosen set of keys either way, for any model (the text encoder's entry point).
 """
 
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from .errors import H3InputError
+from ..errors import H3InputError
 
 if TYPE_CHECKING:
     from .keymap import CheckpointFiles

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import H3InputError
+from ..errors import H3InputError
 
 __all__ = ["FileKind", "KINDS", "check_file", "describe_as"]
 
@@ -46,15 +46,15 @@ def _branch(path: Path) -> str:
 
 
 def _video_vae(path: Path) -> str:
-    from .models._common import describe_model
-    from .models.video_vae import VideoVAE, VideoVAEConfig, layouts
+    from ..models._common import describe_model
+    from ..models.video_vae import VideoVAE, VideoVAEConfig, layouts
 
     return "layout " + describe_model(VideoVAE, VideoVAEConfig, None, path, layouts, what="MiniMax H3 video VAE")
 
 
 def _audio_vae(path: Path) -> str:
-    from .models._common import describe_model
-    from .models.audio_vae import AudioVAE, AudioVAEConfig, layouts
+    from ..models._common import describe_model
+    from ..models.audio_vae import AudioVAE, AudioVAEConfig, layouts
 
     return "layout " + describe_model(AudioVAE, AudioVAEConfig, None, path, lambda cfg: layouts(),
                                       what="MiniMax H3 audio VAE")
@@ -62,7 +62,7 @@ def _audio_vae(path: Path) -> str:
 
 def _text_encoder(path: Path) -> str:
     if path.is_file():
-        from .pipeline.qwen3vl_checkpoint import describe_text_encoder_file
+        from .qwen3vl_checkpoint import describe_text_encoder_file
 
         found = describe_text_encoder_file(path)
         return f"Qwen3-VL file, {found.layout.name} layout, {found.layers} layers"

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import H3InputError
+from ..errors import H3InputError
 from .keymap import CheckpointFiles
 
 __all__ = ["LoraDelta", "LoraPatch", "read_lora", "merge_lora", "lora_patches", "describe_lora_file"]

@@ -28,7 +28,7 @@ Everything here reads headers only; a file that is not a Qwen3-VL text encoder o
 naming what it looks like, before any weight is read.
 
 ComfyUI's quantised single files (``qwen3vl_32b_minimax_h3_int8_convrot`` / ``_nvfp4_awq``) store some 2-D weights
-per layer in ComfyUI's ``comfy_quant`` form (``h3_core.quantized_files``, which checks each layer's sidecars against
+per layer in ComfyUI's ``comfy_quant`` form (``h3_core.formats.quantized_files``, which checks each layer's sidecars against
 its stored codes): ``int8_tensorwise`` (int8 codes ``[N, K]``, a scale per row or per tensor; ConvRot in the
 int8_convrot file's linears, plain in an embedding table) and ``nvfp4`` (two e2m1 codes a byte ``[N, K/2]``, block
 scales, a per-tensor scale and, for AWQ, the input scales ``pre_quant_scale [K]``). Reading a file's header also
@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 
 from ..errors import H3InputError
-from ..keymap import QUANTIZED_DTYPES, CheckpointFiles, KeyMap, Rule
-from ..quantized_files import LayerQuant, QuantizedView, count_kinds, layer_quants
+from .keymap import QUANTIZED_DTYPES, CheckpointFiles, KeyMap, Rule
+from .quantized_files import LayerQuant, QuantizedView, count_kinds, layer_quants
 
 __all__ = ["Layout", "LAYOUTS", "PUBLISHED", "TextEncoderCheckpoint", "HeldBytes", "describe_text_encoder_file",
            "describe_text_encoder_header", "held_bytes", "qwen3vl_header", "layout_keymap", "meta_shapes",

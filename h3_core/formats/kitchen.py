@@ -1,4 +1,4 @@
-"""comfy-kitchen, the host's quantisation library, for the layers of quantised files (``h3_core.quantized_files``):
+"""comfy-kitchen, the host's quantisation library, for the layers of quantised files (``h3_core.formats.quantized_files``):
 dequantising them, keeping them quantised, and deciding which of the two a device allows.
 
 A layer kept quantised is what ComfyUI's ``MixedPrecisionOps.Linear`` holds (``comfy/ops.py``
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import H3BackendUnavailable, H3InputError
+from ..errors import H3BackendUnavailable, H3InputError
 from .quantized_files import HELD, LayerQuant, count_kinds, describe_formats
 
 __all__ = ["Holding", "dequantize", "hold_layers", "kitchen_support", "kitchen_tensor", "requantize", "stored_bytes"]

@@ -13,9 +13,9 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from ..keymap import KeyMap, Rule, load_into
-from .dit import DiTConfig, H3DiT, load_dit
-from .hybrid import add_hybrid_parts
+from .keymap import KeyMap, Rule, load_into
+from ..models.dit import DiTConfig, H3DiT, load_dit
+from ..models.hybrid import add_hybrid_parts
 
 __all__ = ["load_vdn", "branch_layouts", "BranchWeights"]
 

@@ -22,7 +22,7 @@ References (Ref2VA), normalised as diffusers' setup step does, then encoded as i
   (reimplemented here), encoded with the audio VAE's posterior *mean*.
 
 Visual conditions take the posterior *sampled* under the fixed seed 42, rounded to fp16, then normalised
-(``h3_core.tiling.encode_video``).
+(``h3_core.media.tiling.encode_video``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 
 from ..errors import H3InputError
-from ..tiling import encode_video
+from ..media.tiling import encode_video
 from .generate import ReferenceLatents
 from .geometry import CANVAS_MULTIPLE, FPS, MAX_ASPECT, MAX_PIXELS, MIN_ASPECT, SHORT_EDGE, canvas_size, \
     check_canvas, snap_frames

@@ -2,7 +2,7 @@
 as comfy-kitchen layers or dequantised, with the LoRAs that touch a layer merged into it in fp32 first.
 
 ``load_layers`` fills a model built on the meta device (``meta_model``) from the checkpoints
-``describe_dit_checkpoint`` described (``h3_core.checkpoints``). Every key goes, memory-mapped, straight to the
+``describe_dit_checkpoint`` described (``h3_core.formats.checkpoints``). Every key goes, memory-mapped, straight to the
 device in the target dtype (fp32 islands in fp32) except the weights of the layers built one at a time:
 
 * ``linears="fp8"``: the ``FP8_LAYERS`` (qkv_proj, out_proj, fc1, fc2, to_out_linear, the refiner's included)
@@ -12,7 +12,7 @@ device in the target dtype (fp32 islands in fp32) except the weights of the laye
   weight; any other is read in fp32 (dequantised where the file is quantised: comfy-kitchen for int8 and
   nvfp4), has its LoRA updates merged in fp32, in order, and is quantised with ``Fp8Linear.from_linear``.
 * ``linears="dtype"`` with a file quantised in another format (``*_int8_convrot``, nvfp4): every linear whose
-  weight the file quantises is held as ``h3_core.kitchen.hold_layers`` decides for ``run_device``: a comfy-kitchen
+  weight the file quantises is held as ``h3_core.formats.kitchen.hold_layers`` decides for ``run_device``: a comfy-kitchen
   ``QuantizedTensor`` weight taken from the file's codes and scales (``F.linear`` runs the library's int8
   matmul), or the weight comfy-kitchen dequantises, in ``dtype``. A layer a LoRA touches is dequantised to
   fp32, merged, then requantised by comfy-kitchen into the file's layout (kept) or rounded to ``dtype``.
@@ -27,14 +27,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from .errors import H3InputError
-from .fp8_linear import FP8_LAYERS, Fp8Linear, quantization_targets
+from ..errors import H3InputError
+from ..models.fp8_linear import FP8_LAYERS, Fp8Linear, quantization_targets
 from .fp8_scaled import LayerCodes, layer_codes
 from .keymap import CheckpointFiles, match_layout, quantized_plan
 from .kitchen import hold_layers, kitchen_tensor, requantize
 from .lora import LoraDelta, merge_lora
-from .models.dit import H3DiT, keeps_fp32, layouts
-from .models.vdn import BranchWeights, branch_layouts
+from ..models.dit import H3DiT, keeps_fp32, layouts
+from .vdn import BranchWeights, branch_layouts
 from .quantized_files import QuantizedView, quantized_view
 
 __all__ = ["DIT", "BRANCH", "FROM_FILE", "AT_LOAD", "KEPT", "load_layers", "meta_model", "meta_shapes",

@@ -1,6 +1,6 @@
 """fp8-scaled checkpoints: their codes taken as they are for fp8 linears.
 
-Reading an fp8-scaled file is one case of reading ComfyUI's quantised files (``h3_core.quantized_files``):
+Reading an fp8-scaled file is one case of reading ComfyUI's quantised files (``h3_core.formats.quantized_files``):
 ComfyUI's per-layer form stores ``<layer>.weight`` in float8 (e4m3fn or e5m2) with a ``<layer>.weight_scale``
 (fp32, per tensor or per row), an optional ``<layer>.input_scale`` and a JSON ``<layer>.comfy_quant`` naming
 the format; the older form marks the file with a ``scaled_fp8`` tensor and stores ``<layer>.scale_weight``

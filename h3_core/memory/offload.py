@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import H3InputError
-from .host_arena import HostArena, aligned
+from ..models.host_arena import HostArena, aligned
 
 __all__ = ["BlockOffload", "OffloadStats", "offload_blocks", "block_image_bytes"]
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._fp8_triton import chunk_launch, code_buffers, row_scale
+from .fp8_triton import chunk_launch, code_buffers, row_scale
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 without the real files (tests, the quick start).
 
 They are NOT trained models: the weights are seeded random numbers, so what they generate is noise with the
-right shapes, frame counts, rates and channels. Every file says so in its metadata (``h3_core.sizes``
+right shapes, frame counts, rates and channels. Every file says so in its metadata (``h3_core.formats.sizes``
 ``NOTE_KEY``) and its name begins with ``TINY_PREFIX``. The files go where ComfyUI looks for each kind:
 
     diffusion_models/h3_tiny_random_dit.safetensors            the DiT, ComfyUI layout (also the T2VA/FL2VA base)
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from .models.audio_vae import AudioVAE, AudioVAEConfig
-from .models.dit import DiTConfig, H3DiT
-from .models.video_vae import VideoVAE, VideoVAEConfig
-from .pipeline.text_encoder import CONDITIONING_LAYER, SETTINGS_FILE
-from .sizes import NOTE_KEY, sizes_metadata
+from ..models.audio_vae import AudioVAE, AudioVAEConfig
+from ..models.dit import DiTConfig, H3DiT
+from ..models.video_vae import VideoVAE, VideoVAEConfig
+from .text_encoder import CONDITIONING_LAYER, SETTINGS_FILE
+from ..formats.sizes import NOTE_KEY, sizes_metadata
 
 __all__ = ["TinyCheckpoints", "write_tiny_checkpoints", "TINY_PREFIX", "TINY_FILES", "TINY_DIT", "TINY_VIDEO_VAE",
            "TINY_AUDIO_VAE", "TINY_TEXT_WIDTH", "TINY_TEXT_ENCODER_FILE", "tiny_qwen3vl",
@@ -153,7 +153,7 @@ def tiny_qwen3vl(layers: int = CONDITIONING_LAYER, *, seed: int = 4):
     ComfyUI file describes itself from its header like the real one."""
     import transformers
 
-    from .pipeline.qwen3vl_checkpoint import PUBLISHED
+    from ..formats.qwen3vl_checkpoint import PUBLISHED
 
     cfg = transformers.Qwen3VLConfig(
         text_config=dict(hidden_size=TINY_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=layers,
@@ -174,7 +174,7 @@ def write_tiny_text_encoder_file(models: str | Path, layers: int = CONDITIONING_
 
 
 def _tiny_text_encoder_state(layers: int) -> dict[str, torch.Tensor]:
-    from .pipeline.qwen3vl_checkpoint import LAYOUTS
+    from ..formats.qwen3vl_checkpoint import LAYOUTS
 
     return {LAYOUTS[0].file_key(k): v for k, v in tiny_qwen3vl(layers).state_dict().items()
             if k not in ("lm_head.weight", "model.language_model.norm.weight")}

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .memory_model import MemoryPlan
-from .models.adaln_tables import keep_adaln_on_host
-from .models.low_memory import LowMemory, apply_low_memory
-from .models.offload import BlockOffload, offload_blocks
+from .predict import MemoryPlan
+from ..models.adaln_tables import keep_adaln_on_host
+from ..models.low_memory import LowMemory, apply_low_memory
+from .offload import BlockOffload, offload_blocks
 
 __all__ = ["FittedModel", "apply_plan", "plan_lines"]
 

@@ -1,5 +1,5 @@
 """The device memory a tiled video decode works in beside the decoder's weights: what a caller asks a memory
-manager to make room for before decoding (``h3_core.tiling.decode_tiled`` retries with fewer tiles per batch,
+manager to make room for before decoding (``h3_core.media.tiling.decode_tiled`` retries with fewer tiles per batch,
 then streamed decoder blocks, when the room turns out short, so this is an estimate of the largest transients,
 not a bound).
 
@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["decode_working_bytes"]
 
-_WINDOW_LATENTS = 7  # latents per temporal window (h3_core.tiling's module docstring)
+_WINDOW_LATENTS = 7  # latents per temporal window (h3_core.media.tiling's module docstring)
 
 
 def decode_working_bytes(cfg, frame_width_px: int, *, tile_px: int = 256, tiles_per_batch: int = 4,

@@ -8,10 +8,10 @@ every file key consumed, every shape must fit, or the file is refused with a mes
 layout it resembled and the first offending keys. Files are memory-mapped and each tensor goes straight
 to the target device and dtype; the module is built on the meta device, so nothing is held twice.
 
-Quantised files (ComfyUI's ``comfy_quant`` layers, ``h3_core.quantized_files``) are read through their view: a
+Quantised files (ComfyUI's ``comfy_quant`` layers, ``h3_core.formats.quantized_files``) are read through their view: a
 quantised weight that is an ``nn.Linear``'s, read under a plain rule (one file key, no ``combine``) and not an
 fp32 island, is kept as a comfy-kitchen ``QuantizedTensor`` where comfy-kitchen has kernels for the device
-(``h3_core.kitchen``), else dequantised into the target dtype; one log line per load says which.
+(``h3_core.formats.kitchen``), else dequantised into the target dtype; one log line per load says which.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from safetensors import safe_open
 
-from .errors import H3InputError
+from ..errors import H3InputError
 from .quantized_files import FORMATS, HELD, QuantizedView, quantized_view
 
 __all__ = ["Rule", "KeyMap", "CheckpointFiles", "load_into", "match_layout", "quantized_plan", "swap_halves",
@@ -236,7 +236,7 @@ def load_into(
     file's linear weights are held by ``held`` (``quantized_files.HELD``: "auto" keeps them as comfy-kitchen
     weights where it has kernels for ``run_device``, default ``device``, else dequantises them; see the module
     docstring); they then compute in ``dtype`` (fp32 when None). A kept weight is a ``QuantizedTensor``: LoRAs
-    cannot be merged into it afterwards (``h3_core.checkpoints.load_h3_model`` merges them first)."""
+    cannot be merged into it afterwards (``h3_core.formats.checkpoints.load_h3_model`` merges them first)."""
     from .kitchen import hold_layers
 
     if held not in HELD:

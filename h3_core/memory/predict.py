@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.dit import MODALITIES
-from .models.low_memory import LowMemory
+from ..models.dit import MODALITIES
+from ..models.low_memory import LowMemory
 
 __all__ = ["BlockShape", "block_peaks", "ROTATE_TEMPS", "BRANCH_BUFFERS", "FUSED_ROTATE_TEMPS", "FUSED_BRANCH_BUFFERS"]
 
@@ -125,8 +125,8 @@ def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dt
     """What a model of ``cfg`` holds, counted on the meta device: parameters and buffers in ``dtype`` except
     the fp32 islands; with ``linears="fp8"`` the fp8 layers hold one byte per weight and an fp32 scale per
     output channel."""
-    from .fp8_linear import FP8_LAYERS
-    from .models.dit import H3DiT, keeps_fp32
+    from ..models.fp8_linear import FP8_LAYERS
+    from ..models.dit import H3DiT, keeps_fp32
 
     curve = cfg.adaln_curve_grid > 0
     with torch.device("meta"):

@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from .errors import H3InputError
-from .triton_forms import CompileFailure, check_compile, compiles_on, plain_path
+from ..errors import H3InputError
+from ..triton_forms import CompileFailure, check_compile, compiles_on, plain_path
 
 __all__ = [
     "TRAINED_TILE_PX",
@@ -413,7 +413,7 @@ def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrid
     present (``decoder_blocks``; see ``_decoder``); ``options`` go to ``decode_tiled`` (tile size, tiles per
     batch, progress, cancel, report, ...). If a single tile runs out of memory, the decoder's blocks are
     streamed from host memory (unless ``offload`` is given)."""
-    from .models.video_vae import IMAGENET_MEAN, IMAGENET_STD
+    from ..models.video_vae import IMAGENET_MEAN, IMAGENET_STD
 
     check_compile(compile)
     z = vae.denormalize_latents(latents) if normalized else latents
@@ -439,7 +439,7 @@ def _decoder(vae, overrides, compiled: bool) -> Callable[[torch.Tensor], torch.T
     have not failed before, else eager with no Triton kernel (``triton_forms.plain_path``). A batch whose
     compiled blocks fail to compile or launch is decoded again eagerly (the decode writes nothing in place
     outside itself), one line naming the cause is logged, and every later batch and decode runs eagerly."""
-    from .models.video_vae import decoder_blocks
+    from ..models.video_vae import decoder_blocks
 
     def decode(tiles):
         global _decoder_compile_failed
@@ -545,7 +545,7 @@ def encode_video(vae, frames: torch.Tensor, *, sample: bool = True, seed: int = 
     As H3 encodes keyframes and references: the posterior is sampled with ``seed`` (the mean with
     ``sample=False``) and rounded to fp16 before normalisation. 17k + 5 frames give 5k + 2 latents, one
     frame one latent."""
-    from .models.video_vae import IMAGENET_MEAN, IMAGENET_STD
+    from ..models.video_vae import IMAGENET_MEAN, IMAGENET_STD
 
     device = next(vae.parameters()).device
     mean = torch.tensor(IMAGENET_MEAN, device=device).view(3, 1, 1, 1)

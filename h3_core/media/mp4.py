@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .errors import H3InputError
+from ..errors import H3InputError
 
 __all__ = ["Mp4Writer", "Mp4Worker", "write_mp4", "video_encoder", "read_audio", "VIDEO_CODEC", "AUDIO_CODEC",
            "HARDWARE_ENCODERS", "ENCODERS", "PRESETS", "DEFAULT_PRESET"]

@@ -3,11 +3,11 @@ file, or a quantised one (``qwen3vl_32b_minimax_h3_int8_convrot`` / ``_nvfp4_awq
 
 Every tensor the truncated model holds (the embeddings, the decoder layers below the conditioning layer, the vision
 tower; never the later layers, the final norm or an output head) is read under its ComfyUI name by
-``h3_core.quantized_files.read_state_dict``, memory-mapped, into host memory, floats in the model's dtype. A
+``h3_core.formats.quantized_files.read_state_dict``, memory-mapped, into host memory, floats in the model's dtype. A
 quantised weight is, by ``held`` (``quantized_files.HELD``):
 
 * an ``nn.Linear``'s: a comfy-kitchen ``QuantizedTensor`` built from the file's codes and scales where comfy-kitchen
-  has kernels for ``run_device`` (``h3_core.kitchen``; ``F.linear`` then runs the library's matmul: int8 with its
+  has kernels for ``run_device`` (``h3_core.formats.kitchen``; ``F.linear`` then runs the library's matmul: int8 with its
   activations quantised per row, nvfp4 with the weight dequantised for a plain input), else the tensor comfy-kitchen
   dequantises, in the model's dtype;
 * anything else (an embedding table, which looks rows up and runs no ``F.linear``): dequantised.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantized_files import QuantizedState, read_state_dict
+from .quantized_files import QuantizedState, read_state_dict
 
 __all__ = ["PreScaledLinear", "read_text_encoder_file"]
 

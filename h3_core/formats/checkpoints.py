@@ -27,7 +27,7 @@ How a path is recognised (``describe_dit_checkpoint``):
     ComfyUI's, a native folder as the official shards; ``qkv_interleaved=True/False`` overrides the rule
     (a consolidated official file, or ComfyUI's file in a folder of its own);
   * pruned (AdaLN curves): an ``adaln_t_table`` ``[grid, width]``;
-  * quantised: ComfyUI's per-layer ``comfy_quant`` layers (``h3_core.quantized_files``): fp8-scaled (also the
+  * quantised: ComfyUI's per-layer ``comfy_quant`` layers (``h3_core.formats.quantized_files``): fp8-scaled (also the
     older ``scaled_fp8`` form), ``int8_convrot`` (the ``*_int8_convrot`` files, full and pruned), int8
     without rotation, nvfp4; each layer's sidecars are checked against its weight. Another format, or GGUF,
     is refused naming the format, the file and the layer.
@@ -38,8 +38,8 @@ in well under a second, and a file for another model size is refused before anyt
 How the big linears are held (``load_h3_model(linears=..., held=...)``): "dtype" puts every weight in
 ``dtype`` (an fp8-scaled file dequantised as it is read), except that a file quantised in another format
 (int8_convrot, nvfp4) keeps its quantised linears as comfy-kitchen layers where comfy-kitchen has kernels for
-the run device, else dequantises them (``held``, ``h3_core.kitchen``); "fp8" makes the ``FP8_LAYERS``
-``Fp8Linear`` layers computing in ``dtype``. Both build those layers one at a time (``h3_core.dit_layers``),
+the run device, else dequantises them (``held``, ``h3_core.formats.kitchen``); "fp8" makes the ``FP8_LAYERS``
+``Fp8Linear`` layers computing in ``dtype``. Both build those layers one at a time (``h3_core.formats.dit_layers``),
 taking the file's codes as they are where they can and merging LoRAs in fp32 before any (re)quantisation.
 """
 
@@ -57,11 +57,11 @@ from typing import Sequence, Union
 import torch
 
 from .dit_layers import BRANCH, DIT, load_layers, meta_model, meta_shapes, needs_layers
-from .errors import H3InputError
+from ..errors import H3InputError
 from .keymap import CheckpointFiles, KeyMap, match_layout
 from .lora import LoraDelta, merge_lora, read_lora
-from .models.dit import DiTConfig, H3DiT, curve_grid, layouts, load_dit, native_layout
-from .models.vdn import BranchWeights, branch_layouts, load_vdn
+from ..models.dit import DiTConfig, H3DiT, curve_grid, layouts, load_dit, native_layout
+from .vdn import BranchWeights, branch_layouts, load_vdn
 from .quantized_files import HELD, QuantizedView, describe_formats, quantized_view
 from .sizes import sizes_from_metadata
 
@@ -147,7 +147,7 @@ def describe_dit_checkpoint(path, *, cfg: DiTConfig | None = None,
     Args:
         path: a ``.safetensors`` file, a folder of shards, or a folder with a ``transformer/`` subfolder.
         cfg: the model's sizes; key names and shapes are checked against it. Default: the sizes in the
-            file's metadata (``h3_core.sizes``), else the released model.
+            file's metadata (``h3_core.formats.sizes``), else the released model.
         qkv_interleaved: None decides by the rule (a native folder is the official shards); True or False
             says it, for native names without a prefix only. A branch file ignores it.
     Returns:
@@ -194,7 +194,7 @@ def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device=
     a layer no LoRA touches keeps an fp8-scaled file's e4m3 codes and scales as they are; any other is read
     in fp32, merged with its LoRA updates in fp32 (in the order given) and then quantised, so LoRAs always
     merge before quantisation. A file quantised in another format (``*_int8_convrot``, nvfp4) loads layer by
-    layer too (``h3_core.dit_layers``), its quantised linears held by ``held``: comfy-kitchen layers (their
+    layer too (``h3_core.formats.dit_layers``), its quantised linears held by ``held``: comfy-kitchen layers (their
     weights comfy-kitchen ``QuantizedTensor``s, ``F.linear`` running the library's matmul) where comfy-kitchen
     has kernels for ``run_device`` and the format, else dequantised by comfy-kitchen into ``dtype`` ("auto");
     always dequantised ("dequantize"); comfy-kitchen layers or ``H3BackendUnavailable`` ("kitchen"). One log

@@ -33,8 +33,8 @@ from typing import Iterable, NamedTuple
 import torch
 import torch.nn as nn
 
-from .errors import H3InputError
-from .triton_forms import runs_here, triton_form
+from ..errors import H3InputError
+from ..triton_forms import runs_here, triton_form
 
 __all__ = [
     "E4M3_MAX",
@@ -71,7 +71,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     its fp32 scale ``[M, 1]`` (contiguous), ``x ≈ codes · scale``: ``quantize_rows_reference``'s numbers, in
     one Triton pass per row on CUDA (``_fp8_triton``) when the rows' last dimension is contiguous."""
     if runs_here(x) and x.dim() == 2 and x.dtype in _COMPUTE_DTYPES and x.stride(-1) == 1:
-        fused = triton_form("h3_core._fp8_triton", "quantize_rows_triton")
+        fused = triton_form("h3_core.models.fp8_triton", "quantize_rows_triton")
         if fused is not None:
             return fused(x, _SMALLEST_SCALE)
     return quantize_rows_reference(x)
@@ -259,7 +259,7 @@ class Fp8Linear(nn.Module):
         static ``input_scale`` is not needed: activations are scaled per row at run time."""
         if not isinstance(weight_fp8, torch.Tensor) or weight_fp8.dtype != E4M3:
             got = weight_fp8.dtype if isinstance(weight_fp8, torch.Tensor) else type(weight_fp8).__name__
-            hint = ("; e5m2 weights are read dequantised (h3_core.fp8_scaled) and can be requantised with "
+            hint = ("; e5m2 weights are read dequantised (h3_core.formats.fp8_scaled) and can be requantised with "
                     "Fp8Linear.from_linear") if got == torch.float8_e5m2 else ""
             raise H3InputError(f"weight_fp8 must be a torch.float8_e4m3fn tensor, got {got}{hint}")
         if weight_fp8.dim() != 2:
@@ -348,7 +348,7 @@ class Fp8Linear(nn.Module):
 
 def quantization_targets(model: nn.Module, names: frozenset[str]) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) for every nn.Linear attribute named in ``names``, fp32 islands skipped."""
-    from .models.dit import keeps_fp32
+    from .dit import keeps_fp32
 
     curve = getattr(getattr(model, "cfg", None), "adaln_curve_grid", 0) > 0
     targets = []

@@ -1,0 +1,1 @@
+"""Media: tiled video decoding and encoding, mp4 writing and audio reading."""
