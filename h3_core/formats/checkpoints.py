@@ -58,11 +58,13 @@ import torch
 
 from .dit_layers import BRANCH, DIT, load_layers, meta_model, meta_shapes, needs_layers
 from ..errors import H3InputError
-from .keymap import CheckpointFiles, KeyMap, match_layout
+from .files import CheckpointFiles
+from .keymap import KeyMap, match_layout
 from .lora import LoraDelta, merge_lora, read_lora
 from ..models.dit import DiTConfig, H3DiT, curve_grid, layouts, load_dit, native_layout
 from .vdn import BranchWeights, branch_layouts, load_vdn
-from .quantized_files import HELD, QuantizedView, describe_formats, quantized_view
+from .quant_layers import HELD, describe_formats
+from .quantized_files import QuantizedView, quantized_view
 from .sizes import sizes_from_metadata
 
 __all__ = ["DiTCheckpointInfo", "LoraSpec", "MergedLora", "LINEARS", "describe_dit_checkpoint", "load_h3_model"]

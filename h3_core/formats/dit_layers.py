@@ -30,7 +30,8 @@ import torch.nn as nn
 from ..errors import H3InputError
 from ..models.fp8_linear import FP8_LAYERS, Fp8Linear, quantization_targets
 from .fp8_scaled import LayerCodes, layer_codes
-from .keymap import CheckpointFiles, match_layout, quantized_plan
+from .files import CheckpointFiles
+from .keymap import match_layout, quantized_plan
 from .kitchen import hold_layers, kitchen_tensor, requantize
 from .lora import LoraDelta, merge_lora
 from ..models.dit import H3DiT, keeps_fp32, layouts

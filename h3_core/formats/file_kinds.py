@@ -86,7 +86,7 @@ def _lora(path: Path) -> str:
 
 
 def _prompt_embedding(path: Path) -> str:
-    from .keymap import CheckpointFiles
+    from .files import CheckpointFiles
 
     if path.suffix == ".pt":
         return "prompt cache (.pt, read with weights_only)"

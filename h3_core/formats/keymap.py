@@ -16,17 +16,18 @@ fp32 island, is kept as a comfy-kitchen ``QuantizedTensor`` where comfy-kitchen 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
-from safetensors import safe_open
 
 from ..errors import H3InputError
-from .quantized_files import FORMATS, HELD, QuantizedView, quantized_view
+from .files import CheckpointFiles
+from .kitchen import hold_layers
+from .quant_layers import FORMATS, HELD
+from .quantized_files import QuantizedView, quantized_view
 
 __all__ = ["Rule", "KeyMap", "CheckpointFiles", "load_into", "match_layout", "quantized_plan", "swap_halves",
            "QUANTIZED_DTYPES"]
@@ -66,92 +67,6 @@ class KeyMap:
                 groups = m.groupdict()
                 return tuple(self.prefix + s.format(**groups) for s in rule.sources), rule.combine
         return (self.prefix + key,), None
-
-
-class CheckpointFiles:
-    """The safetensors files of one checkpoint (a file, or a folder of shards), opened lazily."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        if self.path.is_dir():
-            # The official video VAE folder keeps its weights in source/ beside a config.json.
-            files = sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("source/*.safetensors"))
-        elif self.path.suffix == ".safetensors" and self.path.is_file():
-            files = [self.path]
-        elif self.path.suffix == ".gguf":
-            raise H3InputError(f"{self.path}: GGUF checkpoints are not supported yet; use the .safetensors file")
-        else:
-            raise H3InputError(f"{self.path}: not a .safetensors file or a folder holding them")
-        if not files:
-            raise H3InputError(f"{self.path}: the folder holds no .safetensors files")
-        self.files = files
-        self._where: dict[str, Path] = {}
-        self.dtypes: dict[str, str] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self.metadata: dict[str, str] = {}
-        for f in files:
-            header = _read_header(f)
-            self.metadata.update(header.pop("__metadata__", None) or {})
-            for key, info in header.items():
-                self._where[key] = f
-                self.dtypes[key] = info["dtype"]
-                self._shapes[key] = tuple(info["shape"])
-        self._handles: dict[Path, object] = {}
-
-    @property
-    def keys(self) -> set[str]:
-        return set(self._where)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        """A tensor's shape, from the header (nothing is read)."""
-        return self._shapes[key]
-
-    def config(self) -> dict:
-        """``config.json`` beside the weights (a diffusers folder), or {}."""
-        folder = self.path if self.path.is_dir() else self.path.parent
-        cfg = folder / "config.json"
-        return json.loads(cfg.read_text()) if self.path.is_dir() and cfg.is_file() else {}
-
-    def latent_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-        """Per-channel latent mean and std, from tensors in the file or a folder's ``config.json``."""
-        if {"latents_mean", "latents_std"} <= self.keys:
-            return tuple(tuple(self.get(k).double().tolist()) for k in ("latents_mean", "latents_std"))
-        cfg = self.config()
-        if cfg.get("latents_mean") and cfg.get("latents_std"):
-            return tuple(cfg["latents_mean"]), tuple(cfg["latents_std"])
-        return None
-
-    def get(self, key: str) -> torch.Tensor:
-        f = self._where[key]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        return self._handles[f].get_tensor(key)
-
-
-def _read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file, read without touching the tensors."""
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) != 8:
-            raise H3InputError(f"{path}: too short to be a safetensors file")
-        if head[:4] == b"GGUF":
-            raise H3InputError(f"{path}: a GGUF file (named .safetensors); GGUF checkpoints are not supported yet, "
-                               f"use the .safetensors file")
-        size = int.from_bytes(head, "little")
-        if size <= 0 or size > 100 * 2**20:
-            raise H3InputError(f"{path}: not a safetensors file (header size {size})")
-        try:
-            header = json.loads(fh.read(size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise H3InputError(f"{path}: not a safetensors file ({exc.__class__.__name__} in its header)") from None
-    if not isinstance(header, dict):
-        raise H3InputError(f"{path}: not a safetensors file (its header is not a table of tensors)")
-    needed = 8 + size + max((info["data_offsets"][1] for k, info in header.items() if k != "__metadata__"), default=0)
-    actual = path.stat().st_size
-    if actual < needed:
-        raise H3InputError(f"{path}: truncated: the header describes {needed} bytes but the file has {actual}; "
-                           f"download it again")
-    return header
 
 
 def _plan(keymap: KeyMap, targets: Iterable[str], available: set[str]):
@@ -237,8 +152,6 @@ def load_into(
     weights where it has kernels for ``run_device``, default ``device``, else dequantises them; see the module
     docstring); they then compute in ``dtype`` (fp32 when None). A kept weight is a ``QuantizedTensor``: LoRAs
     cannot be merged into it afterwards (``h3_core.formats.checkpoints.load_h3_model`` merges them first)."""
-    from .kitchen import hold_layers
-
     if held not in HELD:
         raise H3InputError(f"held: got {held!r}; allowed: {', '.join(map(repr, HELD))}")
     device = torch.device(device)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import H3BackendUnavailable, H3InputError
-from .quantized_files import HELD, LayerQuant, count_kinds, describe_formats
+from .quant_layers import HELD, LayerQuant, count_kinds, describe_formats
 
 __all__ = ["Holding", "dequantize", "hold_layers", "kitchen_support", "kitchen_tensor", "requantize", "stored_bytes"]
 

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import H3InputError
-from .keymap import CheckpointFiles
+from .files import CheckpointFiles
 
 __all__ = ["LoraDelta", "LoraPatch", "read_lora", "merge_lora", "lora_patches", "describe_lora_file"]
 

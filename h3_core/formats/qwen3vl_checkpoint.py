@@ -49,8 +49,10 @@ from pathlib import Path
 import torch
 
 from ..errors import H3InputError
-from .keymap import QUANTIZED_DTYPES, CheckpointFiles, KeyMap, Rule
-from .quantized_files import LayerQuant, QuantizedView, count_kinds, layer_quants
+from .files import CheckpointFiles
+from .keymap import QUANTIZED_DTYPES, KeyMap, Rule
+from .quant_layers import LayerQuant, count_kinds, layer_quants
+from .quantized_files import QuantizedView
 
 __all__ = ["Layout", "LAYOUTS", "PUBLISHED", "TextEncoderCheckpoint", "HeldBytes", "describe_text_encoder_file",
            "describe_text_encoder_header", "held_bytes", "qwen3vl_header", "layout_keymap", "meta_shapes",

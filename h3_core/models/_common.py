@@ -8,8 +8,10 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import H3InputError
-from ..formats.keymap import CheckpointFiles, KeyMap, load_into, match_layout
-from ..formats.quantized_files import QuantizedView, describe_formats, quantized_view
+from ..formats.files import CheckpointFiles
+from ..formats.keymap import KeyMap, load_into, match_layout
+from ..formats.quant_layers import describe_formats
+from ..formats.quantized_files import QuantizedView, quantized_view
 from ..formats.sizes import sizes_from_metadata
 
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from ..attention.kernels import dense_attention
 from ..errors import H3InputError
 from .fp8_linear import Fp8Linear, quantize_input
-from ..formats.keymap import CheckpointFiles, KeyMap, Rule, load_into, swap_halves
+from ..formats.files import CheckpointFiles
+from ..formats.keymap import KeyMap, Rule, load_into, swap_halves
 from ..formats.sizes import sizes_from_metadata
 from . import block_fused
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward

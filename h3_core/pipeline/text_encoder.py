@@ -36,9 +36,10 @@ import torch
 from torch import nn
 
 from ..errors import H3InputError
-from ..formats.keymap import CheckpointFiles, load_into
+from ..formats.files import CheckpointFiles
+from ..formats.keymap import load_into
 from ..formats.kitchen import stored_bytes
-from ..formats.quantized_files import HELD
+from ..formats.quant_layers import HELD
 from .conditioning import quantize_pixels
 from .presentation import PresentedReference, VisionIds, presentation_tokens, video_blocks
 from .prompt import PromptEmbedding

@@ -458,7 +458,7 @@ def test_layer_codes_takes_row_layouts_and_refuses_anything_else(written):
     """Directly on a file's view: a rule that re-orders whole rows keeps the codes (exactly); one that moves
     columns, or does arithmetic, gives a reason, so the loader requantises that layer."""
     from h3_core.formats.fp8_scaled import LayerCodes, fp8_scaled_view, layer_codes
-    from h3_core.formats.keymap import CheckpointFiles
+    from h3_core.formats.files import CheckpointFiles
 
     path, _, fp8, *_ = written["comfy per row, prefixed"]
     view = fp8_scaled_view(CheckpointFiles(path))

@@ -22,8 +22,9 @@ from safetensors.torch import save_file
 
 from h3_core.formats import kitchen
 from h3_core.errors import H3BackendUnavailable, H3InputError
-from h3_core.formats.keymap import CheckpointFiles
-from h3_core.formats.quantized_files import QuantizedView, layer_quants, quantized_view, read_state_dict
+from h3_core.formats.files import CheckpointFiles
+from h3_core.formats.quant_layers import layer_quants
+from h3_core.formats.quantized_files import QuantizedView, quantized_view, read_state_dict
 
 GROUP = 16  # a ConvRot group size (a power of 4) that tiny layers can hold
 INT8_CONVROT = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": GROUP}

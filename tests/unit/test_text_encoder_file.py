@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3InputError
-from h3_core.formats.keymap import CheckpointFiles
+from h3_core.formats.files import CheckpointFiles
 from h3_core.pipeline.presentation import PresentedReference
 from h3_core.formats.qwen3vl_checkpoint import (LAYOUTS, describe_text_encoder_file, describe_text_encoder_header,
                                                  held_bytes, qwen3vl_header)

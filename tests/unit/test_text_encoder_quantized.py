@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from h3_core.formats import kitchen
 from h3_core.errors import H3BackendUnavailable, H3InputError
-from h3_core.formats.keymap import CheckpointFiles
+from h3_core.formats.files import CheckpointFiles
 from h3_core.formats.qwen3vl_checkpoint import describe_text_encoder_file
 from h3_core.formats.qwen3vl_weights import PreScaledLinear
 from h3_core.pipeline.text_encoder import load_text_encoder

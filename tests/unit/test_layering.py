@@ -1,0 +1,88 @@
+"""h3_core's packages keep the README's layering: each module imports only from its own layer or the layers below
+(attention at the bottom, then models, formats, memory, media, pipeline), and no set of modules imports each other
+in a cycle. Every import counts, at the top of a module or inside a function, read from the source (AST)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "h3_core"
+# Bottom to top; the package's root modules (errors, ...) sit below everything.
+LAYERS = ("", "attention", "models", "formats", "memory", "media", "pipeline")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    package = parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else ""
+    assert package in LAYERS, f"{module}: h3_core/{package} is in no layer of {LAYERS}"
+    return LAYERS.index(package)
+
+
+def imported(module: str) -> set[str]:
+    """The h3_core modules ``module`` imports (a name imported from a package counts as its submodule when one of
+    that name exists)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in MODULES else source
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target.startswith("h3_core") and target != module:
+                found.add(target)
+    return found
+
+
+GRAPH = {module: imported(module) for module in MODULES}
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    upward = sorted(f"{module} imports {target}" for module, targets in GRAPH.items() for target in targets
+                    if layer(target) > layer(module))
+    assert upward == []
+
+
+def test_no_import_cycles():
+    cycles, state = [], {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_walk_sees_imports_inside_functions():
+    """The checks would miss a cycle hidden in a function if the walk did not read function bodies."""
+    assert any(isinstance(node, ast.ImportFrom) for path in MODULES.values()
+               for function in ast.walk(ast.parse(path.read_text())) if isinstance(function, ast.FunctionDef)
+               for node in ast.walk(function)) is not None
+    assert "h3_core.errors" in GRAPH["h3_core.models.dit"]
