@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
-from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32, load_dit  # noqa: E402
+from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
+from h3_core.formats.dit import load_dit  # noqa: E402
 
 
 def config(gib: float) -> DiTConfig:

@@ -61,7 +61,8 @@ from ..errors import H3InputError
 from .files import CheckpointFiles
 from .keymap import KeyMap, match_layout
 from .lora import LoraDelta, merge_lora, read_lora
-from ..models.dit import DiTConfig, H3DiT, curve_grid, layouts, load_dit, native_layout
+from ..models.dit import DiTConfig, H3DiT
+from .dit import curve_grid, layouts, load_dit, native_layout
 from .vdn import BranchWeights, branch_layouts, load_vdn
 from .quant_layers import HELD, describe_formats
 from .quantized_files import QuantizedView, quantized_view

@@ -46,15 +46,17 @@ def _branch(path: Path) -> str:
 
 
 def _video_vae(path: Path) -> str:
-    from ..models._common import describe_model
-    from ..models.video_vae import VideoVAE, VideoVAEConfig, layouts
+    from .vae import describe_model
+    from ..models.video_vae import VideoVAE, VideoVAEConfig
+    from .video_vae import layouts
 
     return "layout " + describe_model(VideoVAE, VideoVAEConfig, None, path, layouts, what="MiniMax H3 video VAE")
 
 
 def _audio_vae(path: Path) -> str:
-    from ..models._common import describe_model
-    from ..models.audio_vae import AudioVAE, AudioVAEConfig, layouts
+    from .vae import describe_model
+    from ..models.audio_vae import AudioVAE, AudioVAEConfig
+    from .audio_vae import layouts
 
     return "layout " + describe_model(AudioVAE, AudioVAEConfig, None, path, lambda cfg: layouts(),
                                       what="MiniMax H3 audio VAE")

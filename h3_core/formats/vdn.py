@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from .keymap import KeyMap, Rule, load_into
-from ..models.dit import DiTConfig, H3DiT, load_dit
+from ..models.dit import DiTConfig, H3DiT
+from .dit import load_dit
 from ..models.hybrid import add_hybrid_parts
 
 __all__ = ["load_vdn", "branch_layouts", "BranchWeights"]

@@ -16,24 +16,20 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
-from ..errors import H3InputError
 from .fp8_linear import Fp8Linear, quantize_input
-from ..formats.files import CheckpointFiles
-from ..formats.keymap import KeyMap, Rule, load_into, swap_halves
-from ..formats.sizes import sizes_from_metadata
 from . import block_fused
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
 from .adaln_tables import adaln_tables_for
 from .low_memory import add_linear_cols, head_slices, linear_rows
 
-__all__ = ["DiTConfig", "H3DiT", "load_dit", "layouts", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
+__all__ = ["DiTConfig", "H3DiT", "keeps_fp32", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
            "rope_cos_sin"]
 
 MODALITY_VIDEO, MODALITY_TEXT, MODALITY_AUDIO = 0, 1, 2
@@ -430,68 +426,11 @@ class H3DiT(nn.Module):
         return self.final_layer(x, temb, timestep_index, video_index, audio_index)
 
 
-# ---- checkpoints -------------------------------------------------------------------------------
-
-
-def _stack_qkv(parts):
-    return torch.cat(parts)
+# ---- precision and positions ------------------------------------------------------------------
 
 
 def rope_inv_freq(cfg: DiTConfig) -> torch.Tensor:
     return cfg.rope_theta ** -(torch.arange(0, 2 * cfg.rope_freqs, 2, dtype=torch.float32) / (2 * cfg.rope_freqs))
-
-
-def diffusers_layout(cfg: DiTConfig) -> KeyMap:
-    """diffusers ``MiniMaxH3Transformer3DModel`` names (its ``transformer/`` folder)."""
-    rules = [
-        Rule(r"video_patch_proj\.(?P<p>weight|bias)", ("proj_in.{p}",)),
-        Rule(r"audio_patch_proj\.(?P<p>weight|bias)", ("audio_proj_in.{p}",)),
-        Rule(r"condition_proj\.(?P<p>weight|bias)", ("context_embedder.{p}",)),
-        Rule(r"time_embedder\.proj_in\.(?P<p>weight|bias)", ("time_embedder.linear_1.{p}",)),
-        Rule(r"time_embedder\.proj_out\.(?P<p>weight|bias)", ("time_embedder.linear_2.{p}",)),
-        Rule(r"rope\.inv_freq", (), lambda parts: rope_inv_freq(cfg)),
-        Rule(r"final_layer\.norm\.weight", ("norm_out.norm.weight",)),
-        Rule(r"final_layer\.adaln_proj\.linear\.(?P<p>weight|bias)", ("norm_out.linear.{p}",)),
-        Rule(r"final_layer\.video_out\.(?P<p>weight|bias)", ("proj_out.{p}",)),
-        Rule(r"final_layer\.audio_out\.(?P<p>weight|bias)", ("audio_proj_out.{p}",)),
-    ]
-    for stack_re, stack_src in ((r"blocks\.(?P<n>\d+)\.", "transformer_blocks.{n}."),
-                                (r"token_refiner\.blocks\.(?P<n>\d+)\.", "token_refiner.refiner_blocks.{n}.")):
-        rules += [
-            Rule(stack_re + r"attn\.qkv_proj\.weight", tuple(stack_src + f"attn.to_{x}.weight" for x in "qkv"), _stack_qkv),
-            Rule(stack_re + r"attn\.q_norm\.weight", (stack_src + "attn.norm_q.weight",)),
-            Rule(stack_re + r"attn\.k_norm\.weight", (stack_src + "attn.norm_k.weight",)),
-            Rule(stack_re + r"attn\.out_proj\.weight", (stack_src + "attn.to_out.0.weight",)),
-            Rule(stack_re + r"mlp\.fc1\.weight", (stack_src + "ff.net.0.proj.weight",), swap_halves),
-            Rule(stack_re + r"mlp\.fc2\.weight", (stack_src + "ff.net.2.weight",)),
-            Rule(stack_re + r"(?P<rest>norm1\.weight|norm2\.weight|adaln_proj\.linear\.(weight|bias))",
-                 (stack_src + "{rest}",)),
-        ]
-    return KeyMap("diffusers", tuple(rules))
-
-
-def native_layout(prefix: str = "") -> KeyMap:
-    """Native names with ``qkv_proj`` stacked [q; k; v]: ComfyUI's repackaged files (also with the
-    ``model.diffusion_model.`` prefix)."""
-    return KeyMap("ComfyUI", prefix=prefix)
-
-
-def _deinterleave_qkv(heads: int, head_dim: int):
-    """Rows ``[h: q, k, v]`` (the official shards) → stacked ``[q; k; v]``."""
-
-    def combine(parts):
-        w = parts[0]
-        return w.view(heads, 3, head_dim, -1).transpose(0, 1).reshape(3 * heads * head_dim, -1)
-
-    return combine
-
-
-def official_layout(cfg: DiTConfig) -> KeyMap:
-    """The official FL2VA / Ref2VA shards: native names, ``qkv_proj`` interleaved per head. Its keys are the
-    same as ComfyUI's, so it is chosen by ``load_dit(..., qkv_interleaved=True)``, never guessed."""
-    stack = r"(?P<s>(token_refiner\.)?blocks\.\d+)\."
-    return KeyMap("official", (Rule(stack + r"attn\.qkv_proj\.weight", ("{s}.attn.qkv_proj.weight",),
-                                    _deinterleave_qkv(cfg.heads, cfg.head_dim)),))
 
 
 _FP32 = re.compile(r"(video_patch_proj|audio_patch_proj|time_embedder|final_layer\.(video_out|audio_out)|rope)\.")
@@ -504,39 +443,3 @@ def keeps_fp32(key: str, curve: bool = False) -> bool:
     return _FP32.match(key) is not None or (curve and _CURVE_FP32.fullmatch(key) is not None)
 
 
-def curve_grid(files: CheckpointFiles) -> tuple[int, int] | None:
-    """(grid, width) of a pruned checkpoint's ``adaln_t_table``, or None for the full form."""
-    for key in ("adaln_t_table", "model.diffusion_model.adaln_t_table"):
-        if key in files.keys:
-            shape = files.shape(key)
-            if len(shape) != 2 or shape[0] < 2:
-                raise H3InputError(f"{files.path}: {key} must be [grid >= 2, width], got {list(shape)}")
-            return shape[0], shape[1]
-    return None
-
-
-def layouts(cfg: DiTConfig, qkv_interleaved: bool = False) -> tuple[KeyMap, ...]:
-    if qkv_interleaved:
-        return (official_layout(cfg),)
-    return (native_layout(), native_layout("model.diffusion_model."), diffusers_layout(cfg))
-
-
-def load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
-             qkv_interleaved: bool = False) -> H3DiT:
-    """Load a DiT checkpoint (a file or a folder of shards) in any supported layout; blocks in ``dtype``,
-    the fp32 islands in fp32. ``qkv_interleaved`` marks the official shards, whose keys match ComfyUI's
-    but whose ``qkv_proj`` rows are interleaved per head. A pruned ("curve") file is recognised by its
-    ``adaln_t_table``, whose shape sets ``cfg.adaln_curve_grid`` and ``cfg.time_embed``. Without ``cfg`` the
-    sizes are those in the file's metadata (``h3_core.formats.sizes``), else the released model's."""
-    files = path if isinstance(path, CheckpointFiles) else CheckpointFiles(path)
-    cfg = cfg or sizes_from_metadata(files.metadata, DiTConfig, files.path) or DiTConfig()
-    curve = curve_grid(files)
-    if curve is not None:
-        cfg = replace(cfg, adaln_curve_grid=curve[0], time_embed=curve[1])
-    with torch.device("meta"):
-        model = H3DiT(cfg)
-    model.layout = load_into(model, files, layouts(cfg, qkv_interleaved), what="MiniMax H3 DiT", device=device,
-                             dtype=dtype, keep_fp32=lambda key: keeps_fp32(key, curve is not None))
-    if curve is not None:
-        model.layout += " (pruned AdaLN curves)"
-    return model.eval()

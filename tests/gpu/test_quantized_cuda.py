@@ -29,7 +29,8 @@ from h3_core.formats.checkpoints import load_h3_model
 from h3_core.formats.dit_layers import KEPT
 from h3_core.formats.kitchen import kitchen_support
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, load_video_vae
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
+from h3_core.formats.video_vae import load_video_vae
 from h3_core.pipeline.packing import pack_sequence
 from h3_core.formats.quantized_files import read_state_dict
 

@@ -5,7 +5,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3InputError
-from h3_core.models.audio_vae import AudioVAEConfig, kaiser_sinc, load_audio_vae
+from h3_core.models.audio_vae import AudioVAEConfig, kaiser_sinc
+from h3_core.formats.audio_vae import load_audio_vae
 
 diffusers = pytest.importorskip("diffusers")
 

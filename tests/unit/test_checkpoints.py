@@ -14,7 +14,8 @@ from h3_core.attention import WindowSpec
 from h3_core.formats.checkpoints import LoraSpec, describe_dit_checkpoint, load_h3_model
 from h3_core.errors import H3InputError
 from h3_core.formats.lora import merge_lora, read_lora
-from h3_core.models.dit import DiTConfig, H3DiT, load_dit
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.formats.dit import load_dit
 from h3_core.models.hybrid import HybridContext
 from h3_core.formats.vdn import load_vdn
 from h3_core.pipeline.packing import pack_sequence

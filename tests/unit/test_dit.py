@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
-from h3_core.models.dit import DiTConfig, keeps_fp32, load_dit, timestep_embedding
+from h3_core.models.dit import DiTConfig, keeps_fp32, timestep_embedding
+from h3_core.formats.dit import load_dit
 
 diffusers = pytest.importorskip("diffusers")
 

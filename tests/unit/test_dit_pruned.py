@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
-from h3_core.models.dit import DiTConfig, H3DiT, curve_embedding, load_dit
+from h3_core.models.dit import DiTConfig, H3DiT, curve_embedding
+from h3_core.formats.dit import load_dit
 from h3_core.pipeline.packing import pack_sequence
 
 CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,

@@ -22,7 +22,8 @@ from h3_core.formats.checkpoints import load_h3_model
 from h3_core.errors import H3InputError
 from h3_core.models.fp8_linear import Fp8Linear
 from h3_core.formats.fp8_scaled import Fp8ScaledView
-from h3_core.models.dit import DiTConfig, H3DiT, diffusers_layout, load_dit
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.formats.dit import diffusers_layout, load_dit
 from h3_core.models.hybrid import HybridContext
 from h3_core.formats.vdn import load_vdn
 from h3_core.pipeline.packing import pack_sequence

@@ -11,8 +11,10 @@ import torch
 from PIL import Image
 
 from h3_core.errors import H3InputError
-from h3_core.models.audio_vae import AudioVAEConfig, load_audio_vae
-from h3_core.models.video_vae import VideoVAEConfig, load_video_vae
+from h3_core.models.audio_vae import AudioVAEConfig
+from h3_core.formats.audio_vae import load_audio_vae
+from h3_core.models.video_vae import VideoVAEConfig
+from h3_core.formats.video_vae import load_video_vae
 from h3_core.pipeline.conditioning import (
     encode_keyframes,
     encode_reference,

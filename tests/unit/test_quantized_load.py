@@ -26,7 +26,8 @@ from h3_core.formats.checkpoints import describe_dit_checkpoint, load_h3_model
 from h3_core.formats.dit_layers import KEPT, REQUANTISED
 from h3_core.errors import H3BackendUnavailable, H3InputError
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, load_video_vae
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
+from h3_core.formats.video_vae import load_video_vae
 from test_quantized_files import INT8_CONVROT, quantized_layer
 from tiny_dit import request
 

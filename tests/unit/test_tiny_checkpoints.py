@@ -9,9 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from h3_core.formats.checkpoints import describe_dit_checkpoint, load_h3_model
 from h3_core.errors import H3InputError
-from h3_core.models.audio_vae import load_audio_vae
+from h3_core.formats.audio_vae import load_audio_vae
 from h3_core.models.dit import DiTConfig
-from h3_core.models.video_vae import load_video_vae
+from h3_core.formats.video_vae import load_video_vae
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.soundtrack import clip_samples, decode_soundtrack
 from h3_core.pipeline.text_encoder import load_text_encoder
@@ -88,7 +88,7 @@ def test_a_soundtrack_longer_than_the_video_is_cut_and_bad_latents_are_named(tin
 
 
 def test_sizes_of_another_kind_of_model_are_not_taken(tiny):
-    from h3_core.models.video_vae import load_video_vae as load_video
+    from h3_core.formats.video_vae import load_video_vae as load_video
 
     with pytest.raises(H3InputError, match=r"h3_tiny_random_audio_vae\.safetensors: not a MiniMax H3 video VAE checkpoint"):
         load_video(tiny.audio_vae)

@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3InputError
-from h3_core.models.video_vae import IMAGENET_MEAN, IMAGENET_STD, VideoVAEConfig, keeps_fp32, load_video_vae
+from h3_core.models.video_vae import IMAGENET_MEAN, IMAGENET_STD, VideoVAEConfig, keeps_fp32
+from h3_core.formats.video_vae import load_video_vae
 from h3_core.media.tiling import decode_video
 
 diffusers = pytest.importorskip("diffusers")

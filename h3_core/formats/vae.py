@@ -1,4 +1,5 @@
-"""What the two VAEs share: latent statistics and loading a module from a checkpoint."""
+"""Loading a VAE from a checkpoint, the part both VAEs share: sizes from the file's metadata, its latent
+statistics, and its layout found from the header."""
 
 from __future__ import annotations
 
@@ -8,32 +9,13 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import H3InputError
-from ..formats.files import CheckpointFiles
-from ..formats.keymap import KeyMap, load_into, match_layout
-from ..formats.quant_layers import describe_formats
-from ..formats.quantized_files import QuantizedView, quantized_view
-from ..formats.sizes import sizes_from_metadata
+from .files import CheckpointFiles
+from .keymap import KeyMap, load_into, match_layout
+from .quant_layers import describe_formats
+from .quantized_files import QuantizedView, quantized_view
+from .sizes import sizes_from_metadata
 
-
-class LatentStats:
-    """Per-channel latent normalisation from ``self.cfg.latents_mean`` / ``latents_std``; latents have the
-    channel axis ``LATENT_TRAILING_DIMS`` axes from the end."""
-
-    LATENT_TRAILING_DIMS = 1
-
-    def _stats(self, z: torch.Tensor):
-        shape = (-1,) + (1,) * self.LATENT_TRAILING_DIMS
-        return tuple(torch.tensor(s, dtype=z.dtype, device=z.device).view(shape)
-                     for s in (self.cfg.latents_mean, self.cfg.latents_std))
-
-    def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        """Raw latents → model space ``(z − mean) / std``."""
-        mean, std = self._stats(z)
-        return (z - mean) / std
-
-    def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(z)
-        return z * std + mean
+__all__ = ["describe_model", "load_model"]
 
 
 def _sized(config_cls, cfg, files: CheckpointFiles):
