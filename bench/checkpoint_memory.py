@@ -1,5 +1,5 @@
 """Host memory of loading a DiT checkpoint: how far the process's resident memory rises, as a multiple of
-the file's size, while ``load_dit`` runs and after every parameter has been read once (a lazily mapped
+the file's size, while ``load_h3_model`` runs and after every parameter has been read once (a lazily mapped
 tensor costs nothing until it is touched, so the touch is what makes the number honest).
 
 Writes a synthetic checkpoint of about ``--gib`` GiB (H3's layout, bf16 with the fp32 islands, smaller
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
 from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
-from h3_core.formats.dit import load_dit  # noqa: E402
+from h3_core.formats.checkpoints import load_h3_model  # noqa: E402
 
 
 def config(gib: float) -> DiTConfig:
@@ -71,7 +71,7 @@ def measure(path: Path, cfg: DiTConfig) -> dict:
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    model = load_dit(path, cfg=cfg, dtype=torch.bfloat16)
+    model = load_h3_model(path, cfg=cfg, dtype=torch.bfloat16)
     with torch.no_grad():
         checksum = sum(float(p.double().sum()) for p in model.parameters())
     done.set()

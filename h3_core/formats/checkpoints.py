@@ -1,8 +1,7 @@
 """The DiT's one entry point: say what a checkpoint is from its header, then load H3 or VDN-H3 with LoRAs.
 
 It composes what exists: ``CheckpointFiles`` and ``match_layout`` (keymap), ``quantized_view``
-(quantized_files), ``load_dit`` / ``curve_grid`` / ``layouts`` (models.dit), ``load_vdn`` / ``branch_layouts``
-(models.vdn), ``load_layers`` (dit_layers) and ``read_lora`` / ``merge_lora`` (lora). The key maps decide every
+(quantized_files), ``curve_grid`` / ``layouts`` (formats.dit), ``branch_layouts`` (formats.vdn), ``load_layers`` (dit_layers) and ``read_lora`` / ``merge_lora`` (lora). The key maps decide every
 layout; this module adds what the keys alone cannot say (official shards or ComfyUI's file, base or branch, a
 complete set of shards) and checks a checkpoint's shapes against the model before any weight is read.
 
@@ -59,11 +58,11 @@ import torch
 from .dit_layers import BRANCH, DIT, load_layers, meta_model, meta_shapes, needs_layers
 from ..errors import H3InputError
 from .files import CheckpointFiles
-from .keymap import KeyMap, match_layout
+from .keymap import KeyMap, load_into, match_layout
 from .lora import LoraDelta, merge_lora, read_lora
-from ..models.dit import DiTConfig, H3DiT
-from .dit import curve_grid, layouts, load_dit, native_layout
-from .vdn import BranchWeights, branch_layouts, load_vdn
+from ..models.dit import DiTConfig, H3DiT, keeps_fp32
+from .dit import curve_grid, layouts, native_layout
+from .vdn import BranchWeights, branch_layouts
 from .quant_layers import HELD, describe_formats
 from .quantized_files import QuantizedView, quantized_view
 from .sizes import sizes_from_metadata
@@ -188,8 +187,8 @@ def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device=
     """MiniMax H3 (``base`` alone) or VDN-H3 (``base`` + ``branch``) with ``loras`` merged, in order.
 
     Every input is checked first (paths, strengths, both checkpoints' headers, the LoRA files), so a bad
-    input fails before gigabytes are read. With ``linears="dtype"`` the base loads through ``load_dit`` (or
-    ``load_vdn`` with a branch) in any layout ``describe_dit_checkpoint`` accepts; each LoRA then merges
+    input fails before gigabytes are read. With ``linears="dtype"`` the base loads through ``_load_dit`` (or
+    ``_load_vdn`` with a branch) in any layout ``describe_dit_checkpoint`` accepts; each LoRA then merges
     through ``merge_lora``: ``W += strength · (alpha / rank) · B @ A`` computed in fp32 and stored in W's
     dtype, one LoRA after the other, so with bf16 weights the order given is the rounding order; every
     weight is in ``dtype`` (fp32 islands in fp32). With ``linears="fp8"`` the same tensors load, except that
@@ -245,11 +244,11 @@ def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device=
                     run_device=run_device)
     else:
         if branch_info is None:
-            model = load_dit(base_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
+            model = _load_dit(base_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
                              qkv_interleaved=base_info.qkv_interleaved)
         else:
-            # base_info.cfg carries a pruned base's curve size, which load_vdn needs to build the hybrid model
-            model = load_vdn(base_info.path, branch_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
+            # base_info.cfg carries a pruned base's curve size, which _load_vdn needs to build the hybrid model
+            model = _load_vdn(base_info.path, branch_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
                              qkv_interleaved=base_info.qkv_interleaved)
         merged = []
         for i, (spec, lora_deltas) in enumerate(read):
@@ -457,3 +456,44 @@ def _check_lora_hits(model: torch.nn.Module, deltas: list[LoraDelta], source: st
         raise H3InputError(f"{source}: none of its {len(targets)} target modules is in this model, first "
                            f"{targets[:_SHOW]}; a MiniMax H3 LoRA targets modules such as 'blocks.0.attn.qkv_proj' "
                            f"(native) or 'transformer_blocks.0.attn.to_q' (diffusers)")
+
+
+def _load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
+             qkv_interleaved: bool = False) -> H3DiT:
+    """Load a DiT checkpoint (a file or a folder of shards) in any supported layout; blocks in ``dtype``,
+    the fp32 islands in fp32. ``qkv_interleaved`` marks the official shards, whose keys match ComfyUI's
+    but whose ``qkv_proj`` rows are interleaved per head. A pruned ("curve") file is recognised by its
+    ``adaln_t_table``, whose shape sets ``cfg.adaln_curve_grid`` and ``cfg.time_embed``. Without ``cfg`` the
+    sizes are those in the file's metadata (``h3_core.formats.sizes``), else the released model's."""
+    files = path if isinstance(path, CheckpointFiles) else CheckpointFiles(path)
+    cfg = cfg or sizes_from_metadata(files.metadata, DiTConfig, files.path) or DiTConfig()
+    curve = curve_grid(files)
+    if curve is not None:
+        cfg = replace(cfg, adaln_curve_grid=curve[0], time_embed=curve[1])
+    with torch.device("meta"):
+        model = H3DiT(cfg)
+    model.layout = load_into(model, files, layouts(cfg, qkv_interleaved), what="MiniMax H3 DiT", device=device,
+                             dtype=dtype, keep_fp32=lambda key: keeps_fp32(key, curve is not None))
+    if curve is not None:
+        model.layout += " (pruned AdaLN curves)"
+    return model.eval()
+
+
+def _load_vdn(base, branch, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
+             qkv_interleaved: bool = False) -> H3DiT:
+    """A VDN-H3 model: the DiT from ``base`` (file or folder, as ``_load_dit``) with the hybrid attention's
+    weights from ``branch``. The branch loads in ``dtype``; its scans accumulate in fp32 regardless."""
+    cfg = replace(cfg, hybrid=False) if cfg is not None else None
+    dense = _load_dit(base, device=device, dtype=dtype, cfg=cfg, qkv_interleaved=qkv_interleaved)
+    cfg = dense.cfg  # a pruned base sets its curve sizes
+    with torch.device("meta"):
+        added = BranchWeights(cfg)
+        model = H3DiT(replace(cfg, hybrid=True))
+    branch_layout = load_into(added, branch, branch_layouts(), what="VDN-H3 linear branch", device=device,
+                              dtype=dtype)
+    state = dense.state_dict()
+    for key, value in added.state_dict().items():
+        state["blocks." + key.removeprefix("transformer_blocks.")] = value
+    model.load_state_dict(state, strict=True, assign=True)
+    model.layout = f"{dense.layout} + {branch_layout}"
+    return model.eval()

@@ -3,17 +3,15 @@ official shards, whose ``qkv_proj`` rows are interleaved per head) and the DiT r
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 
 from ..errors import H3InputError
-from ..models.dit import DiTConfig, H3DiT, keeps_fp32, rope_inv_freq
+from ..models.dit import DiTConfig, rope_inv_freq
 from .files import CheckpointFiles
-from .keymap import KeyMap, Rule, load_into, swap_halves
-from .sizes import sizes_from_metadata
+from .keymap import KeyMap, Rule, swap_halves
 
-__all__ = ["layouts", "native_layout", "diffusers_layout", "official_layout", "curve_grid", "load_dit"]
+__all__ = ["layouts", "native_layout", "diffusers_layout", "official_layout", "curve_grid"]
 
 
 def _stack_qkv(parts):
@@ -67,7 +65,7 @@ def _deinterleave_qkv(heads: int, head_dim: int):
 
 def official_layout(cfg: DiTConfig) -> KeyMap:
     """The official FL2VA / Ref2VA shards: native names, ``qkv_proj`` interleaved per head. Its keys are the
-    same as ComfyUI's, so it is chosen by ``load_dit(..., qkv_interleaved=True)``, never guessed."""
+    same as ComfyUI's, so it is chosen by ``load_h3_model(..., qkv_interleaved=True)``, never guessed."""
     stack = r"(?P<s>(token_refiner\.)?blocks\.\d+)\."
     return KeyMap("official", (Rule(stack + r"attn\.qkv_proj\.weight", ("{s}.attn.qkv_proj.weight",),
                                     _deinterleave_qkv(cfg.heads, cfg.head_dim)),))
@@ -90,22 +88,3 @@ def layouts(cfg: DiTConfig, qkv_interleaved: bool = False) -> tuple[KeyMap, ...]
     return (native_layout(), native_layout("model.diffusion_model."), diffusers_layout(cfg))
 
 
-def load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
-             qkv_interleaved: bool = False) -> H3DiT:
-    """Load a DiT checkpoint (a file or a folder of shards) in any supported layout; blocks in ``dtype``,
-    the fp32 islands in fp32. ``qkv_interleaved`` marks the official shards, whose keys match ComfyUI's
-    but whose ``qkv_proj`` rows are interleaved per head. A pruned ("curve") file is recognised by its
-    ``adaln_t_table``, whose shape sets ``cfg.adaln_curve_grid`` and ``cfg.time_embed``. Without ``cfg`` the
-    sizes are those in the file's metadata (``h3_core.formats.sizes``), else the released model's."""
-    files = path if isinstance(path, CheckpointFiles) else CheckpointFiles(path)
-    cfg = cfg or sizes_from_metadata(files.metadata, DiTConfig, files.path) or DiTConfig()
-    curve = curve_grid(files)
-    if curve is not None:
-        cfg = replace(cfg, adaln_curve_grid=curve[0], time_embed=curve[1])
-    with torch.device("meta"):
-        model = H3DiT(cfg)
-    model.layout = load_into(model, files, layouts(cfg, qkv_interleaved), what="MiniMax H3 DiT", device=device,
-                             dtype=dtype, keep_fp32=lambda key: keeps_fp32(key, curve is not None))
-    if curve is not None:
-        model.layout += " (pruned AdaLN curves)"
-    return model.eval()

@@ -82,8 +82,8 @@ class _Planned:
 
 
 def _plan_keys(model: H3DiT, base_info, branch_info, work_device) -> tuple[dict, str]:
-    """Every key of ``model`` (built on meta) with how it is read, and the layout's name as ``load_dit`` /
-    ``load_vdn`` give it."""
+    """Every key of ``model`` (built on meta) with how it is read, and the layout's name as the plain load
+    gives it."""
     cfg = base_info.cfg
     curve = cfg.adaln_curve_grid > 0
     base_files = quantized_view(CheckpointFiles(base_info.path), work_device)

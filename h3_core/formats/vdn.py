@@ -1,24 +1,21 @@
-"""Loading VDN-H3: the H3 DiT checkpoint plus the linear-branch file (``linear_branch/model.safetensors``).
+"""VDN-H3's linear-branch file (``linear_branch/model.safetensors``): its tensors and their names.
 
 The branch file holds, per block, the parameters the hybrid attention adds, under
 ``transformer_blocks.{i}.attn.`` (``softmax_gate``, ``to_out_linear``, ``linear_attention.*``). Files from
-before v2 used other names (``far``, ``local_gate``, ``w_o_far``); both are read. The base weights load
-through ``load_dit`` in any layout it accepts.
+before v2 used other names (``far``, ``local_gate``, ``w_o_far``); both are read (``load_h3_model`` with a
+branch).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 
-import torch
 import torch.nn as nn
 
-from .keymap import KeyMap, Rule, load_into
-from ..models.dit import DiTConfig, H3DiT
-from .dit import load_dit
+from .keymap import KeyMap, Rule
+from ..models.dit import DiTConfig
 from ..models.hybrid import add_hybrid_parts
 
-__all__ = ["load_vdn", "branch_layouts", "BranchWeights"]
+__all__ = ["branch_layouts", "BranchWeights"]
 
 _BLOCK = r"transformer_blocks\.(?P<n>\d+)\.attn\."
 _SRC = "transformer_blocks.{n}.attn."
@@ -55,21 +52,3 @@ def branch_layouts() -> tuple[KeyMap, ...]:
     return KeyMap("VDN-H3 v2", ignore=meta), KeyMap("VDN-H3 pre-v2", pre_v2, ignore=meta)
 
 
-def load_vdn(base, branch, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
-             qkv_interleaved: bool = False) -> H3DiT:
-    """A VDN-H3 model: the DiT from ``base`` (file or folder, as ``load_dit``) with the hybrid attention's
-    weights from ``branch``. The branch loads in ``dtype``; its scans accumulate in fp32 regardless."""
-    cfg = replace(cfg, hybrid=False) if cfg is not None else None
-    dense = load_dit(base, device=device, dtype=dtype, cfg=cfg, qkv_interleaved=qkv_interleaved)
-    cfg = dense.cfg  # a pruned base sets its curve sizes
-    with torch.device("meta"):
-        added = BranchWeights(cfg)
-        model = H3DiT(replace(cfg, hybrid=True))
-    branch_layout = load_into(added, branch, branch_layouts(), what="VDN-H3 linear branch", device=device,
-                              dtype=dtype)
-    state = dense.state_dict()
-    for key, value in added.state_dict().items():
-        state["blocks." + key.removeprefix("transformer_blocks.")] = value
-    model.load_state_dict(state, strict=True, assign=True)
-    model.layout = f"{dense.layout} + {branch_layout}"
-    return model.eval()

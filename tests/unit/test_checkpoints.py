@@ -15,9 +15,7 @@ from h3_core.formats.checkpoints import LoraSpec, describe_dit_checkpoint, load_
 from h3_core.errors import H3InputError
 from h3_core.formats.lora import merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.formats.dit import load_dit
 from h3_core.models.hybrid import HybridContext
-from h3_core.formats.vdn import load_vdn
 from h3_core.pipeline.packing import pack_sequence
 
 CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
@@ -393,13 +391,13 @@ def merged_the_long_way(model, *loras):
 def test_dense_model_with_loras_equals_the_long_way(written, loras, dtype):
     chosen = [(loras["peft"], 0.7, "default"), (loras["comfy"], -1.3)]
     model = load_h3_model(written["comfy"], loras=chosen, dtype=dtype, cfg=CFG)
-    long_way = merged_the_long_way(load_dit(written["comfy"], dtype=dtype, cfg=CFG),
+    long_way = merged_the_long_way(load_h3_model(written["comfy"], dtype=dtype, cfg=CFG),
                                    (loras["peft"] / "adapter_model.safetensors", 0.7, "default"), (loras["comfy"], -1.3))
     assert_identical(model, long_way)
     assert [(m.lora.path.name, m.lora.strength, m.lora.adapter, m.weights) for m in model.merged_loras] == \
         [("adapter_model.safetensors", 0.7, "default", 2 * 5), ("style.safetensors", -1.3, None, 2)]
     assert model.checkpoint.layout == "ComfyUI" and model.branch_checkpoint is None
-    assert not any(torch.equal(a, b) for a, b in zip(forward(model), forward(load_dit(written["comfy"], dtype=dtype,
+    assert not any(torch.equal(a, b) for a, b in zip(forward(model), forward(load_h3_model(written["comfy"], dtype=dtype,
                                                                                         cfg=CFG))))
 
 
@@ -411,7 +409,7 @@ def test_lora_order_is_the_rounding_order_in_bf16(written, loras):
     assert [m.lora.path.name for m in reversed_.merged_loras] == ["style.safetensors", "adapter_model.safetensors"]
     qkv = "blocks.0.attn.qkv_proj.weight"
     assert not torch.equal(given.state_dict()[qkv], reversed_.state_dict()[qkv])
-    long_way = merged_the_long_way(load_dit(written["comfy"], cfg=CFG), (loras["peft"] / "adapter_model.safetensors",
+    long_way = merged_the_long_way(load_h3_model(written["comfy"], cfg=CFG), (loras["peft"] / "adapter_model.safetensors",
                                                                         1.0), (loras["comfy"], 2.0))
     assert torch.equal(given.state_dict()[qkv], long_way.state_dict()[qkv])
 
@@ -419,7 +417,7 @@ def test_lora_order_is_the_rounding_order_in_bf16(written, loras):
 @pytest.mark.parametrize("strength", [0.0, 0.5, -1.8])
 def test_strength_scales_the_update(written, loras, strength):
     model = load_h3_model(written["comfy"], loras=[LoraSpec(loras["comfy"], strength)], dtype=torch.float32, cfg=CFG)
-    base = load_dit(written["comfy"], dtype=torch.float32, cfg=CFG).state_dict()
+    base = load_h3_model(written["comfy"], dtype=torch.float32, cfg=CFG).state_dict()
     merged = model.state_dict()
     changed = {f"{module}.weight" for module in loras["comfy modules"]}
     for module, (A, B, alpha) in loras["comfy modules"].items():
@@ -432,7 +430,7 @@ def test_strength_scales_the_update(written, loras, strength):
 def test_official_shards_plus_branch_plus_lora_equal_the_long_way(written, loras, hybrid_state):
     model = load_h3_model(written["vdn official base"], branch=written["vdn branch"], loras=[(loras["comfy"], 0.8)],
                           dtype=torch.float32, cfg=CFG)
-    long_way = merged_the_long_way(load_vdn(written["vdn official base"], written["vdn branch"], dtype=torch.float32,
+    long_way = merged_the_long_way(load_h3_model(written["vdn official base"], branch=written["vdn branch"], dtype=torch.float32,
                                             cfg=CFG, qkv_interleaved=True), (loras["comfy"], 0.8))
     assert model.cfg.hybrid and model.layout == "official + VDN-H3 v2"
     assert_identical(model, long_way, hybrid=True)
@@ -445,7 +443,7 @@ def test_pruned_base_plus_branch_loads_as_vdn(written, loras):
     model = load_h3_model(written["vdn pruned base"], branch=written["vdn pruned branch"], loras=[(loras["comfy"], 1.0)],
                           dtype=torch.float32, cfg=CFG)
     curve_cfg = replace(CFG, adaln_curve_grid=CURVE[0], time_embed=CURVE[1])
-    long_way = merged_the_long_way(load_vdn(written["vdn pruned base"], written["vdn pruned branch"],
+    long_way = merged_the_long_way(load_h3_model(written["vdn pruned base"], branch=written["vdn pruned branch"],
                                             dtype=torch.float32, cfg=curve_cfg), (loras["comfy"], 1.0))
     assert model.cfg.adaln_curve_grid == CURVE[0] and model.checkpoint.pruned
     assert_identical(model, long_way, hybrid=True)
@@ -458,12 +456,12 @@ def test_other_layouts_load_as_load_dit_does(written, name):
     path = written["official shards"] if name == "official task folder" else written[name]
     # fp32: a pruned model loaded in bf16 does not run yet (its fp32 AdaLN table meets bf16 linears)
     assert_identical(load_h3_model(written[name], dtype=torch.float32, cfg=CFG),
-                     load_dit(path, dtype=torch.float32, cfg=CFG, qkv_interleaved=interleaved))
+                     load_h3_model(path, dtype=torch.float32, cfg=CFG, qkv_interleaved=interleaved))
 
 
 def test_a_diffusers_root_loads_as_its_transformer_folder(diffusers_root, loras):
     model = load_h3_model(diffusers_root, loras=[(loras["peft"], 1.0)], dtype=torch.float32, cfg=CFG)
-    long_way = merged_the_long_way(load_dit(diffusers_root / "transformer", dtype=torch.float32, cfg=CFG),
+    long_way = merged_the_long_way(load_h3_model(diffusers_root / "transformer", dtype=torch.float32, cfg=CFG),
                                    (loras["peft"] / "adapter_model.safetensors", 1.0))
     assert_identical(model, long_way)
 
@@ -546,7 +544,7 @@ def test_bad_inputs_are_refused_naming_the_input(written, loras, odd_loras, tmp_
 
 
 def test_a_chosen_adapter_of_several_merges_only_that_one(written, odd_loras):
-    base = load_dit(written["comfy"], dtype=torch.float32, cfg=CFG).state_dict()["blocks.0.attn.qkv_proj.weight"]
+    base = load_h3_model(written["comfy"], dtype=torch.float32, cfg=CFG).state_dict()["blocks.0.attn.qkv_proj.weight"]
     deltas = {}
     for adapter in ("default", "turbo"):
         model = load_h3_model(written["comfy"], loras=[(odd_loras["both"], 1.0, adapter)], dtype=torch.float32, cfg=CFG)

@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
 from h3_core.models.dit import DiTConfig, keeps_fp32, timestep_embedding
-from h3_core.formats.dit import load_dit
+from h3_core.formats.checkpoints import load_h3_model
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -72,7 +72,7 @@ def test_timestep_embedding_puts_cosines_first():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_forward_equals_diffusers(reference, folder, seed):
-    model = load_dit(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    model = load_h3_model(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
     assert model.layout == "diffusers"
     x = packed(seed)
     with torch.no_grad():
@@ -85,10 +85,10 @@ def test_forward_equals_diffusers(reference, folder, seed):
 
 @pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
 def test_native_file_loads_to_identical_tensors(folder, tmp_path, prefix):
-    model = load_dit(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    model = load_h3_model(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
     path = tmp_path / "minimax_h3_t2va_bf16.safetensors"
     save_file({prefix + k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    again = load_dit(path, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    again = load_h3_model(path, dtype=torch.float32, cfg=DiTConfig(**TINY))
     assert again.layout == "ComfyUI"
     for (k, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), k
@@ -98,7 +98,7 @@ def test_native_file_loads_to_identical_tensors(folder, tmp_path, prefix):
 
 
 def test_bf16_keeps_the_fp32_islands(folder):
-    model = load_dit(folder, dtype=torch.bfloat16, cfg=DiTConfig(**TINY))
+    model = load_h3_model(folder, dtype=torch.bfloat16, cfg=DiTConfig(**TINY))
     for key, value in model.state_dict().items():
         assert (value.dtype == torch.float32) == keeps_fp32(key), key
     with torch.no_grad():
@@ -110,11 +110,11 @@ def test_a_vae_is_not_a_dit(tmp_path):
     path = tmp_path / "vae.safetensors"
     save_file({"encoder.conv_in.weight": torch.zeros(1), "decoder.proj_out.weight": torch.zeros(1)}, str(path))
     with pytest.raises(H3InputError, match=r"vae\.safetensors: not a MiniMax H3 DiT checkpoint this pack can load"):
-        load_dit(path, cfg=DiTConfig(**TINY))
+        load_h3_model(path, cfg=DiTConfig(**TINY))
 
 
 def test_official_shards_with_per_head_interleaved_qkv(folder, tmp_path):
-    model = load_dit(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    model = load_h3_model(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
     heads, head_dim = 2, 32
     official = {}
     for key, value in model.state_dict().items():
@@ -128,12 +128,12 @@ def test_official_shards_with_per_head_interleaved_qkv(folder, tmp_path):
     shards.mkdir()
     save_file({k: official[k] for k in keys[:half]}, str(shards / "model-00001-of-00002.safetensors"))
     save_file({k: official[k] for k in keys[half:]}, str(shards / "model-00002-of-00002.safetensors"))
-    loaded = load_dit(shards, dtype=torch.float32, cfg=DiTConfig(**TINY), qkv_interleaved=True)
+    loaded = load_h3_model(shards, dtype=torch.float32, cfg=DiTConfig(**TINY), qkv_interleaved=True)
     assert loaded.layout == "official"
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
     # read as stacked, the same file loads but computes something else: the flag matters
-    wrong = load_dit(shards, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    wrong = load_h3_model(shards, dtype=torch.float32, cfg=DiTConfig(**TINY))
     x = packed(5)
     with torch.no_grad():
         assert not torch.allclose(wrong(**x)[0], model(**x)[0])
@@ -155,21 +155,21 @@ def test_malformed_or_unknown_quantized_comfy_files_are_refused(tmp_path, spec, 
                "blocks.0.attn.qkv_proj.weight_scale": torch.ones(4, 1),
                "blocks.0.attn.qkv_proj.comfy_quant": sidecar}, str(path))
     with pytest.raises(H3InputError, match=rf"{path.name}: layer 'blocks\.0\.attn\.qkv_proj' {named}"):
-        load_dit(path, cfg=DiTConfig(**TINY))
+        load_h3_model(path, cfg=DiTConfig(**TINY))
 
 
 def test_gguf_is_refused_by_name(tmp_path):
     path = tmp_path / "minimax_h3-Q4_K_M.gguf"
     path.write_bytes(b"GGUF")
     with pytest.raises(H3InputError, match="GGUF checkpoints are not supported yet"):
-        load_dit(path, cfg=DiTConfig(**TINY))
+        load_h3_model(path, cfg=DiTConfig(**TINY))
 
 
 @pytest.mark.parametrize("form", ["comfy_quant", "scaled_fp8"])
 def test_fp8_scaled_files_load_dequantised(tmp_path, folder, form):
     import json
 
-    source = load_dit(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    source = load_h3_model(folder, dtype=torch.float32, cfg=DiTConfig(**TINY))
     state, expected = {}, {}
     for key, value in source.state_dict().items():
         if key.startswith("blocks.") and key.endswith(("qkv_proj.weight", "fc1.weight", "fc2.weight")):
@@ -192,7 +192,7 @@ def test_fp8_scaled_files_load_dequantised(tmp_path, folder, form):
         state["scaled_fp8"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
     path = tmp_path / "minimax_h3_fl2va_fp8_scaled.safetensors"
     save_file(state, str(path))
-    loaded = load_dit(path, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    loaded = load_h3_model(path, dtype=torch.float32, cfg=DiTConfig(**TINY))
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, expected[key]), key
     x = packed(2)

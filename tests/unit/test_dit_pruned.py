@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
 from h3_core.models.dit import DiTConfig, H3DiT, curve_embedding
-from h3_core.formats.dit import load_dit
+from h3_core.formats.checkpoints import load_h3_model
 from h3_core.pipeline.packing import pack_sequence
 
 CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
@@ -76,7 +76,7 @@ def test_a_pruned_file_is_recognised_and_loaded(tmp_path, prefix):
     cfg, state = prune(full)
     path = tmp_path / "pruned.safetensors"
     save_file({prefix + k: v.float().contiguous() for k, v in state.items()}, path)
-    model = load_dit(path, cfg=CFG, dtype=torch.bfloat16)
+    model = load_h3_model(path, cfg=CFG, dtype=torch.bfloat16)
     assert model.cfg.adaln_curve_grid == GRID and "pruned" in model.layout
     loaded = model.state_dict()
     assert set(loaded) == set(state)
@@ -91,7 +91,7 @@ def test_a_pruned_model_runs_in_bf16_close_to_the_full_one(tmp_path):
     cfg, state = prune(full)
     path = tmp_path / "pruned.safetensors"
     save_file({k: v.float().contiguous() for k, v in state.items()}, path)
-    model = load_dit(path, cfg=CFG, dtype=torch.bfloat16)
+    model = load_h3_model(path, cfg=CFG, dtype=torch.bfloat16)
     video, audio = run(model, [0.5, 0.25])  # grid timesteps (17-point grid)
     want_video, want_audio = run(full, [0.5, 0.25])
     assert video.dtype == torch.float32 and torch.isfinite(video).all()
@@ -106,4 +106,4 @@ def test_a_malformed_table_is_refused(tmp_path):
     path = tmp_path / "bad.safetensors"
     save_file({k: v.float().contiguous() for k, v in state.items()}, path)
     with pytest.raises(H3InputError, match=r"bad\.safetensors: adaln_t_table must be \[grid >= 2, width\], got \[1, 10\]"):
-        load_dit(path, cfg=CFG)
+        load_h3_model(path, cfg=CFG)

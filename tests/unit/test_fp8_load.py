@@ -23,9 +23,8 @@ from h3_core.errors import H3InputError
 from h3_core.models.fp8_linear import Fp8Linear
 from h3_core.formats.fp8_scaled import Fp8ScaledView
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.formats.dit import diffusers_layout, load_dit
+from h3_core.formats.dit import diffusers_layout
 from h3_core.models.hybrid import HybridContext
-from h3_core.formats.vdn import load_vdn
 from h3_core.pipeline.packing import pack_sequence
 
 CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
@@ -368,7 +367,7 @@ def test_codes_and_scales_are_the_files_bit_for_bit(written, name):
     assert set(model.fp8_layers) == {k.removesuffix(".weight") for k in fp8} == set(fp8_layer_names(model))
     assert set(model.fp8_layers.values()) == {"codes from the file"}
     # the dequantising view's weights, as linears="dtype" reads them in fp32
-    dequantised = load_dit(path, dtype=torch.float32, cfg=cfg, qkv_interleaved=interleaved).state_dict()
+    dequantised = load_h3_model(path, dtype=torch.float32, cfg=cfg, qkv_interleaved=interleaved).state_dict()
     for key, parts in fp8.items():
         layer = model.get_submodule(key.removesuffix(".weight"))
         codes, scale = expected_codes(parts)
@@ -382,7 +381,7 @@ def test_codes_and_scales_are_the_files_bit_for_bit(written, name):
 def test_forward_equals_from_scaled_layers_built_by_hand(written, name, dtype):
     path, layout, fp8, interleaved, cfg = written[name]
     model = load_h3_model(path, dtype=dtype, cfg=CFG, linears="fp8")
-    by_hand = load_dit(path, dtype=dtype, cfg=cfg, qkv_interleaved=interleaved)
+    by_hand = load_h3_model(path, dtype=dtype, cfg=cfg, qkv_interleaved=interleaved)
     for key in fp8:
         codes, scale = codes_by_hand(path, layout, key, cfg)
         set_layer(by_hand, key.removesuffix(".weight"), Fp8Linear.from_scaled(codes, scale, compute_dtype=dtype))
@@ -432,7 +431,7 @@ def test_a_plain_file_is_quantised_at_load(written, dense):
         layer = model.get_submodule(name)
         assert layer.compute_dtype == torch.bfloat16
         assert torch.equal(layer.weight.double(), values) and torch.equal(layer.weight_scale, scale), name
-    plain = load_dit(written["bf16"][0], dtype=torch.bfloat16, cfg=CFG).state_dict()
+    plain = load_h3_model(written["bf16"][0], dtype=torch.bfloat16, cfg=CFG).state_dict()
     assert all(torch.equal(value, plain[key]) for key, value in model.state_dict().items()
                if not key.endswith(("weight_scale",)) and value.dtype != E4M3)
 
@@ -531,7 +530,7 @@ def test_loras_on_other_weights_merge_as_with_linears_dtype(written, loras, tmp_
     fp8 = load_h3_model(path, loras=chosen, dtype=torch.bfloat16, cfg=CFG, linears="fp8").state_dict()
     plain = load_h3_model(path, loras=chosen, dtype=torch.bfloat16, cfg=CFG).state_dict()
     assert torch.equal(fp8["condition_proj.weight"], plain["condition_proj.weight"])
-    unmerged = load_dit(path, cfg=CFG).state_dict()["condition_proj.weight"]
+    unmerged = load_h3_model(path, cfg=CFG).state_dict()["condition_proj.weight"]
     assert not torch.equal(plain["condition_proj.weight"], unmerged)
 
 
@@ -557,7 +556,7 @@ def test_vdn_with_a_branch_file_equals_layers_built_by_hand(written, hybrid, bas
     branch, _, branch_fp8, *_ = written[branch_name]
     model = load_h3_model(base, branch=branch, dtype=torch.float32, cfg=CFG, linears="fp8")
     assert model.cfg.hybrid and model.layout == ("official" if interleaved else "ComfyUI") + " + VDN-H3 v2"
-    by_hand = load_vdn(base, branch, dtype=torch.float32, cfg=CFG, qkv_interleaved=interleaved)
+    by_hand = load_h3_model(base, branch=branch, dtype=torch.float32, cfg=CFG, qkv_interleaved=interleaved)
     branch_tensors = read_back(branch)
     for name in fp8_layer_names(model):
         key = name + ".weight"
@@ -606,7 +605,7 @@ def test_linears_dtype_is_todays_load(written, name, loras):
     for kwargs in ({}, {"linears": "dtype"}):
         model = load_h3_model(path, dtype=torch.bfloat16, cfg=CFG, **kwargs)
         assert model.linears == "dtype (bfloat16)" and model.fp8_layers == {} and not fp8_layer_names(model)
-        assert_same_model(model, load_dit(path, cfg=CFG, qkv_interleaved=interleaved), hybrid=False,
+        assert_same_model(model, load_h3_model(path, cfg=CFG, qkv_interleaved=interleaved), hybrid=False,
                           dtype=torch.bfloat16)
     # with linears="fp8" every other tensor is the dtype path's, bit for bit
     fp8 = load_h3_model(path, dtype=torch.bfloat16, cfg=CFG, linears="fp8")

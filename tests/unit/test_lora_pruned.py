@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from h3_core.errors import H3InputError
 from h3_core.formats.lora import merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.formats.dit import load_dit
+from h3_core.formats.checkpoints import load_h3_model
 from h3_core.pipeline.packing import pack_sequence
 
 FULL = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
@@ -45,7 +45,7 @@ def pruned_file(tmp_path_factory):
 
 
 def load(path, dtype):
-    model = load_dit(path, dtype=dtype, cfg=FULL)
+    model = load_h3_model(path, dtype=dtype, cfg=FULL)
     assert model.cfg.adaln_curve_grid == PRUNED.adaln_curve_grid
     return model
 

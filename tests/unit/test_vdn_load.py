@@ -6,7 +6,7 @@ from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.formats.vdn import load_vdn
+from h3_core.formats.checkpoints import load_h3_model
 
 CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
                 time_embed=10, rope_freqs=2, hybrid=True)
@@ -45,7 +45,7 @@ def write(tmp_path, state, rename=()):
 @pytest.mark.parametrize("rename", [(), PRE_V2], ids=["v2", "pre-v2"])
 def test_every_tensor_lands_where_it_belongs(tmp_path, source, rename):
     base, branch = write(tmp_path, source, rename)
-    model = load_vdn(base, branch, dtype=torch.float32, cfg=CFG)
+    model = load_h3_model(base, branch=branch, dtype=torch.float32, cfg=CFG)
     assert model.cfg.hybrid and "VDN-H3" in model.layout
     got = model.state_dict()
     assert set(got) == set(source)
@@ -59,4 +59,4 @@ def test_a_branch_for_another_model_is_refused_by_name(tmp_path, source):
     save_file({"transformer_blocks." + k.removeprefix("blocks."): v for k, v in short.items()
                if any(a in k for a in ADDED)}, tmp_path / "short.safetensors")
     with pytest.raises(H3InputError, match=r"short\.safetensors: not a VDN-H3 linear branch.*missing \d+ keys"):
-        load_vdn(base, tmp_path / "short.safetensors", dtype=torch.float32, cfg=CFG)
+        load_h3_model(base, branch=tmp_path / "short.safetensors", dtype=torch.float32, cfg=CFG)
