@@ -133,7 +133,7 @@ def test_official_shards_with_per_head_interleaved_qkv(folder, tmp_path):
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
     # read as stacked, the same file loads but computes something else: the flag matters
-    wrong = load_h3_model(shards, dtype=torch.float32, cfg=DiTConfig(**TINY))
+    wrong = load_h3_model(shards, dtype=torch.float32, cfg=DiTConfig(**TINY), qkv_interleaved=False)
     x = packed(5)
     with torch.no_grad():
         assert not torch.allclose(wrong(**x)[0], model(**x)[0])
