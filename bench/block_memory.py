@@ -28,7 +28,8 @@ import dit_block  # noqa: E402
 
 from h3_core.memory.predict import BlockShape, block_peaks  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
-from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.run_options import apply_low_memory  # noqa: E402
 
 
 GiB = 2**30

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
-from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.precision import keeps_fp32
 from h3_core.formats.checkpoints import load_h3_model  # noqa: E402
 
 

@@ -29,9 +29,10 @@ from h3_core.attention import last_window_run  # noqa: E402
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
 from h3_core.models.fp8_linear import quantize_linears  # noqa: E402
-from h3_core.models.block_fused import fuse_blocks  # noqa: E402
-from h3_core.models.branch_fused import fuse_branches  # noqa: E402
-from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
+from h3_core.models.run_options import fuse_blocks  # noqa: E402
+from h3_core.models.run_options import fuse_branches  # noqa: E402
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.run_options import apply_low_memory  # noqa: E402
 from h3_core.pipeline.packing import pack_sequence  # noqa: E402
 
 GiB = 2**30

@@ -39,11 +39,13 @@ from h3_core.models.fp8_linear import quantize_linears  # noqa: E402
 from h3_core.memory.apply import apply_plan  # noqa: E402
 from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory  # noqa: E402
 from h3_core.models.adaln_tables import prepare_adaln_tables  # noqa: E402
-from h3_core.models.block_fused import fuse_blocks  # noqa: E402
-from h3_core.models.branch_fused import fuse_branches  # noqa: E402
-from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32, rope_inv_freq  # noqa: E402
+from h3_core.models.run_options import fuse_blocks  # noqa: E402
+from h3_core.models.run_options import fuse_branches  # noqa: E402
+from h3_core.models.dit import DiTConfig, H3DiT, rope_inv_freq
+from h3_core.models.precision import keeps_fp32  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
-from h3_core.models.low_memory import LowMemory, apply_low_memory  # noqa: E402
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.run_options import apply_low_memory  # noqa: E402
 from h3_core.pipeline.geometry import audio_latents, latent_frames  # noqa: E402
 from h3_core.pipeline.noise import row_timesteps  # noqa: E402
 from h3_core.pipeline.packing import pack_sequence  # noqa: E402

@@ -112,7 +112,8 @@ def write_files(base: Path, tiny: bool) -> dict:
     else:
         from vae_decode import random_audio_vae, random_video_vae
 
-        from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
+        from h3_core.models.dit import DiTConfig, H3DiT
+        from h3_core.models.precision import keeps_fp32
         from h3_core.models.video_vae import VideoVAEConfig
         from h3_core.pipeline.prompt import TEXT_WIDTH
         from h3_core.pipeline.tiny_checkpoints import _BRANCH_PARTS

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402
 
 from h3_core.models.fp8_linear import FP8_LAYERS  # noqa: E402
-from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32  # noqa: E402
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.precision import keeps_fp32  # noqa: E402
 from h3_core.formats.sizes import sizes_metadata  # noqa: E402
 
 NOTE = "H3 Hybrid benchmark RANDOM weights: not a trained model"

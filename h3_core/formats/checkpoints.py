@@ -60,7 +60,8 @@ from ..errors import H3InputError
 from .files import CheckpointFiles
 from .keymap import KeyMap, load_into, match_layout
 from .lora import LoraDelta, merge_lora, read_lora
-from ..models.dit import DiTConfig, H3DiT, keeps_fp32
+from ..models.dit import DiTConfig, H3DiT
+from ..models.precision import keeps_fp32
 from .dit import curve_grid, layouts, native_layout
 from .vdn import BranchWeights, branch_layouts
 from .quant_layers import HELD, describe_formats

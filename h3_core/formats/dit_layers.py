@@ -34,7 +34,8 @@ from .files import CheckpointFiles
 from .keymap import match_layout, quantized_plan
 from .kitchen import hold_layers, kitchen_tensor, requantize
 from .lora import LoraDelta, merge_lora
-from ..models.dit import H3DiT, keeps_fp32
+from ..models.dit import H3DiT
+from ..models.precision import keeps_fp32
 from .dit import layouts
 from .vdn import BranchWeights, branch_layouts
 from .quantized_files import QuantizedView, quantized_view

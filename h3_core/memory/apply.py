@@ -14,7 +14,8 @@ import torch
 
 from .predict import MemoryPlan
 from ..models.adaln_tables import keep_adaln_on_host
-from ..models.low_memory import LowMemory, apply_low_memory
+from ..models.low_memory import LowMemory
+from ..models.run_options import apply_low_memory
 from .offload import BlockOffload, offload_blocks
 
 __all__ = ["FittedModel", "apply_plan", "plan_lines"]

@@ -21,9 +21,10 @@ import torch
 from ..errors import H3InputError
 from .apply import FittedModel, apply_plan, plan_lines
 from .predict import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
-from ..models.block_fused import compile_failed, fuse_blocks
+from ..models.run_options import compile_failed, fuse_blocks
 from ..models.branch_fused import compiled_branch_available
-from ..models.low_memory import LowMemory, apply_low_memory
+from ..models.low_memory import LowMemory
+from ..models.run_options import apply_low_memory
 from ..triton_forms import COMPILE_MODES, check_compile
 
 __all__ = ["PLACEMENTS", "MEMORY_MODES", "COMPILE_MODES", "BUDGET_SHARE", "decide_placement", "place_for_run",

@@ -126,7 +126,8 @@ def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dt
     the fp32 islands; with ``linears="fp8"`` the fp8 layers hold one byte per weight and an fp32 scale per
     output channel."""
     from ..models.fp8_linear import FP8_LAYERS
-    from ..models.dit import H3DiT, keeps_fp32
+    from ..models.dit import H3DiT
+    from ..models.precision import keeps_fp32
 
     curve = cfg.adaln_curve_grid > 0
     with torch.device("meta"):

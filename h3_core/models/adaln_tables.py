@@ -11,6 +11,7 @@ step). ``keep_adaln_on_host`` does that bookkeeping: weights to host, tables pre
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -26,7 +27,6 @@ def _key(timesteps: torch.Tensor) -> tuple[float, ...]:
 
 
 def _time_embedding(model, timesteps: torch.Tensor) -> torch.Tensor:
-    from .dit import curve_embedding
 
     if model.cfg.adaln_curve_grid > 0:
         return curve_embedding(model.adaln_t_table, timesteps)
@@ -96,7 +96,6 @@ def clear_adaln_tables(model) -> None:
 def adaln_tables_for(model, timesteps: torch.Tensor):
     """The prepared tables (``PrecomputedTable`` per block) for ``timesteps``, or None to compute them in the
     blocks. A model whose projections are in host memory refuses timesteps it was not prepared for."""
-    from .dit import PrecomputedTable
 
     prepared = getattr(model, "adaln_tables", None)
     if not prepared and not getattr(model, "adaln_on_host", False):
@@ -109,3 +108,18 @@ def adaln_tables_for(model, timesteps: torch.Tensor):
                                f"{list(key)}; call prepare_adaln_tables with the run's timesteps first")
         return None
     return [PrecomputedTable(t) for t in tables]
+
+
+@dataclass(frozen=True)
+class PrecomputedTable:
+    """One block's AdaLN table for the current timesteps, computed ahead (``models.adaln_tables``)."""
+
+    table: torch.Tensor
+
+
+def curve_embedding(table: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The curve form's time embedding: rows of ``table`` [G, r] interpolated linearly at t·(G−1), t clamped
+    to [0, 1] (the last interval is closed at t = 1)."""
+    position = t.to(table.dtype).clamp(0.0, 1.0) * (table.shape[0] - 1)
+    lower = position.floor().long().clamp(max=table.shape[0] - 2)
+    return torch.lerp(table[lower], table[lower + 1], (position - lower)[:, None])

@@ -19,14 +19,11 @@ inputs — runs again from its inputs on the plain path, and the model stays the
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
-import torch.nn as nn
 
-from ..errors import H3InputError
 from .fp8_linear import _COMPUTE_DTYPES, _SMALLEST_SCALE, QuantizedRows, quantize_input
-from ..triton_forms import CompileFailure, plain_path, runs_here, triton_form
+from ..triton_forms import runs_here, triton_form
 from . import branch_fused
 
 __all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized",
@@ -170,49 +167,3 @@ def run(mode: str, name: str, *args):
     return branch_fused.call(mode, _FUNCTIONS[name], *args, name=name)
 
 
-def fuse_blocks(model: nn.Module, mode: str | None = "compiled") -> int:
-    """Set every DiT block in ``model`` — and every linear branch — to the fused ``mode``; returns how many
-    blocks."""
-    from .dit import Block
-
-    if mode not in branch_fused.FUSED_MODES:
-        raise H3InputError(f"the block fusion mode must be one of {branch_fused.FUSED_MODES}, got {mode!r}")
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    for block in blocks:
-        block.fused = mode
-        block.attn.fused = mode
-        block.mlp.fused = mode
-    branch_fused.fuse_branches(model, mode)
-    return len(blocks)
-
-
-# The models whose compiled path failed in this process: each runs the plain path from then on.
-_failed: weakref.WeakSet = weakref.WeakSet()
-
-
-def compile_failed(model) -> bool:
-    """Whether ``model``'s compiled path failed earlier in this process (``evaluate``)."""
-    try:
-        return model in _failed
-    except TypeError:  # not weakly referable: never recorded
-        return False
-
-
-def evaluate(model, compile: str, *args, **kwargs):
-    """``model(*args, **kwargs)``, one evaluation. With ``compile="off"``, or for a model whose compiled path
-    failed before, it runs on the plain path: the blocks unfused and no compiled function or Triton kernel
-    anywhere in it (``triton_forms.plain_path``). Where a compiled function or kernel fails to compile or
-    launch (``CompileFailure``), the model's blocks go plain, one line naming the cause is logged, and the
-    evaluation runs again from the same inputs on the plain path: what the failed attempt wrote in place was
-    its own intermediates, so the result is the plain path's."""
-    if compile == "auto" and not compile_failed(model):
-        try:
-            return model(*args, **kwargs)
-        except CompileFailure as failure:
-            _failed.add(model)
-            log.warning("the compiled DiT path failed (%s); this model runs the plain path from now on",
-                        failure.describe())
-    if isinstance(model, nn.Module) and any(getattr(m, "fused", None) for m in model.modules()):
-        fuse_blocks(model, None)
-    with plain_path():
-        return model(*args, **kwargs)

@@ -19,10 +19,8 @@ evaluation is run again on the plain path (``block_fused.evaluate``).
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import H3InputError
 from ..triton_forms import compiles_on, compiling, guarded, runs_here, triton_form
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
@@ -228,13 +226,3 @@ def run(mode: str, name: str, *args):
     return call(mode, _FUNCTIONS[name], *args, name=name)
 
 
-def fuse_branches(model: nn.Module, mode: str | None = "compiled") -> int:
-    """Set every linear branch in ``model`` to the fused ``mode`` (see module docstring); returns how many."""
-    from .linear_branch import LinearBranch
-
-    if mode not in FUSED_MODES:
-        raise H3InputError(f"the branch fusion mode must be one of {FUSED_MODES}, got {mode!r}")
-    branches = [m for m in model.modules() if isinstance(m, LinearBranch)]
-    for branch in branches:
-        branch.fused = mode
-    return len(branches)

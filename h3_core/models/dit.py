@@ -15,7 +15,6 @@ and the output heads in fp32, everything else in the compute dtype (bf16).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,7 @@ from ..attention.kernels import dense_attention
 from .fp8_linear import Fp8Linear, quantize_input
 from . import block_fused
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
-from .adaln_tables import adaln_tables_for
+from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
 from .low_memory import add_linear_cols, head_slices, linear_rows
 
 __all__ = ["DiTConfig", "H3DiT", "keeps_fp32", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
@@ -253,13 +252,6 @@ class AdaLNProjection(nn.Module):
         return table.view(-1, self.parts * self.hidden).chunk(self.parts, dim=-1)
 
 
-@dataclass(frozen=True)
-class PrecomputedTable:
-    """One block's AdaLN table for the current timesteps, computed ahead (``models.adaln_tables``)."""
-
-    table: torch.Tensor
-
-
 class Block(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -317,14 +309,6 @@ class TimeEmbedder(nn.Module):
     def forward(self, t):
         freqs = timestep_embedding(t, self.proj_in.in_features).to(self.proj_in.weight.dtype)
         return self.proj_out(F.silu(self.proj_in(freqs)))
-
-
-def curve_embedding(table: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The curve form's time embedding: rows of ``table`` [G, r] interpolated linearly at t·(G−1), t clamped
-    to [0, 1] (the last interval is closed at t = 1)."""
-    position = t.to(table.dtype).clamp(0.0, 1.0) * (table.shape[0] - 1)
-    lower = position.floor().long().clamp(max=table.shape[0] - 2)
-    return torch.lerp(table[lower], table[lower + 1], (position - lower)[:, None])
 
 
 class Rope(nn.Module):
@@ -431,15 +415,5 @@ class H3DiT(nn.Module):
 
 def rope_inv_freq(cfg: DiTConfig) -> torch.Tensor:
     return cfg.rope_theta ** -(torch.arange(0, 2 * cfg.rope_freqs, 2, dtype=torch.float32) / (2 * cfg.rope_freqs))
-
-
-_FP32 = re.compile(r"(video_patch_proj|audio_patch_proj|time_embedder|final_layer\.(video_out|audio_out)|rope)\.")
-_CURVE_FP32 = re.compile(r"adaln_t_table|(.*\.)?adaln_proj\.linear\.(weight|bias)")
-
-
-def keeps_fp32(key: str, curve: bool = False) -> bool:
-    """The released fp32 islands: patch projections, timestep MLP, output heads, RoPE frequencies; in the curve
-    form also the table and the (rank-r) AdaLN linears."""
-    return _FP32.match(key) is not None or (curve and _CURVE_FP32.fullmatch(key) is not None)
 
 

@@ -348,7 +348,7 @@ class Fp8Linear(nn.Module):
 
 def quantization_targets(model: nn.Module, names: frozenset[str]) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) for every nn.Linear attribute named in ``names``, fp32 islands skipped."""
-    from .dit import keeps_fp32
+    from .precision import keeps_fp32
 
     curve = getattr(getattr(model, "cfg", None), "adaln_curve_grid", 0) > 0
     targets = []

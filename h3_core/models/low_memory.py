@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import H3InputError
 
 __all__ = ["LowMemory", "apply_low_memory", "head_slices", "linear_rows", "add_linear_cols"]
 
@@ -31,27 +30,6 @@ class LowMemory:
     ffn_chunk_rows: int | None = None  # None: all rows at once
     head_groups: int = 1  # 1: all heads at once
     branch_frames: int | None = None  # None: the branch's statistics over all frames at once
-
-
-def apply_low_memory(model: nn.Module, options: LowMemory) -> None:
-    """Set ``options`` on every block of ``model`` (an ``H3DiT`` or a single ``Block``)."""
-    from .dit import Attention, SwiGLU
-    from .linear_branch import LinearBranch
-
-    if options.ffn_chunk_rows is not None and (not isinstance(options.ffn_chunk_rows, int) or options.ffn_chunk_rows < 1):
-        raise H3InputError(f"ffn_chunk_rows must be a positive number of rows or None, got {options.ffn_chunk_rows!r}")
-    if options.branch_frames is not None and (not isinstance(options.branch_frames, int) or options.branch_frames < 1):
-        raise H3InputError(f"branch_frames must be a positive number of frames or None, got {options.branch_frames!r}")
-    for module in model.modules():
-        if isinstance(module, LinearBranch):
-            module.statistics_frames = options.branch_frames
-        elif isinstance(module, SwiGLU):
-            module.chunk_rows = options.ffn_chunk_rows
-        elif isinstance(module, Attention):
-            if not isinstance(options.head_groups, int) or not 1 <= options.head_groups <= module.heads:
-                raise H3InputError(f"head_groups must be between 1 and the model's {module.heads} heads, "
-                                   f"got {options.head_groups!r}")
-            module.head_groups = options.head_groups
 
 
 def head_slices(heads: int, groups: int) -> list[slice]:

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
-from ..models.block_fused import evaluate
+from ..models.run_options import evaluate
 from ..triton_forms import check_compile
 from .noise import row_timesteps
 from .packing import PackedSequence

@@ -258,7 +258,7 @@ def test_one_step_of_a_reduced_dit_against_bf16(hybrid, fused):
     """Also with the blocks fused and compiled (the CUDA default): the FFN's product written into fc1's output
     and quantised by the Triton pass from there."""
     from h3_core.attention import WindowSpec
-    from h3_core.models.block_fused import fuse_blocks
+    from h3_core.models.run_options import fuse_blocks
     from h3_core.models.branch_fused import compiled_branch_available
     from h3_core.models.dit import DiTConfig, H3DiT
     from h3_core.models.hybrid import HybridContext

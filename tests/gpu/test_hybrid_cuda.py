@@ -27,7 +27,8 @@ from h3_core.attention import (
 )
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
-from h3_core.models.low_memory import LowMemory, apply_low_memory
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.run_options import apply_low_memory
 from h3_core.models.linear_branch import (
     LinearBranch,
     featurize,
@@ -204,7 +205,7 @@ def test_hybrid_block_bf16_matches_fp32_reference_on_every_backend(case):
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_fused_hybrid_block_in_bf16_is_as_close_to_fp32_as_the_plain_block(case, mode):
-    from h3_core.models.block_fused import fuse_blocks
+    from h3_core.models.run_options import fuse_blocks
     from h3_core.models.branch_fused import compiled_branch_available
 
     if mode == "compiled" and not compiled_branch_available(DEV):

@@ -5,7 +5,8 @@ import torch
 
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
-from h3_core.models.low_memory import LowMemory, apply_low_memory
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.run_options import apply_low_memory
 from h3_core.pipeline.packing import pack_sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

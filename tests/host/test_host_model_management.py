@@ -76,7 +76,8 @@ def write_probe_dit(server, name, cfg, seed=4):
     import torch
     from safetensors.torch import save_file
 
-    from h3_core.models.dit import H3DiT, keeps_fp32
+    from h3_core.models.dit import H3DiT
+    from h3_core.models.precision import keeps_fp32
 
     torch.manual_seed(seed)
     model = H3DiT(cfg).eval()

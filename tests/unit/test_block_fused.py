@@ -10,7 +10,8 @@ from h3_core.errors import H3InputError
 from h3_core.models import block_fused
 from h3_core.models.dit import _gated_add_, _modulate_, _rotate, row_runs
 from h3_core.models.hybrid import HybridContext
-from h3_core.models.low_memory import LowMemory, apply_low_memory
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.run_options import apply_low_memory
 
 from tiny_dit import CFG, fp32_case, model, request
 

@@ -11,7 +11,8 @@ from h3_core.errors import H3InputError
 from h3_core.models import branch_fused
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch, featurize, frame_statistics
-from h3_core.models.low_memory import LowMemory, apply_low_memory
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.run_options import apply_low_memory
 
 from tiny_dit import CFG, model, request
 

@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
-from h3_core.models.dit import DiTConfig, keeps_fp32, timestep_embedding
+from h3_core.models.dit import DiTConfig, timestep_embedding
+from h3_core.models.precision import keeps_fp32
 from h3_core.formats.checkpoints import load_h3_model
 
 diffusers = pytest.importorskip("diffusers")

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
-from h3_core.models.dit import DiTConfig, H3DiT, curve_embedding
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.adaln_tables import curve_embedding
 from h3_core.formats.checkpoints import load_h3_model
 from h3_core.pipeline.packing import pack_sequence
 

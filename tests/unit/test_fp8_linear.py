@@ -31,7 +31,8 @@ from h3_core.models.fp8_linear import (
 )
 from h3_core.formats.fp8_scaled import fp8_scaled_view
 from h3_core.formats.files import CheckpointFiles
-from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.precision import keeps_fp32
 
 TINY = dict(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, refiner_layers=2, text_dim=40, freq_dim=16,
             time_hidden=24, time_embed=20, rope_freqs=4)

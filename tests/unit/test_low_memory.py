@@ -6,7 +6,8 @@ import torch
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
 from h3_core.models.hybrid import HybridContext
-from h3_core.models.low_memory import LowMemory, apply_low_memory, head_slices
+from h3_core.models.low_memory import LowMemory, head_slices
+from h3_core.models.run_options import apply_low_memory
 
 from tiny_dit import fp32_case, model, request
 

@@ -67,7 +67,8 @@ TINY = DiTConfig(hidden=64, layers=3, heads=2, head_dim=32, ffn=96, text_dim=40,
 def test_weight_bytes_are_what_a_built_model_holds(hybrid, linears):
     from h3_core.models.fp8_linear import quantize_linears
     from h3_core.memory.predict import weight_bytes
-    from h3_core.models.dit import H3DiT, keeps_fp32
+    from h3_core.models.dit import H3DiT
+    from h3_core.models.precision import keeps_fp32
 
     cfg = DiTConfig(**{**TINY.__dict__, "hybrid": hybrid})
     model = H3DiT(cfg)

@@ -8,7 +8,8 @@ import torch.nn as nn
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
 from h3_core.models.fp8_linear import quantize_linears
-from h3_core.models.dit import DiTConfig, H3DiT, keeps_fp32
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.precision import keeps_fp32
 from h3_core.models.hybrid import HybridContext
 from h3_core.memory.offload import offload_blocks
 from h3_core.pipeline.packing import pack_sequence

@@ -73,7 +73,7 @@ def test_bad_choices_are_named(model, packed, placement, memory, message):
 
 
 def test_the_host_is_asked_for_the_runs_activations_of_the_path_it_will_take(packed):
-    from h3_core.models.block_fused import fuse_blocks
+    from h3_core.models.run_options import fuse_blocks
     from h3_core.memory.policy import fuse_for, working_bytes
 
     with torch.device("meta"):
