@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..triton_forms import compiles_on, compiling, guarded, runs_here, triton_form
+from . import branch_math
+from .branch_math import accumulation
 
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
            "gram_products", "gram_statistics", "shifted_gram", "shifted_statistics", "query_features",
@@ -30,11 +32,6 @@ __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6
-
-
-def accumulation(dtype: torch.dtype) -> torch.dtype:
-    """fp32 sums for half-precision inputs; fp64 stays fp64 (the reference tests run there)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def spatial_conv(x: torch.Tensor, weight: torch.Tensor, grid) -> torch.Tensor:
@@ -92,7 +89,7 @@ def gram_products(k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[torch
 
 def gram_statistics(k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The frame statistics A (symmetrised) and B from ``gram_products``. A is positive semi-definite by
-    construction, so I + A stays positive definite (``linear_branch.solve``)."""
+    construction, so I + A stays positive definite (``branch_math.solve``)."""
     A, B = gram_products(k_scaled, v_scaled)
     return 0.5 * (A + A.transpose(-1, -2)), B
 
@@ -105,7 +102,7 @@ def shifted_gram(A: torch.Tensor) -> torch.Tensor:
 
 
 def shifted_statistics(mode: str, k_scaled: torch.Tensor, v_scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """I + A and B (``gram_statistics``) for ``linear_branch.solve_shifted``, I + A formed by ``shifted_gram``
+    """I + A and B (``gram_statistics``) for ``branch_math.solve_shifted``, I + A formed by ``shifted_gram``
     as ``mode`` says (``call``)."""
     A, B = gram_products(k_scaled, v_scaled)
     return call(mode, shifted_gram, A), B
@@ -148,25 +145,23 @@ def _state_kernel(name: str, mode: str | None, states: torch.Tensor):
 
 
 def scan(mode: str | None, T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefix and suffix states (``linear_branch.scan``), run as ``mode`` says: in ``"compiled"`` mode on
+    """The prefix and suffix states (``branch_math.scan``), run as ``mode`` says: in ``"compiled"`` mode on
     CUDA both directions as one Triton kernel; otherwise the library's per-frame batched GEMMs (also for
     ``"compiled"``: there is nothing for ``torch.compile`` to fuse)."""
-    from . import linear_branch
 
     kernel = _state_kernel("scan", mode, J)
-    return kernel(T, J, seed) if kernel is not None else linear_branch.scan(T, J, seed)
+    return kernel(T, J, seed) if kernel is not None else branch_math.scan(T, J, seed)
 
 
 def gather(mode: str | None, P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds,
            seed: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Each query frame's state (``linear_branch.gather``) rounded once to ``out_dtype`` (default: the states'),
+    """Each query frame's state (``branch_math.gather``) rounded once to ``out_dtype`` (default: the states'),
     run as ``mode`` says: in ``"compiled"`` mode on CUDA one Triton pass; otherwise the library's form."""
-    from . import linear_branch
 
     kernel = _state_kernel("gather", mode, P)
     if kernel is not None:
         return kernel(P, Q, alpha, bounds, seed, out_dtype=out_dtype)
-    state = linear_branch.gather(P, Q, alpha, bounds, seed)
+    state = branch_math.gather(P, Q, alpha, bounds, seed)
     return state if out_dtype is None else state.to(out_dtype)
 
 
@@ -198,7 +193,7 @@ def triton_kernel(name: str):
 
 
 def small_inverse(mode: str | None):
-    """The solve's leaf inverse (``linear_branch.spd_inverse``'s ``leaf``) in ``mode``: in ``"compiled"`` the
+    """The solve's leaf inverse (``branch_math.spd_inverse``'s ``leaf``) in ``mode``: in ``"compiled"`` the
     Triton pass over all the small blocks at once, where the library's batched inverse launches an LU
     factorisation, two triangular solves and row swaps per call; None (the library's) otherwise."""
     return triton_kernel("small_inverse") if mode == "compiled" else None

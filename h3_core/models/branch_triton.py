@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .branch_math import gather_plan
+
 
 @triton.jit
 def _head_tile(head, block, n_tokens, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -220,7 +222,7 @@ def _scan_kernel(transitions, injections, seed, out, n_frames, heads, D: tl.cons
 
 def scan_triton(T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor, block_v: int = 32, warps: int = 8,
                 precision: str = "tf32x3") -> tuple[torch.Tensor, torch.Tensor]:
-    """``linear_branch.scan``: the prefix and suffix states ``[F, H, d, d]`` fp32 from the transitions and
+    """``branch_math.scan``: the prefix and suffix states ``[F, H, d, d]`` fp32 from the transitions and
     injections ``[F, H, d, d]`` and the seed ``[H, d, d]``; ``d`` a power of two of at least 16. ``precision``
     is the product's (``"ieee"``: plain fp32 multiply-adds)."""
     frames, heads, d, _ = J.shape
@@ -261,10 +263,8 @@ def _gather_kernel(prefix, suffix, seed, before_frame, after_frame, bridge_befor
 
 def gather_triton(P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds, seed: torch.Tensor,
                   block_v: int = 32, warps: int = 8, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``linear_branch.gather`` for fp32 states ``[F, H, d, d]`` (``d`` a power of two of at least 16), each
+    """``branch_math.gather`` for fp32 states ``[F, H, d, d]`` (``d`` a power of two of at least 16), each
     state rounded once to ``out_dtype`` (default fp32) as it is written."""
-    from .linear_branch import gather_plan
-
     frames, heads, d, _ = P.shape
     before, after, bridge_before, bridge_after = gather_plan(alpha, bounds, frames, P.dtype)
     P, Q, seed = P.contiguous(), Q.contiguous(), seed.to(P.dtype).contiguous()
@@ -299,7 +299,7 @@ def _small_inverse_kernel(src, dst, n_mats, n, s_sb, s_sr, s_sc, s_db, s_dr, s_d
 
 def small_inverse_triton(M: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The inverses of the symmetric positive definite blocks ``M`` ``[..., n, n]`` (fp32, n up to 64: the
-    leaves of ``linear_branch.spd_inverse``) written into ``out`` (the same shape, a view whose batch
+    leaves of ``branch_math.spd_inverse``) written into ``out`` (the same shape, a view whose batch
     dimensions flatten without a copy). Gauss-Jordan elimination without pivoting, each program a few whole
     blocks in registers: positive definite blocks need no pivoting, and one pass replaces the library's batched
     LU factorisation, two triangular solves and row swaps (four launches, each a fraction of the GPU)."""

@@ -156,7 +156,7 @@ def test_triton_readout_matches_the_written_function(dtype):
 @pytest.mark.parametrize("frames", [1, 100])
 def test_triton_scan_matches_the_fp64_reference(frames):
     from h3_core.models import branch_fused
-    from h3_core.models.linear_branch import frame_statistics, scan, scan_reference, solve
+    from h3_core.models.branch_math import frame_statistics, scan, scan_reference, solve
 
     if triton_kernel("scan") is None:
         pytest.skip("needs Triton")
@@ -180,7 +180,7 @@ def test_triton_scan_matches_the_fp64_reference(frames):
 def test_triton_gather_matches_the_fp64_reference():
     from h3_core.attention.layout import window_bounds
     from h3_core.models import branch_fused
-    from h3_core.models.linear_branch import gather_reference
+    from h3_core.models.branch_math import gather_reference
 
     if triton_kernel("gather") is None:
         pytest.skip("needs Triton")
@@ -203,7 +203,7 @@ def test_triton_leaf_inverse_solves_as_the_library_does():
     """The solve at the model's head size with its 16-row leaves inverted by the Triton kernel, against the
     fp64 reference, no further from it than the library's leaves (LU with pivoting) are."""
     from h3_core.models import branch_fused
-    from h3_core.models.linear_branch import frame_statistics, solve, solve_reference
+    from h3_core.models.branch_math import frame_statistics, solve, solve_reference
 
     leaf = branch_fused.small_inverse("compiled")
     if leaf is None:

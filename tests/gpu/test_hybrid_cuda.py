@@ -29,17 +29,8 @@ from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.low_memory import LowMemory
 from h3_core.models.run_options import apply_low_memory
-from h3_core.models.linear_branch import (
-    LinearBranch,
-    featurize,
-    frame_statistics,
-    gather,
-    gather_reference,
-    scan,
-    scan_reference,
-    solve,
-    solve_reference,
-)
+from h3_core.models.linear_branch import LinearBranch
+from h3_core.models.branch_math import featurize, frame_statistics, gather, gather_reference, scan, scan_reference, solve, solve_reference
 from h3_core.pipeline.packing import pack_sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,7 +10,8 @@ from h3_core.attention.layout import window_bounds
 from h3_core.errors import H3InputError
 from h3_core.models import branch_fused
 from h3_core.models.hybrid import HybridContext
-from h3_core.models.linear_branch import LinearBranch, featurize, frame_statistics
+from h3_core.models.linear_branch import LinearBranch
+from h3_core.models.branch_math import featurize, frame_statistics
 from h3_core.models.low_memory import LowMemory
 from h3_core.models.run_options import apply_low_memory
 

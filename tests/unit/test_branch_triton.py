@@ -73,7 +73,7 @@ SCAN_CHECK = textwrap.dedent(
     import torch
     from h3_core.models import branch_fused
     from h3_core.models.branch_triton import scan_triton
-    from h3_core.models.linear_branch import frame_statistics, scan_reference, solve
+    from h3_core.models.branch_math import frame_statistics, scan_reference, solve
 
     g = torch.Generator().manual_seed(4)
     frames, tokens, heads, d = 7, 40, 3, 32
@@ -106,7 +106,7 @@ GATHER_CHECK = textwrap.dedent(
     import torch
     from h3_core.attention.layout import window_bounds
     from h3_core.models.branch_triton import gather_triton
-    from h3_core.models.linear_branch import gather_reference
+    from h3_core.models.branch_math import gather_reference
 
     g = torch.Generator().manual_seed(5)
     frames, heads, d = 9, 2, 16
@@ -135,7 +135,7 @@ SMALL_INVERSE_CHECK = textwrap.dedent(
     import torch
     from h3_core.models import branch_fused
     from h3_core.models.branch_triton import small_inverse_triton
-    from h3_core.models.linear_branch import solve, solve_reference
+    from h3_core.models.branch_math import solve, solve_reference
 
     g = torch.Generator().manual_seed(6)
     def spd(*batch, n):  # I + Σ k kᵀ over more tokens than channels, as the solve's blocks are

@@ -27,12 +27,16 @@ def layer(module: str) -> int:
 
 
 def imported(module: str) -> set[str]:
-    """The h3_core modules ``module`` imports (a name imported from a package counts as its submodule when one of
-    that name exists)."""
     path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    return imports_of(path.read_text(), module, path.name == "__init__.py")
+
+
+def imports_of(source: str, module: str, is_package: bool) -> set[str]:
+    """The h3_core modules ``source`` (the text of ``module``) imports, wherever the import statement stands (a
+    name imported from a package counts as its submodule when one of that name exists)."""
+    package = module if is_package else module.rsplit(".", 1)[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -81,8 +85,6 @@ def test_no_import_cycles():
 
 
 def test_the_walk_sees_imports_inside_functions():
-    """The checks would miss a cycle hidden in a function if the walk did not read function bodies."""
-    assert any(isinstance(node, ast.ImportFrom) for path in MODULES.values()
-               for function in ast.walk(ast.parse(path.read_text())) if isinstance(function, ast.FunctionDef)
-               for node in ast.walk(function)) is not None
-    assert "h3_core.errors" in GRAPH["h3_core.models.dit"]
+    """A cycle hidden in a function body counts: the walk reads every import statement, at any depth."""
+    source = "import torch\n\n\ndef late():\n    from ..formats import keymap\n    if True:\n        from .dit import H3DiT\n"
+    assert imports_of(source, "h3_core.models.example", False) == {"h3_core.formats.keymap", "h3_core.models.dit"}

@@ -4,19 +4,8 @@ import pytest
 import torch
 
 from h3_core.attention.layout import window_bounds
-from h3_core.models.linear_branch import (
-    LinearBranch,
-    featurize,
-    frame_statistics,
-    gather,
-    gather_reference,
-    scan,
-    scan_reference,
-    solve,
-    solve_reference,
-    solve_shifted,
-    spd_inverse,
-)
+from h3_core.models.linear_branch import LinearBranch
+from h3_core.models.branch_math import featurize, frame_statistics, gather, gather_reference, scan, scan_reference, solve, solve_reference, solve_shifted, spd_inverse
 
 
 def rnd(*shape, seed=0, dtype=torch.float64):
@@ -141,7 +130,7 @@ def test_branch_runs_and_the_text_state_seeds_it():
 
 
 def test_frame_statistics_in_chunks_of_frames_are_the_same_numbers():
-    from h3_core.models.linear_branch import frame_statistics
+    from h3_core.models.branch_math import frame_statistics
 
     g = torch.Generator().manual_seed(4)
     k = torch.randn(7, 6, 2, 4, generator=g, dtype=torch.float64)
