@@ -2,17 +2,9 @@
 
 The host imports this folder as a package and registers the nodes ``comfy_entrypoint`` lists (its V3 way); the
 browser loads ``nodes/web`` (the migration of workflows saved with earlier node inputs). Importing it touches no
-GPU and no host module: the nodes are imported when the host asks for them.
+GPU and no host module: the nodes are imported when the host asks for them. The nodes reach the library as this
+package's ``h3_core``; nothing is added to the host's ``sys.path``.
 """
-
-import os
-import sys
-
-# h3_core is a plain package beside the nodes; the host imports this folder as a package of its own name, so
-# its root goes on the path (at the end: the host's own top-level modules keep their names).
-_ROOT = os.path.dirname(os.path.abspath(__file__))
-if _ROOT not in sys.path:
-    sys.path.append(_ROOT)
 
 WEB_DIRECTORY = "./nodes/web"
 

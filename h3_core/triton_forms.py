@@ -1,7 +1,7 @@
 """The compiled paths are optional: the hand-written Triton kernels and the ``torch.compile``d functions.
 
-Each hand-written kernel is imported on first use, and where Triton (or the kernel's module) cannot be
-imported the caller runs its eager reference instead. They run on CUDA tensors — and on any tensor under
+Each module of hand-written kernels is imported where it is used, guarded: where Triton (or the module) cannot be
+imported the caller gets None for it and runs its eager reference instead. They run on CUDA tensors — and on any tensor under
 Triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module is imported), which is how the CPU tests
 drive them through the model's own path.
 
@@ -109,15 +109,12 @@ def runs_here(t: torch.Tensor) -> bool:
     return t.is_cuda or _INTERPRETED
 
 
-def triton_form(module: str, attribute: str):
-    """``attribute`` of the module ``module`` (an absolute name, e.g. ``h3_core.attention.merge_triton``),
-    ``guarded``; None when it cannot be imported, and inside ``plain_path``."""
-    return None if _plain.get() else _imported(module, attribute)
+def triton_form(module, attribute: str):
+    """``attribute`` of ``module`` (a module of hand-written kernels, None where it could not be imported),
+    ``guarded``; None inside ``plain_path``."""
+    return None if _plain.get() or module is None else _guarded(module, attribute)
 
 
 @functools.cache
-def _imported(module: str, attribute: str):
-    try:
-        return guarded(getattr(importlib.import_module(module), attribute))
-    except ImportError:
-        return None
+def _guarded(module, attribute: str):
+    return guarded(getattr(module, attribute))

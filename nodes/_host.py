@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from h3_core.errors import H3InputError
+from ..h3_core.errors import H3InputError
 
 CATEGORY = "H3 Hybrid"
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.attention.vae import VAE_BACKENDS, check_vae_overrides
-from h3_core.attention.window import BACKENDS
-from h3_core.memory.policy import COMPILE_MODES, MEMORY_MODES
+from ..h3_core.attention.vae import VAE_BACKENDS, check_vae_overrides
+from ..h3_core.attention.window import BACKENDS
+from ..h3_core.memory.policy import COMPILE_MODES, MEMORY_MODES
 
 from . import _host
 from .checks import check_choice, verdict

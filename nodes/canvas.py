@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.pipeline.geometry import check_canvas, check_frames
+from ..h3_core.pipeline.geometry import check_canvas, check_frames
 
 from . import _host
 from .checks import verdict

@@ -4,8 +4,8 @@ node is read as text rows."""
 
 from __future__ import annotations
 
-from h3_core.errors import H3InputError
-from h3_core.pipeline.prompt import PromptEmbedding, from_conditioning
+from ..h3_core.errors import H3InputError
+from ..h3_core.pipeline.prompt import PromptEmbedding, from_conditioning
 
 KEY = "h3_prompt"
 REFERENCES_KEY = "h3_references"  # (kinds in order, the length they were cut to) of a Ref2VA prompt

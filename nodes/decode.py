@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.memory.decode import decode_working_bytes
-from h3_core.pipeline.conditioning import AUDIO_SAMPLE_RATE
-from h3_core.pipeline.soundtrack import decode_soundtrack
-from h3_core.media.tiling import TRAINED_OVERLAP_PX, TRAINED_TILE_PX, UNTRAINED_TILES_NOTE, decode_video
+from ..h3_core.memory.decode import decode_working_bytes
+from ..h3_core.pipeline.conditioning import AUDIO_SAMPLE_RATE
+from ..h3_core.pipeline.soundtrack import decode_soundtrack
+from ..h3_core.media.tiling import TRAINED_OVERLAP_PX, TRAINED_TILE_PX, UNTRAINED_TILES_NOTE, decode_video
 
 from . import _host
 from .attention import DEFAULT

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.media.mp4 import DEFAULT_PRESET, ENCODERS, HARDWARE_ENCODERS, PRESETS, Mp4Writer, video_encoder
-from h3_core.pipeline.decode_to_mp4 import decode_to_mp4
-from h3_core.pipeline.geometry import FPS
+from ..h3_core.media.mp4 import DEFAULT_PRESET, ENCODERS, HARDWARE_ENCODERS, PRESETS, Mp4Writer, video_encoder
+from ..h3_core.pipeline.decode_to_mp4 import decode_to_mp4
+from ..h3_core.pipeline.geometry import FPS
 
 from . import _host
 from .checks import verdict

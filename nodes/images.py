@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from h3_core.errors import H3InputError
+from ..h3_core.errors import H3InputError
 
 
 def single_image(image, name: str) -> torch.Tensor:

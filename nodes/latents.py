@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from h3_core.errors import H3InputError
+from ..h3_core.errors import H3InputError
 
 
 def to_latent(video: torch.Tensor, audio: torch.Tensor, frames: int) -> dict:

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from comfy_api.v0_0_2 import io
 
-from h3_core.formats.checkpoints import load_h3_model
-from h3_core.formats.audio_vae import load_audio_vae
-from h3_core.formats.video_vae import load_video_vae
-from h3_core.pipeline.prompt import load_prompt_embedding
-from h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
+from ..h3_core.formats.checkpoints import load_h3_model
+from ..h3_core.formats.audio_vae import load_audio_vae
+from ..h3_core.formats.video_vae import load_video_vae
+from ..h3_core.pipeline.prompt import load_prompt_embedding
+from ..h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
 
 from . import _host
 from .checks import check_choice, check_model_file, check_path, verdict

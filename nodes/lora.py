@@ -11,8 +11,8 @@ import math
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.errors import H3InputError
-from h3_core.formats.lora import lora_patches, read_lora
+from ..h3_core.errors import H3InputError
+from ..h3_core.formats.lora import lora_patches, read_lora
 
 from . import _host
 from .checks import check_model_file, verdict

@@ -26,10 +26,10 @@ import torch
 import comfy.model_management as mm
 import comfy.model_patcher
 
-from h3_core.errors import H3InputError
-from h3_core.formats.kitchen import is_kitchen_tensor, requantize
-from h3_core.memory.policy import decide_placement, fuse_for, place_for_run, working_bytes
-from h3_core.memory.offload import block_image_bytes, offload_blocks
+from ..h3_core.errors import H3InputError
+from ..h3_core.formats.kitchen import is_kitchen_tensor, requantize
+from ..h3_core.memory.policy import decide_placement, fuse_for, place_for_run, working_bytes
+from ..h3_core.memory.offload import block_image_bytes, offload_blocks
 
 from . import _host
 

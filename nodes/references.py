@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from h3_core.errors import H3InputError
-from h3_core.media.mp4 import read_audio
-from h3_core.pipeline.conditioning import (encode_reference, normalize_audio_reference, normalize_image_reference,
+from ..h3_core.errors import H3InputError
+from ..h3_core.media.mp4 import read_audio
+from ..h3_core.pipeline.conditioning import (encode_reference, normalize_audio_reference, normalize_image_reference,
                                     normalize_video_reference)
-from h3_core.pipeline.presentation import PresentedReference
+from ..h3_core.pipeline.presentation import PresentedReference
 
 from comfy_api.v0_0_2 import io
 

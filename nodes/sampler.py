@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from comfy_api.v0_0_2 import io
 
-from h3_core.errors import H3InputError
-from h3_core.pipeline.generate import generate, generate_ref2va
-from h3_core.pipeline.conditioning import encode_keyframes
-from h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
+from ..h3_core.errors import H3InputError
+from ..h3_core.pipeline.generate import generate, generate_ref2va
+from ..h3_core.pipeline.conditioning import encode_keyframes
+from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 
 from . import _host
 from .attention import DEFAULT

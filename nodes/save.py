@@ -10,8 +10,8 @@ from pathlib import Path
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.media.mp4 import write_mp4
-from h3_core.pipeline.geometry import FPS
+from ..h3_core.media.mp4 import write_mp4
+from ..h3_core.pipeline.geometry import FPS
 
 from . import _host
 from .images import single_waveform

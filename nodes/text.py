@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from h3_core.errors import H3InputError
-from h3_core.pipeline.conditioning import fit_keyframes
+from ..h3_core.errors import H3InputError
+from ..h3_core.pipeline.conditioning import fit_keyframes
 
 from . import _host
 from .checks import check_linked_types, linked, verdict

@@ -13,6 +13,11 @@ import torch
 
 from ..triton_forms import triton_form
 
+try:  # Triton is optional: without it the plain forms run
+    from . import convert_triton
+except ImportError:
+    convert_triton = None
+
 __all__ = ["scale_convert", "scale_convert_reference"]
 
 
@@ -29,7 +34,7 @@ def scale_convert_reference(src, dst, scale=None, saturate=False) -> torch.Tenso
 
 def scale_convert(src, dst, scale=None, saturate=False) -> torch.Tensor:
     if dst.is_cuda and dst.dim() == 3 and src.shape == dst.shape and dst.numel():
-        fused = triton_form("h3_core.attention.convert_triton", "scale_convert_triton")
+        fused = triton_form(convert_triton, "scale_convert_triton")
         if fused is not None:
             return fused(src, dst, scale, saturate)
     return scale_convert_reference(src, dst, scale, saturate)

@@ -15,6 +15,11 @@ import torch
 
 from ..triton_forms import triton_form
 
+try:  # Triton is optional: without it the plain forms run
+    from . import merge_triton
+except ImportError:
+    merge_triton = None
+
 __all__ = ["merge_partials", "merge_partials_reference"]
 
 
@@ -30,7 +35,7 @@ def merge_partials_reference(o_a, lse_a, o_b, lse_b, out) -> torch.Tensor:
 def merge_partials(o_a, lse_a, o_b, lse_b, out) -> torch.Tensor:
     """Merge two partial attention results into ``out`` (one fused pass on CUDA)."""
     if out.is_cuda and out.dtype != torch.float64 and out.shape[0] > 0:
-        fused = triton_form("h3_core.attention.merge_triton", "merge_partials_triton")
+        fused = triton_form(merge_triton, "merge_partials_triton")
         if fused is not None:
             return fused(o_a, lse_a, o_b, lse_b, out)
     return merge_partials_reference(o_a, lse_a, o_b, lse_b, out)

@@ -26,6 +26,15 @@ from .fp8_linear import _COMPUTE_DTYPES, _SMALLEST_SCALE, QuantizedRows, quantiz
 from ..triton_forms import runs_here, triton_form
 from . import branch_fused
 
+try:  # Triton is optional: without it the plain forms run
+    from . import block_triton
+except ImportError:
+    block_triton = None
+try:  # Triton is optional: without it the plain forms run
+    from . import fp8_triton
+except ImportError:
+    fp8_triton = None
+
 __all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized",
            "norm_modulate_quantized", "residual_norm", "gate_heads_input", "row_index", "run", "fuse_blocks",
            "evaluate", "compile_failed"]
@@ -95,7 +104,7 @@ def swiglu_quantized(mode: str, gate_up: torch.Tensor) -> QuantizedRows:
     return quantize_input(run(mode, "swiglu_", gate_up))
 
 
-def _kernel(mode: str | None, rows: torch.Tensor, module: str, name: str):
+def _kernel(mode: str | None, rows: torch.Tensor, module, name: str):
     """The hand-written Triton kernel ``name`` of ``module`` where ``mode`` runs it on ``rows`` (``"compiled"``,
     CUDA, a half or fp32 dtype); None where the written or compiled steps run instead."""
     if mode == "compiled" and runs_here(rows) and rows.dtype in _COMPUTE_DTYPES:
@@ -104,8 +113,8 @@ def _kernel(mode: str | None, rows: torch.Tensor, module: str, name: str):
 
 
 def _quantiser(mode: str | None, rows: torch.Tensor, name: str):
-    """``_kernel`` for the fp8 quantiser ``name`` of ``_fp8_triton``."""
-    return _kernel(mode, rows, "h3_core.models.fp8_triton", name)
+    """``_kernel`` for the fp8 quantiser ``name`` of ``fp8_triton``."""
+    return _kernel(mode, rows, fp8_triton, name)
 
 
 def norm_modulate_quantized(mode: str, x, weight, shift, scale, rows, eps: float) -> QuantizedRows:
@@ -139,7 +148,7 @@ def residual_norm(mode: str, x, y, gate, rows, weight, shift, scale, eps: float,
 def _block_norm(mode: str, x: torch.Tensor):
     """``_kernel`` for ``_block_triton.block_norm_triton``, which takes contiguous ``[T, hidden]`` rows."""
     if x.dim() == 2 and x.is_contiguous():
-        return _kernel(mode, x, "h3_core.models.block_triton", "block_norm_triton")
+        return _kernel(mode, x, block_triton, "block_norm_triton")
     return None
 
 

@@ -25,6 +25,15 @@ from ..triton_forms import compiles_on, compiling, guarded, runs_here, triton_fo
 from . import branch_math
 from .branch_math import accumulation
 
+try:  # Triton is optional: without it the plain forms run
+    from . import block_triton
+except ImportError:
+    block_triton = None
+try:  # Triton is optional: without it the plain forms run
+    from . import branch_triton
+except ImportError:
+    branch_triton = None
+
 __all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
            "gram_products", "gram_statistics", "shifted_gram", "shifted_statistics", "query_features",
            "readout_finish", "readout", "scan", "gather", "run", "call", "triton_kernel", "small_inverse",
@@ -177,14 +186,14 @@ def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
 
 # Hand-written Triton forms that ``"compiled"`` runs on CUDA instead of ``torch.compile``'s (module, function):
 # each does in one pass what the compiled form splits into several or writes with scattered stores.
-_TRITON = {"conv_features": ("h3_core.models.branch_triton", "conv_features_triton"),
-           "readout": ("h3_core.models.branch_triton", "readout_triton"),
-           "scan": ("h3_core.models.branch_triton", "scan_triton"),
-           "gather": ("h3_core.models.branch_triton", "gather_triton"),
-           "qk_norm_rope": ("h3_core.models.block_triton", "qk_norm_rope_triton"),
-           "norm_modulate": ("h3_core.models.block_triton", "block_norm_triton"),
-           "swiglu_": ("h3_core.models.block_triton", "swiglu_triton"),
-           "small_inverse": ("h3_core.models.branch_triton", "small_inverse_triton")}
+_TRITON = {"conv_features": (branch_triton, "conv_features_triton"),
+           "readout": (branch_triton, "readout_triton"),
+           "scan": (branch_triton, "scan_triton"),
+           "gather": (branch_triton, "gather_triton"),
+           "qk_norm_rope": (block_triton, "qk_norm_rope_triton"),
+           "norm_modulate": (block_triton, "block_norm_triton"),
+           "swiglu_": (block_triton, "swiglu_triton"),
+           "small_inverse": (branch_triton, "small_inverse_triton")}
 
 
 def triton_kernel(name: str):

@@ -36,6 +36,11 @@ import torch.nn as nn
 from ..errors import H3InputError
 from ..triton_forms import runs_here, triton_form
 
+try:  # Triton is optional: without it the plain forms run
+    from . import fp8_triton
+except ImportError:
+    fp8_triton = None
+
 __all__ = [
     "E4M3_MAX",
     "FP8_LAYERS",
@@ -71,7 +76,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     its fp32 scale ``[M, 1]`` (contiguous), ``x ≈ codes · scale``: ``quantize_rows_reference``'s numbers, in
     one Triton pass per row on CUDA (``_fp8_triton``) when the rows' last dimension is contiguous."""
     if runs_here(x) and x.dim() == 2 and x.dtype in _COMPUTE_DTYPES and x.stride(-1) == 1:
-        fused = triton_form("h3_core.models.fp8_triton", "quantize_rows_triton")
+        fused = triton_form(fp8_triton, "quantize_rows_triton")
         if fused is not None:
             return fused(x, _SMALLEST_SCALE)
     return quantize_rows_reference(x)

@@ -49,9 +49,10 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
     from h3_core.models.fp8_linear import quantize_input
 
     from h3_core.models.block_triton import block_norm_triton
+    from h3_core.models.block_fused import block_triton
     from h3_core.triton_forms import triton_form
 
-    if triton_form("h3_core.models.block_triton", "block_norm_triton") is None:
+    if triton_form(block_triton, "block_norm_triton") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(300, hidden, generator=g) * torch.logspace(-3, 3, 300)[:, None]).to(DEV, dtype)

@@ -142,9 +142,10 @@ def test_the_triton_quantiser_gives_the_reference_codes(width, dtype, strided):
     """One pass per row on CUDA (h3_core.models.fp8_triton) against the eager reference on the same device, bit for
     bit, at the model's widths, for rows of a wider tensor (the FFN's gate half) and with a zero row."""
     from h3_core.models.fp8_linear import quantize_rows_reference
+    from h3_core.models.fp8_linear import fp8_triton
     from h3_core.triton_forms import triton_form
 
-    if triton_form("h3_core.models.fp8_triton", "quantize_rows_triton") is None:
+    if triton_form(fp8_triton, "quantize_rows_triton") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(6)
     full = torch.randn(257, 2 * width if strided else width, generator=g) * torch.logspace(-4, 4, 257)[:, None]
@@ -164,9 +165,10 @@ def test_the_fused_swiglu_quantiser_gives_the_two_step_codes(ffn, dtype):
     zero row."""
     from h3_core.models.fp8_linear import quantize_input
     from h3_core.models import block_fused
+    from h3_core.models.fp8_linear import fp8_triton
     from h3_core.triton_forms import triton_form
 
-    if triton_form("h3_core.models.fp8_triton", "swiglu_quantize_triton") is None:
+    if triton_form(fp8_triton, "swiglu_quantize_triton") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(7)
     # rows from 1e-3 to 30 in size: products up to ≈ 2·10⁴, inside fp16's range
@@ -191,9 +193,10 @@ def test_the_fused_gate_quantiser_gives_the_two_step_codes(heads, head_dim, dtyp
     head group's columns of the gate, a zero row) and at a width whose chunks split heads."""
     from h3_core.models.fp8_linear import quantize_input
     from h3_core.models import block_fused
+    from h3_core.models.fp8_linear import fp8_triton
     from h3_core.triton_forms import triton_form
 
-    if triton_form("h3_core.models.fp8_triton", "gate_heads_quantize_triton") is None:
+    if triton_form(fp8_triton, "gate_heads_quantize_triton") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(8)
     soft = (torch.randn(300, heads, head_dim, generator=g) * torch.logspace(-3, 2, 300)[:, None, None]).to(DEV, dtype)

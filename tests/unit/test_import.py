@@ -46,6 +46,7 @@ CORE = PRELUDE + textwrap.dedent(
 PACK = PRELUDE + textwrap.dedent(
     """
     root = sys.argv[1]
+    path_before = list(sys.path)
     spec = importlib.util.spec_from_file_location(
         "h3_hybrid", root + "/__init__.py", submodule_search_locations=[root]
     )
@@ -57,6 +58,9 @@ PACK = PRELUDE + textwrap.dedent(
     import inspect
     result["entrypoint"] = inspect.iscoroutinefunction(module.comfy_entrypoint)
     result["web"] = module.WEB_DIRECTORY
+    result["path_changed"] = sys.path != path_before
+    import h3_hybrid.h3_core.media.mp4
+    result["library"] = sorted(m.split(".")[0] for m in sys.modules if m.split(".")[-1] == "mp4" and "h3" in m)
     result["comfy_modules"] = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
     print("RESULT " + json.dumps(result))
     """
@@ -87,3 +91,5 @@ def test_pack_root_exposes_its_entrypoint_without_the_host_or_cuda():
     assert (ROOT / result["web"] / "h3_migrate.js").is_file()
     assert result["cuda_initialized"] is False
     assert result["comfy_modules"] == []
+    assert result["path_changed"] is False  # nothing of the pack becomes a top-level name in the host
+    assert result["library"] == ["h3_hybrid"]  # the library loads as the pack's own subpackage
