@@ -101,3 +101,21 @@ def test_every_declared_requirement_is_imported_by_the_runtime():
     imported = {canonicalize_name(name) for module in third_party_imports() for name in distributions.get(module, [])}
     unused = {canonicalize_name(Requirement(line).name) for line in requirement_lines()} - imported
     assert unused <= DECLARED_NOT_YET_IMPORTED
+
+
+def test_the_installed_pack_gives_the_library_alone(tmp_path):
+    """What ``pip install`` builds from pyproject.toml: every h3_core module, and nothing that would become a
+    top-level name beside the host's own (``nodes``, ``tests``, ``bench``, ``workflows``)."""
+    import shutil
+    import subprocess
+    import zipfile
+
+    source = tmp_path / "source"  # a copy: the build writes its own folders beside the sources
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "__pycache__", "build", "*.egg-info"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(source)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = tmp_path.glob("h3_hybrid-*.whl")
+    names = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    library = {p.relative_to(ROOT).as_posix() for p in (ROOT / "h3_core").rglob("*.py")}
+    assert names == library
