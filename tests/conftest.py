@@ -7,8 +7,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-# The host and browser tests drive a real ComfyUI server through workflows/comfy_host.py.
-for folder in (ROOT / "workflows", ROOT / "tests" / "host"):
+# The host and browser tests drive a real ComfyUI server through tests/comfy_host.py.
+for folder in (ROOT / "tests", ROOT / "tests" / "host"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 

@@ -1,4 +1,4 @@
-# Sourced by tests/run.sh and workflows/run_example.sh: set up a virtual environment from nothing (or reuse
+# Sourced by tests/run.sh and tests/run_example.sh: set up a virtual environment from nothing (or reuse
 # an up-to-date one) with the pack's requirements, the test tools and the ComfyUI host; sets $venv.
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${H3_VENV:-$root/.venv}"

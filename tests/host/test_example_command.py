@@ -1,4 +1,4 @@
-"""The README's first command ends in workflows/run_example.py: on one real ComfyUI server it runs each bundled
+"""The README's first command ends in tests/run_example.py: on one real ComfyUI server it runs each bundled
 workflow given, with generated inputs under the names the workflow loads, and prints the path of each playable
 mp4 with a stereo soundtrack; a failure names the failing node and its error."""
 
@@ -20,7 +20,7 @@ EXAMPLES = ("h3_t2va", "h3_fl2va", "h3_ref2va")
 
 
 def test_every_bundled_example_runs_on_one_server_and_prints_its_mp4(tmp_path):
-    command = [sys.executable, str(WORKFLOWS / "run_example.py"), "--out", str(tmp_path / "run")]
+    command = [sys.executable, str(ROOT / "tests" / "run_example.py"), "--out", str(tmp_path / "run")]
     for name in EXAMPLES:
         command += ["--workflow", str(WORKFLOWS / f"{name}.json")]
     proc = subprocess.run(command, capture_output=True, text=True)

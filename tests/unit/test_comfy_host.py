@@ -1,4 +1,4 @@
-"""workflows/comfy_host.py's HTTP and WebSocket client against an aiohttp server (the host's own server library)
+"""tests/comfy_host.py's HTTP and WebSocket client against an aiohttp server (the host's own server library)
 that answers the way ComfyUI 0.3.75's server.py does: JSON, empty answers, a 400 with validation errors, and
 the event stream (JSON messages and binary frames whose first four bytes give the event type)."""
 

@@ -1,4 +1,4 @@
-"""Writes the bundled workflows (ComfyUI UI format, drag-and-drop ready) beside this file:
+"""Writes the bundled workflows (ComfyUI UI format, drag-and-drop ready) into workflows/:
 
     h3_fl2va.json  first and last frame → video + stereo audio (the example; memory policy auto)
     h3_t2va.json   prompt → video + stereo audio
@@ -8,7 +8,7 @@ Model widgets name the released files (see the README for where each goes); the 
 LoadImage names ``h3_first_frame.png`` / ``h3_last_frame.png`` (FL2VA) and ``h3_reference_image.png`` with
 ``h3_reference_audio.wav`` (Ref2VA) in the input folder.
 
-    python3 workflows/make_workflows.py
+    python3 tests/make_workflows.py
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
 DIT = "minimax_h3_fl2va_bf16.safetensors"
 BRANCH = "vdn_h3_linear_branch.safetensors"
 VIDEO_VAE = "minimax_h3_video_vae_fp16.safetensors"
@@ -121,7 +121,7 @@ def build(mode: str) -> dict:
 
 def main() -> None:
     for mode, name in (("FL2VA", "h3_fl2va.json"), ("T2VA", "h3_t2va.json"), ("Ref2VA", "h3_ref2va.json")):
-        (HERE / name).write_text(json.dumps(build(mode), indent=1) + "\n")
+        (WORKFLOWS / name).write_text(json.dumps(build(mode), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ makes is noise. With the real checkpoints, open the workflow in ComfyUI.
 Progress goes to stderr and the mp4 paths to stdout. When a workflow fails, the script stops with the failing
 node's id, type and error on stderr and a non-zero exit status.
 
-    python3 workflows/run_example.py [--workflow workflows/h3_fl2va.json ...] [--out out/example]
+    python3 tests/run_example.py [--workflow workflows/h3_fl2va.json ...] [--out out/example]
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ import numpy as np
 from PIL import Image
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKFLOWS = ROOT / "workflows"
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(ROOT))
 
 from comfy_host import ComfyServer, PromptRefused, failure_message, mp4_files  # noqa: E402
 from ui_to_api import WorkflowError, embedded_default, to_api  # noqa: E402
@@ -140,9 +142,9 @@ def main(argv=None, server: ComfyServer | None = None) -> list[Path]:
     parser.add_argument("--workflow", type=Path, action="append",
                         help="a UI-format workflow; give it several times to run several on one server "
                              "(default: workflows/h3_fl2va.json)")
-    parser.add_argument("--out", type=Path, default=HERE.parent / "out" / "example")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "example")
     args = parser.parse_args(argv)
-    workflows = args.workflow or [HERE / "h3_fl2va.json"]
+    workflows = args.workflow or [WORKFLOWS / "h3_fl2va.json"]
     missing = [str(path) for path in workflows if not path.is_file()]
     if missing:
         parser.error(f"no such workflow file: {', '.join(missing)}")
