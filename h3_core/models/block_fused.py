@@ -36,8 +36,7 @@ except ImportError:
     fp8_triton = None
 
 __all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized",
-           "norm_modulate_quantized", "residual_norm", "gate_heads_input", "row_index", "run", "fuse_blocks",
-           "evaluate", "compile_failed"]
+           "norm_modulate_quantized", "residual_norm", "gate_heads_input", "row_index", "run"]
 
 log = logging.getLogger(__name__)
 

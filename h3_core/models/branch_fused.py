@@ -34,10 +34,9 @@ try:  # Triton is optional: without it the plain forms run
 except ImportError:
     branch_triton = None
 
-__all__ = ["FUSED_MODES", "fuse_branches", "compiled_branch_available", "spatial_conv", "conv_features",
+__all__ = ["FUSED_MODES", "compiled_branch_available", "spatial_conv", "conv_features",
            "gram_products", "gram_statistics", "shifted_gram", "shifted_statistics", "query_features",
-           "readout_finish", "readout", "scan", "gather", "run", "call", "triton_kernel", "small_inverse",
-           "accumulation"]
+           "readout_finish", "readout", "scan", "gather", "run", "call", "triton_kernel", "small_inverse"]
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6

@@ -28,7 +28,7 @@ from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
 from .low_memory import add_linear_cols, head_slices, linear_rows
 
-__all__ = ["DiTConfig", "H3DiT", "keeps_fp32", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
+__all__ = ["DiTConfig", "H3DiT", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
            "rope_cos_sin"]
 
 MODALITY_VIDEO, MODALITY_TEXT, MODALITY_AUDIO = 0, 1, 2

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-__all__ = ["LowMemory", "apply_low_memory", "head_slices", "linear_rows", "add_linear_cols"]
+__all__ = ["LowMemory", "head_slices", "linear_rows", "add_linear_cols"]
 
 
 @dataclass(frozen=True)
