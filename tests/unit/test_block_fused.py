@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
 from h3_core.models import block_fused
+from h3_core.models import run_options
 from h3_core.models.dit import _gated_add_, _modulate_, _rotate, row_runs
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory
@@ -97,12 +98,12 @@ def test_a_fused_model_equals_the_plain_model(hybrid, options):
     apply_low_memory(m, options)
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        assert block_fused.fuse_blocks(m, "eager") == CFG.layers
+        assert run_options.fuse_blocks(m, "eager") == CFG.layers
         assert all(b.fused == b.mlp.fused == "eager" for b in m.blocks)
         if hybrid:
             assert all(b.attn.linear_attention.fused == "eager" for b in m.blocks)
         fused = m(*args, hybrid=ctx)
-        block_fused.fuse_blocks(m, None)
+        run_options.fuse_blocks(m, None)
         again = m(*args, hybrid=ctx)
     for a, b in zip(fused, plain):
         assert (a - b).abs().max() <= 1e-11 * b.abs().max()
@@ -120,7 +121,7 @@ def test_a_fused_fp8_model_equals_the_plain_fp8_model(hybrid):
     m.blocks[0].mlp.fc2.register_forward_pre_hook(lambda _, inputs: fc2_inputs.append(inputs[0]))
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        block_fused.fuse_blocks(m, "eager")
+        run_options.fuse_blocks(m, "eager")
         fused = m(*args, hybrid=ctx)
     assert isinstance(fc2_inputs[-1], QuantizedRows) and not isinstance(fc2_inputs[0], QuantizedRows)
     for a, b in zip(fused, plain):  # fp32 sums rounded once: a code may flip where a product sits on a boundary
@@ -129,4 +130,4 @@ def test_a_fused_fp8_model_equals_the_plain_fp8_model(hybrid):
 
 def test_a_bad_mode_is_named():
     with pytest.raises(H3InputError, match=r"block fusion mode must be one of \(None, 'eager', 'compiled'\), got 'on'"):
-        block_fused.fuse_blocks(model(False), "on")
+        run_options.fuse_blocks(model(False), "on")

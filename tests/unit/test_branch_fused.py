@@ -9,6 +9,7 @@ from h3_core.attention import WindowSpec
 from h3_core.attention.layout import window_bounds
 from h3_core.errors import H3InputError
 from h3_core.models import branch_fused
+from h3_core.models import run_options
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch
 from h3_core.models.branch_math import featurize, frame_statistics
@@ -148,9 +149,9 @@ def test_a_model_with_fused_branches_equals_the_plain_model(options):
     apply_low_memory(m, options)
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        assert branch_fused.fuse_branches(m, "eager") == CFG.layers
+        assert run_options.fuse_branches(m, "eager") == CFG.layers
         fused = m(*args, hybrid=ctx)
-        branch_fused.fuse_branches(m, None)
+        run_options.fuse_branches(m, None)
         again = m(*args, hybrid=ctx)
     for a, b in zip(fused, plain):
         assert (a - b).abs().max() <= 1e-12 * b.abs().max()
@@ -174,7 +175,7 @@ def test_the_compiled_functions_equal_the_written_ones():
 
 def test_a_bad_mode_is_named():
     with pytest.raises(H3InputError, match=r"fusion mode must be one of \(None, 'eager', 'compiled'\), got 'fast'"):
-        branch_fused.fuse_branches(model(True), "fast")
+        run_options.fuse_branches(model(True), "fast")
 
 
 def test_compiled_needs_cuda():

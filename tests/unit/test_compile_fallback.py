@@ -23,7 +23,7 @@ from h3_core.media import tiling
 from h3_core import triton_forms
 from h3_core.attention import WindowSpec, window_flex, window_softmax
 from h3_core.errors import H3InputError
-from h3_core.models import block_fused, branch_fused, video_vae
+from h3_core.models import branch_fused, run_options, video_vae
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.prompt import PromptEmbedding
@@ -71,7 +71,7 @@ def said_once(caplog, start: str, end: str) -> bool:
 def fresh(monkeypatch):
     """Nothing compiled and nothing failed yet in this process (the state each module keeps for the process)."""
     monkeypatch.setattr(branch_fused, "_compiled", {})
-    monkeypatch.setattr(block_fused, "_failed", weakref.WeakSet())
+    monkeypatch.setattr(run_options, "_failed", weakref.WeakSet())
     monkeypatch.setattr(window_flex, "_compiled", None)
     monkeypatch.setattr(window_flex, "_compile_failed", False)
     monkeypatch.setattr(window_flex, "_masks", window_flex.BoundedLRU(window_flex.MAX_CACHED_MASKS))
@@ -133,7 +133,7 @@ def test_a_failing_compile_falls_back_to_the_plain_path_once(fresh, monkeypatch,
     assert modes[-1] == "compiled" and toolchain.calls == 1
     assert equal(first, plain)  # bit for bit: the failed evaluation ran again, whole, on the plain path
     assert said_once(caplog, f"the compiled DiT path failed ({CAUSE}", "); this model runs the plain path from now on")
-    assert block_fused.compile_failed(m) and all(b.fused is None for b in m.blocks)
+    assert run_options.compile_failed(m) and all(b.fused is None for b in m.blocks)
     caplog.clear()
     compiled = len(toolchain.compiled)
     with caplog.at_level(logging.WARNING):
@@ -147,7 +147,7 @@ def test_another_model_compiles_afresh(fresh, monkeypatch, caplog):
     broken_toolchain(monkeypatch)
     with caplog.at_level(logging.WARNING):
         sample(failed, "auto")
-    assert block_fused.compile_failed(failed) and not block_fused.compile_failed(other)
+    assert run_options.compile_failed(failed) and not run_options.compile_failed(other)
     assert placement.fuse_for(other, "cpu") == "compiled" and placement.fuse_for(failed, "cpu") is None
 
 
@@ -170,7 +170,7 @@ def test_out_of_memory_and_bad_input_are_not_compile_failures(fresh, monkeypatch
     monkeypatch.setattr(torch, "compile", compile_raising(error))
     with caplog.at_level(logging.WARNING), pytest.raises(type(error)):
         sample(m, "auto")
-    assert not block_fused.compile_failed(m) and warnings_said(caplog) == []
+    assert not run_options.compile_failed(m) and warnings_said(caplog) == []
 
 
 class Interrupted(Exception):
@@ -188,7 +188,7 @@ def test_a_cancel_is_not_a_compile_failure(fresh, monkeypatch, caplog):
 
     with caplog.at_level(logging.WARNING), pytest.raises(Interrupted):
         sample(m, "auto", check_cancel=check_cancel)
-    assert not block_fused.compile_failed(m) and warnings_said(caplog) == []
+    assert not run_options.compile_failed(m) and warnings_said(caplog) == []
 
 
 def test_a_bad_compile_mode_is_named():
@@ -220,7 +220,7 @@ CHECK = textwrap.dedent(
     import h3_core.models.fp8_triton as fp8_kernels
     import h3_core.models.block_triton as block_kernels
     import h3_core.models.branch_triton as branch_kernels
-    from h3_core import placement
+    from h3_core.memory import policy as placement
     from h3_core.pipeline.generate import generate
     from h3_core.pipeline.prompt import PromptEmbedding
     from tiny_dit import fp32_case
@@ -354,7 +354,7 @@ def test_compiled_runs_leave_no_setting_changed(fresh):
     m = model(False)
     plain = sample(m, "off")
     fused = sample(m, "auto")
-    assert not block_fused.compile_failed(m) and all(b.fused == "compiled" for b in m.blocks)
+    assert not run_options.compile_failed(m) and all(b.fused == "compiled" for b in m.blocks)
     for a, b in zip(fused, plain, strict=True):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     q, k, v, layout, window = flex_inputs()

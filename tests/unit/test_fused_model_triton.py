@@ -15,8 +15,9 @@ CHECK = textwrap.dedent(
     import torch
     torch.compile = lambda fn, **kwargs: fn
 
-    from h3_core.models import block_fused, branch_fused
-    from h3_core.models.low_memory import LowMemory, apply_low_memory
+    from h3_core.models import branch_fused, run_options
+    from h3_core.models.low_memory import LowMemory
+    from h3_core.models.run_options import apply_low_memory
     from tiny_dit import fp32_case
 
     used = set()
@@ -45,7 +46,7 @@ CHECK = textwrap.dedent(
     apply_low_memory(m, LowMemory(head_groups=groups))
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        block_fused.fuse_blocks(m, "compiled")
+        run_options.fuse_blocks(m, "compiled")
         fused = m(*args, hybrid=ctx)
     kernels = {{"qk_norm_rope", "conv_features", "readout", "scan", "gather", "small_inverse", "norm_modulate",
                "norm", "residual + norm"}}
