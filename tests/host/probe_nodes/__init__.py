@@ -18,7 +18,9 @@ AFTER = {"optional": {"model": (ANY,), "after_images": (ANY,), "after_audio": (A
 
 
 def _ours(patcher) -> bool:
-    return type(patcher).__module__.endswith("nodes.patchers") or type(patcher.model).__module__.startswith("h3_core")
+    """The pack's patchers, and the host's patchers around the pack's models (the library loads as the pack's own
+    ``<pack>.h3_core``)."""
+    return type(patcher).__module__.endswith("nodes.patchers") or ".h3_core." in f".{type(patcher.model).__module__}"
 
 
 class _Probe:
