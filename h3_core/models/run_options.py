@@ -1,38 +1,125 @@
-"""How a DiT runs, applied in one place: its blocks and linear branches fused or plain, its attention in head
-groups, its FFN in row chunks, its branch statistics a few frames at a time; and one evaluation with the
-compiled path's fallback to the plain one."""
+"""How a DiT runs, as one immutable ``RunOptions`` applied in one place (``apply_run_options``) and read back from
+the modules (``run_options_of``): its blocks and linear branches fused or plain, its attention in head groups,
+q, k and v as one GEMM, its FFN in row chunks, its branch statistics a few frames at a time, the cancel hook
+called before every block. Only this module sets these on the model's modules. Also: one evaluation with the
+compiled path's fallback to the plain one (``evaluate``)."""
 
 from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch.nn as nn
 
 from ..errors import H3InputError
 from ..triton_forms import CompileFailure, plain_path
 from .branch_fused import FUSED_MODES
-from .dit import Attention, Block, SwiGLU
+from .dit import Attention, Block, FinalLayer, H3DiT, SwiGLU
 from .linear_branch import LinearBranch
 from .low_memory import LowMemory
 
-__all__ = ["fuse_blocks", "fuse_branches", "apply_low_memory", "evaluate", "compile_failed"]
+__all__ = ["RunOptions", "apply_run_options", "run_options_of", "fuse_blocks", "fuse_branches", "apply_low_memory",
+           "evaluate", "compile_failed"]
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How a DiT (or any part of one) runs. ``blocks_fused`` / ``branches_fused``: ``block_fused`` /
+    ``branch_fused`` mode of the blocks' per-element work and of the linear branches (``FUSED_MODES``: None runs
+    the plain ops); ``head_groups``: attention a group of heads at a time; ``stacked_qkv``: q, k and v from one
+    GEMM (strided views of its output; for comparisons); ``ffn_chunk_rows``: the FFN over that many rows at a
+    time (None: all); ``branch_frames``: the branch's statistics that many frames at a time (None: all); ``final_chunk_rows``: the
+    output layer over that many rows at a time;
+    ``check_cancel``: called before every block (a cancel stops within one evaluation)."""
+
+    blocks_fused: str | None = None
+    branches_fused: str | None = None
+    head_groups: int = 1
+    stacked_qkv: bool = False
+    ffn_chunk_rows: int | None = None
+    branch_frames: int | None = None
+    final_chunk_rows: int = FinalLayer.chunk_rows
+    check_cancel: Callable[[], None] | None = field(default=None, compare=False)
+
+    @property
+    def low_memory(self) -> LowMemory:
+        return LowMemory(self.ffn_chunk_rows, self.head_groups, self.branch_frames)
+
+
+def _check(options: RunOptions, model: nn.Module) -> None:
+    for name in ("blocks_fused", "branches_fused"):
+        if getattr(options, name) not in FUSED_MODES:
+            raise H3InputError(f"{name}: got {getattr(options, name)!r}; allowed: {FUSED_MODES}")
+    rows, frames = options.ffn_chunk_rows, options.branch_frames
+    if rows is not None and (not isinstance(rows, int) or rows < 1):
+        raise H3InputError(f"ffn_chunk_rows must be a positive number of rows or None, got {rows!r}")
+    if frames is not None and (not isinstance(frames, int) or frames < 1):
+        raise H3InputError(f"branch_frames must be a positive number of frames or None, got {frames!r}")
+    if not isinstance(options.final_chunk_rows, int) or options.final_chunk_rows < 1:
+        raise H3InputError(f"final_chunk_rows must be a positive number of rows, got {options.final_chunk_rows!r}")
+    heads = [m.heads for m in model.modules() if isinstance(m, Attention)]
+    if not isinstance(options.head_groups, int) or not all(1 <= options.head_groups <= h for h in heads) \
+            or options.head_groups < 1:
+        raise H3InputError(f"head_groups must be between 1 and the model's {min(heads, default=1)} heads, "
+                           f"got {options.head_groups!r}")
+    if options.check_cancel is not None and not callable(options.check_cancel):
+        raise H3InputError(f"check_cancel must be callable or None, got {options.check_cancel!r}")
+
+
+def apply_run_options(model: nn.Module, options: RunOptions) -> RunOptions:
+    """Set ``options`` on every module of ``model`` (an ``H3DiT``, a ``Block``, a ``LinearBranch``...), checked
+    first; returns them."""
+    _check(options, model)
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.fused = options.blocks_fused
+        elif isinstance(module, Attention):
+            module.fused = options.blocks_fused
+            module.head_groups = options.head_groups
+            module.stacked_qkv = options.stacked_qkv
+        elif isinstance(module, SwiGLU):
+            module.fused = options.blocks_fused
+            module.chunk_rows = options.ffn_chunk_rows
+        elif isinstance(module, LinearBranch):
+            module.fused = options.branches_fused
+            module.statistics_frames = options.branch_frames
+        elif isinstance(module, FinalLayer):
+            module.chunk_rows = options.final_chunk_rows
+        elif isinstance(module, H3DiT):
+            module.check_cancel = options.check_cancel
+    return options
+
+
+def run_options_of(model: nn.Module) -> RunOptions:
+    """The options ``model``'s modules run with now (defaults for the parts it lacks)."""
+    def first(kind):
+        return next((m for m in model.modules() if isinstance(m, kind)), None)
+
+    block, attention, ffn, branch = first(Block), first(Attention), first(SwiGLU), first(LinearBranch)
+    final, dit = first(FinalLayer), first(H3DiT)
+    return RunOptions(
+        blocks_fused=next((m.fused for m in (block, attention, ffn) if m is not None), None),
+        branches_fused=None if branch is None else branch.fused,
+        head_groups=1 if attention is None else attention.head_groups,
+        stacked_qkv=False if attention is None else attention.stacked_qkv,
+        ffn_chunk_rows=None if ffn is None else ffn.chunk_rows,
+        branch_frames=None if branch is None else branch.statistics_frames,
+        final_chunk_rows=FinalLayer.chunk_rows if final is None else final.chunk_rows,
+        check_cancel=None if dit is None else dit.check_cancel,
+    )
+
+
 def fuse_blocks(model: nn.Module, mode: str | None = "compiled") -> int:
-    """Set every DiT block in ``model`` — and every linear branch — to the fused ``mode``; returns how many
+    """``model``'s blocks and linear branches in the fused ``mode``, its other options kept; returns how many
     blocks."""
     if mode not in FUSED_MODES:
         raise H3InputError(f"the block fusion mode must be one of {FUSED_MODES}, got {mode!r}")
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    for block in blocks:
-        block.fused = mode
-        block.attn.fused = mode
-        block.mlp.fused = mode
-    fuse_branches(model, mode)
-    return len(blocks)
+    apply_run_options(model, replace(run_options_of(model), blocks_fused=mode, branches_fused=mode))
+    return sum(isinstance(m, Block) for m in model.modules())
 
 
 # The models whose compiled path failed in this process: each runs the plain path from then on.
@@ -68,28 +155,14 @@ def evaluate(model, compile: str, *args, **kwargs):
 
 
 def fuse_branches(model: nn.Module, mode: str | None = "compiled") -> int:
-    """Set every linear branch in ``model`` to the fused ``mode`` (see module docstring); returns how many."""
+    """``model``'s linear branches in the fused ``mode``, its other options kept; returns how many."""
     if mode not in FUSED_MODES:
         raise H3InputError(f"the branch fusion mode must be one of {FUSED_MODES}, got {mode!r}")
-    branches = [m for m in model.modules() if isinstance(m, LinearBranch)]
-    for branch in branches:
-        branch.fused = mode
-    return len(branches)
+    apply_run_options(model, replace(run_options_of(model), branches_fused=mode))
+    return sum(isinstance(m, LinearBranch) for m in model.modules())
 
 
 def apply_low_memory(model: nn.Module, options: LowMemory) -> None:
-    """Set ``options`` on every block of ``model`` (an ``H3DiT`` or a single ``Block``)."""
-    if options.ffn_chunk_rows is not None and (not isinstance(options.ffn_chunk_rows, int) or options.ffn_chunk_rows < 1):
-        raise H3InputError(f"ffn_chunk_rows must be a positive number of rows or None, got {options.ffn_chunk_rows!r}")
-    if options.branch_frames is not None and (not isinstance(options.branch_frames, int) or options.branch_frames < 1):
-        raise H3InputError(f"branch_frames must be a positive number of frames or None, got {options.branch_frames!r}")
-    for module in model.modules():
-        if isinstance(module, LinearBranch):
-            module.statistics_frames = options.branch_frames
-        elif isinstance(module, SwiGLU):
-            module.chunk_rows = options.ffn_chunk_rows
-        elif isinstance(module, Attention):
-            if not isinstance(options.head_groups, int) or not 1 <= options.head_groups <= module.heads:
-                raise H3InputError(f"head_groups must be between 1 and the model's {module.heads} heads, "
-                                   f"got {options.head_groups!r}")
-            module.head_groups = options.head_groups
+    """``options`` (a memory plan's choices) on ``model``, its other options kept."""
+    apply_run_options(model, replace(run_options_of(model), head_groups=options.head_groups,
+                                     ffn_chunk_rows=options.ffn_chunk_rows, branch_frames=options.branch_frames))

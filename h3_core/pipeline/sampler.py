@@ -4,12 +4,13 @@ the conditioning and reference rows held where they are (only generated rows are
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
-from ..models.run_options import evaluate
+from ..models.run_options import apply_run_options, evaluate, run_options_of
 from ..triton_forms import check_compile
 from .noise import row_timesteps
 from .packing import PackedSequence
@@ -60,9 +61,9 @@ def denoise(
                        for i in range(n)]
     if getattr(model, "adaln_on_host", False):  # the blocks' AdaLN tables for the whole run, made once
         prepare_adaln_tables(model, [timesteps for timesteps, _ in steps_timesteps], video_rows.device)
-    per_block = hasattr(model, "check_cancel") and check_cancel is not None
+    per_block = isinstance(model, torch.nn.Module) and check_cancel is not None
     if per_block:
-        model.check_cancel = check_cancel
+        before = apply_run_options(model, replace(run_options_of(model), check_cancel=check_cancel))
     try:
         for i, (timesteps, index) in enumerate(steps_timesteps):
             if check_cancel is not None:
@@ -80,7 +81,7 @@ def denoise(
                 progress(i + 1, n)
     finally:
         if per_block:
-            model.check_cancel = None
+            apply_run_options(model, replace(before, check_cancel=None))
         if getattr(model, "adaln_on_host", False):
             clear_adaln_tables(model)
     return video_rows, audio_rows

@@ -10,6 +10,7 @@ references are upcasts of those, so the errors measured are those of the arithme
 TF32 is switched off for the duration of each test so that the fp32 references are fp32.
 """
 
+from dataclasses import replace
 import copy
 from dataclasses import dataclass, replace
 
@@ -32,6 +33,7 @@ from h3_core.models.run_options import apply_low_memory
 from h3_core.models.linear_branch import LinearBranch
 from h3_core.models.branch_math import featurize, frame_statistics, gather, gather_reference, scan, scan_reference, solve, solve_reference
 from h3_core.pipeline.packing import pack_sequence
+from h3_core.models.run_options import apply_run_options, run_options_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -364,7 +366,7 @@ def test_fused_branch_on_cuda_is_as_close_to_fp64_as_the_plain_branch(mode):
 
     def run(device, dtype, fused, heads_run=None):
         module = on(branch, device, dtype)
-        module.fused = fused
+        apply_run_options(module, replace(run_options_of(module), branches_fused=fused))
         sl = slice(0, heads) if heads_run is None else heads_run
         with torch.no_grad():
             seed_state = module.text_state(*(t.to(device, dtype) for t in (tx, tk[:, sl], tv[:, sl])), heads_run)

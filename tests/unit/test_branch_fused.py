@@ -1,6 +1,7 @@
 """The fused linear-branch path (h3_core.models.branch_fused) equals the plain branch, piece by piece and
 through the whole model."""
 
+from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from h3_core.models.linear_branch import LinearBranch
 from h3_core.models.branch_math import featurize, frame_statistics
 from h3_core.models.low_memory import LowMemory
 from h3_core.models.run_options import apply_low_memory
+from h3_core.models.run_options import apply_run_options, run_options_of
 
 from tiny_dit import CFG, model, request
 
@@ -132,10 +134,10 @@ def test_the_fused_branch_equals_the_plain_branch(heads, frames_per_chunk):
     q, k, v = (rnd(FR * S, n, D, seed=s) for s in (8, 9, 10))
     bounds = window_bounds(FR, 1, 2)
     seed = rnd(n, D, D, seed=11) * 0.1
-    m.statistics_frames = frames_per_chunk
+    apply_run_options(m, replace(run_options_of(m), branch_frames=frames_per_chunk))
     with torch.no_grad():
         plain = m(x, q, k, v, GRID, bounds, seed, heads)
-        m.fused = "eager"
+        apply_run_options(m, replace(run_options_of(m), branches_fused="eager"))
         fused = m(x, q, k, v, GRID, bounds, seed, heads)
     assert fused.shape == plain.shape == (FR * S, n * D)
     assert (fused - plain).abs().max() <= 1e-12 * plain.abs().max()

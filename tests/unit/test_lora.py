@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 from h3_core.errors import H3InputError
 from h3_core.formats.lora import merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.run_options import apply_run_options, run_options_of
 
 CFG = DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=40, freq_dim=16, time_hidden=24,
                 time_embed=20, rope_freqs=4)
@@ -75,9 +76,8 @@ def unmerged_forward(m, flat, x):
     """The LoRA applied as a side path at run time: out[rows] += scale · (x Aᵀ) Bᵀ for every update."""
     handles = []
     modules = dict(m.named_modules())
-    stacked = [(mod, mod.stacked_qkv) for mod in modules.values() if hasattr(mod, "stacked_qkv")]
-    for mod, _ in stacked:  # q, k, v through qkv_proj's own forward, where the hooks sit
-        mod.stacked_qkv = True
+    before = run_options_of(m)  # q, k, v through qkv_proj's own forward, where the hooks sit
+    apply_run_options(m, replace(before, stacked_qkv=True))
     for name, parts in flat.items():
         def hook(mod, args, out, parts=parts):
             out = out.clone()
@@ -91,8 +91,7 @@ def unmerged_forward(m, flat, x):
     finally:
         for h in handles:
             h.remove()
-        for mod, was in stacked:
-            mod.stacked_qkv = was
+        apply_run_options(m, before)
 
 
 def test_comfy_lora_with_alpha(tmp_path):

@@ -1,5 +1,6 @@
 """The exact lower-memory paths (h3_core.models.low_memory) equal the plain path, dense and hybrid."""
 
+from dataclasses import replace
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from h3_core.errors import H3InputError
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory, head_slices
 from h3_core.models.run_options import apply_low_memory
+from h3_core.models.run_options import apply_run_options, run_options_of
 
 from tiny_dit import fp32_case, model, request
 
@@ -124,7 +126,7 @@ def test_final_layer_in_row_chunks_is_the_whole_rows_result():
     packed, args = request()
     with torch.no_grad():
         whole = m(*args)
-        m.final_layer.chunk_rows = 5
+        apply_run_options(m, replace(run_options_of(m), final_chunk_rows=5))
         chunked = m(*args)
     for a, b in zip(chunked, whole):  # the heads' GEMMs may sum in another order for fewer rows
         assert (a - b).abs().max() <= 1e-12 * b.abs().max()
@@ -140,15 +142,14 @@ def test_q_k_v_come_dense_and_equal_the_stacked_projection(hybrid, fp8):
     x = torch.randn(9, attn.qkv_proj.in_features, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         dense = attn.project(x, source=attn.projection_input(x))
-        attn.stacked_qkv = True
+        apply_run_options(attn, replace(run_options_of(attn), stacked_qkv=True))
         stacked = attn.project(x, source=attn.projection_input(x))
     assert all(t.is_contiguous() for t in dense) and not stacked[1].is_contiguous()
     for a, b in zip(dense, stacked):
         assert (a - b).abs().max() <= 1e-6 * b.abs().max()
     with torch.no_grad():
         stacked_out = m(*args, hybrid=ctx)
-        for block in m.blocks:
-            block.attn.stacked_qkv = False
+        apply_run_options(m, replace(run_options_of(m), stacked_qkv=False))
         dense_out = m(*args, hybrid=ctx)
     for a, b in zip(dense_out, stacked_out):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()

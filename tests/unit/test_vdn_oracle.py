@@ -18,6 +18,7 @@ What is compared:
     ``BranchWeights``, ``h3_core.formats.checkpoints.describe_dit_checkpoint``) against the documented table.
 """
 
+from dataclasses import replace
 import json
 import textwrap
 
@@ -34,6 +35,7 @@ from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch
 from h3_core.formats.vdn import BranchWeights, branch_layouts
 from h3_core.triton_forms import plain_path
+from h3_core.models.run_options import apply_run_options, run_options_of
 
 DT = torch.float64
 EPS = 1e-6  # the L2 normalisation's and the readout RMSNorm's epsilon (§2 table, §3)
@@ -393,9 +395,9 @@ def test_branch_without_a_text_state_starts_from_zero():
 def _set_mode(branch, mode):
     """Configure ``branch`` for one of its CPU paths; returns the context to run it in."""
     if mode == "statistics in chunks of 2 frames":
-        branch.statistics_frames = 2
+        apply_run_options(branch, replace(run_options_of(branch), branch_frames=2))
     elif mode in ("eager", "compiled"):
-        branch.fused = mode
+        apply_run_options(branch, replace(run_options_of(branch), branches_fused=mode))
     return plain_path() if mode == "compiled" else torch.no_grad()
 
 
@@ -535,10 +537,9 @@ def test_hybrid_block_paths_match_the_oracle(setup, backend):
     w = weights(attn)
     w["q_norm.eps"], w["k_norm.eps"] = attn.q_norm.eps, attn.k_norm.eps
     if setup == "two head groups":
-        attn.head_groups = 2
+        apply_run_options(attn, replace(run_options_of(attn), head_groups=2))
     elif setup == "fused eager":
-        attn.fused = "eager"
-        attn.linear_attention.fused = "eager"
+        apply_run_options(attn, replace(run_options_of(attn), blocks_fused="eager", branches_fused="eager"))
     want = oracle_hybrid(w, x, cos, sin, heads=HEADS, d=HEAD_DIM, text=TEXT, audio=AUDIO, frames=frames, grid=GRID,
                          window=window)
     with torch.no_grad():
