@@ -71,6 +71,12 @@ class _NotHeld(nn.Module):
                            "up to the conditioning layer")
 
 
+def _moving():
+    """Weights move outside inference mode, so they stay ordinary tensors (comfy-kitchen's weights, tensor
+    subclasses, cannot be swapped into a module as inference tensors); the forward between runs in it."""
+    return torch.inference_mode(False)
+
+
 def _nbytes(tensors) -> int:
     return sum(stored_bytes(t) for t in tensors)
 
@@ -169,11 +175,13 @@ class TextEncoder:
     def _arrive(self, module, args, kwargs):
         if self.streamed:
             self.layer_visits += 1
-            module.to(self.device)
+            with _moving():
+                module.to(self.device)
 
     def _leave(self, module, args, kwargs, output):
         if self.streamed:
-            module.to(_HOST)
+            with _moving():
+                module.to(_HOST)
 
     @torch.inference_mode()
     def encode(self, prompt: str, *, keyframes=(), references: tuple[PresentedReference, ...] = ()) -> PromptEmbedding:
@@ -194,7 +202,8 @@ class TextEncoder:
         ids, tags = presentation_tokens(tokenize, VisionIds.of(self.tokenizer) if vision else None, prompt, items,
                                         image_tokens, video_tokens, video_times)
         if not self._placed():
-            self.to_device()
+            with _moving():
+                self.to_device()
         hidden = self._layer_states(torch.tensor([ids]), vision)
         return PromptEmbedding(hidden.cpu(), torch.tensor(tags, dtype=torch.long), prompt, features=hidden.shape[-1])
 
