@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -140,8 +139,8 @@ def write_files(base: Path, tiny: bool) -> dict:
     g = torch.Generator().manual_seed(3)
     embeds = (torch.randn(text, width, generator=g) * 0.5).to(torch.bfloat16 if not tiny else torch.float32)
     files["prompt"].parent.mkdir(parents=True, exist_ok=True)
-    embedding = PromptEmbedding(embeds, torch.ones(text, dtype=torch.long), prompt="random prompt embedding (benchmark)",
-                                features=width)
+    embedding = PromptEmbedding(embeds, torch.ones(text, dtype=torch.long),
+                                prompt="random prompt embedding (benchmark)", features=width)
     save_prompt_embedding(files["prompt"], embedding)
     return {kind: path.stat().st_size for kind, path in files.items()}
 
