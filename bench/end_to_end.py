@@ -272,7 +272,7 @@ def serve(base: Path, compile_cache: Path, runs: list[tuple[str, str, int]], siz
         probes.symlink_to(ROOT / "tests" / "host" / "probe_nodes", target_is_directory=True)
     server = ComfyServer(base, extra_args)
     started = time.perf_counter()
-    server.start(timeout=600)
+    server.start(stall=600)
     results = {"server_start_s": time.perf_counter() - started}
     try:
         info = server.object_info()
