@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             apply_low_memory(block, LowMemory())
-        del x, rope, packed
+        x = rope = packed = None  # freed before the next size
     record.write(result, args.out)
     return result
 

@@ -35,10 +35,10 @@ from h3_core.models.low_memory import LowMemory
 from h3_core.models.run_options import apply_low_memory  # noqa: E402
 from h3_core.pipeline.packing import pack_sequence  # noqa: E402
 
-GiB = 2**30
+GiB = record.GiB
 RELEASE = dict(cfg=DiTConfig(), text=300, frames=102, height=48, width=84, audio=575)
-TINY = dict(cfg=DiTConfig(hidden=64, layers=1, heads=2, head_dim=32, ffn=96, time_embed=16, rope_freqs=4), text=6, frames=12,
-            height=4, width=6, audio=10)
+TINY = dict(cfg=DiTConfig(hidden=64, layers=1, heads=2, head_dim=32, ffn=96, time_embed=16, rope_freqs=4), text=6,
+            frames=12, height=4, width=6, audio=10)
 
 
 def inputs(setup, device, dtype):
@@ -66,23 +66,14 @@ def build(cfg, device, dtype):
 
 
 def timed(fn, reps):
+    """The median and spread of ``reps`` timings of ``fn`` after a warm-up (``record.event_times_ms``), and the
+    device memory one call holds at its peak above what was allocated before it."""
     cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = None
     if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
         torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / GiB
+    times = record.event_times_ms(fn, reps, cuda)
+    _, peak = record.peak_gib(fn, cuda)
     return dict(ms=statistics.median(times), spread_ms=max(times) - min(times), extra_peak_gib=peak)
 
 
@@ -255,16 +246,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--profile", action="store_true", help="split one forward of each block into sections")
     parser.add_argument("--ffn-chunk-rows", type=int, default=None, help="the FFN over this many rows at a time")
-    parser.add_argument("--head-groups", type=int, default=1, help="attention and linear branch in this many head groups")
-    parser.add_argument("--branch-frames", type=int, default=None, help="the branch's fp32 statistics this many frames at a time")
+    parser.add_argument("--head-groups", type=int, default=1,
+                        help="attention and linear branch in this many head groups")
+    parser.add_argument("--branch-frames", type=int, default=None,
+                        help="the branch's fp32 statistics this many frames at a time")
     parser.add_argument("--fused-branch", default=None, choices=("eager", "compiled"),
                         help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
     parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
                         help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
     parser.add_argument("--fp8", action="store_true", help="fp8 linears (quantize_linears) in each block")
     parser.add_argument("--blocks", nargs="*", default=["dense", "hybrid"], choices=("dense", "hybrid"))
-    parser.add_argument("--stacked-qkv", action="store_true",
-                        help="q, k, v as strided views of one stacked GEMM (the layout before they came dense)")
     parser.add_argument("--kernels", type=int, default=0,
                         help="list this many CUDA kernels of one forward by time, and as many of its copies by shape")
     parser.add_argument("--idle", type=int, default=0,
@@ -275,9 +266,9 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     setup = TINY if args.tiny else RELEASE
     packed, x, temb, rows, rope = inputs(setup, device, dtype)
-    result = dict(record.header("dit_block.py", argv), rows=int(x.shape[0]), dtype=str(dtype), ffn_chunk_rows=args.ffn_chunk_rows,
-                  head_groups=args.head_groups, fused_branch=args.fused_branch, fused_blocks=args.fused_blocks,
-                  fp8=args.fp8, stacked_qkv=args.stacked_qkv, blocks={})
+    result = dict(record.header("dit_block.py", argv), rows=int(x.shape[0]), dtype=str(dtype),
+                  ffn_chunk_rows=args.ffn_chunk_rows, head_groups=args.head_groups, fused_branch=args.fused_branch,
+                  fused_blocks=args.fused_blocks, fp8=args.fp8, blocks={})
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
     context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
     for name in args.blocks:
@@ -286,7 +277,6 @@ def main(argv=None) -> dict:
         if args.fp8:
             quantize_linears(block)
         apply_low_memory(block, LowMemory(args.ffn_chunk_rows, args.head_groups, args.branch_frames))
-        block.attn.stacked_qkv = args.stacked_qkv
         fuse_branches(block, args.fused_branch)
         if args.fused_blocks:
             fuse_blocks(block, args.fused_blocks)
@@ -300,7 +290,8 @@ def main(argv=None) -> dict:
             stats["window_backend"] = last_window_run().backend
         if args.profile:
             with torch.no_grad():
-                stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx), device.type == "cuda")
+                stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx),
+                                                 device.type == "cuda")
         if args.kernels and device.type == "cuda":
             with torch.no_grad():
                 stats["kernels"] = kernel_table(lambda: block(x, temb, rows, rope, ctx), args.kernels)
@@ -309,7 +300,7 @@ def main(argv=None) -> dict:
             with torch.no_grad():
                 stats["idle"] = idle_table(lambda: block(x, temb, rows, rope, ctx), args.idle)
         result["blocks"][name] = stats
-        del block, out
+        block = out = None  # freed before the next variant
     text = record.write(result, args.out, indent=2)
     print(text)
     return result

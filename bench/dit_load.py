@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
                                    load_gb_per_s=weights / load_s / 1e9, to_device_gb_per_s=weights / move_s / 1e9,
                                    load_profile=load_profile, to_device_profile=move_profile))
         print(f"load {load_s:.2f} s, to {device} {move_s:.2f} s ({weights / 1e9:.2f} GB)", flush=True)
-        del model
+        model = None  # freed before the next load
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return record.finish(result, args.out, device.type == "cuda")

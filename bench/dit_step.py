@@ -4,11 +4,12 @@ and where the time goes, for each variant in one process.
 
 Variants: ``dense-bf16`` (plain H3), ``bf16-decomposed``, ``bf16-flex``, ``fp8-decomposed``, ``fp8-flex``
 (VDN-H3 with the release window; fp8 = the fp8 linears of ``h3_core.models.fp8_linear``). The variants run in
-that order, whatever the order asked: the model is quantised in place for the first fp8 one. ``--low-memory G:R`` runs attention and the
-branch in G head groups and the FFN over R rows at a time. ``--cap-gib`` (one variant) lets the memory model
-plan for that much device memory (``plan_for_memory``: lower-memory paths, AdaLN projections in host
-memory, block streaming), applies the plan and then limits the process to the cap
-(``torch.cuda.set_per_process_memory_fraction``).
+that order, whatever the order asked: the model is quantised in place for the first fp8 one.
+``--low-memory G:R`` runs attention and the branch in G head groups and the FFN over R rows at a time.
+``--cap-gib`` (one variant) lets the memory model plan for that much device memory (``plan_for_memory``:
+lower-memory paths, AdaLN projections in host memory, block streaming), applies the plan and then limits the
+process to the cap (``torch.cuda.set_per_process_memory_fraction``). ``--tiny`` runs a tiny model on the CPU
+(a dry run of the code).
 
     python3 bench/dit_step.py --out results.json
 """
@@ -20,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,14 +44,13 @@ from h3_core.models.run_options import fuse_branches  # noqa: E402
 from h3_core.models.dit import DiTConfig, H3DiT, rope_inv_freq
 from h3_core.models.precision import keeps_fp32  # noqa: E402
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
-from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory  # noqa: E402
+from h3_core.models.low_memory import LowMemory; from h3_core.models.run_options import apply_low_memory  # noqa: E402
 from h3_core.pipeline.geometry import audio_latents, latent_frames  # noqa: E402
 from h3_core.pipeline.noise import row_timesteps  # noqa: E402
 from h3_core.pipeline.packing import pack_sequence  # noqa: E402
 
 
-GiB = 2**30
+GiB = record.GiB
 CAP_USABLE = 0.95  # of a cap, what the plan may fill: the rest is the allocator's slack
 VARIANTS = ("dense-bf16", "bf16-decomposed", "bf16-flex", "fp8-decomposed", "fp8-flex")
 RELEASE = dict(cfg=DiTConfig(hybrid=True), text=300, height=48, width=84, frames=345)
@@ -79,8 +78,8 @@ def random_model(cfg: DiTConfig, device, dtype) -> H3DiT:
 def request(setup, device):
     """The packed T2VA request and the model's inputs at the first step (t = 0 for every generated row)."""
     cfg = setup["cfg"]
-    packed = pack_sequence(torch.ones(setup["text"], dtype=torch.long), latent_frames(setup["frames"]), setup["height"],
-                           setup["width"], audio_latents(setup["frames"]))
+    packed = pack_sequence(torch.ones(setup["text"], dtype=torch.long), latent_frames(setup["frames"]),
+                           setup["height"], setup["width"], audio_latents(setup["frames"]))
     g = torch.Generator().manual_seed(0)
     timesteps, index = row_timesteps(packed, 0.0, 0.0)
     inputs = (torch.randn(packed.video_index.numel(), cfg.video_row, generator=g).to(device),
@@ -92,18 +91,14 @@ def request(setup, device):
 
 
 def evaluate(model, inputs, ctx, reps: int, cuda: bool) -> dict:
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    """Seconds of ``reps`` evaluations after a warm-up (``record.event_times_ms``: median and spread), the device's
+    peak over them (weights included) and whether the warm-up's outputs are finite."""
     with torch.no_grad():
         out = model(*inputs, hybrid=ctx)  # warm-up: kernel probes, masks, compiled shapes
-        sync()
         if cuda:
+            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            out = model(*inputs, hybrid=ctx)
-            sync()
-            times.append(time.perf_counter() - t0)
+        times = [ms / 1e3 for ms in record.event_times_ms(lambda: model(*inputs, hybrid=ctx), reps, cuda)]
     peak = torch.cuda.max_memory_allocated() / GiB if cuda else None
     return dict(seconds=statistics.median(times), spread_s=max(times) - min(times), peak_gib=peak,
                 finite=bool(torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()))
@@ -204,7 +199,8 @@ def main(argv=None) -> dict:
             if plan is not None:
                 predicted = plan.predicted
             else:
-                predicted = evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears, fused=fused)
+                predicted = evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears,
+                                            fused=fused)
             stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
             if args.profile:
                 stats["profile_s"] = profile(model, inputs, ctx, cuda)

@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -53,7 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "workflows"))
+sys.path.insert(0, str(ROOT / "tests"))
 import lora_repatch  # noqa: E402
 import record  # noqa: E402
 
@@ -141,8 +140,8 @@ def write_files(base: Path, tiny: bool) -> dict:
     g = torch.Generator().manual_seed(3)
     embeds = (torch.randn(text, width, generator=g) * 0.5).to(torch.bfloat16 if not tiny else torch.float32)
     files["prompt"].parent.mkdir(parents=True, exist_ok=True)
-    embedding = PromptEmbedding(embeds, torch.ones(text, dtype=torch.long), prompt="random prompt embedding (benchmark)",
-                                features=width)
+    embedding = PromptEmbedding(embeds, torch.ones(text, dtype=torch.long),
+                                prompt="random prompt embedding (benchmark)", features=width)
     save_prompt_embedding(files["prompt"], embedding)
     return {kind: path.stat().st_size for kind, path in files.items()}
 
@@ -274,7 +273,7 @@ def serve(base: Path, compile_cache: Path, runs: list[tuple[str, str, int]], siz
         probes.symlink_to(ROOT / "tests" / "host" / "probe_nodes", target_is_directory=True)
     server = ComfyServer(base, extra_args)
     started = time.perf_counter()
-    server.start(timeout=600)
+    server.start(stall=600)
     results = {"server_start_s": time.perf_counter() - started}
     try:
         info = server.object_info()

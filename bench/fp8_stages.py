@@ -117,7 +117,8 @@ def main(argv=None) -> dict:
         # a bf16 fc2's input: SiLU·up written into fc1's output, torch.compile's form and the library's
         compiled_swiglu = lambda: branch_fused.call(mode, block_fused.swiglu_, gate_up.clone())  # noqa: E731
         library_swiglu = lambda: block_fused.run(mode, "swiglu_", gate_up.clone())  # noqa: E731
-        ms["SiLU·up in place, bf16 FFN (torch.compile, before; with a copy of fc1's output)"] = time_it(compiled_swiglu)
+        ms["SiLU·up in place, bf16 FFN (torch.compile, before; with a copy of fc1's output)"] = time_it(
+            compiled_swiglu)
         ms["SiLU·up in place, bf16 FFN (library; with a copy of fc1's output)"] = time_it(library_swiglu)
         equal["SiLU·up in place, bf16 FFN: library vs torch.compile (bf16 values)"] = same_values(
             library_swiglu(), compiled_swiglu())

@@ -2,9 +2,9 @@
 # The GPU runs behind bench/results/, in the order they are worth doing, each writing its JSON (and a log)
 # under $OUT (default ./out/h200). Name the parts to run; none runs all of them.
 #   checks    python -m pytest tests/gpu (every fast path against its fp32/fp64 reference)
-#   branch    bench/branch_stages.py (the linear branch stage by stage, plain, fused and candidates)
+#   branch    bench/branch_stages.py (the linear branch stage by stage, plain and fused)
 #   fp8       bench/fp8_stages.py (the row quantiser; the FFN's SiLU·up + quantisation; its input's norm +
-#             modulation + quantisation and out_proj's softmax gate + quantisation, two passes and candidates)
+#             modulation + quantisation and out_proj's softmax gate + quantisation, two passes and one)
 #   launches  bench/kernel_launches.py (each hand-written Triton kernel under several launches)
 #   block     bench/dit_block.py --profile: plain, the fused branch, every block fused
 #   kernels   bench/dit_block.py, the hybrid block fused, bf16 and fp8: sections, peak and the top CUDA kernels
@@ -17,7 +17,8 @@
 #             than the block's under sustained load)
 #   caps      bench/dit_step.py at 80 and 24 GiB caps (the memory model's plan; expandable segments, so the
 #             memory left by building the model at full size on the device goes back)
-# Usage: bash bench/h200_runs.sh [checks] [branch] [fp8] [launches] [block] [kernels] [memory] [step-bf16] [step-fp8] [clocks] [caps]
+# Usage: bash bench/h200_runs.sh [checks] [branch] [fp8] [launches] [block] [kernels] [memory] [step-bf16]
+#        [step-fp8] [clocks] [caps]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out/h200}"
@@ -45,12 +46,12 @@ for part in "${parts[@]}"; do
         kernels)
             run dit_block_kernels_bf16 python3 bench/dit_block.py --blocks hybrid --profile --reps 3 --kernels 40 \
                 --fused-blocks compiled --out "$out/dit_block_kernels_bf16.json"
-            run dit_block_kernels_fp8 python3 bench/dit_block.py --blocks hybrid --fp8 --profile --reps 3 --kernels 40 \
-                --fused-blocks compiled --out "$out/dit_block_kernels_fp8.json" ;;
+            run dit_block_kernels_fp8 python3 bench/dit_block.py --blocks hybrid --fp8 --profile --reps 3 \
+                --kernels 40 --fused-blocks compiled --out "$out/dit_block_kernels_fp8.json" ;;
         memory) run block_memory python3 bench/block_memory.py --frames 102 --variants 1:0 2:32768 1:0:10 2:32768:10 \
                 --out "$out/block_memory.json" ;;
-        step-bf16) run dit_step_bf16 python3 bench/dit_step.py --variants dense-bf16 bf16-decomposed bf16-flex --reps 3 \
-                --profile --fused-blocks compiled --out "$out/dit_step_bf16.json" ;;
+        step-bf16) run dit_step_bf16 python3 bench/dit_step.py --variants dense-bf16 bf16-decomposed bf16-flex \
+                --reps 3 --profile --fused-blocks compiled --out "$out/dit_step_bf16.json" ;;
         step-fp8) run dit_step_fp8 python3 bench/dit_step.py --variants fp8-decomposed fp8-flex --reps 3 --profile \
                 --fused-blocks compiled --out "$out/dit_step_fp8.json" ;;
         clocks)
@@ -67,6 +68,7 @@ for part in "${parts[@]}"; do
                 --fused-blocks compiled --out "$out/dit_step_cap80.json"
             run dit_step_24 python3 bench/dit_step.py --variants fp8-decomposed --cap-gib 24 --reps 1 \
                 --fused-blocks compiled --out "$out/dit_step_cap24.json" ;;
-        *) echo "unknown part $part (checks branch fp8 launches block kernels memory step-bf16 step-fp8 clocks caps)"; exit 2 ;;
+        *) echo "unknown part $part (checks branch fp8 launches block kernels memory step-bf16 step-fp8 clocks caps)"
+           exit 2 ;;
     esac
 done

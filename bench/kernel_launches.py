@@ -1,6 +1,6 @@
-"""The library's hand-written Triton kernels at the release size, each under several launches (tile sizes,
-warps, and where a kernel has two forms, both) beside the launch the library makes, timed (median of
-``--reps`` CUDA-event timings after a warm-up) and checked against it. The numbers of a kernel do not depend
+"""The library's hand-written Triton kernels at the release size, each under several launches (tile sizes and
+warps) beside the launch the library makes, timed (median of ``--reps`` CUDA-event timings after a warm-up)
+and checked against it. The numbers of a kernel do not depend
 on its launch, so the fastest launch can be adopted from this table alone. ``--tiny`` runs every launch on a
 small geometry on the CPU, for Triton's interpreter (``TRITON_INTERPRET=1``): a dry run of the code.
 ``--only`` runs some of the parts (``PARTS``): the kernels' inputs at the release size take most of a run.
@@ -70,10 +70,8 @@ def main(argv=None) -> dict:
             angles = torch.randn(ROWS, HEAD_DIM * 3 // 8, generator=g).repeat(1, 2)
             cos, sin = angles.cos().to(device), angles.sin().to(device)
             rope = lambda **kw: _block_triton.qk_norm_rope_triton(q, weight, cos, sin, 1e-6, **kw)  # noqa: E731
-            variants("q/k norm + RoPE", rope, {
-                "per head, 16 rows (the launch before)": lambda: rope(per_head=True),
-                **{f"all heads, {t} rows, {w} warps": (lambda t=t, w=w: rope(block_t=t, warps=w))
-                   for t, w in ((16, 4), (4, 4), (8, 8), (32, 8))}})
+            variants("q/k norm + RoPE", rope, {f"{t} rows, {w} warps": (lambda t=t, w=w: rope(block_t=t, warps=w))
+                                               for t, w in ((16, 4), (4, 4), (8, 8), (32, 8))})
             del q
 
         if "conv" in parts:
@@ -82,10 +80,8 @@ def main(argv=None) -> dict:
             taps = randn(HEADS * HEAD_DIM, 1, 5, scale=0.5)
             beta = torch.sigmoid(torch.randn(FRAMES, TOKENS, HEADS, generator=g)).to(device, torch.bfloat16)
             conv = lambda **kw: _branch_triton.conv_features_triton(y, taps, HEADS, True, beta, **kw)  # noqa: E731
-            variants("conv features", conv, {
-                "per frame, 32 tokens (the launch before)": lambda: conv(rolling=False),
-                **{f"through the frames, {s} tokens, {w} warps": (lambda s=s, w=w: conv(block_s=s, warps=w))
-                   for s, w in ((8, 4), (32, 4), (32, 8), (64, 8))}})
+            variants("conv features", conv, {f"{s} tokens, {w} warps": (lambda s=s, w=w: conv(block_s=s, warps=w))
+                                             for s, w in ((8, 4), (32, 4), (32, 8), (64, 8))})
             del y
 
         if "readout" in parts:

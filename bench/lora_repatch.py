@@ -127,7 +127,8 @@ def main(argv=None) -> dict:
     host_args.cpu = DEVICE == "cpu"
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("h3_hybrid", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+    spec = importlib.util.spec_from_file_location("h3_hybrid", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
     pack = importlib.util.module_from_spec(spec)
     sys.modules["h3_hybrid"] = pack
     spec.loader.exec_module(pack)

@@ -32,7 +32,8 @@ Step 2, on the machine measured (PyAV, PIL, torch):
 
     python3 bench/mp4_presets.py --photos .photos --out bench/results/mp4_presets.json
 
-A dry run of the code: ``--frames 24 --width 256 --height 144 --threads 0 2``.
+A dry run of the code: ``--frames 22 --width 256 --height 144 --threads 0 2`` (the clip's length must be one
+the video decoder makes, as for 7 latent frames).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np

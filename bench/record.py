@@ -1,5 +1,6 @@
 """What every benchmark writes beside its numbers: the command that produced them, the machine and library
-versions, the date; the JSON written to ``--out`` and printed; and the CUDA-event timing loop they share."""
+versions, the date; the JSON written to ``--out`` and printed; and the CUDA-event timing loop and the device
+peak-memory reading they share."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import torch
+
+GiB = 2**30
 
 
 def header(script: str, argv) -> dict:
@@ -36,7 +39,7 @@ def write(result: dict, out: Path | None, indent: int = 1) -> str:
 def finish(result: dict, out: Path | None, cuda: bool) -> dict:
     """A stage benchmark's end: the device's peak memory added (on a GPU), the JSON written and printed."""
     if cuda:
-        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
     print(write(result, out))
     return result
 
@@ -58,6 +61,19 @@ def event_times_ms(fn, reps: int, cuda: bool) -> list[float]:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def peak_gib(fn, cuda: bool):
+    """``fn()``'s result and the GiB of device memory it held at its peak above what was allocated before the
+    call (None on the CPU)."""
+    if not cuda:
+        return fn(), None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, (torch.cuda.max_memory_allocated() - base) / GiB
 
 
 def timer(cuda: bool, reps: int):

@@ -60,8 +60,9 @@ def random_encoder_model(tiny: bool, device: torch.device):
                 p.normal_(0, 0.02, generator=generator)
         for name, b in model.named_buffers():
             if "inv_freq" in name:  # the rotary tables, as transformers computes them
-                b.copy_(1.0 / (config.text_config.rope_theta
-                               ** (torch.arange(0, b.numel() * 2, 2, device=device).float() / (b.numel() * 2))))
+                text = config.text_config  # transformers 5 keeps the theta in rope_parameters
+                theta = getattr(text, "rope_theta", None) or text.rope_parameters["rope_theta"]
+                b.copy_(1.0 / (theta ** (torch.arange(0, b.numel() * 2, 2, device=device).float() / (b.numel() * 2))))
     return model.eval()
 
 

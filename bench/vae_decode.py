@@ -12,8 +12,6 @@ the audio decoder's seconds and peak for the same duration.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -21,13 +19,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 from h3_core.attention.vae import resolve_vae_attention  # noqa: E402
 from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32  # noqa: E402
 from h3_core.media.tiling import decode_video, temporal_plan  # noqa: E402
 
-GiB = 2**30
+GiB = record.GiB
 
 
 def random_video_vae(device, dtype=torch.float16, cfg=VideoVAEConfig()):
@@ -61,17 +61,16 @@ def random_audio_vae(device):
 
 
 def timed(fn):
+    """``fn()``'s result, its wall seconds (the host's copies of the frames included) and its device peak above
+    what was allocated before it (``record.peak_gib``)."""
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t0, (torch.cuda.max_memory_allocated() - base) / GiB
+    out, peak = record.peak_gib(fn, True)
+    return out, time.perf_counter() - t0, peak
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=345)
     parser.add_argument("--tiles-per-batch", type=int, nargs="*", default=[4])
     parser.add_argument("--backends", nargs="*", default=["auto", "efficient", "flash", "sdpa"])
@@ -82,13 +81,12 @@ def main():
                         help="also time the lowest-memory fallback (blocks streamed from host) on a 2-window clip")
     parser.add_argument("--skip-audio", action="store_true")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("vae_decode.py times the decoders on a GPU: run it where CUDA is available")
     compile_decoder_blocks(args.compile)
     device = torch.device("cuda")
-    report = dict(environment=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                                   cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
-                                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-                  command=" ".join(["python3"] + sys.argv), compiled_blocks=args.compile, video=[], audio=None)
+    report = dict(record.header("vae_decode.py", argv), compiled_blocks=args.compile, video=[], audio=None)
 
     # A tiny decoder first, so a broken path fails in seconds.
     tiny = random_video_vae(device, cfg=VideoVAEConfig(decoder_layers=1, decoder_heads=2, block_out_channels=(8,) * 6,
@@ -162,24 +160,22 @@ def main():
                        resident_gib=torch.cuda.memory_allocated() / GiB)
             report["streamed"]["rows"].append(row)
             print(row, flush=True)
-    del vae, z, pinned
+    vae = z = pinned = None  # freed before the audio decoder
     torch.cuda.empty_cache()
     if args.skip_audio:
-        return finish(report, args.out)
+        record.write(report, args.out)
+        return report
 
     audio = random_audio_vae(device)
     latents = torch.randn(2, 32, round(args.frames / 24 * 40), device=device)
     with torch.inference_mode():
         audio.decode(latents[:, :, :40])
         wave, seconds, peak = timed(lambda: audio.decode(latents))
-    report["audio"] = dict(seconds=seconds, peak_gib=peak, samples=wave.shape[-1], finite=bool(torch.isfinite(wave).all()))
+    report["audio"] = dict(seconds=seconds, peak_gib=peak, samples=wave.shape[-1],
+                           finite=bool(torch.isfinite(wave).all()))
     print(report["audio"], flush=True)
-    finish(report, args.out)
-
-
-def finish(report, path):
-    if path:
-        Path(path).write_text(json.dumps(report, indent=1))
+    record.write(report, args.out)
+    return report
 
 
 if __name__ == "__main__":

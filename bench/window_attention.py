@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,9 +42,6 @@ from h3_core.attention import (  # noqa: E402
 from h3_core.attention import window_flex  # noqa: E402
 from h3_core.attention.window_decomposed import window_softmax_decomposed  # noqa: E402
 from h3_core.attention.layout import anchor_frames, clamped_window, window_bounds  # noqa: E402
-
-GiB = 2**30
-
 
 def release_geometry(frames=102, frame_h=24, frame_w=42, text=300, audio=1150):
     return SequenceLayout.packed(frames=frames, frame_h=frame_h, frame_w=frame_w, text=text, audio=audio)
@@ -164,7 +159,9 @@ def published_decomposed(layout, window, device):
 
 
 def timed(fn, reps=7, warmup=2):
-    """(output, stats); CUDA events on a GPU, wall clock on the CPU (a dry run of the script only)."""
+    """(output, stats): the first call's wall time, then ``reps`` timings after ``warmup`` calls
+    (``record.event_times_ms``: CUDA events on a GPU, the wall clock on the CPU, where the script only dry-runs)
+    and the extra device memory of one warm call (``record.peak_gib``; 0 on the CPU)."""
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
@@ -175,25 +172,14 @@ def timed(fn, reps=7, warmup=2):
     for _ in range(warmup):
         fn()
     times = record.event_times_ms(fn, reps, cuda)
-    if not cuda:
-        return fn(), dict(ms=statistics.median(times), spread_ms=max(times) - min(times), first_ms=first_ms,
-                          extra_peak_gib=0.0, times=times)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / GiB
+    out, peak = record.peak_gib(fn, cuda)
     return out, dict(ms=statistics.median(times), spread_ms=max(times) - min(times), first_ms=first_ms,
-                     extra_peak_gib=peak, times=times)
+                     extra_peak_gib=peak or 0.0, times=times)
 
 
-def environment():
-    info = dict(
-        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)", torch=torch.__version__, cuda=torch.version.cuda,
-        cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    )
+def environment(argv) -> dict:
+    """``record.header`` and the versions of Triton, flash-attn-4 (None when not installed) and the driver."""
+    info = record.header("window_attention.py", argv)
     try:
         import triton
 
@@ -229,7 +215,7 @@ def bench_heads(heads, layout, window, variants, reps):
     fa4 = window_flex._flash_usable(device) and window_flex.preferred_kernel == "auto"
     results = []
 
-    def record(name, kernel, fn, pairs=kept, check=True):
+    def measure(name, kernel, fn, pairs=kept, check=True):
         if variants and not any(name.startswith(x) for x in variants):
             return
         try:
@@ -252,40 +238,41 @@ def bench_heads(heads, layout, window, variants, reps):
 
     dense_kernel = resolve_kernel(device, q.dtype, D)
     cudnn_ok = device.type == "cuda"
-    record("dense over all pairs", dense_kernel, lambda: dense_attention(q, k, v, scale=scale).out,
-           pairs=all_pairs, check=False)
+    measure("dense over all pairs", dense_kernel, lambda: dense_attention(q, k, v, scale=scale).out,
+            pairs=all_pairs, check=False)
     if cudnn_ok and dense_kernel != "cudnn":
         with force_kernel("cudnn"):
-            record("dense over all pairs", "cudnn", lambda: dense_attention(q, k, v, scale=scale).out,
-                   pairs=all_pairs, check=False)
+            measure("dense over all pairs", "cudnn", lambda: dense_attention(q, k, v, scale=scale).out,
+                    pairs=all_pairs, check=False)
     saved = window_flex.preferred_kernel
     try:
         window_flex.preferred_kernel = "triton"
-        record("flex block mask", "triton", lambda: window_softmax(q, k, v, layout, window, backend="flex"))
+        measure("flex block mask", "triton", lambda: window_softmax(q, k, v, layout, window, backend="flex"))
         if fa4:
             window_flex.preferred_kernel = "flash"
-            record("flex block mask", "FLASH (FA4)",
-                   lambda: window_softmax(q, k, v, layout, window, backend="flex"))
+            measure("flex block mask", "FLASH (FA4)",
+                    lambda: window_softmax(q, k, v, layout, window, backend="flex"))
     finally:
         window_flex.preferred_kernel = saved
     run_pub, pub_kernel = published_decomposed(layout, window, device)
     if cudnn_ok:
-        record("published decomposed", f"cudnn + {pub_kernel}", lambda: run_pub(q, k, v, scale))
+        measure("published decomposed", f"cudnn + {pub_kernel}", lambda: run_pub(q, k, v, scale))
+
     def ours(**options):
         return lambda: window_softmax_decomposed(q, k, v, layout, window, scale, **options)
 
-    record("ours decomposed", f"{dense_kernel}, default (staged)",
+    measure("ours decomposed", f"{dense_kernel}, default (staged)",
            lambda: window_softmax(q, k, v, layout, window, backend="decomposed"))
     assert last_window_run().backend == "decomposed"
     if cudnn_ok:
-        record("ours decomposed", f"{dense_kernel}, staged in {q.dtype}".replace("torch.", ""),
-               ours(stage_dtype=q.dtype))
-        record("ours decomposed", f"{dense_kernel}, merge (zero-copy)", ours(strategy="merge"))
+        measure("ours decomposed", f"{dense_kernel}, staged in {q.dtype}".replace("torch.", ""),
+                ours(stage_dtype=q.dtype))
+        measure("ours decomposed", f"{dense_kernel}, merge (zero-copy)", ours(strategy="merge"))
     if cudnn_ok and dense_kernel != "cudnn":
         with force_kernel("cudnn"):
-            record("ours decomposed", "cudnn, default (staged)",
-                   lambda: window_softmax(q, k, v, layout, window, backend="decomposed"))
-    del q, k, v
+            measure("ours decomposed", "cudnn, default (staged)",
+                    lambda: window_softmax(q, k, v, layout, window, backend="decomposed"))
+    q = k = v = None  # the inputs freed
     torch.cuda.empty_cache()
     return dict(heads=heads, seq_len=T, kept_pairs=kept, kept_fraction=kept / all_pairs,
                 sampled_rows=len(rows), results=results)
@@ -313,24 +300,23 @@ def table(run):
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, nargs="+", default=[56, 7])
     parser.add_argument("--variants", nargs="*", default=None, help="name prefixes to run (default: all)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default=None, help="write the JSON results here")
     parser.add_argument("--smoke", action="store_true", help="a small geometry, to check the script itself")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     layout = release_geometry(frames=22, frame_h=8, frame_w=12, text=30, audio=40) if args.smoke else release_geometry()
     window = WindowSpec(radius=1, chunk=5, anchors="both")
-    report = dict(environment=environment(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                  runs=[bench_heads(h, layout, window, args.variants, args.reps) for h in args.heads])
-    text = "\n\n".join(table(r) for r in report["runs"])
-    report["markdown"] = text
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    print(json.dumps(report["environment"]))
-    print(text)
+    report = environment(argv)
+    print(json.dumps(report), flush=True)
+    report["runs"] = [bench_heads(h, layout, window, args.variants, args.reps) for h in args.heads]
+    report["markdown"] = "\n\n".join(table(r) for r in report["runs"])
+    record.write(report, args.out)
+    print(report["markdown"])
+    return report
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ references are upcasts of those, so the errors measured are those of the arithme
 TF32 is switched off for the duration of each test so that the fp32 references are fp32.
 """
 
-from dataclasses import replace
 import copy
 from dataclasses import dataclass, replace
 

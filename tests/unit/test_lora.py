@@ -1,6 +1,7 @@
 """LoRA merging into the DiT (h3_core.formats.lora): a merged LoRA equals the unmerged forward."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch

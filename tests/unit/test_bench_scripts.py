@@ -1,0 +1,122 @@
+"""Dry runs of the benchmarks in ``bench/`` that run on the CPU: each script runs as a subprocess with the small
+arguments it offers for that, must exit 0 and write its JSON with the top-level keys its results are read by.
+What the numbers say is the benchmarks' business (``bench/results``), not these tests': they only keep the
+scripts runnable. The scripts that need CUDA (``vae_decode.py``) and those whose smallest run is too long for a
+unit test (``lora_repatch.py`` writes a checkpoint of the release width, ``text_encoder_memory.py`` a synthetic
+encoder with Qwen's whole vocabulary, loaded twice) have no dry run here."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADER = {"command", "device", "torch", "date"}
+
+
+def dry_run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: int = 300) -> dict:
+    """Run ``bench/<script> *args --out <tmp>/<script>.json`` from the repository root; its JSON."""
+    out = tmp_path / f"{Path(script).stem}.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def host_tokenizer() -> Path:
+    """The host's Qwen BPE folder, or a skip when the test host is not installed."""
+    from comfy_host import comfyui_root
+
+    try:
+        return comfyui_root() / "comfy" / "text_encoders" / "qwen25_tokenizer"
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
+def test_window_attention(tmp_path):
+    result = dry_run(tmp_path, "window_attention.py", "--smoke", "--heads", "1", "--reps", "1", "--variants", "ours")
+    assert HEADER <= set(result) and {"runs", "markdown"} <= set(result)
+
+
+def test_dit_block(tmp_path):
+    result = dry_run(tmp_path, "dit_block.py", "--tiny", "--reps", "1", "--profile")
+    assert HEADER <= set(result) and {"rows", "blocks"} <= set(result)
+
+
+def test_dit_step(tmp_path):
+    result = dry_run(tmp_path, "dit_step.py", "--tiny", "--reps", "1", "--variants", "fp8-decomposed")
+    assert HEADER <= set(result) and {"rows", "variants"} <= set(result)
+
+
+def test_block_memory(tmp_path):
+    result = dry_run(tmp_path, "block_memory.py", "--tiny", "--frames", "12", "--variants", "1:0", "2:16")
+    assert HEADER <= set(result) and "rows" in result
+
+
+def test_branch_stages(tmp_path):
+    result = dry_run(tmp_path, "branch_stages.py", "--tiny", "--reps", "1")
+    assert HEADER <= set(result) and {"ms", "max_diff"} <= set(result)
+
+
+def test_fp8_stages(tmp_path):
+    result = dry_run(tmp_path, "fp8_stages.py", "--tiny", "--reps", "1")
+    assert HEADER <= set(result) and {"ms", "codes_equal"} <= set(result)
+
+
+def test_kernel_launches_under_the_triton_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    result = dry_run(tmp_path, "kernel_launches.py", "--tiny", "--reps", "1", "--only", "readout",
+                     env={"TRITON_INTERPRET": "1"})
+    assert HEADER <= set(result) and {"ms", "max_diff"} <= set(result)
+
+
+def test_checkpoint_memory(tmp_path):
+    if not Path("/proc/self/status").exists():
+        pytest.skip("reads resident memory from /proc")
+    result = dry_run(tmp_path, "checkpoint_memory.py", "--gib", "0.05", "--file", str(tmp_path / "dit.safetensors"))
+    assert HEADER <= set(result) and {"file_bytes", "peak_rise_x_file", "final_rise_x_file"} <= set(result)
+
+
+def test_text_encode(tmp_path):
+    tokenizer = host_tokenizer()
+    result = dry_run(tmp_path, "text_encode.py", "--tiny", "--reps", "1", "--host", str(tokenizer.parents[2]))
+    assert HEADER <= set(result) and {"resident", "streamed"} <= set(result)
+
+
+@pytest.fixture(scope="module")
+def tiny_end_to_end(tmp_path_factory):
+    """``end_to_end.py --tiny``'s files written and its report made (no server: the phases that serve need one)."""
+    folder = tmp_path_factory.mktemp("end_to_end")
+    return folder, dry_run(folder, "end_to_end.py", "--tiny", "--base", str(folder / "base"), "--phase", "write",
+                           "report")
+
+
+def test_end_to_end(tiny_end_to_end):
+    _, result = tiny_end_to_end
+    assert {"environments", "files"} <= set(result)
+
+
+def test_dit_load(tmp_path, tiny_end_to_end):
+    models = tiny_end_to_end[0] / "base" / "models" / "diffusion_models"
+    result = dry_run(tmp_path, "dit_load.py", "--dit", str(models / "h3_tiny_random_dit.safetensors"), "--branch",
+                     str(models / "h3_tiny_random_linear_branch.safetensors"), "--device", "cpu", "--reps", "1")
+    assert HEADER <= set(result) and "runs" in result
+
+
+def test_mp4_presets(tmp_path):
+    pytest.importorskip("av")
+    image = pytest.importorskip("PIL.Image")
+    import numpy as np
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        image.fromarray(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)).save(photos / f"{name}.png")
+    result = dry_run(tmp_path, "mp4_presets.py", "--photos", str(photos), "--frames", "22", "--width", "256",
+                     "--height", "144", "--threads", "0", "--presets", "medium", "--thread-types", "frame",
+                     "--extra-crfs", "--tail-loads", "idle")
+    assert HEADER <= set(result) and {"rows", "reference"} <= set(result)
