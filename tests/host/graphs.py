@@ -79,5 +79,5 @@ def with_decode_and_save(prompt: dict, prefix: str) -> dict:
               if k not in ("8", "9", "10")}
     prompt["8"] = {"class_type": "H3DecodeAndSave", "inputs": {
         "video_vae": ["2", 0], "audio_vae": ["3", 0], "latent": ["7", 0], "filename_prefix": prefix, "fps": 24,
-        "encoder": "auto", "encoder_preset": "medium", "tile_size": 256, "overlap": 64, "tiles_per_batch": 4, "attention": ["6", 0]}}
+        "encoder": "auto", "encoder_preset": "superfast", "tile_size": 256, "overlap": 64, "tiles_per_batch": 4, "attention": ["6", 0]}}
     return prompt
