@@ -22,15 +22,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # dit_block's helpers, also when this file is loaded from elsewhere
-import record  # noqa: E402
+import dit_block
+import record
 
-import dit_block  # noqa: E402
-
-from h3_core.memory.predict import BlockShape, block_peaks  # noqa: E402
-from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
+from h3_core.memory.predict import BlockShape, block_peaks
+from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory  # noqa: E402
-
+from h3_core.models.run_options import apply_low_memory
 
 GiB = 2**30
 
@@ -99,8 +97,12 @@ def parse_variant(text: str) -> LowMemory:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, nargs="*", default=[102, 52], help="latent frames of the clip")
-    parser.add_argument("--variants", nargs="*", default=["1:0", "2:32768", "8:16384", "4:8192"],
-                        help="G:R[:B] = head groups : FFN chunk rows (0: none) : branch statistics frames (0: all)")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=["1:0", "2:32768", "8:16384", "4:8192"],
+        help="G:R[:B] = head groups : FFN chunk rows (0: none) : branch statistics frames (0: all)",
+    )
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU: a dry run of the code")
     parser.add_argument("--out", type=Path, default=None)
@@ -111,8 +113,10 @@ def main(argv=None) -> dict:
     base_setup = dit_block.TINY if args.tiny else dit_block.RELEASE
     result = dict(record.header("block_memory.py", argv), rows=[])
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
-    blocks = {kind: dit_block.build(replace(base_setup["cfg"], hybrid=kind == "hybrid"), device, dtype)
-              for kind in ("dense", "hybrid")}
+    blocks = {
+        kind: dit_block.build(replace(base_setup["cfg"], hybrid=kind == "hybrid"), device, dtype)
+        for kind in ("dense", "hybrid")
+    }
     for frames in args.frames:
         setup = dict(base_setup, frames=frames)
         packed, x, temb, rows, rope = dit_block.inputs(setup, device, dtype)
@@ -127,10 +131,16 @@ def main(argv=None) -> dict:
                 apply_low_memory(block, options)
                 measured = measure(block, lambda: block(x, temb, rows, rope, ctx), cuda)
                 predicted = block_peaks(shape, options, hybrid=kind == "hybrid")
-                row = dict(frames=frames, rows=int(x.shape[0]), kind=kind, head_groups=options.head_groups,
-                           ffn_chunk_rows=options.ffn_chunk_rows, branch_frames=options.branch_frames,
-                           measured_gib=measured,
-                           predicted_gib={k: v / GiB for k, v in predicted.items()})
+                row = dict(
+                    frames=frames,
+                    rows=int(x.shape[0]),
+                    kind=kind,
+                    head_groups=options.head_groups,
+                    ffn_chunk_rows=options.ffn_chunk_rows,
+                    branch_frames=options.branch_frames,
+                    measured_gib=measured,
+                    predicted_gib={k: v / GiB for k, v in predicted.items()},
+                )
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             apply_low_memory(block, LowMemory())

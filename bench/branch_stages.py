@@ -23,12 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
+import record
 
-from h3_core.attention.layout import window_bounds  # noqa: E402
-from h3_core.models import branch_fused, branch_math as lb  # noqa: E402
-from h3_core.models.linear_branch import LinearBranch  # noqa: E402
-from h3_core.models.run_options import fuse_branches  # noqa: E402
+from h3_core.attention.layout import window_bounds
+from h3_core.models import branch_fused
+from h3_core.models import branch_math as lb
+from h3_core.models.linear_branch import LinearBranch
+from h3_core.models.run_options import fuse_branches
 
 RELEASE = dict(frames=100, grid=(24, 42), heads=56, head_dim=128, hidden=5376)
 TINY = dict(frames=12, grid=(3, 5), heads=2, head_dim=16, hidden=32)
@@ -71,7 +72,8 @@ def main(argv=None) -> dict:
         spatial = branch_fused.spatial_conv(dense_k, weights[0], grid)
         for mode in modes:
             conv_k = lambda mode=mode: branch_fused.run(  # noqa: E731
-                mode, "conv_features", spatial, weights[1], H, True)
+                mode, "conv_features", spatial, weights[1], H, True
+            )
             ms[f"temporal conv + SiLU + L2 of k ({mode})"] = time_it(conv_k)
             diff[f"k features {mode} vs plain"] = max_diff(conv_k().transpose(1, 2), k_plain)
 
@@ -80,7 +82,8 @@ def main(argv=None) -> dict:
         kt = k_plain.transpose(1, 2).contiguous().transpose(1, 2)
         ms["statistics (plain, fp32)"] = time_it(lambda: lb.frame_statistics(kt, v_plain, beta))
         ms["statistics (plain, fp32, 16 frames at a time)"] = time_it(
-            lambda: lb.frame_statistics(kt, v_plain, beta, 16))
+            lambda: lb.frame_statistics(kt, v_plain, beta, 16)
+        )
         A, B = lb.frame_statistics(kt, v_plain, beta)
         shifted = A + torch.eye(d, dtype=A.dtype, device=device)
         root = beta.sqrt()[..., None]
@@ -116,10 +119,12 @@ def main(argv=None) -> dict:
 
         # the readout: plain, the state product of q̃ (the norm and gate follow); fused, all of it in one function
         ms["readout's state product (plain)"] = time_it(
-            lambda: torch.einsum("fhvk,fshk->fshv", state.to(dtype), q_plain))
+            lambda: torch.einsum("fhvk,fshk->fshv", state.to(dtype), q_plain)
+        )
         logits = torch.randn(frames * S, C, generator=g).to(device, dtype)
         readout = lambda mode: branch_fused.run(  # noqa: E731
-            mode, "readout", q.view(shape), state, branch.norm.weight, logits)
+            mode, "readout", q.view(shape), state, branch.norm.weight, logits
+        )
         for mode in modes:
             ms[f"readout ({mode}: q̃, state product, norm, gate)"] = time_it(lambda mode=mode: readout(mode))
             if mode != "eager":

@@ -23,17 +23,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
+import record
 
+from h3_core.formats.checkpoints import load_h3_model
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.precision import keeps_fp32
-from h3_core.formats.checkpoints import load_h3_model  # noqa: E402
 
 
 def config(gib: float) -> DiTConfig:
     per_layer = 2 * (4 * 1024 * 1024 + 3 * 1024 * 4096 + 6 * 512 * 1024 * 3)  # attn, mlp, adaln, bf16 bytes
-    return DiTConfig(hidden=1024, layers=max(1, round(gib * 2**30 / per_layer)), heads=8, head_dim=128, ffn=4096,
-                     text_dim=1024, freq_dim=256, time_hidden=1024, time_embed=512, rope_freqs=16)
+    return DiTConfig(
+        hidden=1024,
+        layers=max(1, round(gib * 2**30 / per_layer)),
+        heads=8,
+        head_dim=128,
+        ffn=4096,
+        text_dim=1024,
+        freq_dim=256,
+        time_hidden=1024,
+        time_embed=512,
+        rope_freqs=16,
+    )
 
 
 def write(path: Path, cfg: DiTConfig) -> None:
@@ -42,8 +52,9 @@ def write(path: Path, cfg: DiTConfig) -> None:
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in H3DiT(cfg).state_dict().items()}
     g = torch.Generator().manual_seed(0)
-    state = {k: torch.randn(s, generator=g).to(torch.float32 if keeps_fp32(k) else torch.bfloat16)
-             for k, s in shapes.items()}
+    state = {
+        k: torch.randn(s, generator=g).to(torch.float32 if keeps_fp32(k) else torch.bfloat16) for k, s in shapes.items()
+    }
     tmp = path.with_suffix(".partial")
     save_file(state, str(tmp))
     os.replace(tmp, path)
@@ -101,8 +112,12 @@ def main(argv=None) -> dict:
     else:
         if not path.exists():
             write(path, cfg)
-        run = subprocess.run([sys.executable, __file__, "--gib", str(args.gib), "--file", str(path), "--measure-only"],
-                             check=True, capture_output=True, text=True)
+        run = subprocess.run(
+            [sys.executable, __file__, "--gib", str(args.gib), "--file", str(path), "--measure-only"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         result = json.loads(run.stdout)
         result.update(record.header("checkpoint_memory.py", argv), device="cpu (host memory)", cpus=os.cpu_count())
     text = record.write(result, args.out, indent=2)

@@ -17,8 +17,16 @@ import re
 
 import torch
 
-LAUNCH_NAMES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemcpyAsync",
-                "cudaMemsetAsync", "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
+LAUNCH_NAMES = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernelEx",
+    "cudaMemcpyAsync",
+    "cudaMemsetAsync",
+    "cudaLaunchCooperativeKernel",
+    "cudaGraphLaunch",
+)
 SHORT_NS = 5000
 PYTHON_FRAME = re.compile(r".*\.py\(\d+\): ")
 
@@ -34,8 +42,10 @@ def _is_frame(event) -> bool:
 
 def _host_spans(events):
     """The host's ops and Python frames (no launch calls, no device work) sorted by start, and their starts."""
-    spans = sorted((e for e in events if not _is_device(e) and e.name() not in LAUNCH_NAMES and e.duration_ns() > 0),
-                   key=lambda e: e.start_ns())
+    spans = sorted(
+        (e for e in events if not _is_device(e) and e.name() not in LAUNCH_NAMES and e.duration_ns() > 0),
+        key=lambda e: e.start_ns(),
+    )
     return spans, [e.start_ns() for e in spans]
 
 
@@ -112,11 +122,24 @@ def idle_table(run, top: int) -> dict:
         totals[1] += 1
         totals[2] += idle / 1e6 if late else 0.0
         if len(listed) < top:
-            listed.append(dict(idle_us=round(idle / 1e3, 1), host_late=late, launched_from=site,
-                               before=before.name()[:90], after=after.name()[:90]))
+            listed.append(
+                dict(
+                    idle_us=round(idle / 1e3, 1),
+                    host_late=late,
+                    launched_from=site,
+                    before=before.name()[:90],
+                    after=after.name()[:90],
+                )
+            )
     sites = sorted(by_site.items(), key=lambda kv: -kv[1][0])
-    return dict(span_ms=round(span / 1e6, 3), busy_ms=round(busy / 1e6, 3), idle_ms=round((span - busy) / 1e6, 3),
-                host_late_ms=round(host_late / 1e6, 3),
-                by_site=[dict(site=site[:140], idle_ms=round(ms, 3), gaps=n, host_late_ms=round(late, 3))
-                         for site, (ms, n, late) in sites[:top]],
-                gaps=listed)
+    return dict(
+        span_ms=round(span / 1e6, 3),
+        busy_ms=round(busy / 1e6, 3),
+        idle_ms=round((span - busy) / 1e6, 3),
+        host_late_ms=round(host_late / 1e6, 3),
+        by_site=[
+            dict(site=site[:140], idle_ms=round(ms, 3), gaps=n, host_late_ms=round(late, 3))
+            for site, (ms, n, late) in sites[:top]
+        ],
+        gaps=listed,
+    )

@@ -22,29 +22,38 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
-from device_idle import idle_table  # noqa: E402
+import record
+from device_idle import idle_table
 
-from h3_core.attention import last_window_run  # noqa: E402
-from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq  # noqa: E402
-from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
-from h3_core.models.fp8_linear import quantize_linears  # noqa: E402
-from h3_core.models.run_options import fuse_blocks  # noqa: E402
-from h3_core.models.run_options import fuse_branches  # noqa: E402
+from h3_core.attention import last_window_run
+from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
+from h3_core.models.fp8_linear import quantize_linears
+from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory  # noqa: E402
-from h3_core.pipeline.packing import pack_sequence  # noqa: E402
+from h3_core.models.run_options import (
+    apply_low_memory,
+    fuse_blocks,
+    fuse_branches,
+)
+from h3_core.pipeline.packing import pack_sequence
 
 GiB = record.GiB
 RELEASE = dict(cfg=DiTConfig(), text=300, frames=102, height=48, width=84, audio=575)
-TINY = dict(cfg=DiTConfig(hidden=64, layers=1, heads=2, head_dim=32, ffn=96, time_embed=16, rope_freqs=4), text=6,
-            frames=12, height=4, width=6, audio=10)
+TINY = dict(
+    cfg=DiTConfig(hidden=64, layers=1, heads=2, head_dim=32, ffn=96, time_embed=16, rope_freqs=4),
+    text=6,
+    frames=12,
+    height=4,
+    width=6,
+    audio=10,
+)
 
 
 def inputs(setup, device, dtype):
     cfg = setup["cfg"]
-    packed = pack_sequence(torch.ones(setup["text"], dtype=torch.long), setup["frames"], setup["height"],
-                           setup["width"], setup["audio"])
+    packed = pack_sequence(
+        torch.ones(setup["text"], dtype=torch.long), setup["frames"], setup["height"], setup["width"], setup["audio"]
+    )
     g = torch.Generator().manual_seed(0)
     T = packed.positions.shape[0]
     x = torch.randn(T, cfg.hidden, generator=g).to(device, dtype)
@@ -98,8 +107,9 @@ class SectionClock:
     def module(self, name, module):
         open_marks = []
         self.handles.append(module.register_forward_pre_hook(lambda m, a: open_marks.append(self._mark())))
-        self.handles.append(module.register_forward_hook(
-            lambda m, a, o: self.marks.append((name, open_marks.pop(), self._mark()))))
+        self.handles.append(
+            module.register_forward_hook(lambda m, a, o: self.marks.append((name, open_marks.pop(), self._mark())))
+        )
 
     def function(self, name, owner, attr, when=None):
         """Time the calls of ``owner.attr`` (those for which ``when(*args)`` holds, if given) as ``name``."""
@@ -211,13 +221,21 @@ def kernel_table(run, top: int) -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    rows = [dict(kernel=e.key[:110], calls=e.count, ms=e.self_device_time_total / 1e3)
-            for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows = [
+        dict(kernel=e.key[:110], calls=e.count, ms=e.self_device_time_total / 1e3)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
     rows.sort(key=lambda r: -r["ms"])
     rest = rows[top:]
     rows = [dict(r, ms=round(r["ms"], 3)) for r in rows[:top]]
-    rows.append(dict(kernel=f"{len(rest)} other kernels", calls=sum(r["calls"] for r in rest),
-                     ms=round(sum(r["ms"] for r in rest), 3)))
+    rows.append(
+        dict(
+            kernel=f"{len(rest)} other kernels",
+            calls=sum(r["calls"] for r in rest),
+            ms=round(sum(r["ms"] for r in rest), 3),
+        )
+    )
     return rows
 
 
@@ -246,29 +264,55 @@ def main(argv=None) -> dict:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--profile", action="store_true", help="split one forward of each block into sections")
     parser.add_argument("--ffn-chunk-rows", type=int, default=None, help="the FFN over this many rows at a time")
-    parser.add_argument("--head-groups", type=int, default=1,
-                        help="attention and linear branch in this many head groups")
-    parser.add_argument("--branch-frames", type=int, default=None,
-                        help="the branch's fp32 statistics this many frames at a time")
-    parser.add_argument("--fused-branch", default=None, choices=("eager", "compiled"),
-                        help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
-    parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
-                        help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
+    parser.add_argument(
+        "--head-groups", type=int, default=1, help="attention and linear branch in this many head groups"
+    )
+    parser.add_argument(
+        "--branch-frames", type=int, default=None, help="the branch's fp32 statistics this many frames at a time"
+    )
+    parser.add_argument(
+        "--fused-branch",
+        default=None,
+        choices=("eager", "compiled"),
+        help="the linear branch's per-element work fused (h3_core.models.branch_fused)",
+    )
+    parser.add_argument(
+        "--fused-blocks",
+        default=None,
+        choices=("eager", "compiled"),
+        help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)",
+    )
     parser.add_argument("--fp8", action="store_true", help="fp8 linears (quantize_linears) in each block")
     parser.add_argument("--blocks", nargs="*", default=["dense", "hybrid"], choices=("dense", "hybrid"))
-    parser.add_argument("--kernels", type=int, default=0,
-                        help="list this many CUDA kernels of one forward by time, and as many of its copies by shape")
-    parser.add_argument("--idle", type=int, default=0,
-                        help="one forward's device idle time by launch site, and this many of its longest gaps")
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="list this many CUDA kernels of one forward by time, and as many of its copies by shape",
+    )
+    parser.add_argument(
+        "--idle",
+        type=int,
+        default=0,
+        help="one forward's device idle time by launch site, and this many of its longest gaps",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     setup = TINY if args.tiny else RELEASE
     packed, x, temb, rows, rope = inputs(setup, device, dtype)
-    result = dict(record.header("dit_block.py", argv), rows=int(x.shape[0]), dtype=str(dtype),
-                  ffn_chunk_rows=args.ffn_chunk_rows, head_groups=args.head_groups, fused_branch=args.fused_branch,
-                  fused_blocks=args.fused_blocks, fp8=args.fp8, blocks={})
+    result = dict(
+        record.header("dit_block.py", argv),
+        rows=int(x.shape[0]),
+        dtype=str(dtype),
+        ffn_chunk_rows=args.ffn_chunk_rows,
+        head_groups=args.head_groups,
+        fused_branch=args.fused_branch,
+        fused_blocks=args.fused_blocks,
+        fp8=args.fp8,
+        blocks={},
+    )
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
     context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
     for name in args.blocks:
@@ -290,8 +334,7 @@ def main(argv=None) -> dict:
             stats["window_backend"] = last_window_run().backend
         if args.profile:
             with torch.no_grad():
-                stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx),
-                                                 device.type == "cuda")
+                stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx), device.type == "cuda")
         if args.kernels and device.type == "cuda":
             with torch.no_grad():
                 stats["kernels"] = kernel_table(lambda: block(x, temb, rows, rope, ctx), args.kernels)

@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
-from lora_repatch import drop_page_cache  # noqa: E402
+import record
+from lora_repatch import drop_page_cache
 
-from h3_core.formats.checkpoints import load_h3_model  # noqa: E402
+from h3_core.formats.checkpoints import load_h3_model
 
 
 def fill_page_cache(path: Path, chunk: int = 1 << 26) -> float:
@@ -47,8 +47,10 @@ def profiled(fn, top: int):
 
     def rows(key):
         entries = sorted(stats.stats.items(), key=lambda item: item[1][key], reverse=True)[:top]
-        return [dict(function=f"{Path(file).name}:{line} {name}", calls=calls, own_s=own, cumulative_s=cumulative)
-                for (file, line, name), (_, calls, own, cumulative, _) in entries]
+        return [
+            dict(function=f"{Path(file).name}:{line} {name}", calls=calls, own_s=own, cumulative_s=cumulative)
+            for (file, line, name), (_, calls, own, cumulative, _) in entries
+        ]
 
     return result, seconds, dict(by_own_time=rows(2), by_cumulative=rows(3))
 
@@ -73,8 +75,11 @@ def main(argv=None) -> dict:
                 drop_page_cache(path)
         read_s = None if args.cold else sum(fill_page_cache(p) for p in files)
         model, load_s, load_profile = profiled(
-            lambda: load_h3_model(args.dit, branch=args.branch, device="cpu", dtype=torch.bfloat16, linears="fp8",
-                                  run_device=device), args.top)
+            lambda: load_h3_model(
+                args.dit, branch=args.branch, device="cpu", dtype=torch.bfloat16, linears="fp8", run_device=device
+            ),
+            args.top,
+        )
 
         def to_device():
             model.to(device)
@@ -83,9 +88,18 @@ def main(argv=None) -> dict:
 
         _, move_s, move_profile = profiled(to_device, args.top)
         weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        result["runs"].append(dict(page_cache_read_s=read_s, load_s=load_s, to_device_s=move_s, weight_bytes=weights,
-                                   load_gb_per_s=weights / load_s / 1e9, to_device_gb_per_s=weights / move_s / 1e9,
-                                   load_profile=load_profile, to_device_profile=move_profile))
+        result["runs"].append(
+            dict(
+                page_cache_read_s=read_s,
+                load_s=load_s,
+                to_device_s=move_s,
+                weight_bytes=weights,
+                load_gb_per_s=weights / load_s / 1e9,
+                to_device_gb_per_s=weights / move_s / 1e9,
+                load_profile=load_profile,
+                to_device_profile=move_profile,
+            )
+        )
         print(f"load {load_s:.2f} s, to {device} {move_s:.2f} s ({weights / 1e9:.2f} GB)", flush=True)
         model = None  # freed before the next load
         if device.type == "cuda":

@@ -29,33 +29,51 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # dit_block's helpers, also when this file is loaded from elsewhere
-import record  # noqa: E402
+import dit_block
+import record
+from device_idle import idle_table
 
-import dit_block  # noqa: E402
-from device_idle import idle_table  # noqa: E402
-
-from h3_core.attention import last_window_run  # noqa: E402
-from h3_core.models.fp8_linear import quantize_linears  # noqa: E402
-from h3_core.memory.apply import apply_plan  # noqa: E402
-from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory  # noqa: E402
-from h3_core.models.adaln_tables import prepare_adaln_tables  # noqa: E402
-from h3_core.models.run_options import fuse_blocks  # noqa: E402
-from h3_core.models.run_options import fuse_branches  # noqa: E402
+from h3_core.attention import last_window_run
+from h3_core.memory.apply import apply_plan
+from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory
+from h3_core.models.adaln_tables import prepare_adaln_tables
 from h3_core.models.dit import DiTConfig, H3DiT, rope_inv_freq
-from h3_core.models.precision import keeps_fp32  # noqa: E402
-from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext  # noqa: E402
-from h3_core.models.low_memory import LowMemory; from h3_core.models.run_options import apply_low_memory  # noqa: E402
-from h3_core.pipeline.geometry import audio_latents, latent_frames  # noqa: E402
-from h3_core.pipeline.noise import row_timesteps  # noqa: E402
-from h3_core.pipeline.packing import pack_sequence  # noqa: E402
-
+from h3_core.models.fp8_linear import quantize_linears
+from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.precision import keeps_fp32
+from h3_core.models.run_options import (
+    apply_low_memory,
+    fuse_blocks,
+    fuse_branches,
+)
+from h3_core.pipeline.geometry import audio_latents, latent_frames
+from h3_core.pipeline.noise import row_timesteps
+from h3_core.pipeline.packing import pack_sequence
 
 GiB = record.GiB
 CAP_USABLE = 0.95  # of a cap, what the plan may fill: the rest is the allocator's slack
 VARIANTS = ("dense-bf16", "bf16-decomposed", "bf16-flex", "fp8-decomposed", "fp8-flex")
 RELEASE = dict(cfg=DiTConfig(hybrid=True), text=300, height=48, width=84, frames=345)
-TINY = dict(cfg=DiTConfig(hidden=64, layers=2, heads=2, head_dim=32, ffn=96, text_dim=40, freq_dim=16, time_hidden=32,
-                          time_embed=16, rope_freqs=4, hybrid=True), text=6, height=4, width=6, frames=73)
+TINY = dict(
+    cfg=DiTConfig(
+        hidden=64,
+        layers=2,
+        heads=2,
+        head_dim=32,
+        ffn=96,
+        text_dim=40,
+        freq_dim=16,
+        time_hidden=32,
+        time_embed=16,
+        rope_freqs=4,
+        hybrid=True,
+    ),
+    text=6,
+    height=4,
+    width=6,
+    frames=73,
+)
 
 
 def random_model(cfg: DiTConfig, device, dtype) -> H3DiT:
@@ -78,15 +96,27 @@ def random_model(cfg: DiTConfig, device, dtype) -> H3DiT:
 def request(setup, device):
     """The packed T2VA request and the model's inputs at the first step (t = 0 for every generated row)."""
     cfg = setup["cfg"]
-    packed = pack_sequence(torch.ones(setup["text"], dtype=torch.long), latent_frames(setup["frames"]),
-                           setup["height"], setup["width"], audio_latents(setup["frames"]))
+    packed = pack_sequence(
+        torch.ones(setup["text"], dtype=torch.long),
+        latent_frames(setup["frames"]),
+        setup["height"],
+        setup["width"],
+        audio_latents(setup["frames"]),
+    )
     g = torch.Generator().manual_seed(0)
     timesteps, index = row_timesteps(packed, 0.0, 0.0)
-    inputs = (torch.randn(packed.video_index.numel(), cfg.video_row, generator=g).to(device),
-              torch.randn(packed.audio_index.numel(), cfg.audio_channels, generator=g).to(device),
-              torch.randn(setup["text"], cfg.text_dim, generator=g).to(device), timesteps.to(device), index.to(device),
-              packed.tags.to(device), packed.positions.to(device), packed.video_index.to(device),
-              packed.audio_index.to(device), packed.text_index.to(device))
+    inputs = (
+        torch.randn(packed.video_index.numel(), cfg.video_row, generator=g).to(device),
+        torch.randn(packed.audio_index.numel(), cfg.audio_channels, generator=g).to(device),
+        torch.randn(setup["text"], cfg.text_dim, generator=g).to(device),
+        timesteps.to(device),
+        index.to(device),
+        packed.tags.to(device),
+        packed.positions.to(device),
+        packed.video_index.to(device),
+        packed.audio_index.to(device),
+        packed.text_index.to(device),
+    )
     return packed, inputs
 
 
@@ -100,8 +130,12 @@ def evaluate(model, inputs, ctx, reps: int, cuda: bool) -> dict:
             torch.cuda.reset_peak_memory_stats()
         times = [ms / 1e3 for ms in record.event_times_ms(lambda: model(*inputs, hybrid=ctx), reps, cuda)]
     peak = torch.cuda.max_memory_allocated() / GiB if cuda else None
-    return dict(seconds=statistics.median(times), spread_s=max(times) - min(times), peak_gib=peak,
-                finite=bool(torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()))
+    return dict(
+        seconds=statistics.median(times),
+        spread_s=max(times) - min(times),
+        peak_gib=peak,
+        finite=bool(torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()),
+    )
 
 
 def profile(model, inputs, ctx, cuda: bool) -> dict:
@@ -136,12 +170,24 @@ def main(argv=None) -> dict:
     parser.add_argument("--low-memory", default="1:0", help="G:R = head groups : FFN chunk rows (0: none)")
     parser.add_argument("--cap-gib", type=float, default=None, help="limit this process to that much device memory")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--idle", type=int, default=0,
-                        help="one evaluation's device idle time by launch site, and this many of its longest gaps")
-    parser.add_argument("--fused-branch", default=None, choices=("eager", "compiled"),
-                        help="the linear branch's per-element work fused (h3_core.models.branch_fused)")
-    parser.add_argument("--fused-blocks", default=None, choices=("eager", "compiled"),
-                        help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)")
+    parser.add_argument(
+        "--idle",
+        type=int,
+        default=0,
+        help="one evaluation's device idle time by launch site, and this many of its longest gaps",
+    )
+    parser.add_argument(
+        "--fused-branch",
+        default=None,
+        choices=("eager", "compiled"),
+        help="the linear branch's per-element work fused (h3_core.models.branch_fused)",
+    )
+    parser.add_argument(
+        "--fused-blocks",
+        default=None,
+        choices=("eager", "compiled"),
+        help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a dry run of the code")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -157,9 +203,16 @@ def main(argv=None) -> dict:
     packed, inputs = request(setup, device)
     shape = BlockShape.of(cfg, packed, dtype)
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
-    result = dict(record.header("dit_step.py", argv), rows=shape.rows,
-                  low_memory=args.low_memory, cap_gib=args.cap_gib, fused_branch=args.fused_branch,
-                  fused_blocks=args.fused_blocks, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), variants={})
+    result = dict(
+        record.header("dit_step.py", argv),
+        rows=shape.rows,
+        low_memory=args.low_memory,
+        cap_gib=args.cap_gib,
+        fused_branch=args.fused_branch,
+        fused_blocks=args.fused_blocks,
+        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        variants={},
+    )
     model = random_model(cfg, device, dtype)
     apply_low_memory(model, options)
     fuse_branches(model, args.fused_branch)
@@ -179,8 +232,16 @@ def main(argv=None) -> dict:
         ctx = HybridContext(packed.layout, window, backend, (0, setup["text"])) if hybrid else None
         plan = None
         if args.cap_gib is not None:
-            plan = plan_for_memory(cfg, shape, args.cap_gib * GiB * CAP_USABLE, hybrid=hybrid, dtype=dtype,
-                                   linears=linears, steps=1, fused=fused)
+            plan = plan_for_memory(
+                cfg,
+                shape,
+                args.cap_gib * GiB * CAP_USABLE,
+                hybrid=hybrid,
+                dtype=dtype,
+                linears=linears,
+                steps=1,
+                fused=fused,
+            )
             fitted = apply_plan(model, plan, device)
             if plan.adaln_on_host:
                 prepare_adaln_tables(model, [inputs[3]], device)
@@ -199,8 +260,9 @@ def main(argv=None) -> dict:
             if plan is not None:
                 predicted = plan.predicted
             else:
-                predicted = evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears,
-                                            fused=fused)
+                predicted = evaluation_peak(
+                    cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears, fused=fused
+                )
             stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
             if args.profile:
                 stats["profile_s"] = profile(model, inputs, ctx, cuda)

@@ -53,32 +53,53 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
-import lora_repatch  # noqa: E402
-import record  # noqa: E402
+import lora_repatch
+import record
 
 NOTE = "H3 Hybrid benchmark RANDOM weights: not a trained model"
 GiB = 2**30
 RELEASE = dict(width=1344, height=768, length=345, steps=8, text=300)
 TINY = dict(width=64, height=32, length=22, steps=2, text=6)
-FILES = {"dit": "minimax_h3_fl2va_pruned_fp8_scaled_random.safetensors",
-         "branch": "vdn_h3_linear_branch_random.safetensors",
-         "video_vae": "minimax_h3_video_vae_fp16_random.safetensors",
-         "audio_vae": "minimax_h3_audio_vae_fp32_random.safetensors",
-         "prompt": "h3_prompt_300_tokens_random.safetensors"}
-FOLDERS = {"dit": "diffusion_models", "branch": "diffusion_models", "video_vae": "vae", "audio_vae": "vae",
-           "prompt": "h3_prompts"}
+FILES = {
+    "dit": "minimax_h3_fl2va_pruned_fp8_scaled_random.safetensors",
+    "branch": "vdn_h3_linear_branch_random.safetensors",
+    "video_vae": "minimax_h3_video_vae_fp16_random.safetensors",
+    "audio_vae": "minimax_h3_audio_vae_fp32_random.safetensors",
+    "prompt": "h3_prompt_300_tokens_random.safetensors",
+}
+FOLDERS = {
+    "dit": "diffusion_models",
+    "branch": "diffusion_models",
+    "video_vae": "vae",
+    "audio_vae": "vae",
+    "prompt": "h3_prompts",
+}
 RUNS = ("cold", "warm", "restart", "fl2va", "small")
-STAGES = ("loaders_s", "sampler_prepare_s", "first_step_s", "steady_step_s", "sampling_s", "sampler_tail_s",
-          "decode_s", "audio_s", "mp4_tail_s", "total_s")
+STAGES = (
+    "loaders_s",
+    "sampler_prepare_s",
+    "first_step_s",
+    "steady_step_s",
+    "sampling_s",
+    "sampler_tail_s",
+    "decode_s",
+    "audio_s",
+    "mp4_tail_s",
+    "total_s",
+)
 
 
 def paths(base: Path, tiny: bool) -> dict[str, Path]:
     if tiny:
         from h3_core.pipeline.tiny_checkpoints import TINY_FILES
 
-        names = {"dit": TINY_FILES["dit"], "branch": TINY_FILES["linear_branch"],
-                 "video_vae": TINY_FILES["video_vae"], "audio_vae": TINY_FILES["audio_vae"],
-                 "prompt": "h3_tiny_prompt_random.safetensors"}
+        names = {
+            "dit": TINY_FILES["dit"],
+            "branch": TINY_FILES["linear_branch"],
+            "video_vae": TINY_FILES["video_vae"],
+            "audio_vae": TINY_FILES["audio_vae"],
+            "prompt": "h3_tiny_prompt_random.safetensors",
+        }
     else:
         names = FILES
     return {kind: base / "models" / FOLDERS[kind] / name for kind, name in names.items()}
@@ -92,8 +113,11 @@ def _save(state: dict, path: Path, metadata: dict | None = None) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(partial),
-              metadata={"note": NOTE, **(metadata or {})})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in state.items()},
+        str(partial),
+        metadata={"note": NOTE, **(metadata or {})},
+    )
     os.replace(partial, path)
 
 
@@ -120,14 +144,18 @@ def write_files(base: Path, tiny: bool) -> dict:
         files["dit"].parent.mkdir(parents=True, exist_ok=True)
         lora_repatch.write_checkpoint(files["dit"], lora_repatch.release_config())
         with torch.device("meta"):
-            shapes = {k: v.shape for k, v in H3DiT(DiTConfig(hybrid=True)).state_dict().items()
-                      if any(part in k for part in _BRANCH_PARTS)}
+            shapes = {
+                k: v.shape
+                for k, v in H3DiT(DiTConfig(hybrid=True)).state_dict().items()
+                if any(part in k for part in _BRANCH_PARTS)
+            }
         g = torch.Generator(device=device).manual_seed(2)
         branch = {}
         for key, shape in shapes.items():
             value = torch.randn(shape, generator=g, device=device) * 0.02
-            branch["transformer_blocks." + key.removeprefix("blocks.")] = \
-                value.to(torch.float32 if keeps_fp32(key) else torch.bfloat16)
+            branch["transformer_blocks." + key.removeprefix("blocks.")] = value.to(
+                torch.float32 if keeps_fp32(key) else torch.bfloat16
+            )
         _save(branch, files["branch"])
         video = dict(random_video_vae(device).state_dict())
         cfg = VideoVAEConfig()
@@ -140,8 +168,9 @@ def write_files(base: Path, tiny: bool) -> dict:
     g = torch.Generator().manual_seed(3)
     embeds = (torch.randn(text, width, generator=g) * 0.5).to(torch.bfloat16 if not tiny else torch.float32)
     files["prompt"].parent.mkdir(parents=True, exist_ok=True)
-    embedding = PromptEmbedding(embeds, torch.ones(text, dtype=torch.long),
-                                prompt="random prompt embedding (benchmark)", features=width)
+    embedding = PromptEmbedding(
+        embeds, torch.ones(text, dtype=torch.long), prompt="random prompt embedding (benchmark)", features=width
+    )
     save_prompt_embedding(files["prompt"], embedding)
     return {kind: path.stat().st_size for kind, path in files.items()}
 
@@ -176,8 +205,9 @@ def keyframe_images(folder: Path, size: dict) -> None:
     from PIL import Image
 
     y, x = np.mgrid[0 : size["height"], 0 : size["width"]]
-    first = np.stack([x * 255 // max(size["width"] - 1, 1), y * 255 // max(size["height"] - 1, 1),
-                      np.full_like(x, 96)], -1).astype(np.uint8)
+    first = np.stack(
+        [x * 255 // max(size["width"] - 1, 1), y * 255 // max(size["height"] - 1, 1), np.full_like(x, 96)], -1
+    ).astype(np.uint8)
     last = np.stack([np.full_like(x, 200), (x + y) % 256, y * 255 // max(size["height"] - 1, 1)], -1).astype(np.uint8)
     Image.fromarray(first).save(folder / "h3_first_frame.png")
     Image.fromarray(last).save(folder / "h3_last_frame.png")
@@ -213,7 +243,7 @@ def stages(events, prompt: dict, steps: int) -> dict:
     sampler = next(node_id for node_id, node in prompt.items() if node["class_type"] == "H3Sampler")
     told = [t for t, kind, data in events if kind == "text" and data[0] == sampler]
     progress = {data["value"]: t for t, kind, data in events if kind == "progress" and data.get("node") == sampler}
-    (s0, s1), = by_class["H3Sampler"]
+    ((s0, s1),) = by_class["H3Sampler"]
     loaded = told[0] if told else s0
     first, last = progress.get(1), progress.get(steps)
 
@@ -221,16 +251,22 @@ def stages(events, prompt: dict, steps: int) -> dict:
         return sum(t1 - t0 for t0, t1 in by_class.get(cls, []))
 
     out = dict(
-        loaders_s=sum(span(c) for c in ("H3DiTLoader", "H3VideoVAELoader", "H3AudioVAELoader",
-                                         "H3PromptEmbeddingLoader")),
+        loaders_s=sum(
+            span(c) for c in ("H3DiTLoader", "H3VideoVAELoader", "H3AudioVAELoader", "H3PromptEmbeddingLoader")
+        ),
         dit_loader_s=span("H3DiTLoader"),
         sampler_prepare_s=loaded - s0,
         first_step_s=None if first is None else first - loaded,
         steady_step_s=None if first is None or last is None or steps < 2 else (last - first) / (steps - 1),
         sampling_s=None if last is None else last - loaded,
         sampler_tail_s=None if last is None else s1 - last,
-        cached=[prompt[n]["class_type"] for t, kind, data in events if kind == "execution_cached"
-                for n in data.get("nodes", []) if n in prompt],
+        cached=[
+            prompt[n]["class_type"]
+            for t, kind, data in events
+            if kind == "execution_cached"
+            for n in data.get("nodes", [])
+            if n in prompt
+        ],
     )
     combined = next((node_id for node_id, node in prompt.items() if node["class_type"] == "H3DecodeAndSave"), None)
     if combined is None:  # the separate decode, audio decode and save nodes
@@ -238,7 +274,7 @@ def stages(events, prompt: dict, steps: int) -> dict:
     else:
         # Decode & Save: the soundtrack (its progress text), the video decode (to the last tile's progress), the
         # mp4's tail (the rest)
-        (d0, d1), = by_class["H3DecodeAndSave"]
+        ((d0, d1),) = by_class["H3DecodeAndSave"]
         sound = next(t for t, kind, data in events if kind == "text" and data[0] == combined)
         tiles = [t for t, kind, data in events if kind == "progress" and data.get("node") == combined]
         out.update(audio_s=sound - d0, decode_s=tiles[-1] - sound, mp4_tail_s=d1 - tiles[-1])
@@ -258,8 +294,14 @@ def save_state(path: Path, state: dict) -> None:
     path.write_text(json.dumps(state, indent=1))
 
 
-def serve(base: Path, compile_cache: Path, runs: list[tuple[str, str, int]], size: dict, timeout: float,
-          extra_args: tuple[str, ...] = ()) -> dict:
+def serve(
+    base: Path,
+    compile_cache: Path,
+    runs: list[tuple[str, str, int]],
+    size: dict,
+    timeout: float,
+    extra_args: tuple[str, ...] = (),
+) -> dict:
     """A new server on ``base`` with its compile caches under ``compile_cache`` (and ``extra_args`` on its command
     line); each run (label, workflow, seed) queued in turn, with the probe of torch's peak device memory after
     it; returns the stages (and the peak) by label."""
@@ -285,8 +327,14 @@ def serve(base: Path, compile_cache: Path, runs: list[tuple[str, str, int]], siz
             prompt["990"] = {"class_type": "H3ProbePeakMemory", "inputs": {"tag": label, "after_images": [writer, 0]}}
             events = timed_events(server, prompt, timeout)
             results[label] = stages(events, prompt, size["steps"])
-            peak = next((data["output"]["peak"][0] for _, kind, data in events
-                         if kind == "executed" and data.get("node") == "990"), None)
+            peak = next(
+                (
+                    data["output"]["peak"][0]
+                    for _, kind, data in events
+                    if kind == "executed" and data.get("node") == "990"
+                ),
+                None,
+            )
             results[label]["peak"] = peak
             print(label, json.dumps(results[label]), flush=True)
     finally:
@@ -306,8 +354,16 @@ def bench_in_process(script: str, *arguments: str) -> tuple[str, dict]:
 def steady_evaluation(tiny: bool) -> dict:
     """One steady evaluation of the variant the nodes run (fp8 linears, VDN-H3's decomposed window softmax,
     fused compiled blocks), by ``bench/dit_step.py``."""
-    command, report = bench_in_process("dit_step.py", "--variants", "fp8-decomposed", "--fused-blocks", "compiled",
-                                       "--reps", "3", *(["--tiny"] if tiny else []))
+    command, report = bench_in_process(
+        "dit_step.py",
+        "--variants",
+        "fp8-decomposed",
+        "--fused-blocks",
+        "compiled",
+        "--reps",
+        "3",
+        *(["--tiny"] if tiny else []),
+    )
     return dict(command=command, stats=report["variants"]["fp8-decomposed"])
 
 
@@ -330,14 +386,21 @@ def reserve_for_budget(budget_gib: float) -> float:
     """The ``--reserve-vram`` (GB as the host reads it: 2**30 bytes) that leaves the host ``budget_gib`` of the
     device's free memory (``get_free_memory`` less ``extra_reserved_memory``), from nvidia-smi (no CUDA context
     in this process)."""
-    free_mib = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i",
-                                   "0"], check=True, capture_output=True, text=True).stdout.split()[0])
+    free_mib = int(
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()[0]
+    )
     return max(free_mib / 1024 - budget_gib, 0.0)
 
 
 def environment() -> str:
     try:
         import flash_attn.cute  # noqa: F401
+
         return "fa4"
     except ImportError:
         return "pytorch"
@@ -347,16 +410,22 @@ def summary(env_state: dict) -> dict:
     cold, warm, restart = env_state.get("cold", {}), env_state.get("warm", {}), env_state.get("restart", {})
     evaluation = env_state.get("eval", {}).get("stats", {})
     t_eval = evaluation.get("median_s", evaluation.get("seconds"))
-    figures = dict(t_eval_s=t_eval, sampling_s=warm.get("sampling_s"), decode_s=warm.get("decode_s"),
-                   audio_s=warm.get("audio_s"), mp4_tail_s=warm.get("mp4_tail_s"), total_s=warm.get("total_s"),
-                   cold_total_s=cold.get("total_s"),
-                   text_encode_s=env_state.get("text_encode", {}).get("resident", {}).get("median_s"),
-                   text_encode_streamed_s=env_state.get("text_encode", {}).get("streamed", {}).get("median_s"),
-                   first_run_extra_s=(restart["total_s"] - warm["total_s"]) if restart and warm else None,
-                   empty_cache_first_run_s=cold.get("total_s"),
-                   small_card_total_s=env_state.get("small", {}).get("total_s"),
-                   small_card_peak_gib=(env_state.get("small", {}).get("peak") or {}).get("allocated_gib"),
-                   small_card_reserve_vram_gb=env_state.get("small_reserve_vram_gb"))
+    figures = dict(
+        t_eval_s=t_eval,
+        sampling_s=warm.get("sampling_s"),
+        decode_s=warm.get("decode_s"),
+        audio_s=warm.get("audio_s"),
+        mp4_tail_s=warm.get("mp4_tail_s"),
+        total_s=warm.get("total_s"),
+        cold_total_s=cold.get("total_s"),
+        text_encode_s=env_state.get("text_encode", {}).get("resident", {}).get("median_s"),
+        text_encode_streamed_s=env_state.get("text_encode", {}).get("streamed", {}).get("median_s"),
+        first_run_extra_s=(restart["total_s"] - warm["total_s"]) if restart and warm else None,
+        empty_cache_first_run_s=cold.get("total_s"),
+        small_card_total_s=env_state.get("small", {}).get("total_s"),
+        small_card_peak_gib=(env_state.get("small", {}).get("peak") or {}).get("allocated_gib"),
+        small_card_reserve_vram_gb=env_state.get("small_reserve_vram_gb"),
+    )
     bench = env_state.get("decode_bench") or {}
     if bench.get("decode_s") and warm.get("decode_s"):
         figures["decode_bench_s"] = bench["decode_s"]
@@ -371,17 +440,27 @@ def summary(env_state: dict) -> dict:
 
 
 def markdown(state: dict) -> str:
-    lines = ["# Prompt to mp4 through the server", "",
-             "Written by `bench/end_to_end.py` (see its docstring for the method). Random weights of the released "
-             "sizes; the bundled workflows as shipped but for the prompt embedding in place of the text encoder.", ""]
+    lines = [
+        "# Prompt to mp4 through the server",
+        "",
+        "Written by `bench/end_to_end.py` (see its docstring for the method). Random weights of the released "
+        "sizes; the bundled workflows as shipped but for the prompt embedding in place of the text encoder.",
+        "",
+    ]
     for env, env_state in state.get("environments", {}).items():
         header = env_state.get("header", {})
-        lines += [f"## {env}", "", f"{header.get('device')}, torch {header.get('torch')}, CUDA {header.get('cuda')}, "
-                  f"{header.get('date')}; size {env_state.get('size')}", ""]
+        lines += [
+            f"## {env}",
+            "",
+            f"{header.get('device')}, torch {header.get('torch')}, CUDA {header.get('cuda')}, "
+            f"{header.get('date')}; size {env_state.get('size')}",
+            "",
+        ]
         figures = summary(env_state)
         lines += ["| figure | value |", "|---|---:|"]
-        lines += [f"| `{k}` | {'—' if v is None else f'{v:.3f}' if isinstance(v, float) else v} |"
-                  for k, v in figures.items()]
+        lines += [
+            f"| `{k}` | {'—' if v is None else f'{v:.3f}' if isinstance(v, float) else v} |" for k, v in figures.items()
+        ]
         runs = [label for label in RUNS if label in env_state]
         lines += ["", "| stage (s) | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
         for stage in ("loaders_s", "dit_loader_s") + STAGES[1:]:
@@ -396,11 +475,16 @@ def markdown(state: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, required=True, help="the server's base folder (models, output)")
-    parser.add_argument("--phase", nargs="+", required=True,
-                        choices=("write", "eval", "text", "cold", "restart", "small", "report"))
+    parser.add_argument(
+        "--phase", nargs="+", required=True, choices=("write", "eval", "text", "cold", "restart", "small", "report")
+    )
     parser.add_argument("--env", default=None, help="the kernel environment's label (default: detected)")
-    parser.add_argument("--state", type=Path, default=None, help="where the phases gather results "
-                                                                  "(default: <base>/end_to_end_state.json)")
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="where the phases gather results (default: <base>/end_to_end_state.json)",
+    )
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--budget-gib", type=float, default=24.0, help="the small-card run's budget (phase small)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoints on the CPU: a dry run")
@@ -428,21 +512,48 @@ def main(argv=None) -> dict:
             shutil.rmtree(compile_cache, ignore_errors=True)
             for path in paths(base, args.tiny).values():
                 lora_repatch.drop_page_cache(path)
-            env_state.update(serve(base, compile_cache, [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)],
-                                   size, args.timeout))
+            env_state.update(
+                serve(
+                    base, compile_cache, [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)], size, args.timeout
+                )
+            )
         elif phase == "restart":
-            env_state.update(serve(base, compile_cache, [("restart", "h3_t2va.json", 3), ("fl2va", "h3_fl2va.json", 4)],
-                                   size, args.timeout))
+            env_state.update(
+                serve(
+                    base,
+                    compile_cache,
+                    [("restart", "h3_t2va.json", 3), ("fl2va", "h3_fl2va.json", 4)],
+                    size,
+                    args.timeout,
+                )
+            )
         elif phase == "small":
             reserve = reserve_for_budget(args.budget_gib)
             env_state["small_reserve_vram_gb"] = reserve
-            env_state.update(serve(base, compile_cache, [("small", "h3_t2va.json", 5)], size, args.timeout,
-                                   ("--reserve-vram", f"{reserve:.3f}")))
+            env_state.update(
+                serve(
+                    base,
+                    compile_cache,
+                    [("small", "h3_t2va.json", 5)],
+                    size,
+                    args.timeout,
+                    ("--reserve-vram", f"{reserve:.3f}"),
+                )
+            )
         elif phase == "report":
-            result = dict(environments={e: dict(summary(s), runs={k: v for k, v in s.items()
-                                                                   if k in RUNS},
-                                                eval=s.get("eval"), header=s.get("header"), size=s.get("size"))
-                                        for e, s in state.get("environments", {}).items()}, files=state.get("files"))
+            result = dict(
+                environments={
+                    e: dict(
+                        summary(s),
+                        runs={k: v for k, v in s.items() if k in RUNS},
+                        eval=s.get("eval"),
+                        header=s.get("header"),
+                        size=s.get("size"),
+                    )
+                    for e, s in state.get("environments", {}).items()
+                },
+                files=state.get("files"),
+            )
             record.write(result, args.out)
             if args.out is not None:
                 args.out.with_suffix(".md").write_text(markdown(state))

@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
+import record
 
-from h3_core.models.fp8_linear import quantize_rows, quantize_rows_reference  # noqa: E402
-from h3_core.models import block_fused, branch_fused  # noqa: E402
+from h3_core.models import block_fused, branch_fused
+from h3_core.models.fp8_linear import quantize_rows, quantize_rows_reference
 
 WIDTHS = {"qkv / fc1 input": 5376, "out_proj / to_out_linear input": 7168, "fc2 input": 14336}
 
@@ -70,7 +70,8 @@ def main(argv=None) -> dict:
             library_norm = lambda: block_fused.run(mode, "norm_modulate", x, *norm)  # noqa: E731
             ms["norm + modulation (library: one Triton pass)"] = time_it(library_norm)
             equal["norm + modulation: Triton vs torch.compile (bf16 values)"] = same_values(
-                library_norm(), norm_passes(x, *norm))
+                library_norm(), norm_passes(x, *norm)
+            )
         norm_two = lambda: quantize_rows(norm_passes(x, *norm))  # noqa: E731
         norm_one = lambda: block_fused.norm_modulate_quantized(mode, x, *norm)  # noqa: E731
         ms["norm + modulation then quantise (two passes)"] = time_it(norm_two)
@@ -85,8 +86,9 @@ def main(argv=None) -> dict:
                 return quantize_rows(norm_passes(x1, *norm))[0] if quantized else norm_passes(x1, *norm)
 
             def one():
-                h = block_fused.residual_norm(mode, x, y.clone(), gate, table_rows, weight, shift, scale, 1e-6,
-                                              quantized)[1]
+                h = block_fused.residual_norm(
+                    mode, x, y.clone(), gate, table_rows, weight, shift, scale, 1e-6, quantized
+                )[1]
                 return h.codes if quantized else h
 
             ms[f"residual, then {what} ({3 if quantized else 2} passes)"] = time_it(passes)
@@ -117,11 +119,11 @@ def main(argv=None) -> dict:
         # a bf16 fc2's input: SiLU·up written into fc1's output, torch.compile's form and the library's
         compiled_swiglu = lambda: branch_fused.call(mode, block_fused.swiglu_, gate_up.clone())  # noqa: E731
         library_swiglu = lambda: block_fused.run(mode, "swiglu_", gate_up.clone())  # noqa: E731
-        ms["SiLU·up in place, bf16 FFN (torch.compile, before; with a copy of fc1's output)"] = time_it(
-            compiled_swiglu)
+        ms["SiLU·up in place, bf16 FFN (torch.compile, before; with a copy of fc1's output)"] = time_it(compiled_swiglu)
         ms["SiLU·up in place, bf16 FFN (library; with a copy of fc1's output)"] = time_it(library_swiglu)
         equal["SiLU·up in place, bf16 FFN: library vs torch.compile (bf16 values)"] = same_values(
-            library_swiglu(), compiled_swiglu())
+            library_swiglu(), compiled_swiglu()
+        )
     return record.finish(result, args.out, cuda)
 
 

@@ -18,12 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
+import record
 
-from h3_core.attention.layout import window_bounds  # noqa: E402
-from h3_core.models.fp8_linear import _SMALLEST_SCALE  # noqa: E402
-from h3_core.models import block_triton as _block_triton, branch_triton as _branch_triton  # noqa: E402
-from h3_core.models.fp8_triton import gate_heads_quantize_triton, quantize_rows_triton, swiglu_quantize_triton  # noqa: E402
+from h3_core.attention.layout import window_bounds
+from h3_core.models import block_triton as _block_triton
+from h3_core.models import branch_triton as _branch_triton
+from h3_core.models.fp8_linear import _SMALLEST_SCALE
+from h3_core.models.fp8_triton import gate_heads_quantize_triton, quantize_rows_triton, swiglu_quantize_triton
 
 # rows, heads, head size, hidden and FFN widths; the branch's frames (all but the two anchors) and their tokens
 RELEASE = dict(rows=104266, heads=56, head_dim=128, hidden=5376, ffn=14336, frames=100, tokens=1008)
@@ -43,8 +44,9 @@ def main(argv=None) -> dict:
     if not cuda and not args.tiny:
         raise SystemExit("kernel_launches.py times CUDA kernels: run it on a GPU (or --tiny under the interpreter)")
     size = TINY if args.tiny else RELEASE
-    ROWS, HEADS, HEAD_DIM, HIDDEN, FFN, FRAMES, TOKENS = (size[k] for k in (
-        "rows", "heads", "head_dim", "hidden", "ffn", "frames", "tokens"))
+    ROWS, HEADS, HEAD_DIM, HIDDEN, FFN, FRAMES, TOKENS = (
+        size[k] for k in ("rows", "heads", "head_dim", "hidden", "ffn", "frames", "tokens")
+    )
     device = "cuda" if cuda else "cpu"
     time_it = record.timer(cuda, args.reps)
     result = dict(record.header("kernel_launches.py", argv), ms={}, max_diff={})
@@ -70,8 +72,14 @@ def main(argv=None) -> dict:
             angles = torch.randn(ROWS, HEAD_DIM * 3 // 8, generator=g).repeat(1, 2)
             cos, sin = angles.cos().to(device), angles.sin().to(device)
             rope = lambda **kw: _block_triton.qk_norm_rope_triton(q, weight, cos, sin, 1e-6, **kw)  # noqa: E731
-            variants("q/k norm + RoPE", rope, {f"{t} rows, {w} warps": (lambda t=t, w=w: rope(block_t=t, warps=w))
-                                               for t, w in ((16, 4), (4, 4), (8, 8), (32, 8))})
+            variants(
+                "q/k norm + RoPE",
+                rope,
+                {
+                    f"{t} rows, {w} warps": (lambda t=t, w=w: rope(block_t=t, warps=w))
+                    for t, w in ((16, 4), (4, 4), (8, 8), (32, 8))
+                },
+            )
             del q
 
         if "conv" in parts:
@@ -80,8 +88,14 @@ def main(argv=None) -> dict:
             taps = randn(HEADS * HEAD_DIM, 1, 5, scale=0.5)
             beta = torch.sigmoid(torch.randn(FRAMES, TOKENS, HEADS, generator=g)).to(device, torch.bfloat16)
             conv = lambda **kw: _branch_triton.conv_features_triton(y, taps, HEADS, True, beta, **kw)  # noqa: E731
-            variants("conv features", conv, {f"{s} tokens, {w} warps": (lambda s=s, w=w: conv(block_s=s, warps=w))
-                                             for s, w in ((8, 4), (32, 4), (32, 8), (64, 8))})
+            variants(
+                "conv features",
+                conv,
+                {
+                    f"{s} tokens, {w} warps": (lambda s=s, w=w: conv(block_s=s, warps=w))
+                    for s, w in ((8, 4), (32, 4), (32, 8), (64, 8))
+                },
+            )
             del y
 
         if "readout" in parts:
@@ -90,8 +104,14 @@ def main(argv=None) -> dict:
             state = torch.randn(FRAMES, HEADS, HEAD_DIM, HEAD_DIM, generator=g).to(device) / 8
             norm_weight, logits = randn(HEAD_DIM), randn(FRAMES * TOKENS, HEADS * HEAD_DIM)
             readout = lambda **kw: _branch_triton.readout_triton(q_raw, state, norm_weight, logits, **kw)  # noqa: E731
-            variants("readout", readout, {f"{s} tokens, {w} warps": (lambda s=s, w=w: readout(block_s=s, warps=w))
-                                          for s, w in ((32, 4), (64, 8), (128, 8))})
+            variants(
+                "readout",
+                readout,
+                {
+                    f"{s} tokens, {w} warps": (lambda s=s, w=w: readout(block_s=s, warps=w))
+                    for s, w in ((32, 4), (64, 8), (128, 8))
+                },
+            )
             del q_raw, logits
 
         if "states" in parts:
@@ -99,14 +119,26 @@ def main(argv=None) -> dict:
             T = torch.randn(FRAMES, HEADS, HEAD_DIM, HEAD_DIM, generator=g).to(device) / HEAD_DIM
             J = torch.randn(FRAMES, HEADS, HEAD_DIM, HEAD_DIM, generator=g).to(device)
             seed = torch.randn(HEADS, HEAD_DIM, HEAD_DIM, generator=g).to(device)
-            variants("scans", lambda: _branch_triton.scan_triton(T, J, seed), {
-                f"{v} rows, {w} warps": (lambda v=v, w=w: _branch_triton.scan_triton(T, J, seed, v, w))
-                for v, w in ((16, 8), (32, 16))})
+            variants(
+                "scans",
+                lambda: _branch_triton.scan_triton(T, J, seed),
+                {
+                    f"{v} rows, {w} warps": (lambda v=v, w=w: _branch_triton.scan_triton(T, J, seed, v, w))
+                    for v, w in ((16, 8), (32, 16))
+                },
+            )
             alpha = (torch.rand(FRAMES, HEADS, HEAD_DIM, generator=g) * 0.3 + 0.7).to(device)
             bounds = [(lo - 1, hi - 1) for lo, hi in window_bounds(FRAMES + 2, 1, 5)[1 : FRAMES + 1]]
-            variants("gather", lambda: _branch_triton.gather_triton(T, J, alpha, bounds, seed), {
-                f"{v} rows, {w} warps": (lambda v=v, w=w: _branch_triton.gather_triton(T, J, alpha, bounds, seed, v, w))
-                for v, w in ((16, 4), (32, 4), (16, 8), (64, 8))})
+            variants(
+                "gather",
+                lambda: _branch_triton.gather_triton(T, J, alpha, bounds, seed),
+                {
+                    f"{v} rows, {w} warps": (
+                        lambda v=v, w=w: _branch_triton.gather_triton(T, J, alpha, bounds, seed, v, w)
+                    )
+                    for v, w in ((16, 4), (32, 4), (16, 8), (64, 8))
+                },
+            )
             del T, J
 
         if "quantisers" in parts:
@@ -124,15 +156,18 @@ def main(argv=None) -> dict:
             weight, shift, scale = randn(HIDDEN), randn(6, HIDDEN), randn(6, HIDDEN)
             table_rows = torch.randint(0, 6, (ROWS,), generator=g).to(device)
             norm = lambda **kw: _block_triton.block_norm_triton(  # noqa: E731
-                x, weight, shift, scale, table_rows, 1e-6, smallest=_SMALLEST_SCALE, **kw)
+                x, weight, shift, scale, table_rows, 1e-6, smallest=_SMALLEST_SCALE, **kw
+            )
             variants("norm + modulation + quantise (5,376)", norm, chunked(norm))
             plain_norm = lambda **kw: _block_triton.block_norm_triton(  # noqa: E731
-                x, weight, shift, scale, table_rows, 1e-6, **kw)
+                x, weight, shift, scale, table_rows, 1e-6, **kw
+            )
             variants("norm + modulation (5,376)", plain_norm, chunked(plain_norm))
             # after the residual, which the kernel writes into y: each call on a copy of y (its time included)
             y, gate1 = randn(ROWS, HIDDEN), randn(6, HIDDEN)
             residual = lambda **kw: _block_triton.block_norm_triton(  # noqa: E731
-                x, weight, shift, scale, table_rows, 1e-6, y.clone(), gate1, smallest=_SMALLEST_SCALE, **kw)
+                x, weight, shift, scale, table_rows, 1e-6, y.clone(), gate1, smallest=_SMALLEST_SCALE, **kw
+            )
             variants("residual + norm + modulation + quantise (5,376, with a copy of y)", residual, chunked(residual))
             del x, y
             soft, gate = randn(ROWS, HEADS, HEAD_DIM), randn(ROWS, HEADS)
@@ -140,8 +175,14 @@ def main(argv=None) -> dict:
             variants("softmax gate + quantise (7,168)", gated, chunked(gated))
             del soft
             gate_up = randn(ROWS, 2 * FFN)
-            variants("SiLU·up + quantise", lambda: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE), {
-                f"{w} warps": (lambda w=w: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE, warps=w)) for w in (8, 16)})
+            variants(
+                "SiLU·up + quantise",
+                lambda: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE),
+                {
+                    f"{w} warps": (lambda w=w: swiglu_quantize_triton(gate_up, _SMALLEST_SCALE, warps=w))
+                    for w in (8, 16)
+                },
+            )
     return record.finish(result, args.out, cuda)
 
 

@@ -32,12 +32,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
+import record
 
-from h3_core.models.fp8_linear import FP8_LAYERS  # noqa: E402
+from h3_core.formats.sizes import sizes_metadata
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.models.precision import keeps_fp32  # noqa: E402
-from h3_core.formats.sizes import sizes_metadata  # noqa: E402
+from h3_core.models.fp8_linear import FP8_LAYERS
+from h3_core.models.precision import keeps_fp32
 
 NOTE = "H3 Hybrid benchmark RANDOM weights: not a trained model"
 # The AdaLN curve of the pruned form: a table this many rows long (its size hardly counts), 8 wide as published.
@@ -84,8 +84,12 @@ def write_lora(path: Path, cfg: DiTConfig, rank: int) -> int:
 
     g = torch.Generator().manual_seed(1)
     inner = cfg.heads * cfg.head_dim
-    shapes = {"attn.qkv_proj": (cfg.hidden, 3 * inner), "attn.out_proj": (inner, cfg.hidden),
-              "mlp.fc1": (cfg.hidden, 2 * cfg.ffn), "mlp.fc2": (cfg.ffn, cfg.hidden)}
+    shapes = {
+        "attn.qkv_proj": (cfg.hidden, 3 * inner),
+        "attn.out_proj": (inner, cfg.hidden),
+        "mlp.fc1": (cfg.hidden, 2 * cfg.ffn),
+        "mlp.fc2": (cfg.ffn, cfg.hidden),
+    }
     tensors = {}
     for block in range(cfg.layers):
         for module, (fan_in, fan_out) in shapes.items():
@@ -127,8 +131,9 @@ def main(argv=None) -> dict:
     host_args.cpu = DEVICE == "cpu"
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("h3_hybrid", ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT)])
+    spec = importlib.util.spec_from_file_location(
+        "h3_hybrid", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+    )
     pack = importlib.util.module_from_spec(spec)
     sys.modules["h3_hybrid"] = pack
     spec.loader.exec_module(pack)
@@ -174,8 +179,11 @@ def main(argv=None) -> dict:
         return clone
 
     first = load(with_strength(1.0))
-    result["fresh_load_s"] = {"read_into_host_memory": loaded, "patched_and_loaded_to_gpu": first,
-                              "total": loaded + first}
+    result["fresh_load_s"] = {
+        "read_into_host_memory": loaded,
+        "patched_and_loaded_to_gpu": first,
+        "total": loaded + first,
+    }
     changes = [load(with_strength(s)) for s in [0.5, 1.0, 0.75, 0.25][: args.reps]]
     result["strength_change_s"] = {"each": changes, "median": statistics.median(changes)}
     result["base_again_s"] = load(base)

@@ -55,10 +55,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
+import record
 
-from h3_core.media.mp4 import Mp4Worker, Mp4Writer  # noqa: E402
-from h3_core.media.tiling import temporal_plan  # noqa: E402
+from h3_core.media.mp4 import Mp4Worker, Mp4Writer
+from h3_core.media.tiling import temporal_plan
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "motorcycle_left", "rocket")
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium")
@@ -152,8 +152,9 @@ def window_ends(frames: int) -> list[int]:
     return [min(frames, plan.output_start(i + 1)) for i in range(len(plan.windows) - 1)] + [frames]
 
 
-def streamed_tail(path: Path, clip: torch.Tensor, preset: str, crf: int, threads: int, window_s: float,
-                  busy: bool) -> dict:
+def streamed_tail(
+    path: Path, clip: torch.Tensor, preset: str, crf: int, threads: int, window_s: float, busy: bool
+) -> dict:
     """The encoder fed as H3 Decode & Save feeds it: the pack's ``Mp4Worker`` gets each window's final frames
     every ``window_s`` seconds (the decode's time per window); ``tail_s`` is the time from the last window to the
     finished file. ``busy``: the feeding thread runs Python for the whole window (as the decode's thread launching
@@ -175,11 +176,14 @@ def streamed_tail(path: Path, clip: torch.Tensor, preset: str, crf: int, threads
 
 def psnr(errors: list[tuple[int, int]]) -> dict:
     """PSNR in dB from per-frame (sum of squared errors, values): the mean of the frames' and the global one."""
+
     def db(sse, count):
         return 10 * math.log10(PEAK**2 / max(sse / count, 1e-10))
 
-    return dict(psnr_mean=statistics.fmean(db(s, n) for s, n in errors),
-                psnr_global=db(sum(s for s, _ in errors), sum(n for _, n in errors)))
+    return dict(
+        psnr_mean=statistics.fmean(db(s, n) for s, n in errors),
+        psnr_global=db(sum(s for s, _ in errors), sum(n for _, n in errors)),
+    )
 
 
 def frame_error(frame, source: torch.Tensor) -> tuple[int, int]:
@@ -217,56 +221,78 @@ def yuv420p_round_trip(clip: torch.Tensor) -> dict:
 
     converter = VideoReformatter()
     start = time.perf_counter()
-    frames = [converter.reformat(av.VideoFrame.from_ndarray(image.numpy(), format="rgb24"), format="yuv420p")
-              for image in clip]
+    frames = [
+        converter.reformat(av.VideoFrame.from_ndarray(image.numpy(), format="rgb24"), format="yuv420p")
+        for image in clip
+    ]
     seconds = time.perf_counter() - start
     return dict(rgb_to_yuv420p_s=seconds, **psnr(errors_of(frames, clip)))
 
 
 def x264_settings(path: Path) -> dict:
     """The x264 version and threading settings written into the file's SEI."""
-    text = path.read_bytes()[:1 << 20]
+    text = path.read_bytes()[: 1 << 20]
     found = re.search(rb"x264 - core (\d+)( r\d+ [0-9a-f]+)?", text)
     options = re.search(rb"options: ([^\x00]*)", text)
     pairs = {}
     if options:
         pairs = dict(item.split("=", 1) for item in options.group(1).decode(errors="replace").split() if "=" in item)
-    return dict(x264=found.group(0).decode() if found else None,
-                **{f"x264_{k}": pairs.get(k) for k in ("threads", "lookahead_threads", "sliced_threads")})
+    return dict(
+        x264=found.group(0).decode() if found else None,
+        **{f"x264_{k}": pairs.get(k) for k in ("threads", "lookahead_threads", "sliced_threads")},
+    )
 
 
 def configurations(args) -> list[dict]:
     """crf 18 for every preset and threading type at threads auto, the extra crfs there, then the other thread
     counts."""
-    def at(threads):
-        return [dict(preset=p, crf=REFERENCE_CRF, threads=threads, thread_type=k)
-                for k in args.thread_types for p in args.presets]
 
-    extra = [dict(preset=p, crf=c, threads=0, thread_type=k)
-             for k in args.thread_types for p in args.extra_crf_presets for c in args.extra_crfs]
+    def at(threads):
+        return [
+            dict(preset=p, crf=REFERENCE_CRF, threads=threads, thread_type=k)
+            for k in args.thread_types
+            for p in args.presets
+        ]
+
+    extra = [
+        dict(preset=p, crf=c, threads=0, thread_type=k)
+        for k in args.thread_types
+        for p in args.extra_crf_presets
+        for c in args.extra_crfs
+    ]
     return at(0) + extra + [row for t in args.threads if t != 0 for row in at(t)]
 
 
 def measure(clip: torch.Tensor, config: dict, folder: Path, args) -> dict:
     path = folder / "clip.mp4"
-    seconds = [encode(path, clip, config["preset"], config["crf"], config["threads"], config["thread_type"])
-               for _ in range(args.reps)]
+    seconds = [
+        encode(path, clip, config["preset"], config["crf"], config["threads"], config["thread_type"])
+        for _ in range(args.reps)
+    ]
     row = dict(config, seconds=statistics.median(seconds), seconds_each=seconds, bytes=path.stat().st_size)
     row.update(decoded_psnr(path, clip))
     row.update((k, v) for k, v in x264_settings(path).items() if k != "x264")
     path.unlink()
     if config["thread_type"] == "frame" and config["threads"] in args.tail_threads and config["crf"] == REFERENCE_CRF:
         for load in args.tail_loads:
-            tail = streamed_tail(path, clip, config["preset"], config["crf"], config["threads"], args.window_s,
-                                 busy=load == "busy")
+            tail = streamed_tail(
+                path, clip, config["preset"], config["crf"], config["threads"], args.window_s, busy=load == "busy"
+            )
             row.update({f"tail_{load}_s": tail["tail_s"], f"frames_behind_{load}": tail["frames_behind"]})
         path.unlink()
     return row
 
 
 def reference(rows: list[dict], threads: int, thread_type: str) -> dict | None:
-    return next((r for r in rows if (r["preset"], r["crf"], r["threads"], r["thread_type"])
-                 == (REFERENCE_PRESET, REFERENCE_CRF, threads, thread_type)), None)
+    return next(
+        (
+            r
+            for r in rows
+            if (r["preset"], r["crf"], r["threads"], r["thread_type"])
+            == (REFERENCE_PRESET, REFERENCE_CRF, threads, thread_type)
+        ),
+        None,
+    )
 
 
 def compare(rows: list[dict]) -> None:
@@ -282,8 +308,13 @@ def fastest_within(rows: list[dict], ref: dict | None, tolerance: float, threads
     """The fastest row whose PSNRs (mean and global) are both no more than ``tolerance`` dB below ``ref``'s."""
     if ref is None:
         return None
-    fits = [r for r in rows if r["psnr_mean"] >= ref["psnr_mean"] - tolerance
-            and r["psnr_global"] >= ref["psnr_global"] - tolerance and (r["threads"] == 0 or not threads_auto)]
+    fits = [
+        r
+        for r in rows
+        if r["psnr_mean"] >= ref["psnr_mean"] - tolerance
+        and r["psnr_global"] >= ref["psnr_global"] - tolerance
+        and (r["threads"] == 0 or not threads_auto)
+    ]
     return min(fits, key=lambda r: r["seconds"], default=None)
 
 
@@ -294,20 +325,24 @@ def cell(value, spec: str) -> str:
 def describe(row: dict | None, ref: dict) -> str:
     if row is None:
         return "none measured"
-    return (f"`{row['preset']}` crf {row['crf']}, threads {row['threads']} ({row['thread_type']}): "
-            f"{row['seconds']:.2f} s against {ref['seconds']:.2f} s ({ref['seconds'] / row['seconds']:.2f}×), "
-            f"{row['bytes'] / 1e6:.2f} MB against {ref['bytes'] / 1e6:.2f} MB, PSNR {row['psnr_mean']:.2f} / "
-            f"{row['psnr_global']:.2f} dB ({row['psnr_mean'] - ref['psnr_mean']:+.2f} / "
-            f"{row['psnr_global'] - ref['psnr_global']:+.2f})")
+    return (
+        f"`{row['preset']}` crf {row['crf']}, threads {row['threads']} ({row['thread_type']}): "
+        f"{row['seconds']:.2f} s against {ref['seconds']:.2f} s ({ref['seconds'] / row['seconds']:.2f}×), "
+        f"{row['bytes'] / 1e6:.2f} MB against {ref['bytes'] / 1e6:.2f} MB, PSNR {row['psnr_mean']:.2f} / "
+        f"{row['psnr_global']:.2f} dB ({row['psnr_mean'] - ref['psnr_mean']:+.2f} / "
+        f"{row['psnr_global'] - ref['psnr_global']:+.2f})"
+    )
 
 
 def table_row(r: dict) -> str:
-    return (f"| {r['preset']} | {r['threads']} | {r['thread_type']} "
-            f"| {r['x264_threads']}+{r['x264_lookahead_threads']} | {r['crf']} | {r['seconds']:.2f} "
-            f"| {r['bytes'] / 1e6:.2f} | {r['psnr_mean']:.2f} | {r['psnr_global']:.2f} "
-            f"| {cell(r['delta_psnr_mean'], '+.2f')} | {cell(r['delta_psnr_global'], '+.2f')} "
-            f"| {cell(r['speedup_vs_medium'], '.2f')} | {cell(r.get('tail_idle_s'), '.2f')} "
-            f"| {cell(r.get('tail_busy_s'), '.2f')} |")
+    return (
+        f"| {r['preset']} | {r['threads']} | {r['thread_type']} "
+        f"| {r['x264_threads']}+{r['x264_lookahead_threads']} | {r['crf']} | {r['seconds']:.2f} "
+        f"| {r['bytes'] / 1e6:.2f} | {r['psnr_mean']:.2f} | {r['psnr_global']:.2f} "
+        f"| {cell(r['delta_psnr_mean'], '+.2f')} | {cell(r['delta_psnr_global'], '+.2f')} "
+        f"| {cell(r['speedup_vs_medium'], '.2f')} | {cell(r.get('tail_idle_s'), '.2f')} "
+        f"| {cell(r.get('tail_busy_s'), '.2f')} |"
+    )
 
 
 def choice(result: dict) -> list[str]:
@@ -315,48 +350,71 @@ def choice(result: dict) -> list[str]:
     if ref is None:
         return ["crf 18 `medium` with threads auto was not measured: no choice made."]
     today = ", the pack's threading" if ref["thread_type"] == "frame" else ""
-    return [f"Reference: crf 18 `medium`, threads 0, {ref['thread_type']} threading{today}: {ref['seconds']:.2f} s, "
-            f"{ref['bytes'] / 1e6:.2f} MB, PSNR {ref['psnr_mean']:.2f} / {ref['psnr_global']:.2f} dB.", "",
-            f"- Fastest within {tol} dB (both PSNRs), threads auto: {describe(result['fastest_threads_auto'], ref)}.",
-            f"- Fastest within {tol} dB (both PSNRs), any threads: {describe(result['fastest_any_threads'], ref)}.",
-            f"- Shortest streamed tail within {tol} dB (both PSNRs): {tail_text(result.get('shortest_tail'))}."]
+    return [
+        f"Reference: crf 18 `medium`, threads 0, {ref['thread_type']} threading{today}: {ref['seconds']:.2f} s, "
+        f"{ref['bytes'] / 1e6:.2f} MB, PSNR {ref['psnr_mean']:.2f} / {ref['psnr_global']:.2f} dB.",
+        "",
+        f"- Fastest within {tol} dB (both PSNRs), threads auto: {describe(result['fastest_threads_auto'], ref)}.",
+        f"- Fastest within {tol} dB (both PSNRs), any threads: {describe(result['fastest_any_threads'], ref)}.",
+        f"- Shortest streamed tail within {tol} dB (both PSNRs): {tail_text(result.get('shortest_tail'))}.",
+    ]
 
 
 def tail_text(row: dict | None) -> str:
     if row is None:
         return "none measured"
-    return (f"`{row['preset']}` crf {row['crf']}, threads {row['threads']}: tail "
-            f"{cell(row.get('tail_idle_s'), '.2f')} s idle, {cell(row.get('tail_busy_s'), '.2f')} s busy "
-            f"({row.get('frames_behind_busy', '—')} frames behind "
-            f"at the last window)")
+    return (
+        f"`{row['preset']}` crf {row['crf']}, threads {row['threads']}: tail "
+        f"{cell(row.get('tail_idle_s'), '.2f')} s idle, {cell(row.get('tail_busy_s'), '.2f')} s busy "
+        f"({row.get('frames_behind_busy', '—')} frames behind "
+        f"at the last window)"
+    )
 
 
 def markdown(result: dict) -> str:
     clip, ceiling, rows = result["clip"], result["yuv420p_round_trip"], result["rows"]
-    lines = ["# libx264 presets and threads for the pack's mp4", "",
-             f"Written by `bench/mp4_presets.py` (see its docstring for the method): `{result['command']}`.", "",
-             f"{result['cpu_count']} CPUs ({result['cpus_usable']} usable), PyAV {result['pyav']}, FFmpeg "
-             f"{result['ffmpeg']}, {result['x264']}; {result['date']}.", "",
-             f"Clip: {clip['frames']} frames, {clip['width']}×{clip['height']} at {FPS} fps, built from "
-             f"{', '.join(clip['photos'])} (scikit-image) in {clip['build_s']:.1f} s. PyAV's RGB-to-yuv420p "
-             f"conversion alone (part of every row's seconds, there with the row's threads) takes "
-             f"{ceiling['rgb_to_yuv420p_s']:.2f} s; the yuv420p round trip "
-             f"alone gives PSNR {ceiling['psnr_mean']:.2f} / {ceiling['psnr_global']:.2f} dB (mean / global), the "
-             "ceiling of every row.", "",
-             "Δ and speed-up: against crf 18 `medium` at the same threads and threading type. x264 threads: what "
-             "libx264 ran (its SEI: threads + lookahead threads).", "",
-             f"Tail: seconds from the last window's frames to the finished file when the pack's worker is fed "
-             f"{result['window_s']:.3f} s apart per decoder window (idle: the feeding thread sleeps; busy: it runs "
-             "Python), crf 18 rows with frame threads only.", "",
-             "| preset | threads | threading | x264 threads | crf | s | MB | PSNR mean | PSNR global | Δ mean | "
-             "Δ global | × vs medium | tail idle s | tail busy s |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# libx264 presets and threads for the pack's mp4",
+        "",
+        f"Written by `bench/mp4_presets.py` (see its docstring for the method): `{result['command']}`.",
+        "",
+        f"{result['cpu_count']} CPUs ({result['cpus_usable']} usable), PyAV {result['pyav']}, FFmpeg "
+        f"{result['ffmpeg']}, {result['x264']}; {result['date']}.",
+        "",
+        f"Clip: {clip['frames']} frames, {clip['width']}×{clip['height']} at {FPS} fps, built from "
+        f"{', '.join(clip['photos'])} (scikit-image) in {clip['build_s']:.1f} s. PyAV's RGB-to-yuv420p "
+        f"conversion alone (part of every row's seconds, there with the row's threads) takes "
+        f"{ceiling['rgb_to_yuv420p_s']:.2f} s; the yuv420p round trip "
+        f"alone gives PSNR {ceiling['psnr_mean']:.2f} / {ceiling['psnr_global']:.2f} dB (mean / global), the "
+        "ceiling of every row.",
+        "",
+        "Δ and speed-up: against crf 18 `medium` at the same threads and threading type. x264 threads: what "
+        "libx264 ran (its SEI: threads + lookahead threads).",
+        "",
+        f"Tail: seconds from the last window's frames to the finished file when the pack's worker is fed "
+        f"{result['window_s']:.3f} s apart per decoder window (idle: the feeding thread sleeps; busy: it runs "
+        "Python), crf 18 rows with frame threads only.",
+        "",
+        "| preset | threads | threading | x264 threads | crf | s | MB | PSNR mean | PSNR global | Δ mean | "
+        "Δ global | × vs medium | tail idle s | tail busy s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     order = {p: i for i, p in enumerate(PRESETS)}
     types = list(dict.fromkeys(r["thread_type"] for r in rows))
     counts = list(dict.fromkeys(r["threads"] for r in rows))
-    lines += [table_row(r) for r in sorted(rows, key=lambda r: (
-        types.index(r["thread_type"]), counts.index(r["threads"]), r["crf"] != REFERENCE_CRF,
-        order.get(r["preset"], len(order)), r["crf"]))]
+    lines += [
+        table_row(r)
+        for r in sorted(
+            rows,
+            key=lambda r: (
+                types.index(r["thread_type"]),
+                counts.index(r["threads"]),
+                r["crf"] != REFERENCE_CRF,
+                order.get(r["preset"], len(order)),
+                r["crf"],
+            ),
+        )
+    ]
     return "\n".join(lines + [""] + choice(result)) + "\n"
 
 
@@ -370,8 +428,11 @@ def write(result: dict, out: Path | None) -> str:
 def versions() -> dict:
     import av
 
-    return dict(pyav=av.__version__, ffmpeg=av.ffmpeg_version_info,
-                libavcodec=".".join(map(str, av.library_versions["libavcodec"])))
+    return dict(
+        pyav=av.__version__,
+        ffmpeg=av.ffmpeg_version_info,
+        libavcodec=".".join(map(str, av.library_versions["libavcodec"])),
+    )
 
 
 def finish(result: dict, thread_type: str, tolerance: float) -> None:
@@ -387,13 +448,19 @@ def finish(result: dict, thread_type: str, tolerance: float) -> None:
 def shortest_tail(rows: list[dict], ref: dict | None, tolerance: float) -> dict | None:
     """The row with the shortest streamed tail (busy when measured, else idle) whose PSNRs are both no more than
     ``tolerance`` dB below ``ref``'s."""
+
     def tail(row):
         return row.get("tail_busy_s", row.get("tail_idle_s"))
 
     if ref is None:
         return None
-    fits = [r for r in rows if tail(r) is not None and r["psnr_mean"] >= ref["psnr_mean"] - tolerance
-            and r["psnr_global"] >= ref["psnr_global"] - tolerance]
+    fits = [
+        r
+        for r in rows
+        if tail(r) is not None
+        and r["psnr_mean"] >= ref["psnr_mean"] - tolerance
+        and r["psnr_global"] >= ref["psnr_global"] - tolerance
+    ]
     return min(fits, key=tail, default=None)
 
 
@@ -407,9 +474,12 @@ def measure_all(clip: torch.Tensor, args, result: dict) -> None:
         for config in configurations(args):
             row = measure(clip, config, Path(folder), args)
             result["rows"].append(row)
-            print(f"{row['preset']:>9} crf {row['crf']} threads {row['threads']:>2} {row['thread_type']:>5}: "
-                  f"{row['seconds']:6.2f} s {row['bytes'] / 1e6:7.2f} MB {row['psnr_mean']:.2f} / "
-                  f"{row['psnr_global']:.2f} dB", flush=True)
+            print(
+                f"{row['preset']:>9} crf {row['crf']} threads {row['threads']:>2} {row['thread_type']:>5}: "
+                f"{row['seconds']:6.2f} s {row['bytes'] / 1e6:7.2f} MB {row['psnr_mean']:.2f} / "
+                f"{row['psnr_global']:.2f} dB",
+                flush=True,
+            )
             finish(result, reference_type, args.tolerance_db)
             write(result, args.out)
 
@@ -423,19 +493,38 @@ def main(argv=None) -> dict:
     parser.add_argument("--height", type=int, default=768)
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
     parser.add_argument("--threads", type=int, nargs="+", default=[0, 4, 8, 16], help="libx264 threads (0: auto)")
-    parser.add_argument("--thread-types", nargs="+", default=["slice", "frame"], choices=("slice", "frame"),
-                        help="PyAV's codec threading (slice: its default, the pack's today)")
+    parser.add_argument(
+        "--thread-types",
+        nargs="+",
+        default=["slice", "frame"],
+        choices=("slice", "frame"),
+        help="PyAV's codec threading (slice: its default, the pack's today)",
+    )
     parser.add_argument("--extra-crfs", type=int, nargs="*", default=[16, 20], help="also at threads auto, for:")
     parser.add_argument("--extra-crf-presets", nargs="*", default=["ultrafast", "superfast", "veryfast"])
     parser.add_argument("--reps", type=int, default=1, help="encodes per configuration (the median is kept)")
     parser.add_argument("--tolerance-db", type=float, default=0.5)
-    parser.add_argument("--window-s", type=float, default=0.567,
-                        help="seconds per decoder window when the encoder is fed as H3 Decode & Save feeds it (the "
-                             "release-size decode's time per window)")
-    parser.add_argument("--tail-loads", nargs="*", default=["idle", "busy"], choices=("idle", "busy"),
-                        help="the feeding thread sleeps (idle) or runs Python (busy) between windows")
-    parser.add_argument("--tail-threads", type=int, nargs="*", default=[0],
-                        help="thread counts whose crf 18 frame-threaded rows also get the streamed tail")
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=0.567,
+        help="seconds per decoder window when the encoder is fed as H3 Decode & Save feeds it (the "
+        "release-size decode's time per window)",
+    )
+    parser.add_argument(
+        "--tail-loads",
+        nargs="*",
+        default=["idle", "busy"],
+        choices=("idle", "busy"),
+        help="the feeding thread sleeps (idle) or runs Python (busy) between windows",
+    )
+    parser.add_argument(
+        "--tail-threads",
+        type=int,
+        nargs="*",
+        default=[0],
+        help="thread counts whose crf 18 frame-threaded rows also get the streamed tail",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.extract:
@@ -449,13 +538,20 @@ def main(argv=None) -> dict:
     clip = build_clip(photos, args.frames, args.height, args.width)
     result = record.header("mp4_presets.py", argv)
     result.update(cpu_count=os.cpu_count(), cpus_usable=len(os.sched_getaffinity(0)), **versions())
-    result["clip"] = dict(frames=args.frames, width=args.width, height=args.height, fps=FPS, photos=list(photos),
-                          build_s=time.perf_counter() - start)
+    result["clip"] = dict(
+        frames=args.frames,
+        width=args.width,
+        height=args.height,
+        fps=FPS,
+        photos=list(photos),
+        build_s=time.perf_counter() - start,
+    )
     result["yuv420p_round_trip"] = yuv420p_round_trip(clip)
     result.update(tolerance_db=args.tolerance_db, window_s=args.window_s, rows=[], reference=None)
     measure_all(clip, args, result)
     print(write(result, args.out))
     return result
+
 
 if __name__ == "__main__":
     main()

@@ -22,10 +22,15 @@ def header(script: str, argv) -> dict:
     and ``date`` (UTC)."""
     args = argv if argv is not None else sys.argv[1:]
     cuda = torch.cuda.is_available()
-    return dict(command=f"python3 bench/{script} " + " ".join(str(a) for a in args),
-                device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None,
-                python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    return dict(
+        command=f"python3 bench/{script} " + " ".join(str(a) for a in args),
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version() if cuda else None,
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
 
 
 def write(result: dict, out: Path | None, indent: int = 1) -> str:
@@ -78,11 +83,13 @@ def peak_gib(fn, cuda: bool):
 
 def timer(cuda: bool, reps: int):
     """A function timing ``fn`` after one warm-up call: the median of ``reps`` ``event_times_ms``, in ms."""
+
     def run(fn) -> float:
         fn()
         if cuda:
             torch.cuda.synchronize()
         return round(statistics.median(event_times_ms(fn, reps, cuda)), 3)
+
     return run
 
 

@@ -21,16 +21,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-import record  # noqa: E402
-from text_encoder_memory import qwen3vl_config  # noqa: E402
+import record
+from text_encoder_memory import qwen3vl_config
 
-from h3_core.pipeline.qwen3vl_tokens import qwen3vl_tokenizer  # noqa: E402
-from h3_core.pipeline.text_encoder import CONDITIONING_LAYER, TextEncoder  # noqa: E402
+from h3_core.pipeline.qwen3vl_tokens import qwen3vl_tokenizer
+from h3_core.pipeline.text_encoder import CONDITIONING_LAYER, TextEncoder
 
 GiB = 2**30
 TOWER = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_position_embeddings=2304)
-SENTENCE = ("A red fox trots through fresh snow at dawn, its breath misting in the cold air while pale light spills "
-            "over the ridge; the crunch of paws on snow, a distant crow and the wind in the pines. ")
+SENTENCE = (
+    "A red fox trots through fresh snow at dawn, its breath misting in the cold air while pale light spills "
+    "over the ridge; the crunch of paws on snow, a distant crow and the wind in the pines. "
+)
 
 
 def random_encoder_model(tiny: bool, device: torch.device):
@@ -82,15 +84,24 @@ def timed(encoder: TextEncoder, prompt: str, reps: int, cuda: bool) -> dict:
         embedding = encoder.encode(prompt)
         sync()
         times.append(time.perf_counter() - started)
-    return dict(first_s=times[0], median_s=statistics.median(times[1:]), times_s=times,
-                rows=int(embedding.embeds.shape[0]), finite=bool(torch.isfinite(embedding.embeds.float()).all()),
-                peak_gib=torch.cuda.max_memory_allocated() / GiB if cuda else None)
+    return dict(
+        first_s=times[0],
+        median_s=statistics.median(times[1:]),
+        times_s=times,
+        rows=int(embedding.embeds.shape[0]),
+        finite=bool(torch.isfinite(embedding.embeds.float()).all()),
+        peak_gib=torch.cuda.max_memory_allocated() / GiB if cuda else None,
+    )
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", type=Path, default=ROOT / ".host" / "comfyui-0.3.75",
-                        help="the ComfyUI folder whose comfy/text_encoders/qwen25_tokenizer is read")
+    parser.add_argument(
+        "--host",
+        type=Path,
+        default=ROOT / ".host" / "comfyui-0.3.75",
+        help="the ComfyUI folder whose comfy/text_encoders/qwen25_tokenizer is read",
+    )
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the tiny encoder on the CPU: a dry run")
@@ -101,10 +112,17 @@ def main(argv=None) -> dict:
     tokenizer = qwen3vl_tokenizer(args.host / "comfy" / "text_encoders" / "qwen25_tokenizer")
     started = time.perf_counter()
     model = random_encoder_model(args.tiny, device)
-    result = dict(record.header("text_encode.py", argv), build_s=time.perf_counter() - started,
-                  parameters=sum(p.numel() for p in model.parameters()))
-    encoder = TextEncoder(model, tokenizer, layer=CONDITIONING_LAYER if not args.tiny else len(
-        model.model.language_model.layers), device=device)
+    result = dict(
+        record.header("text_encode.py", argv),
+        build_s=time.perf_counter() - started,
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+    encoder = TextEncoder(
+        model,
+        tokenizer,
+        layer=CONDITIONING_LAYER if not args.tiny else len(model.model.language_model.layers),
+        device=device,
+    )
     result["resident_gib"] = encoder.resident_bytes / GiB
     prompt = prompt_of(tokenizer, args.tokens)
     result["prompt_tokens"] = len(tokenizer(prompt)["input_ids"])

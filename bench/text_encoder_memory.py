@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
+import record
 from checkpoint_memory import _resident  # noqa: E402  (VmRSS, RssAnon, RssFile from /proc, as the DiT's bench reads)
 
-from h3_core.formats.qwen3vl_checkpoint import LAYOUTS, PUBLISHED, held_bytes, qwen3vl_header  # noqa: E402
+from h3_core.formats.qwen3vl_checkpoint import LAYOUTS, PUBLISHED, held_bytes, qwen3vl_header
 
 ROOT = Path(__file__).resolve().parents[1]
 RELEASE_LAYERS, LAYER = 64, 50
@@ -39,25 +39,47 @@ def qwen3vl_config(hidden: int, intermediate: int, heads: int, kv_heads: int, la
     from transformers import Qwen3VLConfig
 
     return Qwen3VLConfig(
-        text_config=dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128, vocab_size=151936,
-                         **PUBLISHED["text"]),
-        vision_config=dict(out_hidden_size=hidden, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
-                           **vision, **PUBLISHED["vision"]),
-        **PUBLISHED["ids"])
+        text_config=dict(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=128,
+            vocab_size=151936,
+            **PUBLISHED["text"],
+        ),
+        vision_config=dict(
+            out_hidden_size=hidden,
+            patch_size=16,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            **vision,
+            **PUBLISHED["vision"],
+        ),
+        **PUBLISHED["ids"],
+    )
 
 
 def full_size() -> dict:
     """ComfyUI's bf16 file and the release folder, from Qwen3-VL-32B's shapes."""
     tower = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_position_embeddings=2304)
     out = {}
-    for name, layout, layers in (("comfyui_bf16_file", LAYOUTS[0], LAYER),
-                                 ("huggingface_folder", LAYOUTS[1], RELEASE_LAYERS)):
+    for name, layout, layers in (
+        ("comfyui_bf16_file", LAYOUTS[0], LAYER),
+        ("huggingface_folder", LAYOUTS[1], RELEASE_LAYERS),
+    ):
         header = qwen3vl_header(qwen3vl_config(5120, 25600, 64, 8, layers, tower), layout)
         held = held_bytes(header, LAYER)
-        out[name] = {"tensors": held.tensors, "file_bytes": held.file, "held_bytes": held.held,
-                     "held_tensors": held.held_tensors, "saved_bytes": held.saved,
-                     "held_gib": held.held / 2**30, "file_gib": held.file / 2**30}
+        out[name] = {
+            "tensors": held.tensors,
+            "file_bytes": held.file,
+            "held_bytes": held.held,
+            "held_tensors": held.held_tensors,
+            "saved_bytes": held.saved,
+            "held_gib": held.held / 2**30,
+            "file_gib": held.file / 2**30,
+        }
     return out
 
 
@@ -96,8 +118,13 @@ def measure(path: Path, tokenizer: Path, layer: int) -> dict:
     with open(path, "rb") as fh:
         header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
     held = held_bytes(header, layer, file_bytes=path.stat().st_size)
-    return {"layer": layer, "held_bytes_predicted": held.held, "resident_bytes": encoder.resident_bytes,
-            "rise": {k: after[k] - before[k] for k in before}, "checksum_finite": checksum == checksum}
+    return {
+        "layer": layer,
+        "held_bytes_predicted": held.held,
+        "resident_bytes": encoder.resident_bytes,
+        "rise": {k: after[k] - before[k] for k in before},
+        "checksum_finite": checksum == checksum,
+    }
 
 
 def main(argv=None) -> dict:
@@ -120,18 +147,34 @@ def main(argv=None) -> dict:
     layers = config.text_config.num_hidden_layers
     runs = {}
     for name, layer in (("held_layers", LAYER), ("all_layers", layers)):
-        command = [sys.executable, __file__, "--gib", str(args.gib), "--file", str(path), "--tokenizer", str(tokenizer),
-                   "--measure-layer", str(layer)]
+        command = [
+            sys.executable,
+            __file__,
+            "--gib",
+            str(args.gib),
+            "--file",
+            str(path),
+            "--tokenizer",
+            str(tokenizer),
+            "--measure-layer",
+            str(layer),
+        ]
         run = subprocess.run(command, check=True, capture_output=True, text=True)
         runs[name] = json.loads(run.stdout.strip().splitlines()[-1])
     held, every = runs["held_layers"], runs["all_layers"]
     result = {
         "full_size": full_size(),
-        "synthetic": {"file_bytes": path.stat().st_size, "layers": layers, "hidden": config.text_config.hidden_size,
-                      **runs,
-                      "rise_saved_bytes": every["rise"]["VmRSS"] - held["rise"]["VmRSS"],
-                      "predicted_saved_bytes": every["held_bytes_predicted"] - held["held_bytes_predicted"]},
-        **record.header("text_encoder_memory.py", argv), "device": "cpu (host memory)", "cpus": os.cpu_count(),
+        "synthetic": {
+            "file_bytes": path.stat().st_size,
+            "layers": layers,
+            "hidden": config.text_config.hidden_size,
+            **runs,
+            "rise_saved_bytes": every["rise"]["VmRSS"] - held["rise"]["VmRSS"],
+            "predicted_saved_bytes": every["held_bytes_predicted"] - held["held_bytes_predicted"],
+        },
+        **record.header("text_encoder_memory.py", argv),
+        "device": "cpu (host memory)",
+        "cpus": os.cpu_count(),
     }
     print(record.write(result, args.out, indent=2))
     return result

@@ -20,12 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
+import record
 
-from h3_core.attention.vae import resolve_vae_attention  # noqa: E402
-from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
-from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32  # noqa: E402
-from h3_core.media.tiling import decode_video, temporal_plan  # noqa: E402
+from h3_core.attention.vae import resolve_vae_attention
+from h3_core.media.tiling import decode_video, temporal_plan
+from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32
 
 GiB = record.GiB
 
@@ -74,11 +74,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--frames", type=int, default=345)
     parser.add_argument("--tiles-per-batch", type=int, nargs="*", default=[4])
     parser.add_argument("--backends", nargs="*", default=["auto", "efficient", "flash", "sdpa"])
-    parser.add_argument("--output-memory", nargs="*", default=["pinned"], choices=["pinned", "pageable"],
-                        help="where the frames go: a pinned buffer given as out=, or the default pageable tensor")
+    parser.add_argument(
+        "--output-memory",
+        nargs="*",
+        default=["pinned"],
+        choices=["pinned", "pageable"],
+        help="where the frames go: a pinned buffer given as out=, or the default pageable tensor",
+    )
     parser.add_argument("--compile", action="store_true", help="fuse the blocks' elementwise work (torch.compile)")
-    parser.add_argument("--streamed", action="store_true",
-                        help="also time the lowest-memory fallback (blocks streamed from host) on a 2-window clip")
+    parser.add_argument(
+        "--streamed",
+        action="store_true",
+        help="also time the lowest-memory fallback (blocks streamed from host) on a 2-window clip",
+    )
     parser.add_argument("--skip-audio", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -89,8 +97,9 @@ def main(argv=None) -> dict:
     report = dict(record.header("vae_decode.py", argv), compiled_blocks=args.compile, video=[], audio=None)
 
     # A tiny decoder first, so a broken path fails in seconds.
-    tiny = random_video_vae(device, cfg=VideoVAEConfig(decoder_layers=1, decoder_heads=2, block_out_channels=(8,) * 6,
-                                                       norm_groups=4))
+    tiny = random_video_vae(
+        device, cfg=VideoVAEConfig(decoder_layers=1, decoder_heads=2, block_out_channels=(8,) * 6, norm_groups=4)
+    )
     assert torch.isfinite(decode_video(tiny, torch.randn(24, 7, 4, 4, device=device))).all()
     del tiny
 
@@ -112,12 +121,24 @@ def main(argv=None) -> dict:
                     frames, seconds, peak = timed(lambda: decode_video(vae, z, out=out, **options))
                     _, _, peak_two = timed(lambda: decode_video(vae, z[:, :12], **options))
                     ok = bool(torch.isfinite(frames).all())
-                    row = dict(backend=backend, kernel=kernel, tiles_per_batch=tiles_per_batch, output=memory,
-                               seconds=seconds, peak_gib=peak, peak_two_windows_gib=peak_two, finite=ok)
+                    row = dict(
+                        backend=backend,
+                        kernel=kernel,
+                        tiles_per_batch=tiles_per_batch,
+                        output=memory,
+                        seconds=seconds,
+                        peak_gib=peak,
+                        peak_two_windows_gib=peak_two,
+                        finite=ok,
+                    )
                     del frames
                 except Exception as exc:  # one failing backend must not hide the others
-                    row = dict(backend=backend, tiles_per_batch=tiles_per_batch, output=memory,
-                               error=f"{type(exc).__name__}: {exc}"[:300])
+                    row = dict(
+                        backend=backend,
+                        tiles_per_batch=tiles_per_batch,
+                        output=memory,
+                        error=f"{type(exc).__name__}: {exc}"[:300],
+                    )
                 report["video"].append(row)
                 print(row, flush=True)
                 torch.cuda.empty_cache()
@@ -156,8 +177,12 @@ def main(argv=None) -> dict:
         two = z[:, :12]
         for tiles_per_batch in (1, 4):
             _, seconds, peak = timed(lambda: decode_video(vae, two, tiles_per_batch=tiles_per_batch))
-            row = dict(tiles_per_batch=tiles_per_batch, seconds_two_windows=seconds, peak_gib=peak,
-                       resident_gib=torch.cuda.memory_allocated() / GiB)
+            row = dict(
+                tiles_per_batch=tiles_per_batch,
+                seconds_two_windows=seconds,
+                peak_gib=peak,
+                resident_gib=torch.cuda.memory_allocated() / GiB,
+            )
             report["streamed"]["rows"].append(row)
             print(row, flush=True)
     vae = z = pinned = None  # freed before the audio decoder
@@ -171,8 +196,9 @@ def main(argv=None) -> dict:
     with torch.inference_mode():
         audio.decode(latents[:, :, :40])
         wave, seconds, peak = timed(lambda: audio.decode(latents))
-    report["audio"] = dict(seconds=seconds, peak_gib=peak, samples=wave.shape[-1],
-                           finite=bool(torch.isfinite(wave).all()))
+    report["audio"] = dict(
+        seconds=seconds, peak_gib=peak, samples=wave.shape[-1], finite=bool(torch.isfinite(wave).all())
+    )
     print(report["audio"], flush=True)
     record.write(report, args.out)
     return report

@@ -28,20 +28,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
+import record
 
-from h3_core.attention import (  # noqa: E402
+from h3_core.attention import (
     SequenceLayout,
     WindowSpec,
     dense_attention,
     force_kernel,
     last_window_run,
     resolve_kernel,
+    window_flex,
     window_softmax,
 )
-from h3_core.attention import window_flex  # noqa: E402
-from h3_core.attention.window_decomposed import window_softmax_decomposed  # noqa: E402
-from h3_core.attention.layout import anchor_frames, clamped_window, window_bounds  # noqa: E402
+from h3_core.attention.layout import anchor_frames, clamped_window, window_bounds
+from h3_core.attention.window_decomposed import window_softmax_decomposed
+
 
 def release_geometry(frames=102, frame_h=24, frame_w=42, text=300, audio=1150):
     return SequenceLayout.packed(frames=frames, frame_h=frame_h, frame_w=frame_w, text=text, audio=audio)
@@ -132,9 +133,13 @@ def published_decomposed(layout, window, device):
         max_q, max_k = max(max_q, len(rows_q)), max(max_k, len(rows_k))
     to = lambda x, dt=torch.int64: x.to(device=device, dtype=dt)  # noqa: E731
     plan = dict(
-        dense_q=to(dense_q), win_q=to(torch.cat(win_q)), kv=to(torch.cat(kv)),
-        cu_q=to(torch.tensor(cu_q), torch.int32), cu_k=to(torch.tensor(cu_k), torch.int32),
-        max_q=max_q, max_k=max_k,
+        dense_q=to(dense_q),
+        win_q=to(torch.cat(win_q)),
+        kv=to(torch.cat(kv)),
+        cu_q=to(torch.tensor(cu_q), torch.int32),
+        cu_k=to(torch.tensor(cu_k), torch.int32),
+        max_q=max_q,
+        max_k=max_k,
     )
     fa4 = None
     if importlib.util.find_spec("flash_attn") and importlib.util.find_spec("flash_attn.cute"):
@@ -146,8 +151,16 @@ def published_decomposed(layout, window, device):
             out[plan["dense_q"]] = dense_attention(q[plan["dense_q"]], k, v, scale=scale).out
         qw, kw, vw = q[plan["win_q"]], k[plan["kv"]], v[plan["kv"]]
         if fa4 is not None:
-            o = fa4(qw, kw, vw, cu_seqlens_q=plan["cu_q"], cu_seqlens_k=plan["cu_k"],
-                    max_seqlen_q=plan["max_q"], max_seqlen_k=plan["max_k"], softmax_scale=scale)[0]
+            o = fa4(
+                qw,
+                kw,
+                vw,
+                cu_seqlens_q=plan["cu_q"],
+                cu_seqlens_k=plan["cu_k"],
+                max_seqlen_q=plan["max_q"],
+                max_seqlen_k=plan["max_k"],
+                softmax_scale=scale,
+            )[0]
         else:
             from torch.nn.attention.varlen import varlen_attn
 
@@ -173,8 +186,13 @@ def timed(fn, reps=7, warmup=2):
         fn()
     times = record.event_times_ms(fn, reps, cuda)
     out, peak = record.peak_gib(fn, cuda)
-    return out, dict(ms=statistics.median(times), spread_ms=max(times) - min(times), first_ms=first_ms,
-                     extra_peak_gib=peak or 0.0, times=times)
+    return out, dict(
+        ms=statistics.median(times),
+        spread_ms=max(times) - min(times),
+        first_ms=first_ms,
+        extra_peak_gib=peak or 0.0,
+        times=times,
+    )
 
 
 def environment(argv) -> dict:
@@ -195,7 +213,9 @@ def environment(argv) -> dict:
     try:
         info["driver"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
+            capture_output=True,
+            text=True,
+            timeout=20,
         ).stdout.strip()
     except Exception:
         pass
@@ -231,27 +251,39 @@ def bench_heads(heads, layout, window, variants, reps):
             m["finite"] = bool(torch.isfinite(out).all())
         m["tflops"] = 4 * pairs * heads * D / (m["ms"] * 1e-3) / 1e12
         results.append(dict(variant=name, kernel=kernel, **m))
-        print(f"[{heads} heads] {name} ({kernel}): {m['ms']:.1f} ms, {m['tflops']:.0f} TF/s, "
-              f"+{m['extra_peak_gib']:.2f} GiB, err {m.get('rel_err', float('nan')):.2e}", flush=True)
+        print(
+            f"[{heads} heads] {name} ({kernel}): {m['ms']:.1f} ms, {m['tflops']:.0f} TF/s, "
+            f"+{m['extra_peak_gib']:.2f} GiB, err {m.get('rel_err', float('nan')):.2e}",
+            flush=True,
+        )
         del out
         torch.cuda.empty_cache()
 
     dense_kernel = resolve_kernel(device, q.dtype, D)
     cudnn_ok = device.type == "cuda"
-    measure("dense over all pairs", dense_kernel, lambda: dense_attention(q, k, v, scale=scale).out,
-            pairs=all_pairs, check=False)
+    measure(
+        "dense over all pairs",
+        dense_kernel,
+        lambda: dense_attention(q, k, v, scale=scale).out,
+        pairs=all_pairs,
+        check=False,
+    )
     if cudnn_ok and dense_kernel != "cudnn":
         with force_kernel("cudnn"):
-            measure("dense over all pairs", "cudnn", lambda: dense_attention(q, k, v, scale=scale).out,
-                    pairs=all_pairs, check=False)
+            measure(
+                "dense over all pairs",
+                "cudnn",
+                lambda: dense_attention(q, k, v, scale=scale).out,
+                pairs=all_pairs,
+                check=False,
+            )
     saved = window_flex.preferred_kernel
     try:
         window_flex.preferred_kernel = "triton"
         measure("flex block mask", "triton", lambda: window_softmax(q, k, v, layout, window, backend="flex"))
         if fa4:
             window_flex.preferred_kernel = "flash"
-            measure("flex block mask", "FLASH (FA4)",
-                    lambda: window_softmax(q, k, v, layout, window, backend="flex"))
+            measure("flex block mask", "FLASH (FA4)", lambda: window_softmax(q, k, v, layout, window, backend="flex"))
     finally:
         window_flex.preferred_kernel = saved
     run_pub, pub_kernel = published_decomposed(layout, window, device)
@@ -261,21 +293,29 @@ def bench_heads(heads, layout, window, variants, reps):
     def ours(**options):
         return lambda: window_softmax_decomposed(q, k, v, layout, window, scale, **options)
 
-    measure("ours decomposed", f"{dense_kernel}, default (staged)",
-           lambda: window_softmax(q, k, v, layout, window, backend="decomposed"))
+    measure(
+        "ours decomposed",
+        f"{dense_kernel}, default (staged)",
+        lambda: window_softmax(q, k, v, layout, window, backend="decomposed"),
+    )
     assert last_window_run().backend == "decomposed"
     if cudnn_ok:
-        measure("ours decomposed", f"{dense_kernel}, staged in {q.dtype}".replace("torch.", ""),
-                ours(stage_dtype=q.dtype))
+        measure(
+            "ours decomposed", f"{dense_kernel}, staged in {q.dtype}".replace("torch.", ""), ours(stage_dtype=q.dtype)
+        )
         measure("ours decomposed", f"{dense_kernel}, merge (zero-copy)", ours(strategy="merge"))
     if cudnn_ok and dense_kernel != "cudnn":
         with force_kernel("cudnn"):
-            measure("ours decomposed", "cudnn, default (staged)",
-                    lambda: window_softmax(q, k, v, layout, window, backend="decomposed"))
+            measure(
+                "ours decomposed",
+                "cudnn, default (staged)",
+                lambda: window_softmax(q, k, v, layout, window, backend="decomposed"),
+            )
     q = k = v = None  # the inputs freed
     torch.cuda.empty_cache()
-    return dict(heads=heads, seq_len=T, kept_pairs=kept, kept_fraction=kept / all_pairs,
-                sampled_rows=len(rows), results=results)
+    return dict(
+        heads=heads, seq_len=T, kept_pairs=kept, kept_fraction=kept / all_pairs, sampled_rows=len(rows), results=results
+    )
 
 
 def table(run):

@@ -1,7 +1,8 @@
 """The compiled paths are optional: the hand-written Triton kernels and the ``torch.compile``d functions.
 
 Each module of hand-written kernels is imported where it is used, guarded: where Triton (or the module) cannot be
-imported the caller gets None for it and runs its eager reference instead. They run on CUDA tensors — and on any tensor under
+imported the caller gets None for it and runs its eager reference instead. They run on CUDA tensors — and on any
+tensor under
 Triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module is imported), which is how the CPU tests
 drive them through the model's own path.
 
@@ -26,8 +27,17 @@ import torch
 
 from .errors import H3InputError
 
-__all__ = ["COMPILE_MODES", "CompileFailure", "check_compile", "plain_path", "compiling", "compiles_on", "guarded",
-           "triton_form", "runs_here"]
+__all__ = [
+    "COMPILE_MODES",
+    "CompileFailure",
+    "check_compile",
+    "plain_path",
+    "compiling",
+    "compiles_on",
+    "guarded",
+    "triton_form",
+    "runs_here",
+]
 
 COMPILE_MODES = ("auto", "off")
 

@@ -14,9 +14,24 @@ from .sampler import H3Sampler
 from .save import H3SaveVideo
 from .text import H3TextEncode
 
-NODES = [H3DiTLoader, H3LoraLoader, H3VideoVAELoader, H3AudioVAELoader, H3TextEncoderLoader, H3PromptEmbeddingLoader,
-         H3Canvas, H3TextEncode, H3AddReference, H3LoadAudio, H3AttentionSettings, H3Sampler, H3VideoDecode,
-         H3AudioDecode, H3SaveVideo, H3DecodeAndSave]
+NODES = [
+    H3DiTLoader,
+    H3LoraLoader,
+    H3VideoVAELoader,
+    H3AudioVAELoader,
+    H3TextEncoderLoader,
+    H3PromptEmbeddingLoader,
+    H3Canvas,
+    H3TextEncode,
+    H3AddReference,
+    H3LoadAudio,
+    H3AttentionSettings,
+    H3Sampler,
+    H3VideoDecode,
+    H3AudioDecode,
+    H3SaveVideo,
+    H3DecodeAndSave,
+]
 
 
 class H3Extension(ComfyExtension):

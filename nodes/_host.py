@@ -24,8 +24,10 @@ def model_path(folder: str, name: str, what: str) -> Path:
 
     path = folder_paths.get_full_path(folder, name) if isinstance(name, str) else None
     if path is None:
-        raise H3InputError(f"{what}: {name!r} is not a file in the {folder} folder; pick one from the list (files "
-                           f"there: {', '.join(model_files(folder)[:8]) or 'none'})")
+        raise H3InputError(
+            f"{what}: {name!r} is not a file in the {folder} folder; pick one from the list (files "
+            f"there: {', '.join(model_files(folder)[:8]) or 'none'})"
+        )
     return Path(path)
 
 
@@ -72,8 +74,10 @@ def model_folder(folder: str, name: str, marker: str, what: str) -> Path:
             candidate = Path(base) / name
             if candidate.is_dir():
                 return candidate
-    raise H3InputError(f"{what}: {name!r} is not a model folder in {folder}; pick one from the list "
-                       f"(found: {', '.join(model_folders(folder, marker)) or 'none'})")
+    raise H3InputError(
+        f"{what}: {name!r} is not a model folder in {folder}; pick one from the list "
+        f"(found: {', '.join(model_folders(folder, marker)) or 'none'})"
+    )
 
 
 def torch_device():

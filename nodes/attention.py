@@ -10,10 +10,10 @@ from comfy_api.v0_0_2 import io
 from ..h3_core.attention.vae import VAE_BACKENDS, check_vae_overrides
 from ..h3_core.attention.window import BACKENDS
 from ..h3_core.memory.policy import COMPILE_MODES, MEMORY_MODES
-
 from . import _host
 from .checks import check_choice, verdict
 from .io_types import H3Attention
+
 
 @dataclass(frozen=True)
 class AttentionSettings:
@@ -34,32 +34,50 @@ class H3AttentionSettings(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3AttentionSettings", display_name="H3 Attention & Memory", category=_host.CATEGORY,
+            node_id="H3AttentionSettings",
+            display_name="H3 Attention & Memory",
+            category=_host.CATEGORY,
             description="Window softmax backend, VAE attention per component, the memory policy (auto: the sampler "
-                        "predicts the run's peak against the memory the host gives it and gives things up in order: "
-                        "head groups and a chunked FFN, AdaLN projections in host memory, then streamed blocks, saying "
-                        "what it chose) and compilation (auto: compiled and hand-written kernels where CUDA and Triton "
-                        "are present, falling back to the plain path if they fail; off: the plain path).",
+            "predicts the run's peak against the memory the host gives it and gives things up in order: "
+            "head groups and a chunked FFN, AdaLN projections in host memory, then streamed blocks, saying "
+            "what it chose) and compilation (auto: compiled and hand-written kernels where CUDA and Triton "
+            "are present, falling back to the plain path if they fail; off: the plain path).",
             inputs=[
-                io.Combo.Input("window_backend", options=list(BACKENDS), default="auto",
-                               tooltip="auto: decomposed with the best dense kernel on CUDA; an explicit choice that "
-                                       "cannot run is an error"),
+                io.Combo.Input(
+                    "window_backend",
+                    options=list(BACKENDS),
+                    default="auto",
+                    tooltip="auto: decomposed with the best dense kernel on CUDA; an explicit choice that "
+                    "cannot run is an error",
+                ),
                 io.Combo.Input("video_vae_attention", options=list(VAE_BACKENDS), default="auto"),
-                io.Combo.Input("audio_vae_attention", options=list(VAE_BACKENDS), default="auto",
-                               tooltip="auto: fp32 causal SDPA as released; a fused backend casts q/k/v for the "
-                                       "attention only"),
-                io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default="auto",
-                               tooltip="auto: the low-VRAM policy; off: run the plain path whatever the free memory"),
-                io.Combo.Input("compile", options=list(COMPILE_MODES), default="auto",
-                               tooltip="auto: torch.compile and the Triton kernels where they run, the plain path if "
-                                       "they fail (one log line says why); off: the plain path always"),
+                io.Combo.Input(
+                    "audio_vae_attention",
+                    options=list(VAE_BACKENDS),
+                    default="auto",
+                    tooltip="auto: fp32 causal SDPA as released; a fused backend casts q/k/v for the attention only",
+                ),
+                io.Combo.Input(
+                    "memory_mode",
+                    options=list(MEMORY_MODES),
+                    default="auto",
+                    tooltip="auto: the low-VRAM policy; off: run the plain path whatever the free memory",
+                ),
+                io.Combo.Input(
+                    "compile",
+                    options=list(COMPILE_MODES),
+                    default="auto",
+                    tooltip="auto: torch.compile and the Triton kernels where they run, the plain path if "
+                    "they fail (one log line says why); off: the plain path always",
+                ),
             ],
             outputs=[H3Attention.Output(display_name="attention")],
         )
 
     @classmethod
-    def validate_inputs(cls, window_backend=None, video_vae_attention=None, audio_vae_attention=None,
-                        memory_mode=None, compile=None):
+    def validate_inputs(
+        cls, window_backend=None, video_vae_attention=None, audio_vae_attention=None, memory_mode=None, compile=None
+    ):
         return verdict(
             lambda: check_choice("window_backend", window_backend, BACKENDS),
             lambda: check_choice("video_vae_attention", video_vae_attention, VAE_BACKENDS),

@@ -9,10 +9,8 @@ from dataclasses import dataclass
 from comfy_api.v0_0_2 import io
 
 from ..h3_core.pipeline.geometry import check_canvas, check_frames
-
-from . import _host
+from . import _host, io_types
 from .checks import verdict
-from . import io_types
 
 
 @dataclass(frozen=True)
@@ -37,17 +35,29 @@ class H3Canvas(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3Canvas", display_name="H3 Canvas", category=_host.CATEGORY,
+            node_id="H3Canvas",
+            display_name="H3 Canvas",
+            category=_host.CATEGORY,
             description="The clip's width, height (multiples of 32; 1344x768 released) and length (17k + 5 frames at "
-                        "24 fps; 124-362 trained). Connect it to H3 Text Encode and to the H3 Sampler.",
+            "24 fps; 124-362 trained). Connect it to H3 Text Encode and to the H3 Sampler.",
             inputs=[
                 io.Int.Input("width", default=1344, min=32, max=4096, step=32),
                 io.Int.Input("height", default=768, min=32, max=4096, step=32),
-                io.Int.Input("length", default=124, min=5, max=3600, step=17,
-                             tooltip="frames at 24 fps: 17k + 5 (124-362 trained)"),
+                io.Int.Input(
+                    "length",
+                    default=124,
+                    min=5,
+                    max=3600,
+                    step=17,
+                    tooltip="frames at 24 fps: 17k + 5 (124-362 trained)",
+                ),
             ],
-            outputs=[io_types.H3Canvas.Output(display_name="canvas"), io.Int.Output(display_name="width"),
-                     io.Int.Output(display_name="height"), io.Int.Output(display_name="length")],
+            outputs=[
+                io_types.H3Canvas.Output(display_name="canvas"),
+                io.Int.Output(display_name="width"),
+                io.Int.Output(display_name="height"),
+                io.Int.Output(display_name="length"),
+            ],
         )
 
     @classmethod

@@ -8,7 +8,6 @@ from typing import Callable
 
 from ..h3_core.errors import H3InputError
 from ..h3_core.formats.file_kinds import check_file
-
 from . import _host
 
 

@@ -24,8 +24,10 @@ def references_of(conditioning) -> tuple:
 def prompt_of(conditioning, name: str = "conditioning") -> PromptEmbedding:
     if not isinstance(conditioning, list) or len(conditioning) != 1 or len(conditioning[0]) != 2:
         count = len(conditioning) if isinstance(conditioning, list) else type(conditioning).__name__
-        raise H3InputError(f"{name}: H3 takes one prompt (one CONDITIONING entry), got {count}; connect an H3 Text "
-                           "Encode or a prompt-embedding loader")
+        raise H3InputError(
+            f"{name}: H3 takes one prompt (one CONDITIONING entry), got {count}; connect an H3 Text "
+            "Encode or a prompt-embedding loader"
+        )
     tensor, extra = conditioning[0]
     embedding = extra.get(KEY) if isinstance(extra, dict) else None
     return embedding if isinstance(embedding, PromptEmbedding) else from_conditioning(tensor)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
+from ..h3_core.media.tiling import TRAINED_OVERLAP_PX, TRAINED_TILE_PX, UNTRAINED_TILES_NOTE, decode_video
 from ..h3_core.memory.decode import decode_working_bytes
 from ..h3_core.pipeline.conditioning import AUDIO_SAMPLE_RATE
 from ..h3_core.pipeline.soundtrack import decode_soundtrack
-from ..h3_core.media.tiling import TRAINED_OVERLAP_PX, TRAINED_TILE_PX, UNTRAINED_TILES_NOTE, decode_video
-
 from . import _host
 from .attention import DEFAULT
 from .io_types import H3Attention, H3AudioVAE, H3VideoVAE
@@ -20,10 +19,12 @@ class H3VideoDecode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3VideoDecode", display_name="H3 Video Decode (tiled)", category=_host.CATEGORY,
+            node_id="H3VideoDecode",
+            display_name="H3 Video Decode (tiled)",
+            category=_host.CATEGORY,
             description="Decodes the video latents as the decoder was trained: 256 px tiles with tile-local positions, "
-                        "blended over every tile that covers a pixel, 17-frame temporal windows with the released "
-                        "cross-fade; memory does not grow with the clip's length. Progress per tile.",
+            "blended over every tile that covers a pixel, 17-frame temporal windows with the released "
+            "cross-fade; memory does not grow with the clip's length. Progress per tile.",
             inputs=[
                 H3VideoVAE.Input("video_vae"),
                 io.Latent.Input("latent"),
@@ -42,13 +43,29 @@ class H3VideoDecode(io.ComfyNode):
 def tile_inputs() -> list:
     """The tiled decode's inputs, shared by every node that decodes the video."""
     return [
-        io.Int.Input("tile_size", default=TRAINED_TILE_PX, min=64, max=2048, step=16,
-                     tooltip=f"pixels; 256 is the trained size. {UNTRAINED_TILES_NOTE}"),
-        io.Int.Input("overlap", default=TRAINED_OVERLAP_PX, min=16, max=1024, step=16,
-                     tooltip=f"minimum overlap in pixels; 64 is the trained setting. {UNTRAINED_TILES_NOTE}"),
-        io.Int.Input("tiles_per_batch", default=4, min=1, max=64,
-                     tooltip="tiles decoded together; fewer use less memory (an out-of-memory retries with "
-                             "fewer by itself)"),
+        io.Int.Input(
+            "tile_size",
+            default=TRAINED_TILE_PX,
+            min=64,
+            max=2048,
+            step=16,
+            tooltip=f"pixels; 256 is the trained size. {UNTRAINED_TILES_NOTE}",
+        ),
+        io.Int.Input(
+            "overlap",
+            default=TRAINED_OVERLAP_PX,
+            min=16,
+            max=1024,
+            step=16,
+            tooltip=f"minimum overlap in pixels; 64 is the trained setting. {UNTRAINED_TILES_NOTE}",
+        ),
+        io.Int.Input(
+            "tiles_per_batch",
+            default=4,
+            min=1,
+            max=64,
+            tooltip="tiles decoded together; fewer use less memory (an out-of-memory retries with fewer by itself)",
+        ),
     ]
 
 
@@ -61,13 +78,24 @@ def prepare_video_decode(video_vae, latent, tile_size, overlap, tiles_per_batch,
     video, _, _ = from_latent(latent)
     cfg = video_vae.model.cfg
     blocks = video_vae.model.decoder.transformer_blocks
-    working = decode_working_bytes(cfg, video.shape[-1] * cfg.spatial_ratio, tile_px=tile_size,
-                                   tiles_per_batch=tiles_per_batch,
-                                   dtype=blocks[0].ff.w1.weight.dtype if len(blocks) else video.dtype)
+    working = decode_working_bytes(
+        cfg,
+        video.shape[-1] * cfg.spatial_ratio,
+        tile_px=tile_size,
+        tiles_per_batch=tiles_per_batch,
+        dtype=blocks[0].ff.w1.weight.dtype if len(blocks) else video.dtype,
+    )
     vae = load_vae(video_vae, working)
-    options = dict(overrides=settings.overrides, compile=settings.compile, tile_px=tile_size, overlap_px=overlap,
-                   tiles_per_batch=tiles_per_batch, progress=_host.Progress(), check_cancel=_host.check_cancel,
-                   report=_host.say)
+    options = dict(
+        overrides=settings.overrides,
+        compile=settings.compile,
+        tile_px=tile_size,
+        overlap_px=overlap,
+        tiles_per_batch=tiles_per_batch,
+        progress=_host.Progress(),
+        check_cancel=_host.check_cancel,
+        report=_host.say,
+    )
     return vae, video.to(video_vae.load_device), options
 
 
@@ -76,15 +104,18 @@ def decode_audio(audio_vae, latent):
     from .patchers import load_vae
 
     _, audio, frames = from_latent(latent)
-    return decode_soundtrack(load_vae(audio_vae), audio, frames=frames, check_cancel=_host.check_cancel), \
-        AUDIO_SAMPLE_RATE
+    return decode_soundtrack(
+        load_vae(audio_vae), audio, frames=frames, check_cancel=_host.check_cancel
+    ), AUDIO_SAMPLE_RATE
 
 
 class H3AudioDecode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3AudioDecode", display_name="H3 Audio Decode", category=_host.CATEGORY,
+            node_id="H3AudioDecode",
+            display_name="H3 Audio Decode",
+            category=_host.CATEGORY,
             description="Decodes the stereo audio latents (fp32, 32 kHz), cut to the video's duration.",
             inputs=[H3AudioVAE.Input("audio_vae"), io.Latent.Input("latent")],
             outputs=[io.Audio.Output(display_name="audio")],

@@ -13,8 +13,9 @@ def single_image(image, name: str) -> torch.Tensor:
         shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
         raise H3InputError(f"{name}: expected an IMAGE batch [images, height, width, channels], got {shape}")
     if image.shape[0] != 1:
-        raise H3InputError(f"{name}: takes one image, got a batch of {image.shape[0]}; pick one (e.g. with an image "
-                           "batch selector)")
+        raise H3InputError(
+            f"{name}: takes one image, got a batch of {image.shape[0]}; pick one (e.g. with an image batch selector)"
+        )
     if image.shape[-1] != 3:
         raise H3InputError(f"{name}: needs RGB (3 channels), got {image.shape[-1]}; remove the alpha channel")
     return image[0]

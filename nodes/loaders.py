@@ -10,12 +10,11 @@ from pathlib import Path
 import torch
 from comfy_api.v0_0_2 import io
 
-from ..h3_core.formats.checkpoints import load_h3_model
 from ..h3_core.formats.audio_vae import load_audio_vae
+from ..h3_core.formats.checkpoints import load_h3_model
 from ..h3_core.formats.video_vae import load_video_vae
 from ..h3_core.pipeline.prompt import load_prompt_embedding
 from ..h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
-
 from . import _host
 from .checks import check_choice, check_model_file, check_path, verdict
 from .conditioning import to_conditioning
@@ -37,20 +36,34 @@ class H3DiTLoader(io.ComfyNode):
     def define_schema(cls):
         files = _host.model_files("diffusion_models")
         return io.Schema(
-            node_id="H3DiTLoader", display_name="H3 DiT Loader", category=_host.CATEGORY,
+            node_id="H3DiTLoader",
+            display_name="H3 DiT Loader",
+            category=_host.CATEGORY,
             description="Loads the MiniMax H3 DiT from diffusion_models/ (ComfyUI, official, diffusers, pruned or "
-                        "fp8-scaled files), optionally with VDN-H3's linear branch, into host memory; the sampler "
-                        "has the host load it to the GPU. Add LoRAs with H3 LoRA nodes after it.",
+            "fp8-scaled files), optionally with VDN-H3's linear branch, into host memory; the sampler "
+            "has the host load it to the GPU. Add LoRAs with H3 LoRA nodes after it.",
             inputs=[
                 io.Combo.Input("dit_name", options=files, tooltip="the H3 DiT checkpoint"),
-                io.Combo.Input("linear_branch", options=[NONE] + files, default=NONE,
-                               tooltip="VDN-H3's linear_branch/model.safetensors (hybrid attention); none runs plain H3"),
-                io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="bf16",
-                               tooltip="fp8: the big linears in e4m3 with per-channel scales (fp8-scaled files are "
-                                       "used as they are)"),
-                io.Combo.Input("offload", options=list(OFFLOAD_POLICIES), default="auto",
-                               tooltip="auto: the attention node's memory policy decides per run; resident: all "
-                                       "weights on the GPU; stream blocks: blocks from host memory"),
+                io.Combo.Input(
+                    "linear_branch",
+                    options=[NONE] + files,
+                    default=NONE,
+                    tooltip="VDN-H3's linear_branch/model.safetensors (hybrid attention); none runs plain H3",
+                ),
+                io.Combo.Input(
+                    "weight_dtype",
+                    options=list(WEIGHT_DTYPES),
+                    default="bf16",
+                    tooltip="fp8: the big linears in e4m3 with per-channel scales (fp8-scaled files are "
+                    "used as they are)",
+                ),
+                io.Combo.Input(
+                    "offload",
+                    options=list(OFFLOAD_POLICIES),
+                    default="auto",
+                    tooltip="auto: the attention node's memory policy decides per run; resident: all "
+                    "weights on the GPU; stream blocks: blocks from host memory",
+                ),
             ],
             outputs=[H3Model.Output(display_name="model")],
         )
@@ -61,30 +74,35 @@ class H3DiTLoader(io.ComfyNode):
             lambda: check_choice("weight_dtype", weight_dtype, WEIGHT_DTYPES),
             lambda: check_choice("offload", offload, OFFLOAD_POLICIES),
             lambda: check_model_file("diffusion_models", dit_name, "dit_name", "dit"),
-            lambda: linear_branch in (None, NONE) or check_model_file("diffusion_models", linear_branch,
-                                                                      "linear_branch", "linear_branch"),
+            lambda: (
+                linear_branch in (None, NONE)
+                or check_model_file("diffusion_models", linear_branch, "linear_branch", "linear_branch")
+            ),
         )
 
     @classmethod
     def fingerprint_inputs(cls, dit_name, linear_branch, weight_dtype, offload):
-        return (_host.file_version("diffusion_models", dit_name),
-                None if linear_branch == NONE else _host.file_version("diffusion_models", linear_branch),
-                weight_dtype, offload)
+        return (
+            _host.file_version("diffusion_models", dit_name),
+            None if linear_branch == NONE else _host.file_version("diffusion_models", linear_branch),
+            weight_dtype,
+            offload,
+        )
 
     @classmethod
     def execute(cls, dit_name, linear_branch, weight_dtype, offload):
         from .patchers import H3DiTPatcher
 
         base = _host.model_path("diffusion_models", dit_name, "dit_name")
-        branch = None if linear_branch == NONE else _host.model_path("diffusion_models", linear_branch,
-                                                                      "linear_branch")
+        branch = None if linear_branch == NONE else _host.model_path("diffusion_models", linear_branch, "linear_branch")
         import comfy.model_management as mm
 
         dtype, linears = WEIGHT_DTYPES[weight_dtype]
         # Read into host memory; a quantised file's layers stay comfy-kitchen layers when the device the host
         # will run the model on has the library's kernels for them.
-        model = load_h3_model(base, branch=branch, device="cpu", dtype=dtype, linears=linears,
-                              run_device=mm.get_torch_device())
+        model = load_h3_model(
+            base, branch=branch, device="cpu", dtype=dtype, linears=linears, run_device=mm.get_torch_device()
+        )
         _host.say(f"loaded {base.name} into host memory: {_describe(model)}")
         return io.NodeOutput(H3DiTPatcher.wrap(model, offload))
 
@@ -105,9 +123,14 @@ class _VAELoader(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
-        return io.Schema(node_id=cls.NODE_ID, display_name=cls.DISPLAY, category=_host.CATEGORY,
-                         description=cls.DESCRIPTION, inputs=[io.Combo.Input("vae_name", options=_host.model_files("vae"))],
-                         outputs=[cls.OUTPUT.Output(display_name=cls.KIND)])
+        return io.Schema(
+            node_id=cls.NODE_ID,
+            display_name=cls.DISPLAY,
+            category=_host.CATEGORY,
+            description=cls.DESCRIPTION,
+            inputs=[io.Combo.Input("vae_name", options=_host.model_files("vae"))],
+            outputs=[cls.OUTPUT.Output(display_name=cls.KIND)],
+        )
 
     @classmethod
     def validate_inputs(cls, vae_name=None):
@@ -124,8 +147,10 @@ class _VAELoader(io.ComfyNode):
 
 class H3VideoVAELoader(_VAELoader):
     NODE_ID, DISPLAY, KIND, OUTPUT = "H3VideoVAELoader", "H3 Video VAE Loader", "video_vae", H3VideoVAE
-    DESCRIPTION = ("Loads the MiniMax H3 video VAE (minimax_h3_video_vae_fp16.safetensors or a diffusers folder) from "
-                   "vae/ into host memory; the decoder runs in fp16 on a GPU.")
+    DESCRIPTION = (
+        "Loads the MiniMax H3 video VAE (minimax_h3_video_vae_fp16.safetensors or a diffusers folder) from "
+        "vae/ into host memory; the decoder runs in fp16 on a GPU."
+    )
 
     @staticmethod
     def read(path):
@@ -138,8 +163,10 @@ class H3VideoVAELoader(_VAELoader):
 
 class H3AudioVAELoader(_VAELoader):
     NODE_ID, DISPLAY, KIND, OUTPUT = "H3AudioVAELoader", "H3 Audio VAE Loader", "audio_vae", H3AudioVAE
-    DESCRIPTION = ("Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/ into host memory; "
-                   "it runs in fp32.")
+    DESCRIPTION = (
+        "Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/ into host memory; "
+        "it runs in fp32."
+    )
 
     @staticmethod
     def read(path):
@@ -149,8 +176,11 @@ class H3AudioVAELoader(_VAELoader):
 def _text_encoder_choices() -> list[str]:
     """ComfyUI's single text-encoder files and Hugging Face folders in ``text_encoders/``."""
     folders = _host.model_folders("text_encoders", TEXT_ENCODER_MARKER)
-    files = [f for f in _host.model_files("text_encoders")
-             if f.endswith(".safetensors") and f.replace("\\", "/").split("/")[0] not in folders]
+    files = [
+        f
+        for f in _host.model_files("text_encoders")
+        if f.endswith(".safetensors") and f.replace("\\", "/").split("/")[0] not in folders
+    ]
     return sorted(set(files) | set(folders))
 
 
@@ -172,16 +202,22 @@ class H3TextEncoderLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3TextEncoderLoader", display_name="H3 Text Encoder Loader", category=_host.CATEGORY,
+            node_id="H3TextEncoderLoader",
+            display_name="H3 Text Encoder Loader",
+            category=_host.CATEGORY,
             description="Loads Qwen3-VL, whose layer-50 states condition H3, into host memory: ComfyUI's single file "
-                        "(qwen3vl_32b_minimax_h3_bf16.safetensors; tokenized with the host's Qwen tokenizer files) or "
-                        "a Hugging Face folder, from text_encoders/; only the layers up to the 50th and the vision "
-                        "tower are held.",
+            "(qwen3vl_32b_minimax_h3_bf16.safetensors; tokenized with the host's Qwen tokenizer files) or "
+            "a Hugging Face folder, from text_encoders/; only the layers up to the 50th and the vision "
+            "tower are held.",
             inputs=[
                 io.Combo.Input("text_encoder_name", options=_text_encoder_choices()),
-                io.Combo.Input("offload", options=list(OFFLOAD_MODES), default="auto",
-                               tooltip="layers: stream one decoder layer at a time from host memory; auto: when the "
-                                       "host cannot give the whole model room on the GPU; none: always whole"),
+                io.Combo.Input(
+                    "offload",
+                    options=list(OFFLOAD_MODES),
+                    default="auto",
+                    tooltip="layers: stream one decoder layer at a time from host memory; auto: when the "
+                    "host cannot give the whole model room on the GPU; none: always whole",
+                ),
             ],
             outputs=[H3TextEncoder.Output(display_name="text_encoder")],
         )
@@ -190,8 +226,10 @@ class H3TextEncoderLoader(io.ComfyNode):
     def validate_inputs(cls, text_encoder_name=None, offload=None):
         return verdict(
             lambda: check_choice("offload", offload, OFFLOAD_MODES),
-            lambda: text_encoder_name is None or check_path(_text_encoder_path(text_encoder_name), "text_encoder",
-                                                            "text_encoder_name"),
+            lambda: (
+                text_encoder_name is None
+                or check_path(_text_encoder_path(text_encoder_name), "text_encoder", "text_encoder_name")
+            ),
         )
 
     @classmethod
@@ -209,8 +247,9 @@ class H3TextEncoderLoader(io.ComfyNode):
         dtype = torch.bfloat16 if run_device.type == "cuda" else torch.float32
         tokenizer = _host_tokenizer() if path.is_file() else None
         # into host memory; a quantised file's linears stay comfy-kitchen layers where the device has its kernels
-        encoder = load_text_encoder(path, tokenizer=tokenizer, device="cpu", dtype=dtype, offload="none",
-                                    run_device=run_device)
+        encoder = load_text_encoder(
+            path, tokenizer=tokenizer, device="cpu", dtype=dtype, offload="none", run_device=run_device
+        )
         _host.say(f"loaded {path.name} into host memory: Qwen3-VL, {encoder.resident_bytes / 2**30:.2f} GiB held")
         return io.NodeOutput(TextEncoderPatcher.wrap(encoder, offload))
 
@@ -219,9 +258,11 @@ class H3PromptEmbeddingLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3PromptEmbeddingLoader", display_name="H3 Prompt Embedding Loader", category=_host.CATEGORY,
+            node_id="H3PromptEmbeddingLoader",
+            display_name="H3 Prompt Embedding Loader",
+            category=_host.CATEGORY,
             description="Loads a saved prompt embedding (.safetensors, or a .pt read with weights_only) from "
-                        "models/h3_prompts/.",
+            "models/h3_prompts/.",
             inputs=[io.Combo.Input("embedding", options=sorted(_host.model_files(_host.PROMPT_FOLDER)))],
             outputs=[io.Conditioning.Output(display_name="conditioning")],
         )

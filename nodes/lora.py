@@ -13,7 +13,6 @@ from comfy_api.v0_0_2 import io
 
 from ..h3_core.errors import H3InputError
 from ..h3_core.formats.lora import lora_patches, read_lora
-
 from . import _host
 from .checks import check_model_file, verdict
 from .io_types import H3Model
@@ -23,8 +22,9 @@ LORAS_KEY = "h3_loras"  # the chain of (file, strength) a patched model carries,
 
 def _check_strength(strength) -> None:
     if not isinstance(strength, (int, float)) or not math.isfinite(strength):
-        raise H3InputError(f"strength: must be a finite number (1 as trained, 0 adds nothing, negative subtracts), "
-                           f"got {strength!r}")
+        raise H3InputError(
+            f"strength: must be a finite number (1 as trained, 0 adds nothing, negative subtracts), got {strength!r}"
+        )
 
 
 def host_patches(patches) -> dict:
@@ -44,10 +44,12 @@ class H3LoraLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3LoraLoader", display_name="H3 LoRA", category=_host.CATEGORY,
+            node_id="H3LoraLoader",
+            display_name="H3 LoRA",
+            category=_host.CATEGORY,
             description="Patches the DiT with a LoRA (ComfyUI .safetensors from loras/, native or diffusers module "
-                        "names) at a strength; chain several. The weights change when the sampler loads the model, so "
-                        "a new strength never reloads the checkpoint.",
+            "names) at a strength; chain several. The weights change when the sampler loads the model, so "
+            "a new strength never reloads the checkpoint.",
             inputs=[
                 H3Model.Input("model"),
                 io.Combo.Input("lora_name", options=_host.model_files("loras")),
@@ -58,8 +60,9 @@ class H3LoraLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, lora_name, strength):
-        return verdict(lambda: _check_strength(strength),
-                       lambda: check_model_file("loras", lora_name, "lora_name", "lora"))
+        return verdict(
+            lambda: _check_strength(strength), lambda: check_model_file("loras", lora_name, "lora_name", "lora")
+        )
 
     @classmethod
     def fingerprint_inputs(cls, lora_name, strength, model=None):
@@ -75,6 +78,8 @@ class H3LoraLoader(io.ComfyNode):
             raise H3InputError(f"lora_name ({path.name}): the host took {len(added)} of its {len(patches)} patches")
         chain = tuple(model.attachments.get(LORAS_KEY, ())) + ((path.name, float(strength)),)
         patched.attachments[LORAS_KEY] = chain
-        _host.say(f"LoRA {path.name} × {strength:g} patches {len(patches)} weights (applied when the DiT is loaded); "
-                  f"chain: {', '.join(f'{name} × {s:g}' for name, s in chain)}")
+        _host.say(
+            f"LoRA {path.name} × {strength:g} patches {len(patches)} weights (applied when the DiT is loaded); "
+            f"chain: {', '.join(f'{name} × {s:g}' for name, s in chain)}"
+        )
         return io.NodeOutput(patched)

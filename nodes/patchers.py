@@ -21,16 +21,14 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field, replace
 
-import torch
-
 import comfy.model_management as mm
 import comfy.model_patcher
+import torch
 
 from ..h3_core.errors import H3InputError
 from ..h3_core.formats.kitchen import is_kitchen_tensor, requantize
-from ..h3_core.memory.policy import decide_placement, fuse_for, place_for_run, working_bytes
 from ..h3_core.memory.offload import block_image_bytes, offload_blocks
-
+from ..h3_core.memory.policy import decide_placement, fuse_for, place_for_run, working_bytes
 from . import _host
 
 GiB = 2**30
@@ -90,8 +88,14 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         if device.type != "cuda":
             placement.working = working_bytes(self.model, run.packed)
             return placement.working
-        plan = decide_placement(self.model, run.packed, placement=placement.offload, memory=run.memory,
-                                free_bytes=_host.device_budget(device), steps=run.steps)
+        plan = decide_placement(
+            self.model,
+            run.packed,
+            placement=placement.offload,
+            memory=run.memory,
+            free_bytes=_host.device_budget(device),
+            steps=run.steps,
+        )
         placement.working = int(plan.predicted["activations"])
         return placement.working
 
@@ -118,9 +122,17 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             else:
                 room = lowvram_model_memory + placement.working
             # place_for_run counts this model's bytes already on the device as free: they are taken out here.
-            fitted = place_for_run(self.model, run.packed, device, placement=placement.offload, memory=run.memory,
-                                   free_bytes=max(room - _bytes_on(self.model, device), 0), steps=run.steps,
-                                   compile=run.compile, current=placement.fitted)
+            fitted = place_for_run(
+                self.model,
+                run.packed,
+                device,
+                placement=placement.offload,
+                memory=run.memory,
+                free_bytes=max(room - _bytes_on(self.model, device), 0),
+                steps=run.steps,
+                compile=run.compile,
+                current=placement.fitted,
+            )
             placement.fitted, placement.said = fitted, list(fitted.said)
             self.model.device = device
             self.model.model_loaded_weight_memory = self._device_weight_bytes()
@@ -133,8 +145,9 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         model = self.model
         if model.device != self.load_device and self.placement.fitted is None:
             return 0
-        total = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(),
-                                                                                 *model.buffers())}.values())
+        total = sum(
+            t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+        )
         on_host = 0
         if getattr(model, "adaln_on_host", False):
             on_host = sum(p.numel() * p.element_size() for b in model.blocks for p in b.adaln_proj.parameters())
@@ -155,8 +168,12 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
                 self.unpatch_model(None, unpatch_weights=True)
             self.patch_model(load_weights=False)
             budget = before + extra_memory
-            self.load(device_to, lowvram_model_memory=budget, force_patch_weights=force_patch_weights,
-                      full_load=budget >= self.model_size())
+            self.load(
+                device_to,
+                lowvram_model_memory=budget,
+                force_patch_weights=force_patch_weights,
+                full_load=budget >= self.model_size(),
+            )
             return self.model.model_loaded_weight_memory - before
 
     def _patch(self, key: str, device: torch.device) -> None:
@@ -212,8 +229,10 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             self.model.model_loaded_weight_memory = self._device_weight_bytes()
             freed = before - self.model.model_loaded_weight_memory
         placement.last_unload = (int(memory_to_free), int(freed))
-        _host.say(f"the DiT freed {freed / GiB:.2f} GiB of the {memory_to_free / GiB:.2f} GiB the host asked for: "
-                  f"{resident} of {len(blocks)} blocks stay on the {device.type}, the others stream from host memory")
+        _host.say(
+            f"the DiT freed {freed / GiB:.2f} GiB of the {memory_to_free / GiB:.2f} GiB the host asked for: "
+            f"{resident} of {len(blocks)} blocks stay on the {device.type}, the others stream from host memory"
+        )
         return freed
 
     def _resident_after_freeing(self, current: int, wanted: int) -> int:
@@ -221,8 +240,10 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         the streamed blocks pass through (two of the largest image, prefetching one block) — 0 if even streaming
         every block frees less: the host then unloads the model whole."""
         blocks = list(self.model.blocks)
-        sizes = [sum(t.numel() * t.element_size() for t in {id(t): t for t in (*b.parameters(), *b.buffers())}.values())
-                 for b in blocks]
+        sizes = [
+            sum(t.numel() * t.element_size() for t in {id(t): t for t in (*b.parameters(), *b.buffers())}.values())
+            for b in blocks
+        ]
         images = [block_image_bytes(b) for b in blocks]
 
         def slots(resident):
@@ -274,8 +295,11 @@ class TextEncoderPatcher(comfy.model_patcher.ModelPatcher):
 
     @classmethod
     def wrap(cls, encoder, offload: str) -> "TextEncoderPatcher":
-        patcher = cls(_EncoderModule(encoder.model), load_device=mm.text_encoder_device(),
-                      offload_device=mm.text_encoder_offload_device())
+        patcher = cls(
+            _EncoderModule(encoder.model),
+            load_device=mm.text_encoder_device(),
+            offload_device=mm.text_encoder_offload_device(),
+        )
         patcher.attachments["h3_text_encoder"] = _EncoderState(encoder, offload)
         return patcher
 
@@ -294,9 +318,11 @@ class TextEncoderPatcher(comfy.model_patcher.ModelPatcher):
         self.model.model_loaded_weight_memory = encoder.kept_bytes if stream else encoder.resident_bytes
         self.model.current_weight_patches_uuid = self.patches_uuid
         if stream:
-            _host.say(f"the text encoder's {len(encoder.language_model.layers)} decoder layers stay in host memory "
-                      f"and visit the {device.type} one at a time ({encoder.resident_bytes / GiB:.1f} GiB held, "
-                      f"{lowvram_model_memory / GiB:.1f} GiB given)")
+            _host.say(
+                f"the text encoder's {len(encoder.language_model.layers)} decoder layers stay in host memory "
+                f"and visit the {device.type} one at a time ({encoder.resident_bytes / GiB:.1f} GiB held, "
+                f"{lowvram_model_memory / GiB:.1f} GiB given)"
+            )
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         """Leave the decoder layers in host memory (they stream from then on): frees their bytes."""

@@ -7,15 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from comfy_api.v0_0_2 import io
 
 from ..h3_core.errors import H3InputError
 from ..h3_core.media.mp4 import read_audio
-from ..h3_core.pipeline.conditioning import (encode_reference, normalize_audio_reference, normalize_image_reference,
-                                    normalize_video_reference)
+from ..h3_core.pipeline.conditioning import (
+    encode_reference,
+    normalize_audio_reference,
+    normalize_image_reference,
+    normalize_video_reference,
+)
 from ..h3_core.pipeline.presentation import PresentedReference
-
-from comfy_api.v0_0_2 import io
-
 from . import _host
 from .checks import check_choice, check_linked_types, linked, verdict
 from .images import single_image, single_waveform
@@ -41,8 +43,11 @@ def normalized(references, frames: int):
         if ref.kind == "image":
             out.append(normalize_image_reference(ref.pixels))
         elif ref.kind == "video":
-            out.append(normalize_video_reference(ref.pixels, ref.fps, frames=frames, audio=ref.waveform,
-                                                 sample_rate=ref.sample_rate))
+            out.append(
+                normalize_video_reference(
+                    ref.pixels, ref.fps, frames=frames, audio=ref.waveform, sample_rate=ref.sample_rate
+                )
+            )
         else:
             out.append(normalize_audio_reference(ref.waveform, ref.sample_rate, frames=frames))
     return out
@@ -56,8 +61,10 @@ def presented(references, frames: int) -> tuple[PresentedReference, ...]:
 def encoded(references, frames: int, video_vae, audio_vae, check_cancel, overrides=None):
     """``ReferenceLatents`` of each reference for ``generate_ref2va``; ``overrides`` are the VAE attention
     choices (the audio VAE's encoder attention is the one that runs here)."""
-    return [encode_reference(n, video_vae, audio_vae, audio_overrides=overrides, check_cancel=check_cancel)
-            for n in normalized(references, frames)]
+    return [
+        encode_reference(n, video_vae, audio_vae, audio_overrides=overrides, check_cancel=check_cancel)
+        for n in normalized(references, frames)
+    ]
 
 
 def check_kind(kind, input_types) -> None:
@@ -74,14 +81,22 @@ class H3AddReference(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3AddReference", display_name="H3 Add Reference (Ref2VA)", category=_host.CATEGORY,
+            node_id="H3AddReference",
+            display_name="H3 Add Reference (Ref2VA)",
+            category=_host.CATEGORY,
             description="Adds one Ref2VA reference after the ones connected: an image (one IMAGE), a video (its "
-                        "frames as an IMAGE batch with their fps, and optionally its soundtrack as AUDIO) or audio. "
-                        "The prompt names them <Picture i>, <Video k> and <Audio j>, counted per kind in this order.",
+            "frames as an IMAGE batch with their fps, and optionally its soundtrack as AUDIO) or audio. "
+            "The prompt names them <Picture i>, <Video k> and <Audio j>, counted per kind in this order.",
             inputs=[
                 io.Combo.Input("kind", options=list(KINDS), default="image"),
-                io.Float.Input("fps", default=24.0, min=1.0, max=240.0, step=0.001,
-                               tooltip="the video's frame rate (video references)"),
+                io.Float.Input(
+                    "fps",
+                    default=24.0,
+                    min=1.0,
+                    max=240.0,
+                    step=0.001,
+                    tooltip="the video's frame rate (video references)",
+                ),
                 io.Image.Input("images", optional=True, tooltip="the image, or the video's frames"),
                 io.Audio.Input("audio", optional=True, tooltip="the audio reference, or the video's soundtrack"),
                 H3References.Input("references", optional=True, tooltip="references added before this one"),
@@ -130,9 +145,11 @@ class H3LoadAudio(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3LoadAudio", display_name="H3 Load Audio", category=_host.CATEGORY,
+            node_id="H3LoadAudio",
+            display_name="H3 Load Audio",
+            category=_host.CATEGORY,
             description="Loads every sample of an audio (or video) file's first audio stream from the input folder, "
-                        "with PyAV.",
+            "with PyAV.",
             inputs=[io.Combo.Input("audio_file", options=_audio_files())],
             outputs=[io.Audio.Output(display_name="audio")],
         )

@@ -7,10 +7,9 @@ import torch
 from comfy_api.v0_0_2 import io
 
 from ..h3_core.errors import H3InputError
-from ..h3_core.pipeline.generate import generate, generate_ref2va
 from ..h3_core.pipeline.conditioning import encode_keyframes
+from ..h3_core.pipeline.generate import generate, generate_ref2va
 from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
-
 from . import _host
 from .attention import DEFAULT
 from .checks import check_choice, check_linked_types, linked, verdict
@@ -28,17 +27,21 @@ def check_mode(mode, connected) -> None:
     check_choice("mode", mode, MODES)
     keyframes = [name for name in ("first_frame", "last_frame") if connected(name)]
     if mode != "FL2VA" and keyframes:
-        raise H3InputError(f"mode {mode}: takes no keyframes, but {' and '.join(keyframes)} is connected; choose mode "
-                           "FL2VA or disconnect it")
+        raise H3InputError(
+            f"mode {mode}: takes no keyframes, but {' and '.join(keyframes)} is connected; choose mode "
+            "FL2VA or disconnect it"
+        )
     if mode != "Ref2VA" and connected("references"):
-        raise H3InputError(f"mode {mode}: takes no references, but references are connected; choose mode Ref2VA or "
-                           "disconnect them")
+        raise H3InputError(
+            f"mode {mode}: takes no references, but references are connected; choose mode Ref2VA or disconnect them"
+        )
     if mode == "FL2VA":
         if not keyframes:
             raise H3InputError("mode FL2VA: needs a first_frame, a last_frame or both; connect an image")
         if not connected("video_vae"):
-            raise H3InputError("mode FL2VA: needs the video_vae input to encode the keyframes; connect an H3 Video VAE "
-                               "Loader")
+            raise H3InputError(
+                "mode FL2VA: needs the video_vae input to encode the keyframes; connect an H3 Video VAE Loader"
+            )
     if mode == "Ref2VA" and not connected("references"):
         raise H3InputError("mode Ref2VA: needs references; connect an H3 Add Reference chain")
 
@@ -47,12 +50,14 @@ class H3Sampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3Sampler", display_name="H3 Sampler", category=_host.CATEGORY,
-            description="Generates video and stereo audio latents: T2VA from the prompt alone, FL2VA with a first and/or "
-                        "last frame (encoded with the video VAE), Ref2VA with references (images and videos through "
-                        "the video VAE, audio and soundtracks through the audio VAE). Euler flow matching, video shift "
-                        "12 and audio shift 3 as released. Progress per step; cancel stops within one model "
-                        "evaluation.",
+            node_id="H3Sampler",
+            display_name="H3 Sampler",
+            category=_host.CATEGORY,
+            description="Generates video and stereo audio latents: T2VA from the prompt alone, FL2VA with a first "
+            "and/or last frame (encoded with the video VAE), Ref2VA with references (images and videos through "
+            "the video VAE, audio and soundtracks through the audio VAE). Euler flow matching, video shift "
+            "12 and audio shift 3 as released. Progress per step; cancel stops within one model "
+            "evaluation.",
             inputs=[
                 H3Model.Input("model"),
                 io.Conditioning.Input("conditioning"),
@@ -63,10 +68,12 @@ class H3Sampler(io.ComfyNode):
                 io.Float.Input("audio_shift", default=AUDIO_SHIFT, min=0.1, max=100.0, step=0.1),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
                 H3Attention.Input("attention", optional=True),
-                H3VideoVAE.Input("video_vae", optional=True,
-                                 tooltip="encodes the keyframes (FL2VA) and image/video references"),
-                H3AudioVAE.Input("audio_vae", optional=True,
-                                 tooltip="encodes audio references and video soundtracks (Ref2VA)"),
+                H3VideoVAE.Input(
+                    "video_vae", optional=True, tooltip="encodes the keyframes (FL2VA) and image/video references"
+                ),
+                H3AudioVAE.Input(
+                    "audio_vae", optional=True, tooltip="encodes audio references and video soundtracks (Ref2VA)"
+                ),
                 io.Image.Input("first_frame", optional=True),
                 io.Image.Input("last_frame", optional=True),
                 H3References.Input("references", optional=True),
@@ -84,13 +91,33 @@ class H3Sampler(io.ComfyNode):
         return verdict(lambda: check_linked_types(cls, input_types), connections)
 
     @classmethod
-    def execute(cls, model, conditioning, canvas, mode, steps, video_shift, audio_shift, seed, attention=None,
-                video_vae=None, audio_vae=None, first_frame=None, last_frame=None, references=None):
+    def execute(
+        cls,
+        model,
+        conditioning,
+        canvas,
+        mode,
+        steps,
+        video_shift,
+        audio_shift,
+        seed,
+        attention=None,
+        video_vae=None,
+        audio_vae=None,
+        first_frame=None,
+        last_frame=None,
+        references=None,
+    ):
         from .patchers import DiTRun, load_vae
 
         settings = attention or DEFAULT
-        given = {"first_frame": first_frame, "last_frame": last_frame, "references": references,
-                 "video_vae": video_vae, "audio_vae": audio_vae}
+        given = {
+            "first_frame": first_frame,
+            "last_frame": last_frame,
+            "references": references,
+            "video_vae": video_vae,
+            "audio_vae": audio_vae,
+        }
         check_mode(mode, lambda name: given[name] is not None)
         prompt = prompt_of(conditioning)
         width, height, length = canvas.width, canvas.height, canvas.length
@@ -98,16 +125,27 @@ class H3Sampler(io.ComfyNode):
         if mode == "Ref2VA":
             reference_latents = _reference_latents(references, conditioning, length, video_vae, audio_vae, settings)
         if mode == "FL2VA":
-            images = [(anchor, given[f"{anchor}_frame"]) for anchor in ("first", "last") if given[f"{anchor}_frame"]
-                      is not None]
+            images = [
+                (anchor, given[f"{anchor}_frame"])
+                for anchor in ("first", "last")
+                if given[f"{anchor}_frame"] is not None
+            ]
             anchors = tuple(anchor for anchor, _ in images)
-            if prompt.keyframe_anchors and (prompt.keyframe_anchors != anchors
-                                            or (prompt.width, prompt.height) != (width, height)):
-                raise H3InputError(f"conditioning: was encoded with keyframes {list(prompt.keyframe_anchors)} on a "
-                                   f"{prompt.width}x{prompt.height} canvas, but the sampler has {list(anchors)} on "
-                                   f"{width}x{height}; connect the same images and canvas to H3 Text Encode")
-            keyframes = encode_keyframes(load_vae(video_vae), [(a, single_image(i, a + "_frame")) for a, i in images],
-                                         width, height, check_cancel=_host.check_cancel)
+            if prompt.keyframe_anchors and (
+                prompt.keyframe_anchors != anchors or (prompt.width, prompt.height) != (width, height)
+            ):
+                raise H3InputError(
+                    f"conditioning: was encoded with keyframes {list(prompt.keyframe_anchors)} on a "
+                    f"{prompt.width}x{prompt.height} canvas, but the sampler has {list(anchors)} on "
+                    f"{width}x{height}; connect the same images and canvas to H3 Text Encode"
+                )
+            keyframes = encode_keyframes(
+                load_vae(video_vae),
+                [(a, single_image(i, a + "_frame")) for a, i in images],
+                width,
+                height,
+                check_cancel=_host.check_cancel,
+            )
         node_id = cls.hidden.unique_id
 
         def fit(packed):
@@ -117,10 +155,21 @@ class H3Sampler(io.ComfyNode):
             mm.load_models_gpu([model], memory_required=working)
             _host.tell(node_id, model.said())
 
-        common = dict(frames=length, width=width, height=height, steps=steps, seed=seed, video_shift=video_shift,
-                      audio_shift=audio_shift, device=model.load_device, progress=_host.Progress(steps),
-                      check_cancel=_host.check_cancel, backend=settings.window_backend, before_sampling=fit,
-                      compile=settings.compile)
+        common = dict(
+            frames=length,
+            width=width,
+            height=height,
+            steps=steps,
+            seed=seed,
+            video_shift=video_shift,
+            audio_shift=audio_shift,
+            device=model.load_device,
+            progress=_host.Progress(steps),
+            check_cancel=_host.check_cancel,
+            backend=settings.window_backend,
+            before_sampling=fit,
+            compile=settings.compile,
+        )
         try:
             if reference_latents is not None:
                 video, audio = generate_ref2va(model.model, prompt, reference_latents, **common)
@@ -131,7 +180,8 @@ class H3Sampler(io.ComfyNode):
             raise torch.OutOfMemoryError(
                 f"out of memory while sampling {width}x{height}, {length} frames (memory_mode {settings.memory}): set "
                 "memory_mode auto on H3 Attention & Memory (it plans for the room the card has), choose a smaller "
-                f"canvas or length, or free other models. {str(exc).splitlines()[0]}") from exc
+                f"canvas or length, or free other models. {str(exc).splitlines()[0]}"
+            ) from exc
         return io.NodeOutput(to_latent(video, audio, length))
 
 
@@ -140,15 +190,16 @@ def _reference_latents(references, conditioning, length, video_vae, audio_vae, s
 
     kinds = tuple(ref.kind for ref in references)
     if references_of(conditioning) != (kinds, length):
-        raise H3InputError(f"conditioning: was encoded with references {references_of(conditioning) or 'none'}, but "
-                           f"the sampler has {kinds} at length {length}; connect the same references and canvas to H3 "
-                           "Text Encode")
+        raise H3InputError(
+            f"conditioning: was encoded with references {references_of(conditioning) or 'none'}, but "
+            f"the sampler has {kinds} at length {length}; connect the same references and canvas to H3 "
+            "Text Encode"
+        )
     if video_vae is None and any(kind != "audio" for kind in kinds):
         raise H3InputError("video_vae: image and video references need it; connect an H3 Video VAE Loader")
     needs_audio = any(ref.kind == "audio" or ref.waveform is not None for ref in references)
     if audio_vae is None and needs_audio:
-        raise H3InputError("audio_vae: audio references and video soundtracks need it; connect an H3 Audio VAE "
-                           "Loader")
+        raise H3InputError("audio_vae: audio references and video soundtracks need it; connect an H3 Audio VAE Loader")
     video = load_vae(video_vae) if video_vae is not None else None
     audio = load_vae(audio_vae) if audio_vae is not None else None
     return encoded(references, length, video, audio, _host.check_cancel, settings.overrides)

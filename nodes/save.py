@@ -12,7 +12,6 @@ from comfy_api.v0_0_2 import io
 
 from ..h3_core.media.mp4 import write_mp4
 from ..h3_core.pipeline.geometry import FPS
-
 from . import _host
 from .images import single_waveform
 
@@ -34,9 +33,11 @@ class H3SaveVideo(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3SaveVideo", display_name="H3 Save Video (mp4)", category=_host.CATEGORY,
+            node_id="H3SaveVideo",
+            display_name="H3 Save Video (mp4)",
+            category=_host.CATEGORY,
             description="Writes the frames and the soundtrack as an mp4 (H.264 yuv420p, AAC) in the output folder, "
-                        "with the workflow in its metadata; the file appears under its name only when complete.",
+            "with the workflow in its metadata; the file appears under its name only when complete.",
             inputs=[
                 io.Image.Input("images"),
                 io.String.Input("filename_prefix", default="H3/clip"),
@@ -53,8 +54,16 @@ class H3SaveVideo(io.ComfyNode):
         waveform, rate = single_waveform(audio, "audio") if audio is not None else (None, 32000)
         target, subfolder = output_target(filename_prefix, images.shape[2], images.shape[1])
         with disk_errors(target):
-            write_mp4(target, images, waveform, rate, fps=fps, check_cancel=_host.check_cancel,
-                      metadata=workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo), encoder="auto")
+            write_mp4(
+                target,
+                images,
+                waveform,
+                rate,
+                fps=fps,
+                check_cancel=_host.check_cancel,
+                metadata=workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo),
+                encoder="auto",
+            )
         return saved(target, subfolder)
 
 
@@ -74,12 +83,17 @@ def disk_errors(target: Path):
         yield
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        raise OSError(exc.errno, f"could not write {target.name} in {target.parent}: {reason}; nothing was left "
-                                 "under that name (free space there, or change filename_prefix)") from exc
+        raise OSError(
+            exc.errno,
+            f"could not write {target.name} in {target.parent}: {reason}; nothing was left "
+            "under that name (free space there, or change filename_prefix)",
+        ) from exc
 
 
 def saved(target: Path, subfolder: str, *outputs) -> io.NodeOutput:
     """The node's result for a saved clip: the file in the UI's output list, and ``outputs``."""
     _host.say(f"saved {target}")
-    return io.NodeOutput(*outputs, ui={"images": [{"filename": target.name, "subfolder": subfolder, "type": "output"}],
-                                       "animated": (True,)})
+    return io.NodeOutput(
+        *outputs,
+        ui={"images": [{"filename": target.name, "subfolder": subfolder, "type": "output"}], "animated": (True,)},
+    )

@@ -7,7 +7,6 @@ from comfy_api.v0_0_2 import io
 
 from ..h3_core.errors import H3InputError
 from ..h3_core.pipeline.conditioning import fit_keyframes
-
 from . import _host
 from .checks import check_linked_types, linked, verdict
 from .conditioning import to_conditioning
@@ -18,8 +17,10 @@ from .references import presented
 
 def check_connections(input_types) -> None:
     if linked(input_types, "references") and (linked(input_types, "first_frame") or linked(input_types, "last_frame")):
-        raise H3InputError("keyframes (first_frame / last_frame: FL2VA) and references (Ref2VA) cannot be used "
-                           "together; connect one kind")
+        raise H3InputError(
+            "keyframes (first_frame / last_frame: FL2VA) and references (Ref2VA) cannot be used "
+            "together; connect one kind"
+        )
 
 
 def check_prompt(prompt) -> None:
@@ -31,10 +32,12 @@ class H3TextEncode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3TextEncode", display_name="H3 Text Encode", category=_host.CATEGORY,
+            node_id="H3TextEncode",
+            display_name="H3 Text Encode",
+            category=_host.CATEGORY,
             description="Encodes the prompt with Qwen3-VL (layer-50 states). For FL2VA connect the same first/last "
-                        "frame images as on the sampler (the text encoder sees them as they are placed on the canvas); "
-                        "for Ref2VA the same references. The canvas is the one the sampler reads.",
+            "frame images as on the sampler (the text encoder sees them as they are placed on the canvas); "
+            "for Ref2VA the same references. The canvas is the one the sampler reads.",
             inputs=[
                 H3TextEncoder.Input("text_encoder"),
                 io.String.Input("prompt", multiline=True, default=""),
@@ -48,16 +51,22 @@ class H3TextEncode(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, prompt=None, input_types=None):
-        return verdict(lambda: check_linked_types(cls, input_types), lambda: check_connections(input_types),
-                       lambda: check_prompt(prompt))
+        return verdict(
+            lambda: check_linked_types(cls, input_types),
+            lambda: check_connections(input_types),
+            lambda: check_prompt(prompt),
+        )
 
     @classmethod
     def execute(cls, text_encoder, prompt, canvas, first_frame=None, last_frame=None, references=None):
         from .patchers import load_text_encoder
 
         check_prompt(prompt)
-        keyframes = [(anchor, single_image(image, anchor + "_frame"))
-                     for anchor, image in (("first", first_frame), ("last", last_frame)) if image is not None]
+        keyframes = [
+            (anchor, single_image(image, anchor + "_frame"))
+            for anchor, image in (("first", first_frame), ("last", last_frame))
+            if image is not None
+        ]
         if keyframes and references:
             check_connections({"first_frame": None, "references": None})
         placed = fit_keyframes([image for _, image in keyframes], canvas.width, canvas.height) if keyframes else []

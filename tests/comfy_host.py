@@ -41,8 +41,10 @@ _LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # http
 def comfyui_root() -> Path:
     root = Path(os.environ.get("COMFYUI_PATH") or DEFAULT_HOST)
     if not (root / "main.py").is_file():
-        raise RuntimeError(f"no ComfyUI at {root}: run `bash tests/host/install_comfyui.sh {sys.executable}` (the "
-                           "test command does) or set COMFYUI_PATH")
+        raise RuntimeError(
+            f"no ComfyUI at {root}: run `bash tests/host/install_comfyui.sh {sys.executable}` (the "
+            "test command does) or set COMFYUI_PATH"
+        )
     return root
 
 
@@ -106,10 +108,24 @@ class ComfyServer:
         root = comfyui_root()
         log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "main.py", *DEVICE_FLAGS, "--listen", "127.0.0.1", "--port", str(self.port),
-             "--base-directory", str(self.base), "--disable-auto-launch", *EXTRA_ARGS,
-             *self.extra_args],
-            cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [
+                sys.executable,
+                "main.py",
+                *DEVICE_FLAGS,
+                "--listen",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--base-directory",
+                str(self.base),
+                "--disable-auto-launch",
+                *EXTRA_ARGS,
+                *self.extra_args,
+            ],
+            cwd=root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         check = self.stall_check("ComfyUI did not start answering", stall)
         while True:
@@ -307,7 +323,7 @@ def failure_message(answer: dict) -> str:
             message, details = str(entry.get("message") or "").strip(), str(entry.get("details") or "").strip()
             name = (entry.get("extra_info") or {}).get("input_name")
             if name and details.startswith(f"{name} - "):
-                verdicts.setdefault((message, details[len(name) + 3:]), []).append(name)
+                verdicts.setdefault((message, details[len(name) + 3 :]), []).append(name)
             else:
                 verdicts.setdefault((message, details), [])
         for (message, details), names in verdicts.items():

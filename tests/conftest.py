@@ -13,7 +13,6 @@ for folder in (ROOT / "tests", ROOT / "tests" / "host"):
         sys.path.insert(0, str(folder))
 
 
-
 class CheckoutRootIsNotATestPackage:
     """The checkout's root has an ``__init__.py`` (ComfyUI imports the folder as a package), so pytest would
     collect it as a package and import that ``__init__.py`` under a name made from the folder's: a clone named
@@ -72,9 +71,9 @@ def server(tmp_path_factory):
     import wave
 
     import numpy as np
+    from comfy_host import ComfyServer
     from PIL import Image
 
-    from comfy_host import ComfyServer
     from h3_core.media.mp4 import write_mp4
     from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints, write_tiny_text_encoder_file
 
@@ -94,7 +93,9 @@ def server(tmp_path_factory):
         out.writeframes((tone * 32767).to(torch.int16).numpy().tobytes())
     # 17 frames at 30 fps: 13 at 24 fps, the shortest video reference, all of which the VAE encodes (a longer
     # clip costs minutes on the CPU)
-    write_mp4(host.input / "clip.mp4", torch.rand(17, 48, 80, 3), 0.2 * torch.randn(2, 20000).clamp(-3, 3), 32000, fps=30)
+    write_mp4(
+        host.input / "clip.mp4", torch.rand(17, 48, 80, 3), 0.2 * torch.randn(2, 20000).clamp(-3, 3), 32000, fps=30
+    )
     # the inputs the bundled workflows name
     for name in ("h3_first_frame.png", "h3_last_frame.png", "h3_reference_image.png"):
         Image.fromarray(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)).save(host.input / name)

@@ -31,10 +31,14 @@ COMFY_REPO, VDN_REPO = "https://huggingface.co/Comfy-Org/MiniMax-H3", "https://h
 
 def models(*entries):
     return [{"name": name, "url": url, "directory": folder} for name, url, folder in entries]
-PROMPT = ("A red fox trots through fresh snow at dawn, its breath misting; the crunch of paws on snow and a distant "
-          "crow.")
-REFERENCE_PROMPT = ("<Picture 1>: the fox from the picture trots through fresh snow at dawn, <Audio 1>: with this "
-                    "music playing softly.")
+
+
+PROMPT = (
+    "A red fox trots through fresh snow at dawn, its breath misting; the crunch of paws on snow and a distant crow."
+)
+REFERENCE_PROMPT = (
+    "<Picture 1>: the fox from the picture trots through fresh snow at dawn, <Audio 1>: with this music playing softly."
+)
 
 
 class Graph:
@@ -44,11 +48,21 @@ class Graph:
         self.nodes, self.links = [], []
 
     def node(self, kind, pos, widgets, outputs=(), size=(320, 120), title=None, files=()):
-        node = {"id": len(self.nodes) + 1, "type": kind, "pos": list(pos), "size": list(size), "flags": {},
-                "order": len(self.nodes), "mode": 0, "inputs": [],
-                "outputs": [{"name": name, "type": kind_, "links": [], "slot_index": i}
-                            for i, (name, kind_) in enumerate(outputs)],
-                "properties": {"Node name for S&R": kind}, "widgets_values": list(widgets)}
+        node = {
+            "id": len(self.nodes) + 1,
+            "type": kind,
+            "pos": list(pos),
+            "size": list(size),
+            "flags": {},
+            "order": len(self.nodes),
+            "mode": 0,
+            "inputs": [],
+            "outputs": [
+                {"name": name, "type": kind_, "links": [], "slot_index": i} for i, (name, kind_) in enumerate(outputs)
+            ],
+            "properties": {"Node name for S&R": kind},
+            "widgets_values": list(widgets),
+        }
         if files:
             node["properties"]["models"] = models(*files)
         if title:
@@ -64,29 +78,69 @@ class Graph:
         self.links.append([link_id, source["id"], slot, target["id"], len(target["inputs"]) - 1, kind])
 
     def workflow(self, note):
-        return {"id": "h3-hybrid-" + note.split()[0].lower(), "revision": 0, "last_node_id": len(self.nodes),
-                "last_link_id": len(self.links), "nodes": self.nodes, "links": self.links, "groups": [],
-                "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
+        return {
+            "id": "h3-hybrid-" + note.split()[0].lower(),
+            "revision": 0,
+            "last_node_id": len(self.nodes),
+            "last_link_id": len(self.links),
+            "nodes": self.nodes,
+            "links": self.links,
+            "groups": [],
+            "config": {},
+            "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}},
+            "version": 0.4,
+        }
 
 
 def build(mode: str) -> dict:
     g = Graph()
-    dit = g.node("H3DiTLoader", (0, 0), [DIT, BRANCH, "bf16", "auto"], [("model", "H3_MODEL")], (340, 150),
-                 files=[(DIT, COMFY_REPO, "diffusion_models"), (BRANCH, VDN_REPO, "diffusion_models")])
-    video_vae = g.node("H3VideoVAELoader", (0, 200), [VIDEO_VAE], [("video_vae", "H3_VIDEO_VAE")],
-                       files=[(VIDEO_VAE, COMFY_REPO, "vae")])
-    audio_vae = g.node("H3AudioVAELoader", (0, 320), [AUDIO_VAE], [("audio_vae", "H3_AUDIO_VAE")],
-                       files=[(AUDIO_VAE, COMFY_REPO, "vae")])
+    dit = g.node(
+        "H3DiTLoader",
+        (0, 0),
+        [DIT, BRANCH, "bf16", "auto"],
+        [("model", "H3_MODEL")],
+        (340, 150),
+        files=[(DIT, COMFY_REPO, "diffusion_models"), (BRANCH, VDN_REPO, "diffusion_models")],
+    )
+    video_vae = g.node(
+        "H3VideoVAELoader",
+        (0, 200),
+        [VIDEO_VAE],
+        [("video_vae", "H3_VIDEO_VAE")],
+        files=[(VIDEO_VAE, COMFY_REPO, "vae")],
+    )
+    audio_vae = g.node(
+        "H3AudioVAELoader",
+        (0, 320),
+        [AUDIO_VAE],
+        [("audio_vae", "H3_AUDIO_VAE")],
+        files=[(AUDIO_VAE, COMFY_REPO, "vae")],
+    )
     encoder = g.node("H3TextEncoderLoader", (0, 440), [TEXT_ENCODER, "auto"], [("text_encoder", "H3_TEXT_ENCODER")])
-    attention = g.node("H3AttentionSettings", (0, 580), ["auto", "auto", "auto", "auto", "auto"],
-                       [("attention", "H3_ATTENTION")], (340, 180))
-    canvas = g.node("H3Canvas", (400, 300), [1344, 768, 124], [("canvas", "H3_CANVAS"), ("width", "INT"),
-                                                                ("height", "INT"), ("length", "INT")], (320, 130))
+    attention = g.node(
+        "H3AttentionSettings",
+        (0, 580),
+        ["auto", "auto", "auto", "auto", "auto"],
+        [("attention", "H3_ATTENTION")],
+        (340, 180),
+    )
+    canvas = g.node(
+        "H3Canvas",
+        (400, 300),
+        [1344, 768, 124],
+        [("canvas", "H3_CANVAS"), ("width", "INT"), ("height", "INT"), ("length", "INT")],
+        (320, 130),
+    )
     prompt = REFERENCE_PROMPT if mode == "Ref2VA" else PROMPT
     encode = g.node("H3TextEncode", (400, 0), [prompt], [("conditioning", "CONDITIONING")], (400, 240))
     sampler = g.node("H3Sampler", (860, 0), [mode, 20, 12.0, 3.0, 42, "fixed"], [("latent", "LATENT")], (340, 420))
-    save = g.node("H3DecodeAndSave", (1260, 0), [f"H3/{mode.lower()}", 24, "auto", "superfast", 256, 64, 4], [("images", "IMAGE")],
-                  (400, 460))
+    save = g.node(
+        "H3DecodeAndSave",
+        (1260, 0),
+        [f"H3/{mode.lower()}", 24, "auto", "superfast", 256, 64, 4],
+        [("images", "IMAGE")],
+        (400, 460),
+    )
     g.link(encoder, 0, encode, "text_encoder")
     g.link(canvas, 0, encode, "canvas")
     g.link(dit, 0, sampler, "model")
@@ -96,13 +150,25 @@ def build(mode: str) -> dict:
     g.link(video_vae, 0, sampler, "video_vae")
     if mode == "FL2VA":
         for anchor, name, y in (("first", FIRST, 760), ("last", LAST, 1100)):
-            image = g.node("LoadImage", (400, y + 40), [name, "image"], [("IMAGE", "IMAGE"), ("MASK", "MASK")], (320, 320),
-                           title=f"{anchor} frame")
+            image = g.node(
+                "LoadImage",
+                (400, y + 40),
+                [name, "image"],
+                [("IMAGE", "IMAGE"), ("MASK", "MASK")],
+                (320, 320),
+                title=f"{anchor} frame",
+            )
             g.link(image, 0, encode, f"{anchor}_frame")
             g.link(image, 0, sampler, f"{anchor}_frame")
     if mode == "Ref2VA":
-        image = g.node("LoadImage", (400, 760), [REFERENCE_IMAGE, "image"], [("IMAGE", "IMAGE"), ("MASK", "MASK")],
-                       (320, 320), title="reference picture")
+        image = g.node(
+            "LoadImage",
+            (400, 760),
+            [REFERENCE_IMAGE, "image"],
+            [("IMAGE", "IMAGE"), ("MASK", "MASK")],
+            (320, 320),
+            title="reference picture",
+        )
         picture = g.node("H3AddReference", (760, 760), ["image", 24.0], [("references", "H3_REFERENCES")], (300, 130))
         sound = g.node("H3LoadAudio", (400, 1120), [REFERENCE_AUDIO], [("audio", "AUDIO")], title="reference sound")
         music = g.node("H3AddReference", (760, 960), ["audio", 24.0], [("references", "H3_REFERENCES")], (300, 130))

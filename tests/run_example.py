@@ -31,11 +31,11 @@ WORKFLOWS = ROOT / "workflows"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from comfy_host import ComfyServer, PromptRefused, failure_message, mp4_files  # noqa: E402
-from ui_to_api import WorkflowError, embedded_default, to_api  # noqa: E402
+from comfy_host import ComfyServer, PromptRefused, failure_message, mp4_files
+from ui_to_api import WorkflowError, embedded_default, to_api
 
-from h3_core.media.mp4 import write_mp4  # noqa: E402
-from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints  # noqa: E402
+from h3_core.media.mp4 import write_mp4
+from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints
 
 UPLOAD_KINDS = {"image_upload": "image", "video_upload": "video", "audio_upload": "audio"}
 # Loaders that read a file from the input folder without an upload button.
@@ -76,8 +76,14 @@ def _pattern(index: int, width: int, height: int) -> np.ndarray:
     """A colour test pattern ``[H, W, 3]`` uint8, different for each ``index``."""
     y, x = np.mgrid[0:height, 0:width]
     phase = 37 * index
-    return np.stack([(x * 255 // max(width - 1, 1) + phase) % 256, (y * 255 // max(height - 1, 1) + 2 * phase) % 256,
-                     (x + y + 3 * phase) % 256], -1).astype(np.uint8)
+    return np.stack(
+        [
+            (x * 255 // max(width - 1, 1) + phase) % 256,
+            (y * 255 // max(height - 1, 1) + 2 * phase) % 256,
+            (x + y + 3 * phase) % 256,
+        ],
+        -1,
+    ).astype(np.uint8)
 
 
 def _tone(seconds: float, hz: float) -> np.ndarray:
@@ -117,8 +123,10 @@ def run_workflows(server: ComfyServer, workflows: list[Path], on_done=print) -> 
             raise ExampleFailed(f"{workflow.name}: {error}") from None
         files = input_files(prompt, info)
         if files:
-            log(f"writing GENERATED test inputs (patterns and tones, not photographs or recordings) into "
-                f"{server.input}: {', '.join(files)}")
+            log(
+                f"writing GENERATED test inputs (patterns and tones, not photographs or recordings) into "
+                f"{server.input}: {', '.join(files)}"
+            )
         for index, (name, kind) in enumerate(files.items()):
             write_input(server.input / name, kind, index)
         log(f"running {workflow.name} on the embedded default")
@@ -139,9 +147,13 @@ def run_workflows(server: ComfyServer, workflows: list[Path], on_done=print) -> 
 def main(argv=None, server: ComfyServer | None = None) -> list[Path]:
     """``server``: an already started one to run on (with its checkpoints), left running."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workflow", type=Path, action="append",
-                        help="a UI-format workflow; give it several times to run several on one server "
-                             "(default: workflows/h3_fl2va.json)")
+    parser.add_argument(
+        "--workflow",
+        type=Path,
+        action="append",
+        help="a UI-format workflow; give it several times to run several on one server "
+        "(default: workflows/h3_fl2va.json)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "example")
     args = parser.parse_args(argv)
     workflows = args.workflow or [WORKFLOWS / "h3_fl2va.json"]

@@ -50,7 +50,9 @@ def to_api(workflow: dict, object_info: dict) -> dict:
         if node.get("mode", 0) != 0:
             continue
         info = object_info[node["type"]]
-        linked = {entry["name"]: links[entry["link"]] for entry in node.get("inputs", []) if entry.get("link") is not None}
+        linked = {
+            entry["name"]: links[entry["link"]] for entry in node.get("inputs", []) if entry.get("link") is not None
+        }
         values = list(node.get("widgets_values") or [])
         inputs = {}
         for section in ("required", "optional"):

@@ -9,8 +9,20 @@ import triton.language as tl
 
 @triton.jit
 def _convert_kernel(
-    src, dst, scale, n_rows, head_dim, s_sn, s_sh, s_dn, s_dh, limit,
-    HAS_SCALE: tl.constexpr, SATURATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    src,
+    dst,
+    scale,
+    n_rows,
+    head_dim,
+    s_sn,
+    s_sh,
+    s_dn,
+    s_dh,
+    limit,
+    HAS_SCALE: tl.constexpr,
+    SATURATE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     head = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -31,9 +43,19 @@ def scale_convert_triton(src, dst, scale=None, saturate=False) -> torch.Tensor:
     block_n = max(1, 4096 // block_d)
     grid = (triton.cdiv(n_rows, block_n), heads)
     _convert_kernel[grid](
-        src, dst, scale if scale is not None else src, n_rows, head_dim,
-        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        src,
+        dst,
+        scale if scale is not None else src,
+        n_rows,
+        head_dim,
+        src.stride(0),
+        src.stride(1),
+        dst.stride(0),
+        dst.stride(1),
         float(torch.finfo(dst.dtype).max) if saturate else 0.0,
-        HAS_SCALE=scale is not None, SATURATE=saturate, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_SCALE=scale is not None,
+        SATURATE=saturate,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
     )
     return dst

@@ -185,8 +185,10 @@ def _all(*checks):
 
 
 def _head_dim_at_most(limit):
-    return lambda facts, dtype, head_dim: None if head_dim <= limit and head_dim % 8 == 0 else (
-        f"head_dim {head_dim} must be a multiple of 8 and <= {limit}"
+    return lambda facts, dtype, head_dim: (
+        None
+        if head_dim <= limit and head_dim % 8 == 0
+        else (f"head_dim {head_dim} must be a multiple of 8 and <= {limit}")
     )
 
 
@@ -204,8 +206,10 @@ _KERNELS = {
             "fa4",
             _fa4,
             _all(
-                lambda f, d, h: _cuda_only(f, d, (9, 0))
-                or (None if f.capability[0] in (9, 10, 11) else "flash-attn-4 runs on sm90/sm100/sm110 only"),
+                lambda f, d, h: (
+                    _cuda_only(f, d, (9, 0))
+                    or (None if f.capability[0] in (9, 10, 11) else "flash-attn-4 runs on sm90/sm100/sm110 only")
+                ),
                 _head_dim_at_most(256),
                 _needs_module("flash_attn.cute", "flash-attn-4"),
             ),
@@ -214,8 +218,9 @@ _KERNELS = {
             "fa3",
             _fa3,
             _all(
-                lambda f, d, h: _cuda_only(f, d, (9, 0))
-                or (None if f.capability[0] == 9 else "flash-attn 3 runs on sm90 only"),
+                lambda f, d, h: (
+                    _cuda_only(f, d, (9, 0)) or (None if f.capability[0] == 9 else "flash-attn 3 runs on sm90 only")
+                ),
                 _head_dim_at_most(256),
                 _needs_module("flash_attn_interface", "flash-attn 3 (hopper build)"),
             ),
@@ -316,8 +321,7 @@ def resolve_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, kern
             reason = _why_not(_KERNELS[name], device, dtype, head_dim)
             if reason:
                 raise H3BackendUnavailable(
-                    f"attention kernel {name!r} cannot run on {device} with {dtype}, head_dim {head_dim}: "
-                    f"{reason}"
+                    f"attention kernel {name!r} cannot run on {device} with {dtype}, head_dim {head_dim}: {reason}"
                 )
             _verified.add(key)
         return name
@@ -334,7 +338,11 @@ def resolve_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, kern
         _probed[key] = choice
         log.info(
             "dense attention on %s %s d=%d uses %s (passed over: %s)",
-            device, dtype, head_dim, choice.name, "; ".join(f"{n}: {r}" for n, r in rejected) or "none",
+            device,
+            dtype,
+            head_dim,
+            choice.name,
+            "; ".join(f"{n}: {r}" for n, r in rejected) or "none",
         )
     return choice.name
 
@@ -392,8 +400,9 @@ def dense_attention(
     given = out
     if q4.shape[1] == 0:
         res = torch.empty_like(q4)
-        lse = torch.empty(q4.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
-                          device=q.device)
+        lse = torch.empty(
+            q4.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device
+        )
     else:
         target = None if out is None or out.shape != q.shape else _as_batched_token_major(out, head_major)
         res, lse = _KERNELS[name].run(q4, k4, v4, scale, causal, target)

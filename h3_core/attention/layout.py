@@ -117,9 +117,7 @@ class SequenceLayout:
             cursor, previous = span.stop, span
         if cursor != self.seq_len:
             if cursor > self.seq_len:
-                raise H3InputError(
-                    f"span '{previous.name}' ends at row {cursor}, past seq_len={self.seq_len}"
-                )
+                raise H3InputError(f"span '{previous.name}' ends at row {cursor}, past seq_len={self.seq_len}")
             raise H3InputError(f"rows [{cursor}, {self.seq_len}) of seq_len={self.seq_len} belong to no span")
 
     @classmethod
@@ -231,9 +229,7 @@ def window_bounds(num_frames: int, radius: int, chunk: int) -> tuple[tuple[int, 
     _check_count("window chunk", chunk)
     if chunk == 0:
         return tuple((t - radius, t + radius) for t in range(num_frames))
-    return tuple(
-        ((t // chunk - radius) * chunk, (t // chunk + radius + 1) * chunk - 1) for t in range(num_frames)
-    )
+    return tuple(((t // chunk - radius) * chunk, (t // chunk + radius + 1) * chunk - 1) for t in range(num_frames))
 
 
 def is_full_cover(bounds: tuple[tuple[int, int], ...], num_frames: int) -> bool:

@@ -9,10 +9,31 @@ import triton.language as tl
 
 @triton.jit
 def _merge_kernel(
-    o_a, o_b, out, lse_a, lse_b, n_rows, group_rows, head_dim,
-    s_ag, s_an, s_ah, s_bg, s_bn, s_bh, s_og, s_on, s_oh,
-    s_lag, s_lan, s_lah, s_lbg, s_lbn, s_lbh,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    o_a,
+    o_b,
+    out,
+    lse_a,
+    lse_b,
+    n_rows,
+    group_rows,
+    head_dim,
+    s_ag,
+    s_an,
+    s_ah,
+    s_bg,
+    s_bn,
+    s_bh,
+    s_og,
+    s_on,
+    s_oh,
+    s_lag,
+    s_lan,
+    s_lah,
+    s_lbg,
+    s_lbn,
+    s_lbh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     head = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -49,8 +70,20 @@ def merge_partials_triton(o_a, lse_a, o_b, lse_b, out) -> torch.Tensor:
     n_rows = groups * group_rows
     grid = (triton.cdiv(n_rows, block_n), heads)
     _merge_kernel[grid](
-        o_a, o_b, out4, lse_a, lse_b, n_rows, group_rows, head_dim,
-        *o_a.stride()[:3], *o_b.stride()[:3], *out4.stride()[:3], *lse_a.stride(), *lse_b.stride(),
-        BLOCK_N=block_n, BLOCK_D=block_d,
+        o_a,
+        o_b,
+        out4,
+        lse_a,
+        lse_b,
+        n_rows,
+        group_rows,
+        head_dim,
+        *o_a.stride()[:3],
+        *o_b.stride()[:3],
+        *out4.stride()[:3],
+        *lse_a.stride(),
+        *lse_b.stride(),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
     )
     return out

@@ -87,8 +87,7 @@ def _explicit_kernel(backend: str, device, dtype, head_dim) -> str:
         except H3BackendUnavailable as exc:
             reasons.append(str(exc))
     raise H3BackendUnavailable(
-        "VAE attention backend 'flash_attn' needs flash-attn 4, 3 or 2 usable on this device: "
-        + "; ".join(reasons)
+        "VAE attention backend 'flash_attn' needs flash-attn 4, 3 or 2 usable on this device: " + "; ".join(reasons)
     )
 
 

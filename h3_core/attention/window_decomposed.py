@@ -192,8 +192,10 @@ def _window_leg_merge(q, k, v, out, plan, scale, slab_bytes):
                 continue
             extra = dense_attention(q[rows], extra_k, extra_v, scale=scale)
             merge_partials(
-                win.out, win.lse,
-                extra.out.view(n, batch.q_rows, H, D), extra.lse.view(n, batch.q_rows, H),
+                win.out,
+                win.lse,
+                extra.out.view(n, batch.q_rows, H, D),
+                extra.lse.view(n, batch.q_rows, H),
                 target,
             )
 
@@ -292,7 +294,10 @@ def _window_leg_staged(q, k, v, out, plan, scale, stage_dtype, stage_bytes):
                 if convert:
                     load(q_stage, q[rows, hs])
                     res = dense_attention(
-                        q_stage, stage_k[keys], stage_v[keys], scale=scale,
+                        q_stage,
+                        stage_k[keys],
+                        stage_v[keys],
+                        scale=scale,
                         out=target.view(stage_dtype) if in_place else None,
                     ).out
                     scale_convert(res, target, v_scale)

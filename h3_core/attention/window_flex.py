@@ -131,8 +131,16 @@ def _block_mask(layout: SequenceLayout, window: WindowSpec, device: torch.device
         # mask blockwise instead of materialising T×T.
         warnings.filterwarnings("ignore", message=".*_compile flag on create_block_mask.*")
         build = guarded(create_block_mask) if compiled else create_block_mask
-        return build(mask_mod, None, None, T, T, device=device, BLOCK_SIZE=block_size or block_size_for(device),
-                     _compile=compiled)
+        return build(
+            mask_mod,
+            None,
+            None,
+            T,
+            T,
+            device=device,
+            BLOCK_SIZE=block_size or block_size_for(device),
+            _compile=compiled,
+        )
 
 
 def cached_block_mask(layout: SequenceLayout, window: WindowSpec, device):

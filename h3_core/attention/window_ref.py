@@ -38,9 +38,7 @@ def window_softmax_ref(q, k, v, layout: SequenceLayout, window: WindowSpec, scal
         frames = set(range(lo, hi + 1))
         if window.anchor_columns:
             frames.update(anchors)
-        video_rows = [
-            torch.arange(*layout.frame_rows(f), device=q.device) for f in sorted(frames)
-        ]
+        video_rows = [torch.arange(*layout.frame_rows(f), device=q.device) for f in sorted(frames)]
         keys = torch.cat(global_rows + video_rows)
         out[q0:q1] = _attend(q[q0:q1], k[keys], v[keys], scale)
     return out

@@ -40,8 +40,13 @@ def parametrized_layout() -> KeyMap:
     """The official module saved with ``torch.nn.utils.parametrizations.weight_norm``."""
     return KeyMap(
         "parametrized weight norm",
-        (Rule(_WEIGHT_NORMED, ("{m}.parametrizations.weight.original0", "{m}.parametrizations.weight.original1"),
-              _fold_weight_norm),),
+        (
+            Rule(
+                _WEIGHT_NORMED,
+                ("{m}.parametrizations.weight.original0", "{m}.parametrizations.weight.original1"),
+                _fold_weight_norm,
+            ),
+        ),
     )
 
 
@@ -52,5 +57,13 @@ def layouts() -> tuple[KeyMap, ...]:
 
 def load_audio_vae(path, *, device="cpu", cfg: AudioVAEConfig | None = None) -> AudioVAE:
     """Load an audio VAE checkpoint (a single file or a folder) in any supported layout, in fp32."""
-    return load_model(AudioVAE, AudioVAEConfig, cfg, path, lambda cfg: layouts(), what="MiniMax H3 audio VAE",
-                      device=device, dtype=torch.float32)
+    return load_model(
+        AudioVAE,
+        AudioVAEConfig,
+        cfg,
+        path,
+        lambda cfg: layouts(),
+        what="MiniMax H3 audio VAE",
+        device=device,
+        dtype=torch.float32,
+    )

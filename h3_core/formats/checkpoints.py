@@ -1,7 +1,8 @@
 """The DiT's one entry point: say what a checkpoint is from its header, then load H3 or VDN-H3 with LoRAs.
 
 It composes what exists: ``CheckpointFiles`` and ``match_layout`` (keymap), ``quantized_view``
-(quantized_files), ``curve_grid`` / ``layouts`` (formats.dit), ``branch_layouts`` (formats.vdn), ``load_layers`` (dit_layers) and ``read_lora`` / ``merge_lora`` (lora). The key maps decide every
+(quantized_files), ``curve_grid`` / ``layouts`` (formats.dit), ``branch_layouts`` (formats.vdn), ``load_layers``
+(dit_layers) and ``read_lora`` / ``merge_lora`` (lora). The key maps decide every
 layout; this module adds what the keys alone cannot say (official shards or ComfyUI's file, base or branch, a
 complete set of shards) and checks a checkpoint's shapes against the model before any weight is read.
 
@@ -46,8 +47,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import numbers
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -55,18 +56,18 @@ from typing import Sequence, Union
 
 import torch
 
-from .dit_layers import BRANCH, DIT, load_layers, meta_model, meta_shapes, needs_layers
 from ..errors import H3InputError
-from .files import CheckpointFiles
-from .keymap import KeyMap, load_into, match_layout
-from .lora import LoraDelta, merge_lora, read_lora
 from ..models.dit import DiTConfig, H3DiT
 from ..models.precision import keeps_fp32
 from .dit import curve_grid, layouts, native_layout
-from .vdn import BranchWeights, branch_layouts
+from .dit_layers import BRANCH, DIT, load_layers, meta_model, meta_shapes, needs_layers
+from .files import CheckpointFiles
+from .keymap import KeyMap, load_into, match_layout
+from .lora import LoraDelta, merge_lora, read_lora
 from .quant_layers import HELD, describe_formats
 from .quantized_files import QuantizedView, quantized_view
 from .sizes import sizes_from_metadata
+from .vdn import BranchWeights, branch_layouts
 
 __all__ = ["DiTCheckpointInfo", "LoraSpec", "MergedLora", "LINEARS", "describe_dit_checkpoint", "load_h3_model"]
 
@@ -143,8 +144,9 @@ class MergedLora:
 LoraInput = Union[LoraSpec, tuple, list]
 
 
-def describe_dit_checkpoint(path, *, cfg: DiTConfig | None = None,
-                            qkv_interleaved: bool | None = None) -> DiTCheckpointInfo:
+def describe_dit_checkpoint(
+    path, *, cfg: DiTConfig | None = None, qkv_interleaved: bool | None = None
+) -> DiTCheckpointInfo:
     """What the checkpoint at ``path`` is (module docstring for the rules), from its headers only.
 
     Args:
@@ -175,16 +177,33 @@ def describe_dit_checkpoint(path, *, cfg: DiTConfig | None = None,
     keymap, plan = match_layout(view, list(targets), keymaps, what)
     _check_header_shapes(view, keymap, plan, targets, what, cfg)
     formats = view.formats() if isinstance(view, QuantizedView) else {}
-    return DiTCheckpointInfo(path=where, files=tuple(files.files), is_branch=is_branch, layout=keymap.name,
-                             key_prefix=keymap.prefix, qkv_interleaved=interleaved, curve=curve,
-                             fp8_scaled=bool(formats) and all(k.startswith("float8") for k in formats), cfg=cfg,
-                             quantization=tuple(formats.items()))
+    return DiTCheckpointInfo(
+        path=where,
+        files=tuple(files.files),
+        is_branch=is_branch,
+        layout=keymap.name,
+        key_prefix=keymap.prefix,
+        qkv_interleaved=interleaved,
+        curve=curve,
+        fp8_scaled=bool(formats) and all(k.startswith("float8") for k in formats),
+        cfg=cfg,
+        quantization=tuple(formats.items()),
+    )
 
 
-def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device="cpu",
-                  dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
-                  qkv_interleaved: bool | None = None, linears: str = "dtype", held: str = "auto",
-                  run_device=None) -> H3DiT:
+def load_h3_model(
+    base,
+    *,
+    branch=None,
+    loras: Sequence[LoraInput] = (),
+    device="cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    cfg: DiTConfig | None = None,
+    qkv_interleaved: bool | None = None,
+    linears: str = "dtype",
+    held: str = "auto",
+    run_device=None,
+) -> H3DiT:
     """MiniMax H3 (``base`` alone) or VDN-H3 (``base`` + ``branch``) with ``loras`` merged, in order.
 
     Every input is checked first (paths, strengths, both checkpoints' headers, the LoRA files), so a bad
@@ -230,8 +249,10 @@ def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device=
     _check_dtype(dtype)
     _check_linears(linears, dtype)
     if not isinstance(held, str) or held not in HELD:
-        raise H3InputError(f"held: got {held!r}; allowed: 'auto' (comfy-kitchen layers where it has kernels for the "
-                           f"run device, else dequantised), 'dequantize' or 'kitchen'")
+        raise H3InputError(
+            f"held: got {held!r}; allowed: 'auto' (comfy-kitchen layers where it has kernels for the "
+            f"run device, else dequantised), 'dequantize' or 'kitchen'"
+        )
     base_info = _describe_role("base", base, cfg, qkv_interleaved, want_branch=False)
     branch_info = None if branch is None else _describe_role("branch", branch, cfg, None, want_branch=True)
     if not isinstance(loras, (list, tuple)):
@@ -241,16 +262,32 @@ def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device=
         model = meta_model(base_info, branch_info)
         merged = _check_loras_on_meta(model, read)
         named = [(f"loras[{i}] ({spec.path})", lora_deltas) for i, (spec, lora_deltas) in enumerate(read)]
-        load_layers(model, base_info, branch_info, named, device=device, dtype=dtype, linears=linears, held=held,
-                    run_device=run_device)
+        load_layers(
+            model,
+            base_info,
+            branch_info,
+            named,
+            device=device,
+            dtype=dtype,
+            linears=linears,
+            held=held,
+            run_device=run_device,
+        )
     else:
         if branch_info is None:
-            model = _load_dit(base_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
-                             qkv_interleaved=base_info.qkv_interleaved)
+            model = _load_dit(
+                base_info.path, device=device, dtype=dtype, cfg=base_info.cfg, qkv_interleaved=base_info.qkv_interleaved
+            )
         else:
             # base_info.cfg carries a pruned base's curve size, which _load_vdn needs to build the hybrid model
-            model = _load_vdn(base_info.path, branch_info.path, device=device, dtype=dtype, cfg=base_info.cfg,
-                             qkv_interleaved=base_info.qkv_interleaved)
+            model = _load_vdn(
+                base_info.path,
+                branch_info.path,
+                device=device,
+                dtype=dtype,
+                cfg=base_info.cfg,
+                qkv_interleaved=base_info.qkv_interleaved,
+            )
         merged = []
         for i, (spec, lora_deltas) in enumerate(read):
             source = f"loras[{i}] ({spec.path})"
@@ -264,11 +301,15 @@ def load_h3_model(base, *, branch=None, loras: Sequence[LoraInput] = (), device=
 
 def _check_linears(linears, dtype) -> None:
     if not isinstance(linears, str) or linears not in LINEARS:
-        raise H3InputError(f"linears: got {linears!r}; allowed: 'dtype' (every weight in dtype) or 'fp8' (the big "
-                           f"linears as e4m3 codes with a scale per output channel)")
+        raise H3InputError(
+            f"linears: got {linears!r}; allowed: 'dtype' (every weight in dtype) or 'fp8' (the big "
+            f"linears as e4m3 codes with a scale per output channel)"
+        )
     if linears == "fp8" and not any(dtype is allowed for allowed in FP8_COMPUTE_DTYPES):
-        raise H3InputError(f"dtype: got {dtype!r} with linears='fp8'; fp8 layers compute in "
-                           f"{', '.join(str(d) for d in FP8_COMPUTE_DTYPES)}")
+        raise H3InputError(
+            f"dtype: got {dtype!r} with linears='fp8'; fp8 layers compute in "
+            f"{', '.join(str(d) for d in FP8_COMPUTE_DTYPES)}"
+        )
 
 
 def _check_loras_on_meta(model: H3DiT, read) -> list[MergedLora]:
@@ -278,8 +319,10 @@ def _check_loras_on_meta(model: H3DiT, read) -> list[MergedLora]:
     for i, (spec, lora_deltas) in enumerate(read):
         source = f"loras[{i}] ({spec.path})"
         _check_lora_hits(model, lora_deltas, source)
-        on_meta = [replace(d, down=torch.empty_like(d.down, device="meta"), up=torch.empty_like(d.up, device="meta"))
-                   for d in lora_deltas]
+        on_meta = [
+            replace(d, down=torch.empty_like(d.down, device="meta"), up=torch.empty_like(d.up, device="meta"))
+            for d in lora_deltas
+        ]
         merged.append(MergedLora(spec, merge_lora(model, on_meta, source=source)))
     return merged
 
@@ -309,15 +352,21 @@ def _check_shard_set(path: Path) -> None:
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise H3InputError(f"{index}: not a safetensors index (a JSON object with a 'weight_map')") from None
         if listed - present:
-            raise H3InputError(f"{path}: {index.name} names shards the folder lacks, first "
-                               f"{sorted(listed - present)[:_SHOW]}; the download is incomplete")
+            raise H3InputError(
+                f"{path}: {index.name} names shards the folder lacks, first "
+                f"{sorted(listed - present)[:_SHOW]}; the download is incomplete"
+            )
         if present - listed:
-            raise H3InputError(f"{path}: holds .safetensors files {index.name} does not name, first "
-                               f"{sorted(present - listed)[:_SHOW]}; move them out of the folder")
+            raise H3InputError(
+                f"{path}: holds .safetensors files {index.name} does not name, first "
+                f"{sorted(present - listed)[:_SHOW]}; move them out of the folder"
+            )
     totals = [int(m["n"]) for m in map(_SHARD_NAME.fullmatch, present) if m]
     if totals and (len(set(totals)) > 1 or len(totals) != totals[0]):
-        raise H3InputError(f"{path}: holds {len(totals)} shards named '-of-' totals {sorted(set(totals))}; "
-                           f"the set is incomplete or mixed")
+        raise H3InputError(
+            f"{path}: holds {len(totals)} shards named '-of-' totals {sorted(set(totals))}; "
+            f"the set is incomplete or mixed"
+        )
 
 
 def _source_keys(keymaps: Sequence[KeyMap], targets) -> set[str]:
@@ -338,8 +387,10 @@ def _official_shards(native: KeyMap, where: Path, override: bool | None) -> bool
         return unprefixed_native and where.is_dir()
     if override and not unprefixed_native:
         under = f" under '{native.prefix}'" if native.prefix else ""
-        raise H3InputError(f"{where}: qkv_interleaved=True is for native names without a prefix (the official "
-                           f"shards); this checkpoint is in the {native.name} layout{under}")
+        raise H3InputError(
+            f"{where}: qkv_interleaved=True is for native names without a prefix (the official "
+            f"shards); this checkpoint is in the {native.name} layout{under}"
+        )
     return bool(override)
 
 
@@ -355,21 +406,26 @@ def _check_header_shapes(files, keymap: KeyMap, plan, expected, what: str, cfg: 
             shape = None
         if shape != expected[key]:
             stored = [list(files.shape(s)) for s in sources]
-            wrong.append(f"{sources[0]!r} {stored[0] if len(stored) == 1 else stored} for {key!r} "
-                         f"{list(expected[key])}")
+            wrong.append(
+                f"{sources[0]!r} {stored[0] if len(stored) == 1 else stored} for {key!r} {list(expected[key])}"
+            )
     if wrong:
         raise H3InputError(
             f"{files.path}: {len(wrong)} tensors do not fit the {what} of this config (hidden {cfg.hidden}, "
             f"{cfg.layers} layers, {cfg.heads} heads of {cfg.head_dim}) in the {keymap.name} layout, first: "
-            + "; ".join(wrong[:_SHOW]) + "; is it made for another model size?"
+            + "; ".join(wrong[:_SHOW])
+            + "; is it made for another model size?"
         )
 
 
 def _describe_role(role: str, path, cfg, qkv_interleaved, *, want_branch: bool) -> DiTCheckpointInfo:
     """``describe_dit_checkpoint`` for one input of ``load_h3_model``, its errors prefixed with the input's
     name, and the kind (base or branch) checked."""
-    allowed = "VDN-H3's linear_branch/model.safetensors" if want_branch else \
-        "a MiniMax H3 DiT checkpoint (.safetensors file, folder of shards, or a folder with transformer/)"
+    allowed = (
+        "VDN-H3's linear_branch/model.safetensors"
+        if want_branch
+        else "a MiniMax H3 DiT checkpoint (.safetensors file, folder of shards, or a folder with transformer/)"
+    )
     if not isinstance(path, (str, os.PathLike)) or not Path(path).exists():
         raise H3InputError(f"{role}: no file or folder at {str(path)!r}; give {allowed}")
     try:
@@ -377,11 +433,13 @@ def _describe_role(role: str, path, cfg, qkv_interleaved, *, want_branch: bool) 
     except H3InputError as exc:
         raise H3InputError(f"{role}: {exc}") from None
     if info.is_branch and not want_branch:
-        raise H3InputError(f"{role}: {info.path} is a {BRANCH} file, not a DiT; pass it as branch= with the H3 DiT "
-                           f"checkpoint as base")
+        raise H3InputError(
+            f"{role}: {info.path} is a {BRANCH} file, not a DiT; pass it as branch= with the H3 DiT checkpoint as base"
+        )
     if want_branch and not info.is_branch:
-        raise H3InputError(f"{role}: {info.path} is a {DIT} ({info.layout} layout), not a {BRANCH} file; "
-                           f"give {allowed}")
+        raise H3InputError(
+            f"{role}: {info.path} is a {DIT} ({info.layout} layout), not a {BRANCH} file; give {allowed}"
+        )
     return info
 
 
@@ -410,8 +468,10 @@ def _lora_spec(name: str, entry: LoraInput) -> LoraSpec:
         raise H3InputError(f"{name}: expected (path, strength) or (path, strength, adapter), got {entry!r}")
     path = _lora_file(name, path)
     if isinstance(strength, bool) or not isinstance(strength, numbers.Real) or not math.isfinite(strength):
-        raise H3InputError(f"{name} ({path}): strength must be a finite number (1 as trained, 0 merges nothing, "
-                           f"negative subtracts), got {strength!r}")
+        raise H3InputError(
+            f"{name} ({path}): strength must be a finite number (1 as trained, 0 merges nothing, "
+            f"negative subtracts), got {strength!r}"
+        )
     return LoraSpec(path, float(strength), _check_adapter(name, path, adapter))
 
 
@@ -423,8 +483,10 @@ def _lora_file(name: str, path) -> Path:
     if path.is_dir() and (path / "adapter_model.safetensors").is_file():
         return path / "adapter_model.safetensors"
     if not path.is_file():
-        raise H3InputError(f"{name}: no LoRA file at '{path}'; give a .safetensors LoRA or a peft adapter folder "
-                           f"holding adapter_model.safetensors")
+        raise H3InputError(
+            f"{name}: no LoRA file at '{path}'; give a .safetensors LoRA or a peft adapter folder "
+            f"holding adapter_model.safetensors"
+        )
     if path.suffix != ".safetensors":
         raise H3InputError(f"{name}: '{path}' is not a .safetensors file; LoRAs are read from safetensors only")
     return path
@@ -441,8 +503,10 @@ def _check_adapter(name: str, path: Path, adapter) -> str | None:
         raise H3InputError(f"{name}: {exc}") from None
     held = sorted({m["adapter"] for m in map(_ADAPTER_KEY.fullmatch, keys) if m})
     if adapter is None and len(held) > 1:
-        raise H3InputError(f"{name} ({path}): holds the peft adapters {held}; name the one to merge as the third "
-                           f"item, e.g. ('{path}', 1.0, {held[0]!r})")
+        raise H3InputError(
+            f"{name} ({path}): holds the peft adapters {held}; name the one to merge as the third "
+            f"item, e.g. ('{path}', 1.0, {held[0]!r})"
+        )
     if adapter is not None and held and adapter not in held:
         raise H3InputError(f"{name} ({path}): has no adapter {adapter!r}; it holds {held}")
     return adapter
@@ -454,13 +518,21 @@ def _check_lora_hits(model: torch.nn.Module, deltas: list[LoraDelta], source: st
     modules = dict(model.named_modules())
     targets = sorted({d.module for d in deltas})
     if not any(t in modules for t in targets):
-        raise H3InputError(f"{source}: none of its {len(targets)} target modules is in this model, first "
-                           f"{targets[:_SHOW]}; a MiniMax H3 LoRA targets modules such as 'blocks.0.attn.qkv_proj' "
-                           f"(native) or 'transformer_blocks.0.attn.to_q' (diffusers)")
+        raise H3InputError(
+            f"{source}: none of its {len(targets)} target modules is in this model, first "
+            f"{targets[:_SHOW]}; a MiniMax H3 LoRA targets modules such as 'blocks.0.attn.qkv_proj' "
+            f"(native) or 'transformer_blocks.0.attn.to_q' (diffusers)"
+        )
 
 
-def _load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
-             qkv_interleaved: bool = False) -> H3DiT:
+def _load_dit(
+    path,
+    *,
+    device="cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    cfg: DiTConfig | None = None,
+    qkv_interleaved: bool = False,
+) -> H3DiT:
     """Load a DiT checkpoint (a file or a folder of shards) in any supported layout; blocks in ``dtype``,
     the fp32 islands in fp32. ``qkv_interleaved`` marks the official shards, whose keys match ComfyUI's
     but whose ``qkv_proj`` rows are interleaved per head. A pruned ("curve") file is recognised by its
@@ -473,15 +545,29 @@ def _load_dit(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: D
         cfg = replace(cfg, adaln_curve_grid=curve[0], time_embed=curve[1])
     with torch.device("meta"):
         model = H3DiT(cfg)
-    model.layout = load_into(model, files, layouts(cfg, qkv_interleaved), what="MiniMax H3 DiT", device=device,
-                             dtype=dtype, keep_fp32=lambda key: keeps_fp32(key, curve is not None))
+    model.layout = load_into(
+        model,
+        files,
+        layouts(cfg, qkv_interleaved),
+        what="MiniMax H3 DiT",
+        device=device,
+        dtype=dtype,
+        keep_fp32=lambda key: keeps_fp32(key, curve is not None),
+    )
     if curve is not None:
         model.layout += " (pruned AdaLN curves)"
     return model.eval()
 
 
-def _load_vdn(base, branch, *, device="cpu", dtype: torch.dtype = torch.bfloat16, cfg: DiTConfig | None = None,
-             qkv_interleaved: bool = False) -> H3DiT:
+def _load_vdn(
+    base,
+    branch,
+    *,
+    device="cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    cfg: DiTConfig | None = None,
+    qkv_interleaved: bool = False,
+) -> H3DiT:
     """A VDN-H3 model: the DiT from ``base`` (file or folder, as ``_load_dit``) with the hybrid attention's
     weights from ``branch``. The branch loads in ``dtype``; its scans accumulate in fp32 regardless."""
     cfg = replace(cfg, hybrid=False) if cfg is not None else None
@@ -490,8 +576,7 @@ def _load_vdn(base, branch, *, device="cpu", dtype: torch.dtype = torch.bfloat16
     with torch.device("meta"):
         added = BranchWeights(cfg)
         model = H3DiT(replace(cfg, hybrid=True))
-    branch_layout = load_into(added, branch, branch_layouts(), what="VDN-H3 linear branch", device=device,
-                              dtype=dtype)
+    branch_layout = load_into(added, branch, branch_layouts(), what="VDN-H3 linear branch", device=device, dtype=dtype)
     state = dense.state_dict()
     for key, value in added.state_dict().items():
         state["blocks." + key.removeprefix("transformer_blocks.")] = value

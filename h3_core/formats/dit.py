@@ -3,7 +3,6 @@ official shards, whose ``qkv_proj`` rows are interleaved per head) and the DiT r
 
 from __future__ import annotations
 
-
 import torch
 
 from ..errors import H3InputError
@@ -32,17 +31,25 @@ def diffusers_layout(cfg: DiTConfig) -> KeyMap:
         Rule(r"final_layer\.video_out\.(?P<p>weight|bias)", ("proj_out.{p}",)),
         Rule(r"final_layer\.audio_out\.(?P<p>weight|bias)", ("audio_proj_out.{p}",)),
     ]
-    for stack_re, stack_src in ((r"blocks\.(?P<n>\d+)\.", "transformer_blocks.{n}."),
-                                (r"token_refiner\.blocks\.(?P<n>\d+)\.", "token_refiner.refiner_blocks.{n}.")):
+    for stack_re, stack_src in (
+        (r"blocks\.(?P<n>\d+)\.", "transformer_blocks.{n}."),
+        (r"token_refiner\.blocks\.(?P<n>\d+)\.", "token_refiner.refiner_blocks.{n}."),
+    ):
         rules += [
-            Rule(stack_re + r"attn\.qkv_proj\.weight", tuple(stack_src + f"attn.to_{x}.weight" for x in "qkv"), _stack_qkv),
+            Rule(
+                stack_re + r"attn\.qkv_proj\.weight",
+                tuple(stack_src + f"attn.to_{x}.weight" for x in "qkv"),
+                _stack_qkv,
+            ),
             Rule(stack_re + r"attn\.q_norm\.weight", (stack_src + "attn.norm_q.weight",)),
             Rule(stack_re + r"attn\.k_norm\.weight", (stack_src + "attn.norm_k.weight",)),
             Rule(stack_re + r"attn\.out_proj\.weight", (stack_src + "attn.to_out.0.weight",)),
             Rule(stack_re + r"mlp\.fc1\.weight", (stack_src + "ff.net.0.proj.weight",), swap_halves),
             Rule(stack_re + r"mlp\.fc2\.weight", (stack_src + "ff.net.2.weight",)),
-            Rule(stack_re + r"(?P<rest>norm1\.weight|norm2\.weight|adaln_proj\.linear\.(weight|bias))",
-                 (stack_src + "{rest}",)),
+            Rule(
+                stack_re + r"(?P<rest>norm1\.weight|norm2\.weight|adaln_proj\.linear\.(weight|bias))",
+                (stack_src + "{rest}",),
+            ),
         ]
     return KeyMap("diffusers", tuple(rules))
 
@@ -67,8 +74,16 @@ def official_layout(cfg: DiTConfig) -> KeyMap:
     """The official FL2VA / Ref2VA shards: native names, ``qkv_proj`` interleaved per head. Its keys are the
     same as ComfyUI's, so it is chosen by ``load_h3_model(..., qkv_interleaved=True)``, never guessed."""
     stack = r"(?P<s>(token_refiner\.)?blocks\.\d+)\."
-    return KeyMap("official", (Rule(stack + r"attn\.qkv_proj\.weight", ("{s}.attn.qkv_proj.weight",),
-                                    _deinterleave_qkv(cfg.heads, cfg.head_dim)),))
+    return KeyMap(
+        "official",
+        (
+            Rule(
+                stack + r"attn\.qkv_proj\.weight",
+                ("{s}.attn.qkv_proj.weight",),
+                _deinterleave_qkv(cfg.heads, cfg.head_dim),
+            ),
+        ),
+    )
 
 
 def curve_grid(files: CheckpointFiles) -> tuple[int, int] | None:
@@ -86,5 +101,3 @@ def layouts(cfg: DiTConfig, qkv_interleaved: bool = False) -> tuple[KeyMap, ...]
     if qkv_interleaved:
         return (official_layout(cfg),)
     return (native_layout(), native_layout("model.diffusion_model."), diffusers_layout(cfg))
-
-

@@ -12,7 +12,8 @@ device in the target dtype (fp32 islands in fp32) except the weights of the laye
   weight; any other is read in fp32 (dequantised where the file is quantised: comfy-kitchen for int8 and
   nvfp4), has its LoRA updates merged in fp32, in order, and is quantised with ``Fp8Linear.from_linear``.
 * ``linears="dtype"`` with a file quantised in another format (``*_int8_convrot``, nvfp4): every linear whose
-  weight the file quantises is held as ``h3_core.formats.kitchen.hold_layers`` decides for ``run_device``: a comfy-kitchen
+  weight the file quantises is held as ``h3_core.formats.kitchen.hold_layers`` decides for ``run_device``: a
+  comfy-kitchen
   ``QuantizedTensor`` weight taken from the file's codes and scales (``F.linear`` runs the library's int8
   matmul), or the weight comfy-kitchen dequantises, in ``dtype``. A layer a LoRA touches is dequantised to
   fp32, merged, then requantised by comfy-kitchen into the file's layout (kept) or rounded to ``dtype``.
@@ -28,20 +29,19 @@ import torch
 import torch.nn as nn
 
 from ..errors import H3InputError
+from ..models.dit import H3DiT
 from ..models.fp8_linear import FP8_LAYERS, Fp8Linear, quantization_targets
-from .fp8_scaled import LayerCodes, layer_codes
+from ..models.precision import keeps_fp32
+from .dit import layouts
 from .files import CheckpointFiles
+from .fp8_scaled import LayerCodes, layer_codes
 from .keymap import match_layout, quantized_plan
 from .kitchen import hold_layers, kitchen_tensor, requantize
 from .lora import LoraDelta, merge_lora
-from ..models.dit import H3DiT
-from ..models.precision import keeps_fp32
-from .dit import layouts
-from .vdn import BranchWeights, branch_layouts
 from .quantized_files import QuantizedView, quantized_view
+from .vdn import BranchWeights, branch_layouts
 
-__all__ = ["DIT", "BRANCH", "FROM_FILE", "AT_LOAD", "KEPT", "load_layers", "meta_model", "meta_shapes",
-           "needs_layers"]
+__all__ = ["DIT", "BRANCH", "FROM_FILE", "AT_LOAD", "KEPT", "load_layers", "meta_model", "meta_shapes", "needs_layers"]
 
 DIT = "MiniMax H3 DiT"
 BRANCH = "VDN-H3 linear branch"
@@ -88,18 +88,23 @@ def _plan_keys(model: H3DiT, base_info, branch_info, work_device) -> tuple[dict,
     cfg = base_info.cfg
     curve = cfg.adaln_curve_grid > 0
     base_files = quantized_view(CheckpointFiles(base_info.path), work_device)
-    base_map, base_plan = match_layout(base_files, list(meta_shapes(H3DiT, cfg)),
-                                       layouts(cfg, base_info.qkv_interleaved), DIT)
-    planned = {key: _Planned(base_files, sources, combine, keeps_fp32(key, curve))
-               for key, (sources, combine) in base_plan.items()}
+    base_map, base_plan = match_layout(
+        base_files, list(meta_shapes(H3DiT, cfg)), layouts(cfg, base_info.qkv_interleaved), DIT
+    )
+    planned = {
+        key: _Planned(base_files, sources, combine, keeps_fp32(key, curve))
+        for key, (sources, combine) in base_plan.items()
+    }
     layout = base_map.name + (" (pruned AdaLN curves)" if curve else "")
     if branch_info is not None:
         branch_files = quantized_view(CheckpointFiles(branch_info.path), work_device)
-        branch_map, branch_plan = match_layout(branch_files, list(meta_shapes(BranchWeights, cfg)),
-                                               branch_layouts(), BRANCH)
+        branch_map, branch_plan = match_layout(
+            branch_files, list(meta_shapes(BranchWeights, cfg)), branch_layouts(), BRANCH
+        )
         for key, (sources, combine) in branch_plan.items():
-            planned["blocks." + key.removeprefix("transformer_blocks.")] = _Planned(branch_files, sources, combine,
-                                                                                    False)
+            planned["blocks." + key.removeprefix("transformer_blocks.")] = _Planned(
+                branch_files, sources, combine, False
+            )
         layout += f" + {branch_map.name}"
     expected = set(model.state_dict())
     if set(planned) != expected:  # the key maps and the model disagree: a bug here, not in the file
@@ -112,8 +117,10 @@ def _read_planned(key: str, entry: _Planned, shape: tuple[int, ...]) -> torch.Te
     tensors = [entry.files.get(s) for s in entry.sources]
     value = tensors[0] if entry.combine is None else entry.combine(tensors)
     if tuple(value.shape) != tuple(shape):
-        raise H3InputError(f"{entry.files.path}: key {entry.sources[0]!r} has shape {tuple(value.shape)}, the model "
-                           f"needs {tuple(shape)} for {key!r}")
+        raise H3InputError(
+            f"{entry.files.path}: key {entry.sources[0]!r} has shape {tuple(value.shape)}, the model "
+            f"needs {tuple(shape)} for {key!r}"
+        )
     return value
 
 
@@ -142,8 +149,18 @@ class _Context:
         return linear.weight.detach()
 
 
-def load_layers(model: H3DiT, base_info, branch_info, loras, *, device, dtype: torch.dtype, linears: str,
-                held: str = "auto", run_device=None) -> None:
+def load_layers(
+    model: H3DiT,
+    base_info,
+    branch_info,
+    loras,
+    *,
+    device,
+    dtype: torch.dtype,
+    linears: str,
+    held: str = "auto",
+    run_device=None,
+) -> None:
     """Fill ``model`` (``meta_model``, LoRAs already checked against it) from the described checkpoints, the
     layers built one at a time (module docstring), and merge ``loras`` (``(source, deltas)`` in merge order).
     Sets ``model.layout``, ``model.linears`` (one line for the user), ``model.fp8_layers`` and

@@ -46,20 +46,21 @@ def _branch(path: Path) -> str:
 
 
 def _video_vae(path: Path) -> str:
-    from .vae import describe_model
     from ..models.video_vae import VideoVAE, VideoVAEConfig
+    from .vae import describe_model
     from .video_vae import layouts
 
     return "layout " + describe_model(VideoVAE, VideoVAEConfig, None, path, layouts, what="MiniMax H3 video VAE")
 
 
 def _audio_vae(path: Path) -> str:
-    from .vae import describe_model
     from ..models.audio_vae import AudioVAE, AudioVAEConfig
     from .audio_vae import layouts
+    from .vae import describe_model
 
-    return "layout " + describe_model(AudioVAE, AudioVAEConfig, None, path, lambda cfg: layouts(),
-                                      what="MiniMax H3 audio VAE")
+    return "layout " + describe_model(
+        AudioVAE, AudioVAEConfig, None, path, lambda cfg: layouts(), what="MiniMax H3 audio VAE"
+    )
 
 
 def _text_encoder(path: Path) -> str:
@@ -94,8 +95,10 @@ def _prompt_embedding(path: Path) -> str:
         return "prompt cache (.pt, read with weights_only)"
     keys = CheckpointFiles(path).keys
     if not {"prompt_embeds", "text_token_tags"} <= keys:
-        raise H3InputError(f"{path.name}: a prompt embedding file needs tensors 'prompt_embeds' and 'text_token_tags', "
-                           f"found {sorted(keys)[:5]}")
+        raise H3InputError(
+            f"{path.name}: a prompt embedding file needs tensors 'prompt_embeds' and 'text_token_tags', "
+            f"found {sorted(keys)[:5]}"
+        )
     return "prompt embedding"
 
 
@@ -146,6 +149,8 @@ def check_file(path: str | Path, kind: str, input_name: str) -> str:
         except (H3InputError, OSError):
             continue
         found = KINDS[other]
-        raise H3InputError(f"{input_name}: '{path.name}' is {found.name}, not {KINDS[kind].name}; pick it in "
-                           f"{found.loader}, and pick {KINDS[kind].name} here") from None
+        raise H3InputError(
+            f"{input_name}: '{path.name}' is {found.name}, not {KINDS[kind].name}; pick it in "
+            f"{found.loader}, and pick {KINDS[kind].name} here"
+        ) from None
     raise H3InputError(f"{input_name}: '{path.name}' cannot be loaded as {KINDS[kind].name}: {reason}") from None

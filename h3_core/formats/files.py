@@ -81,8 +81,10 @@ def read_header(path: Path) -> dict:
         if len(head) != 8:
             raise H3InputError(f"{path}: too short to be a safetensors file")
         if head[:4] == b"GGUF":
-            raise H3InputError(f"{path}: a GGUF file (named .safetensors); GGUF checkpoints are not supported yet, "
-                               f"use the .safetensors file")
+            raise H3InputError(
+                f"{path}: a GGUF file (named .safetensors); GGUF checkpoints are not supported yet, "
+                f"use the .safetensors file"
+            )
         size = int.from_bytes(head, "little")
         if size <= 0 or size > 100 * 2**20:
             raise H3InputError(f"{path}: not a safetensors file (header size {size})")
@@ -95,6 +97,7 @@ def read_header(path: Path) -> dict:
     needed = 8 + size + max((info["data_offsets"][1] for k, info in header.items() if k != "__metadata__"), default=0)
     actual = path.stat().st_size
     if actual < needed:
-        raise H3InputError(f"{path}: truncated: the header describes {needed} bytes but the file has {actual}; "
-                           f"download it again")
+        raise H3InputError(
+            f"{path}: truncated: the header describes {needed} bytes but the file has {actual}; download it again"
+        )
     return header

@@ -67,8 +67,7 @@ def _row_map(combine: Callable, rows: Sequence[int], out_rows: int) -> torch.Ten
     return first // 2
 
 
-def layer_codes(files, sources: Sequence[str], combine: Callable | None,
-                shape: tuple[int, int]) -> LayerCodes | str:
+def layer_codes(files, sources: Sequence[str], combine: Callable | None, shape: tuple[int, int]) -> LayerCodes | str:
     """The stored e4m3 codes and per-row scales of the weight ``shape`` ``[out, in]`` that a key map's rule
     builds from the file keys ``sources`` with ``combine`` (None: the one source as it is), laid out as that
     rule lays out the weight, or a sentence saying why they cannot be taken as they are.

@@ -29,8 +29,16 @@ from .kitchen import hold_layers
 from .quant_layers import FORMATS, HELD
 from .quantized_files import QuantizedView, quantized_view
 
-__all__ = ["Rule", "KeyMap", "CheckpointFiles", "load_into", "match_layout", "quantized_plan", "swap_halves",
-           "QUANTIZED_DTYPES"]
+__all__ = [
+    "Rule",
+    "KeyMap",
+    "CheckpointFiles",
+    "load_into",
+    "match_layout",
+    "quantized_plan",
+    "swap_halves",
+    "QUANTIZED_DTYPES",
+]
 
 QUANTIZED_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "I4", "U4"}
 _SHOW = 5

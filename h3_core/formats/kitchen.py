@@ -1,4 +1,5 @@
-"""comfy-kitchen, the host's quantisation library, for the layers of quantised files (``h3_core.formats.quantized_files``):
+"""comfy-kitchen, the host's quantisation library, for the layers of quantised files
+(``h3_core.formats.quantized_files``):
 dequantising them, keeping them quantised, and deciding which of the two a device allows.
 
 A layer kept quantised is what ComfyUI's ``MixedPrecisionOps.Linear`` holds (``comfy/ops.py``
@@ -58,8 +59,10 @@ def kitchen_tensor(view, quant: LayerQuant, dtype: torch.dtype, device, shape: t
     one; an nvfp4 weight padded to 16 columns is cut back to it). Per-row int8 scales are laid out ``[N, 1]``
     as comfy-kitchen's own quantiser makes them, a per-tensor scale as a scalar."""
     if quant.format not in _LAYOUTS:
-        raise H3InputError(f"{view.path}: layer '{quant.layer}' is {quant.kind}, which comfy-kitchen layers do not "
-                           f"hold here (its {', '.join(_LAYOUTS)} layers only)")
+        raise H3InputError(
+            f"{view.path}: layer '{quant.layer}' is {quant.kind}, which comfy-kitchen layers do not "
+            f"hold here (its {', '.join(_LAYOUTS)} layers only)"
+        )
     ck = _tensor_api()
     device = torch.device(device)
     codes = view.raw(quant.weight).to(device)
@@ -67,8 +70,9 @@ def kitchen_tensor(view, quant: LayerQuant, dtype: torch.dtype, device, shape: t
     if quant.format == "int8_tensorwise":
         scale = view.raw(quant.scale).to(device=device, dtype=torch.float32)
         scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1)
-        params = ck.TensorWiseINT8Layout.Params(scale=scale, orig_dtype=dtype, orig_shape=shape,
-                                                convrot=quant.convrot, convrot_groupsize=quant.group or 256)
+        params = ck.TensorWiseINT8Layout.Params(
+            scale=scale, orig_dtype=dtype, orig_shape=shape, convrot=quant.convrot, convrot_groupsize=quant.group or 256
+        )
     else:
         block = view.raw(quant.scale).to(device)
         if block.dtype == torch.uint8:  # the older on-disk form, read as e4m3 as comfy/ops.py does
@@ -115,14 +119,22 @@ def _probe(fmt: str, dtype: torch.dtype, device: torch.device) -> dict:
     """Small arguments of ``_OPS[fmt]`` on ``device``, for the registry's constraint checks (dtypes, ranks,
     devices: the checks comfy-kitchen 0.2.40 registers for these calls do not depend on sizes)."""
     if fmt == "int8_tensorwise":
-        return {"x": torch.zeros(1, 16, dtype=dtype, device=device),
-                "weight": torch.zeros(1, 16, dtype=torch.int8, device=device),
-                "weight_scale": torch.ones(1, 1, device=device), "bias": None, "out_dtype": dtype,
-                "convrot": True, "convrot_groupsize": 16}
-    return {"qx": torch.zeros(16, 8, dtype=torch.uint8, device=device),
-            "per_tensor_scale": torch.ones((), device=device),
-            "block_scales": torch.zeros(128, 4, dtype=torch.float8_e4m3fn, device=device), "output_type": dtype,
-            "hi_first": True}
+        return {
+            "x": torch.zeros(1, 16, dtype=dtype, device=device),
+            "weight": torch.zeros(1, 16, dtype=torch.int8, device=device),
+            "weight_scale": torch.ones(1, 1, device=device),
+            "bias": None,
+            "out_dtype": dtype,
+            "convrot": True,
+            "convrot_groupsize": 16,
+        }
+    return {
+        "qx": torch.zeros(16, 8, dtype=torch.uint8, device=device),
+        "per_tensor_scale": torch.ones((), device=device),
+        "block_scales": torch.zeros(128, 4, dtype=torch.float8_e4m3fn, device=device),
+        "output_type": dtype,
+        "hi_first": True,
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,8 +155,11 @@ def kitchen_support(fmt: str, kind: str, dtype: torch.dtype, device: torch.devic
     capability = torch.cuda.get_device_capability(device)
     if fmt == "int8_tensorwise" and layout.MIN_SM_VERSION and capability < layout.MIN_SM_VERSION:
         need = ".".join(map(str, layout.MIN_SM_VERSION))
-        return False, f"comfy-kitchen's {kind} kernels need compute capability {need}, {device} has " \
-                      f"{capability[0]}.{capability[1]}"
+        return (
+            False,
+            f"comfy-kitchen's {kind} kernels need compute capability {need}, {device} has "
+            f"{capability[0]}.{capability[1]}",
+        )
     with torch.cuda.device(device):
         try:
             backend = registry.get_capable_backend(_OPS[fmt], _probe(fmt, dtype, device))
@@ -172,8 +187,9 @@ class Holding:
         return kitchen_tensor(view, quant, self.dtype, device, shape).requires_grad_(False)
 
 
-def hold_layers(path, quants, held: str, dtype: torch.dtype, run_device,
-                forced: dict[str, str] | None = None) -> Holding:
+def hold_layers(
+    path, quants, held: str, dtype: torch.dtype, run_device, forced: dict[str, str] | None = None
+) -> Holding:
     """Decide how the layers ``quants`` (``LayerQuant``) of the file ``path`` are held when the model computes in
     ``dtype`` on ``run_device``, by ``held`` (``quantized_files.HELD``), and log one line saying so. ``forced``
     names weight keys that are dequantised whatever the device allows, with the reason (an fp32 island, a LoRA
@@ -196,15 +212,25 @@ def hold_layers(path, quants, held: str, dtype: torch.dtype, run_device,
         else:
             ok, why = kitchen_support(quant.format, quant.kind, dtype, run_device)
         if not ok and held == "kitchen" and quant.weight not in forced:
-            raise H3BackendUnavailable(f"{path}: layer '{quant.layer}' ({quant.kind}) cannot be kept as a "
-                                       f"comfy-kitchen layer: {why}; load it with held='auto' to dequantise it")
+            raise H3BackendUnavailable(
+                f"{path}: layer '{quant.layer}' ({quant.kind}) cannot be kept as a "
+                f"comfy-kitchen layer: {why}; load it with held='auto' to dequantise it"
+            )
         (kept if ok else dequantised).setdefault(why, []).append(quant)
-    parts = [f"{describe_formats(count_kinds(qs))} kept quantised as comfy-kitchen layers for {run_device} ({why})"
-             for why, qs in kept.items()]
-    parts += [f"{describe_formats(count_kinds(qs))} dequantised on load to {_short(dtype)}: {why}"
-              for why, qs in dequantised.items()]
+    parts = [
+        f"{describe_formats(count_kinds(qs))} kept quantised as comfy-kitchen layers for {run_device} ({why})"
+        for why, qs in kept.items()
+    ]
+    parts += [
+        f"{describe_formats(count_kinds(qs))} dequantised on load to {_short(dtype)}: {why}"
+        for why, qs in dequantised.items()
+    ]
     report = f"{Path(path).name}: " + "; ".join(parts) if parts else ""
     if report:
         _log.info(report)
-    return Holding(frozenset(q.weight for qs in kept.values() for q in qs),
-                   frozenset(q.weight for qs in dequantised.values() for q in qs), report, dtype)
+    return Holding(
+        frozenset(q.weight for qs in kept.values() for q in qs),
+        frozenset(q.weight for qs in dequantised.values() for q in qs),
+        report,
+        dtype,
+    )

@@ -69,7 +69,7 @@ def _native(module: str) -> tuple[str, int | None]:
     """Our module name for a LoRA target, and which third of the fused qkv it updates (None: all rows)."""
     for prefix in _PREFIXES:
         if module.startswith(prefix):
-            module = module[len(prefix):]
+            module = module[len(prefix) :]
             break
     for pattern, repl in _RENAMES:
         module = re.sub(pattern, repl, module)
@@ -96,8 +96,10 @@ def read_lora(path: str | Path, strength: float = 1.0, adapter: str | None = Non
             if m is None:
                 if key.endswith(".alpha"):
                     continue
-                raise H3InputError(f"{path}: '{key}' is not a LoRA weight (expected <module>.lora_A / lora_B / "
-                                   f"lora_down / lora_up .weight)")
+                raise H3InputError(
+                    f"{path}: '{key}' is not a LoRA weight (expected <module>.lora_A / lora_B / "
+                    f"lora_down / lora_up .weight)"
+                )
             if adapter is not None and m.group("adapter") not in (None, adapter):
                 continue
             entry = pairs.setdefault(m.group("module"), {})
@@ -131,10 +133,14 @@ def _check_targets(model: torch.nn.Module, deltas: list[LoraDelta], source: str)
         if d.up.shape[0] != rows or d.down.shape[1] != target.weight.shape[1] or d.up.shape[1] != d.down.shape[0]:
             hint = ""
             if "adaln_proj" in d.module and getattr(getattr(model, "cfg", None), "adaln_curve_grid", 0):
-                hint = ("; this model is the pruned (AdaLN curve) form, whose AdaLN projections are rank-reduced, so "
-                        "a LoRA made for the full model's AdaLN cannot merge into them: use the full (bf16) model")
-            raise H3InputError(f"{source}: the update of '{d.module}' is {tuple(d.up.shape)} @ {tuple(d.down.shape)}, "
-                               f"the weight is {tuple(target.weight.shape)}{hint}")
+                hint = (
+                    "; this model is the pruned (AdaLN curve) form, whose AdaLN projections are rank-reduced, so "
+                    "a LoRA made for the full model's AdaLN cannot merge into them: use the full (bf16) model"
+                )
+            raise H3InputError(
+                f"{source}: the update of '{d.module}' is {tuple(d.up.shape)} @ {tuple(d.down.shape)}, "
+                f"the weight is {tuple(target.weight.shape)}{hint}"
+            )
         targets.append(target)
     return targets
 
@@ -173,8 +179,15 @@ def lora_patches(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str
 
 
 # Where the DiT's modules live (``H3DiT``'s children): a LoRA target outside them is another model's.
-_DIT_STEMS = ("blocks.", "token_refiner.", "final_layer.", "time_embedder.", "video_patch_proj", "audio_patch_proj",
-              "condition_proj")
+_DIT_STEMS = (
+    "blocks.",
+    "token_refiner.",
+    "final_layer.",
+    "time_embedder.",
+    "video_patch_proj",
+    "audio_patch_proj",
+    "condition_proj",
+)
 
 
 def describe_lora_file(path: str | Path) -> str:
@@ -192,13 +205,17 @@ def describe_lora_file(path: str | Path) -> str:
         modules.add(_native(m.group("module"))[0])
     if other or not modules:
         shown = other[:3] or sorted(files.keys)[:3]
-        raise H3InputError(f"{path.name}: not a LoRA (a LoRA holds <module>.lora_A / lora_B / lora_down / lora_up "
-                           f"weights); found keys such as {shown}")
+        raise H3InputError(
+            f"{path.name}: not a LoRA (a LoRA holds <module>.lora_A / lora_B / lora_down / lora_up "
+            f"weights); found keys such as {shown}"
+        )
     foreign = sorted(m for m in modules if not m.startswith(_DIT_STEMS))
     if foreign:
-        raise H3InputError(f"{path.name}: a LoRA for another model: it targets {len(foreign)} modules this DiT does not "
-                           f"have, e.g. {foreign[:3]}; a MiniMax H3 LoRA targets modules such as "
-                           "'blocks.0.attn.qkv_proj' (native) or 'transformer_blocks.0.attn.to_q' (diffusers)")
+        raise H3InputError(
+            f"{path.name}: a LoRA for another model: it targets {len(foreign)} modules this DiT does not "
+            f"have, e.g. {foreign[:3]}; a MiniMax H3 LoRA targets modules such as "
+            "'blocks.0.attn.qkv_proj' (native) or 'transformer_blocks.0.attn.to_q' (diffusers)"
+        )
     return f"{len(modules)} modules, e.g. {sorted(modules)[0]}"
 
 
@@ -211,6 +228,8 @@ def merge_lora(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str =
         up = _native_up(d).float()
         update = (up @ d.down.float()) * d.scale
         weight = target.weight
-        rows = slice(None) if d.part is None else slice(d.part * weight.shape[0] // 3, (d.part + 1) * weight.shape[0] // 3)
+        rows = (
+            slice(None) if d.part is None else slice(d.part * weight.shape[0] // 3, (d.part + 1) * weight.shape[0] // 3)
+        )
         weight[rows] = (weight[rows].float() + update.to(weight.device)).to(weight.dtype)
     return len(plans)

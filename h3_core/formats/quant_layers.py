@@ -7,7 +7,6 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-
 from ..errors import H3InputError
 
 if TYPE_CHECKING:
@@ -69,8 +68,10 @@ def _marker(files: CheckpointFiles, key: str) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError, ValueError):
         spec = None
     if not isinstance(spec, dict):
-        raise H3InputError(f"{files.path}: '{key}' is not a JSON object; ComfyUI's quantization sidecars hold the "
-                           f"bytes of one, e.g. {{\"format\": \"int8_tensorwise\"}}")
+        raise H3InputError(
+            f"{files.path}: '{key}' is not a JSON object; ComfyUI's quantization sidecars hold the "
+            f'bytes of one, e.g. {{"format": "int8_tensorwise"}}'
+        )
     return spec
 
 
@@ -90,8 +91,9 @@ class _Check:
     def fail(self, what: str):
         raise H3InputError(f"{self.files.path}: layer '{self.layer}' ({self.kind}): {what}")
 
-    def tensor(self, suffix: str, dtypes: tuple[str, ...], shapes: Iterable[tuple[int, ...]] | None,
-               expected: str) -> str:
+    def tensor(
+        self, suffix: str, dtypes: tuple[str, ...], shapes: Iterable[tuple[int, ...]] | None, expected: str
+    ) -> str:
         key = f"{self.layer}.{suffix}"
         if key not in self.files.keys:
             self.fail(f"has no '{key}'; ComfyUI's {self.kind} layers store {expected} there")
@@ -115,8 +117,10 @@ def _comfy_layer(files: CheckpointFiles, marker: str) -> LayerQuant:
     fmt = spec.get("format")
     if fmt not in _STORAGE:
         named = "names no format" if fmt is None else f"is quantized as '{fmt}'"
-        raise H3InputError(f"{files.path}: layer '{layer}' {named}, which this pack does not read; it reads "
-                           f"ComfyUI's {', '.join(FORMATS)} (with convrot) layers through comfy-kitchen")
+        raise H3InputError(
+            f"{files.path}: layer '{layer}' {named}, which this pack does not read; it reads "
+            f"ComfyUI's {', '.join(FORMATS)} (with convrot) layers through comfy-kitchen"
+        )
     convrot = fmt == "int8_tensorwise" and bool(_option(spec, "convrot", False))
     group = int(_option(spec, "convrot_groupsize", 256)) if convrot else 0
     kind = "int8_convrot" if convrot else fmt
@@ -128,31 +132,49 @@ def _comfy_layer(files: CheckpointFiles, marker: str) -> LayerQuant:
     if files.dtypes[weight] not in _STORAGE[fmt] or len(shape) != 2:
         check.fail(f"'{weight}' is {files.dtypes[weight]} {list(shape)}, expected a {_STORAGE[fmt][0]} matrix")
     rows, cols = shape
-    common = dict(weight=weight, format=fmt, marker=marker,
-                  full_precision=bool(_option(spec, "full_precision_matrix_mult", False)))
+    common = dict(
+        weight=weight,
+        format=fmt,
+        marker=marker,
+        full_precision=bool(_option(spec, "full_precision_matrix_mult", False)),
+    )
     if fmt == "nvfp4":
         k = 2 * cols
         if k % _NVFP4_BLOCK:
-            check.fail(f"'{weight}' holds {k} columns, not a multiple of the {_NVFP4_BLOCK} codes each block scale "
-                       f"covers (comfy-kitchen pads them)")
+            check.fail(
+                f"'{weight}' holds {k} columns, not a multiple of the {_NVFP4_BLOCK} codes each block scale "
+                f"covers (comfy-kitchen pads them)"
+            )
         blocks = ((rows + 127) // 128 * 128, (k // _NVFP4_BLOCK + 3) // 4 * 4)
         return LayerQuant(
             **common,
-            scale=check.tensor("weight_scale", ("F8_E4M3", "U8"), (blocks,),
-                               f"F8_E4M3 block scales {list(blocks)} (one per {_NVFP4_BLOCK} codes, swizzled)"),
+            scale=check.tensor(
+                "weight_scale",
+                ("F8_E4M3", "U8"),
+                (blocks,),
+                f"F8_E4M3 block scales {list(blocks)} (one per {_NVFP4_BLOCK} codes, swizzled)",
+            ),
             scale_2=check.tensor("weight_scale_2", ("F32",), ((), (1,)), "the F32 per-tensor scale"),
             input_scale=check.optional("input_scale", ("F32",), ((), (1,)), "one F32 input scale"),
-            pre_quant_scale=check.optional("pre_quant_scale", _FLOATS, [(n,) for n in range(k - 15, k + 1)],
-                                           f"the AWQ input scales [{k}]"))
+            pre_quant_scale=check.optional(
+                "pre_quant_scale", _FLOATS, [(n,) for n in range(k - 15, k + 1)], f"the AWQ input scales [{k}]"
+            ),
+        )
     if convrot:
         if group < 4 or group & (group - 1) or (group.bit_length() - 1) % 2:
             check.fail(f"convrot_groupsize {group} is not a power of 4 (comfy-kitchen's Hadamard sizes)")
         if cols % group:
             check.fail(f"its {cols} input columns are not a multiple of its convrot_groupsize {group}")
-    scale = check.tensor("weight_scale", _FLOATS, _row_scale_shapes(rows),
-                         f"a float scale per tensor or per row ([{rows}, 1])")
-    return LayerQuant(**common, scale=scale, convrot=convrot, group=group,
-                      input_scale=check.optional("input_scale", _FLOATS, None, "the input scale"))
+    scale = check.tensor(
+        "weight_scale", _FLOATS, _row_scale_shapes(rows), f"a float scale per tensor or per row ([{rows}, 1])"
+    )
+    return LayerQuant(
+        **common,
+        scale=scale,
+        convrot=convrot,
+        group=group,
+        input_scale=check.optional("input_scale", _FLOATS, None, "the input scale"),
+    )
 
 
 def layer_quants(files: CheckpointFiles) -> dict[str, LayerQuant]:
@@ -171,11 +193,14 @@ def layer_quants(files: CheckpointFiles) -> dict[str, LayerQuant]:
                 continue
             fmt = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(files.dtypes[weight])
             if fmt is None:
-                raise H3InputError(f"{files.path}: layer '{layer}' (scaled fp8): '{weight}' is "
-                                   f"{files.dtypes[weight]}, expected F8_E4M3 or F8_E5M2")
+                raise H3InputError(
+                    f"{files.path}: layer '{layer}' (scaled fp8): '{weight}' is "
+                    f"{files.dtypes[weight]}, expected F8_E4M3 or F8_E5M2"
+                )
             input_scale = f"{layer}.scale_input"
-            layers[weight] = LayerQuant(weight=weight, format=fmt, scale=key,
-                                        input_scale=input_scale if input_scale in files.keys else None)
+            layers[weight] = LayerQuant(
+                weight=weight, format=fmt, scale=key, input_scale=input_scale if input_scale in files.keys else None
+            )
     return layers
 
 

@@ -28,7 +28,8 @@ format, the file and the layer.
 
 Reading (``QuantizedView``, the reading side of ``CheckpointFiles``): the sidecars are hidden; a quantised
 weight reads as the fp32 tensor it stands for, dequantised by comfy-kitchen's own layouts
-(``TensorWiseINT8Layout`` / ``TensorCoreNVFP4Layout`` through ``QuantizedTensor.dequantize``, ``h3_core.formats.kitchen``);
+(``TensorWiseINT8Layout`` / ``TensorCoreNVFP4Layout`` through ``QuantizedTensor.dequantize``,
+``h3_core.formats.kitchen``);
 fp8 as ``codes.float() · scale``, the product ComfyUI's ``TensorCoreFP8Layout.dequantize`` forms. Where a model
 keeps the codes instead, ``h3_core.formats.kitchen`` builds the library's ``QuantizedTensor`` from the stored tensors.
 ``read_state_dict`` reads a chosen set of keys either way, for any model (the text encoder's entry point).
@@ -130,9 +131,16 @@ class QuantizedState:
     report: str
 
 
-def read_state_dict(path, keys: Iterable[str], *, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                    held: str = "auto", run_device=None,
-                    may_keep: Callable[[str], bool] = lambda key: True) -> QuantizedState:
+def read_state_dict(
+    path,
+    keys: Iterable[str],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device="cpu",
+    held: str = "auto",
+    run_device=None,
+    may_keep: Callable[[str], bool] = lambda key: True,
+) -> QuantizedState:
     """Read ``keys`` of the safetensors checkpoint ``path`` (a file, a folder of shards or a ``CheckpointFiles``)
     into a state dict, any quantised weight among them dequantised or kept as a comfy-kitchen layer weight.
 
@@ -161,8 +169,9 @@ def read_state_dict(path, keys: Iterable[str], *, dtype: torch.dtype = torch.bfl
     view = quantized_view(files, work_device=work)
     missing = [k for k in keys if k not in view.keys]
     if missing:
-        raise H3InputError(f"{files.path}: has no {len(missing)} of the {len(keys)} keys asked for, first "
-                           f"{missing[:SHOW]}")
+        raise H3InputError(
+            f"{files.path}: has no {len(missing)} of the {len(keys)} keys asked for, first {missing[:SHOW]}"
+        )
     quants = [view.quant(k) for k in keys if view.quant(k) is not None] if isinstance(view, QuantizedView) else []
     dense = {q.weight: "the caller holds it dense (it runs no F.linear)" for q in quants if not may_keep(q.weight)}
     holding = hold_layers(files.path, quants, held, dtype, run_device, dense)

@@ -28,7 +28,8 @@ Everything here reads headers only; a file that is not a Qwen3-VL text encoder o
 naming what it looks like, before any weight is read.
 
 ComfyUI's quantised single files (``qwen3vl_32b_minimax_h3_int8_convrot`` / ``_nvfp4_awq``) store some 2-D weights
-per layer in ComfyUI's ``comfy_quant`` form (``h3_core.formats.quantized_files``, which checks each layer's sidecars against
+per layer in ComfyUI's ``comfy_quant`` form (``h3_core.formats.quantized_files``, which checks each layer's sidecars
+against
 its stored codes): ``int8_tensorwise`` (int8 codes ``[N, K]``, a scale per row or per tensor; ConvRot in the
 int8_convrot file's linears, plain in an embedding table) and ``nvfp4`` (two e2m1 codes a byte ``[N, K/2]``, block
 scales, a per-tensor scale and, for AWQ, the input scales ``pre_quant_scale [K]``). Reading a file's header also
@@ -54,17 +55,43 @@ from .keymap import QUANTIZED_DTYPES, KeyMap, Rule
 from .quant_layers import LayerQuant, count_kinds, layer_quants
 from .quantized_files import QuantizedView
 
-__all__ = ["Layout", "LAYOUTS", "PUBLISHED", "TextEncoderCheckpoint", "HeldBytes", "describe_text_encoder_file",
-           "describe_text_encoder_header", "held_bytes", "qwen3vl_header", "layout_keymap", "meta_shapes",
-           "TEXT_ENCODER_FORMATS"]
+__all__ = [
+    "Layout",
+    "LAYOUTS",
+    "PUBLISHED",
+    "TextEncoderCheckpoint",
+    "HeldBytes",
+    "describe_text_encoder_file",
+    "describe_text_encoder_header",
+    "held_bytes",
+    "qwen3vl_header",
+    "layout_keymap",
+    "meta_shapes",
+    "TEXT_ENCODER_FORMATS",
+]
 
 _SHOW = 5
 _SIDECARS = (".comfy_quant", ".weight_scale", ".weight_scale_2", ".pre_quant_scale", ".input_scale", ".scale_weight")
 # The comfy_quant formats ComfyUI's Qwen3-VL text encoders are stored in (int8_convrot: int8_tensorwise layers;
 # nvfp4_awq: nvfp4 layers and an int8_tensorwise embedding table), the ones comfy-kitchen layers hold.
 TEXT_ENCODER_FORMATS = ("int8_tensorwise", "nvfp4")
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-                "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 # What no tensor shape shows, as Qwen3-VL-32B-Instruct's config.json (the H3 release's text_encoder/) gives
 # it; ComfyUI builds the same model: llama.py Qwen3VL_8BConfig / Qwen3VL_32BConfig (rope_theta 5e6,
@@ -74,12 +101,22 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 # The RoPE settings are given as ``rope_theta`` + ``rope_scaling``, which transformers 4.57 reads and 5.x
 # turns into its ``rope_parameters`` (the same inverse frequencies in both).
 PUBLISHED = {
-    "text": dict(rope_theta=5_000_000.0, rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20],
-                                                       "mrope_interleaved": True},
-                 rms_norm_eps=1e-6, max_position_embeddings=262144, hidden_act="silu", attention_bias=False),
+    "text": dict(
+        rope_theta=5_000_000.0,
+        rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        hidden_act="silu",
+        attention_bias=False,
+    ),
     "vision": dict(num_heads=16, deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
-    "ids": dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                vision_end_token_id=151653, tie_word_embeddings=False),
+    "ids": dict(
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -96,7 +133,7 @@ class Layout:
         """The file's name for a key of transformers' ``Qwen3VLForConditionalGeneration``."""
         for ours, theirs in (("model.language_model.", self.text), ("model.visual.", self.vision)):
             if model_key.startswith(ours):
-                return theirs + model_key[len(ours):]
+                return theirs + model_key[len(ours) :]
         if model_key == "lm_head.weight" and self.head:
             return self.head
         raise KeyError(model_key)
@@ -107,15 +144,19 @@ class Layout:
         parts = sorted(((self.text, "model.language_model."), (self.vision, "model.visual.")), key=lambda p: -len(p[0]))
         for theirs, ours in parts:
             if file_key.startswith(theirs):
-                return ours + file_key[len(theirs):]
+                return ours + file_key[len(theirs) :]
         raise KeyError(file_key)
 
 
-LAYOUTS = (Layout("ComfyUI", "model.", "visual.", None),
-           Layout("transformers", "model.language_model.", "model.visual.", "lm_head.weight"))
-EXPECTED = ("ComfyUI's Qwen3-VL-32B text encoder (qwen3vl_32b_minimax_h3_bf16.safetensors: model.embed_tokens, "
-            "model.layers.N.*, visual.*) or a transformers Qwen3-VL checkpoint (model.language_model.*, "
-            "model.visual.*)")
+LAYOUTS = (
+    Layout("ComfyUI", "model.", "visual.", None),
+    Layout("transformers", "model.language_model.", "model.visual.", "lm_head.weight"),
+)
+EXPECTED = (
+    "ComfyUI's Qwen3-VL-32B text encoder (qwen3vl_32b_minimax_h3_bf16.safetensors: model.embed_tokens, "
+    "model.layers.N.*, visual.*) or a transformers Qwen3-VL checkpoint (model.language_model.*, "
+    "model.visual.*)"
+)
 
 
 @dataclass(frozen=True)
@@ -170,7 +211,7 @@ def _layer_index(layout: Layout, key: str) -> int | None:
 
 
 def _text_part(layout: Layout, key: str) -> str | None:
-    return key[len(layout.text):] if key.startswith(layout.text) else None
+    return key[len(layout.text) :] if key.startswith(layout.text) else None
 
 
 def _is_held(layout: Layout, key: str, layer: int) -> bool:
@@ -246,17 +287,22 @@ def describe_text_encoder_header(header: dict, where: str = "the checkpoint"):
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     layout = _detect_layout(tensors)
     if layout is None:
-        raise H3InputError(f"{where}: not a Qwen3-VL text encoder: it looks like {_looks_like(tensors)}; "
-                           f"expected {EXPECTED}")
+        raise H3InputError(
+            f"{where}: not a Qwen3-VL text encoder: it looks like {_looks_like(tensors)}; expected {EXPECTED}"
+        )
     quantized = sorted({v["dtype"] for v in tensors.values()} & QUANTIZED_DTYPES)
     stray = sorted(k for k, v in tensors.items() if v["dtype"] in QUANTIZED_DTYPES or k.endswith(_SIDECARS))
     if stray:
-        how = ("whose layers' formats describe_text_encoder_file reads from their comfy_quant sidecars"
-               if any(k.endswith(".comfy_quant") for k in stray)
-               else f"whose quantized layers each carry a comfy_quant sidecar (none describes {stray[:_SHOW]})")
-        raise H3InputError(f"{where}: a quantized Qwen3-VL text encoder ({', '.join(quantized) or 'scaled'} "
-                           f"weights) is not supported; use the bf16 file or ComfyUI's int8_convrot or nvfp4_awq "
-                           f"file, {how}")
+        how = (
+            "whose layers' formats describe_text_encoder_file reads from their comfy_quant sidecars"
+            if any(k.endswith(".comfy_quant") for k in stray)
+            else f"whose quantized layers each carry a comfy_quant sidecar (none describes {stray[:_SHOW]})"
+        )
+        raise H3InputError(
+            f"{where}: a quantized Qwen3-VL text encoder ({', '.join(quantized) or 'scaled'} "
+            f"weights) is not supported; use the bf16 file or ComfyUI's int8_convrot or nvfp4_awq "
+            f"file, {how}"
+        )
     t, v = layout.text, layout.vision
     vocab, hidden = _shape(tensors, t + "embed_tokens.weight", where, 2)
     present = sorted({i for i in map(lambda k: _layer_index(layout, k), tensors) if i is not None})
@@ -264,8 +310,10 @@ def describe_text_encoder_header(header: dict, where: str = "the checkpoint"):
         raise H3InputError(f"{where}: a Qwen3-VL checkpoint without decoder layers ({t}layers.N.*)")
     if present != list(range(len(present))):
         gaps = sorted(set(range(present[-1] + 1)) - set(present))
-        raise H3InputError(f"{where}: decoder layers {gaps[:_SHOW]} are missing (it holds {len(present)} of "
-                           f"layers 0-{present[-1]}); the file is incomplete")
+        raise H3InputError(
+            f"{where}: decoder layers {gaps[:_SHOW]} are missing (it holds {len(present)} of "
+            f"layers 0-{present[-1]}); the file is incomplete"
+        )
     layer0 = f"{t}layers.0."
     (head_dim,) = _shape(tensors, layer0 + "self_attn.q_norm.weight", where, 1)
     q_rows = _shape(tensors, layer0 + "self_attn.q_proj.weight", where, 2)[0]
@@ -293,19 +341,37 @@ def describe_text_encoder_header(header: dict, where: str = "the checkpoint"):
     if width % PUBLISHED["vision"]["num_heads"]:
         problems.append(f"the tower width {width} does not split into {PUBLISHED['vision']['num_heads']} heads")
     if stacks != len(indexes) or depth <= indexes[-1]:
-        problems.append(f"{stacks} deepstack mergers over {depth} vision blocks; Qwen3-VL-32B has {len(indexes)} "
-                        f"at blocks {indexes}")
+        problems.append(
+            f"{stacks} deepstack mergers over {depth} vision blocks; Qwen3-VL-32B has {len(indexes)} "
+            f"at blocks {indexes}"
+        )
     if problems:
-        raise H3InputError(f"{where}: a Qwen3-VL checkpoint, but not of Qwen3-VL-32B's family: "
-                           + "; ".join(problems))
+        raise H3InputError(f"{where}: a Qwen3-VL checkpoint, but not of Qwen3-VL-32B's family: " + "; ".join(problems))
     config = Qwen3VLConfig(
-        text_config=dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inner, num_hidden_layers=len(present),
-                         num_attention_heads=q_rows // head_dim, num_key_value_heads=kv_rows // head_dim,
-                         head_dim=head_dim, **PUBLISHED["text"]),
-        vision_config=dict(depth=depth, hidden_size=width, intermediate_size=vision_inner, in_channels=channels,
-                           patch_size=patch, temporal_patch_size=temporal, spatial_merge_size=merge,
-                           out_hidden_size=out_width, num_position_embeddings=positions, **PUBLISHED["vision"]),
-        **PUBLISHED["ids"])
+        text_config=dict(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inner,
+            num_hidden_layers=len(present),
+            num_attention_heads=q_rows // head_dim,
+            num_key_value_heads=kv_rows // head_dim,
+            head_dim=head_dim,
+            **PUBLISHED["text"],
+        ),
+        vision_config=dict(
+            depth=depth,
+            hidden_size=width,
+            intermediate_size=vision_inner,
+            in_channels=channels,
+            patch_size=patch,
+            temporal_patch_size=temporal,
+            spatial_merge_size=merge,
+            out_hidden_size=out_width,
+            num_position_embeddings=positions,
+            **PUBLISHED["vision"],
+        ),
+        **PUBLISHED["ids"],
+    )
     _check_shapes(tensors, layout, config, where)
     return layout, config, len(present)
 
@@ -329,15 +395,22 @@ def _check_shapes(tensors: dict, layout: Layout, config, where: str) -> None:
         except KeyError:
             continue  # lm_head in ComfyUI's layout, which has none
     missing = sorted(k for k in expected if k not in tensors and k not in optional)
-    wrong = sorted(f"{k} {tensors[k]['shape']} (expected {list(expected[k])})" for k in expected
-                   if k in tensors and tuple(tensors[k]["shape"]) != expected[k])
+    wrong = sorted(
+        f"{k} {tensors[k]['shape']} (expected {list(expected[k])})"
+        for k in expected
+        if k in tensors and tuple(tensors[k]["shape"]) != expected[k]
+    )
     unexpected = sorted(k for k in tensors if k not in expected)
-    parts = [f"missing {len(missing)} tensors, first {missing[:_SHOW]}" if missing else "",
-             f"{len(wrong)} of the wrong shape, first {wrong[:_SHOW]}" if wrong else "",
-             f"{len(unexpected)} unexpected, first {unexpected[:_SHOW]}" if unexpected else ""]
+    parts = [
+        f"missing {len(missing)} tensors, first {missing[:_SHOW]}" if missing else "",
+        f"{len(wrong)} of the wrong shape, first {wrong[:_SHOW]}" if wrong else "",
+        f"{len(unexpected)} unexpected, first {unexpected[:_SHOW]}" if unexpected else "",
+    ]
     if any(parts):
-        raise H3InputError(f"{where}: not a complete Qwen3-VL text encoder in {layout.name}'s layout: "
-                           + "; ".join(p for p in parts if p))
+        raise H3InputError(
+            f"{where}: not a complete Qwen3-VL text encoder in {layout.name}'s layout: "
+            + "; ".join(p for p in parts if p)
+        )
 
 
 def describe_text_encoder_file(path: str | Path) -> TextEncoderCheckpoint:
@@ -353,8 +426,16 @@ def describe_text_encoder_file(path: str | Path) -> TextEncoderCheckpoint:
     view = QuantizedView(files, quants) if quants else files
     layout, config, layers = describe_text_encoder_header(_header_of(view), str(path))
     prescaled = _check_prescaled(files, view, layout, quants)
-    return TextEncoderCheckpoint(path, layout, config, layers, tuple(sorted({v["dtype"] for v in header.values()})),
-                                 path.stat().st_size, tuple(count_kinds(quants.values()).items()), prescaled)
+    return TextEncoderCheckpoint(
+        path,
+        layout,
+        config,
+        layers,
+        tuple(sorted({v["dtype"] for v in header.values()})),
+        path.stat().st_size,
+        tuple(count_kinds(quants.values()).items()),
+        prescaled,
+    )
 
 
 def _text_encoder_quants(files: CheckpointFiles, header: dict) -> dict[str, LayerQuant]:
@@ -366,9 +447,11 @@ def _text_encoder_quants(files: CheckpointFiles, header: dict) -> dict[str, Laye
     quants = layer_quants(files)  # refuses a format this pack does not read, naming it, the file and the layer
     for quant in quants.values():
         if quant.format not in TEXT_ENCODER_FORMATS:
-            raise H3InputError(f"{files.path}: layer '{quant.layer}' is quantized as '{quant.kind}', which the text "
-                               f"encoder does not read; it reads ComfyUI's int8_convrot and nvfp4_awq text encoders "
-                               f"({', '.join(TEXT_ENCODER_FORMATS)} layers, through comfy-kitchen)")
+            raise H3InputError(
+                f"{files.path}: layer '{quant.layer}' is quantized as '{quant.kind}', which the text "
+                f"encoder does not read; it reads ComfyUI's int8_convrot and nvfp4_awq text encoders "
+                f"({', '.join(TEXT_ENCODER_FORMATS)} layers, through comfy-kitchen)"
+            )
     return quants
 
 
@@ -383,11 +466,15 @@ def _check_prescaled(files: CheckpointFiles, view, layout: Layout, quants: dict[
         columns = view.shape(quant.weight)[1]
         shape = list(files.shape(quant.pre_quant_scale))
         if quant.layer in tables:
-            raise H3InputError(f"{files.path}: layer '{quant.layer}' is an embedding table, which has no input for its "
-                               f"'{quant.pre_quant_scale}' (AWQ input scales) to scale")
+            raise H3InputError(
+                f"{files.path}: layer '{quant.layer}' is an embedding table, which has no input for its "
+                f"'{quant.pre_quant_scale}' (AWQ input scales) to scale"
+            )
         if shape != [columns]:
-            raise H3InputError(f"{files.path}: layer '{quant.layer}' (nvfp4_awq): '{quant.pre_quant_scale}' is "
-                               f"{shape}, expected one AWQ input scale per input column, [{columns}]")
+            raise H3InputError(
+                f"{files.path}: layer '{quant.layer}' (nvfp4_awq): '{quant.pre_quant_scale}' is "
+                f"{shape}, expected one AWQ input scale per input column, [{columns}]"
+            )
         prescaled.append(quant.layer)
     return tuple(prescaled)
 
@@ -396,19 +483,21 @@ def layout_keymap(layout: Layout, present: int, layer: int) -> KeyMap:
     """The key map reading a truncated model (``layer`` decoder layers, no final norm, no output head) from a
     checkpoint in ``layout`` holding ``present`` layers: the later layers, the norm and the head are left
     unread."""
-    rules = (Rule(r"model\.language_model\.(?P<rest>.+)", (layout.text + "{rest}",)),
-             Rule(r"model\.visual\.(?P<rest>.+)", (layout.vision + "{rest}",)))
+    rules = (
+        Rule(r"model\.language_model\.(?P<rest>.+)", (layout.text + "{rest}",)),
+        Rule(r"model\.visual\.(?P<rest>.+)", (layout.vision + "{rest}",)),
+    )
     ignore = [re.escape(layout.text + "norm.weight")]
     if layout.head:
         ignore.append(re.escape(layout.head))
     if present > layer:
-        ignore.append(re.escape(layout.text + "layers.") + "(?:" + "|".join(map(str, range(layer, present)))
-                      + r")\..+")
+        ignore.append(re.escape(layout.text + "layers.") + "(?:" + "|".join(map(str, range(layer, present))) + r")\..+")
     return KeyMap(layout.name, rules, ignore=tuple(ignore))
 
 
-def qwen3vl_header(config, layout: Layout, *, dtype: str = "BF16", final_norm: bool | None = None,
-                   head: bool | None = None) -> dict:
+def qwen3vl_header(
+    config, layout: Layout, *, dtype: str = "BF16", final_norm: bool | None = None, head: bool | None = None
+) -> dict:
     """A safetensors header (no ``data_offsets`` needed for sizes, but given, in key order) for a checkpoint of
     ``config`` in ``layout``; ``final_norm`` / ``head`` default to what the layout carries (ComfyUI's H3 file
     neither, a transformers folder both)."""

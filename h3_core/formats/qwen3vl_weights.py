@@ -7,7 +7,8 @@ tower; never the later layers, the final norm or an output head) is read under i
 quantised weight is, by ``held`` (``quantized_files.HELD``):
 
 * an ``nn.Linear``'s: a comfy-kitchen ``QuantizedTensor`` built from the file's codes and scales where comfy-kitchen
-  has kernels for ``run_device`` (``h3_core.formats.kitchen``; ``F.linear`` then runs the library's matmul: int8 with its
+  has kernels for ``run_device`` (``h3_core.formats.kitchen``; ``F.linear`` then runs the library's matmul: int8
+  with its
   activations quantised per row, nvfp4 with the weight dequantised for a plain input), else the tensor comfy-kitchen
   dequantises, in the model's dtype;
 * anything else (an embedding table, which looks rows up and runs no ``F.linear``): dequantised.
@@ -54,12 +55,16 @@ def _prescale(model: nn.Module, names: list[str]) -> None:
         linear = getattr(parent, attribute)
         if not isinstance(linear, nn.Linear):  # the checkpoint's description refuses scales on anything else
             raise AssertionError(f"{name} is a {type(linear).__name__}, not a linear layer")
-        setattr(parent, attribute, PreScaledLinear(linear.in_features, linear.out_features, linear.bias is not None,
-                                                   device="meta"))
+        setattr(
+            parent,
+            attribute,
+            PreScaledLinear(linear.in_features, linear.out_features, linear.bias is not None, device="meta"),
+        )
 
 
-def read_text_encoder_file(model: nn.Module, described, *, dtype: torch.dtype, held: str = "auto",
-                           run_device=None) -> QuantizedState:
+def read_text_encoder_file(
+    model: nn.Module, described, *, dtype: torch.dtype, held: str = "auto", run_device=None
+) -> QuantizedState:
     """Fill ``model`` (the truncated ``Qwen3VLForConditionalGeneration``, built on the meta device) from the file
     ``described`` (``qwen3vl_checkpoint.TextEncoderCheckpoint``) in host memory (module docstring). Returns what
     ``read_state_dict`` read, less the state: the quantised weights kept and dequantised (file keys) and the
@@ -70,10 +75,18 @@ def read_text_encoder_file(model: nn.Module, described, *, dtype: torch.dtype, h
     _prescale(model, [name for name in prescaled if name in modules])  # the later layers' are not held
     file_keys = {layout.file_key(key): key for key in model.state_dict()}
     scales = {f for f in file_keys if f.endswith(".pre_quant_scale")}  # read beside their layers' weights
-    linears = {layout.file_key(f"{name}.weight") for name, module in model.named_modules()
-               if isinstance(module, nn.Linear)}
-    read = read_state_dict(described.path, [f for f in file_keys if f not in scales], dtype=dtype, device="cpu",
-                           held=held, run_device=run_device, may_keep=linears.__contains__)
+    linears = {
+        layout.file_key(f"{name}.weight") for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    }
+    read = read_state_dict(
+        described.path,
+        [f for f in file_keys if f not in scales],
+        dtype=dtype,
+        device="cpu",
+        held=held,
+        run_device=run_device,
+        may_keep=linears.__contains__,
+    )
     # an nvfp4 layer's input_scale quantises its input for an nvfp4 x nvfp4 matmul; the encoder's inputs stay plain
     state = {file_keys[f]: value for f, value in read.state.items() if f in file_keys}
     model.load_state_dict(state, strict=True, assign=True)

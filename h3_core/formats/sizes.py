@@ -43,5 +43,6 @@ def sizes_from_metadata(metadata: dict[str, str], config_cls, where):
             raise ValueError(f"unknown fields {unknown}")
         return config_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     except (ValueError, TypeError) as exc:
-        raise H3InputError(f"{where}: the sizes in its metadata ({SIZES_KEY}) do not describe a "
-                           f"{config_cls.__name__}: {exc}") from None
+        raise H3InputError(
+            f"{where}: the sizes in its metadata ({SIZES_KEY}) do not describe a {config_cls.__name__}: {exc}"
+        ) from None

@@ -26,14 +26,17 @@ def _sized(config_cls, cfg, files: CheckpointFiles):
     stats = files.latent_stats()
     if stats is not None:
         if len(stats[0]) != cfg.latent_channels:
-            raise H3InputError(f"{files.path}: its latent statistics have {len(stats[0])} channels, a "
-                               f"{config_cls.__name__} has {cfg.latent_channels}")
+            raise H3InputError(
+                f"{files.path}: its latent statistics have {len(stats[0])} channels, a "
+                f"{config_cls.__name__} has {cfg.latent_channels}"
+            )
         cfg = replace(cfg, latents_mean=stats[0], latents_std=stats[1])
     return cfg
 
 
-def describe_model(model_cls, config_cls, cfg, path, layouts: Callable[[object], Sequence[KeyMap]], *,
-                   what: str) -> str:
+def describe_model(
+    model_cls, config_cls, cfg, path, layouts: Callable[[object], Sequence[KeyMap]], *, what: str
+) -> str:
     """The layout ``load_model`` would load ``path`` with, found from the file's header alone (no weight is
     read; a quantised file's sidecars describe its layers): its keys and shapes against ``model_cls`` built on the
     meta device, and the quantised formats it holds. Raises ``H3InputError`` for what ``load_model`` would
@@ -45,8 +48,10 @@ def describe_model(model_cls, config_cls, cfg, path, layouts: Callable[[object],
     keymap, plan = match_layout(files, list(expected), layouts(cfg), what)
     for key, (sources, combine) in plan.items():
         if combine is None and tuple(files.shape(sources[0])) != tuple(expected[key].shape):
-            raise H3InputError(f"{files.path}: {what} key {sources[0]!r} has shape {files.shape(sources[0])}, the "
-                               f"{keymap.name} layout needs {tuple(expected[key].shape)} for {key!r}")
+            raise H3InputError(
+                f"{files.path}: {what} key {sources[0]!r} has shape {files.shape(sources[0])}, the "
+                f"{keymap.name} layout needs {tuple(expected[key].shape)} for {key!r}"
+            )
     if isinstance(files, QuantizedView):
         return f"{keymap.name}, {describe_formats(files.formats())}"
     return keymap.name
@@ -73,6 +78,7 @@ def load_model(
     cfg = _sized(config_cls, cfg, files)
     with torch.device("meta"):
         model = model_cls(cfg)
-    model.layout = load_into(model, files, layouts(cfg), what=what, device=device, dtype=dtype, keep_fp32=keep_fp32,
-                             run_device=run_device)
+    model.layout = load_into(
+        model, files, layouts(cfg), what=what, device=device, dtype=dtype, keep_fp32=keep_fp32, run_device=run_device
+    )
     return model.eval()

@@ -8,12 +8,11 @@ branch).
 
 from __future__ import annotations
 
-
 import torch.nn as nn
 
-from .keymap import KeyMap, Rule
 from ..models.dit import DiTConfig
 from ..models.hybrid import add_hybrid_parts
+from .keymap import KeyMap, Rule
 
 __all__ = ["branch_layouts", "BranchWeights"]
 
@@ -50,5 +49,3 @@ def branch_layouts() -> tuple[KeyMap, ...]:
         Rule(_BLOCK + r"to_out_linear\.(?P<r>.+)", (_SRC + "w_o_far.{r}",)),
     )
     return KeyMap("VDN-H3 v2", ignore=meta), KeyMap("VDN-H3 pre-v2", pre_v2, ignore=meta)
-
-

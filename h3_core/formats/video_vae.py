@@ -39,13 +39,21 @@ def diffusers_layout(cfg: VideoVAEConfig) -> KeyMap:
     return KeyMap(
         "diffusers",
         (
-            Rule(_RESNET + r"nin_shortcut\.(?P<p>weight|bias)",
-                 ("encoder.down_blocks.{l}.resnets.{j}.conv_shortcut.{p}",)),
+            Rule(
+                _RESNET + r"nin_shortcut\.(?P<p>weight|bias)",
+                ("encoder.down_blocks.{l}.resnets.{j}.conv_shortcut.{p}",),
+            ),
             Rule(_RESNET + r"(?P<rest>.+)", ("encoder.down_blocks.{l}.resnets.{j}.{rest}",)),
-            Rule(r"encoder\.down\.(?P<l>\d+)\.downsample\.(?P<rest>.+)", ("encoder.down_blocks.{l}.downsamplers.0.{rest}",)),
+            Rule(
+                r"encoder\.down\.(?P<l>\d+)\.downsample\.(?P<rest>.+)",
+                ("encoder.down_blocks.{l}.downsamplers.0.{rest}",),
+            ),
             Rule(r"decoder\.x_embedder\.(?P<p>weight|bias)", ("decoder.proj_in.{p}",)),
-            Rule(_BLOCK + r"attn\.to_qkv\.(?P<p>weight|bias)",
-                 tuple(block + f"attn.to_{x}.{{p}}" for x in "qkv"), _fuse_qkv_per_head(cfg.decoder_head_dim)),
+            Rule(
+                _BLOCK + r"attn\.to_qkv\.(?P<p>weight|bias)",
+                tuple(block + f"attn.to_{x}.{{p}}" for x in "qkv"),
+                _fuse_qkv_per_head(cfg.decoder_head_dim),
+            ),
             Rule(_BLOCK + r"attn\.to_out\.(?P<p>weight|bias)", (block + "attn.to_out.0.{p}",)),
             Rule(_BLOCK + r"ff\.w1\.(?P<p>weight|bias)", (block + "ff.net.0.proj.{p}",), swap_halves),
             Rule(_BLOCK + r"ff\.w2\.(?P<p>weight|bias)", (block + "ff.net.2.{p}",)),
@@ -53,8 +61,9 @@ def diffusers_layout(cfg: VideoVAEConfig) -> KeyMap:
     )
 
 
-def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cfg: VideoVAEConfig | None = None,
-                   run_device=None) -> VideoVAE:
+def load_video_vae(
+    path, *, device="cpu", dtype: torch.dtype = torch.float16, cfg: VideoVAEConfig | None = None, run_device=None
+) -> VideoVAE:
     """Load a video VAE checkpoint (a single file or a folder) in any supported layout.
 
     The decoder's blocks are held in ``dtype``; the encoder, the latent convs, the first and last
@@ -68,8 +77,18 @@ def load_video_vae(path, *, device="cpu", dtype: torch.dtype = torch.float16, cf
     library's int8 matmul), anywhere else they are dequantised by comfy-kitchen into ``dtype``; one log line
     says which (``keymap.load_into``). Read into ``device`` for a run on ``run_device`` (default ``device``), the
     choice is made for ``run_device``."""
-    return load_model(VideoVAE, VideoVAEConfig, cfg, path, layouts, what="MiniMax H3 video VAE",
-                      device=device, dtype=dtype, keep_fp32=keeps_fp32, run_device=run_device)
+    return load_model(
+        VideoVAE,
+        VideoVAEConfig,
+        cfg,
+        path,
+        layouts,
+        what="MiniMax H3 video VAE",
+        device=device,
+        dtype=dtype,
+        keep_fp32=keeps_fp32,
+        run_device=run_device,
+    )
 
 
 def layouts(cfg: VideoVAEConfig) -> tuple[KeyMap, ...]:

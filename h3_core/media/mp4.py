@@ -21,8 +21,19 @@ import torch
 
 from ..errors import H3InputError
 
-__all__ = ["Mp4Writer", "Mp4Worker", "write_mp4", "video_encoder", "read_audio", "VIDEO_CODEC", "AUDIO_CODEC",
-           "HARDWARE_ENCODERS", "ENCODERS", "PRESETS", "DEFAULT_PRESET"]
+__all__ = [
+    "Mp4Writer",
+    "Mp4Worker",
+    "write_mp4",
+    "video_encoder",
+    "read_audio",
+    "VIDEO_CODEC",
+    "AUDIO_CODEC",
+    "HARDWARE_ENCODERS",
+    "ENCODERS",
+    "PRESETS",
+    "DEFAULT_PRESET",
+]
 
 VIDEO_CODEC = "libx264"
 # Hardware H.264 encoders tried first, in order, where they open: NVENC on NVIDIA cards that have a video encoder
@@ -45,8 +56,9 @@ def _frames_uint8(frames: torch.Tensor) -> torch.Tensor:
     if frames.shape[0] == 0:
         raise H3InputError("frames: there are no frames to write")
     if frames.shape[1] % 2 or frames.shape[2] % 2:
-        raise H3InputError(f"frames: H.264 yuv420p needs an even width and height, got "
-                           f"{frames.shape[2]}x{frames.shape[1]}")
+        raise H3InputError(
+            f"frames: H.264 yuv420p needs an even width and height, got {frames.shape[2]}x{frames.shape[1]}"
+        )
     if frames.dtype == torch.uint8:
         return frames.cpu()
     if not frames.is_floating_point():
@@ -90,8 +102,9 @@ def _fails_to_open(name: str, width: int, height: int, fps: int) -> str | None:
     return _opened[key]
 
 
-def video_encoder(width: int, height: int, fps: int = 24, choice: str = "auto",
-                  candidates: tuple[str, ...] | None = None) -> tuple[str, str]:
+def video_encoder(
+    width: int, height: int, fps: int = 24, choice: str = "auto", candidates: tuple[str, ...] | None = None
+) -> tuple[str, str]:
     """The H.264 encoder a clip is written with, and why: for ``choice="auto"`` the first of ``candidates``
     (default ``HARDWARE_ENCODERS``) that opens here (``_fails_to_open``), else libx264; any other ``choice``
     (``ENCODERS``) as named, refused when it does not open."""
@@ -102,8 +115,9 @@ def video_encoder(width: int, height: int, fps: int = 24, choice: str = "auto",
     if choice != "auto":
         failed = _fails_to_open(choice, width, height, fps)
         if failed:
-            raise H3InputError(f"encoder: {choice} does not open on this machine ({failed}); pick auto or "
-                               f"{VIDEO_CODEC}")
+            raise H3InputError(
+                f"encoder: {choice} does not open on this machine ({failed}); pick auto or {VIDEO_CODEC}"
+            )
         return choice, "chosen"
     reasons = []
     for name in HARDWARE_ENCODERS if candidates is None else candidates:
@@ -125,9 +139,21 @@ class Mp4Writer:
     hardware encoder where one opens (NVENC at constant quality ``crf`` + 1 with its preset p5; its quality against
     libx264's is not measured here), else libx264; ``encoder_used`` and ``encoder_reason`` say which and why."""
 
-    def __init__(self, path: str | Path, width: int, height: int, *, fps: int = 24, crf: int = 18,
-                 preset: str = DEFAULT_PRESET, threads: int = 0, waveform: torch.Tensor | None = None,
-                 sample_rate: int = 32000, metadata: dict[str, str] | None = None, encoder: str = VIDEO_CODEC):
+    def __init__(
+        self,
+        path: str | Path,
+        width: int,
+        height: int,
+        *,
+        fps: int = 24,
+        crf: int = 18,
+        preset: str = DEFAULT_PRESET,
+        threads: int = 0,
+        waveform: torch.Tensor | None = None,
+        sample_rate: int = 32000,
+        metadata: dict[str, str] | None = None,
+        encoder: str = VIDEO_CODEC,
+    ):
         import av
 
         if width % 2 or height % 2 or width <= 0 or height <= 0:
@@ -148,8 +174,7 @@ class Mp4Writer:
         self.size = (height, width)
         self.partial = self.path.with_name(f".{self.path.stem}.partial{self.path.suffix}")
         self.frames = 0
-        self._container = av.open(str(self.partial), mode="w", format="mp4",
-                                  options={"movflags": "use_metadata_tags"})
+        self._container = av.open(str(self.partial), mode="w", format="mp4", options={"movflags": "use_metadata_tags"})
         try:
             for key, value in tags.items():
                 self._container.metadata[key] = value
@@ -178,8 +203,9 @@ class Mp4Writer:
 
         pixels = _frames_uint8(frames)
         if tuple(pixels.shape[1:3]) != self.size:
-            raise H3InputError(f"frames: got {pixels.shape[2]}x{pixels.shape[1]}, the clip is "
-                               f"{self.size[1]}x{self.size[0]}")
+            raise H3InputError(
+                f"frames: got {pixels.shape[2]}x{pixels.shape[1]}, the clip is {self.size[1]}x{self.size[0]}"
+            )
         self.write_audio()
         for image in pixels:
             if check_cancel is not None:
@@ -201,8 +227,9 @@ class Mp4Writer:
         self.audio_written = True
         planar = self.audio.numpy()
         for start in range(0, planar.shape[1], _AUDIO_CHUNK):
-            chunk = av.AudioFrame.from_ndarray(planar[:, start : start + _AUDIO_CHUNK].copy(), format="fltp",
-                                               layout=self._sound.layout.name)
+            chunk = av.AudioFrame.from_ndarray(
+                planar[:, start : start + _AUDIO_CHUNK].copy(), format="fltp", layout=self._sound.layout.name
+            )
             chunk.sample_rate = self.sample_rate
             chunk.pts = start
             chunk.time_base = Fraction(1, self.sample_rate)
@@ -320,17 +347,37 @@ class Mp4Worker:
             self.abort()
 
 
-def write_mp4(path: str | Path, frames: torch.Tensor, waveform: torch.Tensor | None = None, sample_rate: int = 32000,
-              *, fps: int = 24, crf: int = 18, preset: str = DEFAULT_PRESET, threads: int = 0,
-              check_cancel: Callable[[], None] | None = None, metadata: dict[str, str] | None = None,
-              encoder: str = VIDEO_CODEC) -> Path:
+def write_mp4(
+    path: str | Path,
+    frames: torch.Tensor,
+    waveform: torch.Tensor | None = None,
+    sample_rate: int = 32000,
+    *,
+    fps: int = 24,
+    crf: int = 18,
+    preset: str = DEFAULT_PRESET,
+    threads: int = 0,
+    check_cancel: Callable[[], None] | None = None,
+    metadata: dict[str, str] | None = None,
+    encoder: str = VIDEO_CODEC,
+) -> Path:
     """Write ``frames`` ``[F, H, W, 3]`` (floats in [0, 1] or uint8) and, when given, ``waveform`` as one mp4
     (``Mp4Writer``, whose arguments these are). ``check_cancel`` is called between frames; whatever it raises
     stops the write and removes the partial file, as does any failure (a full disk)."""
     pixels = _frames_uint8(frames)
-    with Mp4Writer(path, int(pixels.shape[2]), int(pixels.shape[1]), fps=fps, crf=crf, preset=preset,
-                   threads=threads, waveform=waveform, sample_rate=sample_rate, metadata=metadata,
-                   encoder=encoder) as writer:
+    with Mp4Writer(
+        path,
+        int(pixels.shape[2]),
+        int(pixels.shape[1]),
+        fps=fps,
+        crf=crf,
+        preset=preset,
+        threads=threads,
+        waveform=waveform,
+        sample_rate=sample_rate,
+        metadata=metadata,
+        encoder=encoder,
+    ) as writer:
         writer.write(pixels, check_cancel)
         return writer.close()
 

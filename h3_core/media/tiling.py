@@ -62,7 +62,9 @@ class TileGrid:
     overlaps: tuple[int, ...]
 
 
-def split_tiles(length: int, tile: int = TRAINED_TILE_PX, min_overlap: int = TRAINED_OVERLAP_PX, unit: int = 16) -> TileGrid:
+def split_tiles(
+    length: int, tile: int = TRAINED_TILE_PX, min_overlap: int = TRAINED_OVERLAP_PX, unit: int = 16
+) -> TileGrid:
     """Lay ``tile``-wide tiles over ``length`` pixels as the released VAE does: the fewest tiles whose
     overlaps are all at least ``min_overlap``, the slack spread round-robin over the overlaps in whole
     ``unit`` steps (one latent), first overlaps first. A length within one tile is one tile."""
@@ -121,7 +123,9 @@ class TemporalPlan:
         return window * (self.keep[1] - self.keep[0])
 
 
-def temporal_plan(num_latents: int, clip_length: int = 17, temporal_ratio: int = 4, token_drop: int = 3) -> TemporalPlan:
+def temporal_plan(
+    num_latents: int, clip_length: int = 17, temporal_ratio: int = 4, token_drop: int = 3
+) -> TemporalPlan:
     """The released decoder's temporal windows for ``num_latents`` latent frames (module docstring)."""
     if num_latents < 1:
         raise H3InputError(f"latent video needs at least 1 frame, got {num_latents}")
@@ -140,14 +144,25 @@ def temporal_plan(num_latents: int, clip_length: int = 17, temporal_ratio: int =
         # Fewer latents than one window (5k + 2 with k = 0): one window whose frames after the pre-padding
         # are all output.
         frames = (num_latents + pad) * temporal_ratio - pre_pad
-        return TemporalPlan(num_latents, pad, ((0, num_latents + pad),), (pre_pad, pre_pad + frames), None, 0,
-                            _cut(num_latents, pad, frames, clip_length, temporal_ratio, chunk))
+        return TemporalPlan(
+            num_latents,
+            pad,
+            ((0, num_latents + pad),),
+            (pre_pad, pre_pad + frames),
+            None,
+            0,
+            _cut(num_latents, pad, frames, clip_length, temporal_ratio, chunk),
+        )
     span = chunk + overlap
     tail = (clip_frames + pre_pad, span * temporal_ratio) if token_drop > 0 else None
     total = windows * (clip_frames - pre_pad) + ((tail[1] - tail[0]) if tail else 0)
     return TemporalPlan(
-        num_latents, pad, tuple((i * chunk, i * chunk + span) for i in range(windows)),
-        (pre_pad, clip_frames), tail, fade if windows > 1 or tail else 0,
+        num_latents,
+        pad,
+        tuple((i * chunk, i * chunk + span) for i in range(windows)),
+        (pre_pad, clip_frames),
+        tail,
+        fade if windows > 1 or tail else 0,
         _cut(num_latents, pad, total, clip_length, temporal_ratio, chunk),
     )
 
@@ -156,9 +171,7 @@ def _cut(num_latents, pad, total, clip_length, temporal_ratio, chunk):
     """Frames left after dropping those the padding latents produced: a clip's last latent covers only
     ``clip_length % temporal_ratio`` frames, the others ``temporal_ratio``."""
     tail_frames = clip_length % temporal_ratio
-    extra = sum(
-        tail_frames if tail_frames and (num_latents + k) % chunk == 0 else temporal_ratio for k in range(pad)
-    )
+    extra = sum(tail_frames if tail_frames and (num_latents + k) % chunk == 0 else temporal_ratio for k in range(pad))
     return total - extra
 
 
@@ -244,7 +257,9 @@ def decode_tiled(
         held = torch.zeros(band_rows, W, dtype=torch.float32, device=device)
         band_top = 0
         last = index == len(plan.windows) - 1
-        new_tail = None if plan.tail is None or last else torch.empty(3, plan.tail[1] - plan.tail[0], H, W, device=device)
+        new_tail = (
+            None if plan.tail is None or last else torch.empty(3, plan.tail[1] - plan.tail[0], H, W, device=device)
+        )
         for ty, (y0, th) in enumerate(zip(grid_y.starts, grid_y.sizes)):
             r0, r1 = y0 // spatial_ratio, (y0 + th) // spatial_ratio
             tiles = [
@@ -298,7 +313,9 @@ def _emit_rows(pixels, top, plan, index, held_tail, new_tail, finish, sink):
     if index > 0 and plan.fade:
         fade = torch.arange(plan.fade, dtype=torch.float32, device=pixels.device) / plan.fade  # the new window's weight
         previous = held_tail[:, :, top:stop]
-        kept[:, : plan.fade] = previous * (1 - fade)[None, :, None, None] + kept[:, : plan.fade] * fade[None, :, None, None]
+        kept[:, : plan.fade] = (
+            previous * (1 - fade)[None, :, None, None] + kept[:, : plan.fade] * fade[None, :, None, None]
+        )
     _store(kept, plan.output_start(index), top, stop, finish, sink)
     if plan.tail is not None:
         tail = pixels[:, plan.tail[0] : plan.tail[1]]
@@ -403,8 +420,9 @@ class _DecodeState:
                     ) from None
 
 
-def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrides=None, compile: str = "auto",
-                 **options) -> torch.Tensor:
+def decode_video(
+    vae, latents: torch.Tensor, *, normalized: bool = True, overrides=None, compile: str = "auto", **options
+) -> torch.Tensor:
     """Latents of one video ``[24, T, h, w]`` → RGB frames ``[F, H, W, 3]`` in [0, 1] on the CPU.
 
     ``vae`` is a ``h3_core.models.video_vae.VideoVAE``; ``normalized`` latents are in model space (the
@@ -423,10 +441,14 @@ def decode_video(vae, latents: torch.Tensor, *, normalized: bool = True, overrid
     options.setdefault("offload", vae.offload_decoder_blocks)
     with torch.inference_mode():
         return decode_tiled(
-            _decoder(vae, overrides, compile == "auto" and compiles_on(z.device)), z,
-            spatial_ratio=cfg.spatial_ratio, temporal_ratio=cfg.temporal_ratio,
-            clip_length=cfg.clip_length, token_drop=cfg.token_drop,
-            finish=lambda pixels: (pixels * std + mean).clamp(0, 1), **options,
+            _decoder(vae, overrides, compile == "auto" and compiles_on(z.device)),
+            z,
+            spatial_ratio=cfg.spatial_ratio,
+            temporal_ratio=cfg.temporal_ratio,
+            clip_length=cfg.clip_length,
+            token_drop=cfg.token_drop,
+            finish=lambda pixels: (pixels * std + mean).clamp(0, 1),
+            **options,
         )
 
 
@@ -449,8 +471,9 @@ def _decoder(vae, overrides, compiled: bool) -> Callable[[torch.Tensor], torch.T
                     return vae.decode_tiles(tiles, overrides)
             except CompileFailure as failure:
                 _decoder_compile_failed = True
-                log.warning("compiling the video decoder's blocks failed (%s); decoding eagerly from now on",
-                            failure.describe())
+                log.warning(
+                    "compiling the video decoder's blocks failed (%s); decoding eagerly from now on", failure.describe()
+                )
         with decoder_blocks(compiled=False), plain_path():
             return vae.decode_tiles(tiles, overrides)
 
@@ -523,8 +546,9 @@ def encode_tiled(
                     check_cancel()
                 row.append(encode(clip[None, :, :, y0 : y0 + th, x0 : x0 + tw])[0])
             tiles.append(row)
-        return _stitch_released(tiles, [o // spatial_ratio for o in grid_y.overlaps],
-                                [o // spatial_ratio for o in grid_x.overlaps])
+        return _stitch_released(
+            tiles, [o // spatial_ratio for o in grid_y.overlaps], [o // spatial_ratio for o in grid_x.overlaps]
+        )
 
     if F == 1:
         return encode_clip(pixels)
@@ -539,7 +563,9 @@ def encode_tiled(
 CONDITION_SEED = 42
 
 
-def encode_video(vae, frames: torch.Tensor, *, sample: bool = True, seed: int = CONDITION_SEED, **options) -> torch.Tensor:
+def encode_video(
+    vae, frames: torch.Tensor, *, sample: bool = True, seed: int = CONDITION_SEED, **options
+) -> torch.Tensor:
     """RGB frames ``[F, H, W, 3]`` in [0, 1] → latents in model space ``[24, T, h, w]`` (fp32).
 
     As H3 encodes keyframes and references: the posterior is sampled with ``seed`` (the mean with
@@ -553,9 +579,15 @@ def encode_video(vae, frames: torch.Tensor, *, sample: bool = True, seed: int = 
     pixels = (frames.to(device=device, dtype=torch.float32).permute(3, 0, 1, 2) - mean) / std
     cfg = vae.cfg
     with torch.inference_mode():
-        moments = encode_tiled(vae.encode_moments, pixels, spatial_ratio=cfg.spatial_ratio,
-                               temporal_ratio=cfg.temporal_ratio, clip_length=cfg.clip_length,
-                               token_drop=cfg.token_drop, **options)
+        moments = encode_tiled(
+            vae.encode_moments,
+            pixels,
+            spatial_ratio=cfg.spatial_ratio,
+            temporal_ratio=cfg.temporal_ratio,
+            clip_length=cfg.clip_length,
+            token_drop=cfg.token_drop,
+            **options,
+        )
         z_mean, logvar = moments.chunk(2, dim=0)
         if sample:
             noise = torch.randn(z_mean.shape, generator=torch.Generator(device="cpu").manual_seed(seed))

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .predict import MemoryPlan
 from ..models.adaln_tables import keep_adaln_on_host
 from ..models.low_memory import LowMemory
 from ..models.run_options import apply_low_memory
 from .offload import BlockOffload, offload_blocks
+from .predict import MemoryPlan
 
 __all__ = ["FittedModel", "apply_plan", "plan_lines"]
 
@@ -56,11 +56,16 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     if not plan.steps:
         lines = [f"the model fits as it is: predicted peak {peak:.1f} GiB of {plan.budget / GiB:.1f} GiB"]
     else:
-        lines = [f"to fit {plan.budget / GiB:.1f} GiB (predicted peak {peak:.1f} GiB): " + "; ".join(plan.steps)
-                 + f" ({plan.extra_time})"]
+        lines = [
+            f"to fit {plan.budget / GiB:.1f} GiB (predicted peak {peak:.1f} GiB): "
+            + "; ".join(plan.steps)
+            + f" ({plan.extra_time})"
+        ]
     if not plan.fits:
-        lines.append(f"even so the predicted peak is {peak:.1f} GiB, above the {plan.budget / GiB:.1f} GiB "
-                     "available: free memory (unload other models) or use a larger card")
+        lines.append(
+            f"even so the predicted peak is {peak:.1f} GiB, above the {plan.budget / GiB:.1f} GiB "
+            "available: free memory (unload other models) or use a larger card"
+        )
     return lines
 
 

@@ -19,8 +19,9 @@ __all__ = ["decode_working_bytes"]
 _WINDOW_LATENTS = 7  # latents per temporal window (h3_core.media.tiling's module docstring)
 
 
-def decode_working_bytes(cfg, frame_width_px: int, *, tile_px: int = 256, tiles_per_batch: int = 4,
-                         dtype: torch.dtype = torch.float16) -> int:
+def decode_working_bytes(
+    cfg, frame_width_px: int, *, tile_px: int = 256, tiles_per_batch: int = 4, dtype: torch.dtype = torch.float16
+) -> int:
     """Estimated bytes above the weights of decoding one latent video with ``cfg`` (a ``VideoVAEConfig``) at
     ``frame_width_px`` pixels wide, tiles of ``tile_px`` and ``tiles_per_batch`` tiles a batch, the decoder's
     blocks in ``dtype``."""

@@ -90,25 +90,38 @@ def _checked(model, device, resident_blocks, prefetch) -> tuple[nn.ModuleList, t
     """Refuse what cannot be offloaded before anything is moved, naming the argument and what is allowed."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(model, nn.Module) or not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-        found = ("no `blocks`" if blocks is None else "an empty `blocks` list" if isinstance(blocks, nn.ModuleList)
-                 else f"`blocks` of type {type(blocks).__name__}")
-        raise H3InputError(f"model must hold its transformer blocks in a non-empty nn.ModuleList `blocks` (an "
-                           f"H3DiT), got a {type(model).__name__} with {found}")
+        found = (
+            "no `blocks`"
+            if blocks is None
+            else "an empty `blocks` list"
+            if isinstance(blocks, nn.ModuleList)
+            else f"`blocks` of type {type(blocks).__name__}"
+        )
+        raise H3InputError(
+            f"model must hold its transformer blocks in a non-empty nn.ModuleList `blocks` (an "
+            f"H3DiT), got a {type(model).__name__} with {found}"
+        )
     if getattr(model, _MARK, None) is not None:
-        raise H3InputError("model is already offloaded: call remove() on the handle offload_blocks returned "
-                           "before offloading it again")
+        raise H3InputError(
+            "model is already offloaded: call remove() on the handle offload_blocks returned before offloading it again"
+        )
     packed = sorted({type(p.data).__name__ for p in blocks.parameters() if type(p.data) is not torch.Tensor})
     if packed:
-        raise H3InputError(f"the blocks hold weights of a packed type ({', '.join(packed)}: comfy-kitchen layers kept "
-                           "quantised), whose bytes cannot be streamed as an image; keep them resident, or load the "
-                           "file dequantised")
+        raise H3InputError(
+            f"the blocks hold weights of a packed type ({', '.join(packed)}: comfy-kitchen layers kept "
+            "quantised), whose bytes cannot be streamed as an image; keep them resident, or load the "
+            "file dequantised"
+        )
     count = len(blocks)
     if isinstance(resident_blocks, bool) or not isinstance(resident_blocks, int) or not 0 <= resident_blocks <= count:
-        raise H3InputError(f"resident_blocks must be an integer from 0 (stream every block) to {count} (keep all "
-                           f"{count} blocks on the device), got {resident_blocks!r}")
+        raise H3InputError(
+            f"resident_blocks must be an integer from 0 (stream every block) to {count} (keep all "
+            f"{count} blocks on the device), got {resident_blocks!r}"
+        )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-        raise H3InputError(f"prefetch must be an integer of at least 1 (the blocks copied ahead of the one "
-                           f"running), got {prefetch!r}")
+        raise H3InputError(
+            f"prefetch must be an integer of at least 1 (the blocks copied ahead of the one running), got {prefetch!r}"
+        )
     return blocks, _device(device, "device")
 
 
@@ -117,12 +130,15 @@ def _device(device, argument: str) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
-        raise H3InputError(f"{argument} must be a torch device such as 'cuda', 'cuda:1' or 'cpu', "
-                           f"got {device!r}") from None
+        raise H3InputError(
+            f"{argument} must be a torch device such as 'cuda', 'cuda:1' or 'cpu', got {device!r}"
+        ) from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise H3InputError(f"{argument} {device!r} needs CUDA, which is not available here "
-                               f"(torch.cuda.is_available() is False); use 'cpu'")
+            raise H3InputError(
+                f"{argument} {device!r} needs CUDA, which is not available here "
+                f"(torch.cuda.is_available() is False); use 'cpu'"
+            )
         if resolved.index is None:
             resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
@@ -155,8 +171,17 @@ def _block_layout(block: nn.Module) -> tuple[list[_Place], list[torch.Tensor], i
             if id(tensor) not in offsets:
                 offsets[id(tensor)] = size
                 size = aligned(size + nbytes)  # see host_arena.ALIGN: the resident kernels, bit for bit
-            places.append(_Place(module, name, tensor if is_parameter else None, tensor.dtype, tensor.shape,
-                                 offsets[id(tensor)], nbytes))
+            places.append(
+                _Place(
+                    module,
+                    name,
+                    tensor if is_parameter else None,
+                    tensor.dtype,
+                    tensor.shape,
+                    offsets[id(tensor)],
+                    nbytes,
+                )
+            )
             tensors.append(tensor)
     return places, tensors, size
 
@@ -218,8 +243,9 @@ class BlockOffload:
         copies: block images copied to the device so far (each streamed block once per evaluation).
     """
 
-    def __init__(self, model: nn.Module, blocks: nn.ModuleList, device: torch.device, resident_blocks: int,
-                 prefetch: int):
+    def __init__(
+        self, model: nn.Module, blocks: nn.ModuleList, device: torch.device, resident_blocks: int, prefetch: int
+    ):
         self.model, self.device, self.prefetch, self.copies = model, device, prefetch, 0
         self._first_streamed = resident_blocks
         streamed = list(blocks)[resident_blocks:]
@@ -236,10 +262,16 @@ class BlockOffload:
             _move_all_but(model, {id(block) for block in streamed}, device)
             self._make_slots(max(image_sizes, default=0))
         self.stats = OffloadStats(
-            blocks=len(blocks), resident_blocks=resident_blocks, streamed_blocks=len(streamed),
-            resident_bytes=total_bytes - streamed_bytes, streamed_bytes=streamed_bytes, copied_bytes=sum(image_sizes),
-            slot_bytes=sum(slot.numel() for slot in self.slots), host_bytes=self._arena.bytes.numel(),
-            pinned=self._arena.pinned)
+            blocks=len(blocks),
+            resident_blocks=resident_blocks,
+            streamed_blocks=len(streamed),
+            resident_bytes=total_bytes - streamed_bytes,
+            streamed_bytes=streamed_bytes,
+            copied_bytes=sum(image_sizes),
+            slot_bytes=sum(slot.numel() for slot in self.slots),
+            host_bytes=self._arena.bytes.numel(),
+            pinned=self._arena.pinned,
+        )
         if streamed:
             self._install_hooks(blocks)
         setattr(model, _MARK, self)
@@ -270,8 +302,9 @@ class BlockOffload:
         streamed block's views into its slot (block ``j`` of the streamed ones always uses slot ``j % slots``)."""
         pool = torch.empty(self._slot_count, slot_bytes, dtype=torch.uint8, device=self.device)
         self.slots = tuple(pool.unbind(0))
-        self._slot_views = [[_typed_view(self.slots[j % self._slot_count], p) for p in places]
-                            for j, places in enumerate(self._places)]
+        self._slot_views = [
+            [_typed_view(self.slots[j % self._slot_count], p) for p in places] for j, places in enumerate(self._places)
+        ]
         self._holder: list[int | None] = [None] * self._slot_count  # the streamed block copied into each slot
         if self.device.type == "cuda" and self._slot_count:
             self._copy_stream = torch.cuda.Stream(device=self.device)

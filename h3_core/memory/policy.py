@@ -19,16 +19,23 @@ from dataclasses import replace
 import torch
 
 from ..errors import H3InputError
-from .apply import FittedModel, apply_plan, plan_lines
-from .predict import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
-from ..models.run_options import compile_failed, fuse_blocks
 from ..models.branch_fused import compiled_branch_available
 from ..models.low_memory import LowMemory
-from ..models.run_options import apply_low_memory
+from ..models.run_options import apply_low_memory, compile_failed, fuse_blocks
 from ..triton_forms import COMPILE_MODES, check_compile
+from .apply import FittedModel, apply_plan, plan_lines
+from .predict import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
 
-__all__ = ["PLACEMENTS", "MEMORY_MODES", "COMPILE_MODES", "BUDGET_SHARE", "decide_placement", "place_for_run",
-           "fuse_for", "working_bytes"]
+__all__ = [
+    "PLACEMENTS",
+    "MEMORY_MODES",
+    "COMPILE_MODES",
+    "BUDGET_SHARE",
+    "decide_placement",
+    "place_for_run",
+    "fuse_for",
+    "working_bytes",
+]
 
 PLACEMENTS = ("auto", "resident", "stream blocks")
 MEMORY_MODES = ("auto", "off")
@@ -80,8 +87,9 @@ def working_bytes(model, packed) -> int:
     models before the plan has to trade time for memory."""
     dtype, linears = _weights_kind(model)
     shape = BlockShape.of(model.cfg, packed, dtype)
-    predicted = evaluation_peak(model.cfg, shape, hybrid=bool(model.cfg.hybrid), dtype=dtype, linears=linears,
-                                fused=_fused(model))
+    predicted = evaluation_peak(
+        model.cfg, shape, hybrid=bool(model.cfg.hybrid), dtype=dtype, linears=linears, fused=_fused(model)
+    )
     return int(predicted["activations"])
 
 
@@ -102,18 +110,34 @@ def decide_placement(model, packed, *, placement: str, memory: str, free_bytes: 
         plan = MemoryPlan(LowMemory(), False, None, evaluation_peak(cfg, shape, **kind), budget, (), "none")
     if placement == "resident" and plan.resident_blocks is not None:
         predicted = evaluation_peak(cfg, shape, plan.options, adaln_on_host=plan.adaln_on_host, **kind)
-        plan = replace(plan, resident_blocks=None, predicted=predicted,
-                       steps=tuple(s for s in plan.steps if "streamed" not in s))
+        plan = replace(
+            plan, resident_blocks=None, predicted=predicted, steps=tuple(s for s in plan.steps if "streamed" not in s)
+        )
     elif placement == "stream blocks" and plan.resident_blocks is None:
-        predicted = evaluation_peak(cfg, shape, plan.options, adaln_on_host=plan.adaln_on_host, resident_blocks=0,
-                                    **kind)
-        plan = replace(plan, resident_blocks=0, predicted=predicted,
-                       steps=plan.steps + (f"all {cfg.layers} blocks streamed from host memory (asked for)",))
+        predicted = evaluation_peak(
+            cfg, shape, plan.options, adaln_on_host=plan.adaln_on_host, resident_blocks=0, **kind
+        )
+        plan = replace(
+            plan,
+            resident_blocks=0,
+            predicted=predicted,
+            steps=plan.steps + (f"all {cfg.layers} blocks streamed from host memory (asked for)",),
+        )
     return plan
 
 
-def place_for_run(model, packed, device, *, placement: str = "auto", memory: str = "auto", free_bytes: int | None = None,
-                  steps: int = 50, compile: str = "auto", current: FittedModel | None = None) -> FittedModel:
+def place_for_run(
+    model,
+    packed,
+    device,
+    *,
+    placement: str = "auto",
+    memory: str = "auto",
+    free_bytes: int | None = None,
+    steps: int = 50,
+    compile: str = "auto",
+    current: FittedModel | None = None,
+) -> FittedModel:
     """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says (CUDA), or simply there (any
     other device), its blocks fused or plain as ``fuse_for`` says for ``compile``. ``current``: the placement
     of the model's last run, which this one replaces; when the new plan holds the weights where it did (the
@@ -140,6 +164,9 @@ def place_for_run(model, packed, device, *, placement: str = "auto", memory: str
         if plan.resident_blocks is None:
             model.to(device)
         fitted = apply_plan(model, plan, device)
-    fitted.said.insert(0, f"memory policy {memory}, placement {placement}, {free_bytes / GiB:.1f} GiB free, "
-                          + _blocks_said(model, compile, fused))
+    fitted.said.insert(
+        0,
+        f"memory policy {memory}, placement {placement}, {free_bytes / GiB:.1f} GiB free, "
+        + _blocks_said(model, compile, fused),
+    )
     return fitted

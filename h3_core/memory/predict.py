@@ -76,13 +76,20 @@ class BlockShape:
         the two anchor frames (the released window)."""
         layout = packed.layout
         branch_frames = max(0, layout.num_frames - 2)
-        return cls(rows=int(packed.positions.shape[0]), hidden=cfg.hidden, inner=cfg.inner, ffn=cfg.ffn,
-                   branch_rows=branch_frames * layout.tokens_per_frame,
-                   element=torch.empty((), dtype=dtype).element_size(), branch_frames=branch_frames)
+        return cls(
+            rows=int(packed.positions.shape[0]),
+            hidden=cfg.hidden,
+            inner=cfg.inner,
+            ffn=cfg.ffn,
+            branch_rows=branch_frames * layout.tokens_per_frame,
+            element=torch.empty((), dtype=dtype).element_size(),
+            branch_frames=branch_frames,
+        )
 
 
-def block_peaks(shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool,
-                fused: bool = False, linears: str = "dtype") -> dict[str, float]:
+def block_peaks(
+    shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool, fused: bool = False, linears: str = "dtype"
+) -> dict[str, float]:
     """Predicted peak bytes above what is allocated when a block is called: ``attention``, ``ffn`` and the
     whole ``block`` (their maximum). ``fused``: the blocks run ``block_fused``'s kernels; ``linears="fp8"``:
     with head groups the projection's input is quantised once for all groups and held through them."""
@@ -125,8 +132,8 @@ def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dt
     """What a model of ``cfg`` holds, counted on the meta device: parameters and buffers in ``dtype`` except
     the fp32 islands; with ``linears="fp8"`` the fp8 layers hold one byte per weight and an fp32 scale per
     output channel."""
-    from ..models.fp8_linear import FP8_LAYERS
     from ..models.dit import H3DiT
+    from ..models.fp8_linear import FP8_LAYERS
     from ..models.precision import keeps_fp32
 
     curve = cfg.adaln_curve_grid > 0
@@ -149,10 +156,21 @@ def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dt
     return WeightBytes(per_block=block, other=other, blocks=cfg.layers, adaln=adaln)
 
 
-def evaluation_peak(cfg, shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool,
-                    dtype: torch.dtype = torch.bfloat16, linears: str = "dtype", resident_blocks: int | None = None,
-                    prefetch: int = 1, adaln_on_host: bool = False, steps: int = 50,
-                    timesteps_per_step: int = 2, fused: bool = False) -> dict[str, float]:
+def evaluation_peak(
+    cfg,
+    shape: BlockShape,
+    options: LowMemory = LowMemory(),
+    *,
+    hybrid: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    linears: str = "dtype",
+    resident_blocks: int | None = None,
+    prefetch: int = 1,
+    adaln_on_host: bool = False,
+    steps: int = 50,
+    timesteps_per_step: int = 2,
+    fused: bool = False,
+) -> dict[str, float]:
     """Predicted peak device bytes of one model evaluation: the weights on the device (all blocks, or
     ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each; without the blocks'
     AdaLN projections when ``adaln_on_host``, but with their tables for ``steps`` steps of
@@ -210,16 +228,37 @@ class MemoryPlan:
         return self.predicted["total"] <= self.budget
 
 
-def plan_for_memory(cfg, shape: BlockShape, budget: float, *, hybrid: bool, dtype: torch.dtype = torch.bfloat16,
-                    linears: str = "dtype", steps: int = 50, prefetch: int = 1, fused: bool = False) -> MemoryPlan:
+def plan_for_memory(
+    cfg,
+    shape: BlockShape,
+    budget: float,
+    *,
+    hybrid: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    linears: str = "dtype",
+    steps: int = 50,
+    prefetch: int = 1,
+    fused: bool = False,
+) -> MemoryPlan:
     """The cheapest way to run within ``budget`` bytes of device memory (e.g. the free memory less a margin):
     nothing, then the ``LOW_MEMORY_STEPS`` in order, then streaming blocks from host memory with as many as
     fit resident. A plan that still does not fit comes back with ``fits`` False and every step taken."""
     taken: list[str] = []
 
     def peak(options, adaln_on_host, resident=None):
-        return evaluation_peak(cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears, steps=steps,
-                               adaln_on_host=adaln_on_host, resident_blocks=resident, prefetch=prefetch, fused=fused)
+        return evaluation_peak(
+            cfg,
+            shape,
+            options,
+            hybrid=hybrid,
+            dtype=dtype,
+            linears=linears,
+            steps=steps,
+            adaln_on_host=adaln_on_host,
+            resident_blocks=resident,
+            prefetch=prefetch,
+            fused=fused,
+        )
 
     def plan(options, adaln_on_host, resident, predicted, extra):
         return MemoryPlan(options, adaln_on_host, resident, predicted, budget, tuple(taken), extra)
@@ -245,14 +284,15 @@ def plan_for_memory(cfg, shape: BlockShape, budget: float, *, hybrid: bool, dtyp
     streamed = cfg.layers - resident
     taken.append(f"{streamed} of {cfg.layers} blocks streamed from host memory")
     copy_s = streamed * per_block / HOST_COPY_BYTES_PER_S
-    extra = f"{_group_cost(options, fused)}; up to {copy_s:.1f} s per evaluation of block copies not hidden behind compute"
+    extra = (
+        f"{_group_cost(options, fused)}; up to {copy_s:.1f} s per evaluation of block copies not hidden behind compute"
+    )
     return plan(options, adaln_on_host, resident, predicted, extra)
 
 
 def _group_cost(options: LowMemory, fused: bool = False) -> str:
     if fused:
         cost = FUSED_HEAD_GROUP_COST.get(options.head_groups)
-        return ("more time: unmeasured" if cost is None
-                else f"about {round(100 * cost)} % more time per evaluation")
+        return "more time: unmeasured" if cost is None else f"about {round(100 * cost)} % more time per evaluation"
     cost = HEAD_GROUP_COST.get(options.head_groups)
     return "unmeasured" if cost is None else f"about {round(100 * cost)} % more time per hybrid block"

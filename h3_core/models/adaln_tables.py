@@ -104,8 +104,10 @@ def adaln_tables_for(model, timesteps: torch.Tensor):
     tables = (prepared or {}).get(key)
     if tables is None:
         if getattr(model, "adaln_on_host", False):
-            raise H3InputError(f"the AdaLN projections are in host memory and no tables were prepared for timesteps "
-                               f"{list(key)}; call prepare_adaln_tables with the run's timesteps first")
+            raise H3InputError(
+                f"the AdaLN projections are in host memory and no tables were prepared for timesteps "
+                f"{list(key)}; call prepare_adaln_tables with the run's timesteps first"
+            )
         return None
     return [PrecomputedTable(t) for t in tables]
 

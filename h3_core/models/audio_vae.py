@@ -27,14 +27,72 @@ __all__ = ["AudioVAEConfig", "AudioVAE", "AUDIO_LATENTS_MEAN", "AUDIO_LATENTS_ST
 # Per-channel statistics of the released latents (audio_vae/config.json), to 4 decimals; a diffusers
 # folder's config.json replaces them with the full-precision values.
 AUDIO_LATENTS_MEAN = (
-    -0.0202, 0.3876, -0.0440, -0.2859, 0.0818, -0.3578, 0.0406, -0.0155, -0.2234, 0.1821, 0.2942, -0.0790,
-    -0.0568, -0.3699, -0.3162, 0.5906, -0.0521, 0.0137, -0.0369, 0.0973, -0.3395, -0.3069, -0.2450, -0.0347,
-    0.0287, -0.2122, -0.1678, 0.3221, -0.1223, 0.4357, -0.0503, 0.3979,
+    -0.0202,
+    0.3876,
+    -0.0440,
+    -0.2859,
+    0.0818,
+    -0.3578,
+    0.0406,
+    -0.0155,
+    -0.2234,
+    0.1821,
+    0.2942,
+    -0.0790,
+    -0.0568,
+    -0.3699,
+    -0.3162,
+    0.5906,
+    -0.0521,
+    0.0137,
+    -0.0369,
+    0.0973,
+    -0.3395,
+    -0.3069,
+    -0.2450,
+    -0.0347,
+    0.0287,
+    -0.2122,
+    -0.1678,
+    0.3221,
+    -0.1223,
+    0.4357,
+    -0.0503,
+    0.3979,
 )
 AUDIO_LATENTS_STD = (
-    1.6896, 2.7626, 1.7945, 1.6802, 1.6390, 2.7788, 1.7659, 1.6200, 2.6337, 1.8539, 2.5056, 1.8110,
-    1.9580, 1.6685, 1.4922, 3.2987, 1.9492, 1.8720, 1.8334, 1.6488, 1.6177, 1.9131, 1.5695, 1.6944,
-    1.8318, 1.5541, 1.9345, 1.5992, 1.7180, 1.6307, 1.8661, 1.5614,
+    1.6896,
+    2.7626,
+    1.7945,
+    1.6802,
+    1.6390,
+    2.7788,
+    1.7659,
+    1.6200,
+    2.6337,
+    1.8539,
+    2.5056,
+    1.8110,
+    1.9580,
+    1.6685,
+    1.4922,
+    3.2987,
+    1.9492,
+    1.8720,
+    1.8334,
+    1.6488,
+    1.6177,
+    1.9131,
+    1.5695,
+    1.6944,
+    1.8318,
+    1.5541,
+    1.9345,
+    1.5992,
+    1.7180,
+    1.6307,
+    1.8661,
+    1.5614,
 )
 
 
@@ -101,7 +159,10 @@ class ResidualUnit(nn.Module):
     def __init__(self, dim, dilation):
         super().__init__()
         self.block = nn.Sequential(
-            Snake(dim), nn.Conv1d(dim, dim, 7, dilation=dilation, padding=3 * dilation), Snake(dim), nn.Conv1d(dim, dim, 1)
+            Snake(dim),
+            nn.Conv1d(dim, dim, 7, dilation=dilation, padding=3 * dilation),
+            Snake(dim),
+            nn.Conv1d(dim, dim, 1),
         )
 
     def forward(self, x):
@@ -117,7 +178,10 @@ class EncoderBlock(nn.Module):
         super().__init__()
         half = dim // 2
         self.block = nn.Sequential(
-            ResidualUnit(half, 1), ResidualUnit(half, 3), ResidualUnit(half, 9), Snake(half),
+            ResidualUnit(half, 1),
+            ResidualUnit(half, 3),
+            ResidualUnit(half, 9),
+            Snake(half),
             nn.Conv1d(half, dim, 2 * stride, stride=stride, padding=math.ceil(stride / 2)),
         )
 
@@ -229,7 +293,9 @@ class LowPass(nn.Module):
 
     def forward(self, x):
         C = x.shape[1]
-        return F.conv1d(F.pad(x, self.pads, mode="replicate"), self.filter.expand(C, -1, -1), stride=self.stride, groups=C)
+        return F.conv1d(
+            F.pad(x, self.pads, mode="replicate"), self.filter.expand(C, -1, -1), stride=self.stride, groups=C
+        )
 
 
 class DownSample(nn.Module):
@@ -256,8 +322,9 @@ class AliasFreeSnakeBeta(nn.Module):
 class AMPBlock(nn.Module):
     def __init__(self, channels, kernel, dilations):
         super().__init__()
-        self.convs1 = nn.ModuleList(nn.Conv1d(channels, channels, kernel, dilation=d, padding=(kernel * d - d) // 2)
-                                    for d in dilations)
+        self.convs1 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel, dilation=d, padding=(kernel * d - d) // 2) for d in dilations
+        )
         self.convs2 = nn.ModuleList(nn.Conv1d(channels, channels, kernel, padding=(kernel - 1) // 2) for _ in dilations)
         self.activations = nn.ModuleList(AliasFreeSnakeBeta(channels) for _ in range(2 * len(dilations)))
 
@@ -278,7 +345,8 @@ class BigVGAN(nn.Module):
         )
         self.resblocks = nn.ModuleList(
             AMPBlock(base >> (i + 1), k, cfg.resblock_dilations)
-            for i in range(len(cfg.decoder_rates)) for k in cfg.resblock_kernels
+            for i in range(len(cfg.decoder_rates))
+            for k in cfg.resblock_kernels
         )
         channels = base >> len(cfg.decoder_rates)
         self.activation_post = AliasFreeSnakeBeta(channels)

@@ -22,9 +22,9 @@ import logging
 
 import torch
 
-from .fp8_linear import _COMPUTE_DTYPES, _SMALLEST_SCALE, QuantizedRows, quantize_input
 from ..triton_forms import runs_here, triton_form
 from . import branch_fused
+from .fp8_linear import _COMPUTE_DTYPES, _SMALLEST_SCALE, QuantizedRows, quantize_input
 
 try:  # Triton is optional: without it the plain forms run
     from . import block_triton
@@ -35,8 +35,19 @@ try:  # Triton is optional: without it the plain forms run
 except ImportError:
     fp8_triton = None
 
-__all__ = ["norm_modulate", "qk_norm_rope", "gated_residual_", "gate_heads_", "swiglu_", "swiglu_quantized",
-           "norm_modulate_quantized", "residual_norm", "gate_heads_input", "row_index", "run"]
+__all__ = [
+    "norm_modulate",
+    "qk_norm_rope",
+    "gated_residual_",
+    "gate_heads_",
+    "swiglu_",
+    "swiglu_quantized",
+    "norm_modulate_quantized",
+    "residual_norm",
+    "gate_heads_input",
+    "row_index",
+    "run",
+]
 
 log = logging.getLogger(__name__)
 
@@ -165,13 +176,16 @@ def gate_heads_input(mode: str | None, soft: torch.Tensor, gate: torch.Tensor, q
     return quantize_input(gated.reshape(T, -1)) if quantized else gated.reshape(T, -1)
 
 
-_FUNCTIONS = {"norm_modulate": norm_modulate, "qk_norm_rope": qk_norm_rope, "gated_residual_": gated_residual_,
-              "gate_heads_": gate_heads_, "swiglu_": swiglu_}
+_FUNCTIONS = {
+    "norm_modulate": norm_modulate,
+    "qk_norm_rope": qk_norm_rope,
+    "gated_residual_": gated_residual_,
+    "gate_heads_": gate_heads_,
+    "swiglu_": swiglu_,
+}
 
 
 def run(mode: str, name: str, *args):
     """Call the block's fused function ``name`` as ``mode`` says (``branch_fused.call``: ``"compiled"`` runs
     ``qk_norm_rope``, ``norm_modulate`` and ``swiglu_`` on CUDA as their own Triton kernels)."""
     return branch_fused.call(mode, _FUNCTIONS[name], *args, name=name)
-
-

@@ -44,9 +44,24 @@ def _rotation(weight, cos, sin, rows, cols, row_ok, n_rot):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(src, dst, weight, cos, sin, n_rows, heads, heads_per_program, n_rot, s_row, s_head, eps,
-                         HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+def _qk_norm_rope_kernel(
+    src,
+    dst,
+    weight,
+    cos,
+    sin,
+    n_rows,
+    heads,
+    heads_per_program,
+    n_rot,
+    s_row,
+    s_head,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    ROTATE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # a tile of rows through ``heads_per_program`` heads: its cos, sin and weights are read once for them all
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     first = tl.program_id(1) * heads_per_program
@@ -68,9 +83,16 @@ def _qk_norm_rope_kernel(src, dst, weight, cos, sin, n_rows, heads, heads_per_pr
         tl.store(out, h.to(dst.dtype.element_ty), mask=mask)
 
 
-def qk_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                        eps: float, per_head: bool = False, block_t: int | None = None,
-                        warps: int = 4) -> torch.Tensor:
+def qk_norm_rope_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float,
+    per_head: bool = False,
+    block_t: int | None = None,
+    warps: int = 4,
+) -> torch.Tensor:
     """``[T, H, D]`` contiguous from ``x`` ``[T, H, D]`` with a contiguous last dimension (any row and head
     strides: a slice of the fused projection), ``cos``/``sin`` fp32 ``[T, n]`` or None. ``per_head``,
     ``block_t`` (rows per tile) and ``warps`` choose the launch; the numbers do not depend on them."""
@@ -89,9 +111,24 @@ def qk_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor
         return out
     heads_per_program = 1 if per_head else heads
     _qk_norm_rope_kernel[(triton.cdiv(rows, block_t), triton.cdiv(heads, heads_per_program))](
-        x, out, weight, cos if rotate else x, sin if rotate else x, rows, heads, heads_per_program, n_rot,
-        x.stride(0), x.stride(1), eps, HEAD_DIM=head_dim, ROTATE=rotate, BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=warps)
+        x,
+        out,
+        weight,
+        cos if rotate else x,
+        sin if rotate else x,
+        rows,
+        heads,
+        heads_per_program,
+        n_rot,
+        x.stride(0),
+        x.stride(1),
+        eps,
+        HEAD_DIM=head_dim,
+        ROTATE=rotate,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        num_warps=warps,
+    )
     return out
 
 
@@ -118,8 +155,23 @@ def _modulate(v, weight, shift, scale, entry, hidden, inv, start, cols, mask, dt
 
 
 @triton.jit
-def _block_norm_kernel(x, y, gate, weight, shift, scale, table_rows, out, scales, hidden, eps, smallest,
-                       BLOCK_K: tl.constexpr, RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr):
+def _block_norm_kernel(
+    x,
+    y,
+    gate,
+    weight,
+    shift,
+    scale,
+    table_rows,
+    out,
+    scales,
+    hidden,
+    eps,
+    smallest,
+    BLOCK_K: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     entry = tl.load(table_rows + row).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
@@ -134,8 +186,9 @@ def _block_norm_kernel(x, y, gate, weight, shift, scale, table_rows, out, scales
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for start in range(0, hidden, BLOCK_K):
             v, mask = _row_chunk(x, y, gate, row, entry, hidden, start, cols, RESIDUAL)
-            amax = tl.maximum(amax, tl.abs(_modulate(v, weight, shift, scale, entry, hidden, inv, start, cols, mask,
-                                                     dtype)))
+            amax = tl.maximum(
+                amax, tl.abs(_modulate(v, weight, shift, scale, entry, hidden, inv, start, cols, mask, dtype))
+            )
         q_scale = row_scale(amax, smallest)
         tl.store(scales + row, q_scale)
     for start in range(0, hidden, BLOCK_K):
@@ -148,11 +201,20 @@ def _block_norm_kernel(x, y, gate, weight, shift, scale, table_rows, out, scales
         tl.store(out + row * hidden + start + cols, h.to(out.dtype.element_ty), mask=mask)
 
 
-def block_norm_triton(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                      table_rows: torch.Tensor, eps: float, y: torch.Tensor | None = None,
-                      gate: torch.Tensor | None = None, smallest: float | None = None,
-                      codes_dtype: torch.dtype = torch.float8_e4m3fn, block_k: int | None = None,
-                      warps: int | None = None):
+def block_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    table_rows: torch.Tensor,
+    eps: float,
+    y: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    smallest: float | None = None,
+    codes_dtype: torch.dtype = torch.float8_e4m3fn,
+    block_k: int | None = None,
+    warps: int | None = None,
+):
     """``block_fused.norm_modulate(x, weight, shift, scale, table_rows, eps)`` in one pass per row: ``x``
     ``[T, hidden]``, the tables ``shift`` / ``scale`` ``[R, hidden]``, ``table_rows`` ``[T]`` each
     row's table row. With ``y`` and ``gate`` (``[T, hidden]`` contiguous, ``[R, hidden]``) the rows normed are
@@ -172,9 +234,23 @@ def block_norm_triton(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor
         block_k, warps = chunk_launch(hidden, block_k, warps)
         residual = y is not None
         _block_norm_kernel[(rows,)](
-            x, y if residual else x, gate.contiguous() if residual else x, weight.contiguous(), shift.contiguous(),
-            scale.contiguous(), table_rows.contiguous(), out, scales, hidden, eps, smallest or 0.0, BLOCK_K=block_k,
-            RESIDUAL=residual, QUANTIZE=quantize, num_warps=warps)
+            x,
+            y if residual else x,
+            gate.contiguous() if residual else x,
+            weight.contiguous(),
+            shift.contiguous(),
+            scale.contiguous(),
+            table_rows.contiguous(),
+            out,
+            scales,
+            hidden,
+            eps,
+            smallest or 0.0,
+            BLOCK_K=block_k,
+            RESIDUAL=residual,
+            QUANTIZE=quantize,
+            num_warps=warps,
+        )
     return (out, scales) if quantize else out
 
 

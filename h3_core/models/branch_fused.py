@@ -34,9 +34,25 @@ try:  # Triton is optional: without it the plain forms run
 except ImportError:
     branch_triton = None
 
-__all__ = ["FUSED_MODES", "compiled_branch_available", "spatial_conv", "conv_features",
-           "gram_products", "gram_statistics", "shifted_gram", "shifted_statistics", "query_features",
-           "readout_finish", "readout", "scan", "gather", "run", "call", "triton_kernel", "small_inverse"]
+__all__ = [
+    "FUSED_MODES",
+    "compiled_branch_available",
+    "spatial_conv",
+    "conv_features",
+    "gram_products",
+    "gram_statistics",
+    "shifted_gram",
+    "shifted_statistics",
+    "query_features",
+    "readout_finish",
+    "readout",
+    "scan",
+    "gather",
+    "run",
+    "call",
+    "triton_kernel",
+    "small_inverse",
+]
 
 FUSED_MODES = (None, "eager", "compiled")
 EPS = 1e-6
@@ -48,13 +64,18 @@ def spatial_conv(x: torch.Tensor, weight: torch.Tensor, grid) -> torch.Tensor:
     The frame grid read as ``[F, C, gh, gw]`` is a channels-last view of ``x``, which the convolution takes
     (and returns) without a layout copy."""
     frames, _, channels = x.shape
-    y = F.conv2d(x.view(frames, grid[0], grid[1], channels).permute(0, 3, 1, 2), weight.to(x.dtype),
-                 padding=weight.shape[-1] // 2, groups=channels)
+    y = F.conv2d(
+        x.view(frames, grid[0], grid[1], channels).permute(0, 3, 1, 2),
+        weight.to(x.dtype),
+        padding=weight.shape[-1] // 2,
+        groups=channels,
+    )
     return y.permute(0, 2, 3, 1).reshape(frames, -1, channels)
 
 
-def conv_features(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bool,
-                  beta: torch.Tensor | None = None) -> torch.Tensor:
+def conv_features(
+    y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bool, beta: torch.Tensor | None = None
+) -> torch.Tensor:
     """SiLU(TConv(y)) per channel, L2-normalised per head when ``normalize``, times √β per row and head when
     ``beta`` ``[F, S, heads]`` is given: ``[F, heads, S, d]`` from the spatially convolved ``y``
     ``[F, S, heads·d]`` and the temporal taps ``[C, 1, n]`` (zero padded across frames, cross-correlation as
@@ -134,8 +155,9 @@ def readout_finish(o: torch.Tensor, norm_weight: torch.Tensor, gate_logits: torc
     return (z * torch.sigmoid(gate_logits.to(acc))).to(gate_logits.dtype)
 
 
-def readout(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor,
-            gate_logits: torch.Tensor) -> torch.Tensor:
+def readout(
+    q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor, gate_logits: torch.Tensor
+) -> torch.Tensor:
     """The branch's output rows ``[F·S, h·d]`` (the gate's dtype): RMSNorm(S_lin · q̃) · σ(gate) from raw
     ``q_raw`` ``[F, S, h, d]``, each frame's state ``[F, h, d_v, d_k]`` and the gate's pre-activations: q̃
     (``query_features``), the product as a batched GEMM in the rows' dtype, then ``readout_finish``."""
@@ -161,8 +183,15 @@ def scan(mode: str | None, T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor)
     return kernel(T, J, seed) if kernel is not None else branch_math.scan(T, J, seed)
 
 
-def gather(mode: str | None, P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds,
-           seed: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather(
+    mode: str | None,
+    P: torch.Tensor,
+    Q: torch.Tensor,
+    alpha: torch.Tensor,
+    bounds,
+    seed: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Each query frame's state (``branch_math.gather``) rounded once to ``out_dtype`` (default: the states'),
     run as ``mode`` says: in ``"compiled"`` mode on CUDA one Triton pass; otherwise the library's form."""
 
@@ -173,8 +202,12 @@ def gather(mode: str | None, P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tens
     return state if out_dtype is None else state.to(out_dtype)
 
 
-_FUNCTIONS = {"conv_features": conv_features, "query_features": query_features, "readout_finish": readout_finish,
-              "readout": readout}
+_FUNCTIONS = {
+    "conv_features": conv_features,
+    "query_features": query_features,
+    "readout_finish": readout_finish,
+    "readout": readout,
+}
 _compiled: dict[object, object] = {}  # each fused function's torch.compile wrapper, made on first use
 
 
@@ -185,14 +218,16 @@ def compiled_branch_available(device: torch.device | str = "cuda") -> bool:
 
 # Hand-written Triton forms that ``"compiled"`` runs on CUDA instead of ``torch.compile``'s (module, function):
 # each does in one pass what the compiled form splits into several or writes with scattered stores.
-_TRITON = {"conv_features": (branch_triton, "conv_features_triton"),
-           "readout": (branch_triton, "readout_triton"),
-           "scan": (branch_triton, "scan_triton"),
-           "gather": (branch_triton, "gather_triton"),
-           "qk_norm_rope": (block_triton, "qk_norm_rope_triton"),
-           "norm_modulate": (block_triton, "block_norm_triton"),
-           "swiglu_": (block_triton, "swiglu_triton"),
-           "small_inverse": (branch_triton, "small_inverse_triton")}
+_TRITON = {
+    "conv_features": (branch_triton, "conv_features_triton"),
+    "readout": (branch_triton, "readout_triton"),
+    "scan": (branch_triton, "scan_triton"),
+    "gather": (branch_triton, "gather_triton"),
+    "qk_norm_rope": (block_triton, "qk_norm_rope_triton"),
+    "norm_modulate": (block_triton, "block_norm_triton"),
+    "swiglu_": (block_triton, "swiglu_triton"),
+    "small_inverse": (branch_triton, "small_inverse_triton"),
+}
 
 
 def triton_kernel(name: str):
@@ -227,5 +262,3 @@ def call(mode: str, fn, *args, name: str | None = None):
 def run(mode: str, name: str, *args):
     """Call the branch's fused function ``name`` as ``mode`` says (``call``)."""
     return call(mode, _FUNCTIONS[name], *args, name=name)
-
-

@@ -9,8 +9,21 @@ import torch.nn.functional as F
 
 from ..triton_forms import runs_here
 
-__all__ = ["accumulation", "featurize", "frame_statistics", "solve", "solve_shifted", "spd_inverse",
-           "solve_reference", "scan", "scan_reference", "gather", "gather_plan", "gather_reference", "EPS"]
+__all__ = [
+    "accumulation",
+    "featurize",
+    "frame_statistics",
+    "solve",
+    "solve_shifted",
+    "spd_inverse",
+    "solve_reference",
+    "scan",
+    "scan_reference",
+    "gather",
+    "gather_plan",
+    "gather_reference",
+    "EPS",
+]
 
 
 EPS = 1e-6
@@ -47,8 +60,10 @@ def frame_statistics(k, v, beta, frames_per_chunk: int | None = None):
     frames = k.shape[0]
     if frames_per_chunk is None or frames_per_chunk >= frames:
         return _frame_statistics(k, v, beta)
-    parts = [_frame_statistics(k[f : f + frames_per_chunk], v[f : f + frames_per_chunk], beta[f : f + frames_per_chunk])
-             for f in range(0, frames, frames_per_chunk)]
+    parts = [
+        _frame_statistics(k[f : f + frames_per_chunk], v[f : f + frames_per_chunk], beta[f : f + frames_per_chunk])
+        for f in range(0, frames, frames_per_chunk)
+    ]
     return torch.cat([A for A, _ in parts]), torch.cat([B for _, B in parts])
 
 

@@ -46,8 +46,23 @@ def _head_tile(head, block, n_tokens, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
-def _finish_features(acc, beta, dst, frame, head, tokens, cols, token_ok, mask, n_tokens, heads, head_dim, eps,
-                     NORMALIZE: tl.constexpr, HAS_BETA: tl.constexpr):
+def _finish_features(
+    acc,
+    beta,
+    dst,
+    frame,
+    head,
+    tokens,
+    cols,
+    token_ok,
+    mask,
+    n_tokens,
+    heads,
+    head_dim,
+    eps,
+    NORMALIZE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+):
     """SiLU of the summed taps ``acc``, the L2 norm over the head's channels, √β, and the tile written
     head-major into ``dst`` ``[F, heads, S, d]``."""
     z = acc * tl.sigmoid(acc)
@@ -61,35 +76,64 @@ def _finish_features(acc, beta, dst, frame, head, tokens, cols, token_ok, mask, 
 
 
 @triton.jit
-def _conv_features_kernel(src, taps, beta, dst, n_frames, n_tokens, heads, head_dim, eps,
-                          N_TAPS: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BETA: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _conv_features_kernel(
+    src,
+    taps,
+    beta,
+    dst,
+    n_frames,
+    n_tokens,
+    heads,
+    head_dim,
+    eps,
+    N_TAPS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     frame = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    tokens, cols, channels, token_ok, col_ok, mask = _head_tile(head, tl.program_id(2), n_tokens, head_dim,
-                                                                BLOCK_S, BLOCK_D)
+    tokens, cols, channels, token_ok, col_ok, mask = _head_tile(
+        head, tl.program_id(2), n_tokens, head_dim, BLOCK_S, BLOCK_D
+    )
     width = heads * head_dim
     acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(N_TAPS):
         source = frame + j - N_TAPS // 2
         inside = (source >= 0) & (source < n_frames)
-        x = tl.load(src + (source * n_tokens + tokens)[:, None] * width + channels[None, :], mask=mask & inside,
-                    other=0.0).to(tl.float32)
+        x = tl.load(
+            src + (source * n_tokens + tokens)[:, None] * width + channels[None, :], mask=mask & inside, other=0.0
+        ).to(tl.float32)
         w = tl.load(taps + channels * N_TAPS + j, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc + x * w[None, :]
-    _finish_features(acc, beta, dst, frame, head, tokens, cols, token_ok, mask, n_tokens, heads, head_dim, eps,
-                     NORMALIZE, HAS_BETA)
+    _finish_features(
+        acc, beta, dst, frame, head, tokens, cols, token_ok, mask, n_tokens, heads, head_dim, eps, NORMALIZE, HAS_BETA
+    )
 
 
 @triton.jit
-def _conv_features_rolling_kernel(src, taps, beta, dst, n_frames, n_tokens, heads, eps, HEAD_DIM: tl.constexpr,
-                                  NORMALIZE: tl.constexpr, HAS_BETA: tl.constexpr, BLOCK_S: tl.constexpr,
-                                  BLOCK_D: tl.constexpr):
+def _conv_features_rolling_kernel(
+    src,
+    taps,
+    beta,
+    dst,
+    n_frames,
+    n_tokens,
+    heads,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # five temporal taps: each program walks one tile of tokens × one head's channels through every frame,
     # holding the five frames around the current one, so each input tile is read once
     head = tl.program_id(0).to(tl.int64)
-    tokens, cols, channels, token_ok, col_ok, mask = _head_tile(head, tl.program_id(1), n_tokens, HEAD_DIM,
-                                                                BLOCK_S, BLOCK_D)
+    tokens, cols, channels, token_ok, col_ok, mask = _head_tile(
+        head, tl.program_id(1), n_tokens, HEAD_DIM, BLOCK_S, BLOCK_D
+    )
     width = heads * HEAD_DIM
     w0 = tl.load(taps + channels * 5 + 0, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     w1 = tl.load(taps + channels * 5 + 1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -103,21 +147,45 @@ def _conv_features_rolling_kernel(src, taps, beta, dst, n_frames, n_tokens, head
     x3 = tl.load(src + n_tokens * width + tile, mask=mask & (n_frames > 1), other=0.0).to(tl.float32)
     for frame in range(n_frames):
         ahead = frame + 2
-        x4 = tl.load(src + ahead.to(tl.int64) * n_tokens * width + tile, mask=mask & (ahead < n_frames),
-                     other=0.0).to(tl.float32)
+        x4 = tl.load(src + ahead.to(tl.int64) * n_tokens * width + tile, mask=mask & (ahead < n_frames), other=0.0).to(
+            tl.float32
+        )
         acc = x0 * w0
         acc = acc + x1 * w1
         acc = acc + x2 * w2
         acc = acc + x3 * w3
         acc = acc + x4 * w4
-        _finish_features(acc, beta, dst, frame, head, tokens, cols, token_ok, mask, n_tokens, heads, HEAD_DIM, eps,
-                         NORMALIZE, HAS_BETA)
+        _finish_features(
+            acc,
+            beta,
+            dst,
+            frame,
+            head,
+            tokens,
+            cols,
+            token_ok,
+            mask,
+            n_tokens,
+            heads,
+            HEAD_DIM,
+            eps,
+            NORMALIZE,
+            HAS_BETA,
+        )
         x0, x1, x2, x3 = x1, x2, x3, x4
 
 
-def conv_features_triton(y: torch.Tensor, taps: torch.Tensor, heads: int, normalize: bool,
-                         beta: torch.Tensor | None = None, eps: float = 1e-6, rolling: bool = True,
-                         block_s: int | None = None, warps: int = 4) -> torch.Tensor:
+def conv_features_triton(
+    y: torch.Tensor,
+    taps: torch.Tensor,
+    heads: int,
+    normalize: bool,
+    beta: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    rolling: bool = True,
+    block_s: int | None = None,
+    warps: int = 4,
+) -> torch.Tensor:
     """``[F, heads, S, d]`` from contiguous ``y`` ``[F, S, heads·d]``, ``taps`` ``[C, 1, n]`` and ``beta``
     ``[F, S, heads]`` or None (see ``branch_fused.conv_features``). With five taps (the model's) and
     ``rolling`` each program walks its tile through the frames; otherwise a program per frame and tile reads
@@ -137,18 +205,59 @@ def conv_features_triton(y: torch.Tensor, taps: torch.Tensor, heads: int, normal
     block_s = block_s or max(1, 4096 // block_d)
     if rolling and taps.shape[1] == 5:
         _conv_features_rolling_kernel[(heads, triton.cdiv(tokens, block_s))](
-            y, taps, beta_arg, out, frames, tokens, heads, eps, HEAD_DIM=head_dim, NORMALIZE=normalize,
-            HAS_BETA=beta is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps)
+            y,
+            taps,
+            beta_arg,
+            out,
+            frames,
+            tokens,
+            heads,
+            eps,
+            HEAD_DIM=head_dim,
+            NORMALIZE=normalize,
+            HAS_BETA=beta is not None,
+            BLOCK_S=block_s,
+            BLOCK_D=block_d,
+            num_warps=warps,
+        )
         return out
     _conv_features_kernel[(frames, heads, triton.cdiv(tokens, block_s))](
-        y, taps, beta_arg, out, frames, tokens, heads, head_dim, eps, N_TAPS=taps.shape[1], NORMALIZE=normalize,
-        HAS_BETA=beta is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps)
+        y,
+        taps,
+        beta_arg,
+        out,
+        frames,
+        tokens,
+        heads,
+        head_dim,
+        eps,
+        N_TAPS=taps.shape[1],
+        NORMALIZE=normalize,
+        HAS_BETA=beta is not None,
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        num_warps=warps,
+    )
     return out
 
 
 @triton.jit
-def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, s_frame, s_token, eps,
-                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+def _readout_kernel(
+    q_raw,
+    state,
+    norm_weight,
+    logits,
+    dst,
+    n_tokens,
+    heads,
+    s_frame,
+    s_token,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     head_dim = HEAD_DIM  # a compile-time size: the column masks fold away when it fills the tile
     # token tiles vary fastest in the launch order, so the programs that share a frame's state for one head
     # run together and read it from L2 (faster than frames first: bench/results/dit_block.md)
@@ -158,8 +267,9 @@ def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, s_f
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < head_dim
     mask = (tokens < n_tokens)[:, None] & col_ok[None, :]
-    q = tl.load(q_raw + frame * s_frame + tokens[:, None] * s_token + head * head_dim + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    q = tl.load(
+        q_raw + frame * s_frame + tokens[:, None] * s_token + head * head_dim + cols[None, :], mask=mask, other=0.0
+    ).to(tl.float32)
     q = q * tl.sigmoid(q)
     q = q / tl.maximum(tl.sqrt(tl.sum(q * q, axis=1)), eps)[:, None]
     # the state [d_v, d_k] taken as [d_k, d_v]: o[s, v] = Σ_k q̃[s, k] S[v, k]
@@ -180,8 +290,15 @@ def _readout_kernel(q_raw, state, norm_weight, logits, dst, n_tokens, heads, s_f
     tl.store(dst + offsets, (o * tl.sigmoid(gate)).to(dst.dtype.element_ty), mask=mask)
 
 
-def readout_triton(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor,
-                   gate_logits: torch.Tensor, eps: float = 1e-6, block_s: int = 64, warps: int = 4) -> torch.Tensor:
+def readout_triton(
+    q_raw: torch.Tensor,
+    state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate_logits: torch.Tensor,
+    eps: float = 1e-6,
+    block_s: int = 64,
+    warps: int = 4,
+) -> torch.Tensor:
     """``branch_fused.readout``: ``[F·S, h·d]`` in the gate's dtype from ``q_raw`` ``[F, S, h, d]`` (any frame
     and token strides: the projection's slice), ``state`` ``[F, h, d, d]`` and ``gate_logits`` ``[F·S, h·d]``.
     The state is rounded to the rows' dtype once here, as the product rounds it anyway, not in every program;
@@ -195,15 +312,29 @@ def readout_triton(q_raw: torch.Tensor, state: torch.Tensor, norm_weight: torch.
     if out.numel():
         tiles = triton.cdiv(tokens, block_s)
         _readout_kernel[(tiles, heads, frames)](
-            q_raw, state, norm_weight, gate_logits.contiguous(), out, tokens, heads, q_raw.stride(0),
-            q_raw.stride(1), eps, HEAD_DIM=head_dim, BLOCK_S=block_s,
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IEEE=ieee, num_warps=warps)
+            q_raw,
+            state,
+            norm_weight,
+            gate_logits.contiguous(),
+            out,
+            tokens,
+            heads,
+            q_raw.stride(0),
+            q_raw.stride(1),
+            eps,
+            HEAD_DIM=head_dim,
+            BLOCK_S=block_s,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            IEEE=ieee,
+            num_warps=warps,
+        )
     return out
 
 
 @triton.jit
-def _scan_kernel(transitions, injections, seed, out, n_frames, heads, D: tl.constexpr, BLOCK_V: tl.constexpr,
-                 PRECISION: tl.constexpr):
+def _scan_kernel(
+    transitions, injections, seed, out, n_frames, heads, D: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr
+):
     head = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     backward = tl.program_id(2)  # 0: the prefix, frames in order; 1: the suffix, frames reversed
@@ -220,8 +351,9 @@ def _scan_kernel(transitions, injections, seed, out, n_frames, heads, D: tl.cons
         tl.store(out + matrix + rows[:, None] * D + cols[None, :], state)
 
 
-def scan_triton(T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor, block_v: int = 32, warps: int = 8,
-                precision: str = "tf32x3") -> tuple[torch.Tensor, torch.Tensor]:
+def scan_triton(
+    T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor, block_v: int = 32, warps: int = 8, precision: str = "tf32x3"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``branch_math.scan``: the prefix and suffix states ``[F, H, d, d]`` fp32 from the transitions and
     injections ``[F, H, d, d]`` and the seed ``[H, d, d]``; ``d`` a power of two of at least 16. ``precision``
     is the product's (``"ieee"``: plain fp32 multiply-adds)."""
@@ -231,14 +363,26 @@ def scan_triton(T: torch.Tensor, J: torch.Tensor, seed: torch.Tensor, block_v: i
     out = torch.empty(2, *J.shape, dtype=torch.float32, device=J.device)
     block_v = min(block_v, d)
     if J.numel():
-        _scan_kernel[(heads, d // block_v, 2)](T, J, seed, out, frames, heads, D=d, BLOCK_V=block_v,
-                                               PRECISION=precision, num_warps=warps)
+        _scan_kernel[(heads, d // block_v, 2)](
+            T, J, seed, out, frames, heads, D=d, BLOCK_V=block_v, PRECISION=precision, num_warps=warps
+        )
     return out[0], out[1]
 
 
 @triton.jit
-def _gather_kernel(prefix, suffix, seed, before_frame, after_frame, bridge_before, bridge_after, out, heads,
-                   D: tl.constexpr, BLOCK_V: tl.constexpr):
+def _gather_kernel(
+    prefix,
+    suffix,
+    seed,
+    before_frame,
+    after_frame,
+    bridge_before,
+    bridge_after,
+    out,
+    heads,
+    D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     frame = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -250,19 +394,25 @@ def _gather_kernel(prefix, suffix, seed, before_frame, after_frame, bridge_befor
     everywhere = tile >= 0
     # a frame index of -1 reads the seed: both loads masked, the other lanes' zeros summed in
     seed_tile = seed + head * square + tile
-    before = tl.load(prefix + (tl.maximum(b, 0) * heads + head) * square + tile, mask=everywhere & (b >= 0),
-                     other=0.0)
+    before = tl.load(prefix + (tl.maximum(b, 0) * heads + head) * square + tile, mask=everywhere & (b >= 0), other=0.0)
     before += tl.load(seed_tile, mask=everywhere & (b < 0), other=0.0)
-    after = tl.load(suffix + (tl.maximum(a, 0) * heads + head) * square + tile, mask=everywhere & (a >= 0),
-                    other=0.0)
+    after = tl.load(suffix + (tl.maximum(a, 0) * heads + head) * square + tile, mask=everywhere & (a >= 0), other=0.0)
     after += tl.load(seed_tile, mask=everywhere & (a < 0), other=0.0)
     vector = (frame * heads + head) * D + cols
     state = before * tl.load(bridge_before + vector)[None, :] + after * tl.load(bridge_after + vector)[None, :]
     tl.store(out + (frame * heads + head) * square + tile, state.to(out.dtype.element_ty))
 
 
-def gather_triton(P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds, seed: torch.Tensor,
-                  block_v: int = 32, warps: int = 8, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather_triton(
+    P: torch.Tensor,
+    Q: torch.Tensor,
+    alpha: torch.Tensor,
+    bounds,
+    seed: torch.Tensor,
+    block_v: int = 32,
+    warps: int = 8,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``branch_math.gather`` for fp32 states ``[F, H, d, d]`` (``d`` a power of two of at least 16), each
     state rounded once to ``out_dtype`` (default fp32) as it is written."""
     frames, heads, d, _ = P.shape
@@ -271,15 +421,27 @@ def gather_triton(P: torch.Tensor, Q: torch.Tensor, alpha: torch.Tensor, bounds,
     out = torch.empty(P.shape, dtype=out_dtype or P.dtype, device=P.device)
     block_v = min(block_v, d)
     if out.numel():
-        _gather_kernel[(frames, heads, d // block_v)](P, Q, seed, before, after, bridge_before.contiguous(),
-                                                      bridge_after.contiguous(), out, heads, D=d, BLOCK_V=block_v,
-                                                      num_warps=warps)
+        _gather_kernel[(frames, heads, d // block_v)](
+            P,
+            Q,
+            seed,
+            before,
+            after,
+            bridge_before.contiguous(),
+            bridge_after.contiguous(),
+            out,
+            heads,
+            D=d,
+            BLOCK_V=block_v,
+            num_warps=warps,
+        )
     return out
 
 
 @triton.jit
-def _small_inverse_kernel(src, dst, n_mats, n, s_sb, s_sr, s_sc, s_db, s_dr, s_dc, N: tl.constexpr,
-                          BLOCK_M: tl.constexpr):
+def _small_inverse_kernel(
+    src, dst, n_mats, n, s_sb, s_sr, s_sc, s_db, s_dr, s_dc, N: tl.constexpr, BLOCK_M: tl.constexpr
+):
     mats = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None, None]
     idx = tl.arange(0, N)
     rows, cols = idx[None, :, None], idx[None, None, :]
@@ -309,5 +471,6 @@ def small_inverse_triton(M: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     block_m = max(1, 4096 // (size * size))
     if src.shape[0]:
         _small_inverse_kernel[(triton.cdiv(src.shape[0], block_m),)](
-            src, dst, src.shape[0], n, *src.stride(), *dst.stride(), N=size, BLOCK_M=block_m, num_warps=4)
+            src, dst, src.shape[0], n, *src.stride(), *dst.stride(), N=size, BLOCK_M=block_m, num_warps=4
+        )
     return out

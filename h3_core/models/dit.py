@@ -22,14 +22,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
-from .fp8_linear import Fp8Linear, quantize_input
 from . import block_fused
-from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
+from .fp8_linear import Fp8Linear, quantize_input
+from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
 from .low_memory import add_linear_cols, head_slices, linear_rows
 
-__all__ = ["DiTConfig", "H3DiT", "MODALITY_VIDEO", "MODALITY_TEXT", "MODALITY_AUDIO", "timestep_embedding",
-           "rope_cos_sin"]
+__all__ = [
+    "DiTConfig",
+    "H3DiT",
+    "MODALITY_VIDEO",
+    "MODALITY_TEXT",
+    "MODALITY_AUDIO",
+    "timestep_embedding",
+    "rope_cos_sin",
+]
 
 MODALITY_VIDEO, MODALITY_TEXT, MODALITY_AUDIO = 0, 1, 2
 MODALITIES = 3
@@ -114,8 +121,10 @@ class Attention(nn.Module):
         """q and k RMS-normed per head and, with ``rope`` (cos, sin), rotated."""
         if self.fused:
             cos, sin = rope if rope is not None else (None, None)
-            return tuple(block_fused.run(self.fused, "qk_norm_rope", t, norm.weight, cos, sin, norm.eps)
-                         for t, norm in ((q, self.q_norm), (k, self.k_norm)))
+            return tuple(
+                block_fused.run(self.fused, "qk_norm_rope", t, norm.weight, cos, sin, norm.eps)
+                for t, norm in ((q, self.q_norm), (k, self.k_norm))
+            )
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
@@ -128,7 +137,9 @@ class Attention(nn.Module):
             return quantize_input(x)
         return x
 
-    def project(self, x: torch.Tensor, heads: slice | None = None, source=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, heads: slice | None = None, source=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw q, k, v ``[T, h, d]`` of the heads in ``heads`` (all by default), each its own dense tensor: three
         row slices of the stacked weight, read from ``source`` (``projection_input``) if given. Dense, the
         linear branch's convolutions take k and v without a layout copy, and each can be freed on its own;
@@ -139,8 +150,7 @@ class Attention(nn.Module):
         heads = slice(0, self.heads) if heads is None else heads
         inner, a, b = self.heads * d, heads.start * d, heads.stop * d
         source = x if source is None else source
-        return tuple(linear_rows(self.qkv_proj, source, i * inner + a, i * inner + b).view(T, -1, d)
-                     for i in range(3))
+        return tuple(linear_rows(self.qkv_proj, source, i * inner + a, i * inner + b).view(T, -1, d) for i in range(3))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, ctx=None) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
@@ -233,7 +243,8 @@ class TokenRefiner(nn.Module):
 
 
 class AdaLNProjection(nn.Module):
-    """``linear(silu(t_emb))`` (``linear(c(t))`` in the curve form) → a table ``[timesteps · 3, parts · hidden]`` with one row per (timestep, modality)
+    """``linear(silu(t_emb))`` (``linear(c(t))`` in the curve form) → a table ``[timesteps · 3, parts · hidden]``
+    with one row per (timestep, modality)
     (``per_modality``) or per timestep; the activation runs at the embedding's fp32, only its result is cast."""
 
     def __init__(self, cfg: DiTConfig, parts: int, per_modality: bool):
@@ -271,8 +282,18 @@ class Block(nn.Module):
         if self.fused:
             index, mode = block_fused.row_index(runs, x.device), self.fused
             h = block_fused.run(mode, "norm_modulate", x, self.norm1.weight, shift1, scale1, index, self.norm1.eps)
-            x, h = block_fused.residual_norm(mode, x, self.attn(h, rope, ctx), gate1, index, self.norm2.weight,
-                                             shift2, scale2, self.norm2.eps, self.mlp.reads_quantized_rows())
+            x, h = block_fused.residual_norm(
+                mode,
+                x,
+                self.attn(h, rope, ctx),
+                gate1,
+                index,
+                self.norm2.weight,
+                shift2,
+                scale2,
+                self.norm2.eps,
+                self.mlp.reads_quantized_rows(),
+            )
             return block_fused.run(mode, "gated_residual_", x, self.mlp(h), gate2, index)
         x = _gated_add_(self.attn(_modulate_(self.norm1(x), shift1, scale1, runs), rope, ctx), gate1, x, runs)
         return _gated_add_(self.mlp(_modulate_(self.norm2(x), shift2, scale2, runs)), gate2, x, runs)
@@ -333,8 +354,10 @@ class FinalLayer(nn.Module):
 
     def forward(self, x, temb, timestep_index, video_index, audio_index):
         shift, scale = self.adaln_proj(temb)
-        return tuple(self._head(x, shift, scale, timestep_index, index, head)
-                     for index, head in ((video_index, self.video_out), (audio_index, self.audio_out)))
+        return tuple(
+            self._head(x, shift, scale, timestep_index, index, head)
+            for index, head in ((video_index, self.video_out), (audio_index, self.audio_out))
+        )
 
     def _head(self, x, shift, scale, timestep_index, index, head):
         out = torch.empty(index.numel(), head.out_features, dtype=head.weight.dtype, device=x.device)
@@ -394,8 +417,12 @@ class H3DiT(nn.Module):
         dtype = text.dtype
         x = text.new_zeros(T, self.cfg.hidden)
         x.index_copy_(0, text_index, text)
-        x.index_copy_(0, video_index, self.video_patch_proj(video_rows.to(self.video_patch_proj.weight.dtype)).to(dtype))
-        x.index_copy_(0, audio_index, self.audio_patch_proj(audio_rows.to(self.audio_patch_proj.weight.dtype)).to(dtype))
+        x.index_copy_(
+            0, video_index, self.video_patch_proj(video_rows.to(self.video_patch_proj.weight.dtype)).to(dtype)
+        )
+        x.index_copy_(
+            0, audio_index, self.audio_patch_proj(audio_rows.to(self.audio_patch_proj.weight.dtype)).to(dtype)
+        )
         if self.cfg.adaln_curve_grid > 0:
             temb = curve_embedding(self.adaln_t_table, timesteps)
         else:
@@ -415,5 +442,3 @@ class H3DiT(nn.Module):
 
 def rope_inv_freq(cfg: DiTConfig) -> torch.Tensor:
     return cfg.rope_theta ** -(torch.arange(0, 2 * cfg.rope_freqs, 2, dtype=torch.float32) / (2 * cfg.rope_freqs))
-
-

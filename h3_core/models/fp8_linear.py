@@ -127,8 +127,9 @@ def _rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
     return x if isinstance(x, QuantizedRows) else quantize_input(x)
 
 
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
     """The eager reference of ``Fp8Linear``: rows quantised as the fast path does, then
     ``(x_q · s_a) @ (w_q · s_w)ᵀ (+ bias)`` in fp32, cast to ``out_dtype``. Runs on any device; on CUDA its
     fp32 matmul follows torch's TF32 setting.
@@ -146,8 +147,14 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     return y.to(out_dtype).reshape(*rows.lead, weight.shape[0])
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = True) -> torch.Tensor:
+def fp8_linear_scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    fast_accum: bool = True,
+) -> torch.Tensor:
     """The fast path: one row-wise-scaled ``torch._scaled_mm``. Only where ``scaled_mm_supports`` says so.
 
     The kernel's layout rules are met by construction: the codes of ``x`` are a fresh row-major ``[M, in]``,
@@ -156,8 +163,15 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     accumulate without the periodic fp32 promotion (faster, less precise; the published path uses it).
     """
     rows = _rows(x)
-    y = torch._scaled_mm(rows.codes, weight.t(), scale_a=rows.scale, scale_b=weight_scale.view(1, -1), bias=bias,
-                         out_dtype=out_dtype, use_fast_accum=fast_accum)
+    y = torch._scaled_mm(
+        rows.codes,
+        weight.t(),
+        scale_a=rows.scale,
+        scale_b=weight_scale.view(1, -1),
+        bias=bias,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
     return y.reshape(*rows.lead, weight.shape[0])
 
 
@@ -168,9 +182,15 @@ def _rowwise_scaled_mm_runs(device: torch.device, out_dtype: torch.dtype) -> boo
     e4m3fnuz) depends on the torch and CUDA versions more than the capability alone says."""
     codes = torch.zeros(16, 16, dtype=E4M3, device=device)
     try:
-        torch._scaled_mm(codes, codes.t(), scale_a=torch.ones(16, 1, device=device),
-                         scale_b=torch.ones(1, 16, device=device), bias=torch.zeros(16, dtype=out_dtype, device=device),
-                         out_dtype=out_dtype, use_fast_accum=True)
+        torch._scaled_mm(
+            codes,
+            codes.t(),
+            scale_a=torch.ones(16, 1, device=device),
+            scale_b=torch.ones(1, 16, device=device),
+            bias=torch.zeros(16, dtype=out_dtype, device=device),
+            out_dtype=out_dtype,
+            use_fast_accum=True,
+        )
     except (RuntimeError, ValueError, NotImplementedError):
         return False
     return True
@@ -219,8 +239,10 @@ def _channel_scales(scale: torch.Tensor, out_features: int) -> torch.Tensor:
         return scale.float().reshape(1).expand(out_features).contiguous()
     if tuple(scale.shape) in ((out_features,), (out_features, 1)):
         return scale.float().reshape(out_features).contiguous()
-    raise H3InputError(f"scale must hold one value (per tensor) or one per output channel ([{out_features}] or "
-                       f"[{out_features}, 1]) for a weight with {out_features} rows, got shape {list(scale.shape)}")
+    raise H3InputError(
+        f"scale must hold one value (per tensor) or one per output channel ([{out_features}] or "
+        f"[{out_features}, 1]) for a weight with {out_features} rows, got shape {list(scale.shape)}"
+    )
 
 
 class Fp8Linear(nn.Module):
@@ -229,22 +251,31 @@ class Fp8Linear(nn.Module):
     constructor makes an empty (zero) layer for ``load_state_dict``. State-dict keys: ``weight`` (e4m3),
     ``weight_scale`` (fp32), ``bias``. Move it with ``.to(device)``: a cast to another dtype breaks it."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 compute_dtype: torch.dtype = torch.bfloat16, device=None, fast_accum: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        fast_accum: bool = True,
+    ):
         super().__init__()
         _check_compute_dtype(compute_dtype)
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype, self.fast_accum = compute_dtype, fast_accum
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=E4M3, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features, dtype=E4M3, device=device), requires_grad=False
+        )
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         bias_value = torch.zeros(out_features, dtype=compute_dtype, device=device) if bias else None
         self.bias = None if bias_value is None else nn.Parameter(bias_value, requires_grad=False)
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16,
-                    fast_accum: bool = True) -> Fp8Linear:
+    def from_linear(
+        cls, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = True
+    ) -> Fp8Linear:
         """Quantise ``linear`` as it is now (after any LoRA merge): each output channel scaled by its own
         amax / 448, computed in fp32 from the stored weight, on the weight's device."""
         if not isinstance(linear, nn.Linear):
@@ -256,16 +287,28 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_scaled(cls, weight_fp8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                    compute_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = True) -> Fp8Linear:
+    def from_scaled(
+        cls,
+        weight_fp8: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        fast_accum: bool = True,
+    ) -> Fp8Linear:
         """An fp8-scaled checkpoint's layer taken as it is, no round trip through bf16: ``weight_fp8``
         ``[out, in]`` e4m3 (ComfyUI's ``<layer>.weight``) and its ``scale`` (``<layer>.weight_scale``, or the
         legacy ``scale_weight``): one value broadcast to every channel, or one per channel. A checkpoint's
         static ``input_scale`` is not needed: activations are scaled per row at run time."""
         if not isinstance(weight_fp8, torch.Tensor) or weight_fp8.dtype != E4M3:
             got = weight_fp8.dtype if isinstance(weight_fp8, torch.Tensor) else type(weight_fp8).__name__
-            hint = ("; e5m2 weights are read dequantised (h3_core.formats.fp8_scaled) and can be requantised with "
-                    "Fp8Linear.from_linear") if got == torch.float8_e5m2 else ""
+            hint = (
+                (
+                    "; e5m2 weights are read dequantised (h3_core.formats.fp8_scaled) and can be requantised with "
+                    "Fp8Linear.from_linear"
+                )
+                if got == torch.float8_e5m2
+                else ""
+            )
             raise H3InputError(f"weight_fp8 must be a torch.float8_e4m3fn tensor, got {got}{hint}")
         if weight_fp8.dim() != 2:
             raise H3InputError(f"weight_fp8 must be a matrix [out, in], got shape {list(weight_fp8.shape)}")
@@ -274,8 +317,9 @@ class Fp8Linear(nn.Module):
         if not bool(torch.isfinite(channel_scale).all()):
             raise H3InputError(f"scale must be finite, got values {channel_scale.unique()[:4].tolist()}")
         if bias is not None and tuple(bias.shape) != (out_features,):
-            raise H3InputError(f"bias must have shape [{out_features}] for a weight with {out_features} rows, "
-                               f"got {list(bias.shape)}")
+            raise H3InputError(
+                f"bias must have shape [{out_features}] for a weight with {out_features} rows, got {list(bias.shape)}"
+            )
         layer = cls(in_features, out_features, bias is not None, compute_dtype, "meta", fast_accum)
         layer._set_storage(weight_fp8.contiguous(), channel_scale, bias)
         return layer
@@ -284,8 +328,9 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_scale = channel_scale.float().contiguous()
         if bias is not None:
-            self.bias = nn.Parameter(bias.detach().to(device=codes.device, dtype=self.compute_dtype),
-                                     requires_grad=False)
+            self.bias = nn.Parameter(
+                bias.detach().to(device=codes.device, dtype=self.compute_dtype), requires_grad=False
+            )
 
     def dequantized_weight(self) -> torch.Tensor:
         """The fp32 weight ``[out, in]`` this layer stands for."""
@@ -307,8 +352,9 @@ class Fp8Linear(nn.Module):
         existing buffer. ``seed`` is accepted for the patcher's signature; the rounding is deterministic."""
         self._check_storage()
         if tuple(weight.shape) != tuple(self.weight.shape):
-            raise H3InputError(f"Fp8Linear.set_weight: expected a weight of shape {list(self.weight.shape)}, got "
-                               f"{list(weight.shape)}")
+            raise H3InputError(
+                f"Fp8Linear.set_weight: expected a weight of shape {list(self.weight.shape)}, got {list(weight.shape)}"
+            )
         codes, scale = quantize_rows(weight)
         self.weight_scale.copy_(scale.view(-1))
         if inplace_update:
@@ -318,14 +364,18 @@ class Fp8Linear(nn.Module):
 
     def _check_storage(self) -> None:
         if self.weight.dtype != E4M3 or self.weight_scale.dtype != torch.float32:
-            raise H3InputError(f"Fp8Linear's weight must stay float8_e4m3fn with an fp32 weight_scale, found "
-                               f"{self.weight.dtype} and {self.weight_scale.dtype}: the model was cast to another "
-                               f"dtype after quantisation; move quantised models with .to(device) only")
+            raise H3InputError(
+                f"Fp8Linear's weight must stay float8_e4m3fn with an fp32 weight_scale, found "
+                f"{self.weight.dtype} and {self.weight_scale.dtype}: the model was cast to another "
+                f"dtype after quantisation; move quantised models with .to(device) only"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.part(x)
 
-    def part(self, x: torch.Tensor | QuantizedRows, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    def part(
+        self, x: torch.Tensor | QuantizedRows, rows: slice | None = None, cols: slice | None = None
+    ) -> torch.Tensor:
         """``x @ W[rows, cols]ᵀ`` (+ the bias of those rows when every input column is used): output features
         ``rows`` or the share of input features ``cols``, for the head-group path (``models.low_memory``).
         A column slice of the weight is copied (the kernel wants it contiguous; it is one head group's
@@ -347,8 +397,10 @@ class Fp8Linear(nn.Module):
         return fp8_linear_reference(x, weight, scale, bias, self.compute_dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"compute_dtype={self.compute_dtype}, fast_accum={self.fast_accum}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"compute_dtype={self.compute_dtype}, fast_accum={self.fast_accum}"
+        )
 
 
 def quantization_targets(model: nn.Module, names: frozenset[str]) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -366,8 +418,12 @@ def quantization_targets(model: nn.Module, names: frozenset[str]) -> list[tuple[
 
 
 @torch.no_grad()
-def quantize_linears(model: nn.Module, names: Iterable[str] = FP8_LAYERS,
-                     compute_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = True) -> int:
+def quantize_linears(
+    model: nn.Module,
+    names: Iterable[str] = FP8_LAYERS,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = True,
+) -> int:
     """Swap, in place, every ``nn.Linear`` of ``model`` whose attribute name is in ``names`` for an ``Fp8Linear``
     (see the module docstring for the default set and why); fp32 islands are kept. Run it once, after
     merging LoRAs. Returns the number of layers swapped; each bf16 weight is freed as its layer is swapped."""
@@ -377,8 +433,10 @@ def quantize_linears(model: nn.Module, names: Iterable[str] = FP8_LAYERS,
     _check_compute_dtype(compute_dtype)
     already = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]
     if already:
-        raise H3InputError(f"the model already holds {len(already)} Fp8Linear layers (e.g. '{already[0]}'): "
-                           f"quantize_linears runs once per model, on its bf16/fp32 weights")
+        raise H3InputError(
+            f"the model already holds {len(already)} Fp8Linear layers (e.g. '{already[0]}'): "
+            f"quantize_linears runs once per model, on its bf16/fp32 weights"
+        )
     swapped: dict[int, Fp8Linear] = {}  # a Linear shared by two parents is quantised once
     targets = quantization_targets(model, frozenset(names))
     for parent, attribute, linear in targets:

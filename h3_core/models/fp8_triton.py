@@ -52,8 +52,9 @@ def _gated_chunk(src, gate, row, s_row, s_gate, n_cols, head_dim, start, cols, G
 
 
 @triton.jit
-def _quantize_chunked_kernel(src, gate, codes, scales, n_cols, s_row, s_gate, head_dim, smallest,
-                             BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+def _quantize_chunked_kernel(
+    src, gate, codes, scales, n_cols, s_row, s_gate, head_dim, smallest, BLOCK_K: tl.constexpr, GATED: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -76,12 +77,19 @@ def chunk_launch(cols: int, block_k: int | None, warps: int | None) -> tuple[int
 
 def code_buffers(rows: int, cols: int, codes_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs of a row quantiser: codes ``[rows, cols]`` and fp32 scales ``[rows, 1]``, both contiguous."""
-    return (torch.empty(rows, cols, dtype=codes_dtype, device=device),
-            torch.empty(rows, 1, dtype=torch.float32, device=device))
+    return (
+        torch.empty(rows, cols, dtype=codes_dtype, device=device),
+        torch.empty(rows, 1, dtype=torch.float32, device=device),
+    )
 
 
-def quantize_rows_triton(x: torch.Tensor, smallest: float, codes_dtype: torch.dtype = torch.float8_e4m3fn,
-                         block_k: int | None = None, warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(
+    x: torch.Tensor,
+    smallest: float,
+    codes_dtype: torch.dtype = torch.float8_e4m3fn,
+    block_k: int | None = None,
+    warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[M, K]`` e4m3 (contiguous) and scales ``[M, 1]`` fp32 for rows ``x`` ``[M, K]`` whose last
     dimension is contiguous (any row stride). ``block_k`` and ``warps`` choose the launch, not the numbers."""
     rows, cols = x.shape
@@ -89,14 +97,20 @@ def quantize_rows_triton(x: torch.Tensor, smallest: float, codes_dtype: torch.dt
     codes, scales = code_buffers(rows, cols, codes_dtype, x.device)
     if rows:
         block_k, warps = chunk_launch(cols, block_k, warps)
-        _quantize_chunked_kernel[(rows,)](x, x, codes, scales, cols, x.stride(0), 0, 1, smallest, BLOCK_K=block_k,
-                                          GATED=False, num_warps=warps)
+        _quantize_chunked_kernel[(rows,)](
+            x, x, codes, scales, cols, x.stride(0), 0, 1, smallest, BLOCK_K=block_k, GATED=False, num_warps=warps
+        )
     return codes, scales
 
 
-def gate_heads_quantize_triton(soft: torch.Tensor, gate: torch.Tensor, smallest: float,
-                               codes_dtype: torch.dtype = torch.float8_e4m3fn, block_k: int | None = None,
-                               warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_heads_quantize_triton(
+    soft: torch.Tensor,
+    gate: torch.Tensor,
+    smallest: float,
+    codes_dtype: torch.dtype = torch.float8_e4m3fn,
+    block_k: int | None = None,
+    warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows(block_fused.gate_heads_(soft, gate).reshape(T, -1))`` without writing the gated rows:
     ``soft`` ``[T, h, d]`` (heads and channels contiguous, any row stride) times ``gate`` ``[T, h]`` (contiguous
     heads, any row stride). Returns codes ``[T, h·d]`` and fp32 scales ``[T, 1]``."""
@@ -108,8 +122,20 @@ def gate_heads_quantize_triton(soft: torch.Tensor, gate: torch.Tensor, smallest:
     codes, scales = code_buffers(rows, cols, codes_dtype, soft.device)
     if rows:
         block_k, warps = chunk_launch(cols, block_k, warps)
-        _quantize_chunked_kernel[(rows,)](soft, gate, codes, scales, cols, soft.stride(0), gate.stride(0), head_dim,
-                                          smallest, BLOCK_K=block_k, GATED=True, num_warps=warps)
+        _quantize_chunked_kernel[(rows,)](
+            soft,
+            gate,
+            codes,
+            scales,
+            cols,
+            soft.stride(0),
+            gate.stride(0),
+            head_dim,
+            smallest,
+            BLOCK_K=block_k,
+            GATED=True,
+            num_warps=warps,
+        )
     return codes, scales
 
 
@@ -126,8 +152,9 @@ def _swiglu_quantize_kernel(src, codes, scales, ffn, s_row, smallest, BLOCK: tl.
     tl.store(scales + row, scale)
 
 
-def swiglu_quantize_triton(gate_up: torch.Tensor, smallest: float, codes_dtype: torch.dtype = torch.float8_e4m3fn,
-                           warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quantize_triton(
+    gate_up: torch.Tensor, smallest: float, codes_dtype: torch.dtype = torch.float8_e4m3fn, warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows(block_fused.swiglu_(gate_up))`` in one pass: ``fc1``'s output ``[M, 2·ffn]`` (gate | up)
     read once, the product rounded to its dtype as the two-step path stores it, quantised per row, and neither
     the product nor a second read of it ever made. ``codes_dtype=torch.float32`` keeps the quotients (for
@@ -138,6 +165,14 @@ def swiglu_quantize_triton(gate_up: torch.Tensor, smallest: float, codes_dtype: 
     codes, scales = code_buffers(rows, ffn, codes_dtype, gate_up.device)
     if rows:
         block = triton.next_power_of_2(ffn)
-        _swiglu_quantize_kernel[(rows,)](gate_up, codes, scales, ffn, gate_up.stride(0), smallest, BLOCK=block,
-                                         num_warps=warps or (32 if block > 8192 else 8))
+        _swiglu_quantize_kernel[(rows,)](
+            gate_up,
+            codes,
+            scales,
+            ffn,
+            gate_up.stride(0),
+            smallest,
+            BLOCK=block,
+            num_warps=warps or (32 if block > 8192 else 8),
+        )
     return codes, scales

@@ -65,8 +65,12 @@ class HostArena:
         result = cudart.cudaHostRegister(address, self.bytes.numel(), 0)
         if int(result) != 0:
             _discard_cuda_error(device)
-            _log.warning("could not page-lock %.2f GiB of host memory for %s (%s): their copies will not overlap "
-                         "compute", self.bytes.numel() / 2**30, self.what, cudart.cudaGetErrorString(result))
+            _log.warning(
+                "could not page-lock %.2f GiB of host memory for %s (%s): their copies will not overlap compute",
+                self.bytes.numel() / 2**30,
+                self.what,
+                cudart.cudaGetErrorString(result),
+            )
             return
         # Unregistered when the arena goes, even if release() is never called.
         self._unpin = weakref.finalize(self, cudart.cudaHostUnregister, address)

@@ -95,8 +95,9 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
             seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
             readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
             del q_raw, k_raw, v
-            readout_total = add_linear_cols(readout_total, attn.to_out_linear, readout.to(x.dtype),
-                                            heads.start * d, heads.stop * d)
+            readout_total = add_linear_cols(
+                readout_total, attn.to_out_linear, readout.to(x.dtype), heads.start * d, heads.stop * d
+            )
     if readout_total is not None:
         out[r0:r1].add_(readout_total)
     return out

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
 import torch
-
 
 
 class LatentStats:
@@ -15,8 +13,10 @@ class LatentStats:
 
     def _stats(self, z: torch.Tensor):
         shape = (-1,) + (1,) * self.LATENT_TRAILING_DIMS
-        return tuple(torch.tensor(s, dtype=z.dtype, device=z.device).view(shape)
-                     for s in (self.cfg.latents_mean, self.cfg.latents_std))
+        return tuple(
+            torch.tensor(s, dtype=z.dtype, device=z.device).view(shape)
+            for s in (self.cfg.latents_mean, self.cfg.latents_std)
+        )
 
     def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
         """Raw latents → model space ``(z − mean) / std``."""
@@ -26,5 +26,3 @@ class LatentStats:
     def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
         mean, std = self._stats(z)
         return z * std + mean
-
-

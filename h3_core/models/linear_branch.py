@@ -10,7 +10,8 @@ Per head h, on the raw (pre-norm, pre-RoPE) q, k, v of the video rows and the bl
     injection J_f = B_f (I + A_f)⁻¹ (fp32, the SPD inverse by halves);
   * scans: prefix P_f (frames 0..f) and suffix Q_f (frames f..F−1), both seeded with 0.5 · the text state
     S_text = B_txt(I + A_txt)⁻¹ (no convs on text);
-  * gather for query frame t with window [lo, hi]: P_{lo−1} · Π_{u=max(lo,0)}^{t} α_u + Q_{hi+1} · Π_{u=t}^{min(hi,F−1)} α_u
+  * gather for query frame t with window [lo, hi]: P_{lo−1} · Π_{u=max(lo,0)}^{t} α_u + Q_{hi+1} ·
+    Π_{u=t}^{min(hi,F−1)} α_u
     on the d_k axis, a missing side replaced by the seed;
   * readout: RMSNorm(S_lin[t] · q̃) (weight shared by heads, eps 1e-6) × σ(up(down x)) per channel.
 With anchors "both" the branch sees only frames 1..F−2 (bounds rebased) and frames 0 and F−1 read out zero.
@@ -96,8 +97,9 @@ class LinearBranch(nn.Module):
         _, k, v = featurize(k_raw[None], k_raw[None], v_raw[None], None)
         beta = torch.sigmoid(F.linear(text_x, self.beta_proj.weight[heads]))[None]
         A, B = frame_statistics(k, v, beta)
-        _, J = solve(torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device), A, B,
-                     branch_fused.small_inverse(self.fused))
+        _, J = solve(
+            torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device), A, B, branch_fused.small_inverse(self.fused)
+        )
         return TEXT_STATE_SCALE * J[0]
 
     def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None, heads: slice | None = None):
@@ -110,8 +112,12 @@ class LinearBranch(nn.Module):
         S = grid[0] * grid[1]
         shape = (frames, S, heads.stop - heads.start, self.head_dim)
         conv = self.short_conv
-        weights = (conv.k_sp.weight[channels], conv.k_tm.weight[channels], conv.v_sp.weight[channels],
-                   conv.v_tm.weight[channels])
+        weights = (
+            conv.k_sp.weight[channels],
+            conv.k_tm.weight[channels],
+            conv.v_sp.weight[channels],
+            conv.v_tm.weight[channels],
+        )
         beta = torch.sigmoid(F.linear(x, self.beta_proj.weight[heads])).view(frames, S, -1)
         if self.fused:
             # √β·k̃ and √β·ṽ come head-major [F, h, S, d]: the statistics are their Gram products.

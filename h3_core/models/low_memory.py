@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 __all__ = ["LowMemory", "head_slices", "linear_rows", "add_linear_cols"]
 
 
@@ -46,7 +45,9 @@ def linear_rows(layer: nn.Module, x: torch.Tensor, start: int, stop: int) -> tor
     return F.linear(x, layer.weight[start:stop], bias)
 
 
-def add_linear_cols(total: torch.Tensor | None, layer: nn.Module, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+def add_linear_cols(
+    total: torch.Tensor | None, layer: nn.Module, x: torch.Tensor, start: int, stop: int
+) -> torch.Tensor:
     """``total + x @ W[:, start:stop]ᵀ``: the share of input features ``[start, stop)`` in ``layer``'s output
     (bias excluded), added in place into ``total`` (created on the first call)."""
     if total is None and (start, stop) == (0, layer.in_features) and layer.bias is None:

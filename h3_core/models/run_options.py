@@ -20,8 +20,16 @@ from .dit import Attention, Block, FinalLayer, H3DiT, SwiGLU
 from .linear_branch import LinearBranch
 from .low_memory import LowMemory
 
-__all__ = ["RunOptions", "apply_run_options", "run_options_of", "fuse_blocks", "fuse_branches", "apply_low_memory",
-           "evaluate", "compile_failed"]
+__all__ = [
+    "RunOptions",
+    "apply_run_options",
+    "run_options_of",
+    "fuse_blocks",
+    "fuse_branches",
+    "apply_low_memory",
+    "evaluate",
+    "compile_failed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +40,8 @@ class RunOptions:
     ``branch_fused`` mode of the blocks' per-element work and of the linear branches (``FUSED_MODES``: None runs
     the plain ops); ``head_groups``: attention a group of heads at a time; ``stacked_qkv``: q, k and v from one
     GEMM (strided views of its output; for comparisons); ``ffn_chunk_rows``: the FFN over that many rows at a
-    time (None: all); ``branch_frames``: the branch's statistics that many frames at a time (None: all); ``final_chunk_rows``: the
+    time (None: all); ``branch_frames``: the branch's statistics that many frames at a time (None: all);
+    ``final_chunk_rows``: the
     output layer over that many rows at a time;
     ``check_cancel``: called before every block (a cancel stops within one evaluation)."""
 
@@ -62,10 +71,14 @@ def _check(options: RunOptions, model: nn.Module) -> None:
     if not isinstance(options.final_chunk_rows, int) or options.final_chunk_rows < 1:
         raise H3InputError(f"final_chunk_rows must be a positive number of rows, got {options.final_chunk_rows!r}")
     heads = [m.heads for m in model.modules() if isinstance(m, Attention)]
-    if not isinstance(options.head_groups, int) or not all(1 <= options.head_groups <= h for h in heads) \
-            or options.head_groups < 1:
-        raise H3InputError(f"head_groups must be between 1 and the model's {min(heads, default=1)} heads, "
-                           f"got {options.head_groups!r}")
+    if (
+        not isinstance(options.head_groups, int)
+        or not all(1 <= options.head_groups <= h for h in heads)
+        or options.head_groups < 1
+    ):
+        raise H3InputError(
+            f"head_groups must be between 1 and the model's {min(heads, default=1)} heads, got {options.head_groups!r}"
+        )
     if options.check_cancel is not None and not callable(options.check_cancel):
         raise H3InputError(f"check_cancel must be callable or None, got {options.check_cancel!r}")
 
@@ -96,6 +109,7 @@ def apply_run_options(model: nn.Module, options: RunOptions) -> RunOptions:
 
 def run_options_of(model: nn.Module) -> RunOptions:
     """The options ``model``'s modules run with now (defaults for the parts it lacks)."""
+
     def first(kind):
         return next((m for m in model.modules() if isinstance(m, kind)), None)
 
@@ -146,8 +160,9 @@ def evaluate(model, compile: str, *args, **kwargs):
             return model(*args, **kwargs)
         except CompileFailure as failure:
             _failed.add(model)
-            log.warning("the compiled DiT path failed (%s); this model runs the plain path from now on",
-                        failure.describe())
+            log.warning(
+                "the compiled DiT path failed (%s); this model runs the plain path from now on", failure.describe()
+            )
     if isinstance(model, nn.Module) and any(getattr(m, "fused", None) for m in model.modules()):
         fuse_blocks(model, None)
     with plain_path():
@@ -164,5 +179,12 @@ def fuse_branches(model: nn.Module, mode: str | None = "compiled") -> int:
 
 def apply_low_memory(model: nn.Module, options: LowMemory) -> None:
     """``options`` (a memory plan's choices) on ``model``, its other options kept."""
-    apply_run_options(model, replace(run_options_of(model), head_groups=options.head_groups,
-                                     ffn_chunk_rows=options.ffn_chunk_rows, branch_frames=options.branch_frames))
+    apply_run_options(
+        model,
+        replace(
+            run_options_of(model),
+            head_groups=options.head_groups,
+            ffn_chunk_rows=options.ffn_chunk_rows,
+            branch_frames=options.branch_frames,
+        ),
+    )

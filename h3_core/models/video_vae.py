@@ -41,14 +41,56 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # Per-channel statistics of the released latents (vae/config.json).
 LATENTS_MEAN = (
-    0.858090, -0.960659, 1.066164, -0.509033, -0.272758, -1.367541, -0.255325, -0.269076, -0.537684, -0.046410,
-    0.665737, 0.196901, -0.546061, -0.403534, -0.236830, 0.259285, -0.301339, 0.211342, -1.120685, 0.358193,
-    -0.042251, 0.260483, 0.228641, 0.705603,
+    0.858090,
+    -0.960659,
+    1.066164,
+    -0.509033,
+    -0.272758,
+    -1.367541,
+    -0.255325,
+    -0.269076,
+    -0.537684,
+    -0.046410,
+    0.665737,
+    0.196901,
+    -0.546061,
+    -0.403534,
+    -0.236830,
+    0.259285,
+    -0.301339,
+    0.211342,
+    -1.120685,
+    0.358193,
+    -0.042251,
+    0.260483,
+    0.228641,
+    0.705603,
 )
 LATENTS_STD = (
-    1.222377, 1.276726, 1.683177, 1.754946, 1.563622, 2.194144, 0.965314, 1.056989, 0.841949, 0.772995,
-    1.895594, 0.946842, 0.799681, 0.449889, 0.719740, 0.693629, 2.961095, 2.769420, 3.049618, 2.108805,
-    3.276226, 3.162736, 2.281681, 2.612784,
+    1.222377,
+    1.276726,
+    1.683177,
+    1.754946,
+    1.563622,
+    2.194144,
+    0.965314,
+    1.056989,
+    0.841949,
+    0.772995,
+    1.895594,
+    0.946842,
+    0.799681,
+    0.449889,
+    0.719740,
+    0.693629,
+    2.961095,
+    2.769420,
+    3.049618,
+    2.108805,
+    3.276226,
+    3.162736,
+    2.281681,
+    2.612784,
 )
 
 
@@ -154,8 +196,9 @@ class Downsample3d(nn.Module):
     def __init__(self, channels, temporal_stride, spatial_stride):
         super().__init__()
         self.spatial_stride = spatial_stride
-        self.conv = CausalConv3d(channels, channels, 3, stride=(temporal_stride, spatial_stride, spatial_stride),
-                                 temporal_padding=2)
+        self.conv = CausalConv3d(
+            channels, channels, 3, stride=(temporal_stride, spatial_stride, spatial_stride), temporal_padding=2
+        )
 
     def forward(self, x):
         if self.spatial_stride == 2:
@@ -182,8 +225,15 @@ class Encoder3d(nn.Module):
         self.conv_in = _conv3(3, ch[0])
         ins = (ch[0],) + tuple(ch[:-1])
         self.down = nn.ModuleList(
-            DownBlock3d(ins[i], ch[i], cfg.layers_per_block, cfg.temporal_factors[i], cfg.spatial_factors[i],
-                        cfg.norm_groups, cfg.norm_eps)
+            DownBlock3d(
+                ins[i],
+                ch[i],
+                cfg.layers_per_block,
+                cfg.temporal_factors[i],
+                cfg.spatial_factors[i],
+                cfg.norm_groups,
+                cfg.norm_eps,
+            )
             for i in range(len(ch))
         )
         self.norm_out = FrameGroupNorm(cfg.norm_groups, ch[-1], eps=cfg.norm_eps)
@@ -305,11 +355,24 @@ class DecoderBlock(nn.Module):
     def forward(self, x, cos, sin, overrides=None):
         """``x``: the fp32 residual stream ``[B, T, dim]``."""
         attn, ff = self.attn, self.ff
-        q, k, v = _block_fns["attention_inputs"](x, self.norm1.weight, attn.to_qkv.weight, attn.to_qkv.bias, cos, sin,
-                                                 self.heads, self.head_dim, self.eps)
+        q, k, v = _block_fns["attention_inputs"](
+            x, self.norm1.weight, attn.to_qkv.weight, attn.to_qkv.bias, cos, sin, self.heads, self.head_dim, self.eps
+        )
         out = vae_attention(q, k, v, component="video_vae", overrides=overrides)
-        return _block_fns["finish"](x, out, attn.to_out.weight, attn.to_out.bias, self.scale1, self.norm2.weight,
-                                    ff.w1.weight, ff.w1.bias, ff.w2.weight, ff.w2.bias, self.scale2, self.eps)
+        return _block_fns["finish"](
+            x,
+            out,
+            attn.to_out.weight,
+            attn.to_out.bias,
+            self.scale1,
+            self.norm2.weight,
+            ff.w1.weight,
+            ff.w1.bias,
+            ff.w2.weight,
+            ff.w2.bias,
+            self.scale2,
+            self.eps,
+        )
 
 
 class ViTDecoder3d(nn.Module):
@@ -337,8 +400,7 @@ class ViTDecoder3d(nn.Module):
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         for block in self.transformer_blocks:
             x = block(x, cos, sin, overrides)
-        x = F.layer_norm(x, (x.shape[-1],), self.norm_out.weight.float(), self.norm_out.bias.float(),
-                         self.norm_out.eps)
+        x = F.layer_norm(x, (x.shape[-1],), self.norm_out.weight.float(), self.norm_out.bias.float(), self.norm_out.eps)
         x = F.linear(x[:, : t * h * w], self.proj_out.weight.float(), self.proj_out.bias.float())
         r, rt = cfg.spatial_ratio, cfg.temporal_ratio
         x = x.view(B, t, h, w, 3, rt, r, r).permute(0, 4, 1, 5, 2, 6, 3, 7)
@@ -414,5 +476,3 @@ _FP32_KEYS = re.compile(
 def keeps_fp32(key: str) -> bool:
     """Weights the released recipe keeps in fp32 whatever the decoder's dtype."""
     return _FP32_KEYS.match(key) is not None
-
-

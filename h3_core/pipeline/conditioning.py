@@ -38,8 +38,17 @@ import torch
 from ..errors import H3InputError
 from ..media.tiling import encode_video
 from .generate import ReferenceLatents
-from .geometry import CANVAS_MULTIPLE, FPS, MAX_ASPECT, MAX_PIXELS, MIN_ASPECT, SHORT_EDGE, canvas_size, \
-    check_canvas, snap_frames
+from .geometry import (
+    CANVAS_MULTIPLE,
+    FPS,
+    MAX_ASPECT,
+    MAX_PIXELS,
+    MIN_ASPECT,
+    SHORT_EDGE,
+    canvas_size,
+    check_canvas,
+    snap_frames,
+)
 
 __all__ = [
     "AUDIO_SAMPLE_RATE",
@@ -74,8 +83,9 @@ _MAX_RESAMPLE_KERNEL = 1 << 26
 # ---- pixels ------------------------------------------------------------------------------------
 
 
-def quantize_pixels(pixels: torch.Tensor, name: str, *, frames: bool = False,
-                    select: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_pixels(
+    pixels: torch.Tensor, name: str, *, frames: bool = False, select: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[H, W, 3]`` (or ``[F, H, W, 3]`` with ``frames``) floats in [0, 1] or uint8 → uint8 on the CPU;
     ``select`` (frame indices, repeats allowed) picks the frames to convert, after the whole input is checked.
 
@@ -186,8 +196,9 @@ def lanczos_resize(pixels: torch.Tensor, width: int, height: int) -> torch.Tenso
     horizontal first otherwise. Pillow 12 and older always went horizontal first, which rounds differently
     (by a few levels, on some pixels) in that one case."""
     if pixels.dtype != torch.uint8 or pixels.dim() not in (3, 4) or pixels.shape[-1] != 3:
-        raise H3InputError(f"pixels to resize must be uint8 [H, W, 3] or [F, H, W, 3], got {pixels.dtype} "
-                           f"{tuple(pixels.shape)}")
+        raise H3InputError(
+            f"pixels to resize must be uint8 [H, W, 3] or [F, H, W, 3], got {pixels.dtype} {tuple(pixels.shape)}"
+        )
     if width < 1 or height < 1:
         raise H3InputError(f"the resize target must be at least 1x1, got {width}x{height}")
     if pixels.dim() == 3:
@@ -247,8 +258,10 @@ def resample_audio(waveform: torch.Tensor, from_rate: int, to_rate: int) -> torc
     g = math.gcd(from_rate, to_rate)
     orig, new = from_rate // g, to_rate // g
     if new * (2 * math.ceil(6 / 0.99 * orig / min(orig, new)) + orig) > _MAX_RESAMPLE_KERNEL:
-        raise H3InputError(f"resampling {from_rate} Hz to {to_rate} Hz needs a {new}-phase filter, too large; "
-                           f"convert the audio to a common rate (16000, 22050, 24000, 44100, 48000 Hz) first")
+        raise H3InputError(
+            f"resampling {from_rate} Hz to {to_rate} Hz needs a {new}-phase filter, too large; "
+            f"convert the audio to a common rate (16000, 22050, 24000, 44100, 48000 Hz) first"
+        )
     kernel, width = _sinc_kernel(orig, new)
     channels, length = waveform.shape
     padded = torch.nn.functional.pad(waveform, (width, width + orig))
@@ -333,8 +346,9 @@ def fit_keyframes(images: Sequence[torch.Tensor], width: int, height: int) -> li
     return [fit_keyframe(image, width, height, fit="stretch" if i == 0 else "cover") for i, image in enumerate(images)]
 
 
-def encode_keyframes(vae, keyframes: Sequence[tuple[str, torch.Tensor]], width: int, height: int,
-                     **options) -> tuple[tuple[str, torch.Tensor], ...]:
+def encode_keyframes(
+    vae, keyframes: Sequence[tuple[str, torch.Tensor]], width: int, height: int, **options
+) -> tuple[tuple[str, torch.Tensor], ...]:
     """``(anchor, image)`` pairs in packed order → ``(anchor, latent [24, 1, h, w])`` pairs for
     ``generate(keyframes=...)``, on the CPU in fp32.
 
@@ -381,12 +395,15 @@ class NormalizedReference:
 
 def _check_aspect(width: int, height: int, name: str) -> None:
     if not MIN_ASPECT <= width / height <= MAX_ASPECT:
-        raise H3InputError(f"{name} must have an aspect ratio from 1:4 to 4:1, got {width}x{height} "
-                           f"({width / height:.3g}:1); crop it first")
+        raise H3InputError(
+            f"{name} must have an aspect ratio from 1:4 to 4:1, got {width}x{height} "
+            f"({width / height:.3g}:1); crop it first"
+        )
 
 
-def normalize_image_reference(image: torch.Tensor, *, short_edge: int = REFERENCE_IMAGE_SHORT_EDGE,
-                              device: torch.device | str = "cpu") -> NormalizedReference:
+def normalize_image_reference(
+    image: torch.Tensor, *, short_edge: int = REFERENCE_IMAGE_SHORT_EDGE, device: torch.device | str = "cpu"
+) -> NormalizedReference:
     """An image reference ``[H, W, 3]`` → its own canvas: the short edge scaled to ``short_edge`` (2048 for
     the released checkpoint, upscaling included and no area cap), each side rounded to 32, LANCZOS.
 
@@ -414,10 +431,18 @@ def _frames_at_24_fps(count: int, fps: float) -> torch.Tensor:
     return source.repeat_interleave(torch.diff(slots, append=end))
 
 
-def normalize_video_reference(video: torch.Tensor, fps: float, *, frames: int, audio: torch.Tensor | None = None,
-                              sample_rate: int | None = None, short_edge: int = SHORT_EDGE,
-                              max_pixels: int = MAX_PIXELS, min_frames: int = MIN_VIDEO_REFERENCE_FRAMES,
-                              device: torch.device | str = "cpu") -> NormalizedReference:
+def normalize_video_reference(
+    video: torch.Tensor,
+    fps: float,
+    *,
+    frames: int,
+    audio: torch.Tensor | None = None,
+    sample_rate: int | None = None,
+    short_edge: int = SHORT_EDGE,
+    max_pixels: int = MAX_PIXELS,
+    min_frames: int = MIN_VIDEO_REFERENCE_FRAMES,
+    device: torch.device | str = "cpu",
+) -> NormalizedReference:
     """A video reference ``[F, H, W, 3]`` at ``fps`` (and its soundtrack ``[channels, samples]`` at
     ``sample_rate``) → 24 fps, at most ``frames`` frames (the generated length, taken up to the next
     ``17k + 5`` as the released pipeline does), on the canvas of its own aspect ratio (``short_edge`` and
@@ -432,9 +457,11 @@ def normalize_video_reference(video: torch.Tensor, fps: float, *, frames: int, a
     if isinstance(video, torch.Tensor) and video.dim() == 4 and video.shape[-1] == 3 and video.shape[0] > 0:
         shown = _frames_at_24_fps(video.shape[0], float(fps))[:frames]
         if shown.shape[0] < min_frames:
-            raise H3InputError(f"the video reference is too short: {video.shape[0]} frames at {fps:g} fps give "
-                               f"{shown.shape[0]} at {FPS} fps, and it needs at least {min_frames} "
-                               f"({min_frames / FPS:.2f} s)")
+            raise H3InputError(
+                f"the video reference is too short: {video.shape[0]} frames at {fps:g} fps give "
+                f"{shown.shape[0]} at {FPS} fps, and it needs at least {min_frames} "
+                f"({min_frames / FPS:.2f} s)"
+            )
     else:
         shown = None  # quantize_pixels names what is wrong with it
     pixels = quantize_pixels(video, "the video reference", frames=True, select=shown)
@@ -454,8 +481,9 @@ def normalize_audio_reference(waveform: torch.Tensor, sample_rate: int, *, frame
     """An audio reference ``[channels, samples]`` at ``sample_rate`` → stereo 32 kHz, no longer than the
     generated clip of ``frames`` frames (taken up to the next ``17k + 5``)."""
     frames = _clip_frames(frames)
-    return NormalizedReference("audio", audio=_normalize_soundtrack(waveform, sample_rate, frames,
-                                                                    "the audio reference"))
+    return NormalizedReference(
+        "audio", audio=_normalize_soundtrack(waveform, sample_rate, frames, "the audio reference")
+    )
 
 
 def _clip_frames(frames: int) -> int:
@@ -466,8 +494,9 @@ def _clip_frames(frames: int) -> int:
     return snap_frames(frames)
 
 
-def encode_reference(reference: NormalizedReference, vae=None, audio_vae=None, *, audio_overrides=None,
-                     **options) -> ReferenceLatents:
+def encode_reference(
+    reference: NormalizedReference, vae=None, audio_vae=None, *, audio_overrides=None, **options
+) -> ReferenceLatents:
     """A normalised reference → ``ReferenceLatents`` for ``generate_ref2va``, on the CPU in fp32.
 
     Pixels through the video VAE as a condition (sampled under seed 42, fp16-rounded): an image as one

@@ -63,13 +63,30 @@ def generate(
     T, h, w, Ta = _clip_shape(frames, width, height)
     for anchor, latent in keyframes:
         if tuple(latent.shape) != (24, 1, h, w):
-            raise H3InputError(f"the {anchor} keyframe latent must be [24, 1, {h}, {w}] for a {width}x{height} canvas, "
-                               f"got {tuple(latent.shape)}")
+            raise H3InputError(
+                f"the {anchor} keyframe latent must be [24, 1, {h}, {w}] for a {width}x{height} canvas, "
+                f"got {tuple(latent.shape)}"
+            )
     packed = pack_sequence(prompt.tags, T, h, w, Ta, keyframes=tuple(a for a, _ in keyframes))
-    return _sample(model, prompt, packed, [z for _, z in keyframes], [], (T, h, w, Ta), steps=steps, seed=seed,
-                   video_shift=video_shift, audio_shift=audio_shift, device=device, progress=progress,
-                   check_cancel=check_cancel, window=window, backend=backend, before_sampling=before_sampling,
-                   compile=compile)
+    return _sample(
+        model,
+        prompt,
+        packed,
+        [z for _, z in keyframes],
+        [],
+        (T, h, w, Ta),
+        steps=steps,
+        seed=seed,
+        video_shift=video_shift,
+        audio_shift=audio_shift,
+        device=device,
+        progress=progress,
+        check_cancel=check_cancel,
+        window=window,
+        backend=backend,
+        before_sampling=before_sampling,
+        compile=compile,
+    )
 
 
 @dataclass(frozen=True)
@@ -141,10 +158,25 @@ def generate_ref2va(
     packed = pack_ref2va(prompt.tags, geometry, T, h, w, Ta)
     conditions = [ref.video for ref in references if ref.kind in ("image", "video")]
     audio_refs = [rows for rows in (ref.audio_rows() for ref in references) if rows is not None]
-    return _sample(model, prompt, packed, conditions, audio_refs, (T, h, w, Ta), steps=steps, seed=seed,
-                   video_shift=video_shift, audio_shift=audio_shift, device=device, progress=progress,
-                   check_cancel=check_cancel, window=window, backend=backend, before_sampling=before_sampling,
-                   compile=compile)
+    return _sample(
+        model,
+        prompt,
+        packed,
+        conditions,
+        audio_refs,
+        (T, h, w, Ta),
+        steps=steps,
+        seed=seed,
+        video_shift=video_shift,
+        audio_shift=audio_shift,
+        device=device,
+        progress=progress,
+        check_cancel=check_cancel,
+        window=window,
+        backend=backend,
+        before_sampling=before_sampling,
+        compile=compile,
+    )
 
 
 def _clip_shape(frames: int, width: int, height: int) -> tuple[int, int, int, int]:
@@ -154,14 +186,34 @@ def _clip_shape(frames: int, width: int, height: int) -> tuple[int, int, int, in
     return latent_frames(frames), height // 16, width // 16, audio_latents(frames)
 
 
-def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape, *, steps, seed, video_shift,
-            audio_shift, device, progress, check_cancel, window, backend, before_sampling, compile):
+def _sample(
+    model,
+    prompt,
+    packed: PackedSequence,
+    conditions,
+    audio_refs,
+    shape,
+    *,
+    steps,
+    seed,
+    video_shift,
+    audio_shift,
+    device,
+    progress,
+    check_cancel,
+    window,
+    backend,
+    before_sampling,
+    compile,
+):
     """Noise drawn in the released order, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
     text_dim = getattr(getattr(model, "cfg", None), "text_dim", None)
     if text_dim is not None and prompt.embeds.shape[1] != text_dim:
-        raise H3InputError(f"the prompt embedding is {prompt.embeds.shape[1]} wide but this DiT reads {text_dim}-wide "
-                           "text states; encode the prompt with the text encoder made for this model")
+        raise H3InputError(
+            f"the prompt embedding is {prompt.embeds.shape[1]} wide but this DiT reads {text_dim}-wide "
+            "text states; encode the prompt with the text encoder made for this model"
+        )
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     condition, video, audio = initial_noise(generator, conditions, T, h, w, Ta)
@@ -175,9 +227,19 @@ def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape
     if before_sampling is not None:
         before_sampling(packed)
     video_rows, audio_rows = denoise(
-        model, packed, prompt.embeds.to(device), video_rows, audio_rows, steps,
-        video_shift=video_shift, audio_shift=audio_shift, condition_audio_rows=reference_audio,
-        progress=progress, check_cancel=check_cancel, hybrid=hybrid, compile=compile,
+        model,
+        packed,
+        prompt.embeds.to(device),
+        video_rows,
+        audio_rows,
+        steps,
+        video_shift=video_shift,
+        audio_shift=audio_shift,
+        condition_audio_rows=reference_audio,
+        progress=progress,
+        check_cancel=check_cancel,
+        hybrid=hybrid,
+        compile=compile,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, h, w)

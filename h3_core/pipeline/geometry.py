@@ -15,8 +15,17 @@ import warnings
 
 from ..errors import H3InputError
 
-__all__ = ["FPS", "CANVAS_MULTIPLE", "TRAINED_FRAMES", "canvas_size", "check_canvas", "check_frames", "snap_frames",
-           "latent_frames", "audio_latents"]
+__all__ = [
+    "FPS",
+    "CANVAS_MULTIPLE",
+    "TRAINED_FRAMES",
+    "canvas_size",
+    "check_canvas",
+    "check_frames",
+    "snap_frames",
+    "latent_frames",
+    "audio_latents",
+]
 
 FPS = 24
 CANVAS_MULTIPLE = 32
@@ -28,15 +37,23 @@ CLIP, KEEP = 17, 5
 AUDIO_LATENTS_PER_SECOND = 40
 
 
-def canvas_size(aspect_width: float, aspect_height: float, *, short_edge: int = SHORT_EDGE,
-                max_pixels: int = MAX_PIXELS, multiple: int = CANVAS_MULTIPLE) -> tuple[int, int]:
+def canvas_size(
+    aspect_width: float,
+    aspect_height: float,
+    *,
+    short_edge: int = SHORT_EDGE,
+    max_pixels: int = MAX_PIXELS,
+    multiple: int = CANVAS_MULTIPLE,
+) -> tuple[int, int]:
     """``(height, width)`` of the canvas for an aspect ratio (or a keyframe's own size)."""
     if not (aspect_width > 0 and aspect_height > 0):
         raise H3InputError(f"the aspect ratio must be positive, got {aspect_width}:{aspect_height}")
     ratio = aspect_width / aspect_height
     if not MIN_ASPECT <= ratio <= MAX_ASPECT:
-        raise H3InputError(f"H3 generates aspect ratios from 1:4 to 4:1, got {aspect_width}:{aspect_height} "
-                           f"({ratio:g}); crop the image or choose another ratio")
+        raise H3InputError(
+            f"H3 generates aspect ratios from 1:4 to 4:1, got {aspect_width}:{aspect_height} "
+            f"({ratio:g}); crop the image or choose another ratio"
+        )
     width, height = (short_edge * ratio, float(short_edge)) if ratio >= 1 else (float(short_edge), short_edge / ratio)
     if width * height > max_pixels:
         scale = (max_pixels / (width * height)) ** 0.5
@@ -48,10 +65,15 @@ def check_canvas(width: int, height: int) -> None:
     """Refuse sides off the 32-px grid, naming the nearest valid value."""
     for name, value in (("width", width), ("height", height)):
         if isinstance(value, bool) or not isinstance(value, int) or value < CANVAS_MULTIPLE or value % CANVAS_MULTIPLE:
-            nearest = max(CANVAS_MULTIPLE, round(value / CANVAS_MULTIPLE) * CANVAS_MULTIPLE) if isinstance(
-                value, (int, float)) and not isinstance(value, bool) else SHORT_EDGE
-            raise H3InputError(f"{name} must be a multiple of {CANVAS_MULTIPLE} px and at least {CANVAS_MULTIPLE}, "
-                               f"got {value!r}; nearest: {nearest}")
+            nearest = (
+                max(CANVAS_MULTIPLE, round(value / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
+                if isinstance(value, (int, float)) and not isinstance(value, bool)
+                else SHORT_EDGE
+            )
+            raise H3InputError(
+                f"{name} must be a multiple of {CANVAS_MULTIPLE} px and at least {CANVAS_MULTIPLE}, "
+                f"got {value!r}; nearest: {nearest}"
+            )
 
 
 def snap_frames(frames: int) -> int:
@@ -70,11 +92,13 @@ def check_frames(frames: int) -> None:
             nearest = f"{down} or {up}" if down else f"{up}"
         else:
             nearest = f"{KEEP}, {KEEP + CLIP}, ..."
-        raise H3InputError(f"length must be 17k + 5 frames (5, 22, 39, ..., 124, ..., 345, 362), got {frames!r}; "
-                           f"nearest: {nearest}")
+        raise H3InputError(
+            f"length must be 17k + 5 frames (5, 22, 39, ..., 124, ..., 345, 362), got {frames!r}; nearest: {nearest}"
+        )
     if not TRAINED_FRAMES[0] <= frames <= TRAINED_FRAMES[1]:
-        warnings.warn(f"{frames} frames is outside the 124-362 frames H3 was trained on; expect weaker results",
-                      stacklevel=2)
+        warnings.warn(
+            f"{frames} frames is outside the 124-362 frames H3 was trained on; expect weaker results", stacklevel=2
+        )
 
 
 def latent_frames(frames: int) -> int:

@@ -63,10 +63,12 @@ def initial_noise(
     for latent in condition_latents:
         noise = torch.randn((1, *latent.shape), generator=generator, device=device, dtype=torch.float32)[0]
         conditions.append(patchify(noise_to(latent.to(device, torch.float32), noise, CONDITION_T), patch))
-    video = torch.randn((1, latent_channels, frames, height, width), generator=generator, device=device,
-                        dtype=torch.float32)[0]
-    audio = torch.randn((audio_latents * audio_channels, audio_latent_channels), generator=generator, device=device,
-                        dtype=torch.float32)
+    video = torch.randn(
+        (1, latent_channels, frames, height, width), generator=generator, device=device, dtype=torch.float32
+    )[0]
+    audio = torch.randn(
+        (audio_latents * audio_channels, audio_latent_channels), generator=generator, device=device, dtype=torch.float32
+    )
     rows = patch[0] * patch[1] * patch[2] * latent_channels
     condition_rows = torch.cat(conditions) if conditions else torch.empty(0, rows, device=device)
     return condition_rows, patchify(video, patch), audio

@@ -26,7 +26,17 @@ from einops import rearrange
 from ..attention.layout import SequenceLayout, Span
 from ..errors import H3InputError
 
-__all__ = ["PackedSequence", "Reference", "pack_sequence", "pack_ref2va", "patchify", "unpatchify", "AUDIO_TAG", "VIDEO_TAG", "TEXT_TAG"]
+__all__ = [
+    "PackedSequence",
+    "Reference",
+    "pack_sequence",
+    "pack_ref2va",
+    "patchify",
+    "unpatchify",
+    "AUDIO_TAG",
+    "VIDEO_TAG",
+    "TEXT_TAG",
+]
 
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
 FRAME_RESCALE = 5.0 / 3.0  # rotary units per pixel frame
@@ -44,12 +54,22 @@ def patchify(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> 
     return rearrange(latents, "c (t pt) (h ph) (w pw) -> (t h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
 
 
-def unpatchify(rows: torch.Tensor, channels: int, frames: int, height: int, width: int,
-               patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+def unpatchify(
+    rows: torch.Tensor, channels: int, frames: int, height: int, width: int, patch: tuple[int, int, int] = (1, 2, 2)
+) -> torch.Tensor:
     """The inverse of ``patchify``: rows → ``[C, T, h, w]``."""
     pt, ph, pw = patch
-    return rearrange(rows, "(t h w) (c pt ph pw) -> c (t pt) (h ph) (w pw)", t=frames // pt, h=height // ph,
-                     w=width // pw, c=channels, pt=pt, ph=ph, pw=pw)
+    return rearrange(
+        rows,
+        "(t h w) (c pt ph pw) -> c (t pt) (h ph) (w pw)",
+        t=frames // pt,
+        h=height // ph,
+        w=width // pw,
+        c=channels,
+        pt=pt,
+        ph=ph,
+        pw=pw,
+    )
 
 
 def _spatial_axis(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:
@@ -83,10 +103,12 @@ def _fill_audio(positions, start, latents, time, xs, channels):
     first channel pinned to the first width coordinate ``xs[0]``, the others to the last."""
     rows = slice(start, start + latents * channels)
     positions[rows, 0] = (time + torch.arange(latents, dtype=torch.float64)).repeat(channels)
-    positions[rows, 2] = torch.cat([
-        torch.full((latents,), float(xs[0]), dtype=torch.float64),
-        torch.full((latents * (channels - 1),), float(xs[-1]), dtype=torch.float64),
-    ])
+    positions[rows, 2] = torch.cat(
+        [
+            torch.full((latents,), float(xs[0]), dtype=torch.float64),
+            torch.full((latents * (channels - 1),), float(xs[-1]), dtype=torch.float64),
+        ]
+    )
     return rows.stop
 
 
@@ -162,8 +184,12 @@ def pack_sequence(
     text_index = torch.arange(L)
     tags = _tags(T, text_tags, text_index, audio_index, video_index)
     layout = SequenceLayout(
-        seq_len=T, video=Span("video", video0, T - video0), num_frames=frames, tokens_per_frame=per_frame,
-        frame_h=height // ph, frame_w=width // pw,
+        seq_len=T,
+        video=Span("video", video0, T - video0),
+        num_frames=frames,
+        tokens_per_frame=per_frame,
+        frame_h=height // ph,
+        frame_w=width // pw,
         global_spans=(Span("text", 0, L), Span("conditioning", cond0, cond_rows), Span("audio", audio0, audio_rows)),
     )
     return PackedSequence(positions, tags, video_index, audio_index, text_index, cond_rows, layout)
@@ -243,8 +269,12 @@ def pack_ref2va(
     text_index = torch.arange(L)
     tags = _tags(T, text_tags, text_index, audio_index, video_index)
     layout = SequenceLayout(
-        seq_len=T, video=Span("video", video0, T - video0), num_frames=frames, tokens_per_frame=per_frame,
-        frame_h=height // ph, frame_w=width // pw,
+        seq_len=T,
+        video=Span("video", video0, T - video0),
+        num_frames=frames,
+        tokens_per_frame=per_frame,
+        frame_h=height // ph,
+        frame_w=width // pw,
         global_spans=(Span("text", 0, L), Span("references", L, audio0 - L), Span("audio", audio0, video0 - audio0)),
     )
     return PackedSequence(positions, tags, video_index, audio_index, text_index, ref_video_rows, layout)

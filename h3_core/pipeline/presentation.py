@@ -24,8 +24,15 @@ import torch
 
 from ..errors import H3InputError
 
-__all__ = ["PresentedReference", "VisionIds", "video_blocks", "presentation_tokens", "TEXT_TAG", "VISION_TAG",
-           "VIDEO_SAMPLE_FPS"]
+__all__ = [
+    "PresentedReference",
+    "VisionIds",
+    "video_blocks",
+    "presentation_tokens",
+    "TEXT_TAG",
+    "VISION_TAG",
+    "VIDEO_SAMPLE_FPS",
+]
 
 TEXT_TAG, VISION_TAG = 1, 0
 VIDEO_SAMPLE_FPS = 2.0
@@ -82,8 +89,9 @@ class VisionIds:
         return cls(*ids)
 
 
-def video_blocks(num_frames: int, fps: float, temporal_patch: int,
-                 sample_fps: float = VIDEO_SAMPLE_FPS) -> tuple[list[int], list[float]]:
+def video_blocks(
+    num_frames: int, fps: float, temporal_patch: int, sample_fps: float = VIDEO_SAMPLE_FPS
+) -> tuple[list[int], list[float]]:
     """The frames Qwen reads from a ``num_frames`` video at ``fps`` and the timestamp of each vision block.
 
     Returns ``(frame indices, block timestamps)``; the processor merges the frames ``temporal_patch`` at a
@@ -98,17 +106,25 @@ def video_blocks(num_frames: int, fps: float, temporal_patch: int,
         k += 1
     if len(indices) < temporal_patch:
         shortest = round((temporal_patch - 1) * step) + 1
-        raise H3InputError(f"a reference video must run at least {shortest} frames at {fps:g} fps so that Qwen "
-                           f"reads {temporal_patch} frames at {sample_fps:g} fps; got {num_frames}")
+        raise H3InputError(
+            f"a reference video must run at least {shortest} frames at {fps:g} fps so that Qwen "
+            f"reads {temporal_patch} frames at {sample_fps:g} fps; got {num_frames}"
+        )
     times = [i / sample_fps for i in range(len(indices))]
     times += [times[-1]] * (-len(times) % temporal_patch)
     blocks = [(times[g] + times[g + temporal_patch - 1]) / 2 for g in range(0, len(times), temporal_patch)]
     return indices, blocks
 
 
-def presentation_tokens(tokenize, ids: VisionIds, prompt: str, items: list[tuple[str, bool]],
-                        image_tokens: list[int], video_tokens: list[int],
-                        video_times: list[list[float]]) -> tuple[list[int], list[int]]:
+def presentation_tokens(
+    tokenize,
+    ids: VisionIds,
+    prompt: str,
+    items: list[tuple[str, bool]],
+    image_tokens: list[int],
+    video_tokens: list[int],
+    video_times: list[list[float]],
+) -> tuple[list[int], list[int]]:
     """Token ids and tags of the presentation (module docstring).
 
     ``tokenize(text) -> ids`` without special tokens; ``items``: ``(kind, has_audio)`` per keyframe or

@@ -65,8 +65,10 @@ def from_conditioning(cond: torch.Tensor, tags: torch.Tensor | None = None) -> P
     """A ComfyUI CONDITIONING tensor ``[1, L, 5120]``; rows are text unless ``tags`` say otherwise."""
     if not isinstance(cond, torch.Tensor) or cond.dim() != 3 or cond.shape[0] != 1:
         shape = tuple(cond.shape) if isinstance(cond, torch.Tensor) else type(cond).__name__
-        raise H3InputError(f"conditioning must be one [1, tokens, {TEXT_WIDTH}] tensor, got {shape}; connect the "
-                           "output of an H3 text encoder")
+        raise H3InputError(
+            f"conditioning must be one [1, tokens, {TEXT_WIDTH}] tensor, got {shape}; connect the "
+            "output of an H3 text encoder"
+        )
     embeds = cond[0]
     tags = torch.ones(embeds.shape[0], dtype=torch.long) if tags is None else tags.reshape(-1).to(torch.long)
     return PromptEmbedding(embeds, tags)
@@ -79,8 +81,9 @@ def load_prompt_embedding(path: str | Path) -> PromptEmbedding:
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # pickle payloads outside the allowed types end here, unexecuted
-            raise H3InputError(f"{path}: not a prompt cache this pack reads ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0][:200]})") from None
+            raise H3InputError(
+                f"{path}: not a prompt cache this pack reads ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            ) from None
         if not isinstance(data, dict) or "prompt_embeds" not in data or "text_token_tags" not in data:
             keys = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise H3InputError(f"{path}: a prompt cache needs 'prompt_embeds' and 'text_token_tags', found {keys}")
@@ -91,11 +94,15 @@ def load_prompt_embedding(path: str | Path) -> PromptEmbedding:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
             if not {"prompt_embeds", "text_token_tags"} <= keys:
-                raise H3InputError(f"{path}: a prompt embedding file needs tensors 'prompt_embeds' and "
-                                   f"'text_token_tags', found {sorted(keys)[:8]}")
+                raise H3InputError(
+                    f"{path}: a prompt embedding file needs tensors 'prompt_embeds' and "
+                    f"'text_token_tags', found {sorted(keys)[:8]}"
+                )
             meta = json.loads((f.metadata() or {}).get(_META_KEY, "{}"))
             embeds, tags = f.get_tensor("prompt_embeds"), f.get_tensor("text_token_tags")
-            latents = [f.get_tensor(f"condition_latents.{i}") for i in range(len(keys)) if f"condition_latents.{i}" in keys]
+            latents = [
+                f.get_tensor(f"condition_latents.{i}") for i in range(len(keys)) if f"condition_latents.{i}" in keys
+            ]
     else:
         raise H3InputError(f"{path}: prompt embeddings come as .pt (prompt cache) or .safetensors, not '{path.suffix}'")
     features = meta.get("features", TEXT_WIDTH) if path.suffix == ".safetensors" else TEXT_WIDTH
@@ -104,8 +111,15 @@ def load_prompt_embedding(path: str | Path) -> PromptEmbedding:
     if len(anchors) != len(latents):
         raise H3InputError(f"{path}: {len(anchors)} keyframe anchors but {len(latents)} condition latents")
     return PromptEmbedding(
-        embeds, tags.to(torch.long), str(meta.get("prompt", "")), anchors, tuple(meta.get("keyframe_files") or ()),
-        latents, meta.get("height"), meta.get("width"), features,
+        embeds,
+        tags.to(torch.long),
+        str(meta.get("prompt", "")),
+        anchors,
+        tuple(meta.get("keyframe_files") or ()),
+        latents,
+        meta.get("height"),
+        meta.get("width"),
+        features,
     )
 
 
@@ -114,9 +128,14 @@ def save_prompt_embedding(path: str | Path, embedding: PromptEmbedding) -> None:
     path = Path(path)
     tensors = {"prompt_embeds": embedding.embeds.contiguous(), "text_token_tags": embedding.tags.to(torch.long)}
     tensors.update({f"condition_latents.{i}": z.contiguous() for i, z in enumerate(embedding.condition_latents)})
-    meta = {"prompt": embedding.prompt, "keyframe_anchors": list(embedding.keyframe_anchors),
-            "keyframe_files": list(embedding.keyframe_files), "height": embedding.height, "width": embedding.width,
-            "features": embedding.features}
+    meta = {
+        "prompt": embedding.prompt,
+        "keyframe_anchors": list(embedding.keyframe_anchors),
+        "keyframe_files": list(embedding.keyframe_files),
+        "height": embedding.height,
+        "width": embedding.width,
+        "features": embedding.features,
+    }
     partial = path.with_name(path.name + ".partial")
     save_file(tensors, str(partial), metadata={_META_KEY: json.dumps(meta)})
     partial.replace(path)

@@ -27,42 +27,80 @@ from pathlib import Path
 
 from ..errors import H3InputError
 
-__all__ = ["QWEN3_ADDED_TOKENS", "H3_ADDED_TOKENS", "FIRST_ADDED_ID", "BPE_TOKENS", "PREPROCESSOR",
-           "VIDEO_PREPROCESSOR", "qwen3vl_tokenizer", "published_processors", "folder_processors"]
+__all__ = [
+    "QWEN3_ADDED_TOKENS",
+    "H3_ADDED_TOKENS",
+    "FIRST_ADDED_ID",
+    "BPE_TOKENS",
+    "PREPROCESSOR",
+    "VIDEO_PREPROCESSOR",
+    "qwen3vl_tokenizer",
+    "published_processors",
+    "folder_processors",
+]
 
 BPE_TOKENS = FIRST_ADDED_ID = 151643
 # (content, special) in id order from FIRST_ADDED_ID.
 QWEN3_ADDED_TOKENS = (
-    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
-    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
-    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
-    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
-    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
-    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
-    ("<think>", False), ("</think>", False),
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
 )
-H3_ADDED_TOKENS = ("<d>", "</d>", "<|cutoff|>", "<|lyrics_start|>", "<|lyrics_end|>", "<|caption_start|>",
-                   "<|caption_end|>")
-_PIXELS = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5],
-               image_std=[0.5, 0.5, 0.5])
+H3_ADDED_TOKENS = (
+    "<d>",
+    "</d>",
+    "<|cutoff|>",
+    "<|lyrics_start|>",
+    "<|lyrics_end|>",
+    "<|caption_start|>",
+    "<|caption_end|>",
+)
+_PIXELS = dict(
+    patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
+)
 PREPROCESSOR = dict(size={"shortest_edge": 65536, "longest_edge": 16777216}, **_PIXELS)
-VIDEO_PREPROCESSOR = dict(size={"shortest_edge": 4096, "longest_edge": 25165824}, fps=2, min_frames=4,
-                          max_frames=768, **_PIXELS)
+VIDEO_PREPROCESSOR = dict(
+    size={"shortest_edge": 4096, "longest_edge": 25165824}, fps=2, min_frames=4, max_frames=768, **_PIXELS
+)
 
 
 def _bpe(folder: Path) -> tuple[dict[str, int], list[tuple[str, str]]]:
     vocab_file, merges_file = folder / "vocab.json", folder / "merges.txt"
     if not (vocab_file.is_file() and merges_file.is_file()):
-        raise H3InputError(f"{folder}: no vocab.json and merges.txt; name Qwen's tokenizer folder (ComfyUI ships "
-                           "it as comfy/text_encoders/qwen25_tokenizer)")
+        raise H3InputError(
+            f"{folder}: no vocab.json and merges.txt; name Qwen's tokenizer folder (ComfyUI ships "
+            "it as comfy/text_encoders/qwen25_tokenizer)"
+        )
     try:
         vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise H3InputError(f"{vocab_file}: not valid JSON ({exc})") from None
     if not isinstance(vocab, dict) or sorted(vocab.values()) != list(range(BPE_TOKENS)):
         size = len(vocab) if isinstance(vocab, dict) else type(vocab).__name__
-        raise H3InputError(f"{vocab_file}: not Qwen's BPE vocabulary (ids 0-{BPE_TOKENS - 1}); it holds {size} "
-                           "entries")
+        raise H3InputError(f"{vocab_file}: not Qwen's BPE vocabulary (ids 0-{BPE_TOKENS - 1}); it holds {size} entries")
     merges = []
     for line in merges_file.read_text(encoding="utf-8").splitlines():
         if line and not line.startswith("#version"):
@@ -89,14 +127,17 @@ def qwen3vl_tokenizer(folder: str | Path):
     else:  # transformers 4.57: the fast class builds the same tables from the files
         from transformers import Qwen2TokenizerFast
 
-        tokenizer = Qwen2TokenizerFast(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"),
-                                       **plain)
+        tokenizer = Qwen2TokenizerFast(
+            vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"), **plain
+        )
     added = [*QWEN3_ADDED_TOKENS, *((token, True) for token in H3_ADDED_TOKENS)]
     tokenizer.add_tokens([AddedToken(token, special=special, normalized=False) for token, special in added])
     ids = tokenizer.convert_tokens_to_ids([token for token, _ in added])
     if ids != list(range(FIRST_ADDED_ID, FIRST_ADDED_ID + len(added))):
-        raise H3InputError(f"{folder}: its vocabulary already holds some of Qwen3-VL's added tokens; it is not "
-                           "Qwen's plain BPE vocabulary")
+        raise H3InputError(
+            f"{folder}: its vocabulary already holds some of Qwen3-VL's added tokens; it is not "
+            "Qwen's plain BPE vocabulary"
+        )
     tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
     return tokenizer
 
@@ -118,5 +159,7 @@ def folder_processors(folders) -> tuple | None:
     found = next((Path(d) for d in folders if (Path(d) / "preprocessor_config.json").is_file()), None)
     if found is None:
         return None
-    return (AutoImageProcessor.from_pretrained(found, local_files_only=True),
-            AutoVideoProcessor.from_pretrained(found, local_files_only=True))
+    return (
+        AutoImageProcessor.from_pretrained(found, local_files_only=True),
+        AutoVideoProcessor.from_pretrained(found, local_files_only=True),
+    )

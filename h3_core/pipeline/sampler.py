@@ -57,8 +57,9 @@ def denoise(
     cv, ca = packed.condition_rows, condition_audio_rows
     video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
     extra = {} if hybrid is None else {"hybrid": hybrid}
-    steps_timesteps = [row_timesteps(packed, float(video_ts[i]), float(audio_ts[i]), condition_audio_rows=ca)
-                       for i in range(n)]
+    steps_timesteps = [
+        row_timesteps(packed, float(video_ts[i]), float(audio_ts[i]), condition_audio_rows=ca) for i in range(n)
+    ]
     if getattr(model, "adaln_on_host", False):  # the blocks' AdaLN tables for the whole run, made once
         prepare_adaln_tables(model, [timesteps for timesteps, _ in steps_timesteps], video_rows.device)
     per_block = isinstance(model, torch.nn.Module) and check_cancel is not None
@@ -69,14 +70,27 @@ def denoise(
             if check_cancel is not None:
                 check_cancel()
             device = video_rows.device
-            v_video, v_audio = evaluate(model, compile, video_rows, audio_rows, text_rows, timesteps.to(device),
-                                        index.to(device), packed.tags.to(device), packed.positions.to(device),
-                                        packed.video_index.to(device), packed.audio_index.to(device),
-                                        packed.text_index.to(device), **extra)
-            video_rows[cv:] = euler_step(video_rows[cv:], v_video[cv:].float(), float(video_sigmas[i]),
-                                         float(video_sigmas[i + 1]), video_ts[i])
-            audio_rows[ca:] = euler_step(audio_rows[ca:], v_audio[ca:].float(), float(audio_sigmas[i]),
-                                         float(audio_sigmas[i + 1]), audio_ts[i])
+            v_video, v_audio = evaluate(
+                model,
+                compile,
+                video_rows,
+                audio_rows,
+                text_rows,
+                timesteps.to(device),
+                index.to(device),
+                packed.tags.to(device),
+                packed.positions.to(device),
+                packed.video_index.to(device),
+                packed.audio_index.to(device),
+                packed.text_index.to(device),
+                **extra,
+            )
+            video_rows[cv:] = euler_step(
+                video_rows[cv:], v_video[cv:].float(), float(video_sigmas[i]), float(video_sigmas[i + 1]), video_ts[i]
+            )
+            audio_rows[ca:] = euler_step(
+                audio_rows[ca:], v_audio[ca:].float(), float(audio_sigmas[i]), float(audio_sigmas[i + 1]), audio_ts[i]
+            )
             if progress is not None:
                 progress(i + 1, n)
     finally:

@@ -19,8 +19,16 @@ import torch
 
 from ..errors import H3InputError
 
-__all__ = ["VIDEO_SHIFT", "AUDIO_SHIFT", "sigma_grid", "timesteps_of", "clean_estimate", "euler_step", "noise_to",
-           "sample_euler"]
+__all__ = [
+    "VIDEO_SHIFT",
+    "AUDIO_SHIFT",
+    "sigma_grid",
+    "timesteps_of",
+    "clean_estimate",
+    "euler_step",
+    "noise_to",
+    "sample_euler",
+]
 
 VIDEO_SHIFT = 12.0
 AUDIO_SHIFT = 3.0
@@ -47,7 +55,9 @@ def clean_estimate(sample: torch.Tensor, velocity: torch.Tensor, timestep) -> to
     return sample + sigma * velocity
 
 
-def euler_step(sample: torch.Tensor, velocity: torch.Tensor, sigma: float, sigma_next: float, timestep=None) -> torch.Tensor:
+def euler_step(
+    sample: torch.Tensor, velocity: torch.Tensor, sigma: float, sigma_next: float, timestep=None
+) -> torch.Tensor:
     """One Euler step from ``sigma`` to ``sigma_next`` (fp32 for half-precision samples)."""
     x0 = clean_estimate(sample, velocity, 1 - sigma if timestep is None else timestep)
     dtype = torch.float32 if sample.dtype in (torch.float16, torch.bfloat16) else sample.dtype

@@ -40,12 +40,12 @@ from ..formats.files import CheckpointFiles
 from ..formats.keymap import load_into
 from ..formats.kitchen import stored_bytes
 from ..formats.quant_layers import HELD
+from ..formats.qwen3vl_checkpoint import LAYOUTS, describe_text_encoder_file, layout_keymap
+from ..formats.qwen3vl_weights import read_text_encoder_file
 from .conditioning import quantize_pixels
 from .presentation import PresentedReference, VisionIds, presentation_tokens, video_blocks
 from .prompt import PromptEmbedding
-from ..formats.qwen3vl_checkpoint import LAYOUTS, describe_text_encoder_file, layout_keymap
 from .qwen3vl_tokens import folder_processors, published_processors, qwen3vl_tokenizer
-from ..formats.qwen3vl_weights import read_text_encoder_file
 
 __all__ = ["TextEncoder", "load_text_encoder", "CONDITIONING_LAYER", "OFFLOAD_MODES", "SETTINGS_FILE", "fits_on"]
 
@@ -68,8 +68,10 @@ class _NotHeld(nn.Module):
         self.what = what
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"the text encoder does not hold {self.what}: it keeps only what H3 reads, the layers "
-                           "up to the conditioning layer")
+        raise RuntimeError(
+            f"the text encoder does not hold {self.what}: it keeps only what H3 reads, the layers "
+            "up to the conditioning layer"
+        )
 
 
 def _moving():
@@ -87,8 +89,16 @@ def _module_bytes(module: nn.Module) -> int:
 
 
 class TextEncoder:
-    def __init__(self, model, tokenizer, layer: int = CONDITIONING_LAYER, device: torch.device | str = "cpu",
-                 offload: str = "auto", fits=None, processors=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        layer: int = CONDITIONING_LAYER,
+        device: torch.device | str = "cpu",
+        offload: str = "auto",
+        fits=None,
+        processors=None,
+    ):
         """``model``: a (truncated) ``Qwen3VLForConditionalGeneration`` in host memory; ``device``: where each
         encode runs; ``offload``: how the first encode places the model when nobody placed it ("none"
         resident, "layers" streamed, "auto" streamed only when ``fits(device, resident_bytes)`` says no);
@@ -200,8 +210,15 @@ class TextEncoder:
         tokenize = lambda text: self.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
         vision, image_tokens, video_tokens, video_times = self._vision_inputs(references)
         items = [(r.kind, r.has_audio) for r in references]
-        ids, tags = presentation_tokens(tokenize, VisionIds.of(self.tokenizer) if vision else None, prompt, items,
-                                        image_tokens, video_tokens, video_times)
+        ids, tags = presentation_tokens(
+            tokenize,
+            VisionIds.of(self.tokenizer) if vision else None,
+            prompt,
+            items,
+            image_tokens,
+            video_tokens,
+            video_times,
+        )
         if not self._placed():
             with _moving():
                 self.to_device()
@@ -221,8 +238,13 @@ class TextEncoder:
 
         handle = self.language_model.layers[self.layer - 1].register_forward_hook(stop)
         try:
-            self.model.model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids, device=device),
-                             mm_token_type_ids=modality.to(device), use_cache=False, **inputs)
+            self.model.model(
+                input_ids=ids.to(device),
+                attention_mask=torch.ones_like(ids, device=device),
+                mm_token_type_ids=modality.to(device),
+                use_cache=False,
+                **inputs,
+            )
             raise RuntimeError("the text model returned before its conditioning layer ran")
         except _Stop as done:
             return done.hidden[0]
@@ -233,8 +255,9 @@ class TextEncoder:
         """Pixels through Qwen's processors, batched per modality (Qwen fills the n-th vision block of a
         modality with the n-th item of its batch). Returns the model inputs, tokens per image, tokens per
         block of each video and block timestamps of each video."""
-        images = [quantize_pixels(r.media, f"reference {i}").numpy() for i, r in enumerate(references)
-                  if r.kind == "image"]
+        images = [
+            quantize_pixels(r.media, f"reference {i}").numpy() for i, r in enumerate(references) if r.kind == "image"
+        ]
         videos = [(i, r) for i, r in enumerate(references) if r.kind == "video"]
         inputs, image_tokens, video_tokens, video_times = {}, [], [], []
         if not images and not videos:
@@ -249,25 +272,31 @@ class TextEncoder:
             clips = []
             for index, video in videos:
                 frames, stamps = video_blocks(video.media.shape[0], video.fps, video_processor.temporal_patch_size)
-                clips.append(quantize_pixels(video.media, f"reference {index}", frames=True,
-                                             select=torch.tensor(frames)).numpy())
+                clips.append(
+                    quantize_pixels(video.media, f"reference {index}", frames=True, select=torch.tensor(frames)).numpy()
+                )
                 video_times.append(stamps)
             features = video_processor(videos=clips, do_sample_frames=False, return_tensors="pt")
-            inputs.update(pixel_values_videos=features["pixel_values_videos"],
-                          video_grid_thw=features["video_grid_thw"])
+            inputs.update(
+                pixel_values_videos=features["pixel_values_videos"], video_grid_thw=features["video_grid_thw"]
+            )
             video_tokens = [int(grid[1]) * int(grid[2]) // merge for grid in features["video_grid_thw"]]
             for stamps, grid in zip(video_times, features["video_grid_thw"]):
                 if int(grid[0]) != len(stamps):
-                    raise RuntimeError(f"Qwen's video processor made {int(grid[0])} blocks where {len(stamps)} "
-                                       "were labelled; its temporal patch does not match the config read")
+                    raise RuntimeError(
+                        f"Qwen's video processor made {int(grid[0])} blocks where {len(stamps)} "
+                        "were labelled; its temporal patch does not match the config read"
+                    )
         return inputs, image_tokens, video_tokens, video_times
 
     def _load_processors(self):
         if self._processors is None:
             found = self._processor_source() if self._processor_source is not None else None
             if found is None:
-                raise H3InputError("keyframes and references need Qwen3-VL's image/video processor, but no "
-                                   "preprocessor_config.json was found beside the text encoder")
+                raise H3InputError(
+                    "keyframes and references need Qwen3-VL's image/video processor, but no "
+                    "preprocessor_config.json was found beside the text encoder"
+                )
             self._processors = found
         return self._processors
 
@@ -346,13 +375,25 @@ def _check_vision_ids(tokenizer, config, where) -> None:
         return  # a text-only tokenizer: a request with pixels is refused when it comes
     want = (config.vision_start_token_id, config.vision_end_token_id, config.image_token_id, config.video_token_id)
     if (ids.start, ids.end, ids.image_pad, ids.video_pad) != want:
-        raise H3InputError(f"{where}: the tokenizer's vision tokens have ids {ids} but the model's config says "
-                           f"{want}; the tokenizer is not this model's")
+        raise H3InputError(
+            f"{where}: the tokenizer's vision tokens have ids {ids} but the model's config says "
+            f"{want}; the tokenizer is not this model's"
+        )
 
 
-def load_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None, processor: str | Path | None = None,
-                      device="cpu", dtype: torch.dtype = torch.bfloat16, layer: int | None = None,
-                      offload: str = "auto", fits=fits_on, held: str = "auto", run_device=None) -> TextEncoder:
+def load_text_encoder(
+    path: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    processor: str | Path | None = None,
+    device="cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    layer: int | None = None,
+    offload: str = "auto",
+    fits=fits_on,
+    held: str = "auto",
+    run_device=None,
+) -> TextEncoder:
     """Load Qwen3-VL for H3 into host memory, from a folder or ComfyUI's single ``.safetensors`` file.
 
     Args:
@@ -383,27 +424,42 @@ def load_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None, 
     loaded = None
     if path.is_file():
         run_device = device if run_device is None else run_device
-        model, token_source, processor_dirs, layer, where, loaded = _single_file(path, tokenizer, processor, layer,
-                                                                                 dtype, held, run_device)
+        model, token_source, processor_dirs, layer, where, loaded = _single_file(
+            path, tokenizer, processor, layer, dtype, held, run_device
+        )
     elif path.is_dir():
         model, token_source, processor_dirs, layer, where = _folder(path, tokenizer, processor, layer, dtype)
     else:
-        raise H3InputError(f"{path}: no such file or folder; point at a Qwen3-VL folder or ComfyUI's "
-                           "qwen3vl_32b_minimax_h3_bf16.safetensors")
+        raise H3InputError(
+            f"{path}: no such file or folder; point at a Qwen3-VL folder or ComfyUI's "
+            "qwen3vl_32b_minimax_h3_bf16.safetensors"
+        )
     _check_vision_ids(token_source, model.config, where)
     fallback = published_processors if path.is_file() and processor is None else (lambda: None)
-    encoder = TextEncoder(model, token_source, layer, device=device, offload=offload, fits=fits,
-                          processors=lambda: folder_processors(processor_dirs) or fallback())
+    encoder = TextEncoder(
+        model,
+        token_source,
+        layer,
+        device=device,
+        offload=offload,
+        fits=fits,
+        processors=lambda: folder_processors(processor_dirs) or fallback(),
+    )
     if loaded is not None:
-        encoder.kept_layers, encoder.dequantised_layers, encoder.load_report = \
-            loaded.kept, loaded.dequantised, loaded.report
+        encoder.kept_layers, encoder.dequantised_layers, encoder.load_report = (
+            loaded.kept,
+            loaded.dequantised,
+            loaded.report,
+        )
     return encoder
 
 
 def _single_file(path: Path, tokenizer, processor, layer, dtype, held, run_device):
     if tokenizer is None:
-        raise H3InputError(f"{path}: a single-file text encoder holds no tokenizer; pass tokenizer= a folder with "
-                           "Qwen's vocab.json and merges.txt (ComfyUI's comfy/text_encoders/qwen25_tokenizer)")
+        raise H3InputError(
+            f"{path}: a single-file text encoder holds no tokenizer; pass tokenizer= a folder with "
+            "Qwen's vocab.json and merges.txt (ComfyUI's comfy/text_encoders/qwen25_tokenizer)"
+        )
     described = describe_text_encoder_file(path)
     layer = CONDITIONING_LAYER if layer is None else layer
     model = _truncated_model(described.config, layer, described.layers, path)
@@ -426,7 +482,10 @@ def _folder(folder: Path, tokenizer, processor, layer, dtype):
     present = config.text_config.num_hidden_layers
     model = _truncated_model(config, layer, present, model_dir)
     model = _read_weights(model, CheckpointFiles(model_dir), layout_keymap(LAYOUTS[1], present, layer), dtype)
-    tokens = (qwen3vl_tokenizer(tokenizer) if tokenizer is not None
-              else AutoTokenizer.from_pretrained(token_dir, local_files_only=True))
+    tokens = (
+        qwen3vl_tokenizer(tokenizer)
+        if tokenizer is not None
+        else AutoTokenizer.from_pretrained(token_dir, local_files_only=True)
+    )
     found = (Path(processor),) if processor is not None else (folder / "processor", token_dir, model_dir, folder)
     return model, tokens, tuple(dict.fromkeys(found)), layer, folder

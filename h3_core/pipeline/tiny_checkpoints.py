@@ -31,35 +31,85 @@ from pathlib import Path
 
 import torch
 
+from ..formats.sizes import NOTE_KEY, sizes_metadata
 from ..models.audio_vae import AudioVAE, AudioVAEConfig
 from ..models.dit import DiTConfig, H3DiT
 from ..models.video_vae import VideoVAE, VideoVAEConfig
 from .text_encoder import CONDITIONING_LAYER, SETTINGS_FILE
-from ..formats.sizes import NOTE_KEY, sizes_metadata
 
-__all__ = ["TinyCheckpoints", "write_tiny_checkpoints", "TINY_PREFIX", "TINY_FILES", "TINY_DIT", "TINY_VIDEO_VAE",
-           "TINY_AUDIO_VAE", "TINY_TEXT_WIDTH", "TINY_TEXT_ENCODER_FILE", "tiny_qwen3vl",
-           "write_tiny_text_encoder_file", "TEXT_ENCODER_QUANTIZATIONS", "quantize_text_encoder_state",
-           "write_tiny_quantized_text_encoder_file", "write_tiny_quantized_checkpoints", "INT8_CONVROT_FILES",
-           "quantize_int8_convrot"]
+__all__ = [
+    "TinyCheckpoints",
+    "write_tiny_checkpoints",
+    "TINY_PREFIX",
+    "TINY_FILES",
+    "TINY_DIT",
+    "TINY_VIDEO_VAE",
+    "TINY_AUDIO_VAE",
+    "TINY_TEXT_WIDTH",
+    "TINY_TEXT_ENCODER_FILE",
+    "tiny_qwen3vl",
+    "write_tiny_text_encoder_file",
+    "TEXT_ENCODER_QUANTIZATIONS",
+    "quantize_text_encoder_state",
+    "write_tiny_quantized_text_encoder_file",
+    "write_tiny_quantized_checkpoints",
+    "INT8_CONVROT_FILES",
+    "quantize_int8_convrot",
+]
 
 TINY_PREFIX = "h3_tiny_random_"
 # Each file's (or folder's) name in its ComfyUI model folder, by ``TinyCheckpoints`` field.
-TINY_FILES = {"dit": f"{TINY_PREFIX}dit.safetensors", "linear_branch": f"{TINY_PREFIX}linear_branch.safetensors",
-              "video_vae": f"{TINY_PREFIX}video_vae.safetensors", "audio_vae": f"{TINY_PREFIX}audio_vae.safetensors",
-              "text_encoder": f"{TINY_PREFIX}qwen3vl"}
+TINY_FILES = {
+    "dit": f"{TINY_PREFIX}dit.safetensors",
+    "linear_branch": f"{TINY_PREFIX}linear_branch.safetensors",
+    "video_vae": f"{TINY_PREFIX}video_vae.safetensors",
+    "audio_vae": f"{TINY_PREFIX}audio_vae.safetensors",
+    "text_encoder": f"{TINY_PREFIX}qwen3vl",
+}
 NOTE = "H3 Hybrid tiny RANDOM weights for tests and the quick start: not a trained model, it generates noise"
 TINY_TEXT_WIDTH = 32
 TINY_TEXT_ENCODER_FILE = f"{TINY_PREFIX}qwen3vl.safetensors"
-TINY_DIT = DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=TINY_TEXT_WIDTH, freq_dim=16,
-                     time_hidden=24, time_embed=20, rope_freqs=4)
-TINY_VIDEO_VAE = VideoVAEConfig(decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6,
-                                norm_groups=4)
+TINY_DIT = DiTConfig(
+    hidden=48,
+    layers=2,
+    heads=2,
+    head_dim=32,
+    ffn=64,
+    text_dim=TINY_TEXT_WIDTH,
+    freq_dim=16,
+    time_hidden=24,
+    time_embed=20,
+    rope_freqs=4,
+)
+TINY_VIDEO_VAE = VideoVAEConfig(
+    decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6, norm_groups=4
+)
 TINY_AUDIO_VAE = AudioVAEConfig(encoder_dim=4, latent_dim=64, latent_channels=32, decoder_dim=256, attention_heads=2)
 _BRANCH_PARTS = (".attn.softmax_gate.", ".attn.to_out_linear.", ".attn.linear_attention.")
 _TEXT_LAYERS = 3
-_WORDS = ("a", "the", "fox", "runs", "through", "snow", "and", "sea", "waves", "music", "plays", "<d>", "</d>",
-          "[English]", "<Picture", "<Audio", "<Video", "1>:", "2>:", "3>:", "seconds>")
+_WORDS = (
+    "a",
+    "the",
+    "fox",
+    "runs",
+    "through",
+    "snow",
+    "and",
+    "sea",
+    "waves",
+    "music",
+    "plays",
+    "<d>",
+    "</d>",
+    "[English]",
+    "<Picture",
+    "<Audio",
+    "<Video",
+    "1>:",
+    "2>:",
+    "3>:",
+    "seconds>",
+)
 _VISION = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
@@ -98,11 +148,16 @@ def _dit_files(models: Path) -> tuple[Path, Path]:
     hybrid = _randomised(H3DiT(replace(TINY_DIT, hybrid=True)), 0.05)
     state = hybrid.state_dict()
     base = {k: v for k, v in state.items() if not any(part in k for part in _BRANCH_PARTS)}
-    branch = {"transformer_blocks." + k.removeprefix("blocks."): v for k, v in state.items()
-              if any(part in k for part in _BRANCH_PARTS)}
+    branch = {
+        "transformer_blocks." + k.removeprefix("blocks."): v
+        for k, v in state.items()
+        if any(part in k for part in _BRANCH_PARTS)
+    }
     folder = models / "diffusion_models"
-    return (_save(base, folder / TINY_FILES["dit"], TINY_DIT),
-            _save(branch, folder / TINY_FILES["linear_branch"], TINY_DIT))
+    return (
+        _save(base, folder / TINY_FILES["dit"], TINY_DIT),
+        _save(branch, folder / TINY_FILES["linear_branch"], TINY_DIT),
+    )
 
 
 def _vae_files(models: Path) -> tuple[Path, Path]:
@@ -114,32 +169,56 @@ def _vae_files(models: Path) -> tuple[Path, Path]:
     torch.manual_seed(2)
     audio = _randomised(AudioVAE(TINY_AUDIO_VAE), None)
     folder = models / "vae"
-    return (_save(state, folder / TINY_FILES["video_vae"], TINY_VIDEO_VAE),
-            _save(dict(audio.state_dict()), folder / TINY_FILES["audio_vae"], TINY_AUDIO_VAE))
+    return (
+        _save(state, folder / TINY_FILES["video_vae"], TINY_VIDEO_VAE),
+        _save(dict(audio.state_dict()), folder / TINY_FILES["audio_vae"], TINY_AUDIO_VAE),
+    )
 
 
 def _text_encoder_folder(models: Path) -> Path:
     import transformers
-    from tokenizers import Tokenizer, models as token_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as token_models
 
     root = models / "text_encoders" / TINY_FILES["text_encoder"]
     vocab = {w: i for i, w in enumerate(("<unk>", "<|endoftext|>", "<|im_start|>") + _WORDS + _VISION)}
     tokenizer = Tokenizer(token_models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<|im_start|>",
-                                                eos_token="<|endoftext|>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|endoftext|>"
+    )
     fast.save_pretrained(root / "tokenizer")
-    processor = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 64, "longest_edge": 4096})
+    processor = dict(
+        patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 64, "longest_edge": 4096}
+    )
     transformers.Qwen2VLImageProcessor(**processor).save_pretrained(root / "processor")
     transformers.Qwen3VLVideoProcessor(**processor).save_pretrained(root / "processor")
     cfg = transformers.Qwen3VLConfig(
-        text_config=dict(hidden_size=TINY_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=_TEXT_LAYERS + 1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=len(vocab),
-                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TINY_TEXT_WIDTH,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0]),
-        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
-        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"],
+        text_config=dict(
+            hidden_size=TINY_TEXT_WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=_TEXT_LAYERS + 1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=len(vocab),
+            rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=TINY_TEXT_WIDTH,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            deepstack_visual_indexes=[0],
+        ),
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
     )
     torch.manual_seed(3)
     transformers.Qwen3VLForConditionalGeneration(cfg).save_pretrained(root / "text_encoder")
@@ -156,13 +235,29 @@ def tiny_qwen3vl(layers: int = CONDITIONING_LAYER, *, seed: int = 4):
     from ..formats.qwen3vl_checkpoint import PUBLISHED
 
     cfg = transformers.Qwen3VLConfig(
-        text_config=dict(hidden_size=TINY_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=151936,
-                         **PUBLISHED["text"]),
-        vision_config=dict(depth=25, hidden_size=64, intermediate_size=64, out_hidden_size=TINY_TEXT_WIDTH,
-                           num_position_embeddings=64, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
-                           **PUBLISHED["vision"]),
-        **PUBLISHED["ids"])
+        text_config=dict(
+            hidden_size=TINY_TEXT_WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=128,
+            vocab_size=151936,
+            **PUBLISHED["text"],
+        ),
+        vision_config=dict(
+            depth=25,
+            hidden_size=64,
+            intermediate_size=64,
+            out_hidden_size=TINY_TEXT_WIDTH,
+            num_position_embeddings=64,
+            patch_size=16,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            **PUBLISHED["vision"],
+        ),
+        **PUBLISHED["ids"],
+    )
     torch.manual_seed(seed)
     return transformers.Qwen3VLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
 
@@ -176,13 +271,23 @@ def write_tiny_text_encoder_file(models: str | Path, layers: int = CONDITIONING_
 def _tiny_text_encoder_state(layers: int) -> dict[str, torch.Tensor]:
     from ..formats.qwen3vl_checkpoint import LAYOUTS
 
-    return {LAYOUTS[0].file_key(k): v for k, v in tiny_qwen3vl(layers).state_dict().items()
-            if k not in ("lm_head.weight", "model.language_model.norm.weight")}
+    return {
+        LAYOUTS[0].file_key(k): v
+        for k, v in tiny_qwen3vl(layers).state_dict().items()
+        if k not in ("lm_head.weight", "model.language_model.norm.weight")
+    }
 
 
 TEXT_ENCODER_QUANTIZATIONS = ("int8_convrot", "nvfp4_awq")
-_DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                    "mlp.up_proj", "mlp.down_proj")
+_DECODER_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 # AWQ scales on the two linears whose input no norm precedes (ModelOpt folds the others' into the norms)
 _PRESCALED = ("self_attn.o_proj", "mlp.down_proj")
 _TOWER_LINEARS = ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2", "linear_fc1", "linear_fc2")
@@ -191,8 +296,10 @@ _TOWER_LINEARS = ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2", "
 # The linears ComfyUI's int8_convrot files quantise: the DiT blocks' four, the video VAE decoder blocks' four.
 _DIT_INT8_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 _VIDEO_VAE_INT8_LINEARS = ("attn.to_qkv", "attn.to_out", "ff.w1", "ff.w2")
-INT8_CONVROT_FILES = {"dit": TINY_FILES["dit"].replace(".safetensors", "_int8_convrot.safetensors"),
-                      "video_vae": TINY_FILES["video_vae"].replace(".safetensors", "_int8_convrot.safetensors")}
+INT8_CONVROT_FILES = {
+    "dit": TINY_FILES["dit"].replace(".safetensors", "_int8_convrot.safetensors"),
+    "video_vae": TINY_FILES["video_vae"].replace(".safetensors", "_int8_convrot.safetensors"),
+}
 
 
 def _comfy_quant(spec: dict) -> torch.Tensor:
@@ -205,13 +312,15 @@ def _int8_convrot(weight: torch.Tensor, group: int):
     ``comfy_quant`` spec ComfyUI's files store beside it."""
     from comfy_kitchen.tensor import QuantizedTensor
 
-    qt = QuantizedTensor.from_float(weight, "TensorWiseINT8Layout", per_channel=True, convrot=True,
-                                    convrot_groupsize=group)
+    qt = QuantizedTensor.from_float(
+        weight, "TensorWiseINT8Layout", per_channel=True, convrot=True, convrot_groupsize=group
+    )
     return qt, {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}
 
 
-def quantize_text_encoder_state(state: dict, kind: str, *, group: int = 256, tower: bool = False,
-                                seed: int = 5) -> tuple[dict, dict]:
+def quantize_text_encoder_state(
+    state: dict, kind: str, *, group: int = 256, tower: bool = False, seed: int = 5
+) -> tuple[dict, dict]:
     """A text encoder's ``state`` in ComfyUI's layout (``model.*``, ``visual.*``) as ComfyUI's ``kind`` file
     (``TEXT_ENCODER_QUANTIZATIONS``) stores it: every decoder layer's seven linears quantised by comfy-kitchen
     (int8 ConvRot in groups of ``group`` with a scale per row; nvfp4, full-precision matmuls), the embedding table
@@ -252,8 +361,14 @@ def quantize_text_encoder_state(state: dict, kind: str, *, group: int = 256, tow
     return tensors, quantized
 
 
-def write_tiny_quantized_text_encoder_file(models: str | Path, kind: str, layers: int = CONDITIONING_LAYER, *,
-                                           group: int = 16, dequantised: torch.dtype | None = None) -> Path:
+def write_tiny_quantized_text_encoder_file(
+    models: str | Path,
+    kind: str,
+    layers: int = CONDITIONING_LAYER,
+    *,
+    group: int = 16,
+    dequantised: torch.dtype | None = None,
+) -> Path:
     """``text_encoders/h3_tiny_random_qwen3vl_<kind>.safetensors`` under ``models``: the file
     ``write_tiny_text_encoder_file`` writes, quantised as ComfyUI's ``kind`` file (``quantize_text_encoder_state``;
     ConvRot groups of ``group``, which the tiny width must hold). For int8_convrot, ``dequantised`` (a dtype) also
@@ -304,8 +419,9 @@ def _dequantised_name(path: Path) -> Path:
     return path.with_name(path.name.replace(".safetensors", "_dequantised.safetensors"))
 
 
-def write_tiny_quantized_checkpoints(models: str | Path, *, group: int = 16,
-                                     dequantised: dict[str, torch.dtype] | None = None) -> tuple[Path, Path]:
+def write_tiny_quantized_checkpoints(
+    models: str | Path, *, group: int = 16, dequantised: dict[str, torch.dtype] | None = None
+) -> tuple[Path, Path]:
     """The tiny DiT and video VAE (written by ``write_tiny_checkpoints`` under ``models`` first) as ComfyUI's
     int8_convrot files (``INT8_CONVROT_FILES``): the DiT in bf16 with its blocks' four linears quantised, the VAE in
     fp16 with its decoder blocks' linears quantised (``quantize_int8_convrot``). ``dequantised`` ({"dit": dtype,
@@ -316,14 +432,17 @@ def write_tiny_quantized_checkpoints(models: str | Path, *, group: int = 16,
     models = Path(models)
     written = []
     for kind, cfg, dtype, linears, blocks in (
-            ("dit", TINY_DIT, torch.bfloat16, _DIT_INT8_LINEARS, "blocks"),
-            ("video_vae", TINY_VIDEO_VAE, torch.float16, _VIDEO_VAE_INT8_LINEARS, "decoder.transformer_blocks")):
+        ("dit", TINY_DIT, torch.bfloat16, _DIT_INT8_LINEARS, "blocks"),
+        ("video_vae", TINY_VIDEO_VAE, torch.float16, _VIDEO_VAE_INT8_LINEARS, "decoder.transformer_blocks"),
+    ):
         folder = models / ("diffusion_models" if kind == "dit" else "vae")
-        state = {k: v.to(dtype) if v.is_floating_point() else v
-                 for k, v in load_file(str(folder / TINY_FILES[kind])).items()}
+        state = {
+            k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(folder / TINY_FILES[kind])).items()
+        }
         count = cfg.layers if kind == "dit" else cfg.decoder_layers
         tensors, quantized = quantize_int8_convrot(
-            state, [f"{blocks}.{i}.{name}" for i in range(count) for name in linears], group=group)
+            state, [f"{blocks}.{i}.{name}" for i in range(count) for name in linears], group=group
+        )
         written.append(_save(tensors, folder / INT8_CONVROT_FILES[kind], cfg))
         if dequantised and kind in dequantised:
             _dequantised_copy(tensors, quantized, dequantised[kind], _dequantised_name(written[-1]), cfg)

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from comfy_host import error_message, mp4_files
 from ui_to_api import EMBEDDED_FILES, EMBEDDED_SIZE, SIZED_NODES, to_api
 
@@ -20,8 +19,15 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 EARLIER = sorted((Path(__file__).resolve().parent / "earlier_workflows").glob("*.json"))
 CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", "--no-first-run"]
+FLAGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +38,9 @@ def page(server):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = browser.new_page()
         page.goto(server.url)
-        page.wait_for_function("window.app && window.app.graph && window.app.graph._nodes !== undefined", timeout=120_000)
+        page.wait_for_function(
+            "window.app && window.app.graph && window.app.graph._nodes !== undefined", timeout=120_000
+        )
         yield page
         browser.close()
 
@@ -43,7 +51,9 @@ def load(page, workflow):
 
 
 def nodes_on_canvas(page):
-    return page.evaluate("() => window.app.graph._nodes.map(n => [n.type, !!(n.constructor && n.constructor.nodeData)])")
+    return page.evaluate(
+        "() => window.app.graph._nodes.map(n => [n.type, !!(n.constructor && n.constructor.nodeData)])"
+    )
 
 
 def frontend_prompt(page):
@@ -52,12 +62,15 @@ def frontend_prompt(page):
 
 def queue_on_tiny(server, page):
     """Set the embedded default on the widgets as a user would pick them, queue from the page, and wait."""
-    page.evaluate("""([files, size, sized]) => {
+    page.evaluate(
+        """([files, size, sized]) => {
         for (const node of window.app.graph._nodes) {
             const wanted = {...(files[node.type] || {}), ...(sized.includes(node.type) ? size : {})};
             for (const w of node.widgets || []) if (w.name in wanted) w.value = wanted[w.name];
         }
-    }""", [EMBEDDED_FILES, EMBEDDED_SIZE, list(SIZED_NODES)])
+    }""",
+        [EMBEDDED_FILES, EMBEDDED_SIZE, list(SIZED_NODES)],
+    )
     before = set(server.get("/history"))
     page.evaluate("async () => { await window.app.queuePrompt(0); }")
     check = server.stall_check("the queued prompt never reached the history", 600)
@@ -79,12 +92,17 @@ WRITERS = {"H3VideoDecode", "H3AudioDecode", "H3SaveVideo", "H3DecodeAndSave"}
 def shape(prompt, leave_out=()):
     """An API-form prompt without its node ids (and without the node types ``leave_out``): each node's type and
     widget values, and its links by the types of the nodes they come from."""
+
     def value(v):
         if isinstance(v, list):
             return ("link", prompt[v[0]]["class_type"], v[1])
         return int(v) if isinstance(v, float) and v.is_integer() else v  # JSON from the page has 3 for 3.0
-    return sorted(json.dumps([node["class_type"], {k: value(v) for k, v in sorted(node["inputs"].items())}])
-                  for node in prompt.values() if node["class_type"] not in leave_out)
+
+    return sorted(
+        json.dumps([node["class_type"], {k: value(v) for k, v in sorted(node["inputs"].items())}])
+        for node in prompt.values()
+        if node["class_type"] not in leave_out
+    )
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
@@ -94,16 +112,20 @@ def test_a_workflow_loads_converts_runs_and_comes_back_from_its_mp4(server, page
     assert sorted(t for t, _ in nodes) == sorted(n["type"] for n in workflow["nodes"])
     assert [t for t, known in nodes if not known] == [], "missing node types"
     ours = to_api(workflow, server.object_info())
-    assert {k: (v["class_type"], v["inputs"]) for k, v in frontend_prompt(page).items()} == \
-           {k: (v["class_type"], v["inputs"]) for k, v in ours.items()}
+    assert {k: (v["class_type"], v["inputs"]) for k, v in frontend_prompt(page).items()} == {
+        k: (v["class_type"], v["inputs"]) for k, v in ours.items()
+    }
     mp4 = queue_on_tiny(server, page)
     page.evaluate("async () => { await window.app.loadGraphData({nodes: [], links: [], version: 0.4}); }")
     assert nodes_on_canvas(page) == []
     # the saved clip dropped back on the canvas: the frontend reads the workflow from its metadata
-    page.evaluate("""async (b64) => {
+    page.evaluate(
+        """async (b64) => {
         const bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
         await window.app.handleFile(new File([bytes], 'clip.mp4', {type: 'video/mp4'}));
-    }""", base64.b64encode(mp4.read_bytes()).decode())
+    }""",
+        base64.b64encode(mp4.read_bytes()).decode(),
+    )
     page.wait_for_function("window.app.graph._nodes.length > 0", timeout=60_000)
     assert sorted(t for t, _ in nodes_on_canvas(page)) == sorted(n["type"] for n in workflow["nodes"])
 

@@ -11,8 +11,9 @@ from h3_core.pipeline.prompt import from_conditioning
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-CFG = DiTConfig(hidden=512, layers=4, heads=4, head_dim=128, ffn=1024, time_embed=512, time_hidden=512, rope_freqs=16,
-                hybrid=True)
+CFG = DiTConfig(
+    hidden=512, layers=4, heads=4, head_dim=128, ffn=1024, time_embed=512, time_hidden=512, rope_freqs=16, hybrid=True
+)
 
 
 def model():

@@ -11,13 +11,14 @@ from h3_core.attention import (
     WindowSpec,
     dense_attention,
     force_kernel,
+    kernels,
     last_window_run,
     merge_partials,
     merge_partials_reference,
     resolve_kernel,
+    window_flex,
     window_softmax,
 )
-from h3_core.attention import kernels, window_flex
 from h3_core.attention.window_decomposed import window_softmax_decomposed
 from h3_core.errors import H3BackendUnavailable
 
@@ -67,7 +68,7 @@ def test_merge_triton_matches_reference():
     ref = torch.empty_like(fast)
     merge_partials(o_a, l_a, o_b, l_b, fast)
     merge_partials_reference(o_a, l_a, o_b, l_b, ref)
-    assert (fast.float() - ref.float()).abs().max().item() <= 2 ** -7
+    assert (fast.float() - ref.float()).abs().max().item() <= 2**-7
 
 
 LAYOUTS = {

@@ -3,10 +3,10 @@ of h3_core.models.block_fused, at the model's head size."""
 
 import pytest
 import torch
+from quantized_rows import assert_codes_within_a_step
 
 from h3_core.models import block_fused
 from h3_core.models.branch_fused import triton_kernel
-from quantized_rows import assert_codes_within_a_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -28,8 +28,11 @@ def test_triton_qk_norm_rope_matches_the_written_function(dtype, rotary):
     from h3_core.models.block_triton import qk_norm_rope_triton
 
     for x, per_head in ((qkv[:, 0], False), (qkv[:, 1], False), (qkv[:, 1], True)):
-        got = (block_fused.run("compiled", "qk_norm_rope", x, weight, cos, sin, 1e-6) if not per_head
-               else qk_norm_rope_triton(x, weight, cos, sin, 1e-6, per_head=True))
+        got = (
+            block_fused.run("compiled", "qk_norm_rope", x, weight, cos, sin, 1e-6)
+            if not per_head
+            else qk_norm_rope_triton(x, weight, cos, sin, 1e-6, per_head=True)
+        )
         want = block_fused.run("eager", "qk_norm_rope", x, weight, cos, sin, 1e-6)
         assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
         if dtype == torch.float32:
@@ -46,10 +49,9 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
     residual (the FFN's), written and quantised, against the written functions run as written: the row's
     norm is summed in another order, so a value on a rounding boundary may round the other way — each result
     within a step of the rows' dtype, the scales too, at most one code in a thousand one e4m3 step apart."""
-    from h3_core.models.fp8_linear import quantize_input
-
-    from h3_core.models.block_triton import block_norm_triton
     from h3_core.models.block_fused import block_triton
+    from h3_core.models.block_triton import block_norm_triton
+    from h3_core.models.fp8_linear import quantize_input
     from h3_core.triton_forms import triton_form
 
     if triton_form(block_triton, "block_norm_triton") is None:
@@ -69,16 +71,23 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
 
     norm = (weight, shift, scale, rows, 1e-6)
     assert close(block_norm_triton(x, *norm), block_fused.run("eager", "norm_modulate", x, *norm))
-    assert close(block_fused.run("compiled", "norm_modulate", x, *norm),  # the attention input's, by name
-                 block_fused.run("eager", "norm_modulate", x, *norm))
-    assert_codes_within_a_step(block_fused.norm_modulate_quantized("compiled", x, *norm),
-                               quantize_input(block_fused.run("eager", "norm_modulate", x, *norm)), step)
+    assert close(
+        block_fused.run("compiled", "norm_modulate", x, *norm),  # the attention input's, by name
+        block_fused.run("eager", "norm_modulate", x, *norm),
+    )
+    assert_codes_within_a_step(
+        block_fused.norm_modulate_quantized("compiled", x, *norm),
+        quantize_input(block_fused.run("eager", "norm_modulate", x, *norm)),
+        step,
+    )
     for quantized in (False, True):
         written = y.clone()
-        got_x, got_h = block_fused.residual_norm("compiled", x, written, gate, rows, weight, shift, scale, 1e-6,
-                                                 quantized)
-        want_x, want_h = block_fused.residual_norm("eager", x, y.clone(), gate, rows, weight, shift, scale, 1e-6,
-                                                   quantized)
+        got_x, got_h = block_fused.residual_norm(
+            "compiled", x, written, gate, rows, weight, shift, scale, 1e-6, quantized
+        )
+        want_x, want_h = block_fused.residual_norm(
+            "eager", x, y.clone(), gate, rows, weight, shift, scale, 1e-6, quantized
+        )
         assert got_x.data_ptr() == written.data_ptr() and close(got_x, residual) and close(want_x, residual)
         if quantized:
             assert_codes_within_a_step(got_h, want_h, step)
@@ -195,8 +204,7 @@ def test_triton_gather_matches_the_fp64_reference():
     want = gather_reference(P, Q, alpha, bounds, seed)
     assert (got.cpu().double() - want).abs().max() <= 1e-5 * want.abs().max()
     # gathered straight into the rows' dtype, as the fused readout takes it: the fp32 states rounded once
-    rounded = branch_fused.gather("compiled", P.to(DEV), Q.to(DEV), alpha.to(DEV), bounds, seed.to(DEV),
-                                  torch.bfloat16)
+    rounded = branch_fused.gather("compiled", P.to(DEV), Q.to(DEV), alpha.to(DEV), bounds, seed.to(DEV), torch.bfloat16)
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.to(torch.bfloat16))
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from quantized_rows import assert_codes_within_a_step
 
 from h3_core.models.fp8_linear import (
     Fp8Linear,
@@ -29,7 +30,6 @@ from h3_core.models.fp8_linear import (
     quantize_rows,
     scaled_mm_supports,
 )
-from quantized_rows import assert_codes_within_a_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -73,9 +73,11 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @needs_fp8
-@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 32), (77, 256, 384), (333, 1024, 512),
-                                                           (4096, 5376, 21504), (2048, 14336, 5376)],
-                         ids=["one-row", "odd-rows", "rows-333", "qkv-size", "fc2-size"])
+@pytest.mark.parametrize(
+    "rows,in_features,out_features",
+    [(1, 64, 32), (77, 256, 384), (333, 1024, 512), (4096, 5376, 21504), (2048, 14336, 5376)],
+    ids=["one-row", "odd-rows", "rows-333", "qkv-size", "fc2-size"],
+)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_scaled_mm_equals_the_reference(rows, in_features, out_features, bias):
     layer = quantised_layer(in_features, out_features, bias)
@@ -136,13 +138,19 @@ def test_cuda_quantiser_equals_the_cpu_one():
     assert torch.equal(on_cpu.weight_scale, on_gpu.weight_scale)
 
 
-@pytest.mark.parametrize("width, dtype, strided", [(5376, torch.bfloat16, False), (14336, torch.bfloat16, True),
-                                                   (7168, torch.float32, False), (40, torch.float16, True)])
+@pytest.mark.parametrize(
+    "width, dtype, strided",
+    [
+        (5376, torch.bfloat16, False),
+        (14336, torch.bfloat16, True),
+        (7168, torch.float32, False),
+        (40, torch.float16, True),
+    ],
+)
 def test_the_triton_quantiser_gives_the_reference_codes(width, dtype, strided):
     """One pass per row on CUDA (h3_core.models.fp8_triton) against the eager reference on the same device, bit for
     bit, at the model's widths, for rows of a wider tensor (the FFN's gate half) and with a zero row."""
-    from h3_core.models.fp8_linear import quantize_rows_reference
-    from h3_core.models.fp8_linear import fp8_triton
+    from h3_core.models.fp8_linear import fp8_triton, quantize_rows_reference
     from h3_core.triton_forms import triton_form
 
     if triton_form(fp8_triton, "quantize_rows_triton") is None:
@@ -163,9 +171,8 @@ def test_the_fused_swiglu_quantiser_gives_the_two_step_codes(ffn, dtype):
     """The FFN's SiLU·up and the quantisation of fc2's input in one Triton pass, bit for bit what the product
     written into fc1's output by the compiled SiLU·up and quantised after gives, at the model's width and with a
     zero row."""
-    from h3_core.models.fp8_linear import quantize_input
     from h3_core.models import block_fused
-    from h3_core.models.fp8_linear import fp8_triton
+    from h3_core.models.fp8_linear import fp8_triton, quantize_input
     from h3_core.triton_forms import triton_form
 
     if triton_form(fp8_triton, "swiglu_quantize_triton") is None:
@@ -185,15 +192,15 @@ def test_the_fused_swiglu_quantiser_gives_the_two_step_codes(ffn, dtype):
         assert_codes_within_a_step(one, two, 2**-10)
 
 
-@pytest.mark.parametrize("heads, head_dim, dtype", [(56, 128, torch.bfloat16), (56, 128, torch.float16),
-                                                    (3, 24, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "heads, head_dim, dtype", [(56, 128, torch.bfloat16), (56, 128, torch.float16), (3, 24, torch.bfloat16)]
+)
 def test_the_fused_gate_quantiser_gives_the_two_step_codes(heads, head_dim, dtype):
     """out_proj's input — the window softmax's output times its per-head gate — quantised in one Triton pass,
     bit for bit what the compiled gate written in place and quantised after gives, at the model's width (a
     head group's columns of the gate, a zero row) and at a width whose chunks split heads."""
-    from h3_core.models.fp8_linear import quantize_input
     from h3_core.models import block_fused
-    from h3_core.models.fp8_linear import fp8_triton
+    from h3_core.models.fp8_linear import fp8_triton, quantize_input
     from h3_core.triton_forms import triton_form
 
     if triton_form(fp8_triton, "gate_heads_quantize_triton") is None:
@@ -218,10 +225,15 @@ def test_leading_dimensions_are_rows():
     assert torch.equal(got.reshape(300, 256), layer(x.reshape(300, 512)))
 
 
-@pytest.mark.parametrize("in_features,out_features,dtype,reason", [
-    (100, 48, torch.bfloat16, "divisible by 16"), (64, 50, torch.bfloat16, "divisible by 16"),
-    (64, 48, torch.float32, "return bf16 or fp16"),
-], ids=["in-100", "out-50", "fp32-output"])
+@pytest.mark.parametrize(
+    "in_features,out_features,dtype,reason",
+    [
+        (100, 48, torch.bfloat16, "divisible by 16"),
+        (64, 50, torch.bfloat16, "divisible by 16"),
+        (64, 48, torch.float32, "return bf16 or fp16"),
+    ],
+    ids=["in-100", "out-50", "fp32-output"],
+)
 def test_what_the_kernel_refuses_falls_back_to_the_reference(in_features, out_features, dtype, reason):
     layer = quantised_layer(in_features, out_features, bias=True, dtype=dtype)
     x = torch.randn(37, in_features, device=DEV, dtype=dtype)
@@ -239,8 +251,19 @@ def test_zero_rows_stay_zero():
     assert torch.isfinite(got).all() and not got[[0, 17, 39]].any()
 
 
-REDUCED = dict(hidden=1024, layers=2, heads=8, head_dim=128, ffn=2816, refiner_layers=1, text_dim=512,
-               freq_dim=256, time_hidden=1024, time_embed=512, rope_freqs=16)
+REDUCED = dict(
+    hidden=1024,
+    layers=2,
+    heads=8,
+    head_dim=128,
+    ffn=2816,
+    refiner_layers=1,
+    text_dim=512,
+    freq_dim=256,
+    time_hidden=1024,
+    time_embed=512,
+    rope_freqs=16,
+)
 
 
 def open_gates(model) -> None:
@@ -261,10 +284,10 @@ def test_one_step_of_a_reduced_dit_against_bf16(hybrid, fused):
     """Also with the blocks fused and compiled (the CUDA default): the FFN's product written into fc1's output
     and quantised by the Triton pass from there."""
     from h3_core.attention import WindowSpec
-    from h3_core.models.run_options import fuse_blocks
     from h3_core.models.branch_fused import compiled_branch_available
     from h3_core.models.dit import DiTConfig, H3DiT
     from h3_core.models.hybrid import HybridContext
+    from h3_core.models.run_options import fuse_blocks
     from h3_core.pipeline.packing import pack_sequence
 
     if fused == "compiled" and not compiled_branch_available(DEV):
@@ -276,12 +299,18 @@ def test_one_step_of_a_reduced_dit_against_bf16(hybrid, fused):
     packed = pack_sequence(torch.ones(64, dtype=torch.long), 12, 16, 32, 40)
     g = torch.Generator(device=DEV).manual_seed(3)
     T = packed.positions.shape[0]
-    args = dict(video_rows=torch.randn(packed.video_index.numel(), 96, generator=g, device=DEV),
-                audio_rows=torch.randn(packed.audio_index.numel(), 32, generator=g, device=DEV),
-                text_rows=torch.randn(64, 512, generator=g, device=DEV), timesteps=torch.tensor([0.4], device=DEV),
-                timestep_index=torch.zeros(T, dtype=torch.long, device=DEV), tags=packed.tags.to(DEV),
-                positions=packed.positions.to(DEV), video_index=packed.video_index.to(DEV),
-                audio_index=packed.audio_index.to(DEV), text_index=packed.text_index.to(DEV))
+    args = dict(
+        video_rows=torch.randn(packed.video_index.numel(), 96, generator=g, device=DEV),
+        audio_rows=torch.randn(packed.audio_index.numel(), 32, generator=g, device=DEV),
+        text_rows=torch.randn(64, 512, generator=g, device=DEV),
+        timesteps=torch.tensor([0.4], device=DEV),
+        timestep_index=torch.zeros(T, dtype=torch.long, device=DEV),
+        tags=packed.tags.to(DEV),
+        positions=packed.positions.to(DEV),
+        video_index=packed.video_index.to(DEV),
+        audio_index=packed.audio_index.to(DEV),
+        text_index=packed.text_index.to(DEV),
+    )
     context = HybridContext(packed.layout, WindowSpec(1, 2, "both"), "ref", (0, 64)) if hybrid else None
     quantised, without = copy.deepcopy(model), copy.deepcopy(model)
     swapped = quantize_linears(quantised)

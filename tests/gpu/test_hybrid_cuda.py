@@ -25,14 +25,22 @@ from h3_core.attention import (
     resolve_window_backend,
     window_bounds,
 )
+from h3_core.models.branch_math import (
+    featurize,
+    frame_statistics,
+    gather,
+    gather_reference,
+    scan,
+    scan_reference,
+    solve,
+    solve_reference,
+)
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
-from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory
 from h3_core.models.linear_branch import LinearBranch
-from h3_core.models.branch_math import featurize, frame_statistics, gather, gather_reference, scan, scan_reference, solve, solve_reference
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.run_options import apply_low_memory, apply_run_options, run_options_of
 from h3_core.pipeline.packing import pack_sequence
-from h3_core.models.run_options import apply_run_options, run_options_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -92,8 +100,16 @@ class Case:
 
     def cfg(self) -> DiTConfig:
         # rope_freqs = head_dim / 8: 6 * 16 = 96 of 128 channels rotated (as released), 48 of 64; the rest pass.
-        return DiTConfig(hidden=192, layers=1, heads=self.heads, head_dim=self.head_dim, ffn=256, time_embed=16,
-                         rope_freqs=self.head_dim // 8, hybrid=True)
+        return DiTConfig(
+            hidden=192,
+            layers=1,
+            heads=self.heads,
+            head_dim=self.head_dim,
+            ffn=256,
+            time_embed=16,
+            rope_freqs=self.head_dim // 8,
+            hybrid=True,
+        )
 
     def context(self, packed, backend) -> HybridContext:
         return HybridContext(packed.layout, self.window, backend, (0, self.text))
@@ -149,8 +165,9 @@ CASES = {
     # the released window (chunk 5, radius 1, anchors both) at 17 > 10 frames, so it leaves frames out
     "17f-6x8-2h128-release": Case(17, 12, 16, text=9, audio=6, heads=2, head_dim=128, window=RELEASE_WINDOW),
     # per-frame windows of radius 2 with anchor columns only: the branch runs on every frame
-    "12f-4x6-2h128-r2-columns": Case(12, 8, 12, text=5, audio=4, heads=2, head_dim=128,
-                                     window=WindowSpec(2, 0, "columns")),
+    "12f-4x6-2h128-r2-columns": Case(
+        12, 8, 12, text=5, audio=4, heads=2, head_dim=128, window=WindowSpec(2, 0, "columns")
+    ),
 }
 
 
@@ -197,8 +214,8 @@ def test_hybrid_block_bf16_matches_fp32_reference_on_every_backend(case):
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_fused_hybrid_block_in_bf16_is_as_close_to_fp32_as_the_plain_block(case, mode):
-    from h3_core.models.run_options import fuse_blocks
     from h3_core.models.branch_fused import compiled_branch_available
+    from h3_core.models.run_options import fuse_blocks
 
     if mode == "compiled" and not compiled_branch_available(DEV):
         pytest.skip("needs Triton")
@@ -277,8 +294,9 @@ def test_linear_branch_fast_path_matches_fp64_reference(head_dim, features):
     S = gather(P, Q, a32, bounds, s32)
     for t in (A, B, T, J, P, Q, S):
         assert t.device.type == DEV.type and t.dtype == torch.float32 and torch.isfinite(t).all()
-    chain = dict(A=rel(A, A_r), B=rel(B, B_r), T=rel(T, T_r), J=rel(J, J_r), P=rel(P, P_r), Q=rel(Q, Q_r),
-                 S=rel(S, S_r))
+    chain = dict(
+        A=rel(A, A_r), B=rel(B, B_r), T=rel(T, T_r), J=rel(J, J_r), P=rel(P, P_r), Q=rel(Q, Q_r), S=rel(S, S_r)
+    )
     assert max(chain.values()) <= FP32_STAGE, chain
 
     # each stage alone, from the reference's own inputs (an error cannot hide behind an earlier one)
@@ -296,8 +314,9 @@ def branch_case(heads, head_dim, grid, seed, frames=14, hidden=96, text=6):
     branch = fill(LinearBranch(hidden, heads, head_dim, bottleneck=32), seed=seed).eval()
     g = torch.Generator().manual_seed(seed + 1)
     x, tx = (torch.randn(n, hidden, generator=g).to(torch.bfloat16) for n in (rows, text))
-    q, k, v, tk, tv = (torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16)
-                       for n in (rows, rows, rows, text, text))
+    q, k, v, tk, tv = (
+        torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16) for n in (rows, rows, rows, text, text)
+    )
     return branch, (x, q, k, v), (tx, tk, tv), window_bounds(frames, 1, 3)
 
 
@@ -327,8 +346,10 @@ def test_gram_statistics_of_bf16_features_on_cuda_sum_in_fp32():
     from h3_core.models.branch_fused import gram_statistics
 
     g = torch.Generator().manual_seed(9)
-    k, v = (torch.nn.functional.normalize(torch.randn(6, 4, 1008, 128, generator=g), dim=-1).to(torch.bfloat16)
-            for _ in range(2))
+    k, v = (
+        torch.nn.functional.normalize(torch.randn(6, 4, 1008, 128, generator=g), dim=-1).to(torch.bfloat16)
+        for _ in range(2)
+    )
     A, B = gram_statistics(k.to(DEV), v.to(DEV))
     wide_k, wide_v = k.double(), v.double()
     assert A.dtype == B.dtype == torch.float32
@@ -344,8 +365,10 @@ def test_shifted_statistics_compiled_on_cuda_equal_the_eager_pass():
     if not compiled_branch_available():
         pytest.skip("Triton is not importable here")
     g = torch.Generator().manual_seed(10)
-    k, v = (torch.nn.functional.normalize(torch.randn(6, 4, 1008, 128, generator=g), dim=-1).to(torch.bfloat16)
-            .to(DEV) for _ in range(2))
+    k, v = (
+        torch.nn.functional.normalize(torch.randn(6, 4, 1008, 128, generator=g), dim=-1).to(torch.bfloat16).to(DEV)
+        for _ in range(2)
+    )
     shifted, B = shifted_statistics("compiled", k, v)
     want, want_B = shifted_statistics("eager", k, v)
     assert shifted.dtype == torch.float32 and torch.equal(B, want_B)
@@ -369,8 +392,9 @@ def test_fused_branch_on_cuda_is_as_close_to_fp64_as_the_plain_branch(mode):
         sl = slice(0, heads) if heads_run is None else heads_run
         with torch.no_grad():
             seed_state = module.text_state(*(t.to(device, dtype) for t in (tx, tk[:, sl], tv[:, sl])), heads_run)
-            return module(*(t.to(device, dtype) for t in (x, q[:, sl], k[:, sl], v[:, sl])), grid, bounds,
-                          seed_state, heads_run)
+            return module(
+                *(t.to(device, dtype) for t in (x, q[:, sl], k[:, sl], v[:, sl])), grid, bounds, seed_state, heads_run
+            )
 
     gold = run(CPU, torch.float64, None)
     plain = run(DEV, torch.bfloat16, None)

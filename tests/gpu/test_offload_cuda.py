@@ -27,19 +27,29 @@ import pytest
 import torch
 
 from h3_core.attention import WindowSpec
-from h3_core.models.fp8_linear import quantize_linears
-from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.models.precision import keeps_fp32
-from h3_core.models.hybrid import HybridContext
 from h3_core.memory.offload import offload_blocks
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.fp8_linear import quantize_linears
+from h3_core.models.hybrid import HybridContext
+from h3_core.models.precision import keeps_fp32
 from h3_core.pipeline.packing import pack_sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 DEV = torch.device("cuda")
 LAYERS = 6
-CFG = dict(hidden=1024, layers=LAYERS, heads=8, head_dim=128, ffn=4096, text_dim=256, freq_dim=256, time_hidden=512,
-           time_embed=256, rope_freqs=16)
+CFG = dict(
+    hidden=1024,
+    layers=LAYERS,
+    heads=8,
+    head_dim=128,
+    ffn=4096,
+    text_dim=256,
+    freq_dim=256,
+    time_hidden=512,
+    time_embed=256,
+    rope_freqs=16,
+)
 TEXT_ROWS = 64
 
 
@@ -70,10 +80,15 @@ def sequence(hybrid: bool) -> dict:
         video_rows=torch.randn(packed.video_index.numel(), 96, generator=g).to(DEV),
         audio_rows=torch.randn(packed.audio_index.numel(), 32, generator=g).to(DEV),
         text_rows=torch.randn(TEXT_ROWS, CFG["text_dim"], generator=g).to(DEV),
-        timesteps=torch.tensor([0.4, 0.7], device=DEV), timestep_index=(packed.tags == 2).long().to(DEV),
-        tags=packed.tags.to(DEV), positions=packed.positions.to(DEV), video_index=packed.video_index.to(DEV),
-        audio_index=packed.audio_index.to(DEV), text_index=packed.text_index.to(DEV),
-        hybrid=HybridContext(packed.layout, WindowSpec(1, 2, "both"), "auto", (0, TEXT_ROWS)) if hybrid else None)
+        timesteps=torch.tensor([0.4, 0.7], device=DEV),
+        timestep_index=(packed.tags == 2).long().to(DEV),
+        tags=packed.tags.to(DEV),
+        positions=packed.positions.to(DEV),
+        video_index=packed.video_index.to(DEV),
+        audio_index=packed.audio_index.to(DEV),
+        text_index=packed.text_index.to(DEV),
+        hybrid=HybridContext(packed.layout, WindowSpec(1, 2, "both"), "auto", (0, TEXT_ROWS)) if hybrid else None,
+    )
 
 
 def evaluate(model, inputs):
@@ -137,7 +152,8 @@ def test_streaming_lowers_the_peak_by_the_streamed_blocks_minus_the_slot_pool():
     assert saved > 0
     assert resident_peak - streamed_peak >= saved, (
         f"resident peak {resident_peak / 2**20:.1f} MiB, streamed peak {streamed_peak / 2**20:.1f} MiB, "
-        f"streamed blocks {stats.streamed_bytes / 2**20:.1f} MiB, slot pool {stats.slot_bytes / 2**20:.1f} MiB")
+        f"streamed blocks {stats.streamed_bytes / 2**20:.1f} MiB, slot pool {stats.slot_bytes / 2**20:.1f} MiB"
+    )
 
 
 def test_streamed_blocks_rest_in_page_locked_host_memory():

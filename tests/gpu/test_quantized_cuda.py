@@ -28,21 +28,32 @@ from safetensors.torch import save_file
 from h3_core.formats.checkpoints import load_h3_model
 from h3_core.formats.dit_layers import KEPT
 from h3_core.formats.kitchen import kitchen_support
+from h3_core.formats.quantized_files import read_state_dict
+from h3_core.formats.video_vae import load_video_vae
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
-from h3_core.formats.video_vae import load_video_vae
 from h3_core.pipeline.packing import pack_sequence
-from h3_core.formats.quantized_files import read_state_dict
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 DEV = torch.device("cuda")
 GROUP = 256
 MARKER = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": GROUP}
-CFG = DiTConfig(hidden=256, layers=2, heads=2, head_dim=128, ffn=512, text_dim=20, freq_dim=8, time_hidden=12,
-                time_embed=10, rope_freqs=2)
-VAE_CFG = VideoVAEConfig(decoder_layers=2, decoder_heads=2, decoder_head_dim=128, block_out_channels=(8,) * 6,
-                         norm_groups=4)
+CFG = DiTConfig(
+    hidden=256,
+    layers=2,
+    heads=2,
+    head_dim=128,
+    ffn=512,
+    text_dim=20,
+    freq_dim=8,
+    time_hidden=12,
+    time_embed=10,
+    rope_freqs=2,
+)
+VAE_CFG = VideoVAEConfig(
+    decoder_layers=2, decoder_heads=2, decoder_head_dim=128, block_out_channels=(8,) * 6, norm_groups=4
+)
 
 
 def quantized_file(path, state: dict, layers) -> dict:
@@ -50,11 +61,13 @@ def quantized_file(path, state: dict, layers) -> dict:
     out, oracle = {}, {}
     for key, value in state.items():
         if key in layers:
-            qt = QuantizedTensor.from_float(value, "TensorWiseINT8Layout", per_channel=True, convrot=True,
-                                            convrot_groupsize=GROUP)
+            qt = QuantizedTensor.from_float(
+                value, "TensorWiseINT8Layout", per_channel=True, convrot=True, convrot_groupsize=GROUP
+            )
             out.update({k: v.cpu() for k, v in qt.state_dict(key).items()})
-            out[key.removesuffix(".weight") + ".comfy_quant"] = torch.tensor(list(json.dumps(MARKER).encode()),
-                                                                             dtype=torch.uint8)
+            out[key.removesuffix(".weight") + ".comfy_quant"] = torch.tensor(
+                list(json.dumps(MARKER).encode()), dtype=torch.uint8
+            )
             oracle[key] = qt
         else:
             out[key] = value.cpu()
@@ -72,8 +85,9 @@ def random_state(module, seed, dtype):
 
 @pytest.fixture(scope="module")
 def supported():
-    ok, how = kitchen_support("int8_tensorwise", "int8_convrot", torch.bfloat16,
-                              torch.device("cuda", torch.cuda.current_device()))
+    ok, how = kitchen_support(
+        "int8_tensorwise", "int8_convrot", torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
+    )
     if not ok:
         pytest.skip(f"comfy-kitchen keeps no int8 ConvRot layers on this GPU: {how}")
     return how
@@ -81,11 +95,11 @@ def supported():
 
 def linear_bound(x, codes, scale, exact):
     """The per-element bound of the module docstring for ``x @ (codes · scale)ᵀ`` against ``exact``."""
-    r = (x.double().abs().view(x.shape[0], -1, GROUP).sum(-1, keepdim=True) / GROUP ** 0.5)
+    r = x.double().abs().view(x.shape[0], -1, GROUP).sum(-1, keepdim=True) / GROUP**0.5
     r = r.expand(-1, -1, GROUP).reshape(x.shape)
     s = r.amax(dim=-1, keepdim=True) / 127
     weight = (codes.double() * scale.double().view(-1, 1)).abs()
-    return (s / 2 + 2.0 ** -6 * r) @ weight.t() + 2.0 ** -8 * exact.abs()
+    return (s / 2 + 2.0**-6 * r) @ weight.t() + 2.0**-8 * exact.abs()
 
 
 def test_a_dit_linear_runs_the_int8_kernel_within_its_bound(tmp_path, supported):
@@ -112,10 +126,18 @@ def test_a_dit_linear_runs_the_int8_kernel_within_its_bound(tmp_path, supported)
 def packed_inputs(dtype):
     packed = pack_sequence(torch.ones(4, dtype=torch.long), 12, 2, 4, 5)
     g = torch.Generator().manual_seed(1)
-    args = (torch.randn(packed.video_index.numel(), 96, generator=g), torch.randn(packed.audio_index.numel(), 32,
-                                                                                  generator=g),
-            torch.randn(4, 20, generator=g), torch.tensor([0.3, 0.999]), torch.arange(packed.positions.shape[0]) % 2,
-            packed.tags, packed.positions, packed.video_index, packed.audio_index, packed.text_index)
+    args = (
+        torch.randn(packed.video_index.numel(), 96, generator=g),
+        torch.randn(packed.audio_index.numel(), 32, generator=g),
+        torch.randn(4, 20, generator=g),
+        torch.tensor([0.3, 0.999]),
+        torch.arange(packed.positions.shape[0]) % 2,
+        packed.tags,
+        packed.positions,
+        packed.video_index,
+        packed.audio_index,
+        packed.text_index,
+    )
     return tuple((a.to(dtype) if a.is_floating_point() else a).to(DEV) for a in args)
 
 
@@ -126,8 +148,12 @@ def relative(got, want):
 @pytest.mark.parametrize("cfg", [CFG, replace(CFG, adaln_curve_grid=9, time_embed=8)], ids=["full", "pruned"])
 def test_a_whole_tiny_model_kept_against_dequantised(tmp_path, supported, cfg):
     state = random_state(H3DiT(cfg), 0, torch.bfloat16)
-    layers = {k for k in state if k.startswith("blocks.") and k.endswith(
-        ("attn.qkv_proj.weight", "attn.out_proj.weight", "mlp.fc1.weight", "mlp.fc2.weight"))}
+    layers = {
+        k
+        for k in state
+        if k.startswith("blocks.")
+        and k.endswith(("attn.qkv_proj.weight", "attn.out_proj.weight", "mlp.fc1.weight", "mlp.fc2.weight"))
+    }
     path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
     quantized_file(path, state, layers)
     dtype = torch.float32 if cfg.adaln_curve_grid else torch.bfloat16  # a pruned model does not run in bf16 yet
@@ -146,8 +172,12 @@ def test_a_whole_tiny_model_kept_against_dequantised(tmp_path, supported, cfg):
 
 def test_the_video_vae_kept_against_dequantised(tmp_path, supported):
     state = random_state(VideoVAE(VAE_CFG), 3, torch.float16)
-    layers = {k for k in state if k.startswith("decoder.transformer_blocks.") and k.endswith(
-        ("to_qkv.weight", "to_out.weight", "w1.weight", "w2.weight"))}
+    layers = {
+        k
+        for k in state
+        if k.startswith("decoder.transformer_blocks.")
+        and k.endswith(("to_qkv.weight", "to_out.weight", "w1.weight", "w2.weight"))
+    }
     path = tmp_path / "minimax_h3_video_vae_int8_convrot.safetensors"
     quantized_file(path, state, layers)
     kept = load_video_vae(path, device=DEV, dtype=torch.float16, cfg=VAE_CFG)

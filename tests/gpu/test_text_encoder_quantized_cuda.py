@@ -48,16 +48,36 @@ def wide_state() -> dict[str, torch.Tensor]:
     from h3_core.formats.qwen3vl_checkpoint import LAYOUTS, PUBLISHED
 
     cfg = transformers.Qwen3VLConfig(
-        text_config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=LAYER + 1, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=128, vocab_size=151936, **PUBLISHED["text"]),
-        vision_config=dict(depth=25, hidden_size=64, intermediate_size=64, out_hidden_size=256,
-                           num_position_embeddings=64, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
-                           **PUBLISHED["vision"]),
-        **PUBLISHED["ids"])
+        text_config=dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=LAYER + 1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=128,
+            vocab_size=151936,
+            **PUBLISHED["text"],
+        ),
+        vision_config=dict(
+            depth=25,
+            hidden_size=64,
+            intermediate_size=64,
+            out_hidden_size=256,
+            num_position_embeddings=64,
+            patch_size=16,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            **PUBLISHED["vision"],
+        ),
+        **PUBLISHED["ids"],
+    )
     torch.manual_seed(6)
     model = transformers.Qwen3VLForConditionalGeneration(cfg).to(torch.bfloat16)
-    return {LAYOUTS[0].file_key(k): v for k, v in model.state_dict().items()
-            if k not in ("lm_head.weight", "model.language_model.norm.weight")}
+    return {
+        LAYOUTS[0].file_key(k): v
+        for k, v in model.state_dict().items()
+        if k not in ("lm_head.weight", "model.language_model.norm.weight")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +117,9 @@ def test_kept_layers_against_dequantised(files, kind):
     supported(kind)
     path, oracle = files[kind]
     kept = load(path, device=DEV, held="kitchen")
-    linears = sorted(k for k in oracle
-                     if k != "model.embed_tokens.weight" and not k.startswith(f"model.layers.{LAYER}."))
+    linears = sorted(
+        k for k in oracle if k != "model.embed_tokens.weight" and not k.startswith(f"model.layers.{LAYER}.")
+    )
     assert list(kept.kept_layers) == linears and kept.dequantised_layers == ("model.embed_tokens.weight",)
     dense = load(path, device=DEV, held="dequantize")
     assert dense.kept_layers == ()

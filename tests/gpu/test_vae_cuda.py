@@ -4,12 +4,14 @@ streamed-weights fallback give the frames of the plain CPU decode (skipped witho
 import pytest
 import torch
 
-from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32
 from h3_core.media.tiling import decode_video
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-TINY = VideoVAEConfig(decoder_layers=2, decoder_heads=2, decoder_head_dim=32, block_out_channels=(8,) * 6, norm_groups=4)
+TINY = VideoVAEConfig(
+    decoder_layers=2, decoder_heads=2, decoder_head_dim=32, block_out_channels=(8,) * 6, norm_groups=4
+)
 
 
 @pytest.fixture(scope="module")

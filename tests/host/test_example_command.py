@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import run_example
 from comfy_host import PromptRefused, failure_message
 from test_host_runs import check_mp4

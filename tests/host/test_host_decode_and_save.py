@@ -8,7 +8,6 @@ import json
 import av
 import numpy as np
 import pytest
-
 from comfy_host import error_message, mp4_files
 from graphs import generation, with_decode_and_save
 from test_host_interruptions import next_prompt_runs, nothing_written
@@ -56,8 +55,9 @@ def test_a_cancel_during_decode_and_save_leaves_no_file(server):
 
 
 def test_an_encoder_that_does_not_open_here_is_refused_when_queued(server):
-    from h3_core.media import mp4
     from test_host_errors import refused_at_validation
+
+    from h3_core.media import mp4
 
     if mp4._fails_to_open("h264_nvenc", 256, 256, 24) is None:
         pytest.skip("NVENC opens on this machine")

@@ -9,10 +9,9 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from comfy_host import error_message, mp4_files
 from graphs import TINY_AUDIO_VAE, TINY_DIT, generation, with_references
+from safetensors.torch import save_file
 
 
 @pytest.fixture(scope="module")
@@ -59,26 +58,57 @@ def next_prompt_runs(server):
     assert len(mp4_files(entry, server.output)) == 1
 
 
-@pytest.mark.parametrize("change, pattern", [
-    (dict(dit="broken.safetensors"), r"dit_name: 'broken\.safetensors' cannot be loaded as an H3 DiT checkpoint"),
-    (dict(dit="truncated.safetensors"), r"dit_name: 'truncated\.safetensors' cannot be loaded .*(truncated|header)"),
-    (dict(dit="lying_header.safetensors"), r"dit_name: 'lying_header\.safetensors' cannot be loaded .*safetensors"),
-    (dict(dit="pickled.safetensors"), r"dit_name: 'pickled\.safetensors' cannot be loaded .*not a safetensors file"),
-    (dict(dit="picked_audio_vae.safetensors"), r"dit_name: 'picked_audio_vae\.safetensors' is the H3 audio VAE, not an "
-                                                r"H3 DiT checkpoint; pick it in H3 Audio VAE Loader"),
-    (dict(video_vae=TINY_AUDIO_VAE), r"vae_name: 'h3_tiny_random_audio_vae\.safetensors' is the H3 audio VAE, not the "
-                                     r"H3 video VAE; pick it in H3 Audio VAE Loader"),
-    (dict(video_vae="picked_dit.safetensors"), r"vae_name: 'picked_dit\.safetensors' is an H3 DiT checkpoint"),
-    (dict(video_vae="notes.safetensors"), r"vae_name: 'notes\.safetensors' cannot be loaded .*safetensors"),
-    (dict(dit="no_such_model.safetensors"), r"dit_name: 'no_such_model\.safetensors' is not a file in the "
-                                             r"diffusion_models folder"),
-    (dict(length=60), r"length must be 17k \+ 5 frames .* got 60; nearest: 56 or 73"),
-    (dict(width=100), r"width must be a multiple of 32 px .* got 100; nearest: 96"),
-    (dict(mode="FL2VA"), r"mode FL2VA: needs a first_frame, a last_frame or both"),
-    (dict(first="first.png"), r"mode T2VA: takes no keyframes, but first_frame is connected"),
-], ids=["wrong-tensors", "truncated", "lying-header-length", "pickle-renamed", "audio-vae-as-dit",
-        "audio-vae-as-video-vae", "dit-as-video-vae", "not-a-checkpoint", "file-not-in-folder", "length-off-grid",
-        "width-off-grid", "fl2va-without-images", "t2va-with-an-image"])
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        (dict(dit="broken.safetensors"), r"dit_name: 'broken\.safetensors' cannot be loaded as an H3 DiT checkpoint"),
+        (
+            dict(dit="truncated.safetensors"),
+            r"dit_name: 'truncated\.safetensors' cannot be loaded .*(truncated|header)",
+        ),
+        (dict(dit="lying_header.safetensors"), r"dit_name: 'lying_header\.safetensors' cannot be loaded .*safetensors"),
+        (
+            dict(dit="pickled.safetensors"),
+            r"dit_name: 'pickled\.safetensors' cannot be loaded .*not a safetensors file",
+        ),
+        (
+            dict(dit="picked_audio_vae.safetensors"),
+            r"dit_name: 'picked_audio_vae\.safetensors' is the H3 audio VAE, not an "
+            r"H3 DiT checkpoint; pick it in H3 Audio VAE Loader",
+        ),
+        (
+            dict(video_vae=TINY_AUDIO_VAE),
+            r"vae_name: 'h3_tiny_random_audio_vae\.safetensors' is the H3 audio VAE, not the "
+            r"H3 video VAE; pick it in H3 Audio VAE Loader",
+        ),
+        (dict(video_vae="picked_dit.safetensors"), r"vae_name: 'picked_dit\.safetensors' is an H3 DiT checkpoint"),
+        (dict(video_vae="notes.safetensors"), r"vae_name: 'notes\.safetensors' cannot be loaded .*safetensors"),
+        (
+            dict(dit="no_such_model.safetensors"),
+            r"dit_name: 'no_such_model\.safetensors' is not a file in the "
+            r"diffusion_models folder",
+        ),
+        (dict(length=60), r"length must be 17k \+ 5 frames .* got 60; nearest: 56 or 73"),
+        (dict(width=100), r"width must be a multiple of 32 px .* got 100; nearest: 96"),
+        (dict(mode="FL2VA"), r"mode FL2VA: needs a first_frame, a last_frame or both"),
+        (dict(first="first.png"), r"mode T2VA: takes no keyframes, but first_frame is connected"),
+    ],
+    ids=[
+        "wrong-tensors",
+        "truncated",
+        "lying-header-length",
+        "pickle-renamed",
+        "audio-vae-as-dit",
+        "audio-vae-as-video-vae",
+        "dit-as-video-vae",
+        "not-a-checkpoint",
+        "file-not-in-folder",
+        "length-off-grid",
+        "width-off-grid",
+        "fl2va-without-images",
+        "t2va-with-an-image",
+    ],
+)
 def test_what_needs_no_model_is_refused_before_anything_loads(bad_files, change, pattern):
     refused_at_validation(bad_files, generation(prefix="H3/bad", **change), pattern)
 
@@ -88,11 +118,17 @@ def _without_encoder_references(prompt):
     return prompt
 
 
-@pytest.mark.parametrize("build, pattern", [
-    (lambda: with_references(generation("T2VA", prefix="H3/bad"), image="first.png"),
-     r"mode T2VA: takes no references, but references are connected"),
-    (lambda: generation("Ref2VA", prefix="H3/bad"), r"mode Ref2VA: needs references"),
-], ids=["t2va-with-references", "ref2va-without-references"])
+@pytest.mark.parametrize(
+    "build, pattern",
+    [
+        (
+            lambda: with_references(generation("T2VA", prefix="H3/bad"), image="first.png"),
+            r"mode T2VA: takes no references, but references are connected",
+        ),
+        (lambda: generation("Ref2VA", prefix="H3/bad"), r"mode Ref2VA: needs references"),
+    ],
+    ids=["t2va-with-references", "ref2va-without-references"],
+)
 def test_bad_ref2va_requests_are_refused_when_queued(server, build, pattern):
     refused_at_validation(server, build(), pattern)
 
@@ -106,12 +142,20 @@ def test_keyframes_and_references_together_are_refused_at_the_text_encode(server
     prompt = with_references(generation("Ref2VA", prefix="H3/bad"), image="first.png")
     prompt["31"] = {"class_type": "LoadImage", "inputs": {"image": "first.png"}}
     prompt["5"]["inputs"]["first_frame"] = ["31", 0]
-    refused_at_validation(server, prompt, r"keyframes \(first_frame / last_frame: FL2VA\) and references \(Ref2VA\) "
-                                          r"cannot be used together")
+    refused_at_validation(
+        server,
+        prompt,
+        r"keyframes \(first_frame / last_frame: FL2VA\) and references \(Ref2VA\) "
+        r"cannot be used together",
+    )
 
 
 def test_conditioning_encoded_without_the_references_is_a_node_error(server):
     prompt = _without_encoder_references(with_references(generation("Ref2VA", prefix="H3/bad"), image="first.png"))
-    expect_node_error(server, prompt, r"conditioning: was encoded with references none, but the sampler has "
-                                      r"\('image',\) at length 56")
+    expect_node_error(
+        server,
+        prompt,
+        r"conditioning: was encoded with references none, but the sampler has "
+        r"\('image',\) at length 56",
+    )
     next_prompt_runs(server)

@@ -6,7 +6,6 @@ import os
 import subprocess
 
 import pytest
-
 from comfy_host import error_message, mp4_files
 from graphs import generation
 
@@ -44,11 +43,21 @@ def test_cancel_during_the_save_leaves_no_file(server):
     """A long save (600 frames of a picture scaled to 320x240), cancelled as it starts."""
     prompt = {
         "1": {"class_type": "LoadImage", "inputs": {"image": "first.png"}},
-        "2": {"class_type": "ImageScale", "inputs": {"image": ["1", 0], "upscale_method": "nearest-exact",
-                                                     "width": 320, "height": 240, "crop": "disabled"}},
+        "2": {
+            "class_type": "ImageScale",
+            "inputs": {
+                "image": ["1", 0],
+                "upscale_method": "nearest-exact",
+                "width": 320,
+                "height": 240,
+                "crop": "disabled",
+            },
+        },
         "3": {"class_type": "RepeatImageBatch", "inputs": {"image": ["2", 0], "amount": 600}},
-        "4": {"class_type": "H3SaveVideo", "inputs": {"images": ["3", 0], "filename_prefix": "H3/cancel_save",
-                                                      "fps": 24}},
+        "4": {
+            "class_type": "H3SaveVideo",
+            "inputs": {"images": ["3", 0], "filename_prefix": "H3/cancel_save", "fps": 24},
+        },
     }
     for kind, data in server.events(prompt, timeout=300):
         if kind == "queued":
@@ -66,8 +75,9 @@ def small_disk(server):
     """A 64 KiB tmpfs mounted at ``output/full`` (needs the privilege to mount, which the test machines have)."""
     folder = server.output / "full"
     folder.mkdir(exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True,
-                             text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         message = f"could not mount a small tmpfs for the full-disk test: {mounted.stderr.strip()}"
         if os.environ.get("H3_COMFY_GPU") == "1":
@@ -92,8 +102,9 @@ def test_a_disk_that_fills_during_the_save_is_a_clear_error_and_leaves_nothing(s
 @pytest.mark.skipif(os.environ.get("H3_COMFY_GPU") != "1", reason="an out-of-memory on a GPU: the server on the GPU")
 def test_an_out_of_memory_mid_step_is_a_clear_error_and_the_server_goes_on(server):
     def ballast(release):
-        entry = server.run({"1": {"class_type": "H3ProbeBallast", "inputs": {"leave_megabytes": 256.0,
-                                                                            "release": release}}})
+        entry = server.run(
+            {"1": {"class_type": "H3ProbeBallast", "inputs": {"leave_megabytes": 256.0, "release": release}}}
+        )
         assert entry["status"]["status_str"] == "success", error_message(entry)
 
     next_prompt_runs(server, "H3/before_oom")  # every model loaded and small; what is left goes to the ballast

@@ -8,10 +8,10 @@ import json
 import av
 import numpy as np
 import torch
-from safetensors.torch import save_file
-
 from comfy_host import error_message, mp4_files
 from graphs import generation
+from safetensors.torch import save_file
+
 from h3_core.pipeline.tiny_checkpoints import TINY_DIT
 
 
@@ -31,8 +31,10 @@ def with_loras(prompt, *chain):
     prompt = {k: {"class_type": v["class_type"], "inputs": dict(v["inputs"])} for k, v in prompt.items()}
     source = ["1", 0]
     for i, (name, strength) in enumerate(chain):
-        prompt[f"30{i}"] = {"class_type": "H3LoraLoader",
-                            "inputs": {"model": source, "lora_name": name, "strength": strength}}
+        prompt[f"30{i}"] = {
+            "class_type": "H3LoraLoader",
+            "inputs": {"model": source, "lora_name": name, "strength": strength},
+        }
         source = [f"30{i}", 0]
     prompt["7"]["inputs"]["model"] = source
     return prompt
@@ -61,9 +63,13 @@ def lora_files(server):
     write_lora(loras / "style.safetensors", {"blocks.0.attn.qkv_proj": (TINY_DIT.hidden, 3 * inner)}, 1)
     write_lora(loras / "motion.safetensors", {"blocks.1.mlp.fc2": (TINY_DIT.ffn, TINY_DIT.hidden)}, 2)
     write_lora(loras / "alien.safetensors", {"blocks.0.attn.qkv_proj": (7, 3 * inner)}, 3)
-    save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(2, 8),
-               "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(8, 2)},
-              str(loras / "sdxl_style.safetensors"))
+    save_file(
+        {
+            "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(2, 8),
+            "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(8, 2),
+        },
+        str(loras / "sdxl_style.safetensors"),
+    )
 
 
 def test_a_lora_chain_patches_the_loaded_model_and_strength_changes_never_reload_it(server):
@@ -77,8 +83,7 @@ def test_a_lora_chain_patches_the_loaded_model_and_strength_changes_never_reload
         patched = frames(run(server, with_loras(base, *chain)), server)
         assert "chain: style.safetensors × 0.8, motion.safetensors × 0.8" in server.log_tail(300)
         assert not np.array_equal(plain, patched)
-        weaker = frames(run(server, with_loras(base, ("style.safetensors", 0.4), ("motion.safetensors", 0.8))),
-                        server)
+        weaker = frames(run(server, with_loras(base, ("style.safetensors", 0.4), ("motion.safetensors", 0.8))), server)
         assert not np.array_equal(weaker, patched)
         again = frames(run(server, with_loras(base, *chain)), server)
         assert np.array_equal(again, patched)  # the same patches on the same weights: the same clip

@@ -10,11 +10,12 @@ from dataclasses import replace
 import av
 import numpy as np
 import pytest
-
 from comfy_host import error_message, mp4_files
 from graphs import generation
+
 from h3_core.formats.sizes import sizes_metadata
 from h3_core.pipeline.tiny_checkpoints import TINY_DIT
+
 
 def run(server, prompt):
     entry = server.run(prompt)
@@ -25,8 +26,10 @@ def run(server, prompt):
 def with_listing(prompt):
     """``prompt`` with the loaded-models probe after both decodes (node "1000")."""
     prompt = dict(prompt)
-    prompt["1000"] = {"class_type": "H3ProbeLoadedModels",
-                      "inputs": {"tag": "loaded", "after_images": ["8", 0], "after_audio": ["9", 0]}}
+    prompt["1000"] = {
+        "class_type": "H3ProbeLoadedModels",
+        "inputs": {"tag": "loaded", "after_images": ["8", 0], "after_audio": ["9", 0]},
+    }
     return prompt
 
 
@@ -52,8 +55,12 @@ def requested(server, model):
 def test_the_models_are_the_hosts_stay_loaded_and_go_when_it_unloads(server):
     prompt = with_listing(generation(length=22, prefix="H3/resident"))
     held = {(m["patcher"], m["model"]) for m in listing(run(server, prompt))}
-    assert {("H3DiTPatcher", "H3DiT"), ("ModelPatcher", "VideoVAE"), ("ModelPatcher", "AudioVAE"),
-            ("TextEncoderPatcher", "_EncoderModule")} <= held
+    assert {
+        ("H3DiTPatcher", "H3DiT"),
+        ("ModelPatcher", "VideoVAE"),
+        ("ModelPatcher", "AudioVAE"),
+        ("TextEncoderPatcher", "_EncoderModule"),
+    } <= held
     first = loads(server)
     counts = {name: requested(server, name) for name in ("H3DiT", "VideoVAE", "AudioVAE")}
     prompt["7"]["inputs"]["seed"] = 123  # a new sample from the same loaded models
@@ -84,10 +91,15 @@ def write_probe_dit(server, name, cfg, seed=4):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(server.models / "diffusion_models" / name), metadata=sizes_metadata(cfg))
-    return max(sum(t.numel() * (4 if keeps_fp32(f"blocks.{i}.{key}") else 2) for key, t in b.state_dict().items())
-               for i, b in enumerate(model.blocks))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(server.models / "diffusion_models" / name),
+        metadata=sizes_metadata(cfg),
+    )
+    return max(
+        sum(t.numel() * (4 if keeps_fp32(f"blocks.{i}.{key}") else 2) for key, t in b.state_dict().items())
+        for i, b in enumerate(model.blocks)
+    )
 
 
 def probed_before_sampler(prompt, node):
@@ -108,8 +120,12 @@ def test_the_dit_frees_what_the_host_asks_a_block_at_a_time(server):
     before = frames(run(server, prompt), server)
     for blocks, stays in ((2.5, True), (100, False)):
         asked = int(blocks * block)
-        entry = run(server, probed_before_sampler(prompt, {"class_type": "H3ProbeHostUnload", "inputs": {
-            "megabytes": asked / 2**20, "tag": str(blocks)}}))
+        entry = run(
+            server,
+            probed_before_sampler(
+                prompt, {"class_type": "H3ProbeHostUnload", "inputs": {"megabytes": asked / 2**20, "tag": str(blocks)}}
+            ),
+        )
         report = entry["outputs"]["1001"]["unload"][0]
         assert report["loaded"] and report["stays_loaded"] is stays, report
         if stays:
@@ -120,8 +136,10 @@ def test_the_dit_frees_what_the_host_asks_a_block_at_a_time(server):
         assert np.array_equal(frames(entry, server), before)
 
 
-@pytest.mark.skipif(os.environ.get("H3_COMFY_GPU") != "1",
-                    reason="the host frees device memory for a load only on a GPU (load_models_gpu skips the CPU)")
+@pytest.mark.skipif(
+    os.environ.get("H3_COMFY_GPU") != "1",
+    reason="the host frees device memory for a load only on a GPU (load_models_gpu skips the CPU)",
+)
 def test_another_model_loaded_while_the_dit_is_resident_gets_the_bytes_the_host_asked_for(server):
     """The host loads another model (through its own load_models_gpu) with working memory that leaves it short by
     two and a half of the DiT's blocks: the host asks the resident DiT for what is missing, the DiT streams its
@@ -132,8 +150,16 @@ def test_another_model_loaded_while_the_dit_is_resident_gets_the_bytes_the_host_
     prompt = generation(length=22, prefix="H3/wide_blocks", dit=name, branch="none")
     before = frames(run(server, prompt), server)
     wanted = int(2.5 * block)
-    entry = run(server, probed_before_sampler(prompt, {"class_type": "H3ProbeLoadAnother", "inputs": {
-        "megabytes": wanted / 2**20, "other_megabytes": 64.0, "tag": "another"}}))
+    entry = run(
+        server,
+        probed_before_sampler(
+            prompt,
+            {
+                "class_type": "H3ProbeLoadAnother",
+                "inputs": {"megabytes": wanted / 2**20, "other_megabytes": 64.0, "tag": "another"},
+            },
+        ),
+    )
     report = entry["outputs"]["1001"]["load"][0]
     assert report["loaded"] and report["stays_loaded"], report
     assert report["other_loaded"] == report["other_size"], report

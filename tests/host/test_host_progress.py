@@ -30,4 +30,6 @@ def test_the_sampler_shows_its_memory_decision_on_the_node(server):
     texts = [data for kind, data in server.events(generation(length=22, seed=77, prefix="H3/told")) if kind == "text"]
     told = [text for node, text in texts if node == "7"]
     # on the CPU there is nothing to plan; on a GPU (H3_COMFY_GPU=1) the policy says what it chose and why
-    assert told and (told[-1] == "running on the CPU; no memory plan needed" or told[-1].startswith("memory policy auto"))
+    assert told and (
+        told[-1] == "running on the CPU; no memory plan needed" or told[-1].startswith("memory policy auto")
+    )

@@ -1,6 +1,7 @@
 """ComfyUI's quantised files through the nodes in a real ComfyUI server: an int8_convrot DiT and video VAE and an
 int8_convrot or nvfp4_awq single-file text encoder, each written from the tiny random models by comfy-kitchen's
-own quantiser (``h3_core.pipeline.tiny_checkpoints``). Where comfy-kitchen has no kernels for the host's device (the CPU)
+own quantiser (``h3_core.pipeline.tiny_checkpoints``). Where comfy-kitchen has no kernels for the host's device (the
+CPU)
 every quantised layer is dequantised on load with one line saying so, and the clip is, frame for frame, the one
 the same workflow makes from files holding comfy-kitchen's own dequantisation of those layers. Where it has
 kernels (a GPU), the int8 layers stay comfy-kitchen layers, the line says so, and the clip differs from the
@@ -14,12 +15,16 @@ import av
 import numpy as np
 import pytest
 import torch
-
 from comfy_host import error_message, mp4_files
 from graphs import generation
 from test_host_loras import lora_files, with_loras
-from h3_core.pipeline.tiny_checkpoints import (INT8_CONVROT_FILES, TINY_TEXT_ENCODER_FILE, write_tiny_quantized_checkpoints,
-                                      write_tiny_quantized_text_encoder_file)
+
+from h3_core.pipeline.tiny_checkpoints import (
+    INT8_CONVROT_FILES,
+    TINY_TEXT_ENCODER_FILE,
+    write_tiny_quantized_checkpoints,
+    write_tiny_quantized_text_encoder_file,
+)
 
 ON_GPU = os.environ.get("H3_COMFY_GPU") == "1"
 
@@ -38,8 +43,9 @@ def files(server):
     read them in on this device, so that on the CPU the copies hold exactly the weights the loaders make."""
     vae_dtype = torch.float16 if ON_GPU else torch.float32
     write_tiny_quantized_checkpoints(server.models, dequantised={"dit": torch.bfloat16, "video_vae": vae_dtype})
-    write_tiny_quantized_text_encoder_file(server.models, "int8_convrot",
-                                           dequantised=torch.bfloat16 if ON_GPU else torch.float32)
+    write_tiny_quantized_text_encoder_file(
+        server.models, "int8_convrot", dequantised=torch.bfloat16 if ON_GPU else torch.float32
+    )
     write_tiny_quantized_text_encoder_file(server.models, "nvfp4_awq")
     return server
 
@@ -61,11 +67,18 @@ def clip(server, prompt) -> np.ndarray:
 def test_int8_convrot_dit_video_vae_and_text_encoder(files):
     server = files
     log_start = len(server.log_path.read_text())
-    quantised = clip(server, workflow(INT8_CONVROT_FILES["dit"], INT8_CONVROT_FILES["video_vae"],
-                                      text_encoder("int8_convrot"), "H3/int8_convrot"))
+    quantised = clip(
+        server,
+        workflow(
+            INT8_CONVROT_FILES["dit"], INT8_CONVROT_FILES["video_vae"], text_encoder("int8_convrot"), "H3/int8_convrot"
+        ),
+    )
     said = server.log_path.read_text()[log_start:]
-    for name, layers in ((INT8_CONVROT_FILES["dit"], 8), (INT8_CONVROT_FILES["video_vae"], 4),
-                         (text_encoder("int8_convrot"), None)):
+    for name, layers in (
+        (INT8_CONVROT_FILES["dit"], 8),
+        (INT8_CONVROT_FILES["video_vae"], 4),
+        (text_encoder("int8_convrot"), None),
+    ):
         line = next((line for line in said.splitlines() if f"{name}: " in line and "int8_convrot" in line), None)
         assert line is not None, f"no line about {name}:\n{said[-3000:]}"
         if layers is not None:
@@ -74,8 +87,15 @@ def test_int8_convrot_dit_video_vae_and_text_encoder(files):
             assert "kept quantised as comfy-kitchen layers for cuda" in line, line
         elif not ON_GPU:
             assert "dequantised on load" in line and "no int8_convrot kernels for cpu" in line, line
-    reference = clip(server, workflow(dequantised(INT8_CONVROT_FILES["dit"]), dequantised(INT8_CONVROT_FILES["video_vae"]),
-                                      dequantised(text_encoder("int8_convrot")), "H3/int8_convrot_dequantised"))
+    reference = clip(
+        server,
+        workflow(
+            dequantised(INT8_CONVROT_FILES["dit"]),
+            dequantised(INT8_CONVROT_FILES["video_vae"]),
+            dequantised(text_encoder("int8_convrot")),
+            "H3/int8_convrot_dequantised",
+        ),
+    )
     assert quantised.shape == reference.shape
     if ON_GPU:
         # int8 activations through three models of random weights, then 8-bit video: close (often equal once
@@ -89,8 +109,15 @@ def test_int8_convrot_dit_video_vae_and_text_encoder(files):
 def test_nvfp4_awq_text_encoder(files):
     server = files
     log_start = len(server.log_path.read_text())
-    frames = clip(server, workflow(dequantised(INT8_CONVROT_FILES["dit"]), dequantised(INT8_CONVROT_FILES["video_vae"]),
-                                   text_encoder("nvfp4_awq"), "H3/nvfp4_awq"))
+    frames = clip(
+        server,
+        workflow(
+            dequantised(INT8_CONVROT_FILES["dit"]),
+            dequantised(INT8_CONVROT_FILES["video_vae"]),
+            text_encoder("nvfp4_awq"),
+            "H3/nvfp4_awq",
+        ),
+    )
     said = server.log_path.read_text()[log_start:]
     assert any(f"{text_encoder('nvfp4_awq')}: " in line and "nvfp4" in line for line in said.splitlines()), said[-3000:]
     assert frames.shape[0] == 22 and np.isfinite(frames).all()
@@ -100,13 +127,23 @@ def test_a_lora_on_the_int8_convrot_dit(files):
     server = files
     lora_files(server)
     chain = [("style.safetensors", 0.8), ("motion.safetensors", 0.8)]
-    base = workflow(INT8_CONVROT_FILES["dit"], INT8_CONVROT_FILES["video_vae"], text_encoder("int8_convrot"),
-                    "H3/int8_lora_plain")
+    base = workflow(
+        INT8_CONVROT_FILES["dit"], INT8_CONVROT_FILES["video_vae"], text_encoder("int8_convrot"), "H3/int8_lora_plain"
+    )
     plain = clip(server, base)
     patched = clip(server, with_loras(base, *chain))
-    reference = clip(server, with_loras(workflow(
-        dequantised(INT8_CONVROT_FILES["dit"]), dequantised(INT8_CONVROT_FILES["video_vae"]),
-        dequantised(text_encoder("int8_convrot")), "H3/int8_lora_dequantised"), *chain))
+    reference = clip(
+        server,
+        with_loras(
+            workflow(
+                dequantised(INT8_CONVROT_FILES["dit"]),
+                dequantised(INT8_CONVROT_FILES["video_vae"]),
+                dequantised(text_encoder("int8_convrot")),
+                "H3/int8_lora_dequantised",
+            ),
+            *chain,
+        ),
+    )
     assert not np.array_equal(patched, plain)
     if ON_GPU:
         difference = np.abs(patched - reference).mean()

@@ -5,7 +5,6 @@ from fractions import Fraction
 
 import av
 import pytest
-
 from comfy_host import error_message, mp4_files
 from graphs import TINY_DIT, TINY_VIDEO_VAE, generation, with_references
 
@@ -20,10 +19,14 @@ NODES = {
     "H3TextEncode": ({"text_encoder", "prompt", "canvas"}, ["CONDITIONING"]),
     "H3AddReference": ({"kind", "fps"}, ["H3_REFERENCES"]),
     "H3LoadAudio": ({"audio_file"}, ["AUDIO"]),
-    "H3AttentionSettings": ({"window_backend", "video_vae_attention", "audio_vae_attention", "memory_mode", "compile"},
-                            ["H3_ATTENTION"]),
-    "H3Sampler": ({"model", "conditioning", "canvas", "mode", "steps", "video_shift", "audio_shift", "seed"},
-                  ["LATENT"]),
+    "H3AttentionSettings": (
+        {"window_backend", "video_vae_attention", "audio_vae_attention", "memory_mode", "compile"},
+        ["H3_ATTENTION"],
+    ),
+    "H3Sampler": (
+        {"model", "conditioning", "canvas", "mode", "steps", "video_shift", "audio_shift", "seed"},
+        ["LATENT"],
+    ),
     "H3VideoDecode": ({"video_vae", "latent", "tile_size", "overlap", "tiles_per_batch"}, ["IMAGE"]),
     "H3AudioDecode": ({"audio_vae", "latent"}, ["AUDIO"]),
     "H3SaveVideo": ({"images", "filename_prefix", "fps"}, []),
@@ -44,8 +47,14 @@ def test_object_info_lists_every_node_with_its_types(server):
         assert set(node["input"]["required"]) == required, name
         assert node["output"] == outputs, name
     assert info["H3SaveVideo"]["output_node"] is True
-    assert set(info["H3Sampler"]["input"]["optional"]) == {"attention", "video_vae", "audio_vae", "first_frame",
-                                                           "last_frame", "references"}
+    assert set(info["H3Sampler"]["input"]["optional"]) == {
+        "attention",
+        "video_vae",
+        "audio_vae",
+        "first_frame",
+        "last_frame",
+        "references",
+    }
     # the dropdowns list the tiny checkpoints from the host's model folders
     required = info["H3DiTLoader"]["input"]["required"]
     assert TINY_DIT in options(required["dit_name"]) and "none" in options(required["linear_branch"])
@@ -68,8 +77,11 @@ def check_mp4(path, frames, width, height):
     assert abs(video_s - frames / 24) < 0.05 and abs(audio_s - video_s) <= 0.25
 
 
-@pytest.mark.parametrize("mode, frames", [("T2VA", {}), ("FL2VA", {"first": "first.png", "last": "last.png"}),
-                                          ("FL2VA", {"last": "last.png"})], ids=["t2va", "fl2va", "last-frame-only"])
+@pytest.mark.parametrize(
+    "mode, frames",
+    [("T2VA", {}), ("FL2VA", {"first": "first.png", "last": "last.png"}), ("FL2VA", {"last": "last.png"})],
+    ids=["t2va", "fl2va", "last-frame-only"],
+)
 def test_a_generation_writes_a_playable_mp4(server, mode, frames):
     entry = server.run(generation(mode, prefix=f"H3/{mode.lower()}", **frames))
     assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
@@ -78,10 +90,14 @@ def test_a_generation_writes_a_playable_mp4(server, mode, frames):
     check_mp4(files[0], 56, 64, 32)
 
 
-# An image reference is encoded at its released size (a 2048 px short edge, h3_core.pipeline.conditioning), the costliest
+# An image reference is encoded at its released size (a 2048 px short edge, h3_core.pipeline.conditioning), the
+# costliest
 # part of a run on the CPU: one case holds an image, beside a video with its soundtrack and a sound.
-@pytest.mark.parametrize("refs", [dict(image="first.png", video="clip.mp4", audio="tone.wav"), dict(audio="tone.wav")],
-                         ids=["image-video-audio", "audio-only"])
+@pytest.mark.parametrize(
+    "refs",
+    [dict(image="first.png", video="clip.mp4", audio="tone.wav"), dict(audio="tone.wav")],
+    ids=["image-video-audio", "audio-only"],
+)
 def test_ref2va_with_references_writes_a_playable_mp4(server, refs):
     prompt = with_references(generation("Ref2VA", prefix="H3/ref2va"), **refs)
     prompt["5"]["inputs"]["prompt"] = "<Picture 1>: a fox runs through snow"

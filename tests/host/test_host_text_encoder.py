@@ -6,6 +6,7 @@ import json
 
 from comfy_host import error_message, mp4_files
 from graphs import TINY_VIDEO_VAE, generation
+
 from h3_core.pipeline.tiny_checkpoints import TINY_TEXT_ENCODER_FILE
 
 
@@ -22,11 +23,13 @@ def test_comfyuis_single_text_encoder_file_encodes_the_prompt(server):
 
 def test_a_vae_picked_as_the_text_encoder_is_refused_when_queued(server):
     (server.models / "text_encoders" / "picked_by_mistake.safetensors").write_bytes(
-        (server.models / "vae" / TINY_VIDEO_VAE).read_bytes())
+        (server.models / "vae" / TINY_VIDEO_VAE).read_bytes()
+    )
     prompt = generation(length=22, prefix="H3/te_mistake")
     prompt["4"]["inputs"]["text_encoder_name"] = "picked_by_mistake.safetensors"
     answer = server.queue(prompt)
     assert "prompt_id" not in answer
     errors = json.dumps(answer["node_errors"])
-    assert "text_encoder_name: 'picked_by_mistake.safetensors' is the H3 video VAE, not a Qwen3-VL text encoder" \
-        in errors, errors
+    assert (
+        "text_encoder_name: 'picked_by_mistake.safetensors' is the H3 video VAE, not a Qwen3-VL text encoder" in errors
+    ), errors

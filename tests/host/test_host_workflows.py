@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from ui_to_api import to_api
 
 WORKFLOWS = sorted((Path(__file__).resolve().parents[2] / "workflows").glob("*.json"))

@@ -10,7 +10,6 @@ import torch
 from h3_core.attention import kernels
 from h3_core.attention.kernels import DeviceFacts
 
-
 LOG2_E = 1.0 / math.log(2.0)
 
 

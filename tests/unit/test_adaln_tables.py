@@ -9,8 +9,18 @@ from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.prompt import from_conditioning
 
-CFG = DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=5120, freq_dim=16, time_hidden=24,
-                time_embed=20, rope_freqs=4)
+CFG = DiTConfig(
+    hidden=48,
+    layers=2,
+    heads=2,
+    head_dim=32,
+    ffn=64,
+    text_dim=5120,
+    freq_dim=16,
+    time_hidden=24,
+    time_embed=20,
+    rope_freqs=4,
+)
 
 
 def model(hybrid=False):

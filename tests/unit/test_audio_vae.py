@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3InputError
-from h3_core.models.audio_vae import AudioVAEConfig, kaiser_sinc
 from h3_core.formats.audio_vae import load_audio_vae
+from h3_core.models.audio_vae import AudioVAEConfig, kaiser_sinc
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -85,8 +85,13 @@ def test_resampling_filters_equal_the_stored_buffers(reference):
 
 
 def test_a_video_vae_is_not_an_audio_vae(tmp_path):
-    video = diffusers.AutoencoderKLMiniMaxH3(block_out_channels=(8,) * 6, norm_num_groups=4, decoder_num_layers=1,
-                                             decoder_num_attention_heads=2, decoder_attention_head_dim=16)
+    video = diffusers.AutoencoderKLMiniMaxH3(
+        block_out_channels=(8,) * 6,
+        norm_num_groups=4,
+        decoder_num_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_attention_head_dim=16,
+    )
     path = tmp_path / "video.safetensors"
     save_file({k: v.contiguous() for k, v in video.state_dict().items()}, str(path))
     with pytest.raises(H3InputError, match=r"video\.safetensors: not a MiniMax H3 audio VAE checkpoint"):
@@ -127,7 +132,9 @@ def test_comfy_single_file_with_folded_weights_and_statistics(reference, folder,
 def test_parametrized_weight_norm_names(reference, folder, tmp_path):
     sd = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
     renamed = {
-        k.replace(".weight_g", ".parametrizations.weight.original0").replace(".weight_v", ".parametrizations.weight.original1"): v
+        k.replace(".weight_g", ".parametrizations.weight.original0").replace(
+            ".weight_v", ".parametrizations.weight.original1"
+        ): v
         for k, v in sd.items()
     }
     path = tmp_path / "parametrized.safetensors"

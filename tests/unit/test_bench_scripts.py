@@ -20,8 +20,14 @@ HEADER = {"command", "device", "torch", "date"}
 def dry_run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: int = 300) -> dict:
     """Run ``bench/<script> *args --out <tmp>/<script>.json`` from the repository root; its JSON."""
     out = tmp_path / f"{Path(script).stem}.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, **(env or {})),
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -68,8 +74,9 @@ def test_fp8_stages(tmp_path):
 
 def test_kernel_launches_under_the_triton_interpreter(tmp_path):
     pytest.importorskip("triton")
-    result = dry_run(tmp_path, "kernel_launches.py", "--tiny", "--reps", "1", "--only", "readout",
-                     env={"TRITON_INTERPRET": "1"})
+    result = dry_run(
+        tmp_path, "kernel_launches.py", "--tiny", "--reps", "1", "--only", "readout", env={"TRITON_INTERPRET": "1"}
+    )
     assert HEADER <= set(result) and {"ms", "max_diff"} <= set(result)
 
 
@@ -90,8 +97,9 @@ def test_text_encode(tmp_path):
 def tiny_end_to_end(tmp_path_factory):
     """``end_to_end.py --tiny``'s files written and its report made (no server: the phases that serve need one)."""
     folder = tmp_path_factory.mktemp("end_to_end")
-    return folder, dry_run(folder, "end_to_end.py", "--tiny", "--base", str(folder / "base"), "--phase", "write",
-                           "report")
+    return folder, dry_run(
+        folder, "end_to_end.py", "--tiny", "--base", str(folder / "base"), "--phase", "write", "report"
+    )
 
 
 def test_end_to_end(tiny_end_to_end):
@@ -101,8 +109,18 @@ def test_end_to_end(tiny_end_to_end):
 
 def test_dit_load(tmp_path, tiny_end_to_end):
     models = tiny_end_to_end[0] / "base" / "models" / "diffusion_models"
-    result = dry_run(tmp_path, "dit_load.py", "--dit", str(models / "h3_tiny_random_dit.safetensors"), "--branch",
-                     str(models / "h3_tiny_random_linear_branch.safetensors"), "--device", "cpu", "--reps", "1")
+    result = dry_run(
+        tmp_path,
+        "dit_load.py",
+        "--dit",
+        str(models / "h3_tiny_random_dit.safetensors"),
+        "--branch",
+        str(models / "h3_tiny_random_linear_branch.safetensors"),
+        "--device",
+        "cpu",
+        "--reps",
+        "1",
+    )
     assert HEADER <= set(result) and "runs" in result
 
 
@@ -116,7 +134,25 @@ def test_mp4_presets(tmp_path):
     rng = np.random.default_rng(0)
     for name in ("a", "b"):
         image.fromarray(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)).save(photos / f"{name}.png")
-    result = dry_run(tmp_path, "mp4_presets.py", "--photos", str(photos), "--frames", "22", "--width", "256",
-                     "--height", "144", "--threads", "0", "--presets", "medium", "--thread-types", "frame",
-                     "--extra-crfs", "--tail-loads", "idle")
+    result = dry_run(
+        tmp_path,
+        "mp4_presets.py",
+        "--photos",
+        str(photos),
+        "--frames",
+        "22",
+        "--width",
+        "256",
+        "--height",
+        "144",
+        "--threads",
+        "0",
+        "--presets",
+        "medium",
+        "--thread-types",
+        "frame",
+        "--extra-crfs",
+        "--tail-loads",
+        "idle",
+    )
     assert HEADER <= set(result) and {"rows", "reference"} <= set(result)

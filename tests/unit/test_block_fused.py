@@ -4,17 +4,15 @@ the whole model, dense and hybrid."""
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_dit import CFG, fp32_case, model, request
 
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
-from h3_core.models import block_fused
-from h3_core.models import run_options
+from h3_core.models import block_fused, run_options
 from h3_core.models.dit import _gated_add_, _modulate_, _rotate, row_runs
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory
 from h3_core.models.run_options import apply_low_memory
-
-from tiny_dit import CFG, fp32_case, model, request
 
 
 def rnd(*shape, seed=0, dtype=torch.float64):
@@ -72,10 +70,16 @@ def test_swiglu_writes_into_the_gate_half():
 def test_the_compiled_functions_equal_the_written_ones():
     x, weight = rnd(11, 8, dtype=torch.float32), rnd(8, seed=1, dtype=torch.float32)
     shift, scale = rnd(6, 8, seed=2, dtype=torch.float32), rnd(6, 8, seed=3, dtype=torch.float32)
-    q, qw, angles = rnd(11, 3, 16, seed=4, dtype=torch.float32), rnd(16, seed=5, dtype=torch.float32), rnd(11, 12, seed=6)
+    q, qw, angles = (
+        rnd(11, 3, 16, seed=4, dtype=torch.float32),
+        rnd(16, seed=5, dtype=torch.float32),
+        rnd(11, 12, seed=6),
+    )
     y = rnd(11, 8, seed=8, dtype=torch.float32)
-    cases = (("norm_modulate", (x, weight, shift, scale, ROWS, 1e-6)),
-             ("qk_norm_rope", (q, qw, angles.float().cos(), angles.float().sin(), 1e-6)))
+    cases = (
+        ("norm_modulate", (x, weight, shift, scale, ROWS, 1e-6)),
+        ("qk_norm_rope", (q, qw, angles.float().cos(), angles.float().sin(), 1e-6)),
+    )
     for name, args in cases:
         compiled, written = block_fused.run("compiled", name, *args), block_fused.run("eager", name, *args)
         assert (compiled - written).abs().max() <= 1e-5 * written.abs().max(), name
@@ -84,7 +88,9 @@ def test_the_compiled_functions_equal_the_written_ones():
     assert (block_fused.run("compiled", "gate_heads_", heads.clone(), gate) - expected).abs().max() <= 1e-6
     gate_up = rnd(11, 16, seed=11, dtype=torch.float32)
     expected = block_fused.run("eager", "swiglu_", gate_up.clone())
-    assert (block_fused.run("compiled", "swiglu_", gate_up.clone()) - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (
+        block_fused.run("compiled", "swiglu_", gate_up.clone()) - expected
+    ).abs().max() <= 1e-5 * expected.abs().max()
     expected = block_fused.run("eager", "gated_residual_", x, y.clone(), shift, ROWS)
     assert (block_fused.run("compiled", "gated_residual_", x, y.clone(), shift, ROWS) - expected).abs().max() <= 1e-5
 

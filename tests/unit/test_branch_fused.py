@@ -2,23 +2,21 @@
 through the whole model."""
 
 from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_dit import CFG, model, request
 
 from h3_core.attention import WindowSpec
 from h3_core.attention.layout import window_bounds
 from h3_core.errors import H3InputError
-from h3_core.models import branch_fused
-from h3_core.models import run_options
+from h3_core.models import branch_fused, run_options
+from h3_core.models.branch_math import featurize, frame_statistics
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch
-from h3_core.models.branch_math import featurize, frame_statistics
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory
-from h3_core.models.run_options import apply_run_options, run_options_of
-
-from tiny_dit import CFG, model, request
+from h3_core.models.run_options import apply_low_memory, apply_run_options, run_options_of
 
 
 def rnd(*shape, seed=0, dtype=torch.float64):
@@ -167,9 +165,12 @@ def test_the_compiled_functions_equal_the_written_ones():
     q = rnd(FR, S, H, D, seed=14, dtype=torch.float32)
     o, weight, logits = rnd(FR, H, S, D, seed=15), rnd(D, seed=16), rnd(FR * S, H * D, seed=17)
     beta = torch.sigmoid(rnd(FR, S, H, seed=24, dtype=torch.float32))
-    for name, args in (("conv_features", (y, taps, H, True)), ("conv_features", (y, taps, H, False, beta)),
-                       ("query_features", (q,)),
-                       ("readout_finish", (o.float(), weight.float(), logits.float()))):
+    for name, args in (
+        ("conv_features", (y, taps, H, True)),
+        ("conv_features", (y, taps, H, False, beta)),
+        ("query_features", (q,)),
+        ("readout_finish", (o.float(), weight.float(), logits.float())),
+    ):
         compiled = branch_fused.run("compiled", name, *args)
         written = branch_fused.run("eager", name, *args)
         assert (compiled - written).abs().max() <= 1e-5 * written.abs().max(), name

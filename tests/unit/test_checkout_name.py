@@ -42,8 +42,9 @@ HOST = Path(os.environ.get("COMFYUI_PATH") or ROOT / ".host" / "comfyui-0.3.75")
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory):
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True
+    )
     if listed.returncode != 0:
         pytest.skip(f"not a git checkout (git ls-files: {listed.stderr.decode().strip()})")
     copy = tmp_path_factory.mktemp("clone") / "ComfyUI-H3-Hybrid"
@@ -56,8 +57,7 @@ def checkout(tmp_path_factory):
 
 
 def test_a_slice_of_the_suite_passes_in_a_checkout_named_like_a_clone(checkout):
-    proc = subprocess.run([sys.executable, "-m", "pytest", *SLICE], cwd=checkout,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", *SLICE], cwd=checkout, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, proc.stdout[-3000:]
@@ -67,7 +67,11 @@ def test_a_slice_of_the_suite_passes_in_a_checkout_named_like_a_clone(checkout):
 def test_comfyui_imports_the_pack_from_a_folder_named_like_a_clone(checkout, naming):
     if not (HOST / "main.py").is_file():
         pytest.fail(f"no ComfyUI at {HOST}: tests/run.sh installs it")
-    proc = subprocess.run([sys.executable, "-c", COMFYUI_IMPORT, str(checkout), naming, str(HOST)],
-                          cwd=checkout.parent, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMFYUI_IMPORT, str(checkout), naming, str(HOST)],
+        cwd=checkout.parent,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "H3Sampler" in proc.stdout

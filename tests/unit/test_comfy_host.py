@@ -9,7 +9,6 @@ import threading
 
 import pytest
 from aiohttp import web
-
 from comfy_host import TEXT_EVENT, ComfyServer, _EventSocket
 
 PREVIEW_EVENT = 1  # the host's binary event type of a preview image, which the driver skips
@@ -26,8 +25,9 @@ def host(tmp_path):
         body = await request.json()
         received.append(body)
         if "bad" in body["prompt"]:
-            return web.json_response({"error": {"type": "prompt_outputs_failed_validation"}, "node_errors": {"1": {}}},
-                                     status=400)
+            return web.json_response(
+                {"error": {"type": "prompt_outputs_failed_validation"}, "node_errors": {"1": {}}}, status=400
+            )
         queued.set()
         return web.json_response({"prompt_id": "p1", "number": 0, "node_errors": {}})
 
@@ -72,9 +72,17 @@ def host(tmp_path):
         return ws
 
     app = web.Application()
-    app.add_routes([web.post("/prompt", post_prompt), web.post("/echo", echo), web.get("/object_info", object_info),
-                    web.post("/interrupt", empty), web.get("/ws", events), web.get("/big", big_then_close),
-                    web.get("/silent", silent)])
+    app.add_routes(
+        [
+            web.post("/prompt", post_prompt),
+            web.post("/echo", echo),
+            web.get("/object_info", object_info),
+            web.post("/interrupt", empty),
+            web.get("/ws", events),
+            web.get("/big", big_then_close),
+            web.get("/silent", silent),
+        ]
+    )
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -93,8 +101,10 @@ def host(tmp_path):
 
 
 def test_json_requests_and_answers(host):
-    assert host.post("/echo", {"unload_models": True, "free_memory": False}) == {"unload_models": True,
-                                                                                "free_memory": False}
+    assert host.post("/echo", {"unload_models": True, "free_memory": False}) == {
+        "unload_models": True,
+        "free_memory": False,
+    }
     assert host.post("/echo") == {}
     assert host.object_info() == {"H3Sampler": {"category": "H3 Hybrid"}}
     host.interrupt()  # an empty answer
@@ -109,10 +119,12 @@ def test_a_refused_prompt_gives_the_servers_errors(host):
 
 def test_events_of_the_prompt_until_it_ends(host):
     got = list(host.events({"1": {"class_type": "H3Sampler", "inputs": {}}}, timeout=30))
-    assert got == [("queued", {"prompt_id": "p1"}),
-                   ("text", ("7", "step 1 of 2 · é")),
-                   ("progress", {"prompt_id": "p1", "node": "7", "value": 1, "max": 2}),
-                   ("execution_success", {"prompt_id": "p1"})]
+    assert got == [
+        ("queued", {"prompt_id": "p1"}),
+        ("text", ("7", "step 1 of 2 · é")),
+        ("progress", {"prompt_id": "p1", "node": "7", "value": 1, "max": 2}),
+        ("execution_success", {"prompt_id": "p1"}),
+    ]
 
 
 def test_messages_of_any_size_then_the_close(host):

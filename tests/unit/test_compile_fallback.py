@@ -13,16 +13,16 @@ import weakref
 
 import pytest
 import torch
+from tiny_dit import CFG, model, request
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._inductor.exc import InvalidCxxCompiler
-from tiny_dit import CFG, model, request
 from triton_interpreter import run_interpreted
 
-from h3_core.memory import policy as placement
-from h3_core.media import tiling
 from h3_core import triton_forms
 from h3_core.attention import WindowSpec, window_flex, window_softmax
 from h3_core.errors import H3InputError
+from h3_core.media import tiling
+from h3_core.memory import policy as placement
 from h3_core.models import branch_fused, run_options, video_vae
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
 from h3_core.pipeline.generate import generate
@@ -100,8 +100,11 @@ def equal(a, b) -> bool:
 # ---- the DiT, through generate -----------------------------------------------------------------------
 
 
-PROMPT = PromptEmbedding(torch.randn(4, CFG.text_dim, generator=torch.Generator().manual_seed(3)),
-                         torch.ones(4, dtype=torch.long), features=CFG.text_dim)
+PROMPT = PromptEmbedding(
+    torch.randn(4, CFG.text_dim, generator=torch.Generator().manual_seed(3)),
+    torch.ones(4, dtype=torch.long),
+    features=CFG.text_dim,
+)
 
 
 def sample(m, compile, modes=None, **options):
@@ -114,8 +117,9 @@ def sample(m, compile, modes=None, **options):
         return fitted
 
     with torch.no_grad():
-        return generate(m, PROMPT, frames=22, width=64, height=32, steps=3, seed=5, compile=compile,
-                        before_sampling=fit, **options)
+        return generate(
+            m, PROMPT, frames=22, width=64, height=32, steps=3, seed=5, compile=compile, before_sampling=fit, **options
+        )
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -163,8 +167,9 @@ def compile_raising(error):
     return compile
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), H3InputError("a bad input")],
-                         ids=["oom", "input"])
+@pytest.mark.parametrize(
+    "error", [torch.OutOfMemoryError("CUDA out of memory"), H3InputError("a bad input")], ids=["oom", "input"]
+)
 def test_out_of_memory_and_bad_input_are_not_compile_failures(fresh, monkeypatch, caplog, error):
     m = model(True)
     monkeypatch.setattr(torch, "compile", compile_raising(error))

@@ -3,9 +3,9 @@
 import textwrap
 
 import torch
+from triton_interpreter import run_interpreted
 
 from h3_core.attention.convert import scale_convert, scale_convert_reference
-from triton_interpreter import run_interpreted
 
 
 def test_reference_scales_in_float32_then_casts():

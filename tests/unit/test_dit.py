@@ -6,16 +6,38 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
+from h3_core.formats.checkpoints import load_h3_model
 from h3_core.models.dit import DiTConfig, timestep_embedding
 from h3_core.models.precision import keeps_fp32
-from h3_core.formats.checkpoints import load_h3_model
 
 diffusers = pytest.importorskip("diffusers")
 
-TINY = dict(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, refiner_layers=2, text_dim=40, freq_dim=16,
-            time_hidden=24, time_embed=20, rope_freqs=4)
-TINY_DIFFUSERS = dict(num_attention_heads=2, attention_head_dim=32, hidden_size=48, num_layers=2, num_refiner_layers=2,
-                      ffn_dim=64, text_dim=40, freq_dim=16, time_embed_hidden_dim=24, time_embed_dim=20, rope_freq_dim=4)
+TINY = dict(
+    hidden=48,
+    layers=2,
+    heads=2,
+    head_dim=32,
+    ffn=64,
+    refiner_layers=2,
+    text_dim=40,
+    freq_dim=16,
+    time_hidden=24,
+    time_embed=20,
+    rope_freqs=4,
+)
+TINY_DIFFUSERS = dict(
+    num_attention_heads=2,
+    attention_head_dim=32,
+    hidden_size=48,
+    num_layers=2,
+    num_refiner_layers=2,
+    ffn_dim=64,
+    text_dim=40,
+    freq_dim=16,
+    time_embed_hidden_dim=24,
+    time_embed_dim=20,
+    rope_freq_dim=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +67,33 @@ def packed(seed=0, L=5, Na=6, Nv=8):
     timestep_index = torch.zeros(T, dtype=torch.long)
     timestep_index[audio_index] = 1
     return dict(
-        video_rows=torch.randn(Nv, 96, generator=g), audio_rows=torch.randn(Na, 32, generator=g),
-        text_rows=torch.randn(L, 40, generator=g), timesteps=torch.tensor([0.3, 0.8]), timestep_index=timestep_index,
-        tags=tags, positions=torch.randn(T, 3, generator=g) * 5, video_index=video_index, audio_index=audio_index,
+        video_rows=torch.randn(Nv, 96, generator=g),
+        audio_rows=torch.randn(Na, 32, generator=g),
+        text_rows=torch.randn(L, 40, generator=g),
+        timesteps=torch.tensor([0.3, 0.8]),
+        timestep_index=timestep_index,
+        tags=tags,
+        positions=torch.randn(T, 3, generator=g) * 5,
+        video_index=video_index,
+        audio_index=audio_index,
         text_index=text_index,
     )
 
 
 def reference_forward(reference, x):
     with torch.no_grad():
-        out = reference(x["video_rows"][None], x["audio_rows"][None], x["text_rows"][None], x["timesteps"],
-                        x["timestep_index"], x["tags"], x["positions"], x["video_index"], x["audio_index"],
-                        x["text_index"])
+        out = reference(
+            x["video_rows"][None],
+            x["audio_rows"][None],
+            x["text_rows"][None],
+            x["timesteps"],
+            x["timestep_index"],
+            x["tags"],
+            x["positions"],
+            x["video_index"],
+            x["audio_index"],
+            x["text_index"],
+        )
     return out.sample[0], out.audio_sample[0]
 
 
@@ -140,21 +177,34 @@ def test_official_shards_with_per_head_interleaved_qkv(folder, tmp_path):
         assert not torch.allclose(wrong(**x)[0], model(**x)[0])
 
 
-@pytest.mark.parametrize("spec, named", [
-    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256},
-     r"\(int8_convrot\): its 4 input columns are not a multiple of its convrot_groupsize 256"),
-    ({"format": "nvfp4"}, r"\(nvfp4\): 'blocks\.0\.attn\.qkv_proj\.weight' holds 8 columns, not a multiple of the 16"),
-    ({"format": "mxfp8"}, r"is quantized as 'mxfp8', which this pack does not read"),
-])
+@pytest.mark.parametrize(
+    "spec, named",
+    [
+        (
+            {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256},
+            r"\(int8_convrot\): its 4 input columns are not a multiple of its convrot_groupsize 256",
+        ),
+        (
+            {"format": "nvfp4"},
+            r"\(nvfp4\): 'blocks\.0\.attn\.qkv_proj\.weight' holds 8 columns, not a multiple of the 16",
+        ),
+        ({"format": "mxfp8"}, r"is quantized as 'mxfp8', which this pack does not read"),
+    ],
+)
 def test_malformed_or_unknown_quantized_comfy_files_are_refused(tmp_path, spec, named):
     import json
 
     sidecar = torch.tensor(list(json.dumps(spec).encode()), dtype=torch.uint8)
     dtype = torch.uint8 if spec["format"] == "nvfp4" else torch.int8
     path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
-    save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(4, 4).to(dtype),
-               "blocks.0.attn.qkv_proj.weight_scale": torch.ones(4, 1),
-               "blocks.0.attn.qkv_proj.comfy_quant": sidecar}, str(path))
+    save_file(
+        {
+            "blocks.0.attn.qkv_proj.weight": torch.zeros(4, 4).to(dtype),
+            "blocks.0.attn.qkv_proj.weight_scale": torch.ones(4, 1),
+            "blocks.0.attn.qkv_proj.comfy_quant": sidecar,
+        },
+        str(path),
+    )
     with pytest.raises(H3InputError, match=rf"{path.name}: layer 'blocks\.0\.attn\.qkv_proj' {named}"):
         load_h3_model(path, cfg=DiTConfig(**TINY))
 
@@ -181,8 +231,9 @@ def test_fp8_scaled_files_load_dequantised(tmp_path, folder, form):
             if form == "comfy_quant":
                 state[layer + ".weight_scale"] = scale.reshape(())
                 state[layer + ".input_scale"] = torch.ones(())
-                state[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
-                                                             dtype=torch.uint8)
+                state[layer + ".comfy_quant"] = torch.tensor(
+                    list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8
+                )
             else:
                 state[layer + ".scale_weight"] = scale.reshape(1)
             expected[key] = q.float() * scale

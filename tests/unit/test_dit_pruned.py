@@ -7,13 +7,23 @@ import torch
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
-from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.models.adaln_tables import curve_embedding
 from h3_core.formats.checkpoints import load_h3_model
+from h3_core.models.adaln_tables import curve_embedding
+from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.packing import pack_sequence
 
-CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
-                time_embed=10, rope_freqs=2)
+CFG = DiTConfig(
+    hidden=24,
+    layers=2,
+    heads=2,
+    head_dim=16,
+    ffn=32,
+    text_dim=20,
+    freq_dim=8,
+    time_hidden=12,
+    time_embed=10,
+    rope_freqs=2,
+)
 GRID = 17
 
 
@@ -48,10 +58,18 @@ def run(model, t):
     index = torch.zeros(T, dtype=torch.long)
     index[packed.audio_index] = 1
     with torch.no_grad():
-        return model(torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
-                     torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
-                     torch.randn(4, 20, generator=g, dtype=torch.float64), torch.tensor(t, dtype=torch.float64),
-                     index, packed.tags, packed.positions, packed.video_index, packed.audio_index, packed.text_index)
+        return model(
+            torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
+            torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
+            torch.randn(4, 20, generator=g, dtype=torch.float64),
+            torch.tensor(t, dtype=torch.float64),
+            index,
+            packed.tags,
+            packed.positions,
+            packed.video_index,
+            packed.audio_index,
+            packed.text_index,
+        )
 
 
 def test_curve_embedding_interpolates_rows_and_clamps():
@@ -82,7 +100,11 @@ def test_a_pruned_file_is_recognised_and_loaded(tmp_path, prefix):
     loaded = model.state_dict()
     assert set(loaded) == set(state)
     for key, value in loaded.items():
-        curve_or_island = key == "adaln_t_table" or "adaln_proj.linear" in key or key.startswith(("video_patch", "audio_patch", "final_layer.video_out", "final_layer.audio_out", "rope"))
+        curve_or_island = (
+            key == "adaln_t_table"
+            or "adaln_proj.linear" in key
+            or key.startswith(("video_patch", "audio_patch", "final_layer.video_out", "final_layer.audio_out", "rope"))
+        )
         assert value.dtype == (torch.float32 if curve_or_island else torch.bfloat16), key
         assert torch.equal(value.float(), state[key].float().to(value.dtype).float()), key
 
@@ -106,5 +128,7 @@ def test_a_malformed_table_is_refused(tmp_path):
     state["adaln_t_table"] = torch.zeros(1, CFG.time_embed, dtype=torch.float64)
     path = tmp_path / "bad.safetensors"
     save_file({k: v.float().contiguous() for k, v in state.items()}, path)
-    with pytest.raises(H3InputError, match=r"bad\.safetensors: adaln_t_table must be \[grid >= 2, width\], got \[1, 10\]"):
+    with pytest.raises(
+        H3InputError, match=r"bad\.safetensors: adaln_t_table must be \[grid >= 2, width\], got \[1, 10\]"
+    ):
         load_h3_model(path, cfg=CFG)

@@ -11,11 +11,19 @@ from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
 from h3_core.formats.file_kinds import KINDS, check_file
-from h3_core.pipeline.tiny_checkpoints import (write_tiny_checkpoints, write_tiny_quantized_checkpoints,
-                                      write_tiny_quantized_text_encoder_file)
+from h3_core.pipeline.tiny_checkpoints import (
+    write_tiny_checkpoints,
+    write_tiny_quantized_checkpoints,
+    write_tiny_quantized_text_encoder_file,
+)
 
-OWN = {"dit": "dit", "linear_branch": "linear_branch", "video_vae": "video_vae", "audio_vae": "audio_vae",
-       "text_encoder": "text_encoder"}
+OWN = {
+    "dit": "dit",
+    "linear_branch": "linear_branch",
+    "video_vae": "video_vae",
+    "audio_vae": "audio_vae",
+    "text_encoder": "text_encoder",
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +39,10 @@ def test_each_checkpoint_is_its_own_kind_and_no_other(tiny, field):
         if kind in (OWN[field], "lora", "prompt_embedding"):
             continue
         own = KINDS[OWN[field]]
-        with pytest.raises(H3InputError, match=re.escape(f"input: '{path.name}' is {own.name}, not {info.name}; pick it "
-                                                         f"in {own.loader}")):
+        with pytest.raises(
+            H3InputError,
+            match=re.escape(f"input: '{path.name}' is {own.name}, not {info.name}; pick it in {own.loader}"),
+        ):
             check_file(path, kind, "input")
 
 
@@ -60,21 +70,37 @@ def test_broken_files_are_refused_by_name(tiny, tmp_path):
     pickled = tmp_path / "pickled.safetensors"
     pickled.write_bytes(pickle.dumps({"weight": [0.0] * 8}))
     for path in (truncated, lying, pickled):
-        with pytest.raises(H3InputError, match=rf"dit_name: '{path.name}' cannot be loaded as an H3 DiT checkpoint: "
-                                                r".*(truncated|not a safetensors file)"):
+        with pytest.raises(
+            H3InputError,
+            match=rf"dit_name: '{path.name}' cannot be loaded as an H3 DiT checkpoint: "
+            r".*(truncated|not a safetensors file)",
+        ):
             check_file(path, "dit", "dit_name")
 
 
 def test_a_lora_for_another_model_is_told_by_its_modules(tmp_path):
     ours = tmp_path / "ours.safetensors"
-    save_file({"diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight": torch.zeros(2, 8),
-               "diffusion_model.blocks.0.attn.qkv_proj.lora_up.weight": torch.zeros(8, 2),
-               "transformer.transformer_blocks.1.attn.to_q.lora_A.weight": torch.zeros(2, 8),
-               "transformer.transformer_blocks.1.attn.to_q.lora_B.weight": torch.zeros(8, 2)}, str(ours))
+    save_file(
+        {
+            "diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight": torch.zeros(2, 8),
+            "diffusion_model.blocks.0.attn.qkv_proj.lora_up.weight": torch.zeros(8, 2),
+            "transformer.transformer_blocks.1.attn.to_q.lora_A.weight": torch.zeros(2, 8),
+            "transformer.transformer_blocks.1.attn.to_q.lora_B.weight": torch.zeros(8, 2),
+        },
+        str(ours),
+    )
     assert check_file(ours, "lora", "lora_name") == "2 modules, e.g. blocks.0.attn.qkv_proj"
     sdxl = tmp_path / "sdxl.safetensors"
-    save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(2, 8),
-               "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(8, 2)}, str(sdxl))
-    with pytest.raises(H3InputError, match=r"sdxl\.safetensors: a LoRA for another model: it targets 1 modules this "
-                                            r"DiT does not have"):
+    save_file(
+        {
+            "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(2, 8),
+            "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(8, 2),
+        },
+        str(sdxl),
+    )
+    with pytest.raises(
+        H3InputError,
+        match=r"sdxl\.safetensors: a LoRA for another model: it targets 1 modules this "
+        r"DiT does not have",
+    ):
         check_file(sdxl, "lora", "lora_name")

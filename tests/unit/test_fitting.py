@@ -9,8 +9,19 @@ from h3_core.pipeline.generate import generate
 from h3_core.pipeline.packing import pack_sequence
 from h3_core.pipeline.prompt import from_conditioning
 
-CFG = DiTConfig(hidden=64, layers=4, heads=4, head_dim=16, ffn=96, text_dim=5120, freq_dim=16, time_hidden=32,
-                time_embed=24, rope_freqs=2, hybrid=True)
+CFG = DiTConfig(
+    hidden=64,
+    layers=4,
+    heads=4,
+    head_dim=16,
+    ffn=96,
+    text_dim=5120,
+    freq_dim=16,
+    time_hidden=32,
+    time_embed=24,
+    rope_freqs=2,
+    hybrid=True,
+)
 RUN = dict(frames=22, width=64, height=32, steps=2, seed=5)
 
 

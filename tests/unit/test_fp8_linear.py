@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
+from h3_core.formats.files import CheckpointFiles
+from h3_core.formats.fp8_scaled import fp8_scaled_view
+from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.fp8_linear import (
     E4M3_MAX,
     FP8_LAYERS,
@@ -29,13 +32,21 @@ from h3_core.models.fp8_linear import (
     quantize_rows,
     scaled_mm_supports,
 )
-from h3_core.formats.fp8_scaled import fp8_scaled_view
-from h3_core.formats.files import CheckpointFiles
-from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.precision import keeps_fp32
 
-TINY = dict(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, refiner_layers=2, text_dim=40, freq_dim=16,
-            time_hidden=24, time_embed=20, rope_freqs=4)
+TINY = dict(
+    hidden=48,
+    layers=2,
+    heads=2,
+    head_dim=32,
+    ffn=64,
+    refiner_layers=2,
+    text_dim=40,
+    freq_dim=16,
+    time_hidden=24,
+    time_embed=20,
+    rope_freqs=4,
+)
 
 
 def round_e4m3(v: torch.Tensor) -> torch.Tensor:
@@ -206,16 +217,25 @@ def write_fp8_scaled(path, weight_fp8, scale, form):
     """One layer ``blocks.0.mlp.fc1`` in ComfyUI's per-layer form or the legacy ``scaled_fp8`` form."""
     if form == "comfy_quant":
         spec = torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
-        tensors = {"blocks.0.mlp.fc1.weight": weight_fp8, "blocks.0.mlp.fc1.weight_scale": scale,
-                   "blocks.0.mlp.fc1.comfy_quant": spec}
+        tensors = {
+            "blocks.0.mlp.fc1.weight": weight_fp8,
+            "blocks.0.mlp.fc1.weight_scale": scale,
+            "blocks.0.mlp.fc1.comfy_quant": spec,
+        }
     else:
-        tensors = {"blocks.0.mlp.fc1.weight": weight_fp8, "blocks.0.mlp.fc1.scale_weight": scale,
-                   "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}
+        tensors = {
+            "blocks.0.mlp.fc1.weight": weight_fp8,
+            "blocks.0.mlp.fc1.scale_weight": scale,
+            "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn),
+        }
     save_file(tensors, str(path))
 
 
-@pytest.mark.parametrize("form,per_channel", [("comfy_quant", False), ("comfy_quant", True), ("scaled_fp8", False)],
-                         ids=["comfy-per-tensor", "comfy-per-channel", "legacy-per-tensor"])
+@pytest.mark.parametrize(
+    "form,per_channel",
+    [("comfy_quant", False), ("comfy_quant", True), ("scaled_fp8", False)],
+    ids=["comfy-per-tensor", "comfy-per-channel", "legacy-per-tensor"],
+)
 def test_from_scaled_equals_dequantising_at_load(tmp_path, form, per_channel):
     g = torch.Generator().manual_seed(8)
     weight_fp8 = (torch.randn(24, 64, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -225,8 +245,9 @@ def test_from_scaled_equals_dequantising_at_load(tmp_path, form, per_channel):
     files = CheckpointFiles(path)
     dequantised_at_load = fp8_scaled_view(files).get("blocks.0.mlp.fc1.weight")
     scale_key = "blocks.0.mlp.fc1." + ("weight_scale" if form == "comfy_quant" else "scale_weight")
-    layer = Fp8Linear.from_scaled(files.get("blocks.0.mlp.fc1.weight"), files.get(scale_key),
-                                  compute_dtype=torch.float32)
+    layer = Fp8Linear.from_scaled(
+        files.get("blocks.0.mlp.fc1.weight"), files.get(scale_key), compute_dtype=torch.float32
+    )
     assert torch.equal(layer.weight.view(torch.uint8), weight_fp8.view(torch.uint8))  # codes taken as they are
     assert torch.equal(layer.dequantized_weight(), dequantised_at_load)
     x = torch.randn(6, 64, generator=g)
@@ -260,8 +281,11 @@ def open_gates(model: H3DiT) -> None:
 
 
 def expected_swaps(model: nn.Module, names=FP8_LAYERS) -> set[str]:
-    return {name for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in names}
+    return {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in names
+    }
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
@@ -296,17 +320,26 @@ def packed_inputs(model: H3DiT, dtype, frames: int = 6):
     packed = pack_sequence(torch.ones(5, dtype=torch.long), frames, 2, 4, 3)
     g = torch.Generator().manual_seed(10)
     T = packed.positions.shape[0]
-    args = dict(video_rows=torch.randn(packed.video_index.numel(), 96, generator=g, dtype=dtype),
-                audio_rows=torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=dtype),
-                text_rows=torch.randn(5, 40, generator=g, dtype=dtype), timesteps=torch.tensor([0.4]),
-                timestep_index=torch.zeros(T, dtype=torch.long), tags=packed.tags, positions=packed.positions,
-                video_index=packed.video_index, audio_index=packed.audio_index, text_index=packed.text_index)
+    args = dict(
+        video_rows=torch.randn(packed.video_index.numel(), 96, generator=g, dtype=dtype),
+        audio_rows=torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=dtype),
+        text_rows=torch.randn(5, 40, generator=g, dtype=dtype),
+        timesteps=torch.tensor([0.4]),
+        timestep_index=torch.zeros(T, dtype=torch.long),
+        tags=packed.tags,
+        positions=packed.positions,
+        video_index=packed.video_index,
+        audio_index=packed.audio_index,
+        text_index=packed.text_index,
+    )
     return packed, args
 
 
-@pytest.mark.parametrize("hybrid,dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16),
-                                          (True, torch.bfloat16)], ids=["dense-fp32", "hybrid-fp32", "dense-bf16",
-                                                                        "hybrid-bf16"])
+@pytest.mark.parametrize(
+    "hybrid,dtype",
+    [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16), (True, torch.bfloat16)],
+    ids=["dense-fp32", "hybrid-fp32", "dense-bf16", "hybrid-bf16"],
+)
 def test_one_step_forward_stays_close_after_quantising(hybrid, dtype):
     from h3_core.attention import WindowSpec
     from h3_core.models.hybrid import HybridContext
@@ -343,22 +376,48 @@ def test_a_single_name_is_one_name():
     assert quantize_linears(model, names="fc2", compute_dtype=torch.float32) == 4
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda: Fp8Linear.from_scaled(torch.randn(4, 16), torch.tensor(1.0)), "float8_e4m3fn tensor, got torch.float32"),
-    (lambda: Fp8Linear.from_scaled(torch.randn(4, 16).to(torch.float8_e5m2), torch.tensor(1.0)), "e5m2 weights"),
-    (lambda: Fp8Linear.from_scaled(torch.randn(16).to(torch.float8_e4m3fn), torch.tensor(1.0)), r"matrix \[out, in\]"),
-    (lambda: Fp8Linear.from_scaled(torch.randn(4, 16).to(torch.float8_e4m3fn), torch.ones(16)),
-     r"one per output channel \(\[4\] or \[4, 1\]\).*got shape \[16\]"),
-    (lambda: Fp8Linear.from_scaled(torch.randn(4, 16).to(torch.float8_e4m3fn), torch.tensor(float("nan"))),
-     "scale must be finite"),
-    (lambda: Fp8Linear.from_scaled(torch.randn(4, 16).to(torch.float8_e4m3fn), torch.tensor(1.0), torch.ones(5)),
-     r"bias must have shape \[4\].*got \[5\]"),
-    (lambda: Fp8Linear.from_linear(nn.Conv1d(4, 4, 1)), "takes an nn.Linear, got Conv1d"),
-    (lambda: Fp8Linear.from_linear(nn.Linear(4, 4), torch.int8), "compute_dtype must be one of"),
-    (lambda: Fp8Linear.from_linear(nn.Linear(16, 4))(torch.randn(3, 8)), r"inputs \[\.\.\., 16\], got \[3, 8\]"),
-    (lambda: quantize_linears(nn.Linear(4, 4), names=["fc1", 2]), "names must be a list of attribute names"),
-], ids=["not-fp8", "e5m2", "not-a-matrix", "scale-shape", "scale-nan", "bias-shape", "not-linear", "compute-dtype",
-        "in-features", "names"])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (
+            lambda: Fp8Linear.from_scaled(torch.randn(4, 16), torch.tensor(1.0)),
+            "float8_e4m3fn tensor, got torch.float32",
+        ),
+        (lambda: Fp8Linear.from_scaled(torch.randn(4, 16).to(torch.float8_e5m2), torch.tensor(1.0)), "e5m2 weights"),
+        (
+            lambda: Fp8Linear.from_scaled(torch.randn(16).to(torch.float8_e4m3fn), torch.tensor(1.0)),
+            r"matrix \[out, in\]",
+        ),
+        (
+            lambda: Fp8Linear.from_scaled(torch.randn(4, 16).to(torch.float8_e4m3fn), torch.ones(16)),
+            r"one per output channel \(\[4\] or \[4, 1\]\).*got shape \[16\]",
+        ),
+        (
+            lambda: Fp8Linear.from_scaled(torch.randn(4, 16).to(torch.float8_e4m3fn), torch.tensor(float("nan"))),
+            "scale must be finite",
+        ),
+        (
+            lambda: Fp8Linear.from_scaled(torch.randn(4, 16).to(torch.float8_e4m3fn), torch.tensor(1.0), torch.ones(5)),
+            r"bias must have shape \[4\].*got \[5\]",
+        ),
+        (lambda: Fp8Linear.from_linear(nn.Conv1d(4, 4, 1)), "takes an nn.Linear, got Conv1d"),
+        (lambda: Fp8Linear.from_linear(nn.Linear(4, 4), torch.int8), "compute_dtype must be one of"),
+        (lambda: Fp8Linear.from_linear(nn.Linear(16, 4))(torch.randn(3, 8)), r"inputs \[\.\.\., 16\], got \[3, 8\]"),
+        (lambda: quantize_linears(nn.Linear(4, 4), names=["fc1", 2]), "names must be a list of attribute names"),
+    ],
+    ids=[
+        "not-fp8",
+        "e5m2",
+        "not-a-matrix",
+        "scale-shape",
+        "scale-nan",
+        "bias-shape",
+        "not-linear",
+        "compute-dtype",
+        "in-features",
+        "names",
+    ],
+)
 def test_errors_name_the_input_and_what_is_allowed(call, message):
     with pytest.raises(H3InputError, match=message):
         call()

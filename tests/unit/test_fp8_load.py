@@ -18,21 +18,33 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3_core.attention import WindowSpec
-from h3_core.formats.checkpoints import load_h3_model
 from h3_core.errors import H3InputError
-from h3_core.models.fp8_linear import Fp8Linear
+from h3_core.formats.checkpoints import load_h3_model
+from h3_core.formats.dit import diffusers_layout
 from h3_core.formats.fp8_scaled import Fp8ScaledView
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.formats.dit import diffusers_layout
+from h3_core.models.fp8_linear import Fp8Linear
 from h3_core.models.hybrid import HybridContext
 from h3_core.pipeline.packing import pack_sequence
 
-CFG = DiTConfig(hidden=24, layers=2, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
-                time_embed=10, rope_freqs=2)
+CFG = DiTConfig(
+    hidden=24,
+    layers=2,
+    heads=2,
+    head_dim=16,
+    ffn=32,
+    text_dim=20,
+    freq_dim=8,
+    time_hidden=12,
+    time_embed=10,
+    rope_freqs=2,
+)
 CURVE_CFG = replace(CFG, adaln_curve_grid=9, time_embed=4)
 E4M3 = torch.float8_e4m3fn
-FP8_WEIGHT = re.compile(r"(token_refiner\.)?blocks\.\d+\.(attn\.(qkv_proj|out_proj|to_out_linear)|mlp\.(fc1|fc2))"
-                        r"\.weight")
+FP8_WEIGHT = re.compile(
+    r"(token_refiner\.)?blocks\.\d+\.(attn\.(qkv_proj|out_proj|to_out_linear)|mlp\.(fc1|fc2))"
+    r"\.weight"
+)
 BRANCH_PARTS = (".attn.softmax_gate.", ".attn.to_out_linear.", ".attn.linear_attention.")
 SIDECAR = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
 
@@ -110,7 +122,7 @@ def comfy_file(state, fp8, prefix: str = "", legacy: bool = False, scale_shape=l
         if key not in fp8:
             out[prefix + key] = value
             continue
-        (codes, scale), = fp8[key]
+        ((codes, scale),) = fp8[key]
         layer = prefix + key.removesuffix(".weight")
         out[layer + ".weight"] = codes
         if legacy:
@@ -213,10 +225,18 @@ def run(model: H3DiT, hybrid: bool, dtype=torch.float32):
     T = packed.positions.shape[0]
     timestep_index = torch.zeros(T, dtype=torch.long)
     timestep_index[packed.audio_index] = 1
-    args = (torch.randn(packed.video_index.numel(), 96, generator=g, dtype=dtype),
-            torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=dtype),
-            torch.randn(4, CFG.text_dim, generator=g, dtype=dtype), torch.tensor([0.3, 0.8]), timestep_index,
-            packed.tags, packed.positions, packed.video_index, packed.audio_index, packed.text_index)
+    args = (
+        torch.randn(packed.video_index.numel(), 96, generator=g, dtype=dtype),
+        torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=dtype),
+        torch.randn(4, CFG.text_dim, generator=g, dtype=dtype),
+        torch.tensor([0.3, 0.8]),
+        timestep_index,
+        packed.tags,
+        packed.positions,
+        packed.video_index,
+        packed.audio_index,
+        packed.text_index,
+    )
     # a window of 3 of the 8 frames: the linear branch (and so to_out_linear) runs
     ctx = HybridContext(packed.layout, WindowSpec(1, 0, "both"), "ref", (0, 4)) if hybrid else None
     with torch.no_grad():
@@ -234,8 +254,10 @@ def assert_same_model(a, b, hybrid: bool, dtype=torch.float32):
     assert list(sa) == list(sb)
     for key in sa:
         assert sa[key].dtype == sb[key].dtype, key
-        assert torch.equal(sa[key].view(torch.uint8) if sa[key].dtype == E4M3 else sa[key],
-                           sb[key].view(torch.uint8) if sb[key].dtype == E4M3 else sb[key]), key
+        assert torch.equal(
+            sa[key].view(torch.uint8) if sa[key].dtype == E4M3 else sa[key],
+            sb[key].view(torch.uint8) if sb[key].dtype == E4M3 else sb[key],
+        ), key
     for x, y in zip(run(a, hybrid, dtype), run(b, hybrid, dtype)):
         assert torch.isfinite(x).all() and torch.equal(x, y)
 
@@ -289,36 +311,78 @@ def written(tmp_path_factory, dense, hybrid):
     fp8 = native_fp8(dense, per_row=False)
     out["comfy per tensor"] = (write(comfy_file(dense, fp8), root / "comfy.safetensors"), "comfy", fp8, False, CFG)
     fp8 = native_fp8(dense, per_row=True)
-    out["comfy per row, prefixed"] = (write(comfy_file(dense, fp8, "model.diffusion_model.", scale_shape=lambda s:
-                                                       s.reshape(-1, 1)), root / "prefixed.safetensors"),
-                                      "comfy prefixed", fp8, False, CFG)
+    out["comfy per row, prefixed"] = (
+        write(
+            comfy_file(dense, fp8, "model.diffusion_model.", scale_shape=lambda s: s.reshape(-1, 1)),
+            root / "prefixed.safetensors",
+        ),
+        "comfy prefixed",
+        fp8,
+        False,
+        CFG,
+    )
     fp8 = native_fp8(dense, per_row=False)
-    out["legacy scaled_fp8"] = (write(comfy_file(dense, fp8, legacy=True), root / "legacy.safetensors"), "legacy",
-                                fp8, False, CFG)
+    out["legacy scaled_fp8"] = (
+        write(comfy_file(dense, fp8, legacy=True), root / "legacy.safetensors"),
+        "legacy",
+        fp8,
+        False,
+        CFG,
+    )
     fp8 = native_fp8(dense, per_row=True)
-    out["official shards"] = (write(official_file(dense, fp8, CFG), root / "official", shards=2), "official", fp8,
-                              True, CFG)
+    out["official shards"] = (
+        write(official_file(dense, fp8, CFG), root / "official", shards=2),
+        "official",
+        fp8,
+        True,
+        CFG,
+    )
     fp8 = native_fp8(dense, per_row=False, split_qkv=True)
-    fp8 = {k: (v if not k.endswith("fc1.weight") else [quantise_for_file(dense[k], per_row=True)])
-           for k, v in fp8.items()}
-    out["diffusers"] = (write(diffusers_file(dense, fp8, CFG), root / "diffusers.safetensors"), "diffusers", fp8,
-                        False, CFG)
+    fp8 = {
+        k: (v if not k.endswith("fc1.weight") else [quantise_for_file(dense[k], per_row=True)]) for k, v in fp8.items()
+    }
+    out["diffusers"] = (
+        write(diffusers_file(dense, fp8, CFG), root / "diffusers.safetensors"),
+        "diffusers",
+        fp8,
+        False,
+        CFG,
+    )
     pruned = random_state(CURVE_CFG, 1)
     fp8 = native_fp8(pruned, per_row=True)
     out["pruned"] = (write(comfy_file(pruned, fp8), root / "pruned.safetensors"), "comfy", fp8, False, CURVE_CFG)
     base, branch = split_branch(hybrid)
     base_fp8, branch_fp8 = native_fp8(base, per_row=True), native_fp8(hybrid, per_row=False)
-    branch_fp8 = {"transformer_blocks." + k.removeprefix("blocks."): v for k, v in branch_fp8.items()
-                  if "to_out_linear" in k}
+    branch_fp8 = {
+        "transformer_blocks." + k.removeprefix("blocks."): v for k, v in branch_fp8.items() if "to_out_linear" in k
+    }
     out["vdn base"] = (write(comfy_file(base, base_fp8), root / "vdn_base.safetensors"), "comfy", base_fp8, False, CFG)
-    out["vdn official base"] = (write(official_file(base, base_fp8, CFG), root / "vdn_official", shards=2),
-                                "official", base_fp8, True, CFG)
-    out["vdn branch"] = (write({**branch, "__window__": torch.tensor([1, 5])}, root / "branch.safetensors"),
-                         None, {}, False, CFG)
-    out["vdn fp8 branch"] = (write({**comfy_file(branch, branch_fp8), "__window__": torch.tensor([1, 5])},
-                                   root / "branch_fp8.safetensors"), None, branch_fp8, False, CFG)
-    partial = {k: v for k, v in native_fp8(dense, per_row=False).items()
-               if k.startswith("blocks.") and k.endswith(("qkv_proj.weight", "fc1.weight", "fc2.weight"))}
+    out["vdn official base"] = (
+        write(official_file(base, base_fp8, CFG), root / "vdn_official", shards=2),
+        "official",
+        base_fp8,
+        True,
+        CFG,
+    )
+    out["vdn branch"] = (
+        write({**branch, "__window__": torch.tensor([1, 5])}, root / "branch.safetensors"),
+        None,
+        {},
+        False,
+        CFG,
+    )
+    out["vdn fp8 branch"] = (
+        write({**comfy_file(branch, branch_fp8), "__window__": torch.tensor([1, 5])}, root / "branch_fp8.safetensors"),
+        None,
+        branch_fp8,
+        False,
+        CFG,
+    )
+    partial = {
+        k: v
+        for k, v in native_fp8(dense, per_row=False).items()
+        if k.startswith("blocks.") and k.endswith(("qkv_proj.weight", "fc1.weight", "fc2.weight"))
+    }
     out["partial"] = (write(comfy_file(dense, partial), root / "partial.safetensors"), "comfy", partial, False, CFG)
     out["bf16"] = (write({k: v.bfloat16() for k, v in dense.items()}, root / "bf16.safetensors"), None, {}, False, CFG)
     return out
@@ -335,20 +399,25 @@ def loras(tmp_path_factory):
     def pair(rows, cols, rank=3):
         return torch.randn(rank, cols, generator=g), torch.randn(rows, rank, generator=g) * 0.1
 
-    comfy = {"blocks.0.attn.qkv_proj": (*pair(3 * inner, CFG.hidden), 1.5),
-             "blocks.1.mlp.fc2": (*pair(CFG.hidden, CFG.ffn), 6.0)}
+    comfy = {
+        "blocks.0.attn.qkv_proj": (*pair(3 * inner, CFG.hidden), 1.5),
+        "blocks.1.mlp.fc2": (*pair(CFG.hidden, CFG.ffn), 6.0),
+    }
     tensors = {}
     for module, (A, B, alpha) in comfy.items():
         tensors[f"diffusion_model.{module}.lora_down.weight"] = A
         tensors[f"diffusion_model.{module}.lora_up.weight"] = B
         tensors[f"diffusion_model.{module}.alpha"] = torch.tensor(alpha)
     save_file(tensors, str(root / "style.safetensors"))
-    peft = {"transformer_blocks.0.attn.to_q": pair(inner, CFG.hidden),
-            "transformer_blocks.0.ff.net.0.proj": pair(2 * CFG.ffn, CFG.hidden)}
+    peft = {
+        "transformer_blocks.0.attn.to_q": pair(inner, CFG.hidden),
+        "transformer_blocks.0.ff.net.0.proj": pair(2 * CFG.ffn, CFG.hidden),
+    }
     folder = root / "adapter"
     folder.mkdir()
-    tensors = {f"base_model.model.{m}.lora_{x}.weight": t
-               for m, (A, B) in peft.items() for x, t in (("A", A), ("B", B))}
+    tensors = {
+        f"base_model.model.{m}.lora_{x}.weight": t for m, (A, B) in peft.items() for x, t in (("A", A), ("B", B))
+    }
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({"r": 3, "lora_alpha": 6}))
     return {"comfy": root / "style.safetensors", "comfy modules": comfy, "peft": folder, "peft modules": peft}
@@ -410,8 +479,10 @@ def test_layers_not_fp8_in_the_file_are_quantised_at_load(written, dense):
     names = fp8_layer_names(model)
     from_file = {k.removesuffix(".weight") for k in partial}
     assert len(names) == 2 * 4 + 2 * 4 and from_file < set(names)
-    assert model.linears == f"fp8 (codes from the file: {len(from_file)} layers; quantised at load: " \
-                            f"{len(names) - len(from_file)} layers)"
+    assert (
+        model.linears == f"fp8 (codes from the file: {len(from_file)} layers; quantised at load: "
+        f"{len(names) - len(from_file)} layers)"
+    )
     for name in names:
         layer = model.get_submodule(name)
         if name in from_file:
@@ -432,8 +503,11 @@ def test_a_plain_file_is_quantised_at_load(written, dense):
         assert layer.compute_dtype == torch.bfloat16
         assert torch.equal(layer.weight.double(), values) and torch.equal(layer.weight_scale, scale), name
     plain = load_h3_model(written["bf16"][0], dtype=torch.bfloat16, cfg=CFG).state_dict()
-    assert all(torch.equal(value, plain[key]) for key, value in model.state_dict().items()
-               if not key.endswith(("weight_scale",)) and value.dtype != E4M3)
+    assert all(
+        torch.equal(value, plain[key])
+        for key, value in model.state_dict().items()
+        if not key.endswith(("weight_scale",)) and value.dtype != E4M3
+    )
 
 
 def test_e5m2_layers_are_dequantised_and_requantised(written, dense, tmp_path):
@@ -446,8 +520,9 @@ def test_e5m2_layers_are_dequantised_and_requantised(written, dense, tmp_path):
     tensors["blocks.0.mlp.fc2.comfy_quant"] = torch.tensor(list(b'{"format": "float8_e5m2"}'), dtype=torch.uint8)
     save_file(tensors, str(tmp_path / "e5m2.safetensors"))
     model = load_h3_model(tmp_path / "e5m2.safetensors", dtype=torch.float32, cfg=CFG, linears="fp8")
-    assert model.fp8_layers["blocks.0.mlp.fc2"] == ("quantised at load ('blocks.0.mlp.fc2.weight' is stored as "
-                                                    "torch.float8_e5m2, Fp8Linear holds e4m3 codes)")
+    assert model.fp8_layers["blocks.0.mlp.fc2"] == (
+        "quantised at load ('blocks.0.mlp.fc2.weight' is stored as torch.float8_e5m2, Fp8Linear holds e4m3 codes)"
+    )
     values, row_scale = quantised_here(tensors["blocks.0.mlp.fc2.weight"].float() * scale)
     layer = model.blocks[0].mlp.fc2
     assert torch.equal(layer.weight.double(), values) and torch.equal(layer.weight_scale, row_scale)
@@ -457,8 +532,8 @@ def test_e5m2_layers_are_dequantised_and_requantised(written, dense, tmp_path):
 def test_layer_codes_takes_row_layouts_and_refuses_anything_else(written):
     """Directly on a file's view: a rule that re-orders whole rows keeps the codes (exactly); one that moves
     columns, or does arithmetic, gives a reason, so the loader requantises that layer."""
-    from h3_core.formats.fp8_scaled import LayerCodes, fp8_scaled_view, layer_codes
     from h3_core.formats.files import CheckpointFiles
+    from h3_core.formats.fp8_scaled import LayerCodes, fp8_scaled_view, layer_codes
 
     path, _, fp8, *_ = written["comfy per row, prefixed"]
     view = fp8_scaled_view(CheckpointFiles(path))
@@ -472,10 +547,14 @@ def test_layer_codes_takes_row_layouts_and_refuses_anything_else(written):
     assert torch.equal(found.codes.float() * found.scale[:, None], view.get(key).flip(0))
     for rule in (lambda parts: parts[0].flip(1), lambda parts: parts[0] * 2, lambda parts: parts[0].t().contiguous()):
         assert layer_codes(view, (key,), rule, shape) == "the layout's rule for it is not a re-layout of rows"
-    assert layer_codes(view, ("model.diffusion_model.condition_proj.weight",), None, shape) == \
-        "'model.diffusion_model.condition_proj.weight' is not fp8 in the file"
-    assert layer_codes(CheckpointFiles(written["bf16"][0]), ("blocks.0.mlp.fc2.weight",), None, shape) == \
-        "not fp8 in the file"
+    assert (
+        layer_codes(view, ("model.diffusion_model.condition_proj.weight",), None, shape)
+        == "'model.diffusion_model.condition_proj.weight' is not fp8 in the file"
+    )
+    assert (
+        layer_codes(CheckpointFiles(written["bf16"][0]), ("blocks.0.mlp.fc2.weight",), None, shape)
+        == "not fp8 in the file"
+    )
 
 
 # ---- LoRAs merge before quantisation --------------------------------------------------------------
@@ -485,8 +564,10 @@ def test_loras_merge_in_fp32_before_quantising(written, loras):
     path, _, fp8, *_ = written["comfy per tensor"]
     chosen = [(loras["comfy"], -0.7), (loras["peft"], 1.3)]
     model = load_h3_model(path, loras=chosen, dtype=torch.bfloat16, cfg=CFG, linears="fp8")
-    assert [(m.lora.path.name, m.weights) for m in model.merged_loras] == [("style.safetensors", 2),
-                                                                          ("adapter_model.safetensors", 2)]
+    assert [(m.lora.path.name, m.weights) for m in model.merged_loras] == [
+        ("style.safetensors", 2),
+        ("adapter_model.safetensors", 2),
+    ]
     touched = {"blocks.0.attn.qkv_proj", "blocks.1.mlp.fc2", "blocks.0.mlp.fc1"}
     assert {n for n, how in model.fp8_layers.items() if how != "codes from the file"} == touched
     assert all(model.fp8_layers[n] == "quantised at load (LoRA merged)" for n in touched)
@@ -524,8 +605,10 @@ def test_loras_on_other_weights_merge_as_with_linears_dtype(written, loras, tmp_
     g = torch.Generator().manual_seed(12)
     A, B = torch.randn(2, CFG.text_dim, generator=g), torch.randn(CFG.hidden, 2, generator=g)
     lora = tmp_path / "cond.safetensors"
-    save_file({"diffusion_model.condition_proj.lora_down.weight": A,
-               "diffusion_model.condition_proj.lora_up.weight": B}, str(lora))
+    save_file(
+        {"diffusion_model.condition_proj.lora_down.weight": A, "diffusion_model.condition_proj.lora_up.weight": B},
+        str(lora),
+    )
     chosen = [(lora, 0.5), (loras["comfy"], 1.0)]
     fp8 = load_h3_model(path, loras=chosen, dtype=torch.bfloat16, cfg=CFG, linears="fp8").state_dict()
     plain = load_h3_model(path, loras=chosen, dtype=torch.bfloat16, cfg=CFG).state_dict()
@@ -536,8 +619,13 @@ def test_loras_on_other_weights_merge_as_with_linears_dtype(written, loras, tmp_
 
 def test_a_bad_lora_is_refused_before_any_weight_is_read(written, tmp_path, monkeypatch):
     lora = tmp_path / "wrong.safetensors"
-    save_file({"diffusion_model.blocks.0.mlp.fc2.lora_down.weight": torch.zeros(2, 7),
-               "diffusion_model.blocks.0.mlp.fc2.lora_up.weight": torch.zeros(CFG.hidden, 2)}, str(lora))
+    save_file(
+        {
+            "diffusion_model.blocks.0.mlp.fc2.lora_down.weight": torch.zeros(2, 7),
+            "diffusion_model.blocks.0.mlp.fc2.lora_up.weight": torch.zeros(CFG.hidden, 2),
+        },
+        str(lora),
+    )
     reads = []
     original = Fp8ScaledView.stored
     monkeypatch.setattr(Fp8ScaledView, "stored", lambda self, key: reads.append(key) or original(self, key))
@@ -566,8 +654,9 @@ def test_vdn_with_a_branch_file_equals_layers_built_by_hand(written, hybrid, bas
             assert model.fp8_layers[name] == "codes from the file"
         elif branch_fp8:
             stem = "transformer_blocks." + name.removeprefix("blocks.")
-            layer = Fp8Linear.from_scaled(branch_tensors[stem + ".weight"], branch_tensors[stem + ".weight_scale"],
-                                          compute_dtype=torch.float32)
+            layer = Fp8Linear.from_scaled(
+                branch_tensors[stem + ".weight"], branch_tensors[stem + ".weight_scale"], compute_dtype=torch.float32
+            )
             assert model.fp8_layers[name] == "codes from the file"
         else:
             assert name.endswith("to_out_linear") and "not fp8 in the file" in model.fp8_layers[name]
@@ -576,8 +665,11 @@ def test_vdn_with_a_branch_file_equals_layers_built_by_hand(written, hybrid, bas
             assert torch.equal(layer.weight.double(), values) and torch.equal(layer.weight_scale, scale)
         set_layer(by_hand, name, layer)
     assert len(model.fp8_layers) == 2 * 5 + 2 * 4
-    assert model.linears == ("fp8 (codes from the file)" if branch_fp8 else
-                             "fp8 (codes from the file: 16 layers; quantised at load: 2 layers)")
+    assert model.linears == (
+        "fp8 (codes from the file)"
+        if branch_fp8
+        else "fp8 (codes from the file: 16 layers; quantised at load: 2 layers)"
+    )
     assert_same_model(model, by_hand, hybrid=True)
 
 
@@ -605,8 +697,9 @@ def test_linears_dtype_is_todays_load(written, name, loras):
     for kwargs in ({}, {"linears": "dtype"}):
         model = load_h3_model(path, dtype=torch.bfloat16, cfg=CFG, **kwargs)
         assert model.linears == "dtype (bfloat16)" and model.fp8_layers == {} and not fp8_layer_names(model)
-        assert_same_model(model, load_h3_model(path, cfg=CFG, qkv_interleaved=interleaved), hybrid=False,
-                          dtype=torch.bfloat16)
+        assert_same_model(
+            model, load_h3_model(path, cfg=CFG, qkv_interleaved=interleaved), hybrid=False, dtype=torch.bfloat16
+        )
     # with linears="fp8" every other tensor is the dtype path's, bit for bit
     fp8 = load_h3_model(path, dtype=torch.bfloat16, cfg=CFG, linears="fp8")
     plain = model.state_dict()
@@ -616,12 +709,18 @@ def test_linears_dtype_is_todays_load(written, name, loras):
     assert fp8.layout == model.layout
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(linears="int8"), r"linears: got 'int8'; allowed: 'dtype' \(every weight in dtype\) or 'fp8'"),
-    (dict(linears=None), r"linears: got None; allowed: 'dtype'"),
-    (dict(linears="fp8", dtype=torch.float64), r"dtype: got torch\.float64 with linears='fp8'; fp8 layers compute "
-                                               r"in torch\.bfloat16, torch\.float16, torch\.float32"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(linears="int8"), r"linears: got 'int8'; allowed: 'dtype' \(every weight in dtype\) or 'fp8'"),
+        (dict(linears=None), r"linears: got None; allowed: 'dtype'"),
+        (
+            dict(linears="fp8", dtype=torch.float64),
+            r"dtype: got torch\.float64 with linears='fp8'; fp8 layers compute "
+            r"in torch\.bfloat16, torch\.float16, torch\.float32",
+        ),
+    ],
+)
 def test_bad_linears_are_refused_naming_the_value_first(tmp_path, kwargs, message):
     with pytest.raises(H3InputError, match=message):
         load_h3_model(tmp_path / "nowhere.safetensors", cfg=CFG, **kwargs)

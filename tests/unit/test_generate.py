@@ -12,8 +12,20 @@ from h3_core.pipeline.prompt import from_conditioning
 @pytest.fixture(scope="module")
 def dit():
     torch.manual_seed(0)
-    model = H3DiT(DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=5120, freq_dim=16,
-                            time_hidden=24, time_embed=20, rope_freqs=4)).eval()
+    model = H3DiT(
+        DiTConfig(
+            hidden=48,
+            layers=2,
+            heads=2,
+            head_dim=32,
+            ffn=64,
+            text_dim=5120,
+            freq_dim=16,
+            time_hidden=24,
+            time_embed=20,
+            rope_freqs=4,
+        )
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)
@@ -38,8 +50,17 @@ def test_fl2va_takes_both_keyframes(dit):
     first, last = torch.randn(24, 1, 2, 4), torch.randn(24, 1, 2, 4)
     steps = []
     with torch.no_grad():
-        video, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=1,
-                            keyframes=(("first", first), ("last", last)), progress=lambda i, n: steps.append(i))
+        video, _ = generate(
+            dit,
+            prompt(),
+            frames=22,
+            width=64,
+            height=32,
+            steps=2,
+            seed=1,
+            keyframes=(("first", first), ("last", last)),
+            progress=lambda i, n: steps.append(i),
+        )
         plain, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=1)
     assert steps == [1, 2] and video.shape == plain.shape and not torch.equal(video, plain)
 
@@ -50,18 +71,29 @@ def test_bad_requests(dit):
     with pytest.raises(H3InputError, match="width must be a multiple of 32"):
         generate(dit, prompt(), frames=22, width=60, height=32, steps=2, seed=0)
     with pytest.raises(H3InputError, match=r"the first keyframe latent must be \[24, 1, 2, 4\].*got \(24, 1, 4, 4\)"):
-        generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=0,
-                 keyframes=(("first", torch.zeros(24, 1, 4, 4)),))
+        generate(
+            dit,
+            prompt(),
+            frames=22,
+            width=64,
+            height=32,
+            steps=2,
+            seed=0,
+            keyframes=(("first", torch.zeros(24, 1, 4, 4)),),
+        )
 
 
 def references(g=None):
     from h3_core.pipeline.generate import ReferenceLatents
 
     g = g or torch.Generator().manual_seed(11)
-    return [ReferenceLatents("image", video=torch.randn(24, 1, 2, 2, generator=g)),
-            ReferenceLatents("video", video=torch.randn(24, 2, 2, 4, generator=g),
-                             audio=torch.randn(2, 32, 5, generator=g)),
-            ReferenceLatents("audio", audio=torch.randn(2, 32, 3, generator=g))]
+    return [
+        ReferenceLatents("image", video=torch.randn(24, 1, 2, 2, generator=g)),
+        ReferenceLatents(
+            "video", video=torch.randn(24, 2, 2, 4, generator=g), audio=torch.randn(2, 32, 5, generator=g)
+        ),
+        ReferenceLatents("audio", audio=torch.randn(2, 32, 3, generator=g)),
+    ]
 
 
 def test_ref2va_without_references_is_t2va(dit):
@@ -79,8 +111,9 @@ def test_ref2va_references_condition_the_clip(dit):
     refs = references()
     steps = []
     with torch.no_grad():
-        video, audio = generate_ref2va(dit, prompt(), refs, frames=22, width=64, height=32, steps=2, seed=4,
-                                       progress=lambda i, n: steps.append(i))
+        video, audio = generate_ref2va(
+            dit, prompt(), refs, frames=22, width=64, height=32, steps=2, seed=4, progress=lambda i, n: steps.append(i)
+        )
         again = generate_ref2va(dit, prompt(), refs, frames=22, width=64, height=32, steps=2, seed=4)
         no_audio_ref = generate_ref2va(dit, prompt(), refs[:2], frames=22, width=64, height=32, steps=2, seed=4)
     assert steps == [1, 2] and video.shape == (24, 7, 2, 4) and audio.shape == (2, 32, 37)
@@ -97,9 +130,15 @@ def test_ref2va_bad_references_name_the_reference(dit):
         generate_ref2va(dit, prompt(), [ReferenceLatents("image", video=torch.zeros(24, 2, 2, 2))], **run)
     with pytest.raises(H3InputError, match=r"reference 1 \(audio\): an audio reference needs its audio latent"):
         generate_ref2va(dit, prompt(), [references()[0], ReferenceLatents("audio")], **run)
-    with pytest.raises(H3InputError, match=r"reference 0 \(video\): the audio latent must be \[2, 32, Ta\], got \(1, 32, 4\)"):
-        generate_ref2va(dit, prompt(), [ReferenceLatents("video", video=torch.zeros(24, 1, 2, 2),
-                                                         audio=torch.zeros(1, 32, 4))], **run)
+    with pytest.raises(
+        H3InputError, match=r"reference 0 \(video\): the audio latent must be \[2, 32, Ta\], got \(1, 32, 4\)"
+    ):
+        generate_ref2va(
+            dit,
+            prompt(),
+            [ReferenceLatents("video", video=torch.zeros(24, 1, 2, 2), audio=torch.zeros(1, 32, 4))],
+            **run,
+        )
     with pytest.raises(H3InputError, match=r"reference 0: kind must be 'image', 'video' or 'audio', got 'text'"):
         generate_ref2va(dit, prompt(), [ReferenceLatents("text")], **run)
 

@@ -15,7 +15,7 @@ from h3_core.pipeline.geometry import (
 )
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as ref  # noqa: E402
+from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as ref
 
 RATIOS = [(16, 9), (9, 16), (1, 1), (4, 3), (3, 4), (21, 9), (4, 1), (1, 4), (1920, 1080), (1000, 333), (7, 5)]
 

@@ -12,15 +12,25 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from h3_core.models.fp8_linear import Fp8Linear, quantize_linears, quantize_rows_reference
 from h3_core.formats.lora import lora_patches, merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.fp8_linear import Fp8Linear, quantize_linears, quantize_rows_reference
 from h3_core.pipeline.packing import pack_sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = ROOT / ".host" / "comfyui-0.3.75"
-CFG = DiTConfig(hidden=48, layers=4, heads=2, head_dim=32, ffn=64, text_dim=40, freq_dim=16, time_hidden=24,
-                time_embed=20, rope_freqs=4)
+CFG = DiTConfig(
+    hidden=48,
+    layers=4,
+    heads=2,
+    head_dim=32,
+    ffn=64,
+    text_dim=40,
+    freq_dim=16,
+    time_hidden=24,
+    time_embed=20,
+    rope_freqs=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +47,9 @@ def pack():
 
     args.cpu = True
     if "h3_hybrid" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("h3_hybrid", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
+        spec = importlib.util.spec_from_file_location(
+            "h3_hybrid", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules["h3_hybrid"] = module
         spec.loader.exec_module(module)
@@ -89,8 +100,11 @@ def snapshot(model):
 def assert_same(got, want):
     assert got.keys() == want.keys()
     for key in want:
-        same = got[key].view(torch.uint8).equal(want[key].view(torch.uint8)) if got[key].dtype.itemsize == 1 else \
-            torch.equal(got[key], want[key])
+        same = (
+            got[key].view(torch.uint8).equal(want[key].view(torch.uint8))
+            if got[key].dtype.itemsize == 1
+            else torch.equal(got[key], want[key])
+        )
         assert got[key].dtype == want[key].dtype and same, key
 
 
@@ -142,8 +156,9 @@ def test_patches_on_comfy_kitchen_layers_requantise_and_come_off_exactly(pack, t
     mm, lora, patchers = pack
     monkeypatch.setattr(kitchen, "kitchen_support", lambda fmt, kind, dtype, device: (True, "eager backend (test)"))
     state = {k: v.to(torch.bfloat16) for k, v in tiny(False).state_dict().items()}
-    layers = [f"blocks.{i}.{n}" for i in range(CFG.layers) for n in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1",
-                                                                   "mlp.fc2")]
+    layers = [
+        f"blocks.{i}.{n}" for i in range(CFG.layers) for n in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+    ]
     tensors, _ = quantize_int8_convrot(state, layers, group=16)
     path = tmp_path / "int8_convrot.safetensors"
     save_file(tensors, str(path))
@@ -156,8 +171,7 @@ def test_patches_on_comfy_kitchen_layers_requantise_and_come_off_exactly(pack, t
     original = {k: model.get_parameter(f"{k}.weight").detach().clone() for k in layers}
     base = patchers.H3DiTPatcher.wrap(model, "auto")
     patched = base.clone()
-    patched.add_patches(lora.host_patches(lora_patches(model, read_lora(lora_file(tmp_path), 1.0))),
-                        strength_patch=0.5)
+    patched.add_patches(lora.host_patches(lora_patches(model, read_lora(lora_file(tmp_path), 1.0))), strength_patch=0.5)
     load(mm, patchers, patched)
 
     touched = set()

@@ -8,8 +8,19 @@ from h3_core.models.dit import DiTConfig, H3DiT, _rotate, rope_cos_sin
 from h3_core.models.hybrid import HybridContext
 from h3_core.pipeline.packing import pack_sequence
 
-CFG = DiTConfig(hidden=24, layers=1, heads=2, head_dim=16, ffn=32, text_dim=20, freq_dim=8, time_hidden=12,
-                time_embed=10, rope_freqs=2, hybrid=True)
+CFG = DiTConfig(
+    hidden=24,
+    layers=1,
+    heads=2,
+    head_dim=16,
+    ffn=32,
+    text_dim=20,
+    freq_dim=8,
+    time_hidden=12,
+    time_embed=10,
+    rope_freqs=2,
+    hybrid=True,
+)
 
 
 def model(dtype=torch.float64):
@@ -75,11 +86,18 @@ def test_backends_agree_through_the_whole_model(window):
     m = model()
     packed, _ = sequence(frames=10)
     g = torch.Generator().manual_seed(1)
-    args = (torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
-            torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
-            torch.randn(4, 20, generator=g, dtype=torch.float64), torch.tensor([0.4], dtype=torch.float64),
-            torch.zeros(packed.positions.shape[0], dtype=torch.long), packed.tags, packed.positions,
-            packed.video_index, packed.audio_index, packed.text_index)
+    args = (
+        torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
+        torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
+        torch.randn(4, 20, generator=g, dtype=torch.float64),
+        torch.tensor([0.4], dtype=torch.float64),
+        torch.zeros(packed.positions.shape[0], dtype=torch.long),
+        packed.tags,
+        packed.positions,
+        packed.video_index,
+        packed.audio_index,
+        packed.text_index,
+    )
     outs = {}
     with torch.no_grad():
         for backend in ("ref", "decomposed", "flex"):
@@ -96,8 +114,21 @@ def test_generate_runs_the_hybrid_window_a_user_picks():
     from h3_core.pipeline.prompt import from_conditioning
 
     torch.manual_seed(0)
-    m = H3DiT(DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=5120, freq_dim=16,
-                        time_hidden=24, time_embed=20, rope_freqs=4, hybrid=True)).eval()
+    m = H3DiT(
+        DiTConfig(
+            hidden=48,
+            layers=2,
+            heads=2,
+            head_dim=32,
+            ffn=64,
+            text_dim=5120,
+            freq_dim=16,
+            time_hidden=24,
+            time_embed=20,
+            rope_freqs=4,
+            hybrid=True,
+        )
+    ).eval()
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.05)

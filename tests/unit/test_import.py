@@ -68,13 +68,11 @@ PACK = PRELUDE + textwrap.dedent(
 
 
 def run(script):
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(ROOT)], cwd=ROOT, capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-c", script, str(ROOT)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stdout + proc.stderr
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_core_imports_without_comfyui_or_cuda():

@@ -4,10 +4,10 @@ no_grad, as inference tensors."""
 
 import torch
 
+from h3_core.media.tiling import decode_video, encode_video
 from h3_core.models.audio_vae import AudioVAE
 from h3_core.models.video_vae import VideoVAE
 from h3_core.pipeline.soundtrack import decode_soundtrack
-from h3_core.media.tiling import decode_video, encode_video
 from h3_core.pipeline.tiny_checkpoints import TINY_AUDIO_VAE, TINY_VIDEO_VAE
 
 

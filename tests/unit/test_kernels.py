@@ -6,12 +6,11 @@ import sys
 
 import pytest
 import torch
+from fake_flash import LEGS, LOG2_E, FakeFlash, install_fa3, install_fa4, pretend_gpu
 
 from h3_core.attention import kernels
 from h3_core.attention.kernels import KERNELS, dense_attention, force_kernel, probed_kernels
 from h3_core.errors import H3BackendUnavailable, H3InputError
-
-from fake_flash import LEGS, LOG2_E, FakeFlash, install_fa3, install_fa4, pretend_gpu
 
 
 @pytest.fixture(autouse=True)
@@ -215,6 +214,7 @@ def test_probe_on_cpu_picks_math():
 
 # --- flash-attn legs through injected fake modules -------------------------------------------------
 
+
 @pytest.mark.parametrize("leg", list(LEGS))
 def test_probe_picks_injected_flash_kernel(monkeypatch, leg):
     capability, install = LEGS[leg]
@@ -293,8 +293,10 @@ def test_injected_kernel_with_overlapping_views_and_scale(monkeypatch, leg):
     "fake, reason",
     [
         (FakeFlash(lse_factor=LOG2_E), "trial disagrees with math"),
-        (FakeFlash(fail=RuntimeError("no kernel image for this arch")),
-         "trial call failed: RuntimeError: no kernel image for this arch"),
+        (
+            FakeFlash(fail=RuntimeError("no kernel image for this arch")),
+            "trial call failed: RuntimeError: no kernel image for this arch",
+        ),
     ],
     ids=["lse-in-log2", "raises"],
 )

@@ -45,8 +45,9 @@ def imports_of(source: str, module: str, is_package: bool) -> set[str]:
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in MODULES else source
-                       for alias in node.names]
+            targets = [
+                f"{source}.{alias.name}" if f"{source}.{alias.name}" in MODULES else source for alias in node.names
+            ]
         else:
             continue
         for target in targets:
@@ -61,8 +62,12 @@ GRAPH = {module: imported(module) for module in MODULES}
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
-    upward = sorted(f"{module} imports {target}" for module, targets in GRAPH.items() for target in targets
-                    if layer(target) > layer(module))
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        for target in targets
+        if layer(target) > layer(module)
+    )
     assert upward == []
 
 
@@ -73,7 +78,7 @@ def test_no_import_cycles():
         state[module] = "open"
         for target in sorted(GRAPH[module]):
             if state.get(target) == "open":
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in state:
                 visit(target, path + [target])
         state[module] = "done"
@@ -86,5 +91,8 @@ def test_no_import_cycles():
 
 def test_the_walk_sees_imports_inside_functions():
     """A cycle hidden in a function body counts: the walk reads every import statement, at any depth."""
-    source = "import torch\n\n\ndef late():\n    from ..formats import keymap\n    if True:\n        from .dit import H3DiT\n"
+    source = (
+        "import torch\n\n\ndef late():\n    from ..formats import keymap\n"
+        "    if True:\n        from .dit import H3DiT\n"
+    )
     assert imports_of(source, "h3_core.models.example", False) == {"h3_core.formats.keymap", "h3_core.models.dit"}

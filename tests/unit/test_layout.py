@@ -52,9 +52,14 @@ def test_window_bounds_per_frame_explicit():
 def test_window_bounds_chunked_explicit():
     # chunk 3, radius 1, F=8 (last chunk short: frames 6, 7)
     assert window_bounds(8, 1, 3) == (
-        (-3, 5), (-3, 5), (-3, 5),
-        (0, 8), (0, 8), (0, 8),
-        (3, 11), (3, 11),
+        (-3, 5),
+        (-3, 5),
+        (-3, 5),
+        (0, 8),
+        (0, 8),
+        (0, 8),
+        (3, 11),
+        (3, 11),
     )
 
 
@@ -126,8 +131,10 @@ def test_window_spec_anchor_flags(anchors):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(radius=1, anchors="diagonal"),
-         "window anchors must be one of ['none', 'rows', 'columns', 'both'], got 'diagonal'"),
+        (
+            dict(radius=1, anchors="diagonal"),
+            "window anchors must be one of ['none', 'rows', 'columns', 'both'], got 'diagonal'",
+        ),
         (dict(radius=1, anchors="Both"), "got 'Both'"),
         (dict(radius=-1), "window radius must be an integer >= 0, got -1"),
         (dict(radius=1, chunk=-3), "window chunk must be an integer >= 0, got -3"),
@@ -145,9 +152,7 @@ def test_window_spec_refuses(kwargs, message):
 
 
 def test_packed_spans_in_h3_order():
-    lay = SequenceLayout.packed(
-        frames=3, frame_h=2, frame_w=3, text=4, conditioning=2, references=(5, 3), audio=6
-    )
+    lay = SequenceLayout.packed(frames=3, frame_h=2, frame_w=3, text=4, conditioning=2, references=(5, 3), audio=6)
     expect = {
         "text": (0, 4),
         "conditioning": (4, 6),
@@ -166,9 +171,7 @@ def test_packed_spans_in_h3_order():
     assert lay.num_global_rows == 20
     assert [lay.frame_rows(f) for f in range(3)] == [(20, 26), (26, 32), (32, 38)]
     assert lay.global_ranges() == ((0, 20),)
-    assert [s.name for s in lay.global_spans] == [
-        "text", "conditioning", "reference_0", "reference_1", "audio"
-    ]
+    assert [s.name for s in lay.global_spans] == ["text", "conditioning", "reference_0", "reference_1", "audio"]
     with pytest.raises(KeyError):
         lay.span("reference_2")
 

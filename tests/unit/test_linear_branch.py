@@ -4,8 +4,19 @@ import pytest
 import torch
 
 from h3_core.attention.layout import window_bounds
+from h3_core.models.branch_math import (
+    featurize,
+    frame_statistics,
+    gather,
+    gather_reference,
+    scan,
+    scan_reference,
+    solve,
+    solve_reference,
+    solve_shifted,
+    spd_inverse,
+)
 from h3_core.models.linear_branch import LinearBranch
-from h3_core.models.branch_math import featurize, frame_statistics, gather, gather_reference, scan, scan_reference, solve, solve_reference, solve_shifted, spd_inverse
 
 
 def rnd(*shape, seed=0, dtype=torch.float64):
@@ -40,8 +51,11 @@ def test_solve_matches_the_reference_and_the_implicit_delta_rule(dtype, tol):
     # S_f = S_{f-1} diag(α) + Σ β (v − S_f k) kᵀ holds for the solved state (the implicit reading)
     S_prev = rnd(2, 4, 4, seed=9)
     S = S_prev @ T_ref[0] + J_ref[0]
-    residual = S_prev @ torch.diag_embed(alpha[0]) + torch.einsum(
-        "sh,shv,shk->hvk", beta[0], v[0] - torch.einsum("hvk,shk->shv", S, k[0]), k[0]) - S
+    residual = (
+        S_prev @ torch.diag_embed(alpha[0])
+        + torch.einsum("sh,shv,shk->hvk", beta[0], v[0] - torch.einsum("hvk,shk->shv", S, k[0]), k[0])
+        - S
+    )
     assert residual.abs().max() <= 1e-12
     # the same from I + A formed beforehand (the fused branch forms it in one pass with the symmetrisation)
     shifted = A.to(dtype) + torch.eye(A.shape[-1], dtype=dtype)

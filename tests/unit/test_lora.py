@@ -12,8 +12,18 @@ from h3_core.formats.lora import merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.run_options import apply_run_options, run_options_of
 
-CFG = DiTConfig(hidden=48, layers=2, heads=2, head_dim=32, ffn=64, text_dim=40, freq_dim=16, time_hidden=24,
-                time_embed=20, rope_freqs=4)
+CFG = DiTConfig(
+    hidden=48,
+    layers=2,
+    heads=2,
+    head_dim=32,
+    ffn=64,
+    text_dim=40,
+    freq_dim=16,
+    time_hidden=24,
+    time_embed=20,
+    rope_freqs=4,
+)
 
 
 def model():
@@ -30,9 +40,18 @@ def inputs():
     L, Na, Nv = 3, 4, 6
     T = L + Na + Nv
     tags = torch.tensor([1] * L + [2] * Na + [0] * Nv)
-    return (torch.randn(Nv, 96, generator=g), torch.randn(Na, 32, generator=g), torch.randn(L, 40, generator=g),
-            torch.tensor([0.5]), torch.zeros(T, dtype=torch.long), tags, torch.randn(T, 3, generator=g),
-            torch.arange(L + Na, T), torch.arange(L, L + Na), torch.arange(L))
+    return (
+        torch.randn(Nv, 96, generator=g),
+        torch.randn(Na, 32, generator=g),
+        torch.randn(L, 40, generator=g),
+        torch.tensor([0.5]),
+        torch.zeros(T, dtype=torch.long),
+        tags,
+        torch.randn(T, 3, generator=g),
+        torch.arange(L + Na, T),
+        torch.arange(L, L + Na),
+        torch.arange(L),
+    )
 
 
 def test_peft_adapter_on_q_k_v_out_and_ffn_equals_the_unmerged_forward(tmp_path):
@@ -64,7 +83,9 @@ def test_peft_adapter_on_q_k_v_out_and_ffn_equals_the_unmerged_forward(tmp_path)
 
     m = model()
     x = inputs()
-    expected = unmerged_forward(m, {name: [(A, B, scale, rows) for A, B, rows in parts] for name, parts in updates.items()}, x)
+    expected = unmerged_forward(
+        m, {name: [(A, B, scale, rows) for A, B, rows in parts] for name, parts in updates.items()}, x
+    )
     merged = merge_lora(m, read_lora(path, strength=2.0, adapter="default"))
     assert merged == 2 * 5  # q, k, v, out, fc1 per block
     with torch.no_grad():
@@ -80,11 +101,13 @@ def unmerged_forward(m, flat, x):
     before = run_options_of(m)  # q, k, v through qkv_proj's own forward, where the hooks sit
     apply_run_options(m, replace(before, stacked_qkv=True))
     for name, parts in flat.items():
+
         def hook(mod, args, out, parts=parts):
             out = out.clone()
             for A, B, scale, rows in parts:
                 out[..., rows] += ((args[0].float() @ A.T @ B.T) * scale).to(out.dtype)
             return out
+
         handles.append(modules[name].register_forward_hook(hook))
     try:
         with torch.no_grad():
@@ -99,9 +122,14 @@ def test_comfy_lora_with_alpha(tmp_path):
     g = torch.Generator().manual_seed(3)
     A, B = torch.randn(2, 48, generator=g), torch.randn(192, 2, generator=g) * 0.1
     path = tmp_path / "style.safetensors"
-    save_file({"diffusion_model.blocks.1.attn.qkv_proj.lora_down.weight": A,
-               "diffusion_model.blocks.1.attn.qkv_proj.lora_up.weight": B,
-               "diffusion_model.blocks.1.attn.qkv_proj.alpha": torch.tensor(1.0)}, str(path))
+    save_file(
+        {
+            "diffusion_model.blocks.1.attn.qkv_proj.lora_down.weight": A,
+            "diffusion_model.blocks.1.attn.qkv_proj.lora_up.weight": B,
+            "diffusion_model.blocks.1.attn.qkv_proj.alpha": torch.tensor(1.0),
+        },
+        str(path),
+    )
     m = model()
     before = m.blocks[1].attn.qkv_proj.weight.clone()
     merge_lora(m, read_lora(path, strength=0.5))
@@ -112,10 +140,15 @@ def test_bad_loras_merge_nothing(tmp_path):
     m = model()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     path = tmp_path / "wrong.safetensors"
-    save_file({"diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight": torch.zeros(2, 48),
-               "diffusion_model.blocks.0.attn.qkv_proj.lora_up.weight": torch.zeros(192, 2),
-               "diffusion_model.blocks.7.attn.qkv_proj.lora_down.weight": torch.zeros(2, 48),
-               "diffusion_model.blocks.7.attn.qkv_proj.lora_up.weight": torch.zeros(192, 2)}, str(path))
+    save_file(
+        {
+            "diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight": torch.zeros(2, 48),
+            "diffusion_model.blocks.0.attn.qkv_proj.lora_up.weight": torch.zeros(192, 2),
+            "diffusion_model.blocks.7.attn.qkv_proj.lora_down.weight": torch.zeros(2, 48),
+            "diffusion_model.blocks.7.attn.qkv_proj.lora_up.weight": torch.zeros(192, 2),
+        },
+        str(path),
+    )
     with pytest.raises(H3InputError, match="targets 'blocks.7.attn.qkv_proj', which this model does not have"):
         merge_lora(m, read_lora(path), source=str(path))
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
@@ -157,13 +190,21 @@ def test_full_model_adaln_lora_on_a_pruned_model_says_why(tmp_path):
     out = CFG.hidden * 6 * 3
     A, B = torch.randn(2, CFG.time_embed, generator=g), torch.randn(out, 2, generator=g)
     path = tmp_path / "adaln.safetensors"
-    save_file({"diffusion_model.blocks.0.adaln_proj.linear.lora_down.weight": A,
-               "diffusion_model.blocks.0.adaln_proj.linear.lora_up.weight": B}, str(path))
+    save_file(
+        {
+            "diffusion_model.blocks.0.adaln_proj.linear.lora_down.weight": A,
+            "diffusion_model.blocks.0.adaln_proj.linear.lora_up.weight": B,
+        },
+        str(path),
+    )
     full = model()
     assert merge_lora(full, read_lora(path)) == 1
     pruned = H3DiT(replace(CFG, adaln_curve_grid=9, time_embed=8)).eval()
     before = {k: v.clone() for k, v in pruned.state_dict().items()}
-    with pytest.raises(H3InputError, match=r"adaln\.safetensors: the update of 'blocks\.0\.adaln_proj\.linear'.*"
-                                           r"pruned \(AdaLN curve\) form.*use the full \(bf16\) model"):
+    with pytest.raises(
+        H3InputError,
+        match=r"adaln\.safetensors: the update of 'blocks\.0\.adaln_proj\.linear'.*"
+        r"pruned \(AdaLN curve\) form.*use the full \(bf16\) model",
+    ):
         merge_lora(pruned, read_lora(path), source=str(path))
     assert all(torch.equal(v, before[k]) for k, v in pruned.state_dict().items())

@@ -1,17 +1,16 @@
 """The exact lower-memory paths (h3_core.models.low_memory) equal the plain path, dense and hybrid."""
 
 from dataclasses import replace
+
 import pytest
 import torch
+from tiny_dit import fp32_case, model, request
 
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory, head_slices
-from h3_core.models.run_options import apply_low_memory
-from h3_core.models.run_options import apply_run_options, run_options_of
-
-from tiny_dit import fp32_case, model, request
+from h3_core.models.run_options import apply_low_memory, apply_run_options, run_options_of
 
 
 def test_head_slices_cover_every_head_once():
@@ -23,9 +22,17 @@ def test_head_slices_cover_every_head_once():
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
-@pytest.mark.parametrize("options", [LowMemory(ffn_chunk_rows=7), LowMemory(head_groups=2), LowMemory(head_groups=3),
-                                     LowMemory(ffn_chunk_rows=50, head_groups=2), LowMemory(branch_frames=3),
-                                     LowMemory(ffn_chunk_rows=7, head_groups=2, branch_frames=4)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        LowMemory(ffn_chunk_rows=7),
+        LowMemory(head_groups=2),
+        LowMemory(head_groups=3),
+        LowMemory(ffn_chunk_rows=50, head_groups=2),
+        LowMemory(branch_frames=3),
+        LowMemory(ffn_chunk_rows=7, head_groups=2, branch_frames=4),
+    ],
+)
 def test_low_memory_paths_equal_the_plain_forward(hybrid, options):
     m = model(hybrid)
     packed, args = request()
@@ -58,8 +65,8 @@ def test_low_memory_runs_on_fp8_linears(hybrid):
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_head_groups_share_one_quantisation_of_the_projection_input(hybrid, monkeypatch):
-    from h3_core.models.fp8_linear import QuantizedRows
     from h3_core.models.dit import Attention
+    from h3_core.models.fp8_linear import QuantizedRows
 
     m, args, ctx = fp32_case(hybrid)
     apply_low_memory(m, LowMemory(head_groups=3))
@@ -99,7 +106,7 @@ def test_modulation_by_runs_is_the_gathered_form_bit_for_bit():
     """The block applies AdaLN rows run by run in place; in bf16 that is exactly the [T, hidden]-gather form."""
     import torch.nn.functional as F
 
-    from h3_core.models.dit import row_runs, rope_cos_sin
+    from h3_core.models.dit import rope_cos_sin, row_runs
 
     m = model(False).to(torch.bfloat16)
     packed, args = request()
@@ -112,7 +119,9 @@ def test_modulation_by_runs_is_the_gathered_form_bit_for_bit():
     rope = rope_cos_sin(packed.positions, m.rope.inv_freq.float())
     with torch.no_grad():
         got = block(x, temb, rows, rope)
-        shift1, scale1, gate1, shift2, scale2, gate2 = (t.to(x.dtype).index_select(0, rows) for t in block.adaln_proj(temb))
+        shift1, scale1, gate1, shift2, scale2, gate2 = (
+            t.to(x.dtype).index_select(0, rows) for t in block.adaln_proj(temb)
+        )
         h = block.attn(block.norm1(x) * (1 + scale1) + shift1, rope)
         y = x + gate1 * h
         gate, up = block.mlp.fc1(block.norm2(y) * (1 + scale2) + shift2).chunk(2, dim=-1)

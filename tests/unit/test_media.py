@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 
 from h3_core.errors import H3InputError
-from h3_core.models.audio_vae import AudioVAEConfig
 from h3_core.formats.audio_vae import load_audio_vae
-from h3_core.models.video_vae import VideoVAEConfig
 from h3_core.formats.video_vae import load_video_vae
+from h3_core.models.audio_vae import AudioVAEConfig
+from h3_core.models.video_vae import VideoVAEConfig
 from h3_core.pipeline.conditioning import (
     encode_keyframes,
     encode_reference,
@@ -30,25 +30,26 @@ from h3_core.pipeline.conditioning import (
 )
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers.modular_pipelines import SequentialPipelineBlocks  # noqa: E402
-from diffusers.modular_pipelines.minimax_h3 import (  # noqa: E402
+from diffusers.modular_pipelines import SequentialPipelineBlocks
+from diffusers.modular_pipelines.minimax_h3 import (
     MiniMaxH3AudioReference,
     MiniMaxH3ImageReference,
     MiniMaxH3VideoReference,
 )
-from diffusers.modular_pipelines.minimax_h3.before_encoder import (  # noqa: E402
+from diffusers.modular_pipelines.minimax_h3.before_encoder import (
     MiniMaxH3Ref2VASetupStep,
     MiniMaxH3ResizeStep,
 )
-from diffusers.modular_pipelines.minimax_h3.encoders import (  # noqa: E402
+from diffusers.modular_pipelines.minimax_h3.encoders import (
     MiniMaxH3KeyframeVaeEncoderStep,
     MiniMaxH3Ref2VAReferenceEncoderStep,
 )
-from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size  # noqa: E402
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
 
 VIDEO_STATS = dict(latents_mean=tuple(0.1 * i for i in range(24)), latents_std=tuple(1.0 + 0.05 * i for i in range(24)))
-AUDIO_STATS = dict(latents_mean=tuple(0.02 * i - 0.3 for i in range(32)),
-                   latents_std=tuple(1.0 + 0.03 * i for i in range(32)))
+AUDIO_STATS = dict(
+    latents_mean=tuple(0.02 * i - 0.3 for i in range(32)), latents_std=tuple(1.0 + 0.03 * i for i in range(32))
+)
 # Small canvases keep the tiny VAEs fast; the rules are the released ones at another scale.
 SHORT_EDGE, MAX_PIXELS, IMAGE_SHORT_EDGE = 64, 64 * 112, 64
 CLIP_FRAMES = 124  # diffusers' Ref2VA setup insists on 5-15 s
@@ -74,16 +75,21 @@ def as_pil(pixels):
 def video_vaes(tmp_path_factory):
     torch.manual_seed(0)
     reference = diffusers.AutoencoderKLMiniMaxH3(
-        decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=16,
-        block_out_channels=(8,) * 6, norm_num_groups=4, **VIDEO_STATS,
+        decoder_num_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_attention_head_dim=16,
+        block_out_channels=(8,) * 6,
+        norm_num_groups=4,
+        **VIDEO_STATS,
     ).eval()
     with torch.no_grad():
         for p in reference.parameters():
             p.normal_(0, 0.2)
     folder = tmp_path_factory.mktemp("video_vae")
     reference.save_pretrained(folder)
-    cfg = VideoVAEConfig(decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6,
-                         norm_groups=4)
+    cfg = VideoVAEConfig(
+        decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6, norm_groups=4
+    )
     return load_video_vae(folder, dtype=torch.float32, cfg=cfg), reference
 
 
@@ -91,7 +97,12 @@ def video_vaes(tmp_path_factory):
 def audio_vaes(tmp_path_factory):
     torch.manual_seed(1)
     reference = diffusers.AutoencoderKLMiniMaxH3Audio(
-        encoder_dim=4, latent_dim=64, latent_channels=32, decoder_dim=256, num_attention_heads=2, **AUDIO_STATS,
+        encoder_dim=4,
+        latent_dim=64,
+        latent_channels=32,
+        decoder_dim=256,
+        num_attention_heads=2,
+        **AUDIO_STATS,
     ).eval()
     with torch.no_grad():
         for p in reference.parameters():
@@ -104,8 +115,9 @@ def audio_vaes(tmp_path_factory):
 
 def pipeline(steps, **components):
     pipe = SequentialPipelineBlocks.from_blocks_dict(steps).init_pipeline()
-    pipe.register_to_config(canvas_short_edge=SHORT_EDGE, canvas_max_pixels=MAX_PIXELS,
-                            reference_image_short_edge=IMAGE_SHORT_EDGE)
+    pipe.register_to_config(
+        canvas_short_edge=SHORT_EDGE, canvas_max_pixels=MAX_PIXELS, reference_image_short_edge=IMAGE_SHORT_EDGE
+    )
     if components:
         pipe.update_components(**components)
     return pipe
@@ -125,11 +137,15 @@ def assert_same_condition(ours, theirs, vae):
 # ---- keyframes ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("first_size, last_size, canvas", [
-    ((40, 70), (50, 30), (64, 96)),  # the last keyframe is portrait on a landscape canvas: cropped top and bottom
-    ((90, 40), (33, 77), (96, 32)),
-    ((64, 96), (64, 96), (64, 96)),  # already at the canvas: used as they are
-], ids=["landscape", "portrait", "at-canvas"])
+@pytest.mark.parametrize(
+    "first_size, last_size, canvas",
+    [
+        ((40, 70), (50, 30), (64, 96)),  # the last keyframe is portrait on a landscape canvas: cropped top and bottom
+        ((90, 40), (33, 77), (96, 32)),
+        ((64, 96), (64, 96), (64, 96)),  # already at the canvas: used as they are
+    ],
+    ids=["landscape", "portrait", "at-canvas"],
+)
 def test_keyframes_equal_the_released_fl2va_steps(video_vaes, first_size, last_size, canvas):
     ours_vae, their_vae = video_vaes
     first, last = image(*first_size, seed=1), image(*last_size, seed=2)
@@ -152,7 +168,7 @@ def test_a_lone_last_keyframe_is_the_geometry_anchor_and_is_stretched(video_vaes
     last = image(50, 30, seed=3)
     pipe = pipeline({"resize": MiniMaxH3ResizeStep(), "encode": MiniMaxH3KeyframeVaeEncoderStep()}, vae=their_vae)
     state = pipe(last_image=as_pil(last), height=64, width=96)
-    (anchor, ours), = encode_keyframes(ours_vae, (("last", last),), 96, 64)
+    ((anchor, ours),) = encode_keyframes(ours_vae, (("last", last),), 96, 64)
     assert anchor == "last" and state.get("keyframe_anchors") == ("last",)
     assert torch.equal(fit_keyframes([last], 96, 64)[0], torch.from_numpy(np.asarray(state.get("keyframes")[0])))
     assert_same_condition(ours, state.get("condition_latents")[0][0], ours_vae)
@@ -180,8 +196,9 @@ def test_default_canvas_follows_the_first_keyframe(size):
 @pytest.mark.parametrize("height, width", [(32, 32), (64, 96), (96, 64), (32, 128)])
 def test_keyframe_latent_shapes(video_vaes, height, width):
     ours_vae, _ = video_vaes
-    (_, first), (_, last) = encode_keyframes(ours_vae, (("first", image(45, 45)), ("last", image(20, 80))),
-                                             width, height)
+    (_, first), (_, last) = encode_keyframes(
+        ours_vae, (("first", image(45, 45)), ("last", image(20, 80))), width, height
+    )
     assert first.shape == last.shape == (24, 1, height // 16, width // 16)
     assert first.dtype == torch.float32 and first.device.type == "cpu" and torch.isfinite(first).all()
 
@@ -206,8 +223,11 @@ def ref2va(video_vaes, audio_vaes):
         MiniMaxH3VideoReference(frames=media["video"].numpy(), fps=30.0, audio=media["soundtrack"], sample_rate=32000),
         MiniMaxH3AudioReference(audio=media["audio"], sample_rate=32000),
     ]
-    pipe = pipeline({"setup": MiniMaxH3Ref2VASetupStep(), "encode": MiniMaxH3Ref2VAReferenceEncoderStep()},
-                    vae=their_vae, audio_vae=their_audio_vae)
+    pipe = pipeline(
+        {"setup": MiniMaxH3Ref2VASetupStep(), "encode": MiniMaxH3Ref2VAReferenceEncoderStep()},
+        vae=their_vae,
+        audio_vae=their_audio_vae,
+    )
     return media, pipe(references=references, num_frames=CLIP_FRAMES)
 
 
@@ -216,8 +236,15 @@ def our_references(ref2va):
     media, _ = ref2va
     return [
         normalize_image_reference(media["image"], short_edge=IMAGE_SHORT_EDGE),
-        normalize_video_reference(media["video"], 30.0, frames=CLIP_FRAMES, audio=media["soundtrack"],
-                                  sample_rate=32000, short_edge=SHORT_EDGE, max_pixels=MAX_PIXELS),
+        normalize_video_reference(
+            media["video"],
+            30.0,
+            frames=CLIP_FRAMES,
+            audio=media["soundtrack"],
+            sample_rate=32000,
+            short_edge=SHORT_EDGE,
+            max_pixels=MAX_PIXELS,
+        ),
         normalize_audio_reference(media["audio"], 32000, frames=CLIP_FRAMES),
     ]
 
@@ -261,8 +288,9 @@ def test_frame_rate_conversion_equals_the_released_one(fps):
     """Every frame carries its index, so the held and dropped frames are compared, not just the count."""
     count = 50
     frames = torch.arange(count, dtype=torch.uint8).view(count, 1, 1, 1).expand(count, 32, 64, 3).contiguous()
-    theirs = MiniMaxH3Ref2VASetupStep._normalize_video_condition(frames.numpy(), fps, CLIP_FRAMES, 32, SHORT_EDGE,
-                                                                 MAX_PIXELS, 24.0)
+    theirs = MiniMaxH3Ref2VASetupStep._normalize_video_condition(
+        frames.numpy(), fps, CLIP_FRAMES, 32, SHORT_EDGE, MAX_PIXELS, 24.0
+    )
     ours = normalize_video_reference(frames, fps, frames=CLIP_FRAMES, short_edge=SHORT_EDGE, max_pixels=MAX_PIXELS)
     assert torch.equal(ours.pixels, torch.from_numpy(theirs))
     assert ours.pixels.shape[0] == min(CLIP_FRAMES, math.floor(count * 24 / fps + 0.5))
@@ -279,14 +307,17 @@ def test_video_reference_latent_frames(video_vaes, count, latent_frames):
     """The largest 17k + 5 prefix is encoded; below 22 frames all of them are, the last clip padded by the
     encoder (13-17 frames are one clip, 2 latents; 18-21 two clips, 7 latents, as 22 frames)."""
     ours_vae, _ = video_vaes
-    reference = normalize_video_reference(torch.rand(count, 32, 64, 3), 24, frames=124, short_edge=32,
-                                          max_pixels=32 * 64)
+    reference = normalize_video_reference(
+        torch.rand(count, 32, 64, 3), 24, frames=124, short_edge=32, max_pixels=32 * 64
+    )
     latents = encode_reference(reference, ours_vae)
     assert latents.video.shape == (24, latent_frames, 2, 4) and latents.audio is None
 
 
-@pytest.mark.parametrize("size, expected", [((50, 90), (64, 128)), ((90, 50), (128, 64)), ((64, 64), (64, 64)),
-                                            ((20, 79), (64, 256)), ((300, 200), (96, 64))])
+@pytest.mark.parametrize(
+    "size, expected",
+    [((50, 90), (64, 128)), ((90, 50), (128, 64)), ((64, 64), (64, 64)), ((20, 79), (64, 256)), ((300, 200), (96, 64))],
+)
 def test_image_reference_sizes(size, expected):
     assert normalize_image_reference(image(*size), short_edge=IMAGE_SHORT_EDGE).pixels.shape[:2] == expected
 
@@ -304,8 +335,9 @@ def test_audio_reference_latent_lengths(audio_vaes, samples, latents):
 
 def test_audio_reference_encoding_follows_the_attention_overrides(audio_vaes):
     ours_audio_vae, _ = audio_vaes
-    reference = normalize_audio_reference(torch.randn(2, 4000, generator=torch.Generator().manual_seed(4)) * 0.1,
-                                          32000, frames=124)
+    reference = normalize_audio_reference(
+        torch.randn(2, 4000, generator=torch.Generator().manual_seed(4)) * 0.1, 32000, frames=124
+    )
     default = encode_reference(reference, audio_vae=ours_audio_vae).audio
     math = encode_reference(reference, audio_vae=ours_audio_vae, audio_overrides={"audio_vae": "sdpa_math"}).audio
     assert (default - math).abs().max() <= 1e-5 * default.abs().max()
@@ -328,8 +360,9 @@ def test_lanczos_resize_equals_pillow_bit_for_bit():
         (height, width), (new_height, new_width) = generator.randint(1, 70, 2), generator.randint(1, 70, 2)
         pixels = generator.randint(0, 256, (height, width, 3)).astype(np.uint8)
         expected = np.asarray(Image.fromarray(pixels).resize((int(new_width), int(new_height)), Image.LANCZOS))
-        assert torch.equal(lanczos_resize(torch.from_numpy(pixels), int(new_width), int(new_height)),
-                           torch.from_numpy(expected)), (height, width, new_height, new_width)
+        assert torch.equal(
+            lanczos_resize(torch.from_numpy(pixels), int(new_width), int(new_height)), torch.from_numpy(expected)
+        ), (height, width, new_height, new_width)
 
 
 def test_lanczos_resize_of_frames_equals_each_frame_resized():
@@ -341,8 +374,11 @@ def test_lanczos_resize_of_frames_equals_each_frame_resized():
 def signal(length, rate):
     """Two tones and a chirp, deterministic and independent of any RNG."""
     t = torch.arange(length, dtype=torch.float64) / rate
-    return (0.5 * torch.sin(2 * math.pi * 440 * t) + 0.3 * torch.sin(2 * math.pi * 9000 * t + 0.2)
-            + 0.1 * torch.sin(2 * math.pi * (200 + 3000 * t) * t)).to(torch.float32)[None]
+    return (
+        0.5 * torch.sin(2 * math.pi * 440 * t)
+        + 0.3 * torch.sin(2 * math.pi * 9000 * t + 0.2)
+        + 0.1 * torch.sin(2 * math.pi * (200 + 3000 * t) * t)
+    ).to(torch.float32)[None]
 
 
 # Outputs of torchaudio 2.11's transforms.Resample(rate, 32000) for signal(4410, rate) (computed once with it).
@@ -398,16 +434,21 @@ def test_resampled_length_keeps_torchaudios_fp32_rounding():
 # ---- errors ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pixels, message", [
-    (torch.rand(1, 32, 32, 3), r"the keyframe must be RGB pixels \[height, width, 3\], got shape \(1, 32, 32, 3\)"),
-    (torch.rand(32, 32, 4), r"got shape \(32, 32, 4\)"),
-    (torch.linspace(0.25, 1.75, 32 * 32 * 3).reshape(32, 32, 3),
-     r"the keyframe must hold values in \[0, 1\], got values from 0\.25 to 1\.75"),
-    (torch.linspace(-0.5, 0.5, 32 * 32 * 3).reshape(32, 32, 3), r"got values from -0\.5 to 0\.5"),
-    (torch.full((32, 32, 3), float("nan")), r"must hold values in \[0, 1\], got values from nan"),
-    (torch.zeros(32, 32, 3, dtype=torch.int32), r"must be floats in \[0, 1\] or uint8, got torch.int32"),
-    (np.zeros((32, 32, 3)), r"the keyframe must be a tensor \[height, width, 3\], got ndarray"),
-])
+@pytest.mark.parametrize(
+    "pixels, message",
+    [
+        (torch.rand(1, 32, 32, 3), r"the keyframe must be RGB pixels \[height, width, 3\], got shape \(1, 32, 32, 3\)"),
+        (torch.rand(32, 32, 4), r"got shape \(32, 32, 4\)"),
+        (
+            torch.linspace(0.25, 1.75, 32 * 32 * 3).reshape(32, 32, 3),
+            r"the keyframe must hold values in \[0, 1\], got values from 0\.25 to 1\.75",
+        ),
+        (torch.linspace(-0.5, 0.5, 32 * 32 * 3).reshape(32, 32, 3), r"got values from -0\.5 to 0\.5"),
+        (torch.full((32, 32, 3), float("nan")), r"must hold values in \[0, 1\], got values from nan"),
+        (torch.zeros(32, 32, 3, dtype=torch.int32), r"must be floats in \[0, 1\] or uint8, got torch.int32"),
+        (np.zeros((32, 32, 3)), r"the keyframe must be a tensor \[height, width, 3\], got ndarray"),
+    ],
+)
 def test_bad_keyframe_pixels_are_named(pixels, message):
     with pytest.raises(H3InputError, match=message):
         fit_keyframe(pixels, 32, 32)
@@ -427,11 +468,17 @@ def test_bad_keyframe_requests():
 def test_bad_video_references():
     with pytest.raises(H3InputError, match=r"the video reference has no frames \(shape \(0, 32, 32, 3\)\)"):
         normalize_video_reference(torch.zeros(0, 32, 32, 3), 24, frames=124)
-    with pytest.raises(H3InputError, match=r"the video reference must be RGB pixels \[frames, height, width, 3\], "
-                                           r"got shape \(32, 32, 3\)"):
+    with pytest.raises(
+        H3InputError,
+        match=r"the video reference must be RGB pixels \[frames, height, width, 3\], "
+        r"got shape \(32, 32, 3\)",
+    ):
         normalize_video_reference(torch.zeros(32, 32, 3), 24, frames=124)
-    with pytest.raises(H3InputError, match=r"too short: 12 frames at 30 fps give 10 at 24 fps, and it needs at "
-                                           r"least 13 \(0\.54 s\)"):
+    with pytest.raises(
+        H3InputError,
+        match=r"too short: 12 frames at 30 fps give 10 at 24 fps, and it needs at "
+        r"least 13 \(0\.54 s\)",
+    ):
         normalize_video_reference(torch.zeros(12, 32, 32, 3), 30, frames=124)
     for fps in (0, -24, float("nan"), float("inf"), "24"):
         with pytest.raises(H3InputError, match=r"the video reference's fps must be a positive number, got"):
@@ -447,16 +494,22 @@ def test_bad_video_references():
 def test_bad_audio_references():
     with pytest.raises(H3InputError, match=r"the audio reference must be mono or stereo \(1 or 2 channels\), got 6"):
         normalize_audio_reference(torch.zeros(6, 100), 32000, frames=124)
-    with pytest.raises(H3InputError, match=r"the audio reference must be a waveform \[channels, samples\], "
-                                           r"got \(100,\)"):
+    with pytest.raises(
+        H3InputError,
+        match=r"the audio reference must be a waveform \[channels, samples\], "
+        r"got \(100,\)",
+    ):
         normalize_audio_reference(torch.zeros(100), 32000, frames=124)
     with pytest.raises(H3InputError, match=r"the audio reference is empty \(0 samples\)"):
         normalize_audio_reference(torch.zeros(2, 0), 32000, frames=124)
     with pytest.raises(H3InputError, match=r"must be floating point samples in \[-1, 1\], got torch.int16"):
         normalize_audio_reference(torch.zeros(2, 10, dtype=torch.int16), 32000, frames=124)
     for rate in (0, -44100, 44100.5, None):
-        with pytest.raises(H3InputError, match=r"the sample rate of the audio reference must be a positive whole "
-                                               r"number of Hz, got"):
+        with pytest.raises(
+            H3InputError,
+            match=r"the sample rate of the audio reference must be a positive whole "
+            r"number of Hz, got",
+        ):
             normalize_audio_reference(torch.zeros(2, 100), rate, frames=124)
     with pytest.raises(H3InputError, match=r"the sample rate of the video reference's soundtrack .* got -1"):
         normalize_video_reference(torch.zeros(20, 32, 32, 3), 24, frames=124, audio=torch.zeros(2, 10), sample_rate=-1)

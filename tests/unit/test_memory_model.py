@@ -45,16 +45,26 @@ def test_memory_is_linear_in_the_clip_and_falls_with_each_option():
     assert block_peaks(long, hybrid=True)["block"] > block_peaks(long, hybrid=False)["block"]
 
 
-TINY = DiTConfig(hidden=64, layers=3, heads=2, head_dim=32, ffn=96, text_dim=40, freq_dim=16, time_hidden=32,
-                 time_embed=16, rope_freqs=4)
+TINY = DiTConfig(
+    hidden=64,
+    layers=3,
+    heads=2,
+    head_dim=32,
+    ffn=96,
+    text_dim=40,
+    freq_dim=16,
+    time_hidden=32,
+    time_embed=16,
+    rope_freqs=4,
+)
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("linears", ["dtype", "fp8"])
 def test_weight_bytes_are_what_a_built_model_holds(hybrid, linears):
-    from h3_core.models.fp8_linear import quantize_linears
     from h3_core.memory.predict import weight_bytes
     from h3_core.models.dit import H3DiT
+    from h3_core.models.fp8_linear import quantize_linears
     from h3_core.models.precision import keeps_fp32
 
     cfg = DiTConfig(**{**TINY.__dict__, "hybrid": hybrid})
@@ -127,8 +137,10 @@ def test_branch_frames_lower_the_predicted_branch_peak():
 def test_fused_blocks_are_predicted_within_ten_percent_of_their_measured_peaks():
     results = RESULTS.parent
     # the dense block's latest fused run; the hybrid block's current one (bf16, its branch's states freed as read)
-    runs = {"dense": json.loads((results / "dit_block_fused_blocks.json").read_text()),
-            "hybrid": json.loads((results / "dit_block_kernels_bf16.json").read_text())}
+    runs = {
+        "dense": json.loads((results / "dit_block_fused_blocks.json").read_text()),
+        "hybrid": json.loads((results / "dit_block_kernels_bf16.json").read_text()),
+    }
     shape = release_shape()
     for kind, fused in runs.items():
         assert shape.rows == fused["rows"] and fused["fused_blocks"] == "compiled"

@@ -4,10 +4,10 @@ import textwrap
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 from h3_core.attention.kernels import dense_attention
 from h3_core.attention.merge import merge_partials, merge_partials_reference
-from triton_interpreter import run_interpreted
 
 
 def randn(*shape, dtype=torch.float64, seed=0):

@@ -65,13 +65,20 @@ def test_a_cancelled_write_leaves_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("frames, audio, message", [
-    (torch.rand(4, 32, 32), None, r"frames must be RGB images \[frames, height, width, 3\], got \(4, 32, 32\)"),
-    (torch.rand(4, 33, 32, 3), None, r"even width and height, got 32x33"),
-    (torch.rand(0, 32, 32, 3), None, "no frames"),
-    (torch.zeros(2, 32, 32, 3, dtype=torch.int32), None, "floats in \\[0, 1\\] or uint8, got torch.int32"),
-    (torch.rand(2, 32, 32, 3), torch.zeros(3, 100), r"audio must be a waveform \[channels \(1 or 2\), samples\], got \(3, 100\)"),
-])
+@pytest.mark.parametrize(
+    "frames, audio, message",
+    [
+        (torch.rand(4, 32, 32), None, r"frames must be RGB images \[frames, height, width, 3\], got \(4, 32, 32\)"),
+        (torch.rand(4, 33, 32, 3), None, r"even width and height, got 32x33"),
+        (torch.rand(0, 32, 32, 3), None, "no frames"),
+        (torch.zeros(2, 32, 32, 3, dtype=torch.int32), None, "floats in \\[0, 1\\] or uint8, got torch.int32"),
+        (
+            torch.rand(2, 32, 32, 3),
+            torch.zeros(3, 100),
+            r"audio must be a waveform \[channels \(1 or 2\), samples\], got \(3, 100\)",
+        ),
+    ],
+)
 def test_bad_inputs_are_named(tmp_path, frames, audio, message):
     with pytest.raises(H3InputError, match=message):
         write_mp4(tmp_path / "x.mp4", frames, audio, 32000)
@@ -118,8 +125,10 @@ def test_the_worker_writes_the_same_file_and_hands_back_failures(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["whole.mp4", "worker.mp4"]
 
 
-@pytest.mark.parametrize("preset, threads, message", [("warp", 0, "preset: got 'warp'; allowed: ultrafast"),
-                                                      ("medium", -1, "threads: got -1")])
+@pytest.mark.parametrize(
+    "preset, threads, message",
+    [("warp", 0, "preset: got 'warp'; allowed: ultrafast"), ("medium", -1, "threads: got -1")],
+)
 def test_encoder_settings_are_checked(tmp_path, preset, threads, message):
     with pytest.raises(H3InputError, match=message):
         Mp4Writer(tmp_path / "x.mp4", 32, 32, preset=preset, threads=threads)

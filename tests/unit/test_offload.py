@@ -7,16 +7,26 @@ import torch.nn as nn
 
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
-from h3_core.models.fp8_linear import quantize_linears
-from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.models.precision import keeps_fp32
-from h3_core.models.hybrid import HybridContext
 from h3_core.memory.offload import offload_blocks
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.fp8_linear import quantize_linears
+from h3_core.models.hybrid import HybridContext
+from h3_core.models.precision import keeps_fp32
 from h3_core.pipeline.packing import pack_sequence
 
 LAYERS = 5
-CFG = dict(hidden=32, layers=LAYERS, heads=2, head_dim=16, ffn=48, text_dim=20, freq_dim=8, time_hidden=12,
-           time_embed=10, rope_freqs=2)
+CFG = dict(
+    hidden=32,
+    layers=LAYERS,
+    heads=2,
+    head_dim=16,
+    ffn=48,
+    text_dim=20,
+    freq_dim=8,
+    time_hidden=12,
+    time_embed=10,
+    rope_freqs=2,
+)
 # dense: plain H3 in fp32. hybrid: VDN-H3 blocks (softmax gate, to_out_linear, linear branch) in fp64.
 # mixed: hybrid, pruned AdaLN curves and fp8 linears in bf16, so one block holds e4m3 codes, fp32 scales and
 # fp32 AdaLN linears beside bf16 matrices — every dtype a released block can hold.
@@ -46,10 +56,16 @@ def build(kind):
     inputs = dict(
         video_rows=torch.randn(packed.video_index.numel(), 96, generator=g, dtype=dtype),
         audio_rows=torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=dtype),
-        text_rows=torch.randn(4, 20, generator=g, dtype=dtype), timesteps=torch.tensor([0.4, 0.7], dtype=dtype),
-        timestep_index=(packed.tags == 2).long(), tags=packed.tags, positions=packed.positions,
-        video_index=packed.video_index, audio_index=packed.audio_index, text_index=packed.text_index,
-        hybrid=HybridContext(packed.layout, WindowSpec(1, 2, "both"), "ref", (0, 4)) if hybrid else None)
+        text_rows=torch.randn(4, 20, generator=g, dtype=dtype),
+        timesteps=torch.tensor([0.4, 0.7], dtype=dtype),
+        timestep_index=(packed.tags == 2).long(),
+        tags=packed.tags,
+        positions=packed.positions,
+        video_index=packed.video_index,
+        audio_index=packed.audio_index,
+        text_index=packed.text_index,
+        hybrid=HybridContext(packed.layout, WindowSpec(1, 2, "both"), "ref", (0, 4)) if hybrid else None,
+    )
     return model, inputs
 
 
@@ -132,6 +148,7 @@ def test_a_streamed_block_runs_from_its_slot_and_rests_in_host_memory():
         def hook(block, args):
             tensors = [*block.parameters(), *block.buffers()]
             seen[index] = ({slot_of(handle.slots, t) for t in tensors}, {t.dtype for t in tensors})
+
         return hook
 
     # Appended after offload's own (prepended) pre-hook, so these see the block as it runs.
@@ -238,16 +255,22 @@ class NoBlocks(nn.Module):
             self.blocks = blocks
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (dict(resident_blocks=-1), r"resident_blocks must be an integer from 0 \(stream every block\) to 5 .* got -1"),
-    (dict(resident_blocks=6), r"resident_blocks must be an integer from 0 .* to 5 .* got 6"),
-    (dict(resident_blocks=2.0), r"resident_blocks must be an integer .* got 2\.0"),
-    (dict(resident_blocks=True), r"resident_blocks must be an integer .* got True"),
-    (dict(resident_blocks=1, prefetch=0), r"prefetch must be an integer of at least 1 .* got 0"),
-    (dict(resident_blocks=1, prefetch=1.5), r"prefetch must be an integer of at least 1 .* got 1\.5"),
-    (dict(resident_blocks=1, device="gpu0"), r"device must be a torch device such as 'cuda', 'cuda:1' or 'cpu', "
-                                             r"got 'gpu0'"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(resident_blocks=-1), r"resident_blocks must be an integer from 0 \(stream every block\) to 5 .* got -1"),
+        (dict(resident_blocks=6), r"resident_blocks must be an integer from 0 .* to 5 .* got 6"),
+        (dict(resident_blocks=2.0), r"resident_blocks must be an integer .* got 2\.0"),
+        (dict(resident_blocks=True), r"resident_blocks must be an integer .* got True"),
+        (dict(resident_blocks=1, prefetch=0), r"prefetch must be an integer of at least 1 .* got 0"),
+        (dict(resident_blocks=1, prefetch=1.5), r"prefetch must be an integer of at least 1 .* got 1\.5"),
+        (
+            dict(resident_blocks=1, device="gpu0"),
+            r"device must be a torch device such as 'cuda', 'cuda:1' or 'cpu', "
+            r"got 'gpu0'",
+        ),
+    ],
+)
 def test_bad_arguments_are_refused_by_name(arguments, message):
     model, _ = build("dense")
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -257,15 +280,21 @@ def test_bad_arguments_are_refused_by_name(arguments, message):
     assert not any(b._forward_pre_hooks for b in model.blocks)
 
 
-@pytest.mark.parametrize("model, found", [
-    (nn.Linear(2, 2), r"a Linear with no `blocks`"),
-    (NoBlocks(None), r"a NoBlocks with no `blocks`"),
-    (NoBlocks(nn.ModuleList()), r"a NoBlocks with an empty `blocks` list"),
-    (NoBlocks(nn.Sequential(nn.Linear(2, 2))), r"a NoBlocks with `blocks` of type Sequential"),
-])
+@pytest.mark.parametrize(
+    "model, found",
+    [
+        (nn.Linear(2, 2), r"a Linear with no `blocks`"),
+        (NoBlocks(None), r"a NoBlocks with no `blocks`"),
+        (NoBlocks(nn.ModuleList()), r"a NoBlocks with an empty `blocks` list"),
+        (NoBlocks(nn.Sequential(nn.Linear(2, 2))), r"a NoBlocks with `blocks` of type Sequential"),
+    ],
+)
 def test_a_model_without_blocks_is_refused(model, found):
-    with pytest.raises(H3InputError, match=r"model must hold its transformer blocks in a non-empty nn\.ModuleList "
-                                           r"`blocks` \(an H3DiT\), got " + found):
+    with pytest.raises(
+        H3InputError,
+        match=r"model must hold its transformer blocks in a non-empty nn\.ModuleList "
+        r"`blocks` \(an H3DiT\), got " + found,
+    ):
         offload_blocks(model, device="cpu", resident_blocks=0)
 
 
@@ -306,8 +335,20 @@ def test_adaln_projections_kept_on_the_host_are_neither_streamed_nor_moved():
 
 def _tiny_for_adaln():
     torch.manual_seed(0)
-    m = H3DiT(DiTConfig(hidden=32, layers=3, heads=2, head_dim=16, ffn=48, text_dim=20, freq_dim=8, time_hidden=16,
-                        time_embed=12, rope_freqs=2)).eval()
+    m = H3DiT(
+        DiTConfig(
+            hidden=32,
+            layers=3,
+            heads=2,
+            head_dim=16,
+            ffn=48,
+            text_dim=20,
+            freq_dim=8,
+            time_hidden=16,
+            time_embed=12,
+            rope_freqs=2,
+        )
+    ).eval()
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.2)
@@ -318,6 +359,15 @@ def _adaln_inputs(m, timesteps):
     packed = pack_sequence(torch.ones(4, dtype=torch.long), 3, 2, 4, 3)
     g = torch.Generator().manual_seed(1)
     T = packed.positions.shape[0]
-    return (torch.randn(packed.video_index.numel(), 96, generator=g), torch.randn(packed.audio_index.numel(), 32, generator=g),
-            torch.randn(4, 20, generator=g), timesteps, (torch.arange(T) % 2), packed.tags, packed.positions,
-            packed.video_index, packed.audio_index, packed.text_index)
+    return (
+        torch.randn(packed.video_index.numel(), 96, generator=g),
+        torch.randn(packed.audio_index.numel(), 32, generator=g),
+        torch.randn(4, 20, generator=g),
+        timesteps,
+        (torch.arange(T) % 2),
+        packed.tags,
+        packed.positions,
+        packed.video_index,
+        packed.audio_index,
+        packed.text_index,
+    )

@@ -8,17 +8,26 @@ at run time. torch, torchvision and torchaudio are never declared: the host has 
 import ast
 import importlib.metadata
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_FAMILY = {"torch", "torchvision", "torchaudio"}
 # ComfyUI's top-level modules a node pack may import; they come with the host, not from a package index.
-HOST_MODULES = TORCH_FAMILY | {"comfy", "comfy_api", "comfy_execution", "comfy_extras", "folder_paths",
-                               "latent_preview", "node_helpers", "nodes", "server"}
+HOST_MODULES = TORCH_FAMILY | {
+    "comfy",
+    "comfy_api",
+    "comfy_execution",
+    "comfy_extras",
+    "folder_paths",
+    "latent_preview",
+    "node_helpers",
+    "nodes",
+    "server",
+}
 # Kernel packages used when importable, never installed by the pack (h3_core.triton_forms and
 # h3_core.attention.kernels import them inside try blocks; the pack runs its PyTorch paths without them).
 OPTIONAL_MODULES = {"triton", "flash_attn", "flash_attn_interface"}
@@ -50,8 +59,13 @@ def imported_top_level_modules(path: Path) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             found.add(node.module)
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("import_module", "find_spec")
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", None) in ("import_module", "find_spec")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             found.add(node.args[0].value)
     return {name.split(".")[0] for name in found}
 
@@ -112,8 +126,22 @@ def test_the_installed_pack_gives_the_library_alone(tmp_path):
 
     source = tmp_path / "source"  # a copy: the build writes its own folders beside the sources
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "__pycache__", "build", "*.egg-info"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), str(source)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = tmp_path.glob("h3_hybrid-*.whl")
     names = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}

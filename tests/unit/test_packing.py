@@ -8,7 +8,7 @@ from h3_core.errors import H3InputError
 from h3_core.pipeline.packing import pack_sequence, patchify, unpatchify
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers.modular_pipelines.minimax_h3 import before_denoise  # noqa: E402
+from diffusers.modular_pipelines.minimax_h3 import before_denoise
 
 
 def reference(text_tags, frames, h, w, audio, keyframes):
@@ -17,14 +17,17 @@ def reference(text_tags, frames, h, w, audio, keyframes):
     )
 
 
-@pytest.mark.parametrize("keyframes", [(), ("first",), ("last",), ("first", "last")], ids=["t2va", "i2va", "l2va", "fl2va"])
+@pytest.mark.parametrize(
+    "keyframes", [(), ("first",), ("last",), ("first", "last")], ids=["t2va", "i2va", "l2va", "fl2va"]
+)
 @pytest.mark.parametrize("frames, h, w, audio", [(7, 4, 6, 23), (22, 48, 84, 115), (102, 6, 10, 575), (2, 2, 2, 1)])
 def test_matches_the_released_packing(keyframes, frames, h, w, audio):
     text_tags = torch.ones(37, dtype=torch.long)
     text_tags[5:12] = 0  # a keyframe's vision block inside the text
     ours = pack_sequence(text_tags, frames, h, w, audio, keyframes=keyframes)
     positions, tags, video_index, audio_index, text_index, condition_rows, _ = reference(
-        text_tags, frames, h, w, audio, keyframes)
+        text_tags, frames, h, w, audio, keyframes
+    )
     assert torch.equal(ours.positions, positions)
     assert torch.equal(ours.tags, tags)
     assert torch.equal(ours.video_index, video_index)
@@ -66,15 +69,19 @@ def test_bad_geometry():
         pack_sequence(torch.ones(2, dtype=torch.long), 7, 4, 4, 5, keyframes=("middle",))
 
 
-from types import SimpleNamespace  # noqa: E402
+from types import SimpleNamespace
 
-from h3_core.pipeline.packing import Reference, pack_ref2va  # noqa: E402
+from h3_core.pipeline.packing import Reference, pack_ref2va
 
 REF_CASES = {
     "images": [Reference("image", 1, 6, 4), Reference("image", 1, 4, 8)],
     "video+soundtrack, audio": [Reference("video", 7, 4, 6, audio_latents=23), Reference("audio", audio_latents=11)],
     "silent video of 17 latents": [Reference("video", 17, 2, 4)],
-    "mixed": [Reference("audio", audio_latents=40), Reference("image", 1, 8, 4), Reference("video", 12, 4, 4, audio_latents=5)],
+    "mixed": [
+        Reference("audio", audio_latents=40),
+        Reference("image", 1, 8, 4),
+        Reference("video", 12, 4, 4, audio_latents=5),
+    ],
 }
 
 
@@ -88,7 +95,9 @@ def test_ref2va_matches_the_released_packing(refs):
     kinds = [SimpleNamespace(kind=r.kind, has_audio=r.audio_latents > 0) for r in refs]
     positions, tags, video_index, audio_index, text_index, ref_video, ref_audio = (
         before_denoise.MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
-            text_tags, kinds, visual, sound, 7, 4, 6, 23, (1, 2, 2), 2, 2, 0))
+            text_tags, kinds, visual, sound, 7, 4, 6, 23, (1, 2, 2), 2, 2, 0
+        )
+    )
     assert torch.equal(ours.positions, positions)
     assert torch.equal(ours.tags, tags)
     assert torch.equal(ours.video_index, video_index) and torch.equal(ours.audio_index, audio_index)

@@ -4,14 +4,25 @@ import pytest
 import torch
 
 from h3_core.errors import H3InputError
+from h3_core.memory.policy import BUDGET_SHARE, decide_placement, place_for_run
 from h3_core.memory.predict import BlockShape, evaluation_peak
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.low_memory import LowMemory
 from h3_core.pipeline.packing import pack_sequence
-from h3_core.memory.policy import BUDGET_SHARE, decide_placement, place_for_run
 
-CFG = DiTConfig(hidden=64, layers=4, heads=8, head_dim=16, ffn=96, text_dim=32, freq_dim=16, time_hidden=24,
-                time_embed=20, rope_freqs=2, hybrid=True)
+CFG = DiTConfig(
+    hidden=64,
+    layers=4,
+    heads=8,
+    head_dim=16,
+    ffn=96,
+    text_dim=32,
+    freq_dim=16,
+    time_hidden=24,
+    time_embed=20,
+    rope_freqs=2,
+    hybrid=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +57,9 @@ def test_less_memory_gives_things_up_in_order_until_the_prediction_fits(model, p
 
 def test_the_users_placement_wins(model, packed):
     plain = peak(packed)
-    resident = decide_placement(model, packed, placement="resident", memory="auto", free_bytes=int(0.2 * plain), steps=10)
+    resident = decide_placement(
+        model, packed, placement="resident", memory="auto", free_bytes=int(0.2 * plain), steps=10
+    )
     assert resident.resident_blocks is None and not any("streamed" in s for s in resident.steps)
     assert not resident.fits  # said to the user by apply_plan
     streamed = decide_placement(model, packed, placement="stream blocks", memory="off", free_bytes=2**40, steps=10)
@@ -57,24 +70,39 @@ def test_the_users_placement_wins(model, packed):
 
 
 def test_on_the_cpu_the_model_just_runs_there(packed):
-    small = H3DiT(DiTConfig(hidden=32, layers=1, heads=2, head_dim=16, ffn=48, text_dim=32, freq_dim=8, time_hidden=8,
-                            time_embed=8, rope_freqs=2))
+    small = H3DiT(
+        DiTConfig(
+            hidden=32,
+            layers=1,
+            heads=2,
+            head_dim=16,
+            ffn=48,
+            text_dim=32,
+            freq_dim=8,
+            time_hidden=8,
+            time_embed=8,
+            rope_freqs=2,
+        )
+    )
     fitted = place_for_run(small, packed, "cpu")
     assert fitted.said == ["running on the CPU; no memory plan needed"] and fitted.offload is None
 
 
-@pytest.mark.parametrize("placement, memory, message", [
-    ("everywhere", "auto", r"placement must be one of \['auto', 'resident', 'stream blocks'\], got 'everywhere'"),
-    ("auto", "tight", r"memory mode must be one of \['auto', 'off'\], got 'tight'"),
-])
+@pytest.mark.parametrize(
+    "placement, memory, message",
+    [
+        ("everywhere", "auto", r"placement must be one of \['auto', 'resident', 'stream blocks'\], got 'everywhere'"),
+        ("auto", "tight", r"memory mode must be one of \['auto', 'off'\], got 'tight'"),
+    ],
+)
 def test_bad_choices_are_named(model, packed, placement, memory, message):
     with pytest.raises(H3InputError, match=message):
         decide_placement(model, packed, placement=placement, memory=memory, free_bytes=2**30, steps=10)
 
 
 def test_the_host_is_asked_for_the_runs_activations_of_the_path_it_will_take(packed):
-    from h3_core.models.run_options import fuse_blocks
     from h3_core.memory.policy import fuse_for, working_bytes
+    from h3_core.models.run_options import fuse_blocks
 
     with torch.device("meta"):
         fresh = H3DiT(CFG).to(torch.bfloat16)

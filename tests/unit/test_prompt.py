@@ -49,14 +49,27 @@ def test_the_cache_is_never_unpickled_as_code(tmp_path):
 
 def test_safetensors_form_round_trips(tmp_path):
     data = cache(keyframes=("first",))
-    original = PromptEmbedding(data["prompt_embeds"], data["text_token_tags"], data["prompt"], ("first",),
-                               ("first.png",), data["condition_latents"], 96, 128)
+    original = PromptEmbedding(
+        data["prompt_embeds"],
+        data["text_token_tags"],
+        data["prompt"],
+        ("first",),
+        ("first.png",),
+        data["condition_latents"],
+        96,
+        128,
+    )
     path = tmp_path / "fox.safetensors"
     save_prompt_embedding(path, original)
     assert not (tmp_path / "fox.safetensors.partial").exists()
     emb = load_prompt_embedding(path)
     assert torch.equal(emb.embeds, original.embeds) and torch.equal(emb.tags, original.tags)
-    assert (emb.prompt, emb.keyframe_anchors, emb.keyframe_files, emb.height) == ("A fox runs.", ("first",), ("first.png",), 96)
+    assert (emb.prompt, emb.keyframe_anchors, emb.keyframe_files, emb.height) == (
+        "A fox runs.",
+        ("first",),
+        ("first.png",),
+        96,
+    )
     assert torch.equal(emb.condition_latents[0], original.condition_latents[0])
 
 
@@ -67,12 +80,24 @@ def test_conditioning_rows_are_text_unless_tagged():
     assert emb.tags.tolist() == [1, 0, 1]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: from_conditioning(torch.randn(1, 4, 4096)), r"must be \[tokens, 5120\].*got \(4, 4096\)"),
-    (lambda: from_conditioning(torch.randn(2, 4, 5120)), r"conditioning must be one \[1, tokens, 5120\] tensor, got \(2, 4, 5120\)"),
-    (lambda: from_conditioning(torch.randn(1, 3, 5120), tags=torch.tensor([1, 2, 1])), r"must be 1 \(text\) or 0 .* found \[2\]"),
-    (lambda: from_conditioning(torch.randn(1, 3, 5120), tags=torch.tensor([1, 1])), r"one tag per token \(3\), got \(2,\)"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: from_conditioning(torch.randn(1, 4, 4096)), r"must be \[tokens, 5120\].*got \(4, 4096\)"),
+        (
+            lambda: from_conditioning(torch.randn(2, 4, 5120)),
+            r"conditioning must be one \[1, tokens, 5120\] tensor, got \(2, 4, 5120\)",
+        ),
+        (
+            lambda: from_conditioning(torch.randn(1, 3, 5120), tags=torch.tensor([1, 2, 1])),
+            r"must be 1 \(text\) or 0 .* found \[2\]",
+        ),
+        (
+            lambda: from_conditioning(torch.randn(1, 3, 5120), tags=torch.tensor([1, 1])),
+            r"one tag per token \(3\), got \(2,\)",
+        ),
+    ],
+)
 def test_bad_conditioning(make, message):
     with pytest.raises(H3InputError, match=message):
         make()

@@ -1,4 +1,5 @@
-"""Reading ComfyUI's quantised checkpoints (h3_core.formats.quantized_files, h3_core.formats.kitchen) on files written the way
+"""Reading ComfyUI's quantised checkpoints (h3_core.formats.quantized_files, h3_core.formats.kitchen) on files
+written the way
 the host writes them: each layer quantised by comfy-kitchen's own ``QuantizedTensor.from_float`` and stored
 through its ``state_dict`` (``<layer>.weight``, ``weight_scale``, ``weight_scale_2``), beside the
 ``comfy_quant`` JSON bytes ComfyUI's ``_quantized_weight_state_dict`` writes. comfy-kitchen is the oracle: what
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import save_file
 
-from h3_core.formats import kitchen
 from h3_core.errors import H3BackendUnavailable, H3InputError
+from h3_core.formats import kitchen
 from h3_core.formats.files import CheckpointFiles
 from h3_core.formats.quant_layers import layer_quants
 from h3_core.formats.quantized_files import QuantizedView, quantized_view, read_state_dict
@@ -40,12 +41,18 @@ def quantize(weight: torch.Tensor, spec: dict) -> QuantizedTensor:
     if spec["format"] == "nvfp4":
         return QuantizedTensor.from_float(weight, "TensorCoreNVFP4Layout")
     convrot = bool(spec.get("convrot"))
-    return QuantizedTensor.from_float(weight, "TensorWiseINT8Layout", per_channel=spec.get("per_channel", convrot),
-                                      convrot=convrot, convrot_groupsize=spec.get("convrot_groupsize", 256))
+    return QuantizedTensor.from_float(
+        weight,
+        "TensorWiseINT8Layout",
+        per_channel=spec.get("per_channel", convrot),
+        convrot=convrot,
+        convrot_groupsize=spec.get("convrot_groupsize", 256),
+    )
 
 
-def quantized_layer(layer: str, weight: torch.Tensor, spec: dict,
-                    extra: dict | None = None) -> tuple[dict, QuantizedTensor]:
+def quantized_layer(
+    layer: str, weight: torch.Tensor, spec: dict, extra: dict | None = None
+) -> tuple[dict, QuantizedTensor]:
     """One layer's tensors in ComfyUI's file layout, and the ``QuantizedTensor`` they came from."""
     qt = quantize(weight, spec)
     marker = {k: v for k, v in spec.items() if k != "per_channel"}
@@ -65,8 +72,11 @@ def mixed(tmp_path_factory):
         "tensorwise.0": (randn(24, 32, seed=2), {"format": "int8_tensorwise"}, None),
         "rowwise.0": (randn(24, 32, seed=3), {"format": "int8_tensorwise", "per_channel": True}, None),
         "nvfp4.0": (randn(48, 64, seed=4), {"format": "nvfp4"}, None),
-        "awq.0": (randn(32, 48, seed=5), {"format": "nvfp4", "full_precision_matrix_mult": True},
-                  {"awq.0.pre_quant_scale": torch.linspace(0.5, 1.5, 48).to(torch.bfloat16)}),
+        "awq.0": (
+            randn(32, 48, seed=5),
+            {"format": "nvfp4", "full_precision_matrix_mult": True},
+            {"awq.0.pre_quant_scale": torch.linspace(0.5, 1.5, 48).to(torch.bfloat16)},
+        ),
     }
     for layer, (weight, spec, extra) in layers.items():
         tensors, oracle[f"{layer}.weight"] = quantized_layer(layer, weight, spec, extra)
@@ -83,8 +93,9 @@ def mixed(tmp_path_factory):
 @pytest.fixture
 def allow_cpu_kernels(monkeypatch):
     """The device policy replaced: comfy-kitchen layers allowed on the CPU, where its eager backend runs them."""
-    monkeypatch.setattr(kitchen, "kitchen_support",
-                        lambda fmt, kind, dtype, device: (True, "comfy-kitchen's eager backend (test)"))
+    monkeypatch.setattr(
+        kitchen, "kitchen_support", lambda fmt, kind, dtype, device: (True, "comfy-kitchen's eager backend (test)")
+    )
 
 
 def test_formats_come_from_the_header_and_the_sidecars_only(mixed, monkeypatch):
@@ -96,12 +107,12 @@ def test_formats_come_from_the_header_and_the_sidecars_only(mixed, monkeypatch):
     view = quantized_view(files)
     assert all(key.endswith(".comfy_quant") for key in reads) and len(reads) == 6
     assert isinstance(view, QuantizedView)
-    assert view.formats() == {"float8_e4m3fn": 1, "int8_convrot": 1, "int8_tensorwise": 2, "nvfp4": 1,
-                              "nvfp4_awq": 1}
+    assert view.formats() == {"float8_e4m3fn": 1, "int8_convrot": 1, "int8_tensorwise": 2, "nvfp4": 1, "nvfp4_awq": 1}
     quants = layer_quants(files)
     assert quants["convrot.0.weight"].group == GROUP and quants["awq.0.weight"].full_precision
-    assert view.keys == {"plain.weight"} | {f"{layer}.weight" for layer in
-                                            ("convrot.0", "tensorwise.0", "rowwise.0", "nvfp4.0", "awq.0", "fp8.0")}
+    assert view.keys == {"plain.weight"} | {
+        f"{layer}.weight" for layer in ("convrot.0", "tensorwise.0", "rowwise.0", "nvfp4.0", "awq.0", "fp8.0")
+    }
     assert view.shape("nvfp4.0.weight") == (48, 64) and view.shape("convrot.0.weight") == (48, 64)
     assert view.dtypes["convrot.0.weight"] == "F32" and view.dtypes["plain.weight"] == "BF16"
 
@@ -124,8 +135,11 @@ def test_the_view_dequantises_in_fp32_as_comfy_kitchen_does(mixed):
     path, oracle = mixed
     view = quantized_view(CheckpointFiles(path))
     for key, qt in oracle.items():
-        fp32 = QuantizedTensor(qt.layout_cls.get_plain_tensors(qt)[0], qt.layout_cls.__name__,
-                               dataclasses.replace(qt.params, orig_dtype=torch.float32))
+        fp32 = QuantizedTensor(
+            qt.layout_cls.get_plain_tensors(qt)[0],
+            qt.layout_cls.__name__,
+            dataclasses.replace(qt.params, orig_dtype=torch.float32),
+        )
         assert torch.equal(view.get(key), fp32.dequantize()), key
     fp8 = CheckpointFiles(path)
     assert torch.equal(view.get("fp8.0.weight"), fp8.get("fp8.0.weight").float() * fp8.get("fp8.0.weight_scale"))
@@ -163,9 +177,12 @@ def test_may_keep_leaves_other_quantised_weights_dequantised(mixed, allow_cpu_ke
 
 def test_held_kitchen_says_why_it_cannot(mixed):
     path, _ = mixed
-    with pytest.raises(H3BackendUnavailable, match=r"mixed\.safetensors: layer 'convrot\.0' \(int8_convrot\) cannot "
-                                                   r"be kept as a comfy-kitchen layer: comfy-kitchen has no "
-                                                   r"int8_convrot kernels for cpu"):
+    with pytest.raises(
+        H3BackendUnavailable,
+        match=r"mixed\.safetensors: layer 'convrot\.0' \(int8_convrot\) cannot "
+        r"be kept as a comfy-kitchen layer: comfy-kitchen has no "
+        r"int8_convrot kernels for cpu",
+    ):
         read_state_dict(path, ["convrot.0.weight"], held="kitchen")
     with pytest.raises(H3InputError, match=r"held: got 'fast'; allowed: 'auto', 'dequantize', 'kitchen'"):
         read_state_dict(path, ["convrot.0.weight"], held="fast")
@@ -173,8 +190,11 @@ def test_held_kitchen_says_why_it_cannot(mixed):
 
 def test_missing_keys_are_named(mixed):
     path, _ = mixed
-    with pytest.raises(H3InputError, match=r"mixed\.safetensors: has no 1 of the 2 keys asked for, first "
-                                           r"\['nowhere\.weight'\]"):
+    with pytest.raises(
+        H3InputError,
+        match=r"mixed\.safetensors: has no 1 of the 2 keys asked for, first "
+        r"\['nowhere\.weight'\]",
+    ):
         read_state_dict(path, ["plain.weight", "nowhere.weight"])
 
 
@@ -193,29 +213,52 @@ def int8_layer(**changes):
     return {k: v for k, v in tensors.items() if v is not None}
 
 
-@pytest.mark.parametrize("state, message", [
-    (int8_layer(**{"blocks.0.fc.comfy_quant": comfy_quant({"format": "svdquant_w4a4"})}),
-     r"model\.safetensors: layer 'blocks\.0\.fc' is quantized as 'svdquant_w4a4', which this pack does not read; "
-     r"it reads ComfyUI's float8_e4m3fn, float8_e5m2, int8_tensorwise, nvfp4 \(with convrot\) layers"),
-    (int8_layer(**{"blocks.0.fc.comfy_quant": comfy_quant({"convrot": True})}),
-     r"layer 'blocks\.0\.fc' names no format"),
-    (int8_layer(**{"blocks.0.fc.comfy_quant": torch.tensor(list(b"not json"), dtype=torch.uint8)}),
-     r"'blocks\.0\.fc\.comfy_quant' is not a JSON object"),
-    (int8_layer(**{"blocks.0.fc.weight_scale": None}),
-     r"model\.safetensors: layer 'blocks\.0\.fc' \(int8_convrot\): has no 'blocks\.0\.fc\.weight_scale'; ComfyUI's "
-     r"int8_convrot layers store a float scale per tensor or per row \(\[48, 1\]\) there"),
-    (int8_layer(**{"blocks.0.fc.weight_scale": torch.ones(48, 2)}),
-     r"layer 'blocks\.0\.fc' \(int8_convrot\): 'blocks\.0\.fc\.weight_scale' is F32 \[48, 2\], expected a float "
-     r"scale per tensor or per row \(\[48, 1\]\)"),
-    (int8_layer(**{"blocks.0.fc.weight": torch.zeros(48, 64, dtype=torch.uint8)}),
-     r"'blocks\.0\.fc\.weight' is U8 \[48, 64\], expected a I8 matrix"),
-    (int8_layer(**{"blocks.0.fc.weight": None}),
-     r"'blocks\.0\.fc\.comfy_quant' describes a layer with no 'blocks\.0\.fc\.weight'"),
-    (int8_layer(**{"blocks.0.fc.comfy_quant": comfy_quant({**INT8_CONVROT, "convrot_groupsize": 8})}),
-     r"\(int8_convrot\): convrot_groupsize 8 is not a power of 4"),
-    (int8_layer(**{"blocks.0.fc.comfy_quant": comfy_quant({**INT8_CONVROT, "convrot_groupsize": 256})}),
-     r"\(int8_convrot\): its 64 input columns are not a multiple of its convrot_groupsize 256"),
-])
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        (
+            int8_layer(**{"blocks.0.fc.comfy_quant": comfy_quant({"format": "svdquant_w4a4"})}),
+            r"model\.safetensors: layer 'blocks\.0\.fc' is quantized as 'svdquant_w4a4', which this pack does not "
+            r"read; "
+            r"it reads ComfyUI's float8_e4m3fn, float8_e5m2, int8_tensorwise, nvfp4 \(with convrot\) layers",
+        ),
+        (
+            int8_layer(**{"blocks.0.fc.comfy_quant": comfy_quant({"convrot": True})}),
+            r"layer 'blocks\.0\.fc' names no format",
+        ),
+        (
+            int8_layer(**{"blocks.0.fc.comfy_quant": torch.tensor(list(b"not json"), dtype=torch.uint8)}),
+            r"'blocks\.0\.fc\.comfy_quant' is not a JSON object",
+        ),
+        (
+            int8_layer(**{"blocks.0.fc.weight_scale": None}),
+            r"model\.safetensors: layer 'blocks\.0\.fc' \(int8_convrot\): has no 'blocks\.0\.fc\.weight_scale'; "
+            r"ComfyUI's "
+            r"int8_convrot layers store a float scale per tensor or per row \(\[48, 1\]\) there",
+        ),
+        (
+            int8_layer(**{"blocks.0.fc.weight_scale": torch.ones(48, 2)}),
+            r"layer 'blocks\.0\.fc' \(int8_convrot\): 'blocks\.0\.fc\.weight_scale' is F32 \[48, 2\], expected a float "
+            r"scale per tensor or per row \(\[48, 1\]\)",
+        ),
+        (
+            int8_layer(**{"blocks.0.fc.weight": torch.zeros(48, 64, dtype=torch.uint8)}),
+            r"'blocks\.0\.fc\.weight' is U8 \[48, 64\], expected a I8 matrix",
+        ),
+        (
+            int8_layer(**{"blocks.0.fc.weight": None}),
+            r"'blocks\.0\.fc\.comfy_quant' describes a layer with no 'blocks\.0\.fc\.weight'",
+        ),
+        (
+            int8_layer(**{"blocks.0.fc.comfy_quant": comfy_quant({**INT8_CONVROT, "convrot_groupsize": 8})}),
+            r"\(int8_convrot\): convrot_groupsize 8 is not a power of 4",
+        ),
+        (
+            int8_layer(**{"blocks.0.fc.comfy_quant": comfy_quant({**INT8_CONVROT, "convrot_groupsize": 256})}),
+            r"\(int8_convrot\): its 64 input columns are not a multiple of its convrot_groupsize 256",
+        ),
+    ],
+)
 def test_malformed_or_unknown_layers_are_refused_naming_file_layer_and_expectation(tmp_path, state, message):
     path = write(tmp_path, state)
     with pytest.raises(H3InputError, match=message):
@@ -225,16 +268,25 @@ def test_malformed_or_unknown_layers_are_refused_naming_file_layer_and_expectati
 def test_nvfp4_sidecars_are_checked(tmp_path):
     tensors, _ = quantized_layer("te.proj", randn(48, 64, seed=4), {"format": "nvfp4"})
     missing = {k: v for k, v in tensors.items() if not k.endswith("weight_scale_2")}
-    with pytest.raises(H3InputError, match=r"layer 'te\.proj' \(nvfp4\): has no 'te\.proj\.weight_scale_2'; "
-                                           r"ComfyUI's nvfp4 layers store the F32 per-tensor scale there"):
+    with pytest.raises(
+        H3InputError,
+        match=r"layer 'te\.proj' \(nvfp4\): has no 'te\.proj\.weight_scale_2'; "
+        r"ComfyUI's nvfp4 layers store the F32 per-tensor scale there",
+    ):
         quantized_view(CheckpointFiles(write(tmp_path, missing)))
     blocks = {**tensors, "te.proj.weight_scale": torch.zeros(48, 4, dtype=torch.float8_e4m3fn)}
-    with pytest.raises(H3InputError, match=r"'te\.proj\.weight_scale' is F8_E4M3 \[48, 4\], expected F8_E4M3 block "
-                                           r"scales \[128, 4\] \(one per 16 codes, swizzled\)"):
+    with pytest.raises(
+        H3InputError,
+        match=r"'te\.proj\.weight_scale' is F8_E4M3 \[48, 4\], expected F8_E4M3 block "
+        r"scales \[128, 4\] \(one per 16 codes, swizzled\)",
+    ):
         quantized_view(CheckpointFiles(write(tmp_path, blocks, "blocks.safetensors")))
     awq = {**tensors, "te.proj.pre_quant_scale": torch.ones(7)}
-    with pytest.raises(H3InputError, match=r"'te\.proj\.pre_quant_scale' is F32 \[7\], expected the AWQ input "
-                                           r"scales \[64\]"):
+    with pytest.raises(
+        H3InputError,
+        match=r"'te\.proj\.pre_quant_scale' is F32 \[7\], expected the AWQ input "
+        r"scales \[64\]",
+    ):
         quantized_view(CheckpointFiles(write(tmp_path, awq, "awq.safetensors")))
 
 
@@ -245,6 +297,9 @@ def test_gguf_is_refused_by_name_and_by_content(tmp_path):
         read_state_dict(named, ["x"])
     disguised = tmp_path / "renamed.safetensors"
     disguised.write_bytes(b"GGUF" + bytes(60))
-    with pytest.raises(H3InputError, match=r"renamed\.safetensors: a GGUF file \(named \.safetensors\); GGUF "
-                                           r"checkpoints are not supported yet"):
+    with pytest.raises(
+        H3InputError,
+        match=r"renamed\.safetensors: a GGUF file \(named \.safetensors\); GGUF "
+        r"checkpoints are not supported yet",
+    ):
         read_state_dict(disguised, ["x"])

@@ -1,4 +1,5 @@
-"""H3's quantised files loaded by the DiT and video VAE loaders (h3_core.formats.checkpoints, h3_core.formats.dit_layers,
+"""H3's quantised files loaded by the DiT and video VAE loaders (h3_core.formats.checkpoints,
+h3_core.formats.dit_layers,
 h3_core.models.video_vae): ``minimax_h3_*_int8_convrot`` (full and pruned) and
 ``minimax_h3_video_vae_int8_convrot``, written here as ComfyUI writes them (the released files' four block
 linears ``qkv_proj``, ``out_proj``, ``fc1``, ``fc2`` and the VAE decoder blocks' linears quantised by
@@ -20,23 +21,34 @@ import pytest
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import save_file
-
-from h3_core.formats import kitchen
-from h3_core.formats.checkpoints import describe_dit_checkpoint, load_h3_model
-from h3_core.formats.dit_layers import KEPT, REQUANTISED
-from h3_core.errors import H3BackendUnavailable, H3InputError
-from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
-from h3_core.formats.video_vae import load_video_vae
 from test_quantized_files import INT8_CONVROT, quantized_layer
 from tiny_dit import request
 
-CFG = DiTConfig(hidden=32, layers=2, heads=2, head_dim=16, ffn=64, text_dim=20, freq_dim=8, time_hidden=12,
-                time_embed=10, rope_freqs=2)
+from h3_core.errors import H3BackendUnavailable, H3InputError
+from h3_core.formats import kitchen
+from h3_core.formats.checkpoints import describe_dit_checkpoint, load_h3_model
+from h3_core.formats.dit_layers import KEPT, REQUANTISED
+from h3_core.formats.video_vae import load_video_vae
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
+
+CFG = DiTConfig(
+    hidden=32,
+    layers=2,
+    heads=2,
+    head_dim=16,
+    ffn=64,
+    text_dim=20,
+    freq_dim=8,
+    time_hidden=12,
+    time_embed=10,
+    rope_freqs=2,
+)
 PRUNED = replace(CFG, adaln_curve_grid=9, time_embed=4)
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-VAE_CFG = VideoVAEConfig(decoder_layers=2, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6,
-                         norm_groups=4)
+VAE_CFG = VideoVAEConfig(
+    decoder_layers=2, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6, norm_groups=4
+)
 VAE_LINEARS = ("attn.to_qkv", "attn.to_out", "ff.w1", "ff.w2")
 
 
@@ -45,8 +57,10 @@ def random_state(module: torch.nn.Module, seed: int, dtype=torch.bfloat16) -> di
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0, 0.2)
-    return {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
-            for k, v in module.state_dict().items()}
+    return {
+        k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in module.state_dict().items()
+    }
 
 
 def int8_convrot(state: dict, layers: list[str], prefix: str = "") -> tuple[dict, dict, dict]:
@@ -84,15 +98,20 @@ def dit_files(tmp_path_factory):
         quantized, dequantised, oracle = int8_convrot(state, block_layers(cfg), prefix)
         save_file(quantized, str(root / f"minimax_h3_fl2va_{name}_int8_convrot.safetensors"))
         save_file(dequantised, str(root / f"minimax_h3_fl2va_{name}_dequantised_bf16.safetensors"))
-        files[name] = (root / f"minimax_h3_fl2va_{name}_int8_convrot.safetensors",
-                       root / f"minimax_h3_fl2va_{name}_dequantised_bf16.safetensors", oracle, cfg)
+        files[name] = (
+            root / f"minimax_h3_fl2va_{name}_int8_convrot.safetensors",
+            root / f"minimax_h3_fl2va_{name}_dequantised_bf16.safetensors",
+            oracle,
+            cfg,
+        )
     return files
 
 
 @pytest.fixture
 def allow_cpu_kernels(monkeypatch):
-    monkeypatch.setattr(kitchen, "kitchen_support",
-                        lambda fmt, kind, dtype, device: (True, "comfy-kitchen's eager backend (test)"))
+    monkeypatch.setattr(
+        kitchen, "kitchen_support", lambda fmt, kind, dtype, device: (True, "comfy-kitchen's eager backend (test)")
+    )
 
 
 def run(model, dtype=torch.float32):
@@ -116,8 +135,10 @@ def test_dequantised_on_load_equals_comfy_kitchen_and_the_bf16_model(dit_files, 
     path, plain, oracle, cfg = dit_files[name]
     with caplog.at_level(logging.INFO, logger="h3_core.formats.kitchen"):
         model = load_h3_model(path, cfg=CFG, dtype=torch.bfloat16)
-    assert f"{path.name}: int8_convrot (8 layers) dequantised on load to bfloat16: comfy-kitchen has no " \
-           f"int8_convrot kernels for cpu" in caplog.text
+    assert (
+        f"{path.name}: int8_convrot (8 layers) dequantised on load to bfloat16: comfy-kitchen has no "
+        f"int8_convrot kernels for cpu" in caplog.text
+    )
     reference = load_h3_model(plain, cfg=CFG, dtype=torch.bfloat16)
     state, expected = model.state_dict(), reference.state_dict()
     assert state.keys() == expected.keys()
@@ -169,8 +190,10 @@ def loras(tmp_path_factory):
     def pair(out, inp, rank=2):
         return torch.randn(rank, inp, generator=g) * 0.3, torch.randn(out, rank, generator=g) * 0.3
 
-    first = write_lora(root / "first.safetensors", {"blocks.0.mlp.fc1": pair(2 * CFG.ffn, CFG.hidden),
-                                                    "condition_proj": pair(CFG.hidden, CFG.text_dim)})
+    first = write_lora(
+        root / "first.safetensors",
+        {"blocks.0.mlp.fc1": pair(2 * CFG.ffn, CFG.hidden), "condition_proj": pair(CFG.hidden, CFG.text_dim)},
+    )
     second = write_lora(root / "second.safetensors", {"blocks.0.mlp.fc1": pair(2 * CFG.ffn, CFG.hidden)}, alpha=1)
     return [(first, 0.7), (second, -1.5)]
 
@@ -216,8 +239,11 @@ def test_loras_on_kept_layers_are_requantised_by_comfy_kitchen(dit_files, loras,
 
 def test_loaded_to_the_cpu_for_a_gpu_keeps_the_decision_for_the_run_device(dit_files, monkeypatch):
     seen = []
-    monkeypatch.setattr(kitchen, "kitchen_support",
-                        lambda fmt, kind, dtype, device: seen.append(device) or (False, f"nothing for {device}"))
+    monkeypatch.setattr(
+        kitchen,
+        "kitchen_support",
+        lambda fmt, kind, dtype, device: seen.append(device) or (False, f"nothing for {device}"),
+    )
     path = dit_files["full"][0]
     load_h3_model(path, cfg=CFG, dtype=torch.bfloat16, run_device="cuda:0")
     assert seen and all(d == torch.device("cuda:0") for d in seen)
@@ -228,8 +254,10 @@ def test_fp8_linears_from_an_int8_file_are_quantised_at_load(dit_files, caplog):
     with caplog.at_level(logging.INFO, logger="h3_core.formats.kitchen"):
         model = load_h3_model(path, cfg=CFG, dtype=torch.bfloat16, linears="fp8")
     assert "linears='fp8' requantises the big linears to e4m3" in caplog.text
-    assert model.fp8_layers["blocks.0.attn.qkv_proj"] == \
-        "quantised at load ('blocks.0.attn.qkv_proj.weight' is not fp8 in the file)"
+    assert (
+        model.fp8_layers["blocks.0.attn.qkv_proj"]
+        == "quantised at load ('blocks.0.attn.qkv_proj.weight' is not fp8 in the file)"
+    )
     assert model.linears == "fp8 (quantised at load)"
 
 
@@ -241,16 +269,23 @@ def test_vdn_h3_on_a_quantised_base(tmp_path, allow_cpu_kernels):
     quantized, dequantised, oracle = int8_convrot(base, block_layers(CFG))
     for name, tensors in (("base", quantized), ("plain", dequantised), ("branch", branch)):
         save_file(tensors, str(tmp_path / f"{name}.safetensors"))
-    model = load_h3_model(tmp_path / "base.safetensors", branch=tmp_path / "branch.safetensors", cfg=CFG,
-                          dtype=torch.float32, held="dequantize")
-    reference = load_h3_model(tmp_path / "plain.safetensors", branch=tmp_path / "branch.safetensors", cfg=CFG,
-                              dtype=torch.float32)
+    model = load_h3_model(
+        tmp_path / "base.safetensors",
+        branch=tmp_path / "branch.safetensors",
+        cfg=CFG,
+        dtype=torch.float32,
+        held="dequantize",
+    )
+    reference = load_h3_model(
+        tmp_path / "plain.safetensors", branch=tmp_path / "branch.safetensors", cfg=CFG, dtype=torch.float32
+    )
     assert model.layout == "ComfyUI + VDN-H3 v2" and model.cfg.hybrid
     for key, value in reference.state_dict().items():
         expected = dequantized(oracle[key], torch.float32) if key in oracle else value
         assert torch.equal(model.state_dict()[key], expected), key
-    kept = load_h3_model(tmp_path / "base.safetensors", branch=tmp_path / "branch.safetensors", cfg=CFG,
-                         dtype=torch.float32)
+    kept = load_h3_model(
+        tmp_path / "base.safetensors", branch=tmp_path / "branch.safetensors", cfg=CFG, dtype=torch.float32
+    )
     assert set(kept.quantized_layers) == {k.removesuffix(".weight") for k in oracle}
     assert not isinstance(kept.get_parameter("blocks.0.attn.to_out_linear.weight"), QuantizedTensor)
 
@@ -259,9 +294,12 @@ def test_held_choices_are_checked(dit_files):
     path = dit_files["full"][0]
     with pytest.raises(H3InputError, match=r"held: got 'int8'; allowed: 'auto' \(comfy-kitchen layers where"):
         load_h3_model(path, cfg=CFG, held="int8")
-    with pytest.raises(H3BackendUnavailable, match=r"layer 'blocks\.0\.attn\.qkv_proj' \(int8_convrot\) cannot be "
-                                                   r"kept as a comfy-kitchen layer: comfy-kitchen has no int8_convrot "
-                                                   r"kernels for cpu"):
+    with pytest.raises(
+        H3BackendUnavailable,
+        match=r"layer 'blocks\.0\.attn\.qkv_proj' \(int8_convrot\) cannot be "
+        r"kept as a comfy-kitchen layer: comfy-kitchen has no int8_convrot "
+        r"kernels for cpu",
+    ):
         load_h3_model(path, cfg=CFG, held="kitchen")
 
 
@@ -282,8 +320,11 @@ def vae_files(tmp_path_factory):
     quantized, dequantised, oracle = int8_convrot(state, layers)
     save_file(quantized, str(root / "minimax_h3_video_vae_int8_convrot.safetensors"))
     save_file(dequantised, str(root / "minimax_h3_video_vae_dequantised_fp16.safetensors"))
-    return root / "minimax_h3_video_vae_int8_convrot.safetensors", \
-        root / "minimax_h3_video_vae_dequantised_fp16.safetensors", oracle
+    return (
+        root / "minimax_h3_video_vae_int8_convrot.safetensors",
+        root / "minimax_h3_video_vae_dequantised_fp16.safetensors",
+        oracle,
+    )
 
 
 def latents():
@@ -294,8 +335,10 @@ def test_video_vae_dequantised_on_load_equals_the_fp16_vae(vae_files, caplog):
     path, plain, oracle = vae_files
     with caplog.at_level(logging.INFO, logger="h3_core.formats.kitchen"):
         vae = load_video_vae(path, dtype=torch.float16, cfg=VAE_CFG)
-    assert "int8_convrot (8 layers) dequantised on load to float16: comfy-kitchen has no int8_convrot kernels " \
-           "for cpu" in caplog.text
+    assert (
+        "int8_convrot (8 layers) dequantised on load to float16: comfy-kitchen has no int8_convrot kernels "
+        "for cpu" in caplog.text
+    )
     reference = load_video_vae(plain, dtype=torch.float16, cfg=VAE_CFG)
     for key, value in reference.state_dict().items():
         assert torch.equal(vae.state_dict()[key], value), key

@@ -87,7 +87,9 @@ def test_exact_velocity_field_lands_on_its_target(steps, shift):
 def test_progress_and_cancel():
     sigmas = sigma_grid(5, 1.0)
     calls = []
-    sample_euler(lambda x, t, i: torch.zeros_like(x), torch.zeros(2), sigmas, progress=lambda i, n: calls.append((i, n)))
+    sample_euler(
+        lambda x, t, i: torch.zeros_like(x), torch.zeros(2), sigmas, progress=lambda i, n: calls.append((i, n))
+    )
     assert calls == [(i, 5) for i in range(1, 6)]
     evaluated = []
 
@@ -96,15 +98,20 @@ def test_progress_and_cancel():
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        sample_euler(lambda x, t, i: evaluated.append(i) or torch.zeros_like(x), torch.zeros(2), sigmas, check_cancel=cancel)
+        sample_euler(
+            lambda x, t, i: evaluated.append(i) or torch.zeros_like(x), torch.zeros(2), sigmas, check_cancel=cancel
+        )
     assert evaluated == [0, 1]
 
 
-@pytest.mark.parametrize("steps, shift, message", [
-    (0, 12.0, "steps must be an integer >= 1, got 0"),
-    (2.5, 12.0, "steps must be an integer >= 1, got 2.5"),
-    (8, 0.0, "shift must be positive, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "steps, shift, message",
+    [
+        (0, 12.0, "steps must be an integer >= 1, got 0"),
+        (2.5, 12.0, "steps must be an integer >= 1, got 2.5"),
+        (8, 0.0, "shift must be positive, got 0.0"),
+    ],
+)
 def test_bad_schedule_arguments(steps, shift, message):
     with pytest.raises(H3InputError, match=message):
         sigma_grid(steps, shift)

@@ -6,12 +6,30 @@ import torch
 from h3_core.errors import H3InputError
 
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers
 
-from h3_core.pipeline.text_encoder import load_text_encoder  # noqa: E402
+from h3_core.pipeline.text_encoder import load_text_encoder
 
-WORDS = ["a", "fox", "runs", "through", "snow", "<d>", "</d>", "[English]", "hello",
-         "<Picture", "<Audio", "<Video", "1>:", "2>:", "3>:", "seconds>", "<0.2", "<1.0"]
+WORDS = [
+    "a",
+    "fox",
+    "runs",
+    "through",
+    "snow",
+    "<d>",
+    "</d>",
+    "[English]",
+    "hello",
+    "<Picture",
+    "<Audio",
+    "<Video",
+    "1>:",
+    "2>:",
+    "3>:",
+    "seconds>",
+    "<0.2",
+    "<1.0",
+]
 VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
@@ -21,21 +39,42 @@ def folder(tmp_path_factory):
     vocab = {w: i for i, w in enumerate(["<unk>", "<|endoftext|>", "<|im_start|>"] + WORDS + VISION)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
-                                                eos_token="<|endoftext|>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|endoftext|>"
+    )
     (root / "tokenizer").mkdir()
     fast.save_pretrained(root / "tokenizer")
-    processor = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 64, "longest_edge": 4096})
+    processor = dict(
+        patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 64, "longest_edge": 4096}
+    )
     transformers.Qwen2VLImageProcessor(**processor).save_pretrained(root / "processor")
     transformers.Qwen3VLVideoProcessor(**processor).save_pretrained(root / "processor")
     cfg = transformers.Qwen3VLConfig(
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, vocab_size=len(vocab),
-                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0]),
-        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
-        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"],
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=len(vocab),
+            rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=32,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            deepstack_visual_indexes=[0],
+        ),
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
     )
     torch.manual_seed(0)
     transformers.Qwen3VLForConditionalGeneration(cfg).save_pretrained(root / "text_encoder")
@@ -75,8 +114,9 @@ def test_streamed_layers_give_the_same_states(folder):
     assert streamed.layer_visits == 3  # layers past the conditioning layer never run
     # "auto" decides at the first encode, streaming exactly when the device says the weights do not fit
     asked = []
-    tight = load_text_encoder(folder, dtype=torch.float32, layer=3,
-                              fits=lambda device, nbytes: asked.append(nbytes) or False)
+    tight = load_text_encoder(
+        folder, dtype=torch.float32, layer=3, fits=lambda device, nbytes: asked.append(nbytes) or False
+    )
     roomy = load_text_encoder(folder, dtype=torch.float32, layer=3, fits=lambda device, nbytes: True)
     assert tight.streamed is None and not asked
     tight.encode("a fox runs"), roomy.encode("a fox runs")
@@ -103,7 +143,10 @@ def oracle(folder, prompt, references, layer=3):
     """diffusers 0.42.1's Ref2VA presentation and conditioner call on the same model and media."""
     import types
 
-    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep, get_qwen3vl_prompt_embeds
+    from diffusers.modular_pipelines.minimax_h3.encoders import (
+        MiniMaxH3Ref2VATextEncoderStep,
+        get_qwen3vl_prompt_embeds,
+    )
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder / "tokenizer")
     processor = transformers.Qwen3VLProcessor(
@@ -111,15 +154,22 @@ def oracle(folder, prompt, references, layer=3):
         tokenizer=tokenizer,
         video_processor=transformers.AutoVideoProcessor.from_pretrained(folder / "processor"),
     )
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(folder / "text_encoder",
-                                                                         dtype=torch.float32).eval()
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
+        folder / "text_encoder", dtype=torch.float32
+    ).eval()
 
     def as_uint8(t):
         return (t.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
 
-    refs = [types.SimpleNamespace(kind=r.kind, has_audio=r.has_audio or r.kind == "audio",
-                                  image=as_uint8(r.media) if r.kind == "image" else None,
-                                  frames=as_uint8(r.media) if r.kind == "video" else None) for r in references]
+    refs = [
+        types.SimpleNamespace(
+            kind=r.kind,
+            has_audio=r.has_audio or r.kind == "audio",
+            image=as_uint8(r.media) if r.kind == "image" else None,
+            frames=as_uint8(r.media) if r.kind == "video" else None,
+        )
+        for r in references
+    ]
     step = MiniMaxH3Ref2VATextEncoderStep()
     vision, image_tokens, video_tokens, video_times = step._gather_vision_features(processor, refs, 24.0)
     ids, tags = step._build_presentation(tokenizer, prompt, refs, image_tokens, video_tokens, video_times)
@@ -134,7 +184,9 @@ def test_keyframes_are_pictures_with_vision_blocks_as_released(folder):
     encoder = load_text_encoder(folder, dtype=torch.float32, layer=3)
     first, last = pixels(24, 40, 3, seed=1), pixels(24, 40, 3, seed=2)
     emb = encoder.encode("a fox runs", keyframes=[first, last])
-    ids, tags, embeds = oracle(folder, "a fox runs", [PresentedReference("image", first), PresentedReference("image", last)])
+    ids, tags, embeds = oracle(
+        folder, "a fox runs", [PresentedReference("image", first), PresentedReference("image", last)]
+    )
     assert emb.tags.tolist() == tags
     assert torch.equal(emb.embeds, embeds)
     words = encoder.tokenizer.convert_ids_to_tokens(ids)
@@ -160,8 +212,25 @@ def test_references_in_packed_order_with_labels_per_modality(folder):
     assert emb.tags.tolist() == tags
     assert torch.equal(emb.embeds, embeds)
     text = [w for w, t in zip(encoder.tokenizer.convert_ids_to_tokens(ids), tags) if t == 1]
-    assert text == ["<Audio", "1>:", "<Video", "1>:", "<0.2", "seconds>", "<1.0", "seconds>", "<Picture", "1>:",
-                    "<Audio", "2>:", "<Video", "2>:", "<0.2", "seconds>", "hello"]
+    assert text == [
+        "<Audio",
+        "1>:",
+        "<Video",
+        "1>:",
+        "<0.2",
+        "seconds>",
+        "<1.0",
+        "seconds>",
+        "<Picture",
+        "1>:",
+        "<Audio",
+        "2>:",
+        "<Video",
+        "2>:",
+        "<0.2",
+        "seconds>",
+        "hello",
+    ]
 
 
 def test_video_blocks_follow_the_two_fps_reading():

@@ -19,9 +19,14 @@ from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3InputError
 from h3_core.formats.files import CheckpointFiles
+from h3_core.formats.qwen3vl_checkpoint import (
+    LAYOUTS,
+    describe_text_encoder_file,
+    describe_text_encoder_header,
+    held_bytes,
+    qwen3vl_header,
+)
 from h3_core.pipeline.presentation import PresentedReference
-from h3_core.formats.qwen3vl_checkpoint import (LAYOUTS, describe_text_encoder_file, describe_text_encoder_header,
-                                                 held_bytes, qwen3vl_header)
 from h3_core.pipeline.qwen3vl_tokens import published_processors, qwen3vl_tokenizer
 from h3_core.pipeline.text_encoder import load_text_encoder
 from h3_core.pipeline.tiny_checkpoints import TINY_TEXT_WIDTH, tiny_qwen3vl, write_tiny_text_encoder_file
@@ -31,34 +36,84 @@ transformers = pytest.importorskip("transformers")
 LAYER = 3  # the tiny pair's conditioning layer; the folder holds LAYER + 1 decoder layers
 # Qwen3's added tokens (ids from 151643) as its published tokenizer_config.json lists them (content, special);
 # H3's tokenizer_config.json appends seven to additional_special_tokens (ComfyUI minimax.py MINIMAX_EXTRA_TOKENS).
-QWEN3_DECODER = [("<|endoftext|>", 1), ("<|im_start|>", 1), ("<|im_end|>", 1), ("<|object_ref_start|>", 1),
-                 ("<|object_ref_end|>", 1), ("<|box_start|>", 1), ("<|box_end|>", 1), ("<|quad_start|>", 1),
-                 ("<|quad_end|>", 1), ("<|vision_start|>", 1), ("<|vision_end|>", 1), ("<|vision_pad|>", 1),
-                 ("<|image_pad|>", 1), ("<|video_pad|>", 1), ("<tool_call>", 0), ("</tool_call>", 0),
-                 ("<|fim_prefix|>", 0), ("<|fim_middle|>", 0), ("<|fim_suffix|>", 0), ("<|fim_pad|>", 0),
-                 ("<|repo_name|>", 0), ("<|file_sep|>", 0), ("<tool_response>", 0), ("</tool_response>", 0),
-                 ("<think>", 0), ("</think>", 0)]
-H3_SPECIALS = ["<d>", "</d>", "<|cutoff|>", "<|lyrics_start|>", "<|lyrics_end|>", "<|caption_start|>",
-               "<|caption_end|>"]
+QWEN3_DECODER = [
+    ("<|endoftext|>", 1),
+    ("<|im_start|>", 1),
+    ("<|im_end|>", 1),
+    ("<|object_ref_start|>", 1),
+    ("<|object_ref_end|>", 1),
+    ("<|box_start|>", 1),
+    ("<|box_end|>", 1),
+    ("<|quad_start|>", 1),
+    ("<|quad_end|>", 1),
+    ("<|vision_start|>", 1),
+    ("<|vision_end|>", 1),
+    ("<|vision_pad|>", 1),
+    ("<|image_pad|>", 1),
+    ("<|video_pad|>", 1),
+    ("<tool_call>", 0),
+    ("</tool_call>", 0),
+    ("<|fim_prefix|>", 0),
+    ("<|fim_middle|>", 0),
+    ("<|fim_suffix|>", 0),
+    ("<|fim_pad|>", 0),
+    ("<|repo_name|>", 0),
+    ("<|file_sep|>", 0),
+    ("<tool_response>", 0),
+    ("</tool_response>", 0),
+    ("<think>", 0),
+    ("</think>", 0),
+]
+H3_SPECIALS = [
+    "<d>",
+    "</d>",
+    "<|cutoff|>",
+    "<|lyrics_start|>",
+    "<|lyrics_end|>",
+    "<|caption_start|>",
+    "<|caption_end|>",
+]
 # sha256 of the H3 release's processor/vocab.json and processor/merges.txt, as public pin lists of its files
 # give them; the second equals the one Qwen2.5 / Qwen3 repositories publish for merges.txt less its
 # "#version: 0.2" first line.
 VOCAB_SHA256 = "ca10d7e9fb3ed18575dd1e277a2579c16d108e32f27439684afa0e10b1440910"
 MERGES_SHA256 = "599bab54075088774b1733fde865d5bd747cbcc7a547c5bc12610e874e26f5e3"
 # Qwen3-VL's preprocessor_config.json and video_preprocessor_config.json as published.
-IMAGE_CONFIG = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
-                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
-                "image_processor_type": "Qwen2VLImageProcessorFast"}
-VIDEO_CONFIG = {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16,
-                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
-                "video_processor_type": "Qwen3VLVideoProcessor"}
-PROMPTS = ["a fox runs through snow", "<d>Hello there!</d> a man says, smiling. [English]",
-           "<Picture 1>: ", "<Audio 2>: ", "<Video 1>: ", "<0.2 seconds>", "<12.8 seconds>",
-           "<|vision_start|><|image_pad|><|video_pad|><|vision_end|>", "<think>\n\n</think>\n\n",
-           "<|im_start|>user\nhi<|im_end|><|endoftext|>", "日本語の字幕、中文字幕 and émigrés — ünïcödé 🎬🦊",
-           "  leading and   inner   spaces\n\nand\ttabs  ", "<tool_response>x</tool_response><|box_start|>"]
+IMAGE_CONFIG = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+VIDEO_CONFIG = {
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}
+PROMPTS = [
+    "a fox runs through snow",
+    "<d>Hello there!</d> a man says, smiling. [English]",
+    "<Picture 1>: ",
+    "<Audio 2>: ",
+    "<Video 1>: ",
+    "<0.2 seconds>",
+    "<12.8 seconds>",
+    "<|vision_start|><|image_pad|><|video_pad|><|vision_end|>",
+    "<think>\n\n</think>\n\n",
+    "<|im_start|>user\nhi<|im_end|><|endoftext|>",
+    "日本語の字幕、中文字幕 and émigrés — ünïcödé 🎬🦊",
+    "  leading and   inner   spaces\n\nand\ttabs  ",
+    "<tool_response>x</tool_response><|box_start|>",
+]
 
 
 def host_tokenizer_dir():
@@ -93,15 +148,26 @@ def oracle_tokenizer_dir(root):
     host = host_tokenizer_dir()
     shutil.copy(host / "vocab.json", folder / "vocab.json")
     lines = (host / "merges.txt").read_text(encoding="utf-8").splitlines(keepends=True)
-    (folder / "merges.txt").write_text("".join(line for line in lines if not line.startswith("#version")),
-                                       encoding="utf-8")
+    (folder / "merges.txt").write_text(
+        "".join(line for line in lines if not line.startswith("#version")), encoding="utf-8"
+    )
     flags = dict(lstrip=False, normalized=False, rstrip=False, single_word=False)
-    config = {"added_tokens_decoder": {str(151643 + i): dict(content=c, special=bool(s), **flags)
-                                       for i, (c, s) in enumerate(QWEN3_DECODER)},
-              "additional_special_tokens": [c for c, _ in QWEN3_DECODER[1:14]] + H3_SPECIALS,
-              "add_prefix_space": False, "bos_token": None, "unk_token": None, "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>", "errors": "replace", "clean_up_tokenization_spaces": False,
-              "split_special_tokens": False, "model_max_length": 262144, "tokenizer_class": "Qwen2Tokenizer"}
+    config = {
+        "added_tokens_decoder": {
+            str(151643 + i): dict(content=c, special=bool(s), **flags) for i, (c, s) in enumerate(QWEN3_DECODER)
+        },
+        "additional_special_tokens": [c for c, _ in QWEN3_DECODER[1:14]] + H3_SPECIALS,
+        "add_prefix_space": False,
+        "bos_token": None,
+        "unk_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "errors": "replace",
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "model_max_length": 262144,
+        "tokenizer_class": "Qwen2Tokenizer",
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return folder
 
@@ -136,8 +202,13 @@ def pixels(*shape, seed=0):
 REQUESTS = {
     "plain": dict(),
     "fl2va": dict(keyframes=[pixels(48, 80, 3, seed=1), pixels(48, 80, 3, seed=2)]),
-    "ref2va": dict(references=[PresentedReference("video", pixels(30, 40, 64, 3, seed=3), has_audio=True),
-                               PresentedReference("image", pixels(32, 48, 3, seed=4)), PresentedReference("audio")]),
+    "ref2va": dict(
+        references=[
+            PresentedReference("video", pixels(30, 40, 64, 3, seed=3), has_audio=True),
+            PresentedReference("image", pixels(32, 48, 3, seed=4)),
+            PresentedReference("audio"),
+        ]
+    ),
 }
 
 
@@ -182,7 +253,7 @@ def test_only_what_h3_reads_is_read_and_held(pair, monkeypatch):
     read = _reads(monkeypatch)
     encoder = load_text_encoder(file, tokenizer=host_tokenizer_dir(), dtype=torch.bfloat16, layer=2)
     raw = file.read_bytes()
-    header = json.loads(raw[8: 8 + int.from_bytes(raw[:8], "little")])
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     assert sorted(read) == sorted(k for k in header if not k.startswith(("model.layers.2.",)))
     assert len(encoder.language_model.layers) == 2
     params = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
@@ -260,10 +331,14 @@ def test_refusals_name_the_file_and_read_no_weight(pair, tmp_path, monkeypatch):
         with pytest.raises(H3InputError, match=pattern):
             load_text_encoder(path, tokenizer=host_tokenizer_dir(), layer=1)
 
-    dit = written("dit.safetensors", {"blocks.0.adaln_proj.linear.weight": torch.zeros(4, 2),
-                                      "proj_in.weight": torch.zeros(2, 2)})
-    refused(dit, r"dit\.safetensors: not a Qwen3-VL text encoder: it looks like a diffusion model \(DiT\): 2 "
-                 r"tensors .*expected ComfyUI's Qwen3-VL-32B text encoder")
+    dit = written(
+        "dit.safetensors", {"blocks.0.adaln_proj.linear.weight": torch.zeros(4, 2), "proj_in.weight": torch.zeros(2, 2)}
+    )
+    refused(
+        dit,
+        r"dit\.safetensors: not a Qwen3-VL text encoder: it looks like a diffusion model \(DiT\): 2 "
+        r"tensors .*expected ComfyUI's Qwen3-VL-32B text encoder",
+    )
     vae = written("vae.safetensors", {"decoder.conv.weight": torch.zeros(2), "encoder.conv.weight": torch.zeros(2)})
     refused(vae, r"vae\.safetensors: not a Qwen3-VL text encoder: it looks like a VAE")
     text_only = written("llm.safetensors", {k: v for k, v in state.items() if not k.startswith("visual.")})
@@ -274,15 +349,29 @@ def test_refusals_name_the_file_and_read_no_weight(pair, tmp_path, monkeypatch):
     gap = written("gap.safetensors", {k: v for k, v in state.items() if not k.startswith("model.layers.1.")})
     refused(gap, r"gap\.safetensors: decoder layers \[1\] are missing")
     short = written("short.safetensors", {k: v for k, v in state.items() if k != "visual.merger.norm.bias"})
-    refused(short, r"short\.safetensors: not a complete Qwen3-VL text encoder in ComfyUI's layout: missing 1 "
-                   r"tensors, first \['visual.merger.norm.bias'\]")
+    refused(
+        short,
+        r"short\.safetensors: not a complete Qwen3-VL text encoder in ComfyUI's layout: missing 1 "
+        r"tensors, first \['visual.merger.norm.bias'\]",
+    )
     wide = dict(state, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(65, TINY_TEXT_WIDTH)})
-    refused(written("wide.safetensors", wide), r"1 of the wrong shape, first \['model.layers.0.mlp.up_proj.weight "
-                                               r"\[65, 32\] \(expected \[64, 32\]\)'\]")
-    quantized = dict(state, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(64, 32, dtype=torch.int8),
-                               "model.layers.0.mlp.up_proj.weight_scale": torch.ones(64, 1)})
-    refused(written("int8.safetensors", quantized), r"int8\.safetensors: a quantized Qwen3-VL text encoder \(I8 "
-                                                    r"weights\) is not supported; use the bf16 file")
+    refused(
+        written("wide.safetensors", wide),
+        r"1 of the wrong shape, first \['model.layers.0.mlp.up_proj.weight "
+        r"\[65, 32\] \(expected \[64, 32\]\)'\]",
+    )
+    quantized = dict(
+        state,
+        **{
+            "model.layers.0.mlp.up_proj.weight": torch.zeros(64, 32, dtype=torch.int8),
+            "model.layers.0.mlp.up_proj.weight_scale": torch.ones(64, 1),
+        },
+    )
+    refused(
+        written("int8.safetensors", quantized),
+        r"int8\.safetensors: a quantized Qwen3-VL text encoder \(I8 "
+        r"weights\) is not supported; use the bf16 file",
+    )
     other = {k: (v[:64] if k.endswith("q_norm.weight") else v) for k, v in state.items()}
     refused(written("q64.safetensors", other), r"not of Qwen3-VL-32B's family: head_dim 64 \(q_norm\) is not the 128")
     not_safetensors = tmp_path / "notes.safetensors"
@@ -319,27 +408,57 @@ def comfyui_32b_header(layers: int = 50) -> dict:
     shapes = {"model.embed_tokens.weight": [vocab, hidden]}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": [hidden], p + "post_attention_layernorm.weight": [hidden],
-                       p + "self_attn.q_proj.weight": [heads * head, hidden],
-                       p + "self_attn.k_proj.weight": [kv * head, hidden],
-                       p + "self_attn.v_proj.weight": [kv * head, hidden],
-                       p + "self_attn.o_proj.weight": [hidden, heads * head], p + "self_attn.q_norm.weight": [head],
-                       p + "self_attn.k_norm.weight": [head], p + "mlp.gate_proj.weight": [mlp, hidden],
-                       p + "mlp.up_proj.weight": [mlp, hidden], p + "mlp.down_proj.weight": [hidden, mlp]})
-    shapes.update({"visual.patch_embed.proj.weight": [width, 3, 2, 16, 16], "visual.patch_embed.proj.bias": [width],
-                   "visual.pos_embed.weight": [2304, width]})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [hidden],
+                p + "post_attention_layernorm.weight": [hidden],
+                p + "self_attn.q_proj.weight": [heads * head, hidden],
+                p + "self_attn.k_proj.weight": [kv * head, hidden],
+                p + "self_attn.v_proj.weight": [kv * head, hidden],
+                p + "self_attn.o_proj.weight": [hidden, heads * head],
+                p + "self_attn.q_norm.weight": [head],
+                p + "self_attn.k_norm.weight": [head],
+                p + "mlp.gate_proj.weight": [mlp, hidden],
+                p + "mlp.up_proj.weight": [mlp, hidden],
+                p + "mlp.down_proj.weight": [hidden, mlp],
+            }
+        )
+    shapes.update(
+        {
+            "visual.patch_embed.proj.weight": [width, 3, 2, 16, 16],
+            "visual.patch_embed.proj.bias": [width],
+            "visual.pos_embed.weight": [2304, width],
+        }
+    )
     for j in range(depth):
         p = f"visual.blocks.{j}."
-        shapes.update({p + "norm1.weight": [width], p + "norm1.bias": [width], p + "norm2.weight": [width],
-                       p + "norm2.bias": [width], p + "attn.qkv.weight": [3 * width, width],
-                       p + "attn.qkv.bias": [3 * width], p + "attn.proj.weight": [width, width],
-                       p + "attn.proj.bias": [width], p + "mlp.linear_fc1.weight": [inner, width],
-                       p + "mlp.linear_fc1.bias": [inner], p + "mlp.linear_fc2.weight": [width, inner],
-                       p + "mlp.linear_fc2.bias": [width]})
+        shapes.update(
+            {
+                p + "norm1.weight": [width],
+                p + "norm1.bias": [width],
+                p + "norm2.weight": [width],
+                p + "norm2.bias": [width],
+                p + "attn.qkv.weight": [3 * width, width],
+                p + "attn.qkv.bias": [3 * width],
+                p + "attn.proj.weight": [width, width],
+                p + "attn.proj.bias": [width],
+                p + "mlp.linear_fc1.weight": [inner, width],
+                p + "mlp.linear_fc1.bias": [inner],
+                p + "mlp.linear_fc2.weight": [width, inner],
+                p + "mlp.linear_fc2.bias": [width],
+            }
+        )
     for p, norm in [("visual.merger.", width)] + [(f"visual.deepstack_merger_list.{k}.", merged) for k in range(3)]:
-        shapes.update({p + "norm.weight": [norm], p + "norm.bias": [norm], p + "linear_fc1.weight": [merged, merged],
-                       p + "linear_fc1.bias": [merged], p + "linear_fc2.weight": [hidden, merged],
-                       p + "linear_fc2.bias": [hidden]})
+        shapes.update(
+            {
+                p + "norm.weight": [norm],
+                p + "norm.bias": [norm],
+                p + "linear_fc1.weight": [merged, merged],
+                p + "linear_fc1.bias": [merged],
+                p + "linear_fc2.weight": [hidden, merged],
+                p + "linear_fc2.bias": [hidden],
+            }
+        )
     return {k: {"dtype": "BF16", "shape": s} for k, s in shapes.items()}
 
 
@@ -349,10 +468,23 @@ def test_full_size_files_held_bytes_from_their_headers():
     layout, config, layers = describe_text_encoder_header(header, "qwen3vl_32b_minimax_h3_bf16.safetensors")
     text, vision = config.text_config, config.vision_config
     assert layout.name == "ComfyUI" and layers == 50
-    assert (text.hidden_size, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
-            text.intermediate_size, text.vocab_size) == (5120, 64, 8, 128, 25600, 151936)
-    assert (vision.depth, vision.hidden_size, vision.intermediate_size, vision.patch_size, vision.spatial_merge_size,
-            vision.temporal_patch_size, vision.out_hidden_size) == (27, 1152, 4304, 16, 2, 2, 5120)
+    assert (
+        text.hidden_size,
+        text.num_attention_heads,
+        text.num_key_value_heads,
+        text.head_dim,
+        text.intermediate_size,
+        text.vocab_size,
+    ) == (5120, 64, 8, 128, 25600, 151936)
+    assert (
+        vision.depth,
+        vision.hidden_size,
+        vision.intermediate_size,
+        vision.patch_size,
+        vision.spatial_merge_size,
+        vision.temporal_patch_size,
+        vision.out_hidden_size,
+    ) == (27, 1152, 4304, 16, 2, 2, 5120)
     built = qwen3vl_header(config, layout)
     assert {k: v["shape"] for k, v in built.items()} == {k: v["shape"] for k, v in header.items()}
     # independent count: bf16 bytes of one decoder layer, the embeddings, the tower
@@ -392,8 +524,11 @@ def test_the_tokenizer_is_h3s_qwen3vl_tokenizer(tmp_path):
     follow from identical vocab.json and merges.txt)."""
     host = host_tokenizer_dir()
     assert hashlib.sha256((host / "vocab.json").read_bytes()).hexdigest() == VOCAB_SHA256
-    merges = "".join(line for line in (host / "merges.txt").read_text(encoding="utf-8").splitlines(keepends=True)
-                     if not line.startswith("#version"))
+    merges = "".join(
+        line
+        for line in (host / "merges.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+        if not line.startswith("#version")
+    )
     assert hashlib.sha256(merges.encode("utf-8")).hexdigest() == MERGES_SHA256
     ours = qwen3vl_tokenizer(host)
     oracle = transformers.AutoTokenizer.from_pretrained(oracle_tokenizer_dir(tmp_path))

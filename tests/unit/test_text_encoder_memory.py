@@ -62,19 +62,42 @@ def synthetic_file(path: Path) -> None:
     from h3_core.formats.qwen3vl_checkpoint import LAYOUTS, PUBLISHED, qwen3vl_header
 
     config = Qwen3VLConfig(
-        text_config=dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=LAYERS, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=128, vocab_size=151936, **PUBLISHED["text"]),
-        vision_config=dict(out_hidden_size=1024, patch_size=16, temporal_patch_size=2, spatial_merge_size=2, depth=27,
-                           hidden_size=256, intermediate_size=512, num_position_embeddings=256,
-                           **PUBLISHED["vision"]),
-        **PUBLISHED["ids"])
+        text_config=dict(
+            hidden_size=1024,
+            intermediate_size=2048,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            vocab_size=151936,
+            **PUBLISHED["text"],
+        ),
+        vision_config=dict(
+            out_hidden_size=1024,
+            patch_size=16,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            depth=27,
+            hidden_size=256,
+            intermediate_size=512,
+            num_position_embeddings=256,
+            **PUBLISHED["vision"],
+        ),
+        **PUBLISHED["ids"],
+    )
     header = qwen3vl_header(config, LAYOUTS[0])
     save_file({k: torch.full(v["shape"], 0.01, dtype=torch.bfloat16) for k, v in header.items()}, str(path))
 
 
 def measure(path: Path, tokenizer: Path, layer: int) -> dict:
-    run = subprocess.run([sys.executable, "-c", MEASURE, str(path), str(tokenizer), str(layer)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    run = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(path), str(tokenizer), str(layer)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

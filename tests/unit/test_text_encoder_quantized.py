@@ -33,14 +33,18 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import load_file, save_file
 
-from h3_core.formats import kitchen
 from h3_core.errors import H3BackendUnavailable, H3InputError
+from h3_core.formats import kitchen
 from h3_core.formats.files import CheckpointFiles
 from h3_core.formats.qwen3vl_checkpoint import describe_text_encoder_file
 from h3_core.formats.qwen3vl_weights import PreScaledLinear
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.pipeline.tiny_checkpoints import (TINY_TEXT_WIDTH, quantize_text_encoder_state,
-                                      write_tiny_quantized_text_encoder_file, write_tiny_text_encoder_file)
+from h3_core.pipeline.tiny_checkpoints import (
+    TINY_TEXT_WIDTH,
+    quantize_text_encoder_state,
+    write_tiny_quantized_text_encoder_file,
+    write_tiny_text_encoder_file,
+)
 
 LAYER = 3  # the conditioning layer; the files hold LAYER + 1 decoder layers
 GROUP = 16
@@ -97,8 +101,11 @@ def load(path, **kw):
 
 
 def model_key(key: str) -> str:
-    return "model.visual." + key.removeprefix("visual.") if key.startswith("visual.") else \
-        "model.language_model." + key.removeprefix("model.")
+    return (
+        "model.visual." + key.removeprefix("visual.")
+        if key.startswith("visual.")
+        else "model.language_model." + key.removeprefix("model.")
+    )
 
 
 def held(key: str) -> bool:
@@ -117,8 +124,9 @@ def prescale_inputs(encoder, tensors):
 @pytest.fixture
 def allow_cpu_kernels(monkeypatch):
     """The device policy replaced: comfy-kitchen layers allowed on the CPU, where its eager backend runs them."""
-    monkeypatch.setattr(kitchen, "kitchen_support",
-                        lambda fmt, kind, dtype, device: (True, "comfy-kitchen's eager backend (test)"))
+    monkeypatch.setattr(
+        kitchen, "kitchen_support", lambda fmt, kind, dtype, device: (True, "comfy-kitchen's eager backend (test)")
+    )
 
 
 def _reads(monkeypatch):
@@ -144,8 +152,9 @@ def test_described_from_the_header_and_the_sidecars(files, kind, monkeypatch):
         assert described.prescaled == () and "I8" in described.dtypes
     else:
         assert described.quantization == (("int8_tensorwise", 1), ("nvfp4", 5 * layers), ("nvfp4_awq", 2 * layers))
-        assert sorted(described.prescaled) == sorted(f"model.layers.{i}.{name}" for i in range(layers)
-                                                     for name in ("self_attn.o_proj", "mlp.down_proj"))
+        assert sorted(described.prescaled) == sorted(
+            f"model.layers.{i}.{name}" for i in range(layers) for name in ("self_attn.o_proj", "mlp.down_proj")
+        )
         assert {"U8", "F8_E4M3"} <= set(described.dtypes)
     # what loading holds, at the stored size: every tensor but the later layer's (codes and sidecars alike)
     stored = sum(v.numel() * v.element_size() for k, v in written.tensors.items() if held(k))
@@ -226,8 +235,11 @@ def test_kept_as_comfy_kitchen_layers(files, kind, allow_cpu_kernels):
     assert not isinstance(embedding, QuantizedTensor)
     assert torch.equal(embedding, written.oracle["model.embed_tokens.weight"].dequantize())
     # a streamed layer carries its stored bytes: the file's codes, scales and AWQ scales, and its norms
-    stored = sum(v.numel() * v.element_size() for k, v in written.tensors.items()
-                 if k.startswith("model.layers.0.") and not k.endswith(".comfy_quant"))
+    stored = sum(
+        v.numel() * v.element_size()
+        for k, v in written.tensors.items()
+        if k.startswith("model.layers.0.") and not k.endswith(".comfy_quant")
+    )
     assert encoder.layer_bytes == stored
     dense = load(written.path, held="dequantize")
     got, want = encoder.encode(PROMPT), dense.encode(PROMPT)
@@ -241,15 +253,21 @@ def test_kept_as_comfy_kitchen_layers(files, kind, allow_cpu_kernels):
 
 def test_held_choices_and_the_run_device(files, monkeypatch):
     path = files["int8_convrot"].path
-    with pytest.raises(H3BackendUnavailable, match=r"layer 'visual\.blocks\.0\.attn\.qkv' \(int8_convrot\) "
-                                                   r"cannot be kept as a comfy-kitchen layer: comfy-kitchen has no "
-                                                   r"int8_convrot kernels for cpu"):
+    with pytest.raises(
+        H3BackendUnavailable,
+        match=r"layer 'visual\.blocks\.0\.attn\.qkv' \(int8_convrot\) "
+        r"cannot be kept as a comfy-kitchen layer: comfy-kitchen has no "
+        r"int8_convrot kernels for cpu",
+    ):
         load(path, held="kitchen")
     with pytest.raises(H3InputError, match=r"held: got 'int8'; allowed: 'auto', 'dequantize', 'kitchen'"):
         load(path, held="int8")
     seen = []
-    monkeypatch.setattr(kitchen, "kitchen_support",
-                        lambda fmt, kind, dtype, device: seen.append((device, dtype)) or (False, f"none for {device}"))
+    monkeypatch.setattr(
+        kitchen,
+        "kitchen_support",
+        lambda fmt, kind, dtype, device: seen.append((device, dtype)) or (False, f"none for {device}"),
+    )
     load(path, device="cpu", run_device="cuda:0")  # loaded in host memory for a GPU
     assert seen and set(seen) == {(torch.device("cuda:0"), torch.bfloat16)}
     seen.clear()
@@ -295,8 +313,9 @@ def relaid(layer: str, weight: torch.Tensor, spec: dict) -> dict:
     if spec["format"] == "nvfp4":
         qt = QuantizedTensor.from_float(weight, "TensorCoreNVFP4Layout")
     else:
-        qt = QuantizedTensor.from_float(weight, "TensorWiseINT8Layout", per_channel=True, convrot=True,
-                                        convrot_groupsize=GROUP)
+        qt = QuantizedTensor.from_float(
+            weight, "TensorWiseINT8Layout", per_channel=True, convrot=True, convrot_groupsize=GROUP
+        )
     return {**qt.state_dict(f"{layer}.weight"), f"{layer}.comfy_quant": comfy_quant(spec)}
 
 
@@ -306,37 +325,76 @@ INT8 = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": GROUP
 
 def test_unknown_and_unread_formats_are_refused_naming_format_file_and_layer(files, tmp_path, monkeypatch):
     unknown = variant(files, tmp_path, "mxfp8.safetensors", **{f"{UP}.comfy_quant": comfy_quant({"format": "mxfp8"})})
-    refused(unknown, r"mxfp8\.safetensors: layer 'model\.layers\.0\.mlp\.up_proj' is quantized as 'mxfp8', which this "
-                     r"pack does not read", monkeypatch)
+    refused(
+        unknown,
+        r"mxfp8\.safetensors: layer 'model\.layers\.0\.mlp\.up_proj' is quantized as 'mxfp8', which this "
+        r"pack does not read",
+        monkeypatch,
+    )
     scale = torch.tensor(0.01)
-    fp8 = variant(files, tmp_path, "fp8.safetensors", **{
-        f"{UP}.weight": (torch.randn(64, TINY_TEXT_WIDTH) / scale).to(torch.float8_e4m3fn),
-        f"{UP}.weight_scale": scale, f"{UP}.comfy_quant": comfy_quant({"format": "float8_e4m3fn"})})
-    refused(fp8, r"fp8\.safetensors: layer 'model\.layers\.0\.mlp\.up_proj' is quantized as 'float8_e4m3fn', which "
-                 r"the text encoder does not read; it reads ComfyUI's int8_convrot and nvfp4_awq text encoders",
-            monkeypatch)
+    fp8 = variant(
+        files,
+        tmp_path,
+        "fp8.safetensors",
+        **{
+            f"{UP}.weight": (torch.randn(64, TINY_TEXT_WIDTH) / scale).to(torch.float8_e4m3fn),
+            f"{UP}.weight_scale": scale,
+            f"{UP}.comfy_quant": comfy_quant({"format": "float8_e4m3fn"}),
+        },
+    )
+    refused(
+        fp8,
+        r"fp8\.safetensors: layer 'model\.layers\.0\.mlp\.up_proj' is quantized as 'float8_e4m3fn', which "
+        r"the text encoder does not read; it reads ComfyUI's int8_convrot and nvfp4_awq text encoders",
+        monkeypatch,
+    )
     unmarked = variant(files, tmp_path, "unmarked.safetensors", drop=(f"{UP}.comfy_quant",))
-    refused(unmarked, r"unmarked\.safetensors: a quantized Qwen3-VL text encoder \(I8 weights\) is not supported; use "
-                      r"the bf16 file or ComfyUI's int8_convrot or nvfp4_awq file", monkeypatch)
+    refused(
+        unmarked,
+        r"unmarked\.safetensors: a quantized Qwen3-VL text encoder \(I8 weights\) is not supported; use "
+        r"the bf16 file or ComfyUI's int8_convrot or nvfp4_awq file",
+        monkeypatch,
+    )
 
 
 def test_quantized_weights_are_checked_against_the_unquantized_layout(files, tmp_path, monkeypatch):
     wide = variant(files, tmp_path, "wide.safetensors", **relaid(UP, torch.randn(65, TINY_TEXT_WIDTH), INT8))
-    refused(wide, r"wide\.safetensors: not a complete Qwen3-VL text encoder in ComfyUI's layout: 1 of the wrong shape, "
-                  r"first \['model\.layers\.0\.mlp\.up_proj\.weight \[65, 32\] \(expected \[64, 32\]\)'\]", monkeypatch)
+    refused(
+        wide,
+        r"wide\.safetensors: not a complete Qwen3-VL text encoder in ComfyUI's layout: 1 of the wrong shape, "
+        r"first \['model\.layers\.0\.mlp\.up_proj\.weight \[65, 32\] \(expected \[64, 32\]\)'\]",
+        monkeypatch,
+    )
     nvfp4 = {"format": "nvfp4", "full_precision_matrix_mult": True}
     long = variant(files, tmp_path, "long.safetensors", kind="nvfp4_awq", **relaid(UP, torch.randn(64, 48), nvfp4))
-    refused(long, r"long\.safetensors: .*1 of the wrong shape, first \['model\.layers\.0\.mlp\.up_proj\.weight \[64, "
-                  r"48\] \(expected \[64, 32\]\)'\]", monkeypatch)
+    refused(
+        long,
+        r"long\.safetensors: .*1 of the wrong shape, first \['model\.layers\.0\.mlp\.up_proj\.weight \[64, "
+        r"48\] \(expected \[64, 32\]\)'\]",
+        monkeypatch,
+    )
     down = "model.layers.0.mlp.down_proj"
-    short = variant(files, tmp_path, "awq.safetensors", kind="nvfp4_awq",
-                    **{f"{down}.pre_quant_scale": torch.ones(56, dtype=torch.bfloat16)})
-    refused(short, r"awq\.safetensors: layer 'model\.layers\.0\.mlp\.down_proj' \(nvfp4_awq\): "
-                   r"'model\.layers\.0\.mlp\.down_proj\.pre_quant_scale' is \[56\], expected one AWQ input scale per "
-                   r"input column, \[64\]", monkeypatch)
+    short = variant(
+        files,
+        tmp_path,
+        "awq.safetensors",
+        kind="nvfp4_awq",
+        **{f"{down}.pre_quant_scale": torch.ones(56, dtype=torch.bfloat16)},
+    )
+    refused(
+        short,
+        r"awq\.safetensors: layer 'model\.layers\.0\.mlp\.down_proj' \(nvfp4_awq\): "
+        r"'model\.layers\.0\.mlp\.down_proj\.pre_quant_scale' is \[56\], expected one AWQ input scale per "
+        r"input column, \[64\]",
+        monkeypatch,
+    )
     unscaled = variant(files, tmp_path, "scale.safetensors", drop=(f"{UP}.weight_scale",))
-    refused(unscaled, r"scale\.safetensors: layer 'model\.layers\.0\.mlp\.up_proj' \(int8_convrot\): has no "
-                      r"'model\.layers\.0\.mlp\.up_proj\.weight_scale'", monkeypatch)
+    refused(
+        unscaled,
+        r"scale\.safetensors: layer 'model\.layers\.0\.mlp\.up_proj' \(int8_convrot\): has no "
+        r"'model\.layers\.0\.mlp\.up_proj\.weight_scale'",
+        monkeypatch,
+    )
 
 
 def test_an_embedding_table_takes_no_awq_scales(files, tmp_path, monkeypatch):
@@ -344,13 +402,25 @@ def test_an_embedding_table_takes_no_awq_scales(files, tmp_path, monkeypatch):
     tensors = relaid("model.embed_tokens", table, {"format": "nvfp4"})
     tensors["model.embed_tokens.pre_quant_scale"] = torch.ones(TINY_TEXT_WIDTH, dtype=torch.bfloat16)
     path = variant(files, tmp_path, "table.safetensors", kind="nvfp4_awq", **tensors)
-    refused(path, r"table\.safetensors: layer 'model\.embed_tokens' is an embedding table, which has no input for "
-                  r"its 'model\.embed_tokens\.pre_quant_scale'", monkeypatch)
+    refused(
+        path,
+        r"table\.safetensors: layer 'model\.embed_tokens' is an embedding table, which has no input for "
+        r"its 'model\.embed_tokens\.pre_quant_scale'",
+        monkeypatch,
+    )
 
 
 def test_a_quantized_dit_is_not_a_text_encoder(tmp_path, monkeypatch):
     path = tmp_path / "minimax_h3_fl2va_int8_convrot.safetensors"
-    save_file({**relaid("blocks.0.mlp.fc1", torch.randn(64, 32), INT8), "blocks.0.adaln_proj.linear.weight":
-               torch.zeros(4, 2)}, str(path))
-    refused(path, r"int8_convrot\.safetensors: not a Qwen3-VL text encoder: it looks like a diffusion model \(DiT\)",
-            monkeypatch)
+    save_file(
+        {
+            **relaid("blocks.0.mlp.fc1", torch.randn(64, 32), INT8),
+            "blocks.0.adaln_proj.linear.weight": torch.zeros(4, 2),
+        },
+        str(path),
+    )
+    refused(
+        path,
+        r"int8_convrot\.safetensors: not a Qwen3-VL text encoder: it looks like a diffusion model \(DiT\)",
+        monkeypatch,
+    )

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from h3_core.errors import H3InputError
 from h3_core.media.tiling import (
     DecodeOutOfMemory,
     decode_tiled,
@@ -13,7 +14,6 @@ from h3_core.media.tiling import (
     split_tiles,
     temporal_plan,
 )
-from h3_core.errors import H3InputError
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -24,8 +24,11 @@ def vae():
     latent channels, 17-frame clips) with a one-block decoder."""
     torch.manual_seed(0)
     model = diffusers.AutoencoderKLMiniMaxH3(
-        block_out_channels=(8,) * 6, norm_num_groups=4, decoder_num_layers=1,
-        decoder_num_attention_heads=2, decoder_attention_head_dim=8,
+        block_out_channels=(8,) * 6,
+        norm_num_groups=4,
+        decoder_num_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_attention_head_dim=8,
     ).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -92,9 +95,7 @@ def test_temporal_plan_frame_counts(vae, T):
         assert plan.num_frames == 17 * (T // 5) + 5
 
 
-@pytest.mark.parametrize(
-    "T, h, w", [(7, 2, 40), (12, 3, 3), (3, 2, 20), (17, 20, 2), (8, 1, 23)], ids=lambda v: str(v)
-)
+@pytest.mark.parametrize("T, h, w", [(7, 2, 40), (12, 3, 3), (3, 2, 20), (17, 20, 2), (8, 1, 23)], ids=lambda v: str(v))
 def test_one_row_or_column_of_tiles_equals_the_released_decode(vae, T, h, w):
     z = latents(T, h, w, seed=T)
     ours = decode_tiled(decoder_of(vae), z, tiles_per_batch=3)
@@ -156,8 +157,12 @@ def test_a_context_free_decoder_tiles_seamlessly():
 def test_constant_tiles_compose_to_an_exactly_constant_canvas(h, w, tile, overlap):
     z = latents(2, h, w)
     value = 0.3  # not a short binary fraction: any rounding in the composition would show
-    out = decode_tiled(lambda t: torch.full((t.shape[0], 3, t.shape[2] * 4, t.shape[3] * 16, t.shape[4] * 16), value),
-                       z, tile_px=tile, overlap_px=overlap)
+    out = decode_tiled(
+        lambda t: torch.full((t.shape[0], 3, t.shape[2] * 4, t.shape[3] * 16, t.shape[4] * 16), value),
+        z,
+        tile_px=tile,
+        overlap_px=overlap,
+    )
     assert torch.equal(out, torch.full_like(out, value))
 
 
@@ -177,7 +182,11 @@ def test_finish_progress_and_output_buffer():
     calls = []
     out = torch.full((22, 320, 528, 3), float("nan"))
     got = decode_tiled(
-        local_decode, z, tiles_per_batch=2, out=out, finish=lambda p: p.clamp(0, 0.5),
+        local_decode,
+        z,
+        tiles_per_batch=2,
+        out=out,
+        finish=lambda p: p.clamp(0, 0.5),
         progress=lambda done, total: calls.append((done, total)),
     )
     assert got is out and not out.isnan().any()
@@ -233,8 +242,13 @@ def test_out_of_memory_halves_the_batch_then_offloads_then_says_so():
         raise torch.OutOfMemoryError("fake")
 
     with pytest.raises(DecodeOutOfMemory, match="1 tile per batch and the weights offloaded"):
-        decode_tiled(always_oom, z, tiles_per_batch=1, offload=lambda: offloaded.append(1) or "weights moved to CPU",
-                     report=said.append)
+        decode_tiled(
+            always_oom,
+            z,
+            tiles_per_batch=1,
+            offload=lambda: offloaded.append(1) or "weights moved to CPU",
+            report=said.append,
+        )
     assert offloaded == [1] and said[-1].endswith("weights moved to CPU")
 
 
@@ -292,8 +306,9 @@ def working_memory_kib(T):
     # Large blocks straight from mmap, so freed memory leaves the resident set at once and the high-water
     # mark is the peak of live tensors rather than of the allocator's caches.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_ARENA_MAX="1")
-    proc = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(root=root, T=T)], capture_output=True,
-                          text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE.format(root=root, T=T)], capture_output=True, text=True, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return int(proc.stdout.split("WORKING_KIB")[-1])
 

@@ -7,16 +7,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from h3_core.formats.checkpoints import describe_dit_checkpoint, load_h3_model
 from h3_core.errors import H3InputError
 from h3_core.formats.audio_vae import load_audio_vae
-from h3_core.models.dit import DiTConfig
+from h3_core.formats.checkpoints import describe_dit_checkpoint, load_h3_model
+from h3_core.formats.sizes import NOTE_KEY, SIZES_KEY, sizes_from_metadata, sizes_metadata
 from h3_core.formats.video_vae import load_video_vae
+from h3_core.media.tiling import decode_video
+from h3_core.models.dit import DiTConfig
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.soundtrack import clip_samples, decode_soundtrack
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.formats.sizes import NOTE_KEY, SIZES_KEY, sizes_from_metadata, sizes_metadata
-from h3_core.media.tiling import decode_video
 from h3_core.pipeline.tiny_checkpoints import TINY_DIT, TINY_PREFIX, write_tiny_checkpoints
 
 
@@ -65,8 +65,11 @@ def test_sizes_round_trip_and_bad_sizes_are_named(tmp_path):
     state = load_file(str(write_tiny_checkpoints(tmp_path).dit))
     bad = tmp_path / "bad.safetensors"
     save_file(state, str(bad), metadata={SIZES_KEY: json.dumps({"hidden": 48, "wings": 2})})
-    with pytest.raises(H3InputError, match=r"bad\.safetensors: the sizes in its metadata \(h3_hybrid\.sizes\) do not "
-                       r"describe a DiTConfig: unknown fields \['wings'\]"):
+    with pytest.raises(
+        H3InputError,
+        match=r"bad\.safetensors: the sizes in its metadata \(h3_hybrid\.sizes\) do not "
+        r"describe a DiTConfig: unknown fields \['wings'\]",
+    ):
         describe_dit_checkpoint(bad)
 
 
@@ -83,12 +86,16 @@ def test_a_soundtrack_longer_than_the_video_is_cut_and_bad_latents_are_named(tin
     latents = torch.randn(2, 32, 37, generator=torch.Generator().manual_seed(0))  # 22 frames: 37 latents, 29600 samples
     assert decode_soundtrack(audio_vae, latents, frames=22).shape == (2, clip_samples(22)) == (2, 29333)
     assert decode_soundtrack(audio_vae, latents).shape == (2, 29600)
-    with pytest.raises(H3InputError, match=r"audio latents must be \[2, 32, frames\] \(left, right\), got \(1, 32, 37\)"):
+    with pytest.raises(
+        H3InputError, match=r"audio latents must be \[2, 32, frames\] \(left, right\), got \(1, 32, 37\)"
+    ):
         decode_soundtrack(audio_vae, latents[:1])
 
 
 def test_sizes_of_another_kind_of_model_are_not_taken(tiny):
     from h3_core.formats.video_vae import load_video_vae as load_video
 
-    with pytest.raises(H3InputError, match=r"h3_tiny_random_audio_vae\.safetensors: not a MiniMax H3 video VAE checkpoint"):
+    with pytest.raises(
+        H3InputError, match=r"h3_tiny_random_audio_vae\.safetensors: not a MiniMax H3 video VAE checkpoint"
+    ):
         load_video(tiny.audio_vae)

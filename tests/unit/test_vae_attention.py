@@ -3,6 +3,7 @@ precision rules per device and dtype, and the cast-for-the-kernel-only path of t
 
 import pytest
 import torch
+from fake_flash import FakeFlash, install_fa2, install_fa3, pretend_gpu
 
 from h3_core.attention import kernels
 from h3_core.attention.vae import (
@@ -13,8 +14,6 @@ from h3_core.attention.vae import (
     vae_attention,
 )
 from h3_core.errors import H3BackendUnavailable, H3InputError
-
-from fake_flash import FakeFlash, install_fa2, install_fa3, pretend_gpu
 
 
 @pytest.fixture(autouse=True)

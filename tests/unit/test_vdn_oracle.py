@@ -18,24 +18,24 @@ What is compared:
     ``BranchWeights``, ``h3_core.formats.checkpoints.describe_dit_checkpoint``) against the documented table.
 """
 
-from dataclasses import replace
 import json
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from h3_core.attention.layout import SequenceLayout, WindowSpec
-from h3_core.formats.checkpoints import describe_dit_checkpoint
 from h3_core.errors import H3InputError
+from h3_core.formats.checkpoints import describe_dit_checkpoint
 from h3_core.formats.keymap import load_into
+from h3_core.formats.vdn import BranchWeights, branch_layouts
 from h3_core.models.dit import DiTConfig, HybridAttention
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch
-from h3_core.formats.vdn import BranchWeights, branch_layouts
-from h3_core.triton_forms import plain_path
 from h3_core.models.run_options import apply_run_options, run_options_of
+from h3_core.triton_forms import plain_path
 
 DT = torch.float64
 EPS = 1e-6  # the L2 normalisation's and the readout RMSNorm's epsilon (§2 table, §3)
@@ -142,29 +142,34 @@ def oracle_states(w, x, k_raw, v_raw, grid, frames):
     gh, gw = grid
     S = gh * gw
     heads, d = k_raw.shape[1], k_raw.shape[2]
-    k_conv = temporal_conv(spatial_conv(k_raw.reshape(frames, S, heads * d), w["short_conv.k_sp.weight"], gh, gw),
-                           w["short_conv.k_tm.weight"])
-    v_conv = temporal_conv(spatial_conv(v_raw.reshape(frames, S, heads * d), w["short_conv.v_sp.weight"], gh, gw),
-                           w["short_conv.v_tm.weight"])
+    k_conv = temporal_conv(
+        spatial_conv(k_raw.reshape(frames, S, heads * d), w["short_conv.k_sp.weight"], gh, gw),
+        w["short_conv.k_tm.weight"],
+    )
+    v_conv = temporal_conv(
+        spatial_conv(v_raw.reshape(frames, S, heads * d), w["short_conv.v_sp.weight"], gh, gw),
+        w["short_conv.v_tm.weight"],
+    )
     k_t = torch.zeros(frames, S, heads, d, dtype=DT)
     v_t = torch.zeros(frames, S, heads, d, dtype=DT)
     beta = torch.zeros(frames, S, heads, dtype=DT)
     for f in range(frames):
         for s in range(S):
             for h in range(heads):
-                k_t[f, s, h] = l2(silu(k_conv[f, s, h * d:(h + 1) * d]))
-                v_t[f, s, h] = silu(v_conv[f, s, h * d:(h + 1) * d])
+                k_t[f, s, h] = l2(silu(k_conv[f, s, h * d : (h + 1) * d]))
+                v_t[f, s, h] = silu(v_conv[f, s, h * d : (h + 1) * d])
                 beta[f, s, h] = torch.sigmoid(w["beta_proj.weight"][h] @ x[f * S + s])
     A = torch.zeros(frames, heads, d, d, dtype=DT)
     B = torch.zeros(frames, heads, d, d, dtype=DT)
     alpha = torch.zeros(frames, heads, d, dtype=DT)
     for f in range(frames):
-        mean = x[f * S:(f + 1) * S].sum(0) / S
+        mean = x[f * S : (f + 1) * S].sum(0) / S
         delta = w["alpha.up.weight"] @ (w["alpha.down.weight"] @ mean) + w["alpha.dt_bias"]
         for h in range(heads):
-            A[f, h], B[f, h] = frame_sums([k_t[f, s, h] for s in range(S)], [v_t[f, s, h] for s in range(S)],
-                                          [beta[f, s, h] for s in range(S)])
-            alpha[f, h] = torch.exp(-torch.exp(w["alpha.A_log"][h]) * softplus(delta[h * d:(h + 1) * d]))
+            A[f, h], B[f, h] = frame_sums(
+                [k_t[f, s, h] for s in range(S)], [v_t[f, s, h] for s in range(S)], [beta[f, s, h] for s in range(S)]
+            )
+            alpha[f, h] = torch.exp(-torch.exp(w["alpha.A_log"][h]) * softplus(delta[h * d : (h + 1) * d]))
     return alpha, A, B, k_t, v_t, beta
 
 
@@ -206,9 +211,9 @@ def oracle_linear_branch(w, x, q_raw, k_raw, v_raw, grid, bounds, seed=None):
                 row = t * S + s
                 o = S_lin @ l2(silu(q_raw[row, h]))
                 o = o / torch.sqrt((o * o).sum() / d + EPS) * w["norm.weight"]
-                logits = w["output_gate.up.weight"][h * d:(h + 1) * d] @ (w["output_gate.down.weight"] @ x[row])
-                gate = torch.sigmoid(logits + w["output_gate.up.bias"][h * d:(h + 1) * d])
-                out[row, h * d:(h + 1) * d] = o * gate
+                logits = w["output_gate.up.weight"][h * d : (h + 1) * d] @ (w["output_gate.down.weight"] @ x[row])
+                gate = torch.sigmoid(logits + w["output_gate.up.bias"][h * d : (h + 1) * d])
+                out[row, h * d : (h + 1) * d] = o * gate
     return out
 
 
@@ -260,15 +265,15 @@ def oracle_hybrid(w, x, cos, sin, *, heads, d, text, audio, frames, grid, window
     inner = heads * d
     qkv = w["qkv_proj.weight"]
     q_raw = (x @ qkv[:inner].T).view(T, heads, d)
-    k_raw = (x @ qkv[inner:2 * inner].T).view(T, heads, d)
-    v = (x @ qkv[2 * inner:].T).view(T, heads, d)
+    k_raw = (x @ qkv[inner : 2 * inner].T).view(T, heads, d)
+    v = (x @ qkv[2 * inner :].T).view(T, heads, d)
     q = rotate_half(rms_norm(q_raw, w["q_norm.weight"], w["q_norm.eps"]), cos, sin)
     k = rotate_half(rms_norm(k_raw, w["k_norm.weight"], w["k_norm.eps"]), cos, sin)
     bounds = oracle_window_bounds(frames, radius, chunk)
     keep = oracle_keep(T, video_start, frames, S, bounds, anchors)
     soft = torch.zeros(T, heads, d, dtype=DT)
     for h in range(heads):
-        scores = (q[:, h] @ k[:, h].T) * d ** -0.5
+        scores = (q[:, h] @ k[:, h].T) * d**-0.5
         scores = scores.masked_fill(~keep, float("-inf"))
         p = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
         soft[:, h] = (p / p.sum(dim=1, keepdim=True)) @ v[:, h]
@@ -276,7 +281,7 @@ def oracle_hybrid(w, x, cos, sin, *, heads, d, text, audio, frames, grid, window
     out = (soft * gate[..., None]).reshape(T, inner) @ w["out_proj.weight"].T
     full_cover = all(lo <= 0 and hi >= frames - 1 for lo, hi in bounds)
     if anchors == "both":  # frames 0 and F−1 leave the branch; bounds rebased onto frames 1..F−2
-        first, branch_bounds = 1, [(lo - 1, hi - 1) for lo, hi in bounds[1:frames - 1]]
+        first, branch_bounds = 1, [(lo - 1, hi - 1) for lo, hi in bounds[1 : frames - 1]]
     else:
         first, branch_bounds = 0, list(bounds)
     if not full_cover and branch_bounds:
@@ -284,8 +289,7 @@ def oracle_hybrid(w, x, cos, sin, *, heads, d, text, audio, frames, grid, window
         seed = oracle_text_state(lin, x[:text], k_raw[:text], v[:text]) if text else None
         r0 = video_start + first * S
         r1 = r0 + len(branch_bounds) * S
-        readout = oracle_linear_branch(lin, x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, branch_bounds,
-                                       seed)
+        readout = oracle_linear_branch(lin, x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, branch_bounds, seed)
         out[r0:r1] = out[r0:r1] + readout @ w["to_out_linear.weight"].T
     return out
 
@@ -349,8 +353,9 @@ def test_oracle_update_is_the_implicit_delta_rule():
             for s in range(GRID[0] * GRID[1]):
                 implicit = implicit + beta[f, s, h] * torch.outer(v_t[f, s, h] - new @ k_t[f, s, h], k_t[f, s, h])
             assert (implicit - new).abs().max() <= 1e-12 * new.abs().max()
-            assert (new - (prev @ torch.diag(alpha[f, h]) + B[f, h]) @ torch.linalg.inv(
-                torch.eye(6, dtype=DT) + A[f, h])).abs().max() <= 1e-12 * new.abs().max()
+            assert (
+                new - (prev @ torch.diag(alpha[f, h]) + B[f, h]) @ torch.linalg.inv(torch.eye(6, dtype=DT) + A[f, h])
+            ).abs().max() <= 1e-12 * new.abs().max()
 
 
 BOUNDS = {
@@ -420,8 +425,9 @@ def test_every_cpu_path_of_the_branch_matches_the_oracle(mode, heads):
     part = slice(None) if heads is None else heads
     with _set_mode(branch, mode), torch.no_grad():
         seed = branch.text_state(text_x, text_k[:, part], text_v[:, part], heads)
-        got = branch(x, q[:, part].contiguous(), k[:, part].contiguous(), v[:, part].contiguous(), GRID, bounds,
-                     seed, heads)
+        got = branch(
+            x, q[:, part].contiguous(), k[:, part].contiguous(), v[:, part].contiguous(), GRID, bounds, seed, heads
+        )
     assert relative_error(got, want[:, cols]) <= TOL
 
 
@@ -467,8 +473,18 @@ def test_compiled_branch_kernels_under_the_triton_interpreter_match_the_oracle(t
     branch, inputs = branch_case(heads, d, len(bounds), dtype=torch.float32, seed=5)
     case = tmp_path / "case.pt"
     result = tmp_path / "out.pt"
-    torch.save({"heads": heads, "d": d, "hidden": HIDDEN, "grid": list(GRID), "bounds": bounds,
-                "state": branch.state_dict(), "inputs": inputs}, case)
+    torch.save(
+        {
+            "heads": heads,
+            "d": d,
+            "hidden": HIDDEN,
+            "grid": list(GRID),
+            "bounds": bounds,
+            "state": branch.state_dict(),
+            "inputs": inputs,
+        },
+        case,
+    )
     assert run_interpreted(INTERPRETED.format(path=str(case), out=str(result))).split()[-1] == "OK"
     got = torch.load(result)
     assert set(got["used"]) == {"conv_features", "small_inverse", "scan", "gather", "readout"}
@@ -519,8 +535,9 @@ def test_hybrid_block_matches_the_oracle(case):
     w = weights(attn)
     w["q_norm.eps"], w["k_norm.eps"] = attn.q_norm.eps, attn.k_norm.eps
     assert attn.out_proj.bias is None  # the oracle's out_proj has no bias
-    want = oracle_hybrid(w, x, cos, sin, heads=HEADS, d=HEAD_DIM, text=TEXT, audio=AUDIO, frames=frames, grid=GRID,
-                         window=window)
+    want = oracle_hybrid(
+        w, x, cos, sin, heads=HEADS, d=HEAD_DIM, text=TEXT, audio=AUDIO, frames=frames, grid=GRID, window=window
+    )
     with torch.no_grad():
         got = attn(x, (cos, sin), HybridContext(layout, WindowSpec(*window), "ref", (0, TEXT)))
     assert relative_error(got, want) <= TOL
@@ -540,8 +557,9 @@ def test_hybrid_block_paths_match_the_oracle(setup, backend):
         apply_run_options(attn, replace(run_options_of(attn), head_groups=2))
     elif setup == "fused eager":
         apply_run_options(attn, replace(run_options_of(attn), blocks_fused="eager", branches_fused="eager"))
-    want = oracle_hybrid(w, x, cos, sin, heads=HEADS, d=HEAD_DIM, text=TEXT, audio=AUDIO, frames=frames, grid=GRID,
-                         window=window)
+    want = oracle_hybrid(
+        w, x, cos, sin, heads=HEADS, d=HEAD_DIM, text=TEXT, audio=AUDIO, frames=frames, grid=GRID, window=window
+    )
     with torch.no_grad():
         got = attn(x, (cos, sin), HybridContext(layout, WindowSpec(*window), backend, (0, TEXT)))
     assert relative_error(got, want) <= TOL
@@ -585,8 +603,12 @@ DOCUMENTED = {
 }
 BLOCKS = 50
 # Pre-v2 aliases (checkpoints/key_mapping.py as §2 gives them): old → new, the first that applies.
-ALIASES = ((".attn.far.gate.", ".attn.linear_attention.output_gate."), (".attn.far.", ".attn.linear_attention."),
-           (".attn.local_gate.", ".attn.softmax_gate."), (".attn.w_o_far.", ".attn.to_out_linear."))
+ALIASES = (
+    (".attn.far.gate.", ".attn.linear_attention.output_gate."),
+    (".attn.far.", ".attn.linear_attention."),
+    (".attn.local_gate.", ".attn.softmax_gate."),
+    (".attn.w_o_far.", ".attn.to_out_linear."),
+)
 
 
 def documented_keys(blocks=BLOCKS):
@@ -663,7 +685,8 @@ def test_a_released_size_branch_file_with_documented_names_is_recognised(tmp_pat
     assert info.is_branch and info.layout == {"v2": "VDN-H3 v2", "pre-v2": "VDN-H3 pre-v2"}[naming]
     renamed = dict(keys)
     renamed["transformer_blocks.3.attn.linear_attention.alpha.a_log"] = renamed.pop(
-        next(k for k in keys if k.startswith("transformer_blocks.3.") and k.endswith("A_log")))
+        next(k for k in keys if k.startswith("transformer_blocks.3.") and k.endswith("A_log"))
+    )
     _sparse_safetensors(tmp_path / "renamed.safetensors", renamed)
     with pytest.raises(H3InputError, match="a_log"):
         describe_dit_checkpoint(tmp_path / "renamed.safetensors")
@@ -676,26 +699,33 @@ def test_branch_file_values_land_under_the_documented_names(tmp_path, naming):
     torch.manual_seed(0)
     cfg = DiTConfig(hidden=HIDDEN, layers=2, heads=HEADS, head_dim=HEAD_DIM)
     inner, bottleneck = HEADS * HEAD_DIM, 128
-    small = {"softmax_gate.up.weight": (HEADS, HIDDEN), "softmax_gate.up.bias": (HEADS,),
-             "to_out_linear.weight": (HIDDEN, inner), "linear_attention.beta_proj.weight": (HEADS, HIDDEN),
-             "linear_attention.alpha.down.weight": (bottleneck, HIDDEN),
-             "linear_attention.alpha.up.weight": (inner, bottleneck), "linear_attention.alpha.A_log": (HEADS,),
-             "linear_attention.alpha.dt_bias": (inner,),
-             "linear_attention.output_gate.down.weight": (bottleneck, HIDDEN),
-             "linear_attention.output_gate.up.weight": (inner, bottleneck),
-             "linear_attention.output_gate.up.bias": (inner,), "linear_attention.norm.weight": (HEAD_DIM,),
-             "linear_attention.short_conv.k_sp.weight": (inner, 1, 5, 5),
-             "linear_attention.short_conv.v_sp.weight": (inner, 1, 5, 5),
-             "linear_attention.short_conv.k_tm.weight": (inner, 1, 5),
-             "linear_attention.short_conv.v_tm.weight": (inner, 1, 5)}
+    small = {
+        "softmax_gate.up.weight": (HEADS, HIDDEN),
+        "softmax_gate.up.bias": (HEADS,),
+        "to_out_linear.weight": (HIDDEN, inner),
+        "linear_attention.beta_proj.weight": (HEADS, HIDDEN),
+        "linear_attention.alpha.down.weight": (bottleneck, HIDDEN),
+        "linear_attention.alpha.up.weight": (inner, bottleneck),
+        "linear_attention.alpha.A_log": (HEADS,),
+        "linear_attention.alpha.dt_bias": (inner,),
+        "linear_attention.output_gate.down.weight": (bottleneck, HIDDEN),
+        "linear_attention.output_gate.up.weight": (inner, bottleneck),
+        "linear_attention.output_gate.up.bias": (inner,),
+        "linear_attention.norm.weight": (HEAD_DIM,),
+        "linear_attention.short_conv.k_sp.weight": (inner, 1, 5, 5),
+        "linear_attention.short_conv.v_sp.weight": (inner, 1, 5, 5),
+        "linear_attention.short_conv.k_tm.weight": (inner, 1, 5),
+        "linear_attention.short_conv.v_tm.weight": (inner, 1, 5),
+    }
     assert set(small) == set(DOCUMENTED)
     tensors = {f"transformer_blocks.{i}.attn.{n}": torch.randn(s) for i in range(2) for n, s in small.items()}
     stored = tensors if naming == "v2" else {pre_v2(k): t for k, t in tensors.items()}
     save_file(stored, tmp_path / "model.safetensors")
     with torch.device("meta"):
         module = BranchWeights(cfg)
-    layout = load_into(module, tmp_path / "model.safetensors", branch_layouts(), what="VDN-H3 linear branch",
-                       dtype=torch.float32)
+    layout = load_into(
+        module, tmp_path / "model.safetensors", branch_layouts(), what="VDN-H3 linear branch", dtype=torch.float32
+    )
     assert layout == {"v2": "VDN-H3 v2", "pre-v2": "VDN-H3 pre-v2"}[naming]
     state = module.state_dict()
     assert set(state) == set(tensors)

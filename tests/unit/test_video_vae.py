@@ -6,17 +6,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3InputError
-from h3_core.models.video_vae import IMAGENET_MEAN, IMAGENET_STD, VideoVAEConfig, keeps_fp32
 from h3_core.formats.video_vae import load_video_vae
 from h3_core.media.tiling import decode_video
+from h3_core.models.video_vae import IMAGENET_MEAN, IMAGENET_STD, VideoVAEConfig, keeps_fp32
 
 diffusers = pytest.importorskip("diffusers")
 
 STATS = dict(latents_mean=tuple(0.1 * i for i in range(24)), latents_std=tuple(1.0 + 0.05 * i for i in range(24)))
 TINY = dict(decoder_layers=2, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6, norm_groups=4)
 TINY_DIFFUSERS = dict(
-    decoder_num_layers=2, decoder_num_attention_heads=2, decoder_attention_head_dim=16,
-    block_out_channels=(8,) * 6, norm_num_groups=4,
+    decoder_num_layers=2,
+    decoder_num_attention_heads=2,
+    decoder_attention_head_dim=16,
+    block_out_channels=(8,) * 6,
+    norm_num_groups=4,
 )
 
 
@@ -120,8 +123,11 @@ def test_missing_key_names_the_file_layout_and_key(folder, tmp_path):
     del sd["decoder.transformer_blocks.1.attn.to_k.bias"]
     path = tmp_path / "broken.safetensors"
     save_file(sd, str(path))
-    with pytest.raises(H3InputError, match=r"broken\.safetensors: not a MiniMax H3 video VAE checkpoint.*closest to "
-                       r"the diffusers layout but missing 1 keys, first \['decoder\.transformer_blocks\.1\.attn\.to_k\.bias'\]"):
+    with pytest.raises(
+        H3InputError,
+        match=r"broken\.safetensors: not a MiniMax H3 video VAE checkpoint.*closest to "
+        r"the diffusers layout but missing 1 keys, first \['decoder\.transformer_blocks\.1\.attn\.to_k\.bias'\]",
+    ):
         load_video_vae(path, cfg=tiny_cfg())
 
 
@@ -148,8 +154,11 @@ def test_int8_tensors_without_a_quantization_sidecar_are_refused(folder, tmp_pat
     sd["decoder.proj_out.weight"] = sd["decoder.proj_out.weight"].to(torch.int8)
     path = tmp_path / "int8.safetensors"
     save_file(sd, str(path))
-    with pytest.raises(H3InputError, match=r"int8\.safetensors: holds I8 tensors that no ComfyUI quantization sidecar "
-                                           r"\(comfy_quant\) describes, first \['decoder\.proj_out\.weight'\]"):
+    with pytest.raises(
+        H3InputError,
+        match=r"int8\.safetensors: holds I8 tensors that no ComfyUI quantization sidecar "
+        r"\(comfy_quant\) describes, first \['decoder\.proj_out\.weight'\]",
+    ):
         load_video_vae(path, cfg=tiny_cfg())
 
 
@@ -229,8 +238,11 @@ def test_truncated_file_says_so(folder, tmp_path):
     data = (folder / "diffusion_pytorch_model.safetensors").read_bytes()
     path = tmp_path / "partial.safetensors"
     path.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(H3InputError, match=rf"partial\.safetensors: truncated: the header describes {len(data)} bytes "
-                       rf"but the file has {len(data) - 1000}; download it again"):
+    with pytest.raises(
+        H3InputError,
+        match=rf"partial\.safetensors: truncated: the header describes {len(data)} bytes "
+        rf"but the file has {len(data) - 1000}; download it again",
+    ):
         load_video_vae(path, cfg=tiny_cfg())
 
 

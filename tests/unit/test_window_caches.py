@@ -2,8 +2,7 @@
 
 import torch
 
-from h3_core.attention import SequenceLayout, WindowSpec, window_softmax
-from h3_core.attention import window_decomposed, window_flex
+from h3_core.attention import SequenceLayout, WindowSpec, window_decomposed, window_flex, window_softmax
 from h3_core.attention.window_decomposed import cached_plan, plan_cache_info
 from h3_core.attention.window_flex import block_mask_cache_info, cached_block_mask
 

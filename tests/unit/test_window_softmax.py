@@ -127,10 +127,22 @@ def _cases():
     cases.append(Case("only-globals-r1-c5-both", only_globals, WindowSpec(1, 5, "both")))
     cases.append(Case("only-globals-r0-c0-none", only_globals, WindowSpec(0, 0, "none")))
     # full cover: every window spans every frame
-    cases.append(Case("full-cover-F4-r1-c5-both", packed(frames=4, frame_h=2, frame_w=2, text=3), WindowSpec(1, 5, "both")))
-    cases.append(Case("full-cover-F4-r1-c5-none", packed(frames=4, frame_h=2, frame_w=2, text=3), WindowSpec(1, 5, "none")))
-    cases.append(Case("full-cover-F10-r1-c5-both", packed(frames=10, frame_h=1, frame_w=2, text=3, audio=2), WindowSpec(1, 5, "both")))
-    cases.append(Case("F11-r1-c5-both", packed(frames=11, frame_h=1, frame_w=2, text=3, audio=2), WindowSpec(1, 5, "both")))
+    cases.append(
+        Case("full-cover-F4-r1-c5-both", packed(frames=4, frame_h=2, frame_w=2, text=3), WindowSpec(1, 5, "both"))
+    )
+    cases.append(
+        Case("full-cover-F4-r1-c5-none", packed(frames=4, frame_h=2, frame_w=2, text=3), WindowSpec(1, 5, "none"))
+    )
+    cases.append(
+        Case(
+            "full-cover-F10-r1-c5-both",
+            packed(frames=10, frame_h=1, frame_w=2, text=3, audio=2),
+            WindowSpec(1, 5, "both"),
+        )
+    )
+    cases.append(
+        Case("F11-r1-c5-both", packed(frames=11, frame_h=1, frame_w=2, text=3, audio=2), WindowSpec(1, 5, "both"))
+    )
     # a single frame
     one = packed(frames=1, frame_h=2, frame_w=3, text=4)
     cases.append(Case("single-frame-r0-none", one, WindowSpec(0, 0, "none")))
@@ -154,12 +166,22 @@ def _cases():
     # global rows after the video span
     F, S = 9, 4
     around = SequenceLayout(
-        seq_len=5 + F * S + 7, video=Span("video", 5, F * S), num_frames=F, tokens_per_frame=S,
-        frame_h=2, frame_w=2, global_spans=(Span("text", 0, 5), Span("audio", 5 + F * S, 7)),
+        seq_len=5 + F * S + 7,
+        video=Span("video", 5, F * S),
+        num_frames=F,
+        tokens_per_frame=S,
+        frame_h=2,
+        frame_w=2,
+        global_spans=(Span("text", 0, 5), Span("audio", 5 + F * S, 7)),
     )
     after = SequenceLayout(
-        seq_len=F * S + 6, video=Span("video", 0, F * S), num_frames=F, tokens_per_frame=S,
-        frame_h=2, frame_w=2, global_spans=(Span("audio", F * S, 4), Span("text", F * S + 4, 2)),
+        seq_len=F * S + 6,
+        video=Span("video", 0, F * S),
+        num_frames=F,
+        tokens_per_frame=S,
+        frame_h=2,
+        frame_w=2,
+        global_spans=(Span("audio", F * S, 4), Span("text", F * S + 4, 2)),
     )
     for anchors in ANCHOR_MODES:
         cases.append(Case(f"globals-around-video-r1-c2-{anchors}", around, WindowSpec(1, 2, anchors)))
@@ -252,8 +274,7 @@ def geometries(draw):
 @given(geometry=geometries())
 @example(geometry=(packed(frames=5, frame_h=1, frame_w=2), WindowSpec(1, 0, "none"), 2, 0))
 @example(geometry=(packed(frames=6, frame_h=2, frame_w=1, audio=3), WindowSpec(0, 2, "columns"), 2, 1))
-@settings(max_examples=40, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_random_geometries_match_ref(backend, geometry):
     layout, window, heads, seed = geometry
     q, k, v = qkv(layout.seq_len, heads, 8, seed)
@@ -356,8 +377,13 @@ def test_float32_backends_agree():
 STRIDED = [
     Case("strided-F12-r1-c0-none", packed(frames=12, frame_h=2, frame_w=2, text=5, audio=3), WindowSpec(1, 0, "none")),
     Case("strided-F12-r1-c3-both", packed(frames=12, frame_h=2, frame_w=2, text=5, audio=3), WindowSpec(1, 3, "both")),
-    Case("strided-Ref2VA", packed(frames=8, frame_h=2, frame_w=3, text=9, references=(6, 4), audio=5),
-         WindowSpec(1, 0, "columns"), H=3, D=16),
+    Case(
+        "strided-Ref2VA",
+        packed(frames=8, frame_h=2, frame_w=3, text=9, references=(6, 4), audio=5),
+        WindowSpec(1, 0, "columns"),
+        H=3,
+        D=16,
+    ),
 ]
 
 
@@ -394,8 +420,13 @@ def test_scale_is_honoured(backend):
 SLAB_CASES = [
     Case("slab-F12-r1-c0-none", packed(frames=12, frame_h=2, frame_w=2, text=5, audio=3), WindowSpec(1, 0, "none")),
     Case("slab-F16-r1-c2-both", packed(frames=16, frame_h=1, frame_w=3, text=4, audio=2), WindowSpec(1, 2, "both")),
-    Case("slab-T264-r1-c5-columns", packed(frames=20, frame_h=3, frame_w=4, text=16, audio=8),
-         WindowSpec(1, 5, "columns"), H=3, D=16),
+    Case(
+        "slab-T264-r1-c5-columns",
+        packed(frames=20, frame_h=3, frame_w=4, text=16, audio=8),
+        WindowSpec(1, 5, "columns"),
+        H=3,
+        D=16,
+    ),
 ]
 
 
@@ -458,7 +489,9 @@ def test_decomposed_refuses_unknown_strategy():
     assert STRATEGIES == ("staged", "merge")
     case = SLAB_CASES[0]
     q, k, v = _inputs(case)
-    with pytest.raises(ValueError, match=re.escape("decomposed strategy must be one of ['staged', 'merge'], got 'fast'")):
+    with pytest.raises(
+        ValueError, match=re.escape("decomposed strategy must be one of ['staged', 'merge'], got 'fast'")
+    ):
         window_softmax_decomposed(q, k, v, case.layout, case.window, 0.3, strategy="fast")
 
 
@@ -487,8 +520,11 @@ def test_stage_slots_hold_exactly_each_window(batch):
 # --- every output row is written ------------------------------------------------------------------
 
 WRITTEN = [
-    Case("written-globals-around-rows", CASES[CASE_IDS.index("globals-around-video-r1-c2-rows")].layout,
-         WindowSpec(1, 2, "rows")),
+    Case(
+        "written-globals-around-rows",
+        CASES[CASE_IDS.index("globals-around-video-r1-c2-rows")].layout,
+        WindowSpec(1, 2, "rows"),
+    ),
     Case("written-Ref2VA-both", CASES[CASE_IDS.index("Ref2VA-r1-c3-both")].layout, WindowSpec(1, 3, "both")),
     Case("written-F3-columns", packed(frames=3, frame_h=2, frame_w=2, text=3), WindowSpec(0, 0, "columns")),
     Case("written-only-globals", packed(frames=0, frame_h=2, frame_w=2, text=7, audio=4), WindowSpec(1, 5, "both")),

@@ -4,13 +4,23 @@ fused paths compare against itself."""
 import torch
 
 from h3_core.attention import WindowSpec
-from h3_core.models.fp8_linear import quantize_linears
 from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.fp8_linear import quantize_linears
 from h3_core.models.hybrid import HybridContext
 from h3_core.pipeline.packing import pack_sequence
 
-CFG = DiTConfig(hidden=24, layers=2, heads=3, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12,
-                time_embed=10, rope_freqs=2)
+CFG = DiTConfig(
+    hidden=24,
+    layers=2,
+    heads=3,
+    head_dim=16,
+    ffn=40,
+    text_dim=20,
+    freq_dim=8,
+    time_hidden=12,
+    time_embed=10,
+    rope_freqs=2,
+)
 
 
 def model(hybrid: bool):
@@ -26,11 +36,18 @@ def model(hybrid: bool):
 def request(frames=12, text=4, audio=5):
     packed = pack_sequence(torch.ones(text, dtype=torch.long), frames, 2, 4, audio)
     g = torch.Generator().manual_seed(1)
-    args = (torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
-            torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
-            torch.randn(text, 20, generator=g, dtype=torch.float64), torch.tensor([0.3, 0.999], dtype=torch.float64),
-            (torch.arange(packed.positions.shape[0]) % 2), packed.tags, packed.positions,
-            packed.video_index, packed.audio_index, packed.text_index)
+    args = (
+        torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
+        torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
+        torch.randn(text, 20, generator=g, dtype=torch.float64),
+        torch.tensor([0.3, 0.999], dtype=torch.float64),
+        (torch.arange(packed.positions.shape[0]) % 2),
+        packed.tags,
+        packed.positions,
+        packed.video_index,
+        packed.audio_index,
+        packed.text_index,
+    )
     return packed, args
 
 

@@ -48,9 +48,16 @@ class H3ProbeLoadedModels(_Probe):
             patcher = loaded.model
             if patcher is None:
                 continue
-            listed.append({"patcher": type(patcher).__name__, "model": type(patcher.model).__name__,
-                           "loaded_bytes": int(patcher.loaded_size()), "size": int(patcher.model_size()),
-                           "device": str(loaded.device), "ours": _ours(patcher)})
+            listed.append(
+                {
+                    "patcher": type(patcher).__name__,
+                    "model": type(patcher.model).__name__,
+                    "loaded_bytes": int(patcher.loaded_size()),
+                    "size": int(patcher.model_size()),
+                    "device": str(loaded.device),
+                    "ours": _ours(patcher),
+                }
+            )
         return {"ui": {"loaded": listed}, "result": (model,)}
 
 
@@ -62,13 +69,24 @@ class H3ProbeHostUnload(_Probe):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"megabytes": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1e6, "step": 0.0001}),
-                             "tag": ("STRING", {"default": ""})}, **AFTER}
+        return {
+            "required": {
+                "megabytes": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1e6, "step": 0.0001}),
+                "tag": ("STRING", {"default": ""}),
+            },
+            **AFTER,
+        }
 
     def probe(self, megabytes, tag, model=None, **_):
         wanted = int(round(megabytes * 2**20))
-        entry = next((m for m in mm.current_loaded_models if m.model is not None and model is not None
-                      and m.model.is_clone(model)), None)
+        entry = next(
+            (
+                m
+                for m in mm.current_loaded_models
+                if m.model is not None and model is not None and m.model.is_clone(model)
+            ),
+            None,
+        )
         if entry is None:
             return {"ui": {"unload": [{"loaded": False}]}, "result": (model,)}
         patcher = entry.model
@@ -78,13 +96,27 @@ class H3ProbeHostUnload(_Probe):
         stays = not entry.model_unload(memory_to_free=wanted)
         if not stays:
             mm.current_loaded_models.remove(entry)  # as the host's free_memory does with a model it unloaded
-        blocks = [sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers()))
-                  for b in patcher.model.blocks]
+        blocks = [
+            sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers())) for b in patcher.model.blocks
+        ]
         asked, freed = placement.last_unload or (None, None)
-        return {"ui": {"unload": [{"loaded": True, "asked": asked, "freed": freed, "before": before,
-                                   "after": int(patcher.loaded_size()), "stays_loaded": stays,
-                                   "largest_block": max(blocks, default=0), "wanted": wanted}]},
-                "result": (model,)}
+        return {
+            "ui": {
+                "unload": [
+                    {
+                        "loaded": True,
+                        "asked": asked,
+                        "freed": freed,
+                        "before": before,
+                        "after": int(patcher.loaded_size()),
+                        "stays_loaded": stays,
+                        "largest_block": max(blocks, default=0),
+                        "wanted": wanted,
+                    }
+                ]
+            },
+            "result": (model,),
+        }
 
 
 class H3ProbeLoadAnother(_Probe):
@@ -97,17 +129,28 @@ class H3ProbeLoadAnother(_Probe):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"megabytes": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1e6, "step": 0.0001}),
-                             "other_megabytes": ("FLOAT", {"default": 16.0, "min": 1.0, "max": 1e6}),
-                             "tag": ("STRING", {"default": ""})}, **AFTER}
+        return {
+            "required": {
+                "megabytes": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1e6, "step": 0.0001}),
+                "other_megabytes": ("FLOAT", {"default": 16.0, "min": 1.0, "max": 1e6}),
+                "tag": ("STRING", {"default": ""}),
+            },
+            **AFTER,
+        }
 
     def probe(self, megabytes, other_megabytes, tag, model=None, **_):
-        import torch
         import comfy.model_patcher
+        import torch
 
         device = mm.get_torch_device()
-        ours = next((m for m in mm.current_loaded_models if m.model is not None and model is not None
-                     and m.model.is_clone(model)), None)
+        ours = next(
+            (
+                m
+                for m in mm.current_loaded_models
+                if m.model is not None and model is not None and m.model.is_clone(model)
+            ),
+            None,
+        )
         if device.type != "cuda" or ours is None:
             return {"ui": {"load": [{"loaded": ours is not None, "device": device.type}]}, "result": (model,)}
         mm.free_memory(float("inf"), device, keep_loaded=[ours])
@@ -116,10 +159,12 @@ class H3ProbeLoadAnother(_Probe):
         placement.last_unload = None
         other_bytes = int(other_megabytes * 2**20)
         other_module = torch.nn.Module()
-        other_module.weight = torch.nn.Parameter(torch.zeros(other_bytes // 2, dtype=torch.bfloat16),
-                                                 requires_grad=False)
-        other = comfy.model_patcher.ModelPatcher(other_module, load_device=device,
-                                                 offload_device=mm.unet_offload_device())
+        other_module.weight = torch.nn.Parameter(
+            torch.zeros(other_bytes // 2, dtype=torch.bfloat16), requires_grad=False
+        )
+        other = comfy.model_patcher.ModelPatcher(
+            other_module, load_device=device, offload_device=mm.unet_offload_device()
+        )
         wanted = int(round(megabytes * 2**20))
         before = int(patcher.loaded_size())
         free = mm.get_free_memory(device)
@@ -129,12 +174,22 @@ class H3ProbeLoadAnother(_Probe):
         other_loaded = int(other.loaded_size())
         still_ours = any(m.model is patcher for m in mm.current_loaded_models)
         asked, freed = placement.last_unload or (None, None)
-        blocks = [sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers()))
-                  for b in patcher.model.blocks]
-        report = {"loaded": True, "device": device.type, "wanted": wanted, "asked": asked, "freed": freed,
-                  "before": before, "after": int(patcher.loaded_size()), "stays_loaded": still_ours,
-                  "largest_block": max(blocks, default=0), "other_size": int(other.model_size()),
-                  "other_loaded": other_loaded}
+        blocks = [
+            sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers())) for b in patcher.model.blocks
+        ]
+        report = {
+            "loaded": True,
+            "device": device.type,
+            "wanted": wanted,
+            "asked": asked,
+            "freed": freed,
+            "before": before,
+            "after": int(patcher.loaded_size()),
+            "stays_loaded": still_ours,
+            "largest_block": max(blocks, default=0),
+            "other_size": int(other.model_size()),
+            "other_loaded": other_loaded,
+        }
         entry = next(m for m in mm.current_loaded_models if m.model is other)
         entry.model_unload()
         mm.current_loaded_models.remove(entry)
@@ -154,9 +209,11 @@ class H3ProbePeakMemory(_Probe):
 
         report = {"device": mm.get_torch_device().type}
         if torch.cuda.is_available():
-            report.update(allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-                          reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
-                          total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
+            report.update(
+                allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
+            )
             torch.cuda.reset_peak_memory_stats()
         return {"ui": {"peak": [report]}, "result": (model,)}
 
@@ -170,8 +227,13 @@ class H3ProbeBallast(_Probe):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"leave_megabytes": ("FLOAT", {"default": 64.0, "min": 0.0, "max": 1e7}),
-                             "release": ("BOOLEAN", {"default": False})}, **AFTER}
+        return {
+            "required": {
+                "leave_megabytes": ("FLOAT", {"default": 64.0, "min": 0.0, "max": 1e7}),
+                "release": ("BOOLEAN", {"default": False}),
+            },
+            **AFTER,
+        }
 
     def probe(self, leave_megabytes, release, model=None, **_):
         import torch
@@ -182,11 +244,17 @@ class H3ProbeBallast(_Probe):
             torch.cuda.empty_cache()
             if not release:
                 free, _ = torch.cuda.mem_get_info(device)
-                _BALLAST.append(torch.empty(max(free - int(leave_megabytes * 2**20), 0), dtype=torch.uint8,
-                                            device=device))
+                _BALLAST.append(
+                    torch.empty(max(free - int(leave_megabytes * 2**20), 0), dtype=torch.uint8, device=device)
+                )
         held = sum(t.numel() for t in _BALLAST)
         return {"ui": {"ballast": [{"held": held, "device": device.type}]}, "result": (model,)}
 
 
-NODE_CLASS_MAPPINGS = {"H3ProbeLoadedModels": H3ProbeLoadedModels, "H3ProbeHostUnload": H3ProbeHostUnload,
-                       "H3ProbeBallast": H3ProbeBallast, "H3ProbeLoadAnother": H3ProbeLoadAnother, "H3ProbePeakMemory": H3ProbePeakMemory}
+NODE_CLASS_MAPPINGS = {
+    "H3ProbeLoadedModels": H3ProbeLoadedModels,
+    "H3ProbeHostUnload": H3ProbeHostUnload,
+    "H3ProbeBallast": H3ProbeBallast,
+    "H3ProbeLoadAnother": H3ProbeLoadAnother,
+    "H3ProbePeakMemory": H3ProbePeakMemory,
+}
