@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record
 from device_idle import idle_table
 
-from h3_core.attention import last_window_run
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
 from h3_core.models.fp8_linear import quantize_linears
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
@@ -314,7 +313,8 @@ def main(argv=None) -> dict:
         blocks={},
     )
     window = RELEASE_WINDOW if not args.tiny else replace(RELEASE_WINDOW, chunk=2)
-    context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]))
+    runs = []  # what each window softmax ran
+    context = HybridContext(packed.layout, window, args.backend, (0, setup["text"]), runs.append)
     for name in args.blocks:
         hybrid = name == "hybrid"
         block = build(replace(setup["cfg"], hybrid=hybrid), device, dtype)
@@ -331,7 +331,7 @@ def main(argv=None) -> dict:
         stats["finite"] = bool(torch.isfinite(out).all())
         stats["weights_gib"] = sum(p.numel() * p.element_size() for p in block.parameters()) / GiB
         if hybrid:
-            stats["window_backend"] = last_window_run().backend
+            stats["window_backend"] = runs[-1].backend
         if args.profile:
             with torch.no_grad():
                 stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx), device.type == "cuda")

@@ -33,7 +33,6 @@ import dit_block
 import record
 from device_idle import idle_table
 
-from h3_core.attention import last_window_run
 from h3_core.memory.apply import apply_plan
 from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory
 from h3_core.models.adaln_tables import prepare_adaln_tables
@@ -229,7 +228,8 @@ def main(argv=None) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
         backend = variant.split("-")[-1] if hybrid else None
-        ctx = HybridContext(packed.layout, window, backend, (0, setup["text"])) if hybrid else None
+        runs = []  # what each window softmax ran
+        ctx = HybridContext(packed.layout, window, backend, (0, setup["text"]), runs.append) if hybrid else None
         plan = None
         if args.cap_gib is not None:
             plan = plan_for_memory(
@@ -255,7 +255,7 @@ def main(argv=None) -> dict:
             stats = evaluate(model, inputs, ctx, args.reps, cuda)
             stats["allocated_before_gib"] = before
             if hybrid:
-                stats["window_backend"] = last_window_run().backend
+                stats["window_backend"] = runs[-1].backend
             # Weights counted as loaded: the branch's parameters are on the device in every variant here.
             if plan is not None:
                 predicted = plan.predicted

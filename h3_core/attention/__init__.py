@@ -18,7 +18,6 @@ from .window import (
     WindowBackend,
     WindowRun,
     force_window_backend,
-    last_window_run,
     resolve_window_backend,
     window_softmax,
 )
@@ -43,7 +42,6 @@ __all__ = [
     "force_kernel",
     "force_window_backend",
     "is_full_cover",
-    "last_window_run",
     "merge_partials",
     "merge_partials_reference",
     "probed_kernels",

@@ -5,7 +5,7 @@ Backends share one signature ``(q, k, v, layout, window, scale) -> out`` on toke
   * ``flex`` — FlexAttention with a cached block mask;
   * ``decomposed`` — dense calls over strided window views merged by log-sum-exp (no mask, no copies);
   * ``auto`` — decomposed on CUDA when a fused dense kernel with log-sum-exp is available, else flex on
-    CUDA, else ref. ``last_window_run()`` tells what actually ran.
+    CUDA, else ref. ``on_run`` is told what actually ran.
 When every window covers all frames the rule keeps every pair and any backend but ``ref`` runs one dense
 call.
 """
@@ -17,6 +17,7 @@ import contextvars
 import logging
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable
 
 import torch
 
@@ -34,7 +35,6 @@ __all__ = [
     "window_softmax",
     "resolve_window_backend",
     "force_window_backend",
-    "last_window_run",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ BACKENDS = tuple(b.value for b in WindowBackend)
 
 @dataclass(frozen=True)
 class WindowRun:
-    """What the last ``window_softmax`` call ran: the backend asked for, the one resolved, and the kernel
+    """What a ``window_softmax`` call ran: the backend asked for, the one resolved, and the kernel
     underneath (a dense kernel name, or flex's ``triton`` / ``flash`` / ``eager``)."""
 
     requested: str
@@ -60,13 +60,8 @@ class WindowRun:
     kernel: str
 
 
-_last_run: WindowRun | None = None
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("h3_forced_window_backend", default=None)
 _auto_logged: set = set()
-
-
-def last_window_run() -> WindowRun | None:
-    return _last_run
 
 
 def _check_backend(name) -> str:
@@ -139,7 +134,7 @@ def _validate(q, k, v, layout, window):
 
 _RUNNERS = {
     "ref": window_softmax_ref,
-    "flex": window_flex.window_softmax_flex,
+    "flex": window_flex.window_softmax_flex_run,
     "decomposed": window_softmax_decomposed,
 }
 
@@ -152,6 +147,7 @@ def window_softmax(
     window: WindowSpec,
     backend: str = "auto",
     scale: float | None = None,
+    on_run: Callable[[WindowRun], None] | None = None,
 ) -> torch.Tensor:
     """Softmax attention under the VDN-H3 window rule.
 
@@ -161,10 +157,10 @@ def window_softmax(
         window: radius, chunk and anchors of the window rule.
         backend: one of ``BACKENDS``. Default: ``"auto"``.
         scale: score scale. Default: ``D ** -0.5``.
+        on_run: called with what ran (``WindowRun``) once the call has run.
     Returns:
         ``[T, H, D]`` in q's dtype.
     """
-    global _last_run
     _validate(q, k, v, layout, window)
     requested = _check_backend(backend)
     head_dim = q.shape[-1]
@@ -178,10 +174,11 @@ def window_softmax(
     else:
         out = _RUNNERS[name](q, k, v, layout, window, scale)
         if name == "flex":
-            kernel = window_flex.last_kernel
+            out, kernel = out
         elif name == "decomposed":
             kernel = resolve_kernel(q.device, q.dtype, head_dim)
         else:
             kernel = "sdpa"
-    _last_run = WindowRun(requested, name, kernel)
+    if on_run is not None:
+        on_run(WindowRun(requested, name, kernel))
     return out

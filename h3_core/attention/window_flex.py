@@ -195,23 +195,27 @@ def _run_compiled(q4, k4, v4, mask, scale, device):
     return guarded(_compiled)(q4, k4, v4, block_mask=mask, scale=scale), "triton"
 
 
-last_kernel = None
-
-
-def window_softmax_flex(q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float) -> torch.Tensor:
-    global last_kernel
+def window_softmax_flex_run(
+    q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float
+) -> tuple[torch.Tensor, str]:
+    """``window_softmax_flex`` and the kernel that ran it (``triton``, ``flash`` or ``eager``)."""
     T, H, D = q.shape
     mask = cached_block_mask(layout, window, q.device)
     # Heads are split only when one call would overflow int32 indexing.
     heads_per_call = max(1, min(H, _MAX_ELEMENTS // max(1, T * D)))
     if heads_per_call == H:
         q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        res, last_kernel = _run(q4, k4, v4, mask, scale, q.device)
-        return res[0].transpose(0, 1)
+        res, kernel = _run(q4, k4, v4, mask, scale, q.device)
+        return res[0].transpose(0, 1), kernel
     out = torch.empty_like(q)
     for h0 in range(0, H, heads_per_call):
         h1 = min(H, h0 + heads_per_call)
         q4, k4, v4 = (x[:, h0:h1].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        res, last_kernel = _run(q4, k4, v4, mask, scale, q.device)
+        res, kernel = _run(q4, k4, v4, mask, scale, q.device)
         out[:, h0:h1] = res[0].transpose(0, 1)
-    return out
+    return out, kernel
+
+
+def window_softmax_flex(q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float) -> torch.Tensor:
+    """Window softmax through FlexAttention with the window rule's block mask."""
+    return window_softmax_flex_run(q, k, v, layout, window, scale)[0]

@@ -11,12 +11,13 @@ The text state that seeds the branch's scans is built from the text rows only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from ..attention.layout import SequenceLayout, WindowSpec, is_full_cover, window_bounds
-from ..attention.window import window_softmax
+from ..attention.window import WindowRun, window_softmax
 from . import block_fused
 from .linear_branch import LinearBranch
 from .low_memory import add_linear_cols, head_slices
@@ -35,6 +36,7 @@ class HybridContext:
     window: WindowSpec = RELEASE_WINDOW
     backend: str = "auto"
     text: tuple[int, int] = (0, 0)  # rows [start, stop) of the prompt
+    on_window_run: Callable[[WindowRun], None] | None = None  # told what each window softmax ran
 
 
 class SoftmaxGate(nn.Module):
@@ -84,7 +86,7 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
         if heads.stop == attn.heads:
             source = None  # the fp8 rows' last reader: freed before the attention
         q, k = attn.normed_rotated(q_raw, k_raw, rope)
-        soft = window_softmax(q, k, v, layout, window, backend=ctx.backend)
+        soft = window_softmax(q, k, v, layout, window, backend=ctx.backend, on_run=ctx.on_window_run)
         del q, k
         # an fp8 out_proj in a fused block takes its rows quantised as they are gated
         attended = block_fused.gate_heads_input(attn.fused, soft, gate[:, heads], quantized)

@@ -12,7 +12,6 @@ from h3_core.attention import (
     dense_attention,
     force_kernel,
     kernels,
-    last_window_run,
     merge_partials,
     merge_partials_reference,
     resolve_kernel,
@@ -91,12 +90,13 @@ def test_window_backends_match_fp32_reference(layout, window):
     q, k, v = (torch.randn(layout.seq_len, 8, 128, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
     ref = window_softmax(q.float(), k.float(), v.float(), layout, window, backend="ref")
     errs = {"ref-bf16": rel(window_softmax(q, k, v, layout, window, backend="ref"), ref)}
+    runs = []
     for name in ("decomposed", "flex", "auto"):
-        out = window_softmax(q, k, v, layout, window, backend=name)
+        out = window_softmax(q, k, v, layout, window, backend=name, on_run=runs.append)
         assert torch.isfinite(out).all()
         errs[name] = rel(out, ref)
         if name == "auto":
-            assert last_window_run().backend == "decomposed"
+            assert runs[-1].backend == "decomposed"
     scale = 128**-0.5
     for strategy, dtype in (("staged", torch.bfloat16), ("merge", None)):
         out = window_softmax_decomposed(q, k, v, layout, window, scale, strategy=strategy, stage_dtype=dtype)
@@ -133,8 +133,9 @@ def test_flex_flash_when_fa4_present():
     g = torch.Generator(device=DEV).manual_seed(7)
     q, k, v = (torch.randn(layout.seq_len, 8, 128, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
     ref = window_softmax(q.float(), k.float(), v.float(), layout, window, backend="ref")
-    out = window_softmax(q, k, v, layout, window, backend="flex")
-    assert last_window_run().kernel == "flash"
+    runs = []
+    out = window_softmax(q, k, v, layout, window, backend="flex", on_run=runs.append)
+    assert runs[-1].kernel == "flash"
     assert rel(out, ref) < 1e-2
 
 

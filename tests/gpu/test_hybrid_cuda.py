@@ -20,7 +20,6 @@ from h3_core.attention import (
     WindowSpec,
     dense_attention,
     is_full_cover,
-    last_window_run,
     resolve_kernel,
     resolve_window_backend,
     window_bounds,
@@ -63,6 +62,8 @@ BF16_BACKEND_PAIR = 1e-2
 # fp32 reference on CUDA vs fp64 on the CPU: fp32 roundoff through sums of <= ~850 terms and a Cholesky of a
 # well-conditioned matrix: measured 5-6e-7 (H200 and CPU). 1e-5 still shows it; TF32 anywhere would not pass.
 FP32_BLOCK = 1e-5
+
+RUNS = []  # what each window softmax ran, in order (the contexts made here report to it)
 
 
 def rel(a, b):
@@ -112,7 +113,7 @@ class Case:
         )
 
     def context(self, packed, backend) -> HybridContext:
-        return HybridContext(packed.layout, self.window, backend, (0, self.text))
+        return HybridContext(packed.layout, self.window, backend, (0, self.text), RUNS.append)
 
 
 def fill(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -197,7 +198,7 @@ def test_hybrid_block_bf16_matches_fp32_reference_on_every_backend(case):
     outs, errs = {}, {}
     for backend in BACKENDS:
         out = forward(fast, inp, case.context(packed, backend), DEV, torch.bfloat16)
-        run = last_window_run()
+        run = RUNS[-1]
         assert run.requested == backend and run.backend == (resolved if backend == "auto" else backend), run
         assert out.dtype == torch.bfloat16 and out.shape == x.shape and torch.isfinite(out).all(), backend
         outs[backend], errs[backend] = out, update_err(out, ref, x)
@@ -441,7 +442,7 @@ def test_full_cover_is_dense_attention_gated_and_without_the_branch(case, backen
     T, H, d = x.shape[0], cfg.heads, cfg.head_dim
     with torch.no_grad():
         got = attn(x, rope, ctx)
-        run = last_window_run()
+        run = RUNS[-1]
         q, k, v = attn.qkv_proj(x).view(T, 3, H, d).unbind(1)
         q, k = rotate_half(attn.q_norm(q), *rope), rotate_half(attn.k_norm(k), *rope)
         gated = dense_attention(q, k, v).out * attn.softmax_gate(x)[..., None]
@@ -475,7 +476,7 @@ def test_full_cover_hybrid_block_in_bf16_is_the_dense_block(case, backend):
     packed, x = inp[0], inp[1]
     hybrid = on(base, DEV, torch.bfloat16)
     out = forward(hybrid, inp, case.context(packed, backend), DEV, torch.bfloat16)
-    run = last_window_run()
+    run = RUNS[-1]
     plain = forward(on(dense, DEV, torch.bfloat16), inp, None, DEV, torch.bfloat16)
     expected = resolve_window_backend(backend, DEV, torch.bfloat16, cfg.head_dim)
     assert run.requested == backend and run.backend == expected, run

@@ -19,7 +19,7 @@ from torch._inductor.exc import InvalidCxxCompiler
 from triton_interpreter import run_interpreted
 
 from h3_core import triton_forms
-from h3_core.attention import WindowSpec, window_flex, window_softmax
+from h3_core.attention import WindowRun, WindowSpec, window_flex, window_softmax
 from h3_core.errors import H3InputError
 from h3_core.media import tiling
 from h3_core.memory import policy as placement
@@ -294,14 +294,15 @@ def flex_inputs():
 @pytest.mark.parametrize("only", [None, {"flex_attention"}], ids=["mask", "kernel"])
 def test_flex_falls_back_to_eager_once(fresh, monkeypatch, caplog, only):
     q, k, v, layout, window = flex_inputs()
+    runs = []
     with triton_forms.plain_path():
-        plain = window_softmax(q, k, v, layout, window, backend="flex")
-    assert window_flex.last_kernel == "eager"
+        plain = window_softmax(q, k, v, layout, window, backend="flex", on_run=runs.append)
+    assert runs[-1].kernel == "eager"
     toolchain = broken_toolchain(monkeypatch, only)
     monkeypatch.setattr(window_flex, "_masks", window_flex.BoundedLRU(window_flex.MAX_CACHED_MASKS))
     with caplog.at_level(logging.WARNING):
-        out = window_softmax(q, k, v, layout, window, backend="flex")
-    assert torch.equal(out, plain) and window_flex.last_kernel == "eager" and toolchain.calls == 1
+        out = window_softmax(q, k, v, layout, window, backend="flex", on_run=runs.append)
+    assert torch.equal(out, plain) and runs[-1].kernel == "eager" and toolchain.calls == 1
     assert said_once(caplog, f"compiling flex attention failed ({CAUSE}", "); running it eagerly from now on")
     caplog.clear()
     again = window_softmax(q, k, v, layout, window, backend="flex")
@@ -365,8 +366,9 @@ def test_compiled_runs_leave_no_setting_changed(fresh):
     q, k, v, layout, window = flex_inputs()
     with triton_forms.plain_path():
         eager = window_softmax(q, k, v, layout, window, backend="flex")
-    compiled = window_softmax(q, k, v, layout, window, backend="flex")
-    assert window_flex.last_kernel == "triton" and (compiled - eager).abs().max() <= 1e-5
+    runs = []
+    compiled = window_softmax(q, k, v, layout, window, backend="flex", on_run=runs.append)
+    assert runs == [WindowRun("flex", "flex", "triton")] and (compiled - eager).abs().max() <= 1e-5
     vae = tiny_vae()
     decoded = tiling.decode_video(vae, LATENTS, **DECODE)
     assert (decoded - tiling.decode_video(vae, LATENTS, compile="off", **DECODE)).abs().max() <= 1e-5

@@ -18,7 +18,6 @@ from h3_core.attention import (
     WindowRun,
     WindowSpec,
     force_window_backend,
-    last_window_run,
     resolve_window_backend,
     window_softmax,
 )
@@ -308,10 +307,11 @@ def test_auto_resolves_to_ref_on_cpu():
     "backend, resolved",
     [("auto", "ref"), ("ref", "ref"), ("flex", "flex"), ("decomposed", "decomposed")],
 )
-def test_last_window_run_records_the_backend(backend, resolved):
+def test_each_call_reports_what_ran(backend, resolved):
     q, k, v = _inputs(WINDOWED)
-    window_softmax(q, k, v, WINDOWED.layout, WINDOWED.window, backend=backend)
-    run = last_window_run()
+    runs = []
+    window_softmax(q, k, v, WINDOWED.layout, WINDOWED.window, backend=backend, on_run=runs.append)
+    (run,) = runs
     assert isinstance(run, WindowRun)
     assert (run.requested, run.backend) == (backend, resolved)
     if resolved == "flex":
@@ -322,26 +322,32 @@ def test_last_window_run_records_the_backend(backend, resolved):
 
 def test_full_cover_runs_one_dense_call():
     q, k, v = _inputs(FULL)
-    window_softmax(q, k, v, FULL.layout, FULL.window, backend="flex")
-    assert last_window_run() == WindowRun("flex", "flex", "math")
+    runs = []
+    window_softmax(q, k, v, FULL.layout, FULL.window, backend="flex", on_run=runs.append)
+    assert runs == [WindowRun("flex", "flex", "math")]
 
 
 def test_force_window_backend_steers_auto():
     q, k, v = _inputs(WINDOWED)
-    ref = window_softmax(q, k, v, WINDOWED.layout, WINDOWED.window, backend="ref")
+    runs = []
+
+    def run(backend="auto"):
+        return window_softmax(q, k, v, WINDOWED.layout, WINDOWED.window, backend=backend, on_run=runs.append)
+
+    ref = run("ref")
     with force_window_backend("decomposed"):
         assert resolve_window_backend("auto", torch.device("cpu"), torch.float64, 8) == "decomposed"
-        out = window_softmax(q, k, v, WINDOWED.layout, WINDOWED.window)
-        assert last_window_run() == WindowRun("auto", "decomposed", "math")
+        out = run()
+        assert runs[-1] == WindowRun("auto", "decomposed", "math")
         assert rel_err(out, ref) <= TOL64
         # an explicit backend is not overridden
-        window_softmax(q, k, v, WINDOWED.layout, WINDOWED.window, backend="flex")
-        assert last_window_run().backend == "flex"
+        run("flex")
+        assert runs[-1].backend == "flex"
     with force_window_backend("flex"):
-        window_softmax(q, k, v, WINDOWED.layout, WINDOWED.window, backend="auto")
-        assert last_window_run() == WindowRun("auto", "flex", "eager")
-    window_softmax(q, k, v, WINDOWED.layout, WINDOWED.window, backend="auto")
-    assert last_window_run().backend == "ref"
+        run("auto")
+        assert runs[-1] == WindowRun("auto", "flex", "eager")
+    run("auto")
+    assert runs[-1].backend == "ref"
 
 
 def test_force_window_backend_refuses_unknown_names():
