@@ -105,8 +105,15 @@ def shape(prompt, leave_out=()):
     )
 
 
-@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
-def test_a_workflow_loads_converts_runs_and_comes_back_from_its_mp4(server, page, path):
+# Queued from the page: the workflows without reference media (Ref2VA's run, its image reference encoded at the
+# released 2048 px whatever the canvas, is the slowest on a CPU; tests/host/test_example_command.py runs it from the
+# same conversion, which the test below shows is the frontend's).
+QUEUED = [p for p in WORKFLOWS if p.stem != "h3_ref2va"]
+
+
+def loads_and_converts(server, page, path):
+    """``path`` loaded on the canvas as a drop loads it, every node type known, and the frontend's API prompt equal
+    to ours (``ui_to_api``)."""
     workflow = json.loads(path.read_text())
     nodes = load(page, workflow)
     assert sorted(t for t, _ in nodes) == sorted(n["type"] for n in workflow["nodes"])
@@ -115,6 +122,17 @@ def test_a_workflow_loads_converts_runs_and_comes_back_from_its_mp4(server, page
     assert {k: (v["class_type"], v["inputs"]) for k, v in frontend_prompt(page).items()} == {
         k: (v["class_type"], v["inputs"]) for k, v in ours.items()
     }
+    return workflow
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
+def test_a_workflow_loads_and_converts_as_the_frontend_converts_it(server, page, path):
+    loads_and_converts(server, page, path)
+
+
+@pytest.mark.parametrize("path", QUEUED, ids=[p.stem for p in QUEUED])
+def test_a_workflow_runs_from_the_page_and_comes_back_from_its_mp4(server, page, path):
+    workflow = loads_and_converts(server, page, path)
     mp4 = queue_on_tiny(server, page)
     page.evaluate("async () => { await window.app.loadGraphData({nodes: [], links: [], version: 0.4}); }")
     assert nodes_on_canvas(page) == []
