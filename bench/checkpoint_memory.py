@@ -15,15 +15,15 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import record
+from resident_memory import peak_while, resident
 
 from h3_core.formats.checkpoints import load_h3_model
 from h3_core.models.dit import DiTConfig, H3DiT
@@ -60,35 +60,16 @@ def write(path: Path, cfg: DiTConfig) -> None:
     os.replace(tmp, path)
 
 
-def _resident() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def measure(path: Path, cfg: DiTConfig) -> dict:
     """In this process: the peak and final rise of resident memory over loading and touching every weight."""
-    before = _resident()
-    peak, done = dict(before), threading.Event()
 
-    def watch():
-        while not done.is_set():
-            for key, value in _resident().items():
-                peak[key] = max(peak[key], value)
-            time.sleep(0.002)
+    def load_and_touch():
+        model = load_h3_model(path, cfg=cfg, dtype=torch.bfloat16)
+        with torch.no_grad():
+            return model, sum(float(p.double().sum()) for p in model.parameters())
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    model = load_h3_model(path, cfg=cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        checksum = sum(float(p.double().sum()) for p in model.parameters())
-    done.set()
-    watcher.join()
-    after = _resident()
+    (model, checksum), before, peak = peak_while(load_and_touch)  # the model held while "after" is read
+    after = resident()
     size = path.stat().st_size
     return {
         "file_bytes": size,

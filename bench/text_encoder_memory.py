@@ -26,8 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import record
-from checkpoint_memory import _resident  # noqa: E402  (VmRSS, RssAnon, RssFile from /proc, as the DiT's bench reads)
+from resident_memory import resident
 
 from h3_core.formats.qwen3vl_checkpoint import LAYOUTS, PUBLISHED, held_bytes, qwen3vl_header
 
@@ -110,11 +111,11 @@ def measure(path: Path, tokenizer: Path, layer: int) -> dict:
     from h3_core.pipeline.text_encoder import load_text_encoder
 
     qwen3vl_tokenizer(tokenizer)  # the libraries' own first-use memory is not the encoder's
-    before = _resident()
+    before = resident()
     encoder = load_text_encoder(path, tokenizer=tokenizer, dtype=torch.bfloat16, layer=layer)
     with torch.no_grad():
         checksum = sum(float(p.double().sum()) for p in encoder.model.parameters())
-    after = _resident()
+    after = resident()
     with open(path, "rb") as fh:
         header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
     held = held_bytes(header, layer, file_bytes=path.stat().st_size)

@@ -36,37 +36,20 @@ CFG = dict(
 # and touching every weight (sampled every 2 ms), and after.
 MEASURE = textwrap.dedent(
     """
-    import json, sys, threading, time
+    import json, sys
     import torch
     from h3_core.formats.checkpoints import load_h3_model
     from h3_core.models.dit import DiTConfig
-
-    def resident():
-        out = {}
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile"):
-                    out[key] = int(value.split()[0]) * 1024
-        return out
+    from resident_memory import peak_while, resident
 
     path, cfg = sys.argv[1], DiTConfig(**json.loads(sys.argv[2]))
-    before = resident()
-    peak, done = dict(before), threading.Event()
 
-    def watch():
-        while not done.is_set():
-            for key, value in resident().items():
-                peak[key] = max(peak[key], value)
-            time.sleep(0.002)
+    def load_and_touch():
+        model = load_h3_model(path, cfg=cfg, dtype=torch.bfloat16)
+        with torch.no_grad():
+            return model, all(bool(torch.isfinite(p.sum())) for p in model.parameters())
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    model = load_h3_model(path, cfg=cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        finite = all(bool(torch.isfinite(p.sum())) for p in model.parameters())
-    done.set()
-    watcher.join()
+    (model, finite), before, peak = peak_while(load_and_touch)  # the model held while "after" is read
     print(json.dumps(dict(before=before, peak=peak, after=resident(), finite=finite)))
     """
 )
@@ -92,7 +75,7 @@ def test_loading_a_checkpoint_holds_it_once(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")])),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     measured = json.loads(run.stdout.strip().splitlines()[-1])

@@ -27,15 +27,7 @@ MEASURE = textwrap.dedent(
     from h3_core.formats.qwen3vl_checkpoint import held_bytes
     from h3_core.pipeline.qwen3vl_tokens import qwen3vl_tokenizer
     from h3_core.pipeline.text_encoder import load_text_encoder
-
-    def resident():
-        out = {}
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile"):
-                    out[key] = int(value.split()[0]) * 1024
-        return out
+    from resident_memory import resident
 
     path, tokenizer, layer = sys.argv[1], sys.argv[2], int(sys.argv[3])
     qwen3vl_tokenizer(tokenizer)
@@ -96,7 +88,7 @@ def measure(path: Path, tokenizer: Path, layer: int) -> dict:
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")])),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
