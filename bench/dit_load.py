@@ -1,8 +1,10 @@
-"""Where a DiT load's seconds go, as the nodes run it: H3 DiT Loader's ``load_h3_model`` into host memory (the
-node's arguments: fp8 linears, bf16 compute, the run device named), then the weights onto the device as the
-placement puts a resident model there (``model.to(device)``), each under ``cProfile`` so the functions that
-take the time are listed beside the wall seconds. The file's pages are read once first (the page cache filled, as
-for a restarted server), or dropped from the cache with ``--cold``.
+"""Where a DiT load's seconds go, as the nodes run it, and against the form it replaced: ``load_h3_model``
+straight onto the device (H3 DiT Loader's form where the host loads diffusion models to the GPU: the files read
+through pinned staging buffers, ``h3_core.formats.staged_read``) beside the earlier form, the load into host
+memory then ``model.to(device)`` (the node's arguments otherwise: fp8 linears, bf16 compute, the run device
+named), each under ``cProfile`` so the functions that take the time are listed beside the wall seconds. The
+file's pages are read once first (the page cache filled, as for a restarted server), or dropped from the cache
+with ``--cold``.
 
     python3 bench/dit_load.py --dit /root/h3_e2e/models/diffusion_models/<dit>.safetensors \\
         [--branch <branch>.safetensors] --out bench/results/dit_load.json
@@ -69,41 +71,60 @@ def main(argv=None) -> dict:
     files = [p for p in (args.dit, args.branch) if p is not None]
     result = record.header("dit_load.py", argv)
     result.update(files={str(p): p.stat().st_size for p in files}, cold=args.cold, runs=[])
+
+    def load(to):
+        return load_h3_model(
+            args.dit, branch=args.branch, device=to, dtype=torch.bfloat16, linears="fp8", run_device=device
+        )
+
+    def synchronized(fn):
+        def run():
+            result = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return result
+
+        return run
+
     for _ in range(args.reps):
         if args.cold:
             for path in files:
                 drop_page_cache(path)
         read_s = None if args.cold else sum(fill_page_cache(p) for p in files)
-        model, load_s, load_profile = profiled(
-            lambda: load_h3_model(
-                args.dit, branch=args.branch, device="cpu", dtype=torch.bfloat16, linears="fp8", run_device=device
-            ),
-            args.top,
-        )
-
-        def to_device():
-            model.to(device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        _, move_s, move_profile = profiled(to_device, args.top)
+        model, load_s, load_profile = profiled(lambda: load("cpu"), args.top)
+        _, move_s, move_profile = profiled(synchronized(lambda: model.to(device)), args.top)
         weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        model = None  # freed before the next load
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.cold:
+            for path in files:
+                drop_page_cache(path)
+        model, direct_s, direct_profile = profiled(synchronized(lambda: load(device)), args.top)
+        model = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         result["runs"].append(
             dict(
                 page_cache_read_s=read_s,
                 load_s=load_s,
                 to_device_s=move_s,
+                host_then_device_s=load_s + move_s,
+                direct_s=direct_s,
                 weight_bytes=weights,
                 load_gb_per_s=weights / load_s / 1e9,
                 to_device_gb_per_s=weights / move_s / 1e9,
+                direct_gb_per_s=weights / direct_s / 1e9,
                 load_profile=load_profile,
                 to_device_profile=move_profile,
+                direct_profile=direct_profile,
             )
         )
-        print(f"load {load_s:.2f} s, to {device} {move_s:.2f} s ({weights / 1e9:.2f} GB)", flush=True)
-        model = None  # freed before the next load
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        print(
+            f"host {load_s:.2f} s + to {device} {move_s:.2f} s = {load_s + move_s:.2f} s; "
+            f"straight to {device} {direct_s:.2f} s ({weights / 1e9:.2f} GB)",
+            flush=True,
+        )
     return record.finish(result, args.out, device.type == "cuda")
 
 

@@ -6,6 +6,7 @@
 # The host itself travels as .host_gpu/comfyui-0.3.75 (the test host less two tokenizers it never reads here),
 # linked as .host when the checkout has none.
 #   install   every wheel found in .whl_a .whl_b .whl_c (the kitchen parts joined first) into $SITE
+#   gpu       python -m pytest on every GPU test (tests/gpu) and the single-file text encoder on CUDA
 #   checks    python -m pytest on the GPU tests of what the host integration touches (the fused model and its
 #             compile fallback, block offload, the VAEs)
 #   quant     the GPU tests of comfy-kitchen's formats (the DiT and video VAE kept against dequantised, the
@@ -20,6 +21,8 @@
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report) under /root/h3_e2e, each
 #             within one 10-minute call, the results gathered there between calls (a copy in $out after each
 #             part); the report goes to $out
+#   e2e-files, e2e-eval  the write phase alone, the eval phase alone (the files already written)
+#   e2e-seed  the results of earlier runs (.e2e_seed/end_to_end_state.json, carried) as the state the phases add to
 #   e2e-text  the release-size text encoder's timing (bench/text_encode.py) into the same state
 #   e2e-small the T2VA run with the host's budget at 24 GiB (--reserve-vram), its total and torch's peak
 #   e2e-quick write, cold (the cold and the warm run) and report in one call, without the evaluation beside
@@ -64,6 +67,7 @@ for part in "$@"; do
             rm -f /tmp/fa4_parts/cu13.part.aa
             run fa4_install python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                 --target "$fa4" /tmp/fa4_parts/*.whl ;;
+        gpu) run gpu_tests python3 -m pytest -q -p no:warnings -rs tests/gpu tests/unit/test_text_encoder_file.py ;;
         checks) run gpu_checks python3 -m pytest -q -p no:warnings tests/gpu/test_hybrid_cuda.py \
                 tests/gpu/test_offload_cuda.py tests/gpu/test_vae_cuda.py ;;
         quant) run quant_checks python3 -m pytest -q -p no:warnings -rs tests/gpu/test_quantized_cuda.py \
@@ -76,6 +80,9 @@ for part in "$@"; do
                 --branch $models/vdn_h3_linear_branch_random.safetensors --out "$out/dit_load.json" ;;
         mp4) run mp4_presets python3 bench/mp4_presets.py --photos .photos --threads 0 8 --out "$out/mp4_presets.json" ;;
         e2e-write) run e2e_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write eval ;;
+        e2e-files) run e2e_files python3 bench/end_to_end.py --base /root/h3_e2e --phase write ;;
+        e2e-eval) run e2e_eval python3 bench/end_to_end.py --base /root/h3_e2e --phase eval ;;
+        e2e-seed) mkdir -p /root/h3_e2e && cp .e2e_seed/end_to_end_state.json /root/h3_e2e/ && echo "   state seeded" ;;
         e2e-text) run e2e_text python3 bench/end_to_end.py --base /root/h3_e2e --phase text
             cp /root/h3_e2e/end_to_end_state.json "$out/" ;;
         e2e-quick) run e2e_quick_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write ;&

@@ -12,6 +12,7 @@ from comfy_api.v0_0_2 import io
 
 from ..h3_core.formats.audio_vae import load_audio_vae
 from ..h3_core.formats.checkpoints import load_h3_model
+from ..h3_core.formats.files import CheckpointFiles
 from ..h3_core.formats.video_vae import load_video_vae
 from ..h3_core.pipeline.prompt import load_prompt_embedding
 from ..h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
@@ -40,8 +41,9 @@ class H3DiTLoader(io.ComfyNode):
             display_name="H3 DiT Loader",
             category=_host.CATEGORY,
             description="Loads the MiniMax H3 DiT from diffusion_models/ (ComfyUI, official, diffusers, pruned or "
-            "fp8-scaled files), optionally with VDN-H3's linear branch, into host memory; the sampler "
-            "has the host load it to the GPU. Add LoRAs with H3 LoRA nodes after it.",
+            "fp8-scaled files), optionally with VDN-H3's linear branch, straight to the GPU where ComfyUI loads "
+            "diffusion models there, else into host memory, from where the sampler has the host load it. Add "
+            "LoRAs with H3 LoRA nodes after it.",
             inputs=[
                 io.Combo.Input("dit_name", options=files, tooltip="the H3 DiT checkpoint"),
                 io.Combo.Input(
@@ -98,13 +100,28 @@ class H3DiTLoader(io.ComfyNode):
         import comfy.model_management as mm
 
         dtype, linears = WEIGHT_DTYPES[weight_dtype]
-        # Read into host memory; a quantised file's layers stay comfy-kitchen layers when the device the host
-        # will run the model on has the library's kernels for them.
+        device = _first_device(base, branch, dtype, offload)
+        # A quantised file's layers stay comfy-kitchen layers when the device the host will run the model on has
+        # the library's kernels for them.
         model = load_h3_model(
-            base, branch=branch, device="cpu", dtype=dtype, linears=linears, run_device=mm.get_torch_device()
+            base, branch=branch, device=device, dtype=dtype, linears=linears, run_device=mm.get_torch_device()
         )
-        _host.say(f"loaded {base.name} into host memory: {_describe(model)}")
-        return io.NodeOutput(H3DiTPatcher.wrap(model, offload))
+        where = "host memory" if device.type == "cpu" else f"the {device.type.upper()} ({device})"
+        _host.say(f"loaded {base.name} into {where}: {_describe(model)}")
+        return io.NodeOutput(H3DiTPatcher.wrap(model, offload, device))
+
+
+def _first_device(base, branch, dtype, offload: str):
+    """Where the DiT is read to, by the host's own rule for diffusion models (``unet_inital_load_device``:
+    straight to the GPU when it has more memory free than the host and the weights fit, else host memory),
+    the weights counted as the host counts them (values × the dtype's size). With blocks streamed always host
+    memory, where they stream from."""
+    import comfy.model_management as mm
+
+    if offload == "stream blocks":
+        return torch.device("cpu")
+    parameters = sum(CheckpointFiles(p).parameters for p in (base, branch) if p is not None)
+    return torch.device(mm.unet_inital_load_device(parameters, dtype))
 
 
 def _vae_patcher(model):

@@ -67,7 +67,9 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
     """The host's ModelPatcher for the DiT, with loading and unloading that place it per run."""
 
     @classmethod
-    def wrap(cls, model: torch.nn.Module, offload: str) -> "H3DiTPatcher":
+    def wrap(cls, model: torch.nn.Module, offload: str, device=None) -> "H3DiTPatcher":
+        """The patcher around ``model``, whose weights are on ``device`` (default: the host's offload device)."""
+        model.device = torch.device(device) if device is not None else mm.unet_offload_device()
         patcher = cls(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
         patcher.attachments["h3_placement"] = _Placement(offload)
         return patcher
@@ -88,12 +90,15 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         if device.type != "cuda":
             placement.working = working_bytes(self.model, run.packed)
             return placement.working
+        # This model's weights already on the device count as room, whether or not the host has them on record
+        # yet (a model the loader read straight to the GPU is not, before its first run).
+        free_bytes = _host.device_budget(device, keep=(self,)) + self._device_weight_bytes()
         plan = decide_placement(
             self.model,
             run.packed,
             placement=placement.offload,
             memory=run.memory,
-            free_bytes=_host.device_budget(device),
+            free_bytes=free_bytes,
             steps=run.steps,
         )
         placement.working = int(plan.predicted["activations"])

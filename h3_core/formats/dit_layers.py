@@ -39,6 +39,7 @@ from .keymap import match_layout, quantized_plan
 from .kitchen import hold_layers, kitchen_tensor, requantize
 from .lora import LoraDelta, merge_lora
 from .quantized_files import QuantizedView, quantized_view
+from .staged_read import reader_for
 from .vdn import BranchWeights, branch_layouts
 
 __all__ = ["DIT", "BRANCH", "FROM_FILE", "AT_LOAD", "KEPT", "load_layers", "meta_model", "meta_shapes", "needs_layers"]
@@ -82,12 +83,12 @@ class _Planned:
     fp32: bool
 
 
-def _plan_keys(model: H3DiT, base_info, branch_info, work_device) -> tuple[dict, str]:
-    """Every key of ``model`` (built on meta) with how it is read, and the layout's name as the plain load
-    gives it."""
+def _plan_keys(model: H3DiT, base_info, branch_info, work_device, reader) -> tuple[dict, str]:
+    """Every key of ``model`` (built on meta) with how it is read (through ``reader`` when not None), and the
+    layout's name as the plain load gives it."""
     cfg = base_info.cfg
     curve = cfg.adaln_curve_grid > 0
-    base_files = quantized_view(CheckpointFiles(base_info.path), work_device)
+    base_files = quantized_view(CheckpointFiles(base_info.path, reader), work_device)
     base_map, base_plan = match_layout(
         base_files, list(meta_shapes(H3DiT, cfg)), layouts(cfg, base_info.qkv_interleaved), DIT
     )
@@ -97,7 +98,7 @@ def _plan_keys(model: H3DiT, base_info, branch_info, work_device) -> tuple[dict,
     }
     layout = base_map.name + (" (pruned AdaLN curves)" if curve else "")
     if branch_info is not None:
-        branch_files = quantized_view(CheckpointFiles(branch_info.path), work_device)
+        branch_files = quantized_view(CheckpointFiles(branch_info.path, reader), work_device)
         branch_map, branch_plan = match_layout(
             branch_files, list(meta_shapes(BranchWeights, cfg)), branch_layouts(), BRANCH
         )
@@ -164,12 +165,18 @@ def load_layers(
     """Fill ``model`` (``meta_model``, LoRAs already checked against it) from the described checkpoints, the
     layers built one at a time (module docstring), and merge ``loras`` (``(source, deltas)`` in merge order).
     Sets ``model.layout``, ``model.linears`` (one line for the user), ``model.fp8_layers`` and
-    ``model.quantized_layers`` (each such layer's name → how it was made)."""
+    ``model.quantized_layers`` (each such layer's name → how it was made). Onto a GPU the files are read straight
+    there (``staged_read``)."""
     device = torch.device(device)
+    with reader_for(device) as reader:
+        _load_layers(model, base_info, branch_info, loras, device, dtype, linears, held, run_device, reader)
+
+
+def _load_layers(model, base_info, branch_info, loras, device, dtype, linears, held, run_device, reader) -> None:
     run_device = device if run_device is None else torch.device(run_device)
     # comfy-kitchen dequantises on the GPU the model will run on, when there is one
     work = run_device if run_device.type == "cuda" and torch.cuda.is_available() else device
-    planned, layout = _plan_keys(model, base_info, branch_info, work)
+    planned, layout = _plan_keys(model, base_info, branch_info, work, reader)
     names = {id(module): name for name, module in model.named_modules()}
     if linears == "fp8":
         targets = quantization_targets(model, frozenset(FP8_LAYERS))

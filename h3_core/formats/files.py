@@ -1,24 +1,45 @@
 """The safetensors files of one checkpoint: their headers (read without touching the tensors), their
-metadata and their tensors, memory-mapped."""
+metadata and their tensors, memory-mapped, or read straight onto a GPU through a ``StagedReader``."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from ..errors import H3InputError
+from .staged_read import StagedReader
 
-__all__ = ["CheckpointFiles", "read_header"]
+__all__ = ["CheckpointFiles", "read_header", "TORCH_DTYPES"]
+
+# safetensors' dtype names (its format specification) -> torch's
+TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class CheckpointFiles:
-    """The safetensors files of one checkpoint (a file, or a folder of shards), opened lazily."""
+    """The safetensors files of one checkpoint (a file, or a folder of shards), opened lazily. With a
+    ``reader``, ``get`` reads each tensor onto the reader's device; without, it returns the memory-mapped
+    tensor."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, reader: StagedReader | None = None):
         self.path = Path(path)
+        self.reader = reader
         if self.path.is_dir():
             # The official video VAE folder keeps its weights in source/ beside a config.json.
             files = sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("source/*.safetensors"))
@@ -34,19 +55,28 @@ class CheckpointFiles:
         self._where: dict[str, Path] = {}
         self.dtypes: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # key -> (first byte in its file, byte count)
         self.metadata: dict[str, str] = {}
         for f in files:
             header = read_header(f)
             self.metadata.update(header.pop("__metadata__", None) or {})
+            data_start = 8 + _header_size(f)
             for key, info in header.items():
                 self._where[key] = f
                 self.dtypes[key] = info["dtype"]
                 self._shapes[key] = tuple(info["shape"])
+                begin, end = info["data_offsets"]
+                self._spans[key] = (data_start + begin, end - begin)
         self._handles: dict[Path, object] = {}
 
     @property
     def keys(self) -> set[str]:
         return set(self._where)
+
+    @property
+    def parameters(self) -> int:
+        """How many values the files hold, every tensor counted (from the headers)."""
+        return sum(math.prod(shape) for shape in self._shapes.values())
 
     def shape(self, key: str) -> tuple[int, ...]:
         """A tensor's shape, from the header (nothing is read)."""
@@ -69,9 +99,17 @@ class CheckpointFiles:
 
     def get(self, key: str) -> torch.Tensor:
         f = self._where[key]
+        if self.reader is not None and self.dtypes[key] in TORCH_DTYPES:
+            offset, nbytes = self._spans[key]
+            return self.reader.read(f, offset, nbytes, TORCH_DTYPES[self.dtypes[key]], self._shapes[key])
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
         return self._handles[f].get_tensor(key)
+
+
+def _header_size(path: Path) -> int:
+    with open(path, "rb") as fh:
+        return int.from_bytes(fh.read(8), "little")
 
 
 def read_header(path: Path) -> dict:

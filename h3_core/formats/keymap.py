@@ -28,6 +28,7 @@ from .files import CheckpointFiles
 from .kitchen import hold_layers
 from .quant_layers import FORMATS, HELD
 from .quantized_files import QuantizedView, quantized_view
+from .staged_read import reader_for
 
 __all__ = [
     "Rule",
@@ -159,14 +160,25 @@ def load_into(
     file's linear weights are held by ``held`` (``quantized_files.HELD``: "auto" keeps them as comfy-kitchen
     weights where it has kernels for ``run_device``, default ``device``, else dequantises them; see the module
     docstring); they then compute in ``dtype`` (fp32 when None). A kept weight is a ``QuantizedTensor``: LoRAs
-    cannot be merged into it afterwards (``h3_core.formats.checkpoints.load_h3_model`` merges them first)."""
+    cannot be merged into it afterwards (``h3_core.formats.checkpoints.load_h3_model`` merges them first). Onto
+    a GPU the file is read straight there (``staged_read``)."""
     if held not in HELD:
         raise H3InputError(f"held: got {held!r}; allowed: {', '.join(map(repr, HELD))}")
     device = torch.device(device)
     run_device = device if run_device is None else torch.device(run_device)
     # comfy-kitchen dequantises on the GPU the model will run on, when there is one
     work = run_device if run_device.type == "cuda" and torch.cuda.is_available() else device
-    files = quantized_view(path if isinstance(path, CheckpointFiles) else CheckpointFiles(path), work_device=work)
+    with reader_for(device) as reader:
+        if isinstance(path, CheckpointFiles):
+            files = path if reader is None else CheckpointFiles(path.path, reader)
+        else:
+            files = CheckpointFiles(path, reader)
+        return _load_into(
+            module, quantized_view(files, work_device=work), keymaps, what, device, dtype, keep_fp32, held, run_device
+        )
+
+
+def _load_into(module, files, keymaps, what, device, dtype, keep_fp32, held, run_device) -> str:
     expected = module.state_dict()
     keymap, plan = match_layout(files, list(expected), keymaps, what)
     candidates, kept = {}, []

@@ -1,0 +1,117 @@
+"""Tensors of a file read straight onto a device: the file's bytes go, in chunks, into one of two staging
+buffers (pinned host memory when the device is a GPU) by several threads at once, and each filled buffer is
+copied to the device asynchronously while the next chunk is read into the other.
+
+A memory-mapped tensor moved with ``.to(device)`` is copied from pageable memory (the driver bounces it
+through its own pinned buffers) after each page of the mapping is faulted in; reading with ``pread`` into
+pinned memory skips both. ``read_eager`` is the plain form every staged read must equal, byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["StagedReader", "read_eager", "reader_for"]
+
+CHUNK_BYTES = 64 << 20
+READ_THREADS = 8
+
+
+def read_eager(path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape, device) -> torch.Tensor:
+    """The tensor stored at ``offset`` (``nbytes`` bytes) of ``path``, read whole into host memory and moved."""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        data = bytearray(handle.read(nbytes))
+    raw = torch.frombuffer(data, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape).to(device)
+
+
+class StagedReader:
+    """Reads byte ranges of files into tensors on ``device`` through two staging buffers of ``chunk_bytes``
+    (pinned when ``device`` is CUDA), ``threads`` ``pread`` calls filling each chunk. Copies are queued on the
+    device's current stream; a buffer is refilled only once its last copy has finished. ``close()`` (or the
+    ``with`` block's end) releases the buffers, the threads and the open files."""
+
+    def __init__(self, device, chunk_bytes: int = CHUNK_BYTES, threads: int = READ_THREADS):
+        if chunk_bytes <= 0 or threads <= 0:
+            raise ValueError(f"chunk_bytes and threads must be positive, got {chunk_bytes} and {threads}")
+        self.device = torch.device(device)
+        self.chunk_bytes, self.threads = chunk_bytes, threads
+        pin = self.device.type == "cuda"
+        self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._views = [memoryview(b.numpy()) for b in self._buffers]
+        self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._next = 0
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="h3-staged-read")
+        self._fds: dict[Path, int] = {}
+
+    def __enter__(self) -> StagedReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            for event in self._copied:
+                event.synchronize()
+        self._pool.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def read(self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        """The tensor of ``dtype`` and ``shape`` stored at byte ``offset`` of ``path`` (``nbytes`` bytes), on the
+        reader's device. The result is ready for any later work queued on the current stream."""
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        fd = self._fd(Path(path))
+        done = 0
+        while done < nbytes:
+            count = min(self.chunk_bytes, nbytes - done)
+            slot = self._next
+            self._next = 1 - slot
+            if self._copied[slot] is not None:
+                self._copied[slot].synchronize()
+            self._fill(fd, self._views[slot], offset + done, count, path)
+            out[done : done + count].copy_(self._buffers[slot][:count], non_blocking=True)
+            if self._copied[slot] is not None:
+                self._copied[slot].record()
+            done += count
+        return out.view(dtype).reshape(shape)
+
+    def _fill(self, fd: int, view: memoryview, offset: int, count: int, path) -> None:
+        """``count`` bytes at ``offset`` into ``view[:count]``, split across the threads."""
+        step = -(-count // self.threads)
+        step = -(-step // 4096) * 4096  # page-aligned pieces
+        pieces = [(start, min(step, count - start)) for start in range(0, count, step)]
+        for future in [self._pool.submit(_pread_exact, fd, view, s, n, offset, path) for s, n in pieces]:
+            future.result()
+
+
+def _pread_exact(fd: int, view: memoryview, start: int, count: int, file_offset: int, path) -> None:
+    """``count`` bytes of the file at ``file_offset + start`` into ``view[start:start + count]``."""
+    got = 0
+    while got < count:
+        n = os.preadv(fd, [view[start + got : start + count]], file_offset + start + got)
+        if n <= 0:
+            raise OSError(f"{path}: the file ended {count - got} bytes early at offset {file_offset + start + got}")
+        got += n
+
+
+def reader_for(device):
+    """A ``StagedReader`` for ``device`` when it is a CUDA device (to use in a ``with`` block), else a context
+    giving None: reads to the host stay memory-mapped."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return StagedReader(device)
+    return contextlib.nullcontext(None)
