@@ -13,8 +13,6 @@ with ``--cold``.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -37,24 +35,6 @@ def fill_page_cache(path: Path, chunk: int = 1 << 26) -> float:
         while handle.readinto(buffer):
             pass
     return time.perf_counter() - start
-
-
-def profiled(fn, top: int):
-    """``fn()``'s result, its wall seconds and the ``top`` functions by own time and by cumulative time."""
-    profile = cProfile.Profile()
-    start = time.perf_counter()
-    result = profile.runcall(fn)
-    seconds = time.perf_counter() - start
-    stats = pstats.Stats(profile)
-
-    def rows(key):
-        entries = sorted(stats.stats.items(), key=lambda item: item[1][key], reverse=True)[:top]
-        return [
-            dict(function=f"{Path(file).name}:{line} {name}", calls=calls, own_s=own, cumulative_s=cumulative)
-            for (file, line, name), (_, calls, own, cumulative, _) in entries
-        ]
-
-    return result, seconds, dict(by_own_time=rows(2), by_cumulative=rows(3))
 
 
 def main(argv=None) -> dict:
@@ -91,8 +71,8 @@ def main(argv=None) -> dict:
             for path in files:
                 drop_page_cache(path)
         read_s = None if args.cold else sum(fill_page_cache(p) for p in files)
-        model, load_s, load_profile = profiled(lambda: load("cpu"), args.top)
-        _, move_s, move_profile = profiled(synchronized(lambda: model.to(device)), args.top)
+        model, load_s, load_profile = record.profiled(lambda: load("cpu"), args.top)
+        _, move_s, move_profile = record.profiled(synchronized(lambda: model.to(device)), args.top)
         weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         model = None  # freed before the next load
         if device.type == "cuda":
@@ -100,7 +80,7 @@ def main(argv=None) -> dict:
         if args.cold:
             for path in files:
                 drop_page_cache(path)
-        model, direct_s, direct_profile = profiled(synchronized(lambda: load(device)), args.top)
+        model, direct_s, direct_profile = record.profiled(synchronized(lambda: load(device)), args.top)
         model = None
         if device.type == "cuda":
             torch.cuda.empty_cache()

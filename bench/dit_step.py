@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -119,22 +120,39 @@ def request(setup, device):
     return packed, inputs
 
 
-def evaluate(model, inputs, ctx, reps: int, cuda: bool) -> dict:
-    """Seconds of ``reps`` evaluations after a warm-up (``record.event_times_ms``: median and spread), the device's
-    peak over them (weights included) and whether the warm-up's outputs are finite."""
-    with torch.no_grad():
-        out = model(*inputs, hybrid=ctx)  # warm-up: kernel probes, masks, compiled shapes
+def evaluate(model, inputs, ctx, reps: int, cuda: bool, first_profile: int = 0) -> dict:
+    """Seconds of ``reps`` evaluations after a warm-up (``record.event_times_ms``: median and spread), the
+    warm-up's own wall seconds (the first evaluation of the process: compilation, or loading it from the caches,
+    included; with ``first_profile`` its that many top functions), the device's peak over the timed evaluations
+    (weights included) and whether the warm-up's outputs are finite."""
+
+    def warm_up():  # kernel probes, masks, compiled shapes
+        out = model(*inputs, hybrid=ctx)
         if cuda:
             torch.cuda.synchronize()
+        return out
+
+    with torch.no_grad():
+        if first_profile:
+            out, first_s, first = record.profiled(warm_up, first_profile)
+        else:
+            start, first = time.perf_counter(), None
+            out = warm_up()
+            first_s = time.perf_counter() - start
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
         times = [ms / 1e3 for ms in record.event_times_ms(lambda: model(*inputs, hybrid=ctx), reps, cuda)]
     peak = torch.cuda.max_memory_allocated() / GiB if cuda else None
-    return dict(
+    stats = dict(
         seconds=statistics.median(times),
         spread_s=max(times) - min(times),
+        first_s=first_s,
         peak_gib=peak,
         finite=bool(torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()),
     )
+    if first is not None:
+        stats["first_profile"] = first
+    return stats
 
 
 def profile(model, inputs, ctx, cuda: bool) -> dict:
@@ -169,6 +187,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--low-memory", default="1:0", help="G:R = head groups : FFN chunk rows (0: none)")
     parser.add_argument("--cap-gib", type=float, default=None, help="limit this process to that much device memory")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--first-profile", type=int, default=0, help="the first evaluation's top functions (cProfile), this many"
+    )
     parser.add_argument(
         "--idle",
         type=int,
@@ -252,7 +273,7 @@ def main(argv=None) -> dict:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
         before = torch.cuda.memory_allocated() / GiB if cuda else None  # the weights as placed, and the inputs
         try:
-            stats = evaluate(model, inputs, ctx, args.reps, cuda)
+            stats = evaluate(model, inputs, ctx, args.reps, cuda, args.first_profile)
             stats["allocated_before_gib"] = before
             if hybrid:
                 stats["window_backend"] = runs[-1].backend

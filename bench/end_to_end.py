@@ -307,7 +307,11 @@ def serve(
     it; returns the stages (and the peak) by label."""
     from comfy_host import ComfyServer
 
-    for env, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+    for env, sub in (
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attn_cute"),
+    ):
         os.environ[env] = str(compile_cache / sub)
     probes = base / "custom_nodes" / "h3_host_probe"
     if not probes.exists():

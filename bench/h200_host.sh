@@ -21,6 +21,9 @@
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report) under /root/h3_e2e, each
 #             within one 10-minute call, the results gathered there between calls (a copy in $out after each
 #             part); the report goes to $out
+#   first-step, first-step-precompile
+#             bench/dit_step.py's first evaluation (profiled) in two new processes, the compile cache empty then
+#             filled; -precompile with TORCH_CACHING_PRECOMPILE=1 (dynamo's traced frames cached as well)
 #   e2e-files, e2e-eval  the write phase alone, the eval phase alone (the files already written)
 #   e2e-seed  the results of earlier runs (.e2e_seed/end_to_end_state.json, carried) as the state the phases add to
 #   e2e-text  the release-size text encoder's timing (bench/text_encode.py) into the same state
@@ -82,6 +85,16 @@ for part in "$@"; do
         e2e-write) run e2e_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write eval ;;
         e2e-files) run e2e_files python3 bench/end_to_end.py --base /root/h3_e2e --phase write ;;
         e2e-eval) run e2e_eval python3 bench/end_to_end.py --base /root/h3_e2e --phase eval ;;
+        first-step|first-step-precompile)
+            # The DiT's first evaluation in new processes sharing one compile cache: empty, then filled (with
+            # first-step-precompile, dynamo's own cache of traced frames too: TORCH_CACHING_PRECOMPILE=1)
+            cache=/root/h3_first_step_cache; rm -rf "$cache"; label="${part#first-step}"
+            for fill in empty filled; do
+                TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton" \
+                TORCH_CACHING_PRECOMPILE=$([ -n "$label" ] && echo 1 || echo 0) \
+                run "first_step${label}_$fill" python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks \
+                    compiled --reps 2 --first-profile 40 --out "$out/first_step${label}_$fill.json"
+            done ;;
         e2e-seed) mkdir -p /root/h3_e2e && cp .e2e_seed/end_to_end_state.json /root/h3_e2e/ && echo "   state seeded" ;;
         e2e-text) run e2e_text python3 bench/end_to_end.py --base /root/h3_e2e --phase text
             cp /root/h3_e2e/end_to_end_state.json "$out/" ;;

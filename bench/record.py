@@ -1,12 +1,14 @@
 """What every benchmark writes beside its numbers: the command that produced them, the machine and library
 versions, the date; the JSON written to ``--out`` and printed; and the CUDA-event timing loop and the device
-peak-memory reading they share."""
+peak-memory reading they share; a call's profile by function."""
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -104,3 +106,22 @@ def stage_arguments(description: str, argv, parts: tuple[str, ...] = ()):
         parser.add_argument("--only", nargs="+", default=None, choices=parts, help="run only these parts")
     args = parser.parse_args(argv)
     return args, torch.cuda.is_available() and not args.tiny
+
+
+def profiled(fn, top: int):
+    """``fn()``'s result, its wall seconds and the ``top`` functions by own time and by cumulative time
+    (``cProfile``)."""
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    result = profile.runcall(fn)
+    seconds = time.perf_counter() - start
+    stats = pstats.Stats(profile)
+
+    def rows(key):
+        entries = sorted(stats.stats.items(), key=lambda item: item[1][key], reverse=True)[:top]
+        return [
+            dict(function=f"{Path(file).name}:{line} {name}", calls=calls, own_s=own, cumulative_s=cumulative)
+            for (file, line, name), (_, calls, own, cumulative, _) in entries
+        ]
+
+    return result, seconds, dict(by_own_time=rows(2), by_cumulative=rows(3))

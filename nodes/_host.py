@@ -143,14 +143,20 @@ def say(message: str) -> None:
 PROMPT_FOLDER = "h3_prompts"
 
 
-COMPILE_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+COMPILE_CACHES = {
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "flash_attn_cute",  # FA4's kernels, compiled by the CuTe DSL
+}
+# FA4 keeps its compiled kernels on disk only when asked (read when flash_attn.cute is first imported)
+FA4_CACHE_SWITCH = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
 def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str, str]:
-    """Keep what torch.compile and Triton build in ``<user directory>/h3_hybrid/compile_cache`` (the host's user
-    folder, which outlives the temporary one their defaults use), so a restarted server finds the kernels its
-    last run compiled. A cache folder the user set (its environment variable) is left as it is. Returns the
-    folders in use by variable."""
+    """Keep what torch.compile, Triton and FA4 build in ``<user directory>/h3_hybrid/compile_cache`` (the host's
+    user folder, which outlives the temporary one their defaults use), so a restarted server finds the kernels
+    its last run compiled; FA4's disk cache is switched on unless the user switched it off. A cache folder the
+    user set (its environment variable) is left as it is. Returns the folders in use by variable."""
     if user_directory is None:
         import folder_paths
 
@@ -162,6 +168,7 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
             (root / folder).mkdir(parents=True, exist_ok=True)
             os.environ[variable] = str(root / folder)
         chosen[variable] = os.environ[variable]
+    os.environ.setdefault(FA4_CACHE_SWITCH, "1")
     return chosen
 
 

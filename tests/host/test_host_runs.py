@@ -109,13 +109,17 @@ def test_ref2va_with_references_writes_a_playable_mp4(server, refs):
 
 
 def test_compiled_kernels_are_kept_in_the_hosts_user_folder(server):
-    """torch.compile's and Triton's caches under the host's user folder (unless the environment names them), so a
-    restarted server finds the kernels compiled before."""
+    """torch.compile's, Triton's and FA4's caches under the host's user folder (unless the environment names them),
+    so a restarted server finds the kernels compiled before."""
     import os
 
     root = server.base / "user" / "h3_hybrid" / "compile_cache"
     line = next((l for l in server.log_path.read_text().splitlines() if "compiled kernels are kept in" in l), "")
-    for variable, folder in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+    for variable, folder in (
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attn_cute"),
+    ):
         expected = os.environ.get(variable) or str(root / folder)
         assert expected in line, line
         if not os.environ.get(variable):
