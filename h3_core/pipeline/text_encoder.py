@@ -74,10 +74,20 @@ class _NotHeld(nn.Module):
         )
 
 
-def _moving():
-    """Weights move outside inference mode, so they stay ordinary tensors (comfy-kitchen's weights, tensor
-    subclasses, cannot be swapped into a module as inference tensors); the forward between runs in it."""
-    return torch.inference_mode(False)
+def move_module(module: nn.Module, device) -> nn.Module:
+    """``module.to(device)`` outside inference mode, so its weights stay ordinary tensors (comfy-kitchen's
+    weights, tensor subclasses, cannot be swapped into a module as inference tensors); the forward between moves
+    runs in it. A parameter already an inference tensor (moved by the host while it ran a node, which it does in
+    inference mode) is replaced by an ordinary one: setting ``.data`` across the two kinds, as ``Module.to``
+    does, leaves a tensor without a version counter that the next forward fails on."""
+    with torch.inference_mode(False):
+        for sub in module.modules():
+            for name, param in sub._parameters.items():
+                if param is not None and param.is_inference():
+                    value = param.to(device)
+                    value = value.clone() if value.is_inference() else value
+                    sub._parameters[name] = nn.Parameter(value, requires_grad=param.requires_grad)
+        return module.to(device)
 
 
 def _nbytes(tensors) -> int:
@@ -155,19 +165,19 @@ class TextEncoder:
         if device is not None:
             self.device = torch.device(device)
         if stream:
-            self.language_model.layers.to(_HOST)
+            move_module(self.language_model.layers, _HOST)
             for name, child in self.language_model.named_children():
                 if name != "layers":
-                    child.to(self.device)
-            self.model.model.visual.to(self.device)
+                    move_module(child, self.device)
+            move_module(self.model.model.visual, self.device)
         else:
-            self.model.to(self.device)
+            move_module(self.model, self.device)
         self.streamed = stream
         return self
 
     def to_host(self) -> "TextEncoder":
         """Move every weight back to host memory (the next encode, or ``place``, puts it on the device again)."""
-        self.model.to(_HOST)
+        move_module(self.model, _HOST)
         return self
 
     def to_device(self) -> "TextEncoder":
@@ -186,13 +196,11 @@ class TextEncoder:
     def _arrive(self, module, args, kwargs):
         if self.streamed:
             self.layer_visits += 1
-            with _moving():
-                module.to(self.device)
+            move_module(module, self.device)
 
     def _leave(self, module, args, kwargs, output):
         if self.streamed:
-            with _moving():
-                module.to(_HOST)
+            move_module(module, _HOST)
 
     @torch.inference_mode()
     def encode(self, prompt: str, *, keyframes=(), references: tuple[PresentedReference, ...] = ()) -> PromptEmbedding:
@@ -220,8 +228,7 @@ class TextEncoder:
             video_times,
         )
         if not self._placed():
-            with _moving():
-                self.to_device()
+            self.to_device()
         hidden = self._layer_states(torch.tensor([ids]), vision)
         return PromptEmbedding(hidden.cpu(), torch.tensor(tags, dtype=torch.long), prompt, features=hidden.shape[-1])
 

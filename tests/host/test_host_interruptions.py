@@ -116,6 +116,6 @@ def test_an_out_of_memory_mid_step_is_a_clear_error_and_the_server_goes_on(serve
     finally:
         ballast(True)
     assert entry["status"]["status_str"] == "error"
-    assert "out of memory" in error_message(entry).lower(), error_message(entry)
+    assert "out of memory" in error_message(entry).lower(), error_message(entry) + server.log_tail()
     assert nothing_written(server, "oom")
     next_prompt_runs(server, "H3/after_oom")

@@ -8,7 +8,7 @@ from h3_core.errors import H3InputError
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from h3_core.pipeline.text_encoder import load_text_encoder
+from h3_core.pipeline.text_encoder import load_text_encoder, move_module
 
 WORDS = [
     "a",
@@ -133,6 +133,42 @@ def test_streamed_to_cuda_keeps_the_weights_at_home(folder):
     want = host.encode("a fox runs through snow")
     assert torch.allclose(got.embeds, want.embeds, atol=1e-5, rtol=1e-4)
     assert all(p.device.type == "cpu" for p in streamed.language_model.layers.parameters())
+
+
+def test_weights_moved_in_inference_mode_become_ordinary_tensors_again():
+    """The host moves models while it runs a node, in inference mode, which leaves their weights inference tensors;
+    the encoder's own moves (outside inference mode) must give ordinary tensors with a version counter, or the
+    next forward fails ("Inference tensors do not track version counter")."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    module[1].weight.requires_grad_(False)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with torch.inference_mode():
+        for param in module.parameters():
+            param.data = param.data.clone()  # what such a move leaves
+    assert all(p.is_inference() for p in module.parameters())
+    move_module(module, "cpu")
+    for name, param in module.named_parameters():
+        assert not param.is_inference() and param._version >= 0, name
+        assert torch.equal(param, before[name]), name
+    assert [p.requires_grad for p in module.parameters()] == [True, True, False, True]
+    with torch.inference_mode():
+        assert torch.isfinite(module(torch.randn(2, 4))).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_streamed_after_the_host_moved_the_weights_in_inference_mode(folder):
+    host = load_text_encoder(folder, dtype=torch.float32, layer=3, offload="none")
+    streamed = load_text_encoder(folder, dtype=torch.float32, layer=3, device="cuda", offload="none")
+    streamed.encode("a fox runs")
+    with torch.inference_mode():  # the host unloading it while it runs a node
+        streamed.model.to("cpu")
+    assert all(p.is_inference() for p in streamed.model.parameters())
+    streamed.place("cuda", stream=True)
+    got = streamed.encode("a fox runs through snow")
+    want = host.encode("a fox runs through snow")
+    assert streamed.layer_visits == 3
+    assert torch.allclose(got.embeds, want.embeds, atol=1e-5, rtol=1e-4)
 
 
 def pixels(*shape, seed=0):
