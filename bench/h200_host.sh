@@ -5,7 +5,9 @@
 # .whl_b/kitchen.part.ab) and are installed with --target into $SITE (default /tmp/site), first on PYTHONPATH.
 # The host itself travels as .host_gpu/comfyui-0.3.75 (the test host less two tokenizers it never reads here),
 # linked as .host when the checkout has none.
-#   install   every wheel found in .whl_a .whl_b .whl_c (the kitchen parts joined first) into $SITE
+#   install   every wheel found in .whl_a .whl_b .whl_c (the kitchen parts joined first) into $SITE, compiled to
+#             bytecode as pip does by default (a process's first run then reads .pyc files, as on a user's machine),
+#             and the carried host's and the pack's sources compiled too
 #   gpu       python -m pytest on every GPU test (tests/gpu) and the single-file text encoder on CUDA
 #   checks    python -m pytest on the GPU tests of what the host integration touches (the fused model and its
 #             compile fallback, block offload, the VAEs)
@@ -41,6 +43,7 @@ site="${SITE:-/tmp/site}"
 mkdir -p "$out" "$site"
 [ -e .host ] || { [ -d .host_gpu ] && ln -s .host_gpu .host; }
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+unset PYTHONDONTWRITEBYTECODE  # imports keep their bytecode, as on a user's machine
 fa4="${FA4:-/tmp/fa4}"
 [ "${H3_FA4:-0}" = 1 ] && export PYTHONPATH="$fa4:$fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 run() {  # name, command...
@@ -61,14 +64,16 @@ for part in "$@"; do
                 cat .whl_a/kitchen.part.aa .whl_b/kitchen.part.ab \
                     > "$wheels/comfy_kitchen-0.2.40-cp312-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"
             fi
-            run install python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-                --target "$site" "$wheels"/*.whl ;;
+            run install python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
+                --target "$site" "$wheels"/*.whl
+            # bytecode for the carried host and the pack too, as a user's installation has it after a first start
+            run compileall python3 -m compileall -q -j 0 "$(readlink -f .host)" h3_core nodes ;;
         fa4-a) mkdir -p /tmp/fa4_parts && cp .fa4_a/* /tmp/fa4_parts/ && echo "   FA4 part a kept" ;;
         fa4-b)
             cat /tmp/fa4_parts/cu13.part.aa .fa4_b/cu13.part.ab \
                 > /tmp/fa4_parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
             rm -f /tmp/fa4_parts/cu13.part.aa
-            run fa4_install python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            run fa4_install python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
                 --target "$fa4" /tmp/fa4_parts/*.whl ;;
         gpu) run gpu_tests python3 -m pytest -q -p no:warnings -rs tests/gpu tests/unit/test_text_encoder_file.py ;;
         checks) run gpu_checks python3 -m pytest -q -p no:warnings tests/gpu/test_hybrid_cuda.py \

@@ -22,6 +22,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import time
 
 import torch
 
@@ -37,6 +38,8 @@ __all__ = [
     "guarded",
     "triton_form",
     "runs_here",
+    "COMPILER_MODULES",
+    "import_compilers",
 ]
 
 COMPILE_MODES = ("auto", "off")
@@ -128,3 +131,34 @@ def triton_form(module, attribute: str):
 @functools.cache
 def _guarded(module, attribute: str):
     return guarded(getattr(module, attribute))
+
+
+# What the compiled paths import on a process's first compiled run: dynamo, inductor (which registers its own
+# operators as it loads), Triton's JIT, and FA4's interface where it is installed (its kernels' helper libraries
+# register theirs).
+COMPILER_MODULES = (
+    "torch._dynamo",
+    "torch._functorch.aot_autograd",
+    "torch._inductor.compile_fx",
+    "torch._inductor.codecache",
+    "triton",
+    "flash_attn.cute.interface",
+)
+
+
+def import_compilers(modules: tuple[str, ...] = COMPILER_MODULES) -> dict[str, float | None]:
+    """Import ``modules`` now rather than inside a first run: seconds per module, None for one that is not
+    installed or does not import here (the compiled paths then fall back as they would have)."""
+    seconds = {}
+    for name in modules:
+        start = time.perf_counter()
+        try:
+            if importlib.util.find_spec(name.split(".")[0]) is None:
+                seconds[name] = None
+                continue
+            importlib.import_module(name)
+        except Exception:
+            seconds[name] = None
+            continue
+        seconds[name] = time.perf_counter() - start
+    return seconds

@@ -4,6 +4,7 @@ model management nor the GPU): model folders, the device, progress, cancel and t
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from ..h3_core.errors import H3InputError
@@ -170,6 +171,26 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
         chosen[variable] = os.environ[variable]
     os.environ.setdefault(FA4_CACHE_SWITCH, "1")
     return chosen
+
+
+def import_compilers_in_background() -> threading.Thread | None:
+    """Where the compiled paths will run (CUDA with Triton), import what their first run would (dynamo, inductor,
+    Triton, FA4's interface) on a thread of its own while the server starts, so the first prompt does not wait
+    for it; the log says how long it took. Returns the thread (None where nothing compiles)."""
+    from ..h3_core.triton_forms import compiles_on, import_compilers
+
+    if not compiles_on("cuda"):
+        return None
+
+    def run():
+        seconds = import_compilers()
+        done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
+        total = sum(s for s in seconds.values() if s is not None)
+        say(f"imported the compilers' modules ({', '.join(done)}) in {total:.1f} s")
+
+    thread = threading.Thread(target=run, name="h3-import-compilers", daemon=True)
+    thread.start()
+    return thread
 
 
 def register_folders() -> None:
