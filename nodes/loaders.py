@@ -1,7 +1,8 @@
 """Loader nodes: the DiT (with the optional VDN linear branch), both VAEs, the text encoder and prompt-embedding
 files, from the host's model folders. Each file is checked from its header at validation, before any loader
-runs; loaders read into host memory only and hand the model to the host's model management, which moves it to
-the device when the node that runs it asks."""
+runs; loaders read into host memory (the DiT straight to the GPU where the host's rule for diffusion models puts
+it there) and hand the model to the host's model management, which moves it to the device when the node that runs
+it asks."""
 
 from __future__ import annotations
 
