@@ -91,11 +91,13 @@ for part in "$@"; do
         e2e-files) run e2e_files python3 bench/end_to_end.py --base /root/h3_e2e --phase write ;;
         e2e-eval) run e2e_eval python3 bench/end_to_end.py --base /root/h3_e2e --phase eval ;;
         first-step|first-step-precompile)
-            # The DiT's first evaluation in new processes sharing one compile cache: empty, then filled (with
+            # The DiT's first evaluation in new processes sharing one compile cache (inductor, Triton, FA4's, as the
+            # pack keeps them): empty, then filled (with
             # first-step-precompile, dynamo's own cache of traced frames too: TORCH_CACHING_PRECOMPILE=1)
             cache=/root/h3_first_step_cache; rm -rf "$cache"; label="${part#first-step}"
             for fill in empty filled; do
                 TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton" \
+                FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="$cache/flash_attn_cute" FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 \
                 TORCH_CACHING_PRECOMPILE=$([ -n "$label" ] && echo 1 || echo 0) \
                 run "first_step${label}_$fill" python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks \
                     compiled --reps 2 --first-profile 40 --out "$out/first_step${label}_$fill.json"
