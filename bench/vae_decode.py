@@ -25,7 +25,7 @@ import record
 from h3_core.attention.vae import resolve_vae_attention
 from h3_core.media.tiling import decode_video, temporal_plan
 from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig
-from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32
 
 GiB = record.GiB
 
@@ -81,7 +81,12 @@ def main(argv=None) -> dict:
         choices=["pinned", "pageable"],
         help="where the frames go: a pinned buffer given as out=, or the default pageable tensor",
     )
-    parser.add_argument("--compile", action="store_true", help="fuse the blocks' elementwise work (torch.compile)")
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "off"),
+        default="auto",
+        help="the decoder blocks compiled where CUDA and Triton run (the nodes' default), or the plain path",
+    )
     parser.add_argument(
         "--streamed",
         action="store_true",
@@ -92,9 +97,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("vae_decode.py times the decoders on a GPU: run it where CUDA is available")
-    compile_decoder_blocks(args.compile)
     device = torch.device("cuda")
-    report = dict(record.header("vae_decode.py", argv), compiled_blocks=args.compile, video=[], audio=None)
+    report = dict(record.header("vae_decode.py", argv), compile=args.compile, video=[], audio=None)
 
     # A tiny decoder first, so a broken path fails in seconds.
     tiny = random_video_vae(
@@ -114,7 +118,7 @@ def main(argv=None) -> dict:
             for memory in args.output_memory:
                 overrides = None if backend == "auto" else {"video_vae": backend}
                 out = pinned if memory == "pinned" else None
-                options = dict(overrides=overrides, tiles_per_batch=tiles_per_batch)
+                options = dict(overrides=overrides, tiles_per_batch=tiles_per_batch, compile=args.compile)
                 try:
                     kernel = resolve_vae_attention("video_vae", device, torch.float16, 64, backend).backend
                     decode_video(vae, z[:, :7, :16, :], **options)  # warm-up
@@ -148,10 +152,10 @@ def main(argv=None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     window_out = torch.empty(temporal_plan(7).num_frames, 768, 1344, 3, pin_memory=True)
-    decode_video(vae, window, out=window_out)
+    decode_video(vae, window, out=window_out, compile=args.compile)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        decode_video(vae, window, out=window_out)
+        decode_video(vae, window, out=window_out, compile=args.compile)
         torch.cuda.synchronize()
         report["window_wall_ms"] = (time.perf_counter() - t0) * 1e3
     buckets = {"attention": 0.0, "linear (gemm)": 0.0, "other": 0.0}
@@ -176,7 +180,9 @@ def main(argv=None) -> dict:
         report["streamed"] = dict(said=said, rows=[])
         two = z[:, :12]
         for tiles_per_batch in (1, 4):
-            _, seconds, peak = timed(lambda: decode_video(vae, two, tiles_per_batch=tiles_per_batch))
+            _, seconds, peak = timed(
+                lambda: decode_video(vae, two, tiles_per_batch=tiles_per_batch, compile=args.compile)
+            )
             row = dict(
                 tiles_per_batch=tiles_per_batch,
                 seconds_two_windows=seconds,

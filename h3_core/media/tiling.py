@@ -428,7 +428,7 @@ def decode_video(
     ``vae`` is a ``h3_core.models.video_vae.VideoVAE``; ``normalized`` latents are in model space (the
     sampler's output). ``overrides`` picks the decoder's attention backend (``h3_core.attention.vae``);
     ``compile`` (``"auto"`` / ``"off"``) whether the decoder blocks run compiled where CUDA and Triton are
-    present (``decoder_blocks``; see ``_decoder``); ``options`` go to ``decode_tiled`` (tile size, tiles per
+    present (``compiled_decoder_blocks``; see ``_decoder``); ``options`` go to ``decode_tiled`` (tile size, tiles per
     batch, progress, cancel, report, ...). If a single tile runs out of memory, the decoder's blocks are
     streamed from host memory (unless ``offload`` is given)."""
     from ..models.video_vae import IMAGENET_MEAN, IMAGENET_STD
@@ -461,20 +461,18 @@ def _decoder(vae, overrides, compiled: bool) -> Callable[[torch.Tensor], torch.T
     have not failed before, else eager with no Triton kernel (``triton_forms.plain_path``). A batch whose
     compiled blocks fail to compile or launch is decoded again eagerly (the decode writes nothing in place
     outside itself), one line naming the cause is logged, and every later batch and decode runs eagerly."""
-    from ..models.video_vae import decoder_blocks
 
     def decode(tiles):
         global _decoder_compile_failed
         if compiled and not _decoder_compile_failed:
             try:
-                with decoder_blocks(compiled=True):
-                    return vae.decode_tiles(tiles, overrides)
+                return vae.decode_tiles(tiles, overrides, compiled=True)
             except CompileFailure as failure:
                 _decoder_compile_failed = True
                 log.warning(
                     "compiling the video decoder's blocks failed (%s); decoding eagerly from now on", failure.describe()
                 )
-        with decoder_blocks(compiled=False), plain_path():
+        with plain_path():
             return vae.decode_tiles(tiles, overrides)
 
     return decode

@@ -12,7 +12,6 @@ residual stream, the RoPE angles and the first and last projections run in fp32.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -26,8 +25,8 @@ from ..triton_forms import guarded
 from .latent_stats import LatentStats
 
 __all__ = [
-    "compile_decoder_blocks",
-    "decoder_blocks",
+    "EAGER_BLOCKS",
+    "compiled_decoder_blocks",
     "VideoVAEConfig",
     "VideoVAE",
     "keeps_fp32",
@@ -290,35 +289,19 @@ def block_finish(x, attn, out_w, out_b, scale1, norm2_w, w1_w, w1_b, w2_w, w2_b,
     return x + F.linear(F.silu(gate) * up, w2_w, w2_b).float() * scale2
 
 
-# The two halves every block runs; ``compile_decoder_blocks`` and ``decoder_blocks`` swap in compiled versions
-# (one graph each, shared by all blocks, as the weights are arguments).
-_EAGER_BLOCKS = {"attention_inputs": block_attention_inputs, "finish": block_finish}
-_block_fns = dict(_EAGER_BLOCKS)
+# The two halves every block runs, as written; ``compiled_decoder_blocks`` gives them compiled (one graph each,
+# shared by all blocks, as the weights are arguments). Which form runs is the caller's argument, per decode.
+EAGER_BLOCKS = {"attention_inputs": block_attention_inputs, "finish": block_finish}
 _compiled_blocks: dict = {}  # the compiled halves, made on first use and ``guarded``
 
 
-def _compiled_block_fns() -> dict:
+def compiled_decoder_blocks() -> dict:
+    """The decoder blocks' halves fused by ``torch.compile`` (norms, RoPE, casts, LayerScale; attention stays on
+    the kernel layer), each ``guarded``: one that fails to compile or launch raises
+    ``triton_forms.CompileFailure``."""
     if not _compiled_blocks:
-        _compiled_blocks.update({name: guarded(torch.compile(fn, dynamic=False)) for name, fn in _EAGER_BLOCKS.items()})
+        _compiled_blocks.update({name: guarded(torch.compile(fn, dynamic=False)) for name, fn in EAGER_BLOCKS.items()})
     return _compiled_blocks
-
-
-def compile_decoder_blocks(enabled: bool = True) -> None:
-    """Run the decoder blocks' elementwise work (norms, RoPE, casts, LayerScale) fused by ``torch.compile``;
-    attention stays on the kernel layer. Idempotent; ``enabled=False`` restores the eager functions."""
-    _block_fns.update(_compiled_block_fns() if enabled else _EAGER_BLOCKS)
-
-
-@contextlib.contextmanager
-def decoder_blocks(compiled: bool):
-    """The decoder blocks compiled (``compile_decoder_blocks``: a compiled half that fails to compile or launch
-    raises ``triton_forms.CompileFailure``) or eager within the block, whatever was set before; restored after."""
-    saved = dict(_block_fns)
-    _block_fns.update(_compiled_block_fns() if compiled else _EAGER_BLOCKS)
-    try:
-        yield
-    finally:
-        _block_fns.update(saved)
 
 
 class DecoderAttention(nn.Module):
@@ -352,14 +335,15 @@ class DecoderBlock(nn.Module):
         self.ff = GatedFFN(dim, dim * cfg.ffn_mult)
         self.scale2 = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x, cos, sin, overrides=None):
-        """``x``: the fp32 residual stream ``[B, T, dim]``."""
+    def forward(self, x, cos, sin, overrides=None, blocks=EAGER_BLOCKS):
+        """``x``: the fp32 residual stream ``[B, T, dim]``; ``blocks``: the halves' form (``EAGER_BLOCKS`` or
+        ``compiled_decoder_blocks()``)."""
         attn, ff = self.attn, self.ff
-        q, k, v = _block_fns["attention_inputs"](
+        q, k, v = blocks["attention_inputs"](
             x, self.norm1.weight, attn.to_qkv.weight, attn.to_qkv.bias, cos, sin, self.heads, self.head_dim, self.eps
         )
         out = vae_attention(q, k, v, component="video_vae", overrides=overrides)
-        return _block_fns["finish"](
+        return blocks["finish"](
             x,
             out,
             attn.to_out.weight,
@@ -386,8 +370,9 @@ class ViTDecoder3d(nn.Module):
         self.norm_out = nn.LayerNorm(dim, eps=cfg.decoder_eps)
         self.proj_out = nn.Linear(dim, 3 * cfg.temporal_ratio * cfg.spatial_ratio**2)
 
-    def forward(self, z: torch.Tensor, overrides=None) -> torch.Tensor:
-        """Latent tiles ``[B, C, t, h, w]`` → pixels ``[B, 3, t·4, h·16, w·16]`` (fp32)."""
+    def forward(self, z: torch.Tensor, overrides=None, blocks=EAGER_BLOCKS) -> torch.Tensor:
+        """Latent tiles ``[B, C, t, h, w]`` → pixels ``[B, 3, t·4, h·16, w·16]`` (fp32); ``blocks`` as
+        ``DecoderBlock.forward``."""
         cfg = self.cfg
         B, C, t, h, w = z.shape
         tokens = z.permute(0, 2, 3, 4, 1).reshape(B, t * h * w, C)
@@ -399,7 +384,7 @@ class ViTDecoder3d(nn.Module):
         dtype = self.transformer_blocks[0].ff.w1.weight.dtype if len(self.transformer_blocks) else torch.float32
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         for block in self.transformer_blocks:
-            x = block(x, cos, sin, overrides)
+            x = block(x, cos, sin, overrides, blocks)
         x = F.layer_norm(x, (x.shape[-1],), self.norm_out.weight.float(), self.norm_out.bias.float(), self.norm_out.eps)
         x = F.linear(x[:, : t * h * w], self.proj_out.weight.float(), self.proj_out.bias.float())
         r, rt = cfg.spatial_ratio, cfg.temporal_ratio
@@ -458,10 +443,11 @@ class VideoVAE(LatentStats, nn.Module):
             torch.cuda.empty_cache()
         return f"the decoder's {len(blocks)} blocks now stay in host memory and are streamed to {device} one at a time"
 
-    def decode_tiles(self, z: torch.Tensor, overrides=None) -> torch.Tensor:
-        """Raw latent tiles ``[B, 24, t, h, w]`` → ImageNet-normalised pixels ``[B, 3, 4t, 16h, 16w]``."""
+    def decode_tiles(self, z: torch.Tensor, overrides=None, compiled: bool = False) -> torch.Tensor:
+        """Raw latent tiles ``[B, 24, t, h, w]`` → ImageNet-normalised pixels ``[B, 3, 4t, 16h, 16w]``, the blocks
+        compiled when ``compiled`` (``compiled_decoder_blocks``)."""
         z = F.conv3d(z.float(), self.post_quant_conv.weight.float(), self.post_quant_conv.bias.float())
-        return self.decoder(z, overrides)
+        return self.decoder(z, overrides, compiled_decoder_blocks() if compiled else EAGER_BLOCKS)
 
 
 # ---- precision -------------------------------------------------------------------------------

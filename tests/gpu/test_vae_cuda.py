@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from h3_core.media.tiling import decode_video
-from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, compile_decoder_blocks, keeps_fp32
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -56,12 +56,10 @@ def test_frames_copied_off_the_device_in_every_way_are_the_cpu_frames(vae_cpu, z
 
 def test_compiled_blocks_give_the_eager_frames(vae_cpu, z, expected):
     vae = cuda_copy(vae_cpu)
-    compile_decoder_blocks(True)
-    try:
-        frames = decode_video(vae, z.cuda(), tiles_per_batch=4)
-    finally:
-        compile_decoder_blocks(False)
+    frames = decode_video(vae, z.cuda(), tiles_per_batch=4, compile="auto")
+    plain = decode_video(vae, z.cuda(), tiles_per_batch=4, compile="off")
     torch.testing.assert_close(frames, expected, atol=2e-4, rtol=0)
+    torch.testing.assert_close(plain, expected, atol=2e-4, rtol=0)
 
 
 def test_streamed_decoder_blocks_give_the_resident_frames(vae_cpu, z, expected):
