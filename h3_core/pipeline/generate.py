@@ -6,7 +6,8 @@ caller decodes them (``h3_core.media.tiling.decode_video``, the audio VAE). Keyf
 (``[24, 1, h, w]``, as the released encode produces them) with their anchors, "first" and/or "last".
 ``generate_ref2va`` does the same for a Ref2VA request: images and videos as latents of their own size, their
 soundtracks and audio references as audio latents. Reference video rows are noised to ``t = 0.999`` and held
-there; reference audio rows ride along clean at ``t = 1``; the noise order is the same as for keyframes.
+there; reference audio rows ride along clean at ``t = 1`` (or mixed to ``reference_audio_t`` when asked); the
+noise order is the same as for keyframes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..errors import H3InputError
 from ..models.hybrid import RELEASE_WINDOW, HybridContext
 from ..triton_forms import check_compile
 from .geometry import audio_latents, check_canvas, check_frames, latent_frames
-from .noise import initial_noise
+from .noise import REFERENCE_AUDIO_T, initial_noise, noised_reference_audio
 from .packing import PackedSequence, Reference, pack_ref2va, pack_sequence, unpatchify
 from .prompt import PromptEmbedding
 from .sampler import denoise
@@ -149,15 +150,23 @@ def generate_ref2va(
     backend: str = "auto",
     before_sampling: Callable[[PackedSequence], None] | None = None,
     compile: str = "auto",
+    reference_audio_t: float = REFERENCE_AUDIO_T,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
-    them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``."""
+    them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``.
+    ``reference_audio_t``: 1 holds the audio references clean, as released; below 1 mixes them with noise to
+    that ``t`` as ComfyUI's native H3 does when asked (``noise.noised_reference_audio``), in (0, 1]."""
     check_compile(compile)
+    if not 0.0 < float(reference_audio_t) <= 1.0:
+        raise H3InputError(
+            f"reference_audio_t must be in (0, 1] (1: the references held clean), got {reference_audio_t!r}"
+        )
     T, h, w, Ta = _clip_shape(frames, width, height)
     geometry = [ref.geometry(i) for i, ref in enumerate(references)]
     packed = pack_ref2va(prompt.tags, geometry, T, h, w, Ta)
     conditions = [ref.video for ref in references if ref.kind in ("image", "video")]
     audio_refs = [rows for rows in (ref.audio_rows() for ref in references) if rows is not None]
+    audio_refs = noised_reference_audio(audio_refs, float(reference_audio_t), seed)
     return _sample(
         model,
         prompt,
@@ -176,6 +185,7 @@ def generate_ref2va(
         backend=backend,
         before_sampling=before_sampling,
         compile=compile,
+        reference_audio_t=float(reference_audio_t),
     )
 
 
@@ -205,6 +215,7 @@ def _sample(
     backend,
     before_sampling,
     compile,
+    reference_audio_t=REFERENCE_AUDIO_T,
 ):
     """Noise drawn in the released order, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
@@ -236,6 +247,7 @@ def _sample(
         video_shift=video_shift,
         audio_shift=audio_shift,
         condition_audio_rows=reference_audio,
+        condition_audio_t=reference_audio_t,
         progress=progress,
         check_cancel=check_cancel,
         hybrid=hybrid,

@@ -2,9 +2,10 @@
 
 A model evaluation serves rows at several noise levels: the generated video rows at the video schedule's
 ``t``, the generated audio rows at the audio schedule's, the keyframe / reference image rows held at
-``max(t, 0.999)`` (the anchors were trained slightly noised), reference audio rows at 1; text rows take
-the video ``t`` (they reach no output head). ``row_timesteps`` reduces that to the model's
-``(timesteps, timestep_index)`` pair.
+``max(t, 0.999)`` (the anchors were trained slightly noised), reference audio rows clean at 1 (or, asked,
+at ``max(t_audio, reference_audio_t)``, mixed by ``noised_reference_audio``); text rows take the video ``t``
+(they reach no output head). ``row_timesteps`` reduces that to the model's ``(timesteps, timestep_index)``
+pair.
 
 Noise comes from one generator in a fixed order, so a seed means the same start as in the reference
 pipeline: one draw per conditioning latent in packed order (each mixed in at ``t = 0.999``), then the
@@ -18,9 +19,14 @@ import torch
 from .packing import PackedSequence, patchify
 from .schedule import noise_to
 
-__all__ = ["CONDITION_T", "row_timesteps", "initial_noise"]
+__all__ = ["CONDITION_T", "REFERENCE_AUDIO_T", "row_timesteps", "initial_noise", "noised_reference_audio"]
 
 CONDITION_T = 0.999
+# Reference audio rows are held clean, at t = 1: MiniMax's released Ref2VA pipeline does so (noise augmentation
+# 1.0 for audio references) and so does ComfyUI's native H3 (comfy/ldm/minimax/model.py at Comfy-Org/ComfyUI
+# 01a56b76: AUDIO_COND_TIMESTEP = 1.0, the rows mixed with noise only when its payload's audio_cond_noise_aug is
+# set below that).
+REFERENCE_AUDIO_T = 1.0
 
 
 def row_timesteps(
@@ -72,3 +78,18 @@ def initial_noise(
     rows = patch[0] * patch[1] * patch[2] * latent_channels
     condition_rows = torch.cat(conditions) if conditions else torch.empty(0, rows, device=device)
     return condition_rows, patchify(video, patch), audio
+
+
+def noised_reference_audio(rows: list[torch.Tensor], t: float, seed: int) -> list[torch.Tensor]:
+    """Reference audio rows ``[2 · Ta, 32]`` mixed to ``t`` as ComfyUI's native H3 mixes its audio conditions
+    (the commit cited at ``REFERENCE_AUDIO_T``): ``t · rows + (1 − t) · ε``, ε drawn in fp32 in row layout from
+    a CPU generator seeded ``seed + 1`` afresh for every reference (each draws the same stream). Unchanged at
+    ``t = 1``."""
+    if t >= 1.0:
+        return list(rows)
+    mixed = []
+    for r in rows:
+        generator = torch.Generator(device="cpu").manual_seed(int(seed) + 1)
+        noise = torch.randn(r.shape, generator=generator, dtype=torch.float32)
+        mixed.append(t * r.float() + (1.0 - t) * noise)
+    return mixed

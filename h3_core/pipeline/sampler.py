@@ -12,7 +12,7 @@ import torch
 from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
 from ..models.run_options import apply_run_options, evaluate, run_options_of
 from ..triton_forms import check_compile
-from .noise import row_timesteps
+from .noise import REFERENCE_AUDIO_T, row_timesteps
 from .packing import PackedSequence
 from .schedule import AUDIO_SHIFT, VIDEO_SHIFT, euler_step, sigma_grid, timesteps_of
 
@@ -30,6 +30,7 @@ def denoise(
     video_shift: float = VIDEO_SHIFT,
     audio_shift: float = AUDIO_SHIFT,
     condition_audio_rows: int = 0,
+    condition_audio_t: float = REFERENCE_AUDIO_T,
     progress: Callable[[int, int], None] | None = None,
     check_cancel: Callable[[], None] | None = None,
     hybrid=None,
@@ -41,7 +42,8 @@ def denoise(
         model: called as ``model(video_rows, audio_rows, text_rows, timesteps, timestep_index, tags, positions,
             video_index, audio_index, text_index)`` → (video velocity, audio velocity), like ``H3DiT``.
         video_rows: conditioning rows (``packed.condition_rows`` of them) then the noisy target rows.
-        audio_rows: reference rows (``condition_audio_rows``) then the noisy target rows.
+        audio_rows: reference rows (``condition_audio_rows``) then the noisy target rows; the reference rows run
+            at ``max(t_audio, condition_audio_t)`` (1 unless the references were mixed with noise).
         progress: ``progress(step, steps)`` after every step; check_cancel: before every evaluation and, for a
             model with a ``check_cancel`` slot (``H3DiT``), before every block; it raises to stop.
         hybrid: a ``HybridContext`` passed to the model as ``hybrid=`` (VDN-H3); None passes nothing.
@@ -58,7 +60,14 @@ def denoise(
     video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
     extra = {} if hybrid is None else {"hybrid": hybrid}
     steps_timesteps = [
-        row_timesteps(packed, float(video_ts[i]), float(audio_ts[i]), condition_audio_rows=ca) for i in range(n)
+        row_timesteps(
+            packed,
+            float(video_ts[i]),
+            float(audio_ts[i]),
+            condition_audio_rows=ca,
+            condition_audio_t=max(float(audio_ts[i]), float(condition_audio_t)),
+        )
+        for i in range(n)
     ]
     if getattr(model, "adaln_on_host", False):  # the blocks' AdaLN tables for the whole run, made once
         prepare_adaln_tables(model, [timesteps for timesteps, _ in steps_timesteps], video_rows.device)

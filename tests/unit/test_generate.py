@@ -122,6 +122,53 @@ def test_ref2va_references_condition_the_clip(dit):
     assert not torch.allclose(video, no_audio_ref[0]) and torch.isfinite(video).all()
 
 
+def native_audio_condition_rows(audio: torch.Tensor, aug: float, seed: int) -> torch.Tensor:
+    """ComfyUI's native H3 audio condition (comfy/ldm/minimax/model.py at Comfy-Org/ComfyUI 01a56b76,
+    ``pack_audio`` and ``_cond_audio_rows``), re-derived here: the latent ``[1, 32, 2, T]`` packed channel-major
+    into rows ``[2 · T, 32]``, then, for a noise augmentation below 1, ``aug · rows + (1 − aug) · noise`` with the
+    noise drawn in fp32 from a new CPU generator seeded ``seed + 1``."""
+    latent = audio.float().unsqueeze(0)  # ours is [2, 32, T]: native's [1, 32, 2, T] is its transpose
+    rows = latent.permute(0, 2, 1, 3)[0].permute(1, 2, 0).reshape(-1, 32)
+    if aug < 1.0:
+        generator = torch.Generator("cpu").manual_seed(seed + 1)
+        rows = aug * rows + (1.0 - aug) * torch.randn(rows.shape, generator=generator, dtype=torch.float32)
+    return rows
+
+
+def recorded(dit, calls):
+    """``dit`` recording, per evaluation, the audio rows, the timesteps and each audio row's timestep."""
+
+    def model(*args, **kwargs):
+        audio_rows, timesteps, index, audio_index = args[1], args[3], args[4], args[8]
+        calls.append((audio_rows.clone(), timesteps[index[audio_index]].clone()))
+        return dit(*args, **kwargs)
+
+    return model
+
+
+def test_reference_audio_is_held_clean_unless_mixed_as_native_does(dit):
+    refs = references()
+    run = dict(frames=22, width=64, height=32, steps=2, seed=4)
+    audio_refs = [ref.audio for ref in refs if ref.audio is not None]
+    n_ref = sum(2 * a.shape[-1] for a in audio_refs)
+    clean_calls, mixed_calls = [], []
+    with torch.no_grad():
+        default = generate_ref2va(dit, prompt(), refs, **run)
+        clean = generate_ref2va(recorded(dit, clean_calls), prompt(), refs, reference_audio_t=1.0, **run)
+        mixed = generate_ref2va(recorded(dit, mixed_calls), prompt(), refs, reference_audio_t=0.97, **run)
+    assert torch.equal(default[0], clean[0]) and torch.equal(default[1], clean[1])
+    want_clean = torch.cat([native_audio_condition_rows(a, 1.0, 4) for a in audio_refs])
+    want_mixed = torch.cat([native_audio_condition_rows(a, 0.97, 4) for a in audio_refs])
+    for (clean_rows, clean_t), (mixed_rows, mixed_t) in zip(clean_calls, mixed_calls):
+        assert torch.equal(clean_rows[:n_ref], want_clean) and (clean_t[:n_ref] == 1.0).all()
+        torch.testing.assert_close(mixed_rows[:n_ref], want_mixed, rtol=0, atol=1e-6)
+        target_t = mixed_t[n_ref:]  # the generated audio rows share one timestep per evaluation
+        assert (mixed_t[:n_ref] == torch.clamp(target_t[:1], min=0.97)).all()
+    assert len(mixed_calls) == 2 and not torch.equal(mixed[1], clean[1])
+    with pytest.raises(H3InputError, match=r"reference_audio_t must be in \(0, 1\] .*got 1\.5"):
+        generate_ref2va(dit, prompt(), refs, reference_audio_t=1.5, **run)
+
+
 def test_ref2va_bad_references_name_the_reference(dit):
     from h3_core.pipeline.generate import ReferenceLatents, generate_ref2va
 
