@@ -9,6 +9,7 @@ from comfy_api.v0_0_2 import io
 from ..h3_core.errors import H3InputError
 from ..h3_core.pipeline.conditioning import encode_keyframes
 from ..h3_core.pipeline.generate import generate, generate_ref2va
+from ..h3_core.pipeline.noise import REFERENCE_AUDIO_T
 from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from . import _host
 from .attention import DEFAULT
@@ -46,6 +47,24 @@ def check_mode(mode, connected) -> None:
         raise H3InputError("mode Ref2VA: needs references; connect an H3 Add Reference chain")
 
 
+REFERENCE_AUDIO_T_RANGE = (0.5, 1.0)
+
+
+def check_reference_audio_t(mode, value) -> None:
+    """``reference_audio_t`` in its range, and other than 1 only where there are audio references to mix: mode
+    Ref2VA. (Named in ``validate_inputs``, the host leaves its range to this check.)"""
+    if value is None:
+        return
+    low, high = REFERENCE_AUDIO_T_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= float(value) <= high:
+        raise H3InputError(f"reference_audio_t: got {value!r}; allowed: a number from {low} to {high}")
+    if mode is not None and mode != "Ref2VA" and float(value) != REFERENCE_AUDIO_T:
+        raise H3InputError(
+            f"reference_audio_t: {value} mixes noise into audio references, which only mode Ref2VA has (mode "
+            f"{mode}); set it to {REFERENCE_AUDIO_T} or choose mode Ref2VA"
+        )
+
+
 class H3Sampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -77,18 +96,33 @@ class H3Sampler(io.ComfyNode):
                 io.Image.Input("first_frame", optional=True),
                 io.Image.Input("last_frame", optional=True),
                 H3References.Input("references", optional=True),
+                io.Float.Input(
+                    "reference_audio_t",
+                    default=REFERENCE_AUDIO_T,
+                    min=REFERENCE_AUDIO_T_RANGE[0],
+                    max=REFERENCE_AUDIO_T_RANGE[1],
+                    step=0.01,
+                    optional=True,
+                    tooltip="Ref2VA: 1 holds the audio references clean, as MiniMax's release and ComfyUI's own H3 "
+                    "nodes do; below 1 mixes them with that much of the clean signal and the rest noise (t = the "
+                    "value), as ComfyUI's H3 model can be asked to",
+                ),
             ],
             outputs=[io.Latent.Output(display_name="latent")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def validate_inputs(cls, mode=None, input_types=None):
+    def validate_inputs(cls, mode=None, input_types=None, reference_audio_t=None):
         def connections():
             if mode is not None:
                 check_mode(mode, lambda name: linked(input_types, name))
 
-        return verdict(lambda: check_linked_types(cls, input_types), connections)
+        return verdict(
+            lambda: check_linked_types(cls, input_types),
+            connections,
+            lambda: check_reference_audio_t(mode, reference_audio_t),
+        )
 
     @classmethod
     def execute(
@@ -107,6 +141,7 @@ class H3Sampler(io.ComfyNode):
         first_frame=None,
         last_frame=None,
         references=None,
+        reference_audio_t=REFERENCE_AUDIO_T,
     ):
         from .patchers import DiTRun, load_vae
 
@@ -119,6 +154,7 @@ class H3Sampler(io.ComfyNode):
             "audio_vae": audio_vae,
         }
         check_mode(mode, lambda name: given[name] is not None)
+        check_reference_audio_t(mode, reference_audio_t)
         prompt = prompt_of(conditioning)
         width, height, length = canvas.width, canvas.height, canvas.length
         reference_latents, keyframes = None, ()
@@ -172,7 +208,9 @@ class H3Sampler(io.ComfyNode):
         )
         try:
             if reference_latents is not None:
-                video, audio = generate_ref2va(model.model, prompt, reference_latents, **common)
+                video, audio = generate_ref2va(
+                    model.model, prompt, reference_latents, reference_audio_t=reference_audio_t, **common
+                )
             else:
                 video, audio = generate(model.model, prompt, keyframes=keyframes, **common)
         except torch.OutOfMemoryError as exc:

@@ -4,7 +4,8 @@ frontend's rules, against the server's ``/object_info``:
 * each active node (mode 0) becomes ``{"class_type", "inputs"}`` under its id;
 * inputs are read in the node type's input order (required, then optional); a linked input becomes
   ``[source id, source slot]``; a widget input takes the next ``widgets_values`` entry (a widget turned into
-  a linked input still holds its entry);
+  a linked input still holds its entry); a widget past the saved entries (added to the node after the workflow
+  was saved) takes its default;
 * the frontend's own widgets hold entries too and are skipped: the "control after generate" value after a
   seed, and the upload button after an ``image_upload`` combo.
 
@@ -61,7 +62,15 @@ def to_api(workflow: dict, object_info: dict) -> dict:
                 spec = specs[name]
                 if _is_widget(spec):
                     if not values:
-                        raise WorkflowError(f"node {node['id']} ({node['type']}): no widget value left for {name!r}")
+                        # a widget newer than the saved workflow keeps its default, as the frontend leaves it
+                        options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                        if "default" not in options:
+                            raise WorkflowError(
+                                f"node {node['id']} ({node['type']}): no widget value left for {name!r}"
+                            )
+                        if name not in linked:
+                            inputs[name] = options["default"]
+                        continue
                     value = values.pop(0)
                     del values[: _extra_widgets(name, spec)]
                     if name not in linked:

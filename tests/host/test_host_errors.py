@@ -113,6 +113,12 @@ def test_what_needs_no_model_is_refused_before_anything_loads(bad_files, change,
     refused_at_validation(bad_files, generation(prefix="H3/bad", **change), pattern)
 
 
+def _with_sampler(prompt, **inputs):
+    sampler = next(node for node in prompt.values() if node["class_type"] == "H3Sampler")
+    sampler["inputs"].update(inputs)
+    return prompt
+
+
 def _without_encoder_references(prompt):
     del prompt["5"]["inputs"]["references"]
     return prompt
@@ -126,8 +132,16 @@ def _without_encoder_references(prompt):
             r"mode T2VA: takes no references, but references are connected",
         ),
         (lambda: generation("Ref2VA", prefix="H3/bad"), r"mode Ref2VA: needs references"),
+        (
+            lambda: _with_sampler(generation("T2VA", prefix="H3/bad"), reference_audio_t=0.9),
+            r"reference_audio_t: 0\.9 mixes noise into audio references, which only mode Ref2VA has \(mode T2VA\)",
+        ),
+        (
+            lambda: _with_sampler(generation("T2VA", prefix="H3/bad"), reference_audio_t=1.5),
+            r"reference_audio_t: got 1\.5; allowed: a number from 0\.5 to 1\.0",
+        ),
     ],
-    ids=["t2va-with-references", "ref2va-without-references"],
+    ids=["t2va-with-references", "ref2va-without-references", "t2va-reference-audio-t", "reference-audio-t-range"],
 )
 def test_bad_ref2va_requests_are_refused_when_queued(server, build, pattern):
     refused_at_validation(server, build(), pattern)

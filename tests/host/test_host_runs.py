@@ -93,6 +93,30 @@ def test_a_generation_writes_a_playable_mp4(server, mode, frames):
 # An image reference is encoded at its released size (a 2048 px short edge, h3_core.pipeline.conditioning), the
 # costliest
 # part of a run on the CPU: one case holds an image, beside a video with its soundtrack and a sound.
+def mp4_audio(path):
+    import av
+    import numpy as np
+
+    with av.open(str(path)) as container:
+        return np.concatenate([f.to_ndarray() for f in container.decode(audio=0)], axis=1)
+
+
+def test_reference_audio_mixed_with_noise_changes_the_clip(server):
+    """``reference_audio_t`` below 1 (the native model's audio noise augmentation) reaches the run: the same seed
+    with the audio reference held clean (the default) and mixed to t = 0.6 gives different soundtracks, and the
+    clean one again is the same clip."""
+    sounds = {}
+    for label, t in (("clean", 1.0), ("mixed", 0.6), ("again", 1.0)):
+        prompt = with_references(generation("Ref2VA", prefix=f"H3/ref_audio_{label}"), audio="tone.wav")
+        next(node for node in prompt.values() if node["class_type"] == "H3Sampler")["inputs"]["reference_audio_t"] = t
+        entry = server.run(prompt)
+        assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+        (path,) = mp4_files(entry, server.output)
+        sounds[label] = mp4_audio(path)
+    assert sounds["clean"].shape == sounds["mixed"].shape
+    assert (sounds["clean"] == sounds["again"]).all() and not (sounds["clean"] == sounds["mixed"]).all()
+
+
 @pytest.mark.parametrize(
     "refs",
     [dict(image="first.png", video="clip.mp4", audio="tone.wav"), dict(audio="tone.wav")],

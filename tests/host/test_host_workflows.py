@@ -34,3 +34,19 @@ def test_every_node_and_link_fits_the_server(server, path):
     assert sampler["inputs"]["canvas"][0] == next(k for k, v in prompt.items() if v["class_type"] == "H3Canvas")
     attention = next(node for node in prompt.values() if node["class_type"] == "H3AttentionSettings")
     assert attention["inputs"]["memory_mode"] == "auto"
+
+
+def test_a_workflow_saved_before_a_widget_was_added_takes_its_default(server):
+    """A sampler saved before ``reference_audio_t`` existed has one widget value fewer; the frontend leaves the
+    new widget at its default, and so does the conversion here."""
+    workflow = json.loads((WORKFLOWS[0].parent / "h3_ref2va.json").read_text())
+    sampler = next(node for node in workflow["nodes"] if node["type"] == "H3Sampler")
+    assert sampler["widgets_values"].pop() == 1.0  # reference_audio_t, the last widget
+    info = server.object_info()
+    prompt = to_api(workflow, info)
+    converted = next(node for node in prompt.values() if node["class_type"] == "H3Sampler")
+    assert (
+        converted["inputs"]["reference_audio_t"]
+        == info["H3Sampler"]["input"]["optional"]["reference_audio_t"][1]["default"]
+        == 1.0
+    )
