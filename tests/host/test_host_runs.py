@@ -54,6 +54,7 @@ def test_object_info_lists_every_node_with_its_types(server):
         "first_frame",
         "last_frame",
         "references",
+        "reference_audio_t",
     }
     # the dropdowns list the tiny checkpoints from the host's model folders
     required = info["H3DiTLoader"]["input"]["required"]
