@@ -27,6 +27,9 @@ TORCH_DTYPES = {
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
@@ -58,9 +61,9 @@ class CheckpointFiles:
         self._spans: dict[str, tuple[int, int]] = {}  # key -> (first byte in its file, byte count)
         self.metadata: dict[str, str] = {}
         for f in files:
-            header = read_header(f)
+            header, size = _read_header(f)
             self.metadata.update(header.pop("__metadata__", None) or {})
-            data_start = 8 + _header_size(f)
+            data_start = 8 + size
             for key, info in header.items():
                 self._where[key] = f
                 self.dtypes[key] = info["dtype"]
@@ -107,13 +110,13 @@ class CheckpointFiles:
         return self._handles[f].get_tensor(key)
 
 
-def _header_size(path: Path) -> int:
-    with open(path, "rb") as fh:
-        return int.from_bytes(fh.read(8), "little")
-
-
 def read_header(path: Path) -> dict:
     """The JSON header of a safetensors file, read without touching the tensors."""
+    return _read_header(path)[0]
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """``read_header`` and the header's length in bytes (the tensors start 8 bytes after it)."""
     with open(path, "rb") as fh:
         head = fh.read(8)
         if len(head) != 8:
@@ -138,4 +141,4 @@ def read_header(path: Path) -> dict:
         raise H3InputError(
             f"{path}: truncated: the header describes {needed} bytes but the file has {actual}; download it again"
         )
-    return header
+    return header, size

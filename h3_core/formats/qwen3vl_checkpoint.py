@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from ..errors import H3InputError
-from .files import CheckpointFiles
+from .files import TORCH_DTYPES, CheckpointFiles
 from .keymap import QUANTIZED_DTYPES, KeyMap, Rule
 from .quant_layers import LayerQuant, count_kinds, layer_quants
 from .quantized_files import QuantizedView
@@ -75,23 +75,7 @@ _SIDECARS = (".comfy_quant", ".weight_scale", ".weight_scale_2", ".pre_quant_sca
 # The comfy_quant formats ComfyUI's Qwen3-VL text encoders are stored in (int8_convrot: int8_tensorwise layers;
 # nvfp4_awq: nvfp4 layers and an int8_tensorwise embedding table), the ones comfy-kitchen layers hold.
 TEXT_ENCODER_FORMATS = ("int8_tensorwise", "nvfp4")
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
+_DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 
 # What no tensor shape shows, as Qwen3-VL-32B-Instruct's config.json (the H3 release's text_encoder/) gives
 # it; ComfyUI builds the same model: llama.py Qwen3VL_8BConfig / Qwen3VL_32BConfig (rope_theta 5e6,
