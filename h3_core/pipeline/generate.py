@@ -3,7 +3,8 @@
 ``generate`` packs the request, draws the noise from ``seed`` in the released order, runs the denoising loop
 and returns the latents in model space: video ``[24, T, h, w]`` and audio ``[2, 32, Ta]`` (left, right). The
 caller decodes them (``h3_core.media.tiling.decode_video``, the audio VAE). Keyframes come as latents in model space
-(``[24, 1, h, w]``, as the released encode produces them) with their anchors, "first" and/or "last".
+(``[24, 1, h, w]``, as the released encode produces them) with their anchors, "first" and/or "last", or as
+``Keyframe``s at any frame with their soundtracks (held clean at ``t = 1``, like reference audio).
 ``generate_ref2va`` does the same for a Ref2VA request: images and videos as latents of their own size, their
 soundtracks and audio references as audio latents. Reference video rows are noised to ``t = 0.999`` and held
 there; reference audio rows ride along clean at ``t = 1`` (or mixed to ``reference_audio_t`` when asked); the
@@ -22,8 +23,9 @@ from ..errors import H3InputError
 from ..models.hybrid import RELEASE_WINDOW, HybridContext
 from ..triton_forms import check_compile
 from .geometry import audio_latents, check_canvas, check_frames, latent_frames
+from .keyframes import Keyframe
 from .noise import REFERENCE_AUDIO_T, initial_noise, noised_reference_audio
-from .packing import PackedSequence, Reference, pack_ref2va, pack_sequence, unpatchify
+from .packing import PackedSequence, Reference, pack_ref2va, pack_sequence, soundtrack_rows, unpatchify
 from .prompt import PromptEmbedding
 from .sampler import denoise
 from .schedule import AUDIO_SHIFT, VIDEO_SHIFT
@@ -41,7 +43,7 @@ def generate(
     height: int,
     steps: int,
     seed: int,
-    keyframes: tuple[tuple[str, torch.Tensor], ...] = (),
+    keyframes: Sequence[tuple[str, torch.Tensor] | Keyframe] = (),
     video_shift: float = VIDEO_SHIFT,
     audio_shift: float = AUDIO_SHIFT,
     device: torch.device | str = "cpu",
@@ -52,29 +54,40 @@ def generate(
     before_sampling: Callable[[PackedSequence], None] | None = None,
     compile: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` is a sequence of
-    ``(anchor, latent)`` pairs. For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the
-    window softmax; a plain H3 model ignores them. ``before_sampling(packed)`` is called once the request is
-    packed, before the first evaluation (e.g. to fit the model to the device for that sequence). ``compile``
-    (``"auto"`` / ``"off"``): ``"off"`` runs every evaluation on the plain path, no ``torch.compile`` and no
-    Triton kernel (``block_fused.evaluate``); give ``placement.place_for_run`` the same. Runs under inference
-    mode whatever the caller's grad state (a model fresh from its constructor included). Returns
-    ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32."""
+    """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` lists, in packed order,
+    ``(anchor, latent)`` pairs ("first" / "last", the released FL2VA anchors) and/or ``Keyframe``s (anywhere in
+    the clip, with a soundtrack, as ComfyUI's native guides: ``h3_core.pipeline.keyframes``). For a VDN-H3 model
+    (``model.cfg.hybrid``) ``window`` and ``backend`` pick the window softmax; a plain H3 model ignores them.
+    ``before_sampling(packed)`` is called once the request is packed, before the first evaluation (e.g. to fit
+    the model to the device for that sequence). ``compile`` (``"auto"`` / ``"off"``): ``"off"`` runs every
+    evaluation on the plain path, no ``torch.compile`` and no Triton kernel (``block_fused.evaluate``); give
+    ``placement.place_for_run`` the same. Runs under inference mode whatever the caller's grad state (a model
+    fresh from its constructor included). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space,
+    fp32."""
     check_compile(compile)
     T, h, w, Ta = _clip_shape(frames, width, height)
-    for anchor, latent in keyframes:
+    slots, conditions, audio_rows = [], [], []
+    for i, keyframe in enumerate(keyframes):
+        if isinstance(keyframe, Keyframe):
+            slots.append(keyframe.slot(i, frames, h, w, Ta))
+            conditions += [keyframe.video] if keyframe.video is not None else []
+            audio_rows += [keyframe.audio_rows()] if keyframe.audio is not None else []
+            continue
+        anchor, latent = keyframe
         if tuple(latent.shape) != (24, 1, h, w):
             raise H3InputError(
                 f"the {anchor} keyframe latent must be [24, 1, {h}, {w}] for a {width}x{height} canvas, "
                 f"got {tuple(latent.shape)}"
             )
-    packed = pack_sequence(prompt.tags, T, h, w, Ta, keyframes=tuple(a for a, _ in keyframes))
+        slots.append(anchor)
+        conditions.append(latent)
+    packed = pack_sequence(prompt.tags, T, h, w, Ta, keyframes=tuple(slots))
     return _sample(
         model,
         prompt,
         packed,
-        [z for _, z in keyframes],
-        [],
+        conditions,
+        audio_rows,
         (T, h, w, Ta),
         steps=steps,
         seed=seed,
@@ -127,7 +140,7 @@ class ReferenceLatents:
 
     def audio_rows(self) -> torch.Tensor | None:
         """The soundtrack in row layout ``[2 · Ta, 32]``, left channel first."""
-        return None if self.audio is None else self.audio.float().transpose(1, 2).reshape(-1, 32)
+        return None if self.audio is None else soundtrack_rows(self.audio)
 
 
 @torch.inference_mode()

@@ -10,7 +10,9 @@ video by the text encoder's tags), and a rotary ``(t, h, w)`` position in float6
   * audio latent j of both channels at time ``origin + j`` (the same clock at 40 latents/s), no height,
     the left channel at the first width coordinate and the right one at the last;
   * a keyframe block takes the target frame grid, at the first latent's time ("first") or the last's
-    ("last", summed pairwise as released).
+    ("last", summed pairwise as released); a keyframe placed at pixel frame ``i`` (``KeyframeSlot``, ComfyUI's
+    native placement) starts at ``origin + 5/3 · i``, its latent frames on the video clock from there and its
+    soundtrack's rows (after its video rows) on the audio clock from the same time.
 Audio rows are channel-major (all left-channel latents, then all right). Video rows are t-major, then
 rows of 2×2 latent patches (``patchify``).
 """
@@ -27,12 +29,14 @@ from ..attention.layout import SequenceLayout, Span
 from ..errors import H3InputError
 
 __all__ = [
+    "KeyframeSlot",
     "PackedSequence",
     "Reference",
     "pack_sequence",
     "pack_ref2va",
     "patchify",
     "unpatchify",
+    "soundtrack_rows",
     "AUDIO_TAG",
     "VIDEO_TAG",
     "TEXT_TAG",
@@ -70,6 +74,11 @@ def unpatchify(
         ph=ph,
         pw=pw,
     )
+
+
+def soundtrack_rows(audio: torch.Tensor) -> torch.Tensor:
+    """Audio latents ``[2, 32, Ta]`` → rows ``[2 · Ta, 32]`` (channel-major: the left channel's latents first)."""
+    return audio.float().transpose(1, 2).reshape(-1, audio.shape[1])
 
 
 def _spatial_axis(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:
@@ -130,6 +139,28 @@ def _tags(T, text_tags, text_index, audio_index, video_index):
 
 
 @dataclass(frozen=True)
+class KeyframeSlot:
+    """One keyframe block by its geometry: placed at pixel frame ``frame_index`` of the target clip, ``frames``
+    latent frames of video rows (1 for an image, 0 for none) and ``audio_latents`` of soundtrack per channel."""
+
+    frame_index: int
+    frames: int = 1
+    audio_latents: int = 0
+
+
+def _keyframe_slot(keyframe) -> KeyframeSlot | str:
+    if isinstance(keyframe, KeyframeSlot):
+        if keyframe.frame_index < 0 or keyframe.frames < 0 or keyframe.audio_latents < 0:
+            raise H3InputError(f"a keyframe slot counts from 0, got {keyframe}")
+        if keyframe.frames == 0 and keyframe.audio_latents == 0:
+            raise H3InputError(f"a keyframe needs video or audio rows, got {keyframe}")
+        return keyframe
+    if keyframe not in ("first", "last"):
+        raise H3InputError(f"a keyframe anchor must be 'first' or 'last', got {keyframe!r}")
+    return keyframe
+
+
+@dataclass(frozen=True)
 class PackedSequence:
     """Positions ``[T, 3]`` (float64), tags ``[T]``, the row indices of each kind, and the geometry."""
 
@@ -140,6 +171,7 @@ class PackedSequence:
     text_index: torch.Tensor
     condition_rows: int
     layout: SequenceLayout  # for the window softmax: globals = text, keyframes and audio
+    condition_audio_rows: int = 0  # keyframe soundtrack rows, first in ``audio_index``
 
 
 def pack_sequence(
@@ -149,38 +181,50 @@ def pack_sequence(
     width: int,
     audio_latents: int,
     *,
-    keyframes: tuple[str, ...] = (),
+    keyframes: tuple[str | KeyframeSlot, ...] = (),
     patch: tuple[int, int, int] = (1, 2, 2),
     audio_channels: int = 2,
 ) -> PackedSequence:
     """Lay out one request (module docstring). ``frames``/``height``/``width`` are the target latent
-    geometry; ``keyframes`` lists "first" / "last" per keyframe block, in packed order."""
+    geometry; ``keyframes`` lists, in packed order, each keyframe block: "first" / "last" (one latent frame at
+    the released anchors) or a ``KeyframeSlot`` (ComfyUI's native placement at a pixel frame, with its
+    soundtrack)."""
     _, ph, pw = patch
     if height % ph or width % pw:
         raise H3InputError(f"latent size {height}x{width} must be a multiple of the patch {ph}x{pw}")
-    for anchor in keyframes:
-        if anchor not in ("first", "last"):
-            raise H3InputError(f"a keyframe anchor must be 'first' or 'last', got {anchor!r}")
+    slots = [_keyframe_slot(k) for k in keyframes]
     L = int(text_tags.shape[0])
     per_frame = (height // ph) * (width // pw)
-    cond_rows = len(keyframes) * per_frame
-    audio_rows = audio_latents * audio_channels
-    cond0, audio0 = L, L + cond_rows
-    video0 = audio0 + audio_rows
+    blocks = [(1, 0) if isinstance(s, str) else (s.frames, s.audio_latents) for s in slots]
+    cond_rows = sum(f for f, _ in blocks) * per_frame
+    cond_audio_rows = sum(a for _, a in blocks) * audio_channels
+    cond0 = L
+    audio0 = cond0 + cond_rows + cond_audio_rows
+    video0 = audio0 + audio_latents * audio_channels
     T = video0 + frames * per_frame
 
     positions = torch.zeros(T, 3, dtype=torch.float64)
     positions[:L, 0] = torch.arange(L, dtype=torch.float64)
     grid, xs = _frame_grid(height, width, ph, pw)
-    for i, anchor in enumerate(keyframes):
-        rows = slice(cond0 + i * per_frame, cond0 + (i + 1) * per_frame)
-        positions[rows, 0] = float(L) if anchor == "first" else _last_frame_time(frames, float(L))
-        positions[rows, 1:] = grid
+    cond_video, cond_audio, cursor = [], [], cond0
+    for slot in slots:
+        if isinstance(slot, str):
+            time = float(L) if slot == "first" else _last_frame_time(frames, float(L))
+            stop = _fill_video(positions, cursor, 1, grid, time)
+        else:
+            time = float(L) + FRAME_RESCALE * slot.frame_index
+            stop = _fill_video(positions, cursor, slot.frames, grid, time) if slot.frames else cursor
+        cond_video.append(torch.arange(cursor, stop))
+        cursor = stop
+        if not isinstance(slot, str) and slot.audio_latents:
+            stop = _fill_audio(positions, cursor, slot.audio_latents, time, xs, audio_channels)
+            cond_audio.append(torch.arange(cursor, stop))
+            cursor = stop
     _fill_audio(positions, audio0, audio_latents, float(L), xs, audio_channels)
     _fill_video(positions, video0, frames, grid, float(L))
 
-    video_index = torch.cat([torch.arange(cond0, audio0), torch.arange(video0, T)])
-    audio_index = torch.arange(audio0, video0)
+    video_index = torch.cat([*cond_video, torch.arange(video0, T)])
+    audio_index = torch.cat([*cond_audio, torch.arange(audio0, video0)])
     text_index = torch.arange(L)
     tags = _tags(T, text_tags, text_index, audio_index, video_index)
     layout = SequenceLayout(
@@ -190,9 +234,15 @@ def pack_sequence(
         tokens_per_frame=per_frame,
         frame_h=height // ph,
         frame_w=width // pw,
-        global_spans=(Span("text", 0, L), Span("conditioning", cond0, cond_rows), Span("audio", audio0, audio_rows)),
+        global_spans=(
+            Span("text", 0, L),
+            Span("conditioning", cond0, audio0 - cond0),
+            Span("audio", audio0, video0 - audio0),
+        ),
     )
-    return PackedSequence(positions, tags, video_index, audio_index, text_index, cond_rows, layout)
+    return PackedSequence(
+        positions, tags, video_index, audio_index, text_index, cond_rows, layout, condition_audio_rows=cond_audio_rows
+    )
 
 
 @dataclass(frozen=True)
