@@ -45,10 +45,12 @@ from .geometry import (
     MAX_PIXELS,
     MIN_ASPECT,
     SHORT_EDGE,
+    audio_latents,
     canvas_size,
     check_canvas,
     snap_frames,
 )
+from .keyframes import Keyframe, guide_audio_latents, guide_frames, resolve_frame_index
 
 __all__ = [
     "AUDIO_SAMPLE_RATE",
@@ -63,6 +65,7 @@ __all__ = [
     "fit_keyframe",
     "fit_keyframes",
     "encode_keyframes",
+    "encode_keyframe",
     "normalize_image_reference",
     "normalize_video_reference",
     "normalize_audio_reference",
@@ -364,6 +367,55 @@ def encode_keyframes(
         raise H3InputError(f"each keyframe anchor may be used once, got {anchors}")
     fitted = fit_keyframes([image for _, image in keyframes], width, height)
     return tuple((anchor, _encode_pixels(vae, pixels[None], **options)) for anchor, pixels in zip(anchors, fitted))
+
+
+def encode_keyframe(
+    frame_idx: int,
+    frames: int,
+    width: int,
+    height: int,
+    *,
+    images: torch.Tensor | None = None,
+    waveform: torch.Tensor | None = None,
+    sample_rate: int | None = None,
+    vae=None,
+    audio_vae=None,
+    audio_overrides=None,
+    **options,
+) -> Keyframe:
+    """One keyframe anywhere in a clip of ``frames`` frames on the ``width`` × ``height`` canvas, as ComfyUI's
+    native guides are made (``h3_core.pipeline.keyframes``): ``images`` ``[F, H, W, 3]`` in [0, 1] (a still, or a
+    clip cut to ``guide_frames(F)``) cover-cropped onto the canvas frame by frame and encoded as a condition;
+    ``waveform`` ``[channels, samples]`` at ``sample_rate`` made stereo 32 kHz, encoded whole (posterior mean,
+    the encoder attention as ``audio_overrides`` says) and cut to the audio left after the anchor frame.
+    ``frame_idx`` counts from the start, or from the end when negative. ``options`` go to ``encode_video``."""
+    if images is None and waveform is None:
+        raise H3InputError("a keyframe needs images, audio or both; got neither")
+    span = 1
+    if images is not None:
+        if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[0] == 0:
+            shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+            raise H3InputError(f"the keyframe's images must be a batch [frames, height, width, 3], got {shape}")
+        span = guide_frames(int(images.shape[0]))
+    index = resolve_frame_index(frame_idx, frames, span)
+    video = audio = None
+    if images is not None:
+        if vae is None:
+            raise H3InputError("a keyframe's images need the video VAE; none was given")
+        pixels = torch.stack([fit_keyframe(image, width, height, fit="cover") for image in images[:span]])
+        video = _encode_pixels(vae, pixels, **options)
+    if waveform is not None:
+        room = guide_audio_latents(index, audio_latents(frames))
+        if room < 1:
+            raise H3InputError(f"frame_idx: {frame_idx} is past the end of the clip's audio; anchor the audio earlier")
+        if audio_vae is None:
+            raise H3InputError("a keyframe's audio needs the audio VAE; none was given")
+        rate = _check_rate(sample_rate, "the sample rate of the keyframe's audio")
+        # encoded whole and then cut, as native does (the frame count only bounds the samples kept)
+        whole = math.ceil(waveform.shape[-1] / rate * FPS) + 1 if isinstance(waveform, torch.Tensor) else 1
+        stereo = _normalize_soundtrack(waveform, rate, whole, "the keyframe's audio")
+        audio = _encode_audio(audio_vae, stereo, audio_overrides)[..., :room].contiguous()
+    return Keyframe(index, video=video, audio=audio)
 
 
 def _encode_pixels(vae, frames: torch.Tensor, **options) -> torch.Tensor:

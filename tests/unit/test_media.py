@@ -16,6 +16,8 @@ from h3_core.formats.video_vae import load_video_vae
 from h3_core.models.audio_vae import AudioVAEConfig
 from h3_core.models.video_vae import VideoVAEConfig
 from h3_core.pipeline.conditioning import (
+    NormalizedReference,
+    encode_keyframe,
     encode_keyframes,
     encode_reference,
     fit_keyframe,
@@ -533,3 +535,51 @@ def test_quantize_rounds_like_diffusers():
     frames = torch.rand(5, 4, 4, 3)
     picked = quantize_pixels(frames, "x", frames=True, select=torch.tensor([4, 4, 0]))
     assert torch.equal(picked, quantize_pixels(frames, "x", frames=True)[[4, 4, 0]])
+
+
+# ---- keyframes anywhere ------------------------------------------------------------------------
+
+
+def test_a_still_keyframe_is_cover_cropped_and_encoded_as_a_released_follower(video_vaes):
+    ours_vae, _ = video_vaes
+    first, still = image(45, 45), image(20, 80, seed=3)
+    (_, _), (_, released) = encode_keyframes(ours_vae, (("first", first), ("last", still)), 96, 64)
+    keyframe = encode_keyframe(-1, 22, 96, 64, images=still[None], vae=ours_vae)
+    assert keyframe.frame_index == 21 and keyframe.audio is None
+    assert torch.equal(keyframe.video, released)
+
+
+def test_a_clip_keyframe_keeps_its_17k_plus_5_first_frames(video_vaes):
+    ours_vae, _ = video_vaes
+    frames = torch.stack([image(40, 60, seed=s) for s in range(8)])
+    keyframe = encode_keyframe(3, 22, 64, 32, images=frames, vae=ours_vae)
+    cropped = torch.stack([fit_keyframe(f, 64, 32, fit="cover") for f in frames[:5]])
+    expected = encode_reference(NormalizedReference("video", pixels=cropped), ours_vae).video
+    assert keyframe.frame_index == 3 and keyframe.video.shape == (24, 2, 2, 4)
+    assert torch.equal(keyframe.video, expected)
+
+
+def test_keyframe_audio_is_encoded_whole_then_cut_to_the_room_after_its_frame(audio_vaes):
+    ours_audio_vae, _ = audio_vaes
+    waveform = torch.from_numpy(rng(4).uniform(-0.5, 0.5, (1, 48000)).astype(np.float32))
+    keyframe = encode_keyframe(12, 22, 64, 32, waveform=waveform, sample_rate=48000, audio_vae=ours_audio_vae)
+    whole = encode_reference(normalize_audio_reference(waveform, 48000, frames=39), audio_vae=ours_audio_vae).audio
+    room = math.floor(37 - 5 / 3 * 12)  # the clip's 37 audio latents less the 20 before frame 12
+    assert keyframe.video is None and keyframe.audio.shape == (2, 32, room)
+    assert torch.equal(keyframe.audio, whole[..., :room])
+
+
+def test_keyframe_encode_errors(video_vaes, audio_vaes):
+    ours_vae, _ = video_vaes
+    ours_audio_vae, _ = audio_vaes
+    still = torch.rand(1, 32, 32, 3)
+    with pytest.raises(H3InputError, match="needs images, audio or both"):
+        encode_keyframe(0, 22, 64, 32)
+    with pytest.raises(H3InputError, match="need the video VAE"):
+        encode_keyframe(0, 22, 64, 32, images=still)
+    with pytest.raises(H3InputError, match=r"frame_idx: 22 does not place a still keyframe .* nearest: 21"):
+        encode_keyframe(22, 22, 64, 32, images=still, vae=ours_vae)
+    with pytest.raises(H3InputError, match="audio needs the audio VAE"):
+        encode_keyframe(-1, 22, 64, 32, waveform=torch.zeros(1, 800), sample_rate=32000)
+    last = encode_keyframe(-1, 22, 64, 32, waveform=torch.zeros(1, 800), sample_rate=32000, audio_vae=ours_audio_vae)
+    assert last.frame_index == 21 and last.audio.shape == (2, 32, 1)  # 800 samples: one latent, within the room
