@@ -7,6 +7,7 @@ from .attention import H3AttentionSettings
 from .canvas import H3Canvas
 from .decode import H3AudioDecode, H3VideoDecode
 from .decode_and_save import H3DecodeAndSave
+from .keyframes import H3AddKeyframe
 from .loaders import H3AudioVAELoader, H3DiTLoader, H3PromptEmbeddingLoader, H3TextEncoderLoader, H3VideoVAELoader
 from .lora import H3LoraLoader
 from .references import H3AddReference, H3LoadAudio
@@ -23,6 +24,7 @@ NODES = [
     H3PromptEmbeddingLoader,
     H3Canvas,
     H3TextEncode,
+    H3AddKeyframe,
     H3AddReference,
     H3LoadAudio,
     H3AttentionSettings,

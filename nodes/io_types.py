@@ -10,3 +10,4 @@ H3TextEncoder = io.Custom("H3_TEXT_ENCODER")  # nodes.patchers.TextEncoderPatche
 H3References = io.Custom("H3_REFERENCES")  # a list of nodes.references.RawReference, in prompt order
 H3Attention = io.Custom("H3_ATTENTION")  # nodes.attention.AttentionSettings
 H3Canvas = io.Custom("H3_CANVAS")  # nodes.canvas.Canvas
+H3Keyframes = io.Custom("H3_KEYFRAMES")  # a list of nodes.keyframes.RawKeyframe, in packed order

@@ -16,7 +16,7 @@ from .attention import DEFAULT
 from .checks import check_choice, check_linked_types, linked, verdict
 from .conditioning import prompt_of, references_of
 from .images import single_image
-from .io_types import H3Attention, H3AudioVAE, H3Canvas, H3Model, H3References, H3VideoVAE
+from .io_types import H3Attention, H3AudioVAE, H3Canvas, H3Keyframes, H3Model, H3References, H3VideoVAE
 from .latents import to_latent
 from .references import encoded
 
@@ -26,7 +26,7 @@ MODES = ("T2VA", "FL2VA", "Ref2VA")
 def check_mode(mode, connected) -> None:
     """What ``mode`` needs connected and refuses (``connected(name)``: whether an input is linked)."""
     check_choice("mode", mode, MODES)
-    keyframes = [name for name in ("first_frame", "last_frame") if connected(name)]
+    keyframes = [name for name in ("first_frame", "last_frame", "keyframes") if connected(name)]
     if mode != "FL2VA" and keyframes:
         raise H3InputError(
             f"mode {mode}: takes no keyframes, but {' and '.join(keyframes)} is connected; choose mode "
@@ -38,8 +38,11 @@ def check_mode(mode, connected) -> None:
         )
     if mode == "FL2VA":
         if not keyframes:
-            raise H3InputError("mode FL2VA: needs a first_frame, a last_frame or both; connect an image")
-        if not connected("video_vae"):
+            raise H3InputError(
+                "mode FL2VA: needs a first_frame, a last_frame or both, or keyframes (H3 Add Keyframe); connect an "
+                "image"
+            )
+        if (connected("first_frame") or connected("last_frame")) and not connected("video_vae"):
             raise H3InputError(
                 "mode FL2VA: needs the video_vae input to encode the keyframes; connect an H3 Video VAE Loader"
             )
@@ -73,7 +76,8 @@ class H3Sampler(io.ComfyNode):
             display_name="H3 Sampler",
             category=_host.CATEGORY,
             description="Generates video and stereo audio latents: T2VA from the prompt alone, FL2VA with a first "
-            "and/or last frame (encoded with the video VAE), Ref2VA with references (images and videos through "
+            "and/or last frame (encoded with the video VAE) and/or keyframes anywhere (H3 Add Keyframe: images, "
+            "clips and audio at any frame), Ref2VA with references (images and videos through "
             "the video VAE, audio and soundtracks through the audio VAE). Euler flow matching, video shift "
             "12 and audio shift 3 as released. Progress per step; cancel stops within one model "
             "evaluation.",
@@ -95,6 +99,11 @@ class H3Sampler(io.ComfyNode):
                 ),
                 io.Image.Input("first_frame", optional=True),
                 io.Image.Input("last_frame", optional=True),
+                H3Keyframes.Input(
+                    "keyframes",
+                    optional=True,
+                    tooltip="FL2VA: keyframes at any frame (H3 Add Keyframe), after first_frame / last_frame",
+                ),
                 H3References.Input("references", optional=True),
                 io.Float.Input(
                     "reference_audio_t",
@@ -140,6 +149,7 @@ class H3Sampler(io.ComfyNode):
         audio_vae=None,
         first_frame=None,
         last_frame=None,
+        keyframes=None,
         references=None,
         reference_audio_t=REFERENCE_AUDIO_T,
     ):
@@ -149,6 +159,7 @@ class H3Sampler(io.ComfyNode):
         given = {
             "first_frame": first_frame,
             "last_frame": last_frame,
+            "keyframes": keyframes,
             "references": references,
             "video_vae": video_vae,
             "audio_vae": audio_vae,
@@ -157,7 +168,7 @@ class H3Sampler(io.ComfyNode):
         check_reference_audio_t(mode, reference_audio_t)
         prompt = prompt_of(conditioning)
         width, height, length = canvas.width, canvas.height, canvas.length
-        reference_latents, keyframes = None, ()
+        reference_latents, placed = None, ()
         if mode == "Ref2VA":
             reference_latents = _reference_latents(references, conditioning, length, video_vae, audio_vae, settings)
         if mode == "FL2VA":
@@ -175,13 +186,20 @@ class H3Sampler(io.ComfyNode):
                     f"{prompt.width}x{prompt.height} canvas, but the sampler has {list(anchors)} on "
                     f"{width}x{height}; connect the same images and canvas to H3 Text Encode"
                 )
-            keyframes = encode_keyframes(
-                load_vae(video_vae),
-                [(a, single_image(i, a + "_frame")) for a, i in images],
-                width,
-                height,
-                check_cancel=_host.check_cancel,
-            )
+            if images:
+                placed = encode_keyframes(
+                    load_vae(video_vae),
+                    [(a, single_image(i, a + "_frame")) for a, i in images],
+                    width,
+                    height,
+                    check_cancel=_host.check_cancel,
+                )
+            if keyframes:
+                from .keyframes import placed_lines
+
+                anywhere = _keyframes_anywhere(keyframes, canvas, video_vae, audio_vae, settings)
+                _host.tell(cls.hidden.unique_id, placed_lines(anywhere))
+                placed = (*placed, *anywhere)
         node_id = cls.hidden.unique_id
 
         def fit(packed):
@@ -212,7 +230,7 @@ class H3Sampler(io.ComfyNode):
                     model.model, prompt, reference_latents, reference_audio_t=reference_audio_t, **common
                 )
             else:
-                video, audio = generate(model.model, prompt, keyframes=keyframes, **common)
+                video, audio = generate(model.model, prompt, keyframes=placed, **common)
         except torch.OutOfMemoryError as exc:
             # Raised again as the same kind, so the host still frees its models for the next prompt.
             raise torch.OutOfMemoryError(
@@ -221,6 +239,17 @@ class H3Sampler(io.ComfyNode):
                 f"canvas or length, or free other models. {str(exc).splitlines()[0]}"
             ) from exc
         return io.NodeOutput(to_latent(video, audio, length))
+
+
+def _keyframes_anywhere(keyframes, canvas, video_vae, audio_vae, settings):
+    from .keyframes import encoded
+    from .patchers import load_vae
+
+    video = load_vae(video_vae) if video_vae is not None and any(k.pixels is not None for k in keyframes) else None
+    audio = load_vae(audio_vae) if audio_vae is not None and any(k.waveform is not None for k in keyframes) else None
+    return encoded(
+        keyframes, canvas.length, canvas.width, canvas.height, video, audio, _host.check_cancel, settings.overrides
+    )
 
 
 def _reference_latents(references, conditioning, length, video_vae, audio_vae, settings):

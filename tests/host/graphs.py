@@ -149,3 +149,31 @@ def with_decode_and_save(prompt: dict, prefix: str) -> dict:
         },
     }
     return prompt
+
+
+def with_keyframes(prompt: dict, keyframes: list[dict]) -> dict:
+    """``prompt`` (a ``generation``) in mode FL2VA with a chain of H3 Add Keyframe nodes feeding the sampler, one
+    per entry in order: ``frame_idx`` and any of ``image`` (a file for LoadImage), ``video`` (a file for
+    LoadVideo: its frames) and ``audio`` (a file for H3LoadAudio)."""
+    prompt = {k: {"class_type": v["class_type"], "inputs": dict(v["inputs"])} for k, v in prompt.items()}
+    prompt["7"]["inputs"]["mode"] = "FL2VA"
+    last = None
+    for i, keyframe in enumerate(keyframes):
+        base = 40 + 5 * i
+        node = {"frame_idx": keyframe["frame_idx"]}
+        if "image" in keyframe:
+            prompt[str(base)] = {"class_type": "LoadImage", "inputs": {"image": keyframe["image"]}}
+            node["images"] = [str(base), 0]
+        if "video" in keyframe:
+            prompt[str(base)] = {"class_type": "LoadVideo", "inputs": {"file": keyframe["video"]}}
+            prompt[str(base + 1)] = {"class_type": "GetVideoComponents", "inputs": {"video": [str(base), 0]}}
+            node["images"] = [str(base + 1), 0]
+        if "audio" in keyframe:
+            prompt[str(base + 2)] = {"class_type": "H3LoadAudio", "inputs": {"audio_file": keyframe["audio"]}}
+            node["audio"] = [str(base + 2), 0]
+        if last is not None:
+            node["keyframes"] = [last, 0]
+        last = str(base + 3)
+        prompt[last] = {"class_type": "H3AddKeyframe", "inputs": node}
+    prompt["7"]["inputs"]["keyframes"] = [last, 0]
+    return prompt

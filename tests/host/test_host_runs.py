@@ -18,6 +18,7 @@ NODES = {
     "H3Canvas": ({"width", "height", "length"}, ["H3_CANVAS", "INT", "INT", "INT"]),
     "H3TextEncode": ({"text_encoder", "prompt", "canvas"}, ["CONDITIONING"]),
     "H3AddReference": ({"kind", "fps"}, ["H3_REFERENCES"]),
+    "H3AddKeyframe": ({"frame_idx"}, ["H3_KEYFRAMES"]),
     "H3LoadAudio": ({"audio_file"}, ["AUDIO"]),
     "H3AttentionSettings": (
         {"window_backend", "video_vae_attention", "audio_vae_attention", "memory_mode", "compile"},
@@ -53,6 +54,7 @@ def test_object_info_lists_every_node_with_its_types(server):
         "audio_vae",
         "first_frame",
         "last_frame",
+        "keyframes",
         "references",
         "reference_audio_t",
     }
