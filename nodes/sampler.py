@@ -9,7 +9,7 @@ from comfy_api.v0_0_2 import io
 from ..h3_core.errors import H3InputError
 from ..h3_core.pipeline.conditioning import encode_keyframes
 from ..h3_core.pipeline.generate import generate, generate_ref2va
-from ..h3_core.pipeline.noise import REFERENCE_AUDIO_T
+from ..h3_core.pipeline.noise import NOISE_DRAWS, REFERENCE_AUDIO_T
 from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from . import _host
 from .attention import DEFAULT
@@ -116,13 +116,22 @@ class H3Sampler(io.ComfyNode):
                     "nodes do; below 1 mixes them with that much of the clean signal and the rest noise (t = the "
                     "value), as ComfyUI's H3 model can be asked to",
                 ),
+                io.Combo.Input(
+                    "noise",
+                    options=list(NOISE_DRAWS),
+                    default=NOISE_DRAWS[0],
+                    optional=True,
+                    tooltip="how the seed becomes the starting noise: released (as MiniMax's pipeline and diffusers "
+                    "draw it) or comfyui (as ComfyUI's own H3 nodes draw it, so the same seed starts from the same "
+                    "noise there)",
+                ),
             ],
             outputs=[io.Latent.Output(display_name="latent")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def validate_inputs(cls, mode=None, input_types=None, reference_audio_t=None):
+    def validate_inputs(cls, mode=None, input_types=None, reference_audio_t=None, noise=None):
         def connections():
             if mode is not None:
                 check_mode(mode, lambda name: linked(input_types, name))
@@ -131,6 +140,7 @@ class H3Sampler(io.ComfyNode):
             lambda: check_linked_types(cls, input_types),
             connections,
             lambda: check_reference_audio_t(mode, reference_audio_t),
+            lambda: noise is None or check_choice("noise", noise, NOISE_DRAWS),
         )
 
     @classmethod
@@ -152,6 +162,7 @@ class H3Sampler(io.ComfyNode):
         keyframes=None,
         references=None,
         reference_audio_t=REFERENCE_AUDIO_T,
+        noise=NOISE_DRAWS[0],
     ):
         from .patchers import DiTRun, load_vae
 
@@ -166,6 +177,7 @@ class H3Sampler(io.ComfyNode):
         }
         check_mode(mode, lambda name: given[name] is not None)
         check_reference_audio_t(mode, reference_audio_t)
+        check_choice("noise", noise, NOISE_DRAWS)
         prompt = prompt_of(conditioning)
         width, height, length = canvas.width, canvas.height, canvas.length
         reference_latents, placed = None, ()
@@ -223,6 +235,7 @@ class H3Sampler(io.ComfyNode):
             backend=settings.window_backend,
             before_sampling=fit,
             compile=settings.compile,
+            noise=noise,
         )
         try:
             if reference_latents is not None:

@@ -1,6 +1,7 @@
 """One T2VA / I2VA / L2VA / FL2VA generation, from conditioning to latents.
 
-``generate`` packs the request, draws the noise from ``seed`` in the released order, runs the denoising loop
+``generate`` packs the request, draws the noise from ``seed`` (in the released order, or as ComfyUI's native H3
+does), runs the denoising loop
 and returns the latents in model space: video ``[24, T, h, w]`` and audio ``[2, 32, Ta]`` (left, right). The
 caller decodes them (``h3_core.media.tiling.decode_video``, the audio VAE). Keyframes come as latents in model space
 (``[24, 1, h, w]``, as the released encode produces them) with their anchors, "first" and/or "last", or as
@@ -24,7 +25,7 @@ from ..models.hybrid import RELEASE_WINDOW, HybridContext
 from ..triton_forms import check_compile
 from .geometry import audio_latents, check_canvas, check_frames, latent_frames
 from .keyframes import Keyframe
-from .noise import REFERENCE_AUDIO_T, initial_noise, noised_reference_audio
+from .noise import REFERENCE_AUDIO_T, check_noise, noised_reference_audio, starting_rows
 from .packing import PackedSequence, Reference, pack_ref2va, pack_sequence, soundtrack_rows, unpatchify
 from .prompt import PromptEmbedding
 from .sampler import denoise
@@ -53,10 +54,13 @@ def generate(
     backend: str = "auto",
     before_sampling: Callable[[PackedSequence], None] | None = None,
     compile: str = "auto",
+    noise: str = "released",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` lists, in packed order,
     ``(anchor, latent)`` pairs ("first" / "last", the released FL2VA anchors) and/or ``Keyframe``s (anywhere in
-    the clip, with a soundtrack, as ComfyUI's native guides: ``h3_core.pipeline.keyframes``). For a VDN-H3 model
+    the clip, with a soundtrack, as ComfyUI's native guides: ``h3_core.pipeline.keyframes``). ``noise`` is the
+    starting draw from ``seed`` (``noise.NOISE_DRAWS``): ``released`` as the reference pipeline and diffusers draw
+    it, ``comfyui`` as a native ComfyUI H3 graph does. For a VDN-H3 model
     (``model.cfg.hybrid``) ``window`` and ``backend`` pick the window softmax; a plain H3 model ignores them.
     ``before_sampling(packed)`` is called once the request is packed, before the first evaluation (e.g. to fit
     the model to the device for that sequence). ``compile`` (``"auto"`` / ``"off"``): ``"off"`` runs every
@@ -65,6 +69,7 @@ def generate(
     fresh from its constructor included). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space,
     fp32."""
     check_compile(compile)
+    check_noise(noise)
     T, h, w, Ta = _clip_shape(frames, width, height)
     slots, conditions, audio_rows = [], [], []
     for i, keyframe in enumerate(keyframes):
@@ -100,6 +105,7 @@ def generate(
         backend=backend,
         before_sampling=before_sampling,
         compile=compile,
+        noise=noise,
     )
 
 
@@ -164,12 +170,15 @@ def generate_ref2va(
     before_sampling: Callable[[PackedSequence], None] | None = None,
     compile: str = "auto",
     reference_audio_t: float = REFERENCE_AUDIO_T,
+    noise: str = "released",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
     them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``.
     ``reference_audio_t``: 1 holds the audio references clean, as released; below 1 mixes them with noise to
-    that ``t`` as ComfyUI's native H3 does when asked (``noise.noised_reference_audio``), in (0, 1]."""
+    that ``t`` as ComfyUI's native H3 does when asked (``noise.noised_reference_audio``), in (0, 1]. ``noise``:
+    the starting draw, as ``generate``."""
     check_compile(compile)
+    check_noise(noise)
     if not 0.0 < float(reference_audio_t) <= 1.0:
         raise H3InputError(
             f"reference_audio_t must be in (0, 1] (1: the references held clean), got {reference_audio_t!r}"
@@ -199,6 +208,7 @@ def generate_ref2va(
         before_sampling=before_sampling,
         compile=compile,
         reference_audio_t=float(reference_audio_t),
+        noise=noise,
     )
 
 
@@ -229,8 +239,9 @@ def _sample(
     before_sampling,
     compile,
     reference_audio_t=REFERENCE_AUDIO_T,
+    noise="released",
 ):
-    """Noise drawn in the released order, conditioning in front, the denoising loop, the target unpacked."""
+    """Noise drawn as ``noise`` says, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
     text_dim = getattr(getattr(model, "cfg", None), "text_dim", None)
     if text_dim is not None and prompt.embeds.shape[1] != text_dim:
@@ -239,8 +250,7 @@ def _sample(
             "text states; encode the prompt with the text encoder made for this model"
         )
     device = torch.device(device)
-    generator = torch.Generator(device="cpu").manual_seed(int(seed))
-    condition, video, audio = initial_noise(generator, conditions, T, h, w, Ta)
+    condition, video, audio = starting_rows(noise, seed, conditions, T, h, w, Ta)
     video_rows = torch.cat([condition, video]).to(device)
     audio_rows = torch.cat([*audio_refs, audio]).to(device)
     hybrid = None

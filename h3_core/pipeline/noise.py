@@ -7,19 +7,34 @@ at ``max(t_audio, reference_audio_t)``, mixed by ``noised_reference_audio``); te
 (they reach no output head). ``row_timesteps`` reduces that to the model's ``(timesteps, timestep_index)``
 pair.
 
-Noise comes from one generator in a fixed order, so a seed means the same start as in the reference
-pipeline: one draw per conditioning latent in packed order (each mixed in at ``t = 0.999``), then the
-video latent ``[1, 24, T, h, w]``, then the audio rows ``[2 · Ta, 32]`` directly in row layout.
+Two draws of the starting noise from a seed (``NOISE_DRAWS``). ``released``: one generator in a fixed order, so a
+seed means the same start as in the reference pipeline: one draw per conditioning latent in packed order (each
+mixed in at ``t = 0.999``), then the video latent ``[1, 24, T, h, w]``, then the audio rows ``[2 · Ta, 32]``
+directly in row layout. ``comfyui``: as a native ComfyUI H3 graph draws it (``initial_noise_comfyui``), so the
+same seed gives the same start there and here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import H3InputError
 from .packing import PackedSequence, patchify
 from .schedule import noise_to
 
-__all__ = ["CONDITION_T", "REFERENCE_AUDIO_T", "row_timesteps", "initial_noise", "noised_reference_audio"]
+__all__ = [
+    "CONDITION_T",
+    "REFERENCE_AUDIO_T",
+    "NOISE_DRAWS",
+    "row_timesteps",
+    "initial_noise",
+    "initial_noise_comfyui",
+    "starting_rows",
+    "check_noise",
+    "noised_reference_audio",
+]
+
+NOISE_DRAWS = ("released", "comfyui")
 
 CONDITION_T = 0.999
 # Reference audio rows are held clean, at t = 1: MiniMax's released Ref2VA pipeline does so (noise augmentation
@@ -78,6 +93,56 @@ def initial_noise(
     rows = patch[0] * patch[1] * patch[2] * latent_channels
     condition_rows = torch.cat(conditions) if conditions else torch.empty(0, rows, device=device)
     return condition_rows, patchify(video, patch), audio
+
+
+def initial_noise_comfyui(
+    seed: int,
+    condition_latents: list[torch.Tensor],
+    frames: int,
+    height: int,
+    width: int,
+    audio_latents: int,
+    *,
+    latent_channels: int = 24,
+    audio_channels: int = 2,
+    audio_latent_channels: int = 32,
+    patch: tuple[int, int, int] = (1, 2, 2),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(condition_rows, video_rows, audio_rows)`` as ComfyUI's native H3 starts a run from ``seed``, on the CPU in
+    fp32. The host's sampler draws the target noise from one CPU generator seeded ``seed``, one draw per stream of
+    the nested latent: the video ``[1, 24, T, h, w]``, then the audio ``[1, 32, 2, Ta]`` (its rows channel-major:
+    ``[2 · Ta, 32]``) (comfy/sample.py ``prepare_noise`` at Comfy-Org/ComfyUI 542de101). The model noises each
+    condition's rows afresh from a generator seeded ``seed`` (every condition draws the same stream), in row
+    layout: ``0.999 · rows + (1 − 0.999) · ε`` with the coefficients in float64 as Python computes them
+    (comfy/ldm/minimax/model.py ``_cond_video_rows`` at 2c64d4aa)."""
+    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    video = torch.randn((1, latent_channels, frames, height, width), generator=generator, dtype=torch.float32)[0]
+    audio = torch.randn((1, audio_latent_channels, audio_channels, audio_latents), generator=generator)[0]
+    conditions = []
+    for latent in condition_latents:
+        rows = patchify(latent.to("cpu", torch.float32), patch)
+        noise = torch.randn(rows.shape, generator=torch.Generator(device="cpu").manual_seed(int(seed)))
+        conditions.append(CONDITION_T * rows + (1.0 - CONDITION_T) * noise)
+    width_rows = patch[0] * patch[1] * patch[2] * latent_channels
+    condition_rows = torch.cat(conditions) if conditions else torch.empty(0, width_rows)
+    return condition_rows, patchify(video, patch), audio.permute(1, 2, 0).reshape(-1, audio_latent_channels)
+
+
+def check_noise(draw) -> None:
+    if draw not in NOISE_DRAWS:
+        raise H3InputError(f"noise must be one of {list(NOISE_DRAWS)}, got {draw!r}")
+
+
+def starting_rows(
+    draw: str, seed: int, condition_latents: list[torch.Tensor], frames: int, height: int, width: int, audio: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The noise draw named ``draw`` (``NOISE_DRAWS``) from ``seed``: ``(condition_rows, video_rows, audio_rows)``
+    on the CPU in fp32."""
+    check_noise(draw)
+    if draw == "comfyui":
+        return initial_noise_comfyui(seed, condition_latents, frames, height, width, audio)
+    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    return initial_noise(generator, condition_latents, frames, height, width, audio)
 
 
 def noised_reference_audio(rows: list[torch.Tensor], t: float, seed: int) -> list[torch.Tensor]:

@@ -57,6 +57,7 @@ def test_object_info_lists_every_node_with_its_types(server):
         "keyframes",
         "references",
         "reference_audio_t",
+        "noise",
     }
     # the dropdowns list the tiny checkpoints from the host's model folders
     required = info["H3DiTLoader"]["input"]["required"]
@@ -118,6 +119,22 @@ def test_reference_audio_mixed_with_noise_changes_the_clip(server):
         sounds[label] = mp4_audio(path)
     assert sounds["clean"].shape == sounds["mixed"].shape
     assert (sounds["clean"] == sounds["again"]).all() and not (sounds["clean"] == sounds["mixed"]).all()
+
+
+def test_the_comfyui_noise_draw_reaches_the_run(server):
+    """``noise`` comfyui (the native graph's draw from the seed) starts elsewhere than the released draw for the
+    same seed, and is the same clip when run again. Without keyframes or references the two draws share the video's
+    noise (both draw it first) and differ in the audio's (native draws it as [32, 2, Ta], the release as rows)."""
+    sounds = {}
+    for label, draw in (("released", "released"), ("comfyui", "comfyui"), ("again", "comfyui")):
+        prompt = generation(prefix=f"H3/noise_{label}", length=22, seed=5)
+        prompt["7"]["inputs"]["noise"] = draw
+        entry = server.run(prompt)
+        assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+        (path,) = mp4_files(entry, server.output)
+        sounds[label] = mp4_audio(path)
+    assert (sounds["comfyui"] == sounds["again"]).all()
+    assert sounds["released"].shape == sounds["comfyui"].shape and not (sounds["released"] == sounds["comfyui"]).all()
 
 
 @pytest.mark.parametrize(

@@ -37,16 +37,15 @@ def test_every_node_and_link_fits_the_server(server, path):
 
 
 def test_a_workflow_saved_before_a_widget_was_added_takes_its_default(server):
-    """A sampler saved before ``reference_audio_t`` existed has one widget value fewer; the frontend leaves the
-    new widget at its default, and so does the conversion here."""
+    """A sampler saved before ``reference_audio_t`` and ``noise`` existed has two widget values fewer; the frontend
+    leaves the new widgets at their defaults, and so does the conversion here."""
     workflow = json.loads((WORKFLOWS[0].parent / "h3_ref2va.json").read_text())
     sampler = next(node for node in workflow["nodes"] if node["type"] == "H3Sampler")
-    assert sampler["widgets_values"].pop() == 1.0  # reference_audio_t, the last widget
+    assert sampler["widgets_values"].pop() == "released"  # noise, the last widget
+    assert sampler["widgets_values"].pop() == 1.0  # reference_audio_t
     info = server.object_info()
     prompt = to_api(workflow, info)
     converted = next(node for node in prompt.values() if node["class_type"] == "H3Sampler")
-    assert (
-        converted["inputs"]["reference_audio_t"]
-        == info["H3Sampler"]["input"]["optional"]["reference_audio_t"][1]["default"]
-        == 1.0
-    )
+    optional = info["H3Sampler"]["input"]["optional"]
+    assert converted["inputs"]["reference_audio_t"] == optional["reference_audio_t"][1]["default"] == 1.0
+    assert converted["inputs"]["noise"] == optional["noise"][1]["default"] == "released"
