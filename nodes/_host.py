@@ -128,6 +128,53 @@ class Progress:
         self.bar.update_absolute(done, total)
 
 
+def video_latent_format():
+    """The host's own latent format for H3's video latent where it has one, else a host ``LatentFormat`` carrying the
+    latent→RGB map of ``h3_core.media.latent_rgb`` (24 channels, 16× in space, 4× in time)."""
+    import comfy.latent_formats as formats
+
+    own = getattr(formats, "MiniMaxH3Video", None)
+    if isinstance(own, type) and issubclass(own, formats.LatentFormat):
+        return own()
+    from ..h3_core.media.latent_rgb import LATENT_RGB_BIAS, LATENT_RGB_FACTORS
+
+    class H3VideoLatent(formats.LatentFormat):
+        latent_channels = 24
+        latent_dimensions = 3
+        spacial_downscale_ratio = 16
+        temporal_downscale_ratio = 4
+        latent_rgb_factors = [list(row) for row in LATENT_RGB_FACTORS]
+        latent_rgb_factors_bias = list(LATENT_RGB_BIAS)
+
+    return H3VideoLatent()
+
+
+class PreviewProgress(Progress):
+    """The progress bar with a live preview per step, made by the host's own previewer for H3's video latent
+    (``latent_preview.get_previewer``: none when the user runs with previews off, a TAE where the host has one
+    and the user chose it, else the latent→RGB map). ``steps`` progress and ``preview`` frames come from
+    ``h3_core.pipeline.sampler.denoise``; with a previewer the preview call moves the bar, once per step."""
+
+    def __init__(self, total: int, device):
+        import latent_preview
+
+        super().__init__(total)
+        self.previewer = latent_preview.get_previewer(device, video_latent_format())
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.previewer is None:
+            super().__call__(done, total)
+
+    def preview(self, done: int, total: int, frame) -> None:
+        image = self.previewer.decode_latent_to_preview_image("JPEG", frame[None])
+        self.bar.update_absolute(done, total, image)
+
+    @property
+    def on_step(self):
+        """The ``preview`` callback for ``generate``, or None when the host sends no previews."""
+        return self.preview if self.previewer is not None else None
+
+
 def output_directory() -> Path:
     import folder_paths
 

@@ -221,6 +221,7 @@ class H3Sampler(io.ComfyNode):
             mm.load_models_gpu([model], memory_required=working)
             _host.tell(node_id, model.said())
 
+        progress = _host.PreviewProgress(steps, model.load_device)
         common = dict(
             frames=length,
             width=width,
@@ -230,12 +231,13 @@ class H3Sampler(io.ComfyNode):
             video_shift=video_shift,
             audio_shift=audio_shift,
             device=model.load_device,
-            progress=_host.Progress(steps),
+            progress=progress,
             check_cancel=_host.check_cancel,
             backend=settings.window_backend,
             before_sampling=fit,
             compile=settings.compile,
             noise=noise,
+            preview=progress.on_step,
         )
         try:
             if reference_latents is not None:

@@ -32,6 +32,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HOST = ROOT / ".host" / "comfyui-0.3.75"
 TEXT_EVENT = 3  # the host's binary event type of a node's progress text
+PREVIEW_EVENTS = (1, 4)  # a preview image, and one with its metadata (protocol.BinaryEventTypes)
 END_EVENTS = ("execution_success", "execution_error", "execution_interrupted")
 DEVICE_FLAGS = () if os.environ.get("H3_COMFY_GPU") == "1" else ("--cpu",)
 EXTRA_ARGS = tuple(shlex.split(os.environ.get("H3_COMFY_ARGS", "")))
@@ -211,8 +212,9 @@ class ComfyServer:
     def events(self, prompt: dict, timeout: float = 300):
         """Queue ``prompt`` and yield its events from the host's websocket until it ends: ``(type, data)`` for
         the JSON messages about this prompt (the last one ``execution_success``, ``execution_error`` or
-        ``execution_interrupted``) and ``("text", (node, text))`` for a node's progress text. The first event
-        is ``("queued", {"prompt_id": ...})``."""
+        ``execution_interrupted``), ``("text", (node, text))`` for a node's progress text and
+        ``("preview", payload)`` for a preview image (the bytes after the event type). The first event is
+        ``("queued", {"prompt_id": ...})``."""
         ws = _EventSocket(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}")
         try:
             answer = self.queue(prompt)
@@ -230,7 +232,9 @@ class ComfyServer:
                     if kind == TEXT_EVENT:  # node id length, node id, text
                         (size,) = struct.unpack(">I", message[4:8])
                         yield "text", (message[8 : 8 + size].decode(), message[8 + size :].decode())
-                    continue  # previews
+                    elif kind in PREVIEW_EVENTS:
+                        yield "preview", message[4:]
+                    continue
                 event = json.loads(message)
                 if event.get("data", {}).get("prompt_id") != prompt_id:
                     continue

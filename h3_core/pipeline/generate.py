@@ -55,12 +55,14 @@ def generate(
     before_sampling: Callable[[PackedSequence], None] | None = None,
     compile: str = "auto",
     noise: str = "released",
+    preview: Callable[[int, int, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` lists, in packed order,
     ``(anchor, latent)`` pairs ("first" / "last", the released FL2VA anchors) and/or ``Keyframe``s (anywhere in
     the clip, with a soundtrack, as ComfyUI's native guides: ``h3_core.pipeline.keyframes``). ``noise`` is the
     starting draw from ``seed`` (``noise.NOISE_DRAWS``): ``released`` as the reference pipeline and diffusers draw
-    it, ``comfyui`` as a native ComfyUI H3 graph does. For a VDN-H3 model
+    it, ``comfyui`` as a native ComfyUI H3 graph does. ``preview(step, steps, frame)`` receives each step's clean
+    estimate of the middle latent frame (``sampler.denoise``). For a VDN-H3 model
     (``model.cfg.hybrid``) ``window`` and ``backend`` pick the window softmax; a plain H3 model ignores them.
     ``before_sampling(packed)`` is called once the request is packed, before the first evaluation (e.g. to fit
     the model to the device for that sequence). ``compile`` (``"auto"`` / ``"off"``): ``"off"`` runs every
@@ -106,6 +108,7 @@ def generate(
         before_sampling=before_sampling,
         compile=compile,
         noise=noise,
+        preview=preview,
     )
 
 
@@ -171,6 +174,7 @@ def generate_ref2va(
     compile: str = "auto",
     reference_audio_t: float = REFERENCE_AUDIO_T,
     noise: str = "released",
+    preview: Callable[[int, int, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
     them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``.
@@ -209,6 +213,7 @@ def generate_ref2va(
         compile=compile,
         reference_audio_t=float(reference_audio_t),
         noise=noise,
+        preview=preview,
     )
 
 
@@ -240,6 +245,7 @@ def _sample(
     compile,
     reference_audio_t=REFERENCE_AUDIO_T,
     noise="released",
+    preview=None,
 ):
     """Noise drawn as ``noise`` says, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
@@ -275,6 +281,7 @@ def _sample(
         check_cancel=check_cancel,
         hybrid=hybrid,
         compile=compile,
+        preview=preview,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, h, w)

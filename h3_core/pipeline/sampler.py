@@ -13,8 +13,8 @@ from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
 from ..models.run_options import apply_run_options, evaluate, run_options_of
 from ..triton_forms import check_compile
 from .noise import REFERENCE_AUDIO_T, row_timesteps
-from .packing import PackedSequence
-from .schedule import AUDIO_SHIFT, VIDEO_SHIFT, euler_step, sigma_grid, timesteps_of
+from .packing import PackedSequence, unpatchify
+from .schedule import AUDIO_SHIFT, VIDEO_SHIFT, clean_estimate, euler_step, sigma_grid, timesteps_of
 
 __all__ = ["denoise"]
 
@@ -35,6 +35,7 @@ def denoise(
     check_cancel: Callable[[], None] | None = None,
     hybrid=None,
     compile: str = "auto",
+    preview: Callable[[int, int, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
 
@@ -49,6 +50,8 @@ def denoise(
         hybrid: a ``HybridContext`` passed to the model as ``hybrid=`` (VDN-H3); None passes nothing.
         compile: ``"auto"`` or ``"off"`` (``triton_forms.COMPILE_MODES``): each evaluation runs through
             ``block_fused.evaluate``, on the plain path when ``"off"`` or once the compiled path has failed.
+        preview: ``preview(step, steps, frame)`` after every step, ``frame`` the step's clean estimate of the
+            clip's middle latent frame, ``[24, 1, h, w]`` fp32 (what a live preview shows).
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
     """
@@ -94,6 +97,7 @@ def denoise(
                 packed.text_index.to(device),
                 **extra,
             )
+            frame = _middle_frame_estimate(packed, video_rows, v_video, video_ts[i]) if preview is not None else None
             video_rows[cv:] = euler_step(
                 video_rows[cv:], v_video[cv:].float(), float(video_sigmas[i]), float(video_sigmas[i + 1]), video_ts[i]
             )
@@ -102,9 +106,21 @@ def denoise(
             )
             if progress is not None:
                 progress(i + 1, n)
+            if preview is not None:
+                preview(i + 1, n, frame)
     finally:
         if per_block:
             apply_run_options(model, replace(before, check_cancel=None))
         if getattr(model, "adaln_on_host", False):
             clear_adaln_tables(model)
     return video_rows, audio_rows
+
+
+def _middle_frame_estimate(packed: PackedSequence, video_rows, v_video, timestep) -> torch.Tensor:
+    """The clean estimate ``x0 = x_t + (1 − t) · v`` of the target's middle latent frame, ``[24, 1, h, w]`` fp32."""
+    layout = packed.layout
+    per_frame = layout.tokens_per_frame
+    start = packed.condition_rows + layout.num_frames // 2 * per_frame
+    rows = slice(start, start + per_frame)
+    x0 = clean_estimate(video_rows[rows].float(), v_video[rows].float(), timestep)
+    return unpatchify(x0.cpu(), 24, 1, 2 * layout.frame_h, 2 * layout.frame_w)

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from comfy_host import TEXT_EVENT, ComfyServer, _EventSocket
 
-PREVIEW_EVENT = 1  # the host's binary event type of a preview image, which the driver skips
+PREVIEW_EVENT = 1  # the host's binary event type of a preview image
 BIG = bytes(range(256)) * (5 * 4096 + 7)  # over aiohttp's default 4 MiB cap on a message
 
 
@@ -121,6 +121,7 @@ def test_events_of_the_prompt_until_it_ends(host):
     got = list(host.events({"1": {"class_type": "H3Sampler", "inputs": {}}}, timeout=30))
     assert got == [
         ("queued", {"prompt_id": "p1"}),
+        ("preview", b"\xff\xd8 a jpeg"),
         ("text", ("7", "step 1 of 2 · é")),
         ("progress", {"prompt_id": "p1", "node": "7", "value": 1, "max": 2}),
         ("execution_success", {"prompt_id": "p1"}),

@@ -225,3 +225,25 @@ def test_generation_runs_whatever_the_callers_grad_state(dit):
         want, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=7)
     assert torch.equal(video, want) and not video.requires_grad and not audio.requires_grad
     assert not ref_video.requires_grad
+
+
+def test_previews_are_the_middle_frames_clean_estimate(dit):
+    """One preview per step, the middle latent frame's x0 estimate; the last step lands on x0, so the last preview
+    is the generated latent's middle frame."""
+    frames = []
+    with torch.no_grad():
+        video, _ = generate(
+            dit,
+            prompt(),
+            frames=22,
+            width=64,
+            height=32,
+            steps=3,
+            seed=2,
+            preview=lambda step, total, frame: frames.append((step, total, frame)),
+        )
+        again, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=3, seed=2)
+    assert [(s, t) for s, t, _ in frames] == [(1, 3), (2, 3), (3, 3)]
+    assert all(f.shape == (24, 1, 2, 4) and f.dtype == torch.float32 for _, _, f in frames)
+    assert torch.equal(frames[-1][2], video[:, 3:4]) and torch.equal(video, again)
+    assert not torch.equal(frames[0][2], frames[-1][2])
