@@ -1,14 +1,19 @@
 """CONDITIONING as the pack passes it: the host's ``[[tensor [1, L, width], {...}]]`` with the full
-``PromptEmbedding`` (row tags, keyframe canvas) under ``"h3_prompt"``; a plain CONDITIONING from another
-node is read as text rows."""
+``PromptEmbedding`` (row tags, keyframe canvas) under ``"h3_prompt"``. One from ComfyUI's own H3 text encoder
+brings its row tags (``minimax_token_tags``) and, from its H3 conditioning nodes, its keyframes
+(``minimax_keyframes``); any other CONDITIONING is read as text rows."""
 
 from __future__ import annotations
 
+import torch
+
 from ..h3_core.errors import H3InputError
+from ..h3_core.pipeline.native_latent import keyframe_from_native
 from ..h3_core.pipeline.prompt import PromptEmbedding, from_conditioning
 
 KEY = "h3_prompt"
 REFERENCES_KEY = "h3_references"  # (kinds in order, the length they were cut to) of a Ref2VA prompt
+NATIVE_TAGS, NATIVE_KEYFRAMES = "minimax_token_tags", "minimax_keyframes"  # Comfy-Org/ComfyUI model_base's keys
 
 
 def to_conditioning(embedding: PromptEmbedding, references: tuple = ()) -> list:
@@ -29,5 +34,20 @@ def prompt_of(conditioning, name: str = "conditioning") -> PromptEmbedding:
             "Encode or a prompt-embedding loader"
         )
     tensor, extra = conditioning[0]
-    embedding = extra.get(KEY) if isinstance(extra, dict) else None
-    return embedding if isinstance(embedding, PromptEmbedding) else from_conditioning(tensor)
+    extra = extra if isinstance(extra, dict) else {}
+    embedding = extra.get(KEY)
+    if isinstance(embedding, PromptEmbedding):
+        return embedding
+    tags = extra.get(NATIVE_TAGS)
+    if tags is None:
+        return from_conditioning(tensor)
+    # ComfyUI's own H3 text encoder: its width is the encoder's (the sampler checks it against the DiT)
+    tags = tags.reshape(-1).to("cpu", dtype=torch.long)
+    return from_conditioning(tensor, tags, features=int(getattr(tensor, "shape", (0,))[-1]))
+
+
+def native_keyframes_of(conditioning) -> list:
+    """The ``Keyframe``s a native H3 CONDITIONING carries, in its order (none for the pack's own)."""
+    extra = conditioning[0][1] if isinstance(conditioning, list) and conditioning and len(conditioning[0]) == 2 else {}
+    entries = extra.get(NATIVE_KEYFRAMES) if isinstance(extra, dict) else None
+    return [keyframe_from_native(entry, i) for i, entry in enumerate(entries or [], start=1)]

@@ -14,10 +14,10 @@ from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from . import _host
 from .attention import DEFAULT
 from .checks import check_choice, check_linked_types, linked, verdict
-from .conditioning import prompt_of, references_of
+from .conditioning import native_keyframes_of, prompt_of, references_of
 from .images import single_image
 from .io_types import H3Attention, H3AudioVAE, H3Canvas, H3Keyframes, H3Model, H3References, H3VideoVAE
-from .latents import to_latent
+from .latents import LATENT_FORMS, to_latent
 from .references import encoded
 
 MODES = ("T2VA", "FL2VA", "Ref2VA")
@@ -125,13 +125,21 @@ class H3Sampler(io.ComfyNode):
                     "draw it) or comfyui (as ComfyUI's own H3 nodes draw it, so the same seed starts from the same "
                     "noise there)",
                 ),
+                io.Combo.Input(
+                    "latent_form",
+                    options=list(LATENT_FORMS),
+                    default=LATENT_FORMS[0],
+                    optional=True,
+                    tooltip="h3: the pack's LATENT; native: ComfyUI's own H3 AV latent (a nested video + audio "
+                    "pair), for native H3 nodes downstream. The pack's decoders read both",
+                ),
             ],
             outputs=[io.Latent.Output(display_name="latent")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def validate_inputs(cls, mode=None, input_types=None, reference_audio_t=None, noise=None):
+    def validate_inputs(cls, mode=None, input_types=None, reference_audio_t=None, noise=None, latent_form=None):
         def connections():
             if mode is not None:
                 check_mode(mode, lambda name: linked(input_types, name))
@@ -141,6 +149,7 @@ class H3Sampler(io.ComfyNode):
             connections,
             lambda: check_reference_audio_t(mode, reference_audio_t),
             lambda: noise is None or check_choice("noise", noise, NOISE_DRAWS),
+            lambda: latent_form is None or check_choice("latent_form", latent_form, LATENT_FORMS),
         )
 
     @classmethod
@@ -163,6 +172,7 @@ class H3Sampler(io.ComfyNode):
         references=None,
         reference_audio_t=REFERENCE_AUDIO_T,
         noise=NOISE_DRAWS[0],
+        latent_form=LATENT_FORMS[0],
     ):
         from .patchers import DiTRun, load_vae
 
@@ -178,9 +188,19 @@ class H3Sampler(io.ComfyNode):
         check_mode(mode, lambda name: given[name] is not None)
         check_reference_audio_t(mode, reference_audio_t)
         check_choice("noise", noise, NOISE_DRAWS)
+        check_choice("latent_form", latent_form, LATENT_FORMS)
         prompt = prompt_of(conditioning)
         width, height, length = canvas.width, canvas.height, canvas.length
-        reference_latents, placed = None, ()
+        reference_latents, placed = None, tuple(native_keyframes_of(conditioning))
+        if placed and mode == "Ref2VA":
+            raise H3InputError(
+                f"conditioning: carries {len(placed)} keyframes from ComfyUI's own H3 nodes, which mode Ref2VA "
+                "does not take; choose mode T2VA or FL2VA"
+            )
+        if placed:
+            from .keyframes import placed_lines
+
+            _host.tell(cls.hidden.unique_id, ["from the conditioning:", *placed_lines(placed)])
         if mode == "Ref2VA":
             reference_latents = _reference_latents(references, conditioning, length, video_vae, audio_vae, settings)
         if mode == "FL2VA":
@@ -199,7 +219,7 @@ class H3Sampler(io.ComfyNode):
                     f"{width}x{height}; connect the same images and canvas to H3 Text Encode"
                 )
             if images:
-                placed = encode_keyframes(
+                placed += encode_keyframes(
                     load_vae(video_vae),
                     [(a, single_image(i, a + "_frame")) for a, i in images],
                     width,
@@ -253,7 +273,7 @@ class H3Sampler(io.ComfyNode):
                 "memory_mode auto on H3 Attention & Memory (it plans for the room the card has), choose a smaller "
                 f"canvas or length, or free other models. {str(exc).splitlines()[0]}"
             ) from exc
-        return io.NodeOutput(to_latent(video, audio, length))
+        return io.NodeOutput(to_latent(video, audio, length, latent_form))
 
 
 def _keyframes_anywhere(keyframes, canvas, video_vae, audio_vae, settings):

@@ -134,7 +134,11 @@ def build(mode: str) -> dict:
     prompt = REFERENCE_PROMPT if mode == "Ref2VA" else PROMPT
     encode = g.node("H3TextEncode", (400, 0), [prompt], [("conditioning", "CONDITIONING")], (400, 240))
     sampler = g.node(
-        "H3Sampler", (860, 0), [mode, 20, 12.0, 3.0, 42, "fixed", 1.0, "released"], [("latent", "LATENT")], (340, 420)
+        "H3Sampler",
+        (860, 0),
+        [mode, 20, 12.0, 3.0, 42, "fixed", 1.0, "released", "h3"],
+        [("latent", "LATENT")],
+        (340, 420),
     )
     save = g.node(
         "H3DecodeAndSave",

@@ -61,17 +61,20 @@ def _check(embeds, tags, source, features=TEXT_WIDTH):
         raise H3InputError(f"{source}: token tags must be 1 (text) or 0 (vision rows), found {bad}")
 
 
-def from_conditioning(cond: torch.Tensor, tags: torch.Tensor | None = None) -> PromptEmbedding:
-    """A ComfyUI CONDITIONING tensor ``[1, L, 5120]``; rows are text unless ``tags`` say otherwise."""
+def from_conditioning(
+    cond: torch.Tensor, tags: torch.Tensor | None = None, features: int = TEXT_WIDTH
+) -> PromptEmbedding:
+    """A ComfyUI CONDITIONING tensor ``[1, L, features]`` (5120: H3's Qwen3-VL); rows are text unless ``tags`` say
+    otherwise."""
     if not isinstance(cond, torch.Tensor) or cond.dim() != 3 or cond.shape[0] != 1:
         shape = tuple(cond.shape) if isinstance(cond, torch.Tensor) else type(cond).__name__
         raise H3InputError(
-            f"conditioning must be one [1, tokens, {TEXT_WIDTH}] tensor, got {shape}; connect the "
+            f"conditioning must be one [1, tokens, {features}] tensor, got {shape}; connect the "
             "output of an H3 text encoder"
         )
     embeds = cond[0]
     tags = torch.ones(embeds.shape[0], dtype=torch.long) if tags is None else tags.reshape(-1).to(torch.long)
-    return PromptEmbedding(embeds, tags)
+    return PromptEmbedding(embeds, tags, features=features)
 
 
 def load_prompt_embedding(path: str | Path) -> PromptEmbedding:

@@ -58,6 +58,7 @@ def test_object_info_lists_every_node_with_its_types(server):
         "references",
         "reference_audio_t",
         "noise",
+        "latent_form",
     }
     # the dropdowns list the tiny checkpoints from the host's model folders
     required = info["H3DiTLoader"]["input"]["required"]

@@ -37,11 +37,12 @@ def test_every_node_and_link_fits_the_server(server, path):
 
 
 def test_a_workflow_saved_before_a_widget_was_added_takes_its_default(server):
-    """A sampler saved before ``reference_audio_t`` and ``noise`` existed has two widget values fewer; the frontend
-    leaves the new widgets at their defaults, and so does the conversion here."""
+    """A sampler saved before ``reference_audio_t``, ``noise`` and ``latent_form`` existed has three widget values
+    fewer; the frontend leaves the new widgets at their defaults, and so does the conversion here."""
     workflow = json.loads((WORKFLOWS[0].parent / "h3_ref2va.json").read_text())
     sampler = next(node for node in workflow["nodes"] if node["type"] == "H3Sampler")
-    assert sampler["widgets_values"].pop() == "released"  # noise, the last widget
+    assert sampler["widgets_values"].pop() == "h3"  # latent_form, the last widget
+    assert sampler["widgets_values"].pop() == "released"  # noise
     assert sampler["widgets_values"].pop() == 1.0  # reference_audio_t
     info = server.object_info()
     prompt = to_api(workflow, info)
@@ -49,3 +50,4 @@ def test_a_workflow_saved_before_a_widget_was_added_takes_its_default(server):
     optional = info["H3Sampler"]["input"]["optional"]
     assert converted["inputs"]["reference_audio_t"] == optional["reference_audio_t"][1]["default"] == 1.0
     assert converted["inputs"]["noise"] == optional["noise"][1]["default"] == "released"
+    assert converted["inputs"]["latent_form"] == optional["latent_form"][1]["default"] == "h3"

@@ -251,7 +251,47 @@ class H3ProbeBallast(_Probe):
         return {"ui": {"ballast": [{"held": held, "device": device.type}]}, "result": (model,)}
 
 
+class H3ProbeNativeConditioning:
+    """A CONDITIONING as ComfyUI's own H3 nodes make it (not in the host these tests run), re-derived from
+    Comfy-Org/ComfyUI at 542de101 (comfy_extras/nodes_minimax_h3.py: ``conditioning_set_values`` with
+    ``minimax_keyframes``, entries ``{resolved_frame_index, latent [1, 24, t, h, w], audio_latent [1, 32, 2, Ta]}``;
+    the text encoder's row tags under ``minimax_token_tags``): the given prompt's rows and tags, and one keyframe
+    with seeded random latents."""
+
+    CATEGORY = "H3 test probes"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "probe"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "conditioning": ("CONDITIONING",),
+                "frame_idx": ("INT", {"default": 0, "min": 0, "max": 9999}),
+                "width": ("INT", {"default": 64}),
+                "height": ("INT", {"default": 32}),
+                "audio_latents": ("INT", {"default": 0, "min": 0, "max": 9999}),
+            }
+        }
+
+    def probe(self, conditioning, frame_idx, width, height, audio_latents):
+        import torch
+
+        tensor, extra = conditioning[0]
+        prompt = next(v for k, v in extra.items() if k == "h3_prompt")
+        gen = torch.Generator().manual_seed(frame_idx)
+        keyframe = {
+            "resolved_frame_index": frame_idx,
+            "latent": torch.randn(1, 24, 1, height // 16, width // 16, generator=gen),
+        }
+        if audio_latents:
+            keyframe["audio_latent"] = torch.randn(1, 32, 2, audio_latents, generator=gen)
+        native = {"minimax_token_tags": prompt.tags[None].clone(), "minimax_keyframes": [keyframe]}
+        return ([[tensor, native]],)
+
+
 NODE_CLASS_MAPPINGS = {
+    "H3ProbeNativeConditioning": H3ProbeNativeConditioning,
     "H3ProbeLoadedModels": H3ProbeLoadedModels,
     "H3ProbeHostUnload": H3ProbeHostUnload,
     "H3ProbeBallast": H3ProbeBallast,
