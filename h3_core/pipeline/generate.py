@@ -25,6 +25,7 @@ from ..models.hybrid import RELEASE_WINDOW, HybridContext
 from ..triton_forms import check_compile
 from .geometry import audio_latents, check_canvas, check_frames, latent_frames
 from .keyframes import Keyframe
+from .masks import MaskedStart
 from .noise import REFERENCE_AUDIO_T, check_noise, noised_reference_audio, starting_rows
 from .packing import PackedSequence, Reference, pack_ref2va, pack_sequence, soundtrack_rows, unpatchify
 from .prompt import PromptEmbedding
@@ -56,14 +57,17 @@ def generate(
     compile: str = "auto",
     noise: str = "released",
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
+    start: MaskedStart | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` lists, in packed order,
     ``(anchor, latent)`` pairs ("first" / "last", the released FL2VA anchors) and/or ``Keyframe``s (anywhere in
     the clip, with a soundtrack, as ComfyUI's native guides: ``h3_core.pipeline.keyframes``). ``noise`` is the
     starting draw from ``seed`` (``noise.NOISE_DRAWS``): ``released`` as the reference pipeline and diffusers draw
     it, ``comfyui`` as a native ComfyUI H3 graph does. ``preview(step, steps, frame)`` receives each step's clean
-    estimate of the middle latent frame (``sampler.denoise``). For a VDN-H3 model
-    (``model.cfg.hybrid``) ``window`` and ``backend`` pick the window softmax; a plain H3 model ignores them.
+    estimate of the middle latent frame (``sampler.denoise``). ``start``: latents to hold where its masks are 0
+    and denoise masks for the rest (extend, inpaint: ``h3_core.pipeline.masks``); None generates the whole clip.
+    For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the window softmax; a plain H3 model
+    ignores them.
     ``before_sampling(packed)`` is called once the request is packed, before the first evaluation (e.g. to fit
     the model to the device for that sequence). ``compile`` (``"auto"`` / ``"off"``): ``"off"`` runs every
     evaluation on the plain path, no ``torch.compile`` and no Triton kernel (``block_fused.evaluate``); give
@@ -109,6 +113,7 @@ def generate(
         compile=compile,
         noise=noise,
         preview=preview,
+        start=start,
     )
 
 
@@ -246,9 +251,12 @@ def _sample(
     reference_audio_t=REFERENCE_AUDIO_T,
     noise="released",
     preview=None,
+    start=None,
 ):
     """Noise drawn as ``noise`` says, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
+    if start is not None:
+        start.check(T, h, w, Ta)
     text_dim = getattr(getattr(model, "cfg", None), "text_dim", None)
     if text_dim is not None and prompt.embeds.shape[1] != text_dim:
         raise H3InputError(
@@ -282,6 +290,7 @@ def _sample(
         hybrid=hybrid,
         compile=compile,
         preview=preview,
+        start=start,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, h, w)

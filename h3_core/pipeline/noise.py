@@ -52,14 +52,21 @@ def row_timesteps(
     condition_audio_rows: int = 0,
     condition_video_t: float | None = None,
     condition_audio_t: float = 1.0,
+    video_rows_t: torch.Tensor | None = None,
+    audio_rows_t: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct fp32 timesteps of the sequence, sorted, and each row's index into them."""
+    """The distinct fp32 timesteps of the sequence, sorted, and each row's index into them. ``video_rows_t`` /
+    ``audio_rows_t``: a timestep per generated video / audio row, in place of the stream's (denoise masks)."""
     condition_video_t = max(float(video_t), CONDITION_T) if condition_video_t is None else condition_video_t
     T = packed.positions.shape[0]
     t = torch.full((T,), float(video_t), dtype=torch.float32)
     t[packed.video_index[: packed.condition_rows]] = condition_video_t
     t[packed.audio_index[condition_audio_rows:]] = float(audio_t)
     t[packed.audio_index[:condition_audio_rows]] = condition_audio_t
+    if video_rows_t is not None:
+        t[packed.video_index[packed.condition_rows :]] = video_rows_t.float().cpu()
+    if audio_rows_t is not None:
+        t[packed.audio_index[condition_audio_rows:]] = audio_rows_t.float().cpu()
     return torch.unique(t, sorted=True, return_inverse=True)
 
 

@@ -12,7 +12,8 @@ import torch
 from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
 from ..models.run_options import apply_run_options, evaluate, run_options_of
 from ..triton_forms import check_compile
-from .noise import REFERENCE_AUDIO_T, row_timesteps
+from .masks import MaskedStart, masked_euler_step, masked_input, masked_row_timesteps
+from .noise import CONDITION_T, REFERENCE_AUDIO_T, row_timesteps
 from .packing import PackedSequence, unpatchify
 from .schedule import AUDIO_SHIFT, VIDEO_SHIFT, clean_estimate, euler_step, sigma_grid, timesteps_of
 
@@ -36,6 +37,7 @@ def denoise(
     hybrid=None,
     compile: str = "auto",
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
+    start: MaskedStart | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
 
@@ -52,6 +54,7 @@ def denoise(
             ``block_fused.evaluate``, on the plain path when ``"off"`` or once the compiled path has failed.
         preview: ``preview(step, steps, frame)`` after every step, ``frame`` the step's clean estimate of the
             clip's middle latent frame, ``[24, 1, h, w]`` fp32 (what a live preview shows).
+        start: held latents and denoise masks for the generated rows (``masks``); None generates everything.
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
     """
@@ -62,6 +65,22 @@ def denoise(
     cv, ca = packed.condition_rows, condition_audio_rows
     video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
     extra = {} if hybrid is None else {"hybrid": hybrid}
+    held = None
+    if start is not None:
+        device = video_rows.device
+        held_v, mask_v = (r.to(device) for r in start.video_rows())
+        held_a, mask_a = (r.to(device) for r in start.audio_rows())
+        held = (held_v, mask_v, held_a, mask_a)
+        row_mask_v, row_mask_a = mask_v.amax(dim=1).cpu(), mask_a[:, 0].cpu()
+
+    def rows_t(i):
+        if held is None:
+            return {}
+        return dict(
+            video_rows_t=masked_row_timesteps(row_mask_v, video_sigmas[i], max(float(video_ts[i]), CONDITION_T)),
+            audio_rows_t=masked_row_timesteps(row_mask_a, audio_sigmas[i], max(float(audio_ts[i]), 1.0)),
+        )
+
     steps_timesteps = [
         row_timesteps(
             packed,
@@ -69,6 +88,7 @@ def denoise(
             float(audio_ts[i]),
             condition_audio_rows=ca,
             condition_audio_t=max(float(audio_ts[i]), float(condition_audio_t)),
+            **rows_t(i),
         )
         for i in range(n)
     ]
@@ -82,11 +102,16 @@ def denoise(
             if check_cancel is not None:
                 check_cancel()
             device = video_rows.device
+            video_in, audio_in = video_rows, audio_rows
+            if held is not None:
+                video_in, audio_in = video_rows.clone(), audio_rows.clone()
+                video_in[cv:] = masked_input(video_rows[cv:], held[0], held[1])
+                audio_in[ca:] = masked_input(audio_rows[ca:], held[2], held[3])
             v_video, v_audio = evaluate(
                 model,
                 compile,
-                video_rows,
-                audio_rows,
+                video_in,
+                audio_in,
                 text_rows,
                 timesteps.to(device),
                 index.to(device),
@@ -97,13 +122,43 @@ def denoise(
                 packed.text_index.to(device),
                 **extra,
             )
-            frame = _middle_frame_estimate(packed, video_rows, v_video, video_ts[i]) if preview is not None else None
-            video_rows[cv:] = euler_step(
-                video_rows[cv:], v_video[cv:].float(), float(video_sigmas[i]), float(video_sigmas[i + 1]), video_ts[i]
-            )
-            audio_rows[ca:] = euler_step(
-                audio_rows[ca:], v_audio[ca:].float(), float(audio_sigmas[i]), float(audio_sigmas[i + 1]), audio_ts[i]
-            )
+            frame = _middle_frame_estimate(packed, video_in, v_video, video_ts[i]) if preview is not None else None
+            if held is None:
+                video_rows[cv:] = euler_step(
+                    video_rows[cv:],
+                    v_video[cv:].float(),
+                    float(video_sigmas[i]),
+                    float(video_sigmas[i + 1]),
+                    video_ts[i],
+                )
+                audio_rows[ca:] = euler_step(
+                    audio_rows[ca:],
+                    v_audio[ca:].float(),
+                    float(audio_sigmas[i]),
+                    float(audio_sigmas[i + 1]),
+                    audio_ts[i],
+                )
+            else:
+                video_rows[cv:] = masked_euler_step(
+                    video_rows[cv:],
+                    video_in[cv:],
+                    v_video[cv:],
+                    held[0],
+                    held[1],
+                    float(video_sigmas[i]),
+                    float(video_sigmas[i + 1]),
+                    video_ts[i],
+                )
+                audio_rows[ca:] = masked_euler_step(
+                    audio_rows[ca:],
+                    audio_in[ca:],
+                    v_audio[ca:],
+                    held[2],
+                    held[3],
+                    float(audio_sigmas[i]),
+                    float(audio_sigmas[i + 1]),
+                    audio_ts[i],
+                )
             if progress is not None:
                 progress(i + 1, n)
             if preview is not None:
