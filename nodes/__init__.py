@@ -11,6 +11,7 @@ from .keyframes import H3AddKeyframe
 from .loaders import H3AudioVAELoader, H3DiTLoader, H3PromptEmbeddingLoader, H3TextEncoderLoader, H3VideoVAELoader
 from .lora import H3LoraLoader
 from .references import H3AddReference, H3LoadAudio
+from .regenerate import H3ExtendOrInpaint
 from .sampler import H3Sampler
 from .save import H3SaveVideo
 from .text import H3TextEncode
@@ -28,6 +29,7 @@ NODES = [
     H3AddReference,
     H3LoadAudio,
     H3AttentionSettings,
+    H3ExtendOrInpaint,
     H3Sampler,
     H3VideoDecode,
     H3AudioDecode,

@@ -11,3 +11,4 @@ H3References = io.Custom("H3_REFERENCES")  # a list of nodes.references.RawRefer
 H3Attention = io.Custom("H3_ATTENTION")  # nodes.attention.AttentionSettings
 H3Canvas = io.Custom("H3_CANVAS")  # nodes.canvas.Canvas
 H3Keyframes = io.Custom("H3_KEYFRAMES")  # a list of nodes.keyframes.RawKeyframe, in packed order
+H3Start = io.Custom("H3_START")  # h3_core.pipeline.masks.MaskedStart: held latents and denoise masks

@@ -16,7 +16,7 @@ from .attention import DEFAULT
 from .checks import check_choice, check_linked_types, linked, verdict
 from .conditioning import native_keyframes_of, prompt_of, references_of
 from .images import single_image
-from .io_types import H3Attention, H3AudioVAE, H3Canvas, H3Keyframes, H3Model, H3References, H3VideoVAE
+from .io_types import H3Attention, H3AudioVAE, H3Canvas, H3Keyframes, H3Model, H3References, H3Start, H3VideoVAE
 from .latents import LATENT_FORMS, to_latent
 from .references import encoded
 
@@ -32,6 +32,8 @@ def check_mode(mode, connected) -> None:
             f"mode {mode}: takes no keyframes, but {' and '.join(keyframes)} is connected; choose mode "
             "FL2VA or disconnect it"
         )
+    if mode == "Ref2VA" and connected("start"):
+        raise H3InputError("mode Ref2VA: takes no start clip; extend or inpaint in mode T2VA or FL2VA")
     if mode != "Ref2VA" and connected("references"):
         raise H3InputError(
             f"mode {mode}: takes no references, but references are connected; choose mode Ref2VA or disconnect them"
@@ -105,6 +107,11 @@ class H3Sampler(io.ComfyNode):
                     tooltip="FL2VA: keyframes at any frame (H3 Add Keyframe), after first_frame / last_frame",
                 ),
                 H3References.Input("references", optional=True),
+                H3Start.Input(
+                    "start",
+                    optional=True,
+                    tooltip="T2VA / FL2VA: a clip to extend or inpaint (H3 Extend / Inpaint), with its canvas",
+                ),
                 io.Float.Input(
                     "reference_audio_t",
                     default=REFERENCE_AUDIO_T,
@@ -170,6 +177,7 @@ class H3Sampler(io.ComfyNode):
         last_frame=None,
         keyframes=None,
         references=None,
+        start=None,
         reference_audio_t=REFERENCE_AUDIO_T,
         noise=NOISE_DRAWS[0],
         latent_form=LATENT_FORMS[0],
@@ -182,6 +190,7 @@ class H3Sampler(io.ComfyNode):
             "last_frame": last_frame,
             "keyframes": keyframes,
             "references": references,
+            "start": start,
             "video_vae": video_vae,
             "audio_vae": audio_vae,
         }
@@ -265,7 +274,7 @@ class H3Sampler(io.ComfyNode):
                     model.model, prompt, reference_latents, reference_audio_t=reference_audio_t, **common
                 )
             else:
-                video, audio = generate(model.model, prompt, keyframes=placed, **common)
+                video, audio = generate(model.model, prompt, keyframes=placed, start=start, **common)
         except torch.OutOfMemoryError as exc:
             # Raised again as the same kind, so the host still frees its models for the next prompt.
             raise torch.OutOfMemoryError(

@@ -3,6 +3,7 @@
     h3_fl2va.json  first and last frame → video + stereo audio (the example; memory policy auto)
     h3_t2va.json   prompt → video + stereo audio
     h3_ref2va.json a reference image and a reference sound → video + stereo audio
+    h3_extend.json prompt → a clip, then that clip extended by 34 frames (H3 Extend / Inpaint) → video + audio
 
 Model widgets name the released files (see the README for where each goes); the images are the
 LoadImage names ``h3_first_frame.png`` / ``h3_last_frame.png`` (FL2VA) and ``h3_reference_image.png`` with
@@ -93,6 +94,9 @@ class Graph:
 
 
 def build(mode: str) -> dict:
+    """The workflow of ``mode``: T2VA, FL2VA, Ref2VA or Extend (T2VA, then its clip extended)."""
+    extend = mode == "Extend"
+    mode = "T2VA" if extend else mode
     g = Graph()
     dit = g.node(
         "H3DiTLoader",
@@ -184,15 +188,48 @@ def build(mode: str) -> dict:
         g.link(music, 0, encode, "references")
         g.link(music, 0, sampler, "references")
         g.link(audio_vae, 0, sampler, "audio_vae")
+    if extend:
+        more = g.node(
+            "H3ExtendOrInpaint",
+            (860, 460),
+            ["extend", 34, 0, 24, "follow"],
+            [("start", "H3_START"), ("canvas", "H3_CANVAS")],
+            (340, 220),
+        )
+        longer = g.node(
+            "H3Sampler",
+            (1260, 460),
+            [mode, 20, 12.0, 3.0, 43, "fixed", 1.0, "released", "h3"],
+            [("latent", "LATENT")],
+            (340, 420),
+            title="H3 Sampler (the extension)",
+        )
+        g.link(sampler, 0, more, "latent")
+        for source, slot, name in (
+            (dit, 0, "model"),
+            (encode, 0, "conditioning"),
+            (more, 1, "canvas"),
+            (attention, 0, "attention"),
+            (video_vae, 0, "video_vae"),
+            (more, 0, "start"),
+        ):
+            g.link(source, slot, longer, name)
+        save["pos"], save["widgets_values"][0] = [1660, 0], "H3/extend"
+        sampler = longer
     g.link(video_vae, 0, save, "video_vae")
     g.link(sampler, 0, save, "latent")
     g.link(audio_vae, 0, save, "audio_vae")
     g.link(attention, 0, save, "attention")
-    return g.workflow(mode)
+    return g.workflow("Extend" if extend else mode)
 
 
 def main() -> None:
-    for mode, name in (("FL2VA", "h3_fl2va.json"), ("T2VA", "h3_t2va.json"), ("Ref2VA", "h3_ref2va.json")):
+    for mode, name in (
+        ("FL2VA", "h3_fl2va.json"),
+        ("T2VA", "h3_t2va.json"),
+        ("Ref2VA", "h3_ref2va.json"),
+        ("Extend", "h3_extend.json"),
+    ):
         (WORKFLOWS / name).write_text(json.dumps(build(mode), indent=1) + "\n")
 
 

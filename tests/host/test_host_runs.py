@@ -19,6 +19,10 @@ NODES = {
     "H3TextEncode": ({"text_encoder", "prompt", "canvas"}, ["CONDITIONING"]),
     "H3AddReference": ({"kind", "fps"}, ["H3_REFERENCES"]),
     "H3AddKeyframe": ({"frame_idx"}, ["H3_KEYFRAMES"]),
+    "H3ExtendOrInpaint": (
+        {"latent", "mode", "extend_frames", "from_frame", "to_frame", "audio"},
+        ["H3_START", "H3_CANVAS"],
+    ),
     "H3LoadAudio": ({"audio_file"}, ["AUDIO"]),
     "H3AttentionSettings": (
         {"window_backend", "video_vae_attention", "audio_vae_attention", "memory_mode", "compile"},
@@ -56,6 +60,7 @@ def test_object_info_lists_every_node_with_its_types(server):
         "last_frame",
         "keyframes",
         "references",
+        "start",
         "reference_audio_t",
         "noise",
         "latent_form",

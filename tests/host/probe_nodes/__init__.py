@@ -290,7 +290,33 @@ class H3ProbeNativeConditioning:
         return ([[tensor, native]],)
 
 
+class H3ProbeKeep:
+    """Saves what it is given (a LATENT, an IMAGE) with ``torch.save`` as ``<output>/probes/<name>.pt``, for a test to
+    read back exactly."""
+
+    CATEGORY = "H3 test probes"
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "probe"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"value": (ANY,), "name": ("STRING", {"default": "kept"})}}
+
+    def probe(self, value, name):
+        import os
+
+        import folder_paths
+        import torch
+
+        folder = os.path.join(folder_paths.get_output_directory(), "probes")
+        os.makedirs(folder, exist_ok=True)
+        torch.save(value, os.path.join(folder, f"{name}.pt"))
+        return {}
+
+
 NODE_CLASS_MAPPINGS = {
+    "H3ProbeKeep": H3ProbeKeep,
     "H3ProbeNativeConditioning": H3ProbeNativeConditioning,
     "H3ProbeLoadedModels": H3ProbeLoadedModels,
     "H3ProbeHostUnload": H3ProbeHostUnload,
