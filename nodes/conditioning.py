@@ -1,19 +1,20 @@
 """CONDITIONING as the pack passes it: the host's ``[[tensor [1, L, width], {...}]]`` with the full
 ``PromptEmbedding`` (row tags, keyframe canvas) under ``"h3_prompt"``. One from ComfyUI's own H3 text encoder
 brings its row tags (``minimax_token_tags``) and, from its H3 conditioning nodes, its keyframes
-(``minimax_keyframes``); any other CONDITIONING is read as text rows."""
+(``minimax_keyframes``) or references (``minimax_refs``); any other CONDITIONING is read as text rows."""
 
 from __future__ import annotations
 
 import torch
 
 from ..h3_core.errors import H3InputError
-from ..h3_core.pipeline.native_latent import keyframe_from_native
+from ..h3_core.pipeline.native_latent import keyframe_from_native, reference_from_native
 from ..h3_core.pipeline.prompt import PromptEmbedding, from_conditioning
 
 KEY = "h3_prompt"
 REFERENCES_KEY = "h3_references"  # (kinds in order, the length they were cut to) of a Ref2VA prompt
-NATIVE_TAGS, NATIVE_KEYFRAMES = "minimax_token_tags", "minimax_keyframes"  # Comfy-Org/ComfyUI model_base's keys
+# the keys of ComfyUI's own H3 conditioning (Comfy-Org/ComfyUI model_base and nodes_minimax_h3)
+NATIVE_TAGS, NATIVE_KEYFRAMES, NATIVE_REFERENCES = "minimax_token_tags", "minimax_keyframes", "minimax_refs"
 
 
 def to_conditioning(embedding: PromptEmbedding, references: tuple = ()) -> list:
@@ -46,8 +47,16 @@ def prompt_of(conditioning, name: str = "conditioning") -> PromptEmbedding:
     return from_conditioning(tensor, tags, features=int(getattr(tensor, "shape", (0,))[-1]))
 
 
+def _native(conditioning, key) -> list:
+    extra = conditioning[0][1] if isinstance(conditioning, list) and conditioning and len(conditioning[0]) == 2 else {}
+    return list((extra.get(key) if isinstance(extra, dict) else None) or [])
+
+
 def native_keyframes_of(conditioning) -> list:
     """The ``Keyframe``s a native H3 CONDITIONING carries, in its order (none for the pack's own)."""
-    extra = conditioning[0][1] if isinstance(conditioning, list) and conditioning and len(conditioning[0]) == 2 else {}
-    entries = extra.get(NATIVE_KEYFRAMES) if isinstance(extra, dict) else None
-    return [keyframe_from_native(entry, i) for i, entry in enumerate(entries or [], start=1)]
+    return [keyframe_from_native(entry, i) for i, entry in enumerate(_native(conditioning, NATIVE_KEYFRAMES), 1)]
+
+
+def native_references_of(conditioning) -> list:
+    """The ``ReferenceLatents`` a native H3 CONDITIONING carries, in its order (none for the pack's own)."""
+    return [reference_from_native(block, i) for i, block in enumerate(_native(conditioning, NATIVE_REFERENCES), 1)]

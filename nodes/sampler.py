@@ -14,7 +14,7 @@ from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from . import _host
 from .attention import DEFAULT
 from .checks import check_choice, check_linked_types, linked, verdict
-from .conditioning import native_keyframes_of, prompt_of, references_of
+from .conditioning import native_keyframes_of, native_references_of, prompt_of, references_of
 from .images import single_image
 from .io_types import H3Attention, H3AudioVAE, H3Canvas, H3Keyframes, H3Model, H3References, H3Start, H3VideoVAE
 from .latents import LATENT_FORMS, to_latent
@@ -210,6 +210,20 @@ class H3Sampler(io.ComfyNode):
             from .keyframes import placed_lines
 
             _host.tell(cls.hidden.unique_id, ["from the conditioning:", *placed_lines(placed)])
+        native_references = native_references_of(conditioning)
+        if native_references:
+            if mode != "T2VA" or placed:
+                raise H3InputError(
+                    f"conditioning: carries {len(native_references)} references from ComfyUI's own H3 nodes, which "
+                    f"run in mode T2VA with no keyframes (the conditioning brings them); got mode {mode}"
+                    + (f" and {len(placed)} keyframes" if placed else "")
+                )
+            kinds = ", ".join(
+                ref.kind + (" with sound" if ref.kind == "video" and ref.audio is not None else "")
+                for ref in native_references
+            )
+            _host.tell(cls.hidden.unique_id, [f"references from the conditioning: {kinds}"])
+            reference_latents = native_references
         if mode == "Ref2VA":
             reference_latents = _reference_latents(references, conditioning, length, video_vae, audio_vae, settings)
         if mode == "FL2VA":

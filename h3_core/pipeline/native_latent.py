@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import H3InputError
+from .generate import ReferenceLatents
 from .keyframes import Keyframe, latent_span
 
-__all__ = ["to_native", "from_native", "keyframe_from_native"]
+__all__ = ["to_native", "from_native", "keyframe_from_native", "reference_from_native"]
 
 
 def to_native(video: torch.Tensor, audio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,3 +52,26 @@ def keyframe_from_native(entry: dict, index: int = 1) -> Keyframe:
             raise H3InputError(f"{name}: its audio_latent must be [1, 32, 2, Ta], got {getattr(audio, 'shape', audio)}")
         audio = audio[0].permute(1, 0, 2).float().cpu()
     return Keyframe(int(entry["resolved_frame_index"]), video=video, audio=audio)
+
+
+NATIVE_REFERENCE_KINDS = {"image": "image", "video": "video", "video_audio": "video", "audio": "audio"}
+
+
+def reference_from_native(block: dict, index: int = 1) -> ReferenceLatents:
+    """One of the references a native H3 CONDITIONING carries (``minimax_refs``, as ``MiniMaxH3ReferenceToVideo``
+    makes them at 542de101: ``kind`` image / video / video_audio / audio, a video ``latent`` ``[1, 24, t, h, w]``
+    and an ``audio_latent`` ``[1, 32, 2, Ta]`` where the kind has them) → ``ReferenceLatents``."""
+    name = f"conditioning: native reference {index}"
+    kind = block.get("kind") if isinstance(block, dict) else None
+    if kind not in NATIVE_REFERENCE_KINDS:
+        raise H3InputError(f"{name}: kind must be one of {list(NATIVE_REFERENCE_KINDS)}, got {kind!r}")
+    video, audio = block.get("latent"), block.get("audio_latent")
+    if video is not None:
+        if not isinstance(video, torch.Tensor) or video.dim() != 5 or video.shape[0] != 1:
+            raise H3InputError(f"{name}: its latent must be [1, 24, t, h, w], got {getattr(video, 'shape', video)}")
+        video = video[0].float().cpu()
+    if audio is not None:
+        if not isinstance(audio, torch.Tensor) or audio.dim() != 4 or tuple(audio.shape[:3]) != (1, 32, 2):
+            raise H3InputError(f"{name}: its audio_latent must be [1, 32, 2, Ta], got {getattr(audio, 'shape', audio)}")
+        audio = audio[0].permute(1, 0, 2).float().cpu()
+    return ReferenceLatents(NATIVE_REFERENCE_KINDS[kind], video=video, audio=audio)

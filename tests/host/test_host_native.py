@@ -46,3 +46,28 @@ def test_a_native_conditioning_brings_its_tags_and_keyframes(server):
     entry = server.run(referenced)
     assert entry["status"]["status_str"] == "error"
     assert "carries 1 keyframes from ComfyUI's own H3 nodes, which mode Ref2VA does not take" in error_message(entry)
+
+
+def test_a_native_conditioning_brings_its_references(server):
+    prompt = generation(prefix="H3/native_refs", length=22, seed=4)
+    prompt["30"] = {
+        "class_type": "H3ProbeNativeConditioning",
+        "inputs": {
+            "conditioning": ["5", 0],
+            "frame_idx": 0,
+            "width": 64,
+            "height": 32,
+            "audio_latents": 12,
+            "references": True,
+        },
+    }
+    prompt["7"]["inputs"]["conditioning"] = ["30", 0]
+    _, sound, told = run(server, prompt)
+    assert "references from the conditioning: image, audio" in told, told
+    _, plain_sound, _ = run(server, generation(prefix="H3/native_refs_plain", length=22, seed=4))
+    assert not np.array_equal(sound, plain_sound), "the native references did not reach the model"
+    prompt["7"]["inputs"]["mode"] = "FL2VA"
+    prompt["7"]["inputs"]["first_frame"] = ["31", 0]
+    prompt["31"] = {"class_type": "LoadImage", "inputs": {"image": "first.png"}}
+    entry = server.run(prompt)
+    assert "which run in mode T2VA with no keyframes" in error_message(entry), error_message(entry)

@@ -256,7 +256,8 @@ class H3ProbeNativeConditioning:
     Comfy-Org/ComfyUI at 542de101 (comfy_extras/nodes_minimax_h3.py: ``conditioning_set_values`` with
     ``minimax_keyframes``, entries ``{resolved_frame_index, latent [1, 24, t, h, w], audio_latent [1, 32, 2, Ta]}``;
     the text encoder's row tags under ``minimax_token_tags``): the given prompt's rows and tags, and one keyframe
-    with seeded random latents."""
+    with seeded random latents, or (``references``) ``minimax_refs`` blocks as ``MiniMaxH3ReferenceToVideo`` makes
+    them."""
 
     CATEGORY = "H3 test probes"
     RETURN_TYPES = ("CONDITIONING",)
@@ -271,10 +272,11 @@ class H3ProbeNativeConditioning:
                 "width": ("INT", {"default": 64}),
                 "height": ("INT", {"default": 32}),
                 "audio_latents": ("INT", {"default": 0, "min": 0, "max": 9999}),
+                "references": ("BOOLEAN", {"default": False}),
             }
         }
 
-    def probe(self, conditioning, frame_idx, width, height, audio_latents):
+    def probe(self, conditioning, frame_idx, width, height, audio_latents, references=False):
         import torch
 
         tensor, extra = conditioning[0]
@@ -287,6 +289,16 @@ class H3ProbeNativeConditioning:
         if audio_latents:
             keyframe["audio_latent"] = torch.randn(1, 32, 2, audio_latents, generator=gen)
         native = {"minimax_token_tags": prompt.tags[None].clone(), "minimax_keyframes": [keyframe]}
+        if references:  # MiniMaxH3ReferenceToVideo's blocks instead: a 32 x 32 image and a sound
+            image = torch.randn(1, 24, 1, 2, 2, generator=gen)
+            sound = torch.randn(1, 32, 2, max(audio_latents, 1), generator=gen)
+            native = {
+                "minimax_token_tags": prompt.tags[None].clone(),
+                "minimax_refs": [
+                    {"kind": "image", "latent": image, "latent_h": image.shape[3], "latent_w": image.shape[4]},
+                    {"kind": "audio", "ref_audio_t": sound.shape[-1], "audio_latent": sound},
+                ],
+            }
         return ([[tensor, native]],)
 
 
