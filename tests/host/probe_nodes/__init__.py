@@ -272,8 +272,8 @@ class H3ProbeNativeConditioning:
                 "width": ("INT", {"default": 64}),
                 "height": ("INT", {"default": 32}),
                 "audio_latents": ("INT", {"default": 0, "min": 0, "max": 9999}),
-                "references": ("BOOLEAN", {"default": False}),
-            }
+            },
+            "optional": {"references": ("BOOLEAN", {"default": False})},
         }
 
     def probe(self, conditioning, frame_idx, width, height, audio_latents, references=False):
