@@ -10,7 +10,7 @@ from ..h3_core.errors import H3InputError
 from ..h3_core.pipeline.conditioning import encode_keyframes
 from ..h3_core.pipeline.generate import generate, generate_ref2va
 from ..h3_core.pipeline.noise import NOISE_DRAWS, REFERENCE_AUDIO_T
-from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT
+from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT, check_sigmas
 from . import _host
 from .attention import DEFAULT
 from .checks import check_choice, check_linked_types, linked, verdict
@@ -107,6 +107,12 @@ class H3Sampler(io.ComfyNode):
                     tooltip="FL2VA: keyframes at any frame (H3 Add Keyframe), after first_frame / last_frame",
                 ),
                 H3References.Input("references", optional=True),
+                io.Sigmas.Input(
+                    "sigmas",
+                    optional=True,
+                    tooltip="a σ schedule from 1 down to 0 (e.g. a turbo LoRA's) in place of the released one; "
+                    "steps then follows it. The audio stream's σ are derived as ComfyUI's H3 derives them",
+                ),
                 H3Start.Input(
                     "start",
                     optional=True,
@@ -178,6 +184,7 @@ class H3Sampler(io.ComfyNode):
         keyframes=None,
         references=None,
         start=None,
+        sigmas=None,
         reference_audio_t=REFERENCE_AUDIO_T,
         noise=NOISE_DRAWS[0],
         latent_form=LATENT_FORMS[0],
@@ -200,6 +207,10 @@ class H3Sampler(io.ComfyNode):
         check_choice("latent_form", latent_form, LATENT_FORMS)
         prompt = prompt_of(conditioning)
         width, height, length = canvas.width, canvas.height, canvas.length
+        if sigmas is not None:
+            sigmas = check_sigmas(sigmas)
+            steps = int(sigmas.numel()) - 1
+            _host.tell(cls.hidden.unique_id, [f"sigmas: {steps} steps from {float(sigmas[0]):g} to 0, as connected"])
         reference_latents, placed = None, tuple(native_keyframes_of(conditioning))
         if placed and mode == "Ref2VA":
             raise H3InputError(
@@ -281,6 +292,7 @@ class H3Sampler(io.ComfyNode):
             compile=settings.compile,
             noise=noise,
             preview=progress.on_step,
+            sigmas=sigmas,
         )
         try:
             if reference_latents is not None:

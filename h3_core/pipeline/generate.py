@@ -58,6 +58,7 @@ def generate(
     noise: str = "released",
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
     start: MaskedStart | None = None,
+    sigmas: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` lists, in packed order,
     ``(anchor, latent)`` pairs ("first" / "last", the released FL2VA anchors) and/or ``Keyframe``s (anywhere in
@@ -66,6 +67,7 @@ def generate(
     it, ``comfyui`` as a native ComfyUI H3 graph does. ``preview(step, steps, frame)`` receives each step's clean
     estimate of the middle latent frame (``sampler.denoise``). ``start``: latents to hold where its masks are 0
     and denoise masks for the rest (extend, inpaint: ``h3_core.pipeline.masks``); None generates the whole clip.
+    ``sigmas``: a video σ schedule from outside in place of the released one for ``steps`` (``sampler.denoise``).
     For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the window softmax; a plain H3 model
     ignores them.
     ``before_sampling(packed)`` is called once the request is packed, before the first evaluation (e.g. to fit
@@ -114,6 +116,7 @@ def generate(
         noise=noise,
         preview=preview,
         start=start,
+        sigmas=sigmas,
     )
 
 
@@ -180,6 +183,7 @@ def generate_ref2va(
     reference_audio_t: float = REFERENCE_AUDIO_T,
     noise: str = "released",
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
+    sigmas: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
     them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``.
@@ -219,6 +223,7 @@ def generate_ref2va(
         reference_audio_t=float(reference_audio_t),
         noise=noise,
         preview=preview,
+        sigmas=sigmas,
     )
 
 
@@ -252,6 +257,7 @@ def _sample(
     noise="released",
     preview=None,
     start=None,
+    sigmas=None,
 ):
     """Noise drawn as ``noise`` says, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
@@ -291,6 +297,7 @@ def _sample(
         compile=compile,
         preview=preview,
         start=start,
+        sigmas=sigmas,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, h, w)

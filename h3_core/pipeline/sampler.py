@@ -15,7 +15,16 @@ from ..triton_forms import check_compile
 from .masks import MaskedStart, masked_euler_step, masked_input, masked_row_timesteps
 from .noise import CONDITION_T, REFERENCE_AUDIO_T, row_timesteps
 from .packing import PackedSequence, unpatchify
-from .schedule import AUDIO_SHIFT, VIDEO_SHIFT, clean_estimate, euler_step, sigma_grid, timesteps_of
+from .schedule import (
+    AUDIO_SHIFT,
+    VIDEO_SHIFT,
+    check_sigmas,
+    clean_estimate,
+    euler_step,
+    sigma_grid,
+    time_shift_sigma,
+    timesteps_of,
+)
 
 __all__ = ["denoise"]
 
@@ -38,6 +47,7 @@ def denoise(
     compile: str = "auto",
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
     start: MaskedStart | None = None,
+    sigmas: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
 
@@ -55,11 +65,18 @@ def denoise(
         preview: ``preview(step, steps, frame)`` after every step, ``frame`` the step's clean estimate of the
             clip's middle latent frame, ``[24, 1, h, w]`` fp32 (what a live preview shows).
         start: held latents and denoise masks for the generated rows (``masks``); None generates everything.
+        sigmas: a video σ schedule from outside (ComfyUI's SIGMAS; ``steps`` is then its length less one), the
+            audio σ derived from it as native H3 derives it (``schedule.time_shift_sigma``); None: the released
+            grids for ``steps``.
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
     """
     check_compile(compile)
-    video_sigmas, audio_sigmas = sigma_grid(steps, video_shift), sigma_grid(steps, audio_shift)
+    if sigmas is None:
+        video_sigmas, audio_sigmas = sigma_grid(steps, video_shift), sigma_grid(steps, audio_shift)
+    else:
+        video_sigmas = check_sigmas(sigmas)
+        audio_sigmas = time_shift_sigma(video_sigmas, float(video_shift), float(audio_shift))
     video_ts, audio_ts = timesteps_of(video_sigmas), timesteps_of(audio_sigmas)
     n = min(len(video_ts), len(audio_ts))  # equal unless a strong shift collapsed grid points
     cv, ca = packed.condition_rows, condition_audio_rows

@@ -23,6 +23,8 @@ __all__ = [
     "VIDEO_SHIFT",
     "AUDIO_SHIFT",
     "sigma_grid",
+    "check_sigmas",
+    "time_shift_sigma",
     "timesteps_of",
     "clean_estimate",
     "euler_step",
@@ -42,6 +44,31 @@ def sigma_grid(steps: int, shift: float) -> torch.Tensor:
         raise H3InputError(f"shift must be positive, got {shift!r}")
     base = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float32)
     return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
+
+
+def check_sigmas(sigmas, name: str = "sigmas") -> torch.Tensor:
+    """A σ schedule given from outside (ComfyUI's SIGMAS) as fp32 on the CPU: at least two points, descending,
+    within [0, 1] (the flow's range), ending at 0."""
+    if not isinstance(sigmas, torch.Tensor) or sigmas.dim() != 1 or sigmas.numel() < 2:
+        got = tuple(sigmas.shape) if isinstance(sigmas, torch.Tensor) else type(sigmas).__name__
+        raise H3InputError(f"{name}: a schedule of at least 2 sigmas is needed, got {got}")
+    sigmas = sigmas.detach().float().cpu()
+    if not bool(torch.isfinite(sigmas).all()) or float(sigmas.max()) > 1.0 or float(sigmas.min()) < 0.0:
+        raise H3InputError(
+            f"{name}: H3 is a flow model, its sigmas run from at most 1 down to 0; got {float(sigmas[0]):g} to "
+            f"{float(sigmas[-1]):g} (a scheduler made for another model? set its sigma_max to 1)"
+        )
+    if not bool((sigmas[1:] < sigmas[:-1]).all()) or float(sigmas[-1]) != 0.0:
+        raise H3InputError(f"{name}: the sigmas must fall step by step and end at 0, got {sigmas.tolist()}")
+    return sigmas
+
+
+def time_shift_sigma(sigma: torch.Tensor, from_shift: float, to_shift: float) -> torch.Tensor:
+    """``σ`` on the ``from_shift`` schedule → the same point on the ``to_shift`` one: back to the unshifted grid
+    (``b = σ / (s + σ(1 − s))``), then shifted again. How ComfyUI's native H3 derives the audio σ from the video σ
+    (comfy/ldm/minimax/model.py at Comfy-Org/ComfyUI 2c64d4aa)."""
+    base = sigma / (from_shift + sigma * (1.0 - from_shift))
+    return to_shift * base / (1.0 + (to_shift - 1.0) * base)
 
 
 def timesteps_of(sigmas: torch.Tensor) -> torch.Tensor:

@@ -71,3 +71,21 @@ def test_a_native_conditioning_brings_its_references(server):
     prompt["31"] = {"class_type": "LoadImage", "inputs": {"image": "first.png"}}
     entry = server.run(prompt)
     assert "which run in mode T2VA with no keyframes" in error_message(entry), error_message(entry)
+
+
+def test_a_schedule_from_the_hosts_scheduler_node_drives_the_sampler(server):
+    """The host's own KarrasScheduler, set to the flow's range, in place of the released schedule; a scheduler left
+    at another model's range is refused by name."""
+    prompt = generation(prefix="H3/karras", length=22, seed=6)
+    prompt["35"] = {
+        "class_type": "KarrasScheduler",
+        "inputs": {"steps": 3, "sigma_max": 1.0, "sigma_min": 0.02, "rho": 7.0},
+    }
+    prompt["7"]["inputs"]["sigmas"] = ["35", 0]
+    _, sound, told = run(server, prompt)
+    assert "sigmas: 3 steps from 1 to 0, as connected" in told, told
+    _, released, _ = run(server, generation(prefix="H3/karras_plain", length=22, seed=6, steps=3))
+    assert not np.array_equal(sound, released)
+    prompt["35"]["inputs"]["sigma_max"] = 14.614642
+    entry = server.run(prompt)
+    assert "H3 is a flow model, its sigmas run from at most 1 down to 0; got 14.6146" in error_message(entry)

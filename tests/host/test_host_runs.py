@@ -60,6 +60,7 @@ def test_object_info_lists_every_node_with_its_types(server):
         "last_frame",
         "keyframes",
         "references",
+        "sigmas",
         "start",
         "reference_audio_t",
         "noise",

@@ -35,8 +35,7 @@ def test_row_timesteps_follow_the_native_rule():
         assert torch.equal(ours, native)
 
 
-@pytest.fixture(scope="module")
-def dit():
+def tiny_dit():
     torch.manual_seed(0)
     model = H3DiT(
         DiTConfig(
@@ -56,6 +55,11 @@ def dit():
         for p in model.parameters():
             p.normal_(0, 0.05)
     return model
+
+
+@pytest.fixture(scope="module")
+def dit():
+    return tiny_dit()
 
 
 def prompt():
