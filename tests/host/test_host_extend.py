@@ -59,12 +59,24 @@ def test_inpainting_frames_holds_the_rest(server):
     assert not torch.equal(b["samples"][:, :, :3], a["samples"][:, :, :3])
 
 
-def test_region_needs_a_mask_and_bad_spans_are_named(server):
-    prompt = extended(generation(prefix="H3/region_refused", length=22, seed=2), mode="region")
-    answer = server.queue(prompt)  # the host runs what does not depend on the refused node
-    assert "mode region: needs the mask input" in str(answer["node_errors"]["60"]), answer
-    if "prompt_id" in answer:
-        server.wait(answer["prompt_id"])
+def test_a_region_from_the_hosts_noise_mask_and_bad_inputs_named(server):
+    prompt = extended(generation(prefix="H3/region_noise_mask", length=22, seed=2), mode="region", to_frame=22)
+    # the host's own Set Latent Noise Mask on the clip: the right half of the 64 x 32 canvas regenerated
+    prompt["63"] = {"class_type": "SolidMask", "inputs": {"value": 1.0, "width": 32, "height": 32}}
+    prompt["64"] = {"class_type": "SolidMask", "inputs": {"value": 0.0, "width": 64, "height": 32}}
+    prompt["65"] = {
+        "class_type": "MaskComposite",
+        "inputs": {"destination": ["64", 0], "source": ["63", 0], "x": 32, "y": 0, "operation": "add"},
+    }
+    prompt["66"] = {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["7", 0], "mask": ["65", 0]}}
+    prompt["60"]["inputs"]["latent"] = ["66", 0]
+    entry = server.run(prompt)
+    assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+    a, b = kept(server, "latent_a"), kept(server, "latent_b")
+    assert torch.equal(b["samples"][..., :2], a["samples"][..., :2])  # the left half held
+    assert not torch.equal(b["samples"][..., 2:], a["samples"][..., 2:])
+    entry = server.run(extended(generation(prefix="H3/region_none", length=22, seed=2), mode="region", to_frame=22))
+    assert entry["status"]["status_str"] == "error" and "mode region: needs the mask input" in error_message(entry)
     prompt = extended(generation(prefix="H3/span_bad", length=22, seed=2), mode="frames", from_frame=20, to_frame=30)
     entry = server.run(prompt)
     assert entry["status"]["status_str"] == "error"
