@@ -21,10 +21,15 @@ def to_conditioning(embedding: PromptEmbedding, references: tuple = ()) -> list:
     return [[embedding.embeds[None], {KEY: embedding, REFERENCES_KEY: references}]]
 
 
+def _extra(conditioning) -> dict:
+    """The values beside the first CONDITIONING entry's tensor (empty where there are none)."""
+    extra = conditioning[0][1] if isinstance(conditioning, list) and conditioning and len(conditioning[0]) == 2 else {}
+    return extra if isinstance(extra, dict) else {}
+
+
 def references_of(conditioning) -> tuple:
     """The Ref2VA references the prompt was encoded with: ``(kinds, length)`` or ``()``."""
-    extra = conditioning[0][1] if isinstance(conditioning, list) and conditioning and len(conditioning[0]) == 2 else {}
-    return extra.get(REFERENCES_KEY, ()) if isinstance(extra, dict) else ()
+    return _extra(conditioning).get(REFERENCES_KEY, ())
 
 
 def prompt_of(conditioning, name: str = "conditioning") -> PromptEmbedding:
@@ -48,8 +53,7 @@ def prompt_of(conditioning, name: str = "conditioning") -> PromptEmbedding:
 
 
 def _native(conditioning, key) -> list:
-    extra = conditioning[0][1] if isinstance(conditioning, list) and conditioning and len(conditioning[0]) == 2 else {}
-    return list((extra.get(key) if isinstance(extra, dict) else None) or [])
+    return list(_extra(conditioning).get(key) or [])
 
 
 def native_keyframes_of(conditioning) -> list:

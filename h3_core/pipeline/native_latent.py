@@ -32,7 +32,26 @@ def from_native(
     frames = int(video.shape[2])
     if frames % 5 != 2:
         raise H3InputError(f"{name}: {frames} latent frames is not a clip's 5k + 2; not an H3 latent")
-    return video[0], audio[0].permute(1, 0, 2), latent_span(frames)
+    return video[0], _audio_from_native(audio[0]), latent_span(frames)
+
+
+def _audio_from_native(audio: torch.Tensor) -> torch.Tensor:
+    """One clip's native audio ``[32, 2, Ta]`` → the pack's ``[2, 32, Ta]``."""
+    return audio.permute(1, 0, 2)
+
+
+def _condition_latents(video, audio, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A native condition's ``latent`` ``[1, 24, t, h, w]`` and ``audio_latent`` ``[1, 32, 2, Ta]`` (either may be
+    None) → the pack's ``[24, t, h, w]`` and ``[2, 32, Ta]``, fp32 on the CPU."""
+    if video is not None:
+        if not isinstance(video, torch.Tensor) or video.dim() != 5 or video.shape[0] != 1:
+            raise H3InputError(f"{name}: its latent must be [1, 24, t, h, w], got {getattr(video, 'shape', video)}")
+        video = video[0].float().cpu()
+    if audio is not None:
+        if not isinstance(audio, torch.Tensor) or audio.dim() != 4 or tuple(audio.shape[:3]) != (1, 32, 2):
+            raise H3InputError(f"{name}: its audio_latent must be [1, 32, 2, Ta], got {getattr(audio, 'shape', audio)}")
+        audio = _audio_from_native(audio[0]).float().cpu()
+    return video, audio
 
 
 def keyframe_from_native(entry: dict, index: int = 1) -> Keyframe:
@@ -42,15 +61,7 @@ def keyframe_from_native(entry: dict, index: int = 1) -> Keyframe:
     name = f"conditioning: native keyframe {index}"
     if not isinstance(entry, dict) or "resolved_frame_index" not in entry:
         raise H3InputError(f"{name}: not a native H3 keyframe (no resolved_frame_index)")
-    video, audio = entry.get("latent"), entry.get("audio_latent")
-    if video is not None:
-        if not isinstance(video, torch.Tensor) or video.dim() != 5 or video.shape[0] != 1:
-            raise H3InputError(f"{name}: its latent must be [1, 24, t, h, w], got {getattr(video, 'shape', video)}")
-        video = video[0].float().cpu()
-    if audio is not None:
-        if not isinstance(audio, torch.Tensor) or audio.dim() != 4 or tuple(audio.shape[:3]) != (1, 32, 2):
-            raise H3InputError(f"{name}: its audio_latent must be [1, 32, 2, Ta], got {getattr(audio, 'shape', audio)}")
-        audio = audio[0].permute(1, 0, 2).float().cpu()
+    video, audio = _condition_latents(entry.get("latent"), entry.get("audio_latent"), name)
     return Keyframe(int(entry["resolved_frame_index"]), video=video, audio=audio)
 
 
@@ -65,13 +76,5 @@ def reference_from_native(block: dict, index: int = 1) -> ReferenceLatents:
     kind = block.get("kind") if isinstance(block, dict) else None
     if kind not in NATIVE_REFERENCE_KINDS:
         raise H3InputError(f"{name}: kind must be one of {list(NATIVE_REFERENCE_KINDS)}, got {kind!r}")
-    video, audio = block.get("latent"), block.get("audio_latent")
-    if video is not None:
-        if not isinstance(video, torch.Tensor) or video.dim() != 5 or video.shape[0] != 1:
-            raise H3InputError(f"{name}: its latent must be [1, 24, t, h, w], got {getattr(video, 'shape', video)}")
-        video = video[0].float().cpu()
-    if audio is not None:
-        if not isinstance(audio, torch.Tensor) or audio.dim() != 4 or tuple(audio.shape[:3]) != (1, 32, 2):
-            raise H3InputError(f"{name}: its audio_latent must be [1, 32, 2, Ta], got {getattr(audio, 'shape', audio)}")
-        audio = audio[0].permute(1, 0, 2).float().cpu()
+    video, audio = _condition_latents(block.get("latent"), block.get("audio_latent"), name)
     return ReferenceLatents(NATIVE_REFERENCE_KINDS[kind], video=video, audio=audio)

@@ -97,9 +97,7 @@ def initial_noise(
     audio = torch.randn(
         (audio_latents * audio_channels, audio_latent_channels), generator=generator, device=device, dtype=torch.float32
     )
-    rows = patch[0] * patch[1] * patch[2] * latent_channels
-    condition_rows = torch.cat(conditions) if conditions else torch.empty(0, rows, device=device)
-    return condition_rows, patchify(video, patch), audio
+    return _joined(conditions, patch, latent_channels, device), patchify(video, patch), audio
 
 
 def initial_noise_comfyui(
@@ -130,9 +128,14 @@ def initial_noise_comfyui(
         rows = patchify(latent.to("cpu", torch.float32), patch)
         noise = torch.randn(rows.shape, generator=torch.Generator(device="cpu").manual_seed(int(seed)))
         conditions.append(CONDITION_T * rows + (1.0 - CONDITION_T) * noise)
-    width_rows = patch[0] * patch[1] * patch[2] * latent_channels
-    condition_rows = torch.cat(conditions) if conditions else torch.empty(0, width_rows)
-    return condition_rows, patchify(video, patch), audio.permute(1, 2, 0).reshape(-1, audio_latent_channels)
+    audio_rows = audio.permute(1, 2, 0).reshape(-1, audio_latent_channels)
+    return _joined(conditions, patch, latent_channels, "cpu"), patchify(video, patch), audio_rows
+
+
+def _joined(conditions: list[torch.Tensor], patch, latent_channels: int, device) -> torch.Tensor:
+    """The conditions' rows one after the other (none: an empty ``[0, C·pt·ph·pw]``)."""
+    width = patch[0] * patch[1] * patch[2] * latent_channels
+    return torch.cat(conditions) if conditions else torch.empty(0, width, device=device)
 
 
 def check_noise(draw) -> None:
