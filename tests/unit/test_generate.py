@@ -9,8 +9,8 @@ from h3_core.pipeline.generate import generate, generate_ref2va
 from h3_core.pipeline.prompt import from_conditioning
 
 
-@pytest.fixture(scope="module")
-def dit():
+def tiny_dit(hybrid: bool = False) -> H3DiT:
+    """The tiny random DiT these tests run (seeded), VDN-H3's hybrid form when ``hybrid``."""
     torch.manual_seed(0)
     model = H3DiT(
         DiTConfig(
@@ -24,12 +24,18 @@ def dit():
             time_hidden=24,
             time_embed=20,
             rope_freqs=4,
+            hybrid=hybrid,
         )
     ).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)
     return model
+
+
+@pytest.fixture(scope="module")
+def dit():
+    return tiny_dit()
 
 
 def prompt():

@@ -110,29 +110,13 @@ def test_backends_agree_through_the_whole_model(window):
 
 
 def test_generate_runs_the_hybrid_window_a_user_picks():
-    from h3_core.pipeline.generate import generate
-    from h3_core.pipeline.prompt import from_conditioning
+    from test_generate import prompt as tiny_prompt
+    from test_generate import tiny_dit
 
-    torch.manual_seed(0)
-    m = H3DiT(
-        DiTConfig(
-            hidden=48,
-            layers=2,
-            heads=2,
-            head_dim=32,
-            ffn=64,
-            text_dim=5120,
-            freq_dim=16,
-            time_hidden=24,
-            time_embed=20,
-            rope_freqs=4,
-            hybrid=True,
-        )
-    ).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.05)
-    prompt = from_conditioning(torch.randn(1, 6, 5120, generator=torch.Generator().manual_seed(3)))
+    from h3_core.pipeline.generate import generate
+
+    m = tiny_dit(hybrid=True)
+    prompt = tiny_prompt()
     narrow = WindowSpec(1, 2, "both")  # 7 latent frames: the window leaves pairs out, the branch runs
     run = dict(frames=22, width=64, height=32, steps=2, seed=5)
     with torch.no_grad():

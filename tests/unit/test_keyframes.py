@@ -6,14 +6,13 @@ import math
 
 import pytest
 import torch
+from test_generate import prompt, tiny_dit
 
 from h3_core.errors import H3InputError
-from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.keyframes import Keyframe, guide_audio_latents, guide_frames, latent_span, resolve_frame_index
 from h3_core.pipeline.noise import row_timesteps
 from h3_core.pipeline.packing import KeyframeSlot, pack_sequence
-from h3_core.pipeline.prompt import from_conditioning
 
 # ---- the native convention, re-derived ------------------------------------------------------------------------
 
@@ -178,29 +177,7 @@ def test_guide_audio_room_as_native(index):
 
 @pytest.fixture(scope="module")
 def dit():
-    torch.manual_seed(0)
-    model = H3DiT(
-        DiTConfig(
-            hidden=48,
-            layers=2,
-            heads=2,
-            head_dim=32,
-            ffn=64,
-            text_dim=5120,
-            freq_dim=16,
-            time_hidden=24,
-            time_embed=20,
-            rope_freqs=4,
-        )
-    ).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    return model
-
-
-def prompt():
-    return from_conditioning(torch.randn(1, 6, 5120, generator=torch.Generator().manual_seed(3)))
+    return tiny_dit()
 
 
 def test_a_keyframe_at_frame_0_is_the_released_first_keyframe(dit):

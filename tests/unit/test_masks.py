@@ -4,9 +4,9 @@ timesteps ``(1 - m · sigma).clamp(max=max(t, 0.999))``)."""
 
 import pytest
 import torch
+from test_generate import prompt, tiny_dit
 
 from h3_core.errors import H3InputError
-from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.masks import (
     MaskedStart,
@@ -16,7 +16,6 @@ from h3_core.pipeline.masks import (
     region_mask,
     span_mask,
 )
-from h3_core.pipeline.prompt import from_conditioning
 
 
 def native_mask_row_values(mask, latent_t, lat_h, lat_w):
@@ -35,35 +34,9 @@ def test_row_timesteps_follow_the_native_rule():
         assert torch.equal(ours, native)
 
 
-def tiny_dit():
-    torch.manual_seed(0)
-    model = H3DiT(
-        DiTConfig(
-            hidden=48,
-            layers=2,
-            heads=2,
-            head_dim=32,
-            ffn=64,
-            text_dim=5120,
-            freq_dim=16,
-            time_hidden=24,
-            time_embed=20,
-            rope_freqs=4,
-        )
-    ).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    return model
-
-
 @pytest.fixture(scope="module")
 def dit():
     return tiny_dit()
-
-
-def prompt():
-    return from_conditioning(torch.randn(1, 6, 5120, generator=torch.Generator().manual_seed(3)))
 
 
 COMMON = dict(width=64, height=32, steps=3, seed=4)

@@ -4,7 +4,8 @@ video's as ComfyUI's native H3 derives them (re-derived here from comfy/ldm/mini
 
 import pytest
 import torch
-from test_masks import COMMON, prompt, tiny_dit
+from test_generate import prompt, tiny_dit
+from test_masks import COMMON
 
 from h3_core.errors import H3InputError
 from h3_core.pipeline.generate import generate
