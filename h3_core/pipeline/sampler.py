@@ -82,16 +82,15 @@ def denoise(
     cv, ca = packed.condition_rows, condition_audio_rows
     video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
     extra = {} if hybrid is None else {"hybrid": hybrid}
-    held = None
+    held_video = held_audio = None  # (held rows, mask) of each stream's generated rows
     if start is not None:
         device = video_rows.device
-        held_v, mask_v = (r.to(device) for r in start.video_rows())
-        held_a, mask_a = (r.to(device) for r in start.audio_rows())
-        held = (held_v, mask_v, held_a, mask_a)
-        row_mask_v, row_mask_a = mask_v.amax(dim=1).cpu(), mask_a[:, 0].cpu()
+        held_video = tuple(r.to(device) for r in start.video_rows())
+        held_audio = tuple(r.to(device) for r in start.audio_rows())
+        row_mask_v, row_mask_a = held_video[1].amax(dim=1).cpu(), held_audio[1][:, 0].cpu()
 
     def rows_t(i):
-        if held is None:
+        if start is None:
             return {}
         return dict(
             video_rows_t=masked_row_timesteps(row_mask_v, video_sigmas[i], max(float(video_ts[i]), CONDITION_T)),
@@ -120,10 +119,10 @@ def denoise(
                 check_cancel()
             device = video_rows.device
             video_in, audio_in = video_rows, audio_rows
-            if held is not None:
+            if start is not None:
                 video_in, audio_in = video_rows.clone(), audio_rows.clone()
-                video_in[cv:] = masked_input(video_rows[cv:], held[0], held[1])
-                audio_in[ca:] = masked_input(audio_rows[ca:], held[2], held[3])
+                video_in[cv:] = masked_input(video_rows[cv:], *held_video)
+                audio_in[ca:] = masked_input(audio_rows[ca:], *held_audio)
             v_video, v_audio = evaluate(
                 model,
                 compile,
@@ -140,42 +139,8 @@ def denoise(
                 **extra,
             )
             frame = _middle_frame_estimate(packed, video_in, v_video, video_ts[i]) if preview is not None else None
-            if held is None:
-                video_rows[cv:] = euler_step(
-                    video_rows[cv:],
-                    v_video[cv:].float(),
-                    float(video_sigmas[i]),
-                    float(video_sigmas[i + 1]),
-                    video_ts[i],
-                )
-                audio_rows[ca:] = euler_step(
-                    audio_rows[ca:],
-                    v_audio[ca:].float(),
-                    float(audio_sigmas[i]),
-                    float(audio_sigmas[i + 1]),
-                    audio_ts[i],
-                )
-            else:
-                video_rows[cv:] = masked_euler_step(
-                    video_rows[cv:],
-                    video_in[cv:],
-                    v_video[cv:],
-                    held[0],
-                    held[1],
-                    float(video_sigmas[i]),
-                    float(video_sigmas[i + 1]),
-                    video_ts[i],
-                )
-                audio_rows[ca:] = masked_euler_step(
-                    audio_rows[ca:],
-                    audio_in[ca:],
-                    v_audio[ca:],
-                    held[2],
-                    held[3],
-                    float(audio_sigmas[i]),
-                    float(audio_sigmas[i + 1]),
-                    audio_ts[i],
-                )
+            video_rows[cv:] = _step(video_rows, video_in, v_video, cv, video_sigmas, video_ts, i, held_video)
+            audio_rows[ca:] = _step(audio_rows, audio_in, v_audio, ca, audio_sigmas, audio_ts, i, held_audio)
             if progress is not None:
                 progress(i + 1, n)
             if preview is not None:
@@ -186,6 +151,15 @@ def denoise(
         if getattr(model, "adaln_on_host", False):
             clear_adaln_tables(model)
     return video_rows, audio_rows
+
+
+def _step(rows, model_input, velocity, first: int, sigmas, timesteps, i: int, held) -> torch.Tensor:
+    """Step ``i`` of one stream's generated rows (from row ``first``): the released Euler step, or the masked one
+    where ``held`` (the held rows and their mask) is given."""
+    at = (float(sigmas[i]), float(sigmas[i + 1]), timesteps[i])
+    if held is None:
+        return euler_step(rows[first:], velocity[first:].float(), *at)
+    return masked_euler_step(rows[first:], model_input[first:], velocity[first:], *held, *at)
 
 
 def _middle_frame_estimate(packed: PackedSequence, video_rows, v_video, timestep) -> torch.Tensor:
