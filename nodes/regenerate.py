@@ -18,10 +18,6 @@ MODES = ("extend", "frames", "region")
 AUDIO = ("follow", "generate", "hold")
 
 
-def check_mode(mode, input_types) -> None:
-    check_choice("mode", mode, MODES)
-
-
 def region_of(mask, latent):
     """The region to regenerate ``[H, W]``: the mask input, else the latent's own noise mask (the host's Set Latent
     Noise Mask stores it as ``[1, 1, H, W]``)."""
@@ -72,13 +68,13 @@ class H3ExtendOrInpaint(io.ComfyNode):
     def validate_inputs(cls, mode=None, audio=None, input_types=None):
         return verdict(
             lambda: check_linked_types(cls, input_types),
-            lambda: mode is None or check_mode(mode, input_types),
+            lambda: mode is None or check_choice("mode", mode, MODES),
             lambda: audio is None or check_choice("audio", audio, AUDIO),
         )
 
     @classmethod
     def execute(cls, latent, mode, extend_frames, from_frame, to_frame, audio, mask=None):
-        check_mode(mode, None)
+        check_choice("mode", mode, MODES)
         check_choice("audio", audio, AUDIO)
         video, sound, frames = from_latent(latent)
         _, T, h, w = video.shape
