@@ -82,3 +82,68 @@ def test_half_precision_decode_stays_close(vae_cpu, z, expected):
     frames = decode_video(vae, z.cuda(), tiles_per_batch=4)
     assert torch.isfinite(frames).all()
     assert (frames - expected).abs().max() < 2e-2
+
+
+def test_replayed_graphs_give_the_frames_of_compiled_batches_run_one_by_one(vae_cpu, z, monkeypatch):
+    from h3_core.media import graph_replay, tiling
+
+    vae = cuda_copy(vae_cpu)
+    made = []
+
+    class Counting(graph_replay.GraphReplay):
+        def __init__(self, fn, shapes=2):
+            super().__init__(fn, shapes)
+            made.append(self)
+
+    monkeypatch.setattr(tiling, "GraphReplay", Counting)
+    replayed = decode_video(vae, z.cuda(), tiles_per_batch=3, compile="auto")
+    # 4 tiles per row in batches of 3 and 1: a graph for each shape, both captured
+    assert len(made) == 1 and len(made[0].graphs) == 2 and not made[0].failed
+
+    class Unreplayed(graph_replay.GraphReplay):
+        def __call__(self, x):
+            return self.fn(x)
+
+    monkeypatch.setattr(tiling, "GraphReplay", Unreplayed)
+    one_by_one = decode_video(vae, z.cuda(), tiles_per_batch=3, compile="auto")
+    assert torch.equal(replayed, one_by_one)
+
+
+def test_graph_replay_captures_on_the_second_call_and_runs_other_shapes_as_written():
+    from h3_core.media.graph_replay import GraphReplay
+
+    calls = []
+
+    def fn(x):
+        calls.append(tuple(x.shape))
+        return (x * 2).sin() + 1
+
+    replay = GraphReplay(fn, shapes=1)
+    a, b, c = (torch.randn(4, 8, device="cuda") for _ in range(3))
+    assert torch.equal(replay(a), fn(a))  # first call: as written
+    assert len(replay.graphs) == 0
+    out_b = replay(b)  # second: captured, then replayed
+    assert len(replay.graphs) == 1
+    torch.testing.assert_close(out_b, fn(b), rtol=0, atol=0)
+    captures = len(calls)
+    out_c = replay(c)  # third: replayed, fn not called
+    assert len(calls) == captures
+    torch.testing.assert_close(out_c, fn(c), rtol=0, atol=0)
+    assert out_c.data_ptr() == out_b.data_ptr()  # the graph's own output, overwritten
+    other = torch.randn(2, 8, device="cuda")
+    for _ in range(3):  # over the shape limit: always as written
+        torch.testing.assert_close(replay(other), fn(other), rtol=0, atol=0)
+    assert len(replay.graphs) == 1
+
+
+def test_a_graph_that_cannot_be_captured_falls_back_to_running_as_written():
+    from h3_core.media.graph_replay import GraphReplay
+
+    def syncs(x):
+        return x + x.sum().item()  # a host synchronisation: not allowed while capturing
+
+    replay = GraphReplay(syncs)
+    x = torch.ones(3, device="cuda")
+    for _ in range(3):
+        torch.testing.assert_close(replay(x), x + 3)
+    assert replay.failed and not replay.graphs
