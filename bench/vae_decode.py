@@ -12,7 +12,6 @@ the audio decoder's seconds and peak for the same duration.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record
 
 from h3_core.attention.vae import resolve_vae_attention
-from h3_core.media import tiling
 from h3_core.media.tiling import decode_video, temporal_plan
 from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32
@@ -71,13 +69,6 @@ def timed(fn):
     return out, time.perf_counter() - t0, peak
 
 
-class Unreplayed(tiling.GraphReplay):
-    """Every batch launched as written: the decode before CUDA graphs, for comparison."""
-
-    def __call__(self, x):
-        return self.fn(x)
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=345)
@@ -101,13 +92,6 @@ def main(argv=None) -> dict:
         action="store_true",
         help="also time the lowest-memory fallback (blocks streamed from host) on a 2-window clip",
     )
-    parser.add_argument(
-        "--graphs",
-        nargs="*",
-        default=["on"],
-        choices=["on", "off"],
-        help="compiled tile batches replayed from CUDA graphs (the nodes' path), or each batch launched as before",
-    )
     parser.add_argument("--skip-audio", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -129,43 +113,39 @@ def main(argv=None) -> dict:
     z = torch.randn(24, latents, 48, 84, device=device)
     pinned = torch.empty(args.frames, 768, 1344, 3, pin_memory=True)
     print(f"video VAE weights {weights:.2f} GiB; {latents} latents → {args.frames} frames", flush=True)
-    replay = tiling.GraphReplay
-    for backend, tiles_per_batch, memory, graphs in itertools.product(
-        args.backends, args.tiles_per_batch, args.output_memory, args.graphs
-    ):
-        tiling.GraphReplay = replay if graphs == "on" else Unreplayed
-        overrides = None if backend == "auto" else {"video_vae": backend}
-        out = pinned if memory == "pinned" else None
-        options = dict(overrides=overrides, tiles_per_batch=tiles_per_batch, compile=args.compile)
-        try:
-            kernel = resolve_vae_attention("video_vae", device, torch.float16, 64, backend).backend
-            decode_video(vae, z[:, :7, :16, :], **options)  # warm-up
-            frames, seconds, peak = timed(lambda: decode_video(vae, z, out=out, **options))
-            _, _, peak_two = timed(lambda: decode_video(vae, z[:, :12], **options))
-            ok = bool(torch.isfinite(frames).all())
-            row = dict(
-                backend=backend,
-                kernel=kernel,
-                tiles_per_batch=tiles_per_batch,
-                output=memory,
-                graphs=graphs,
-                seconds=seconds,
-                peak_gib=peak,
-                peak_two_windows_gib=peak_two,
-                finite=ok,
-            )
-            del frames
-        except Exception as exc:  # one failing backend must not hide the others
-            row = dict(
-                backend=backend,
-                tiles_per_batch=tiles_per_batch,
-                output=memory,
-                error=f"{type(exc).__name__}: {exc}"[:300],
-            )
-        report["video"].append(row)
-        print(row, flush=True)
-        torch.cuda.empty_cache()
-    tiling.GraphReplay = replay
+    for backend in args.backends:
+        for tiles_per_batch in args.tiles_per_batch:
+            for memory in args.output_memory:
+                overrides = None if backend == "auto" else {"video_vae": backend}
+                out = pinned if memory == "pinned" else None
+                options = dict(overrides=overrides, tiles_per_batch=tiles_per_batch, compile=args.compile)
+                try:
+                    kernel = resolve_vae_attention("video_vae", device, torch.float16, 64, backend).backend
+                    decode_video(vae, z[:, :7, :16, :], **options)  # warm-up
+                    frames, seconds, peak = timed(lambda: decode_video(vae, z, out=out, **options))
+                    _, _, peak_two = timed(lambda: decode_video(vae, z[:, :12], **options))
+                    ok = bool(torch.isfinite(frames).all())
+                    row = dict(
+                        backend=backend,
+                        kernel=kernel,
+                        tiles_per_batch=tiles_per_batch,
+                        output=memory,
+                        seconds=seconds,
+                        peak_gib=peak,
+                        peak_two_windows_gib=peak_two,
+                        finite=ok,
+                    )
+                    del frames
+                except Exception as exc:  # one failing backend must not hide the others
+                    row = dict(
+                        backend=backend,
+                        tiles_per_batch=tiles_per_batch,
+                        output=memory,
+                        error=f"{type(exc).__name__}: {exc}"[:300],
+                    )
+                report["video"].append(row)
+                print(row, flush=True)
+                torch.cuda.empty_cache()
 
     # Where one window's time goes (28 tiles at the release geometry).
     window = z[:, :7]

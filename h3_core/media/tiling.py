@@ -27,7 +27,6 @@ import torch
 
 from ..errors import H3InputError
 from ..triton_forms import CompileFailure, check_compile, compiles_on, plain_path
-from .graph_replay import GraphReplay
 
 __all__ = [
     "TRAINED_TILE_PX",
@@ -403,7 +402,6 @@ class _DecodeState:
     def run(self, tiles: torch.Tensor) -> torch.Tensor:
         while True:
             try:
-                # cat copies each result before the next call, which may overwrite it (a replayed graph's output)
                 return torch.cat([self.decode(part) for part in tiles.split(self.tiles_per_batch)])
             except torch.OutOfMemoryError:
                 if tiles.is_cuda:
@@ -462,18 +460,13 @@ def _decoder(vae, overrides, compiled: bool) -> Callable[[torch.Tensor], torch.T
     """``decode_tiled``'s ``decode``: ``vae.decode_tiles`` with the blocks compiled when ``compiled`` and they
     have not failed before, else eager with no Triton kernel (``triton_forms.plain_path``). A batch whose
     compiled blocks fail to compile or launch is decoded again eagerly (the decode writes nothing in place
-    outside itself), one line naming the cause is logged, and every later batch and decode runs eagerly. On CUDA
-    the compiled batches are replayed from CUDA graphs (``GraphReplay``, one per batch shape, released with this
-    function) unless the blocks are streamed from host memory."""
-    graphed = GraphReplay(lambda tiles: vae.decode_tiles(tiles, overrides, compiled=True))
+    outside itself), one line naming the cause is logged, and every later batch and decode runs eagerly."""
 
     def decode(tiles):
         global _decoder_compile_failed
         if compiled and not _decoder_compile_failed:
             try:
-                if getattr(vae, "_offloaded", False):
-                    return vae.decode_tiles(tiles, overrides, compiled=True)
-                return graphed(tiles)
+                return vae.decode_tiles(tiles, overrides, compiled=True)
             except CompileFailure as failure:
                 _decoder_compile_failed = True
                 log.warning(
