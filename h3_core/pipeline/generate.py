@@ -59,6 +59,7 @@ def generate(
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
     start: MaskedStart | None = None,
     sigmas: torch.Tensor | None = None,
+    solver=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` lists, in packed order,
     ``(anchor, latent)`` pairs ("first" / "last", the released FL2VA anchors) and/or ``Keyframe``s (anywhere in
@@ -67,7 +68,8 @@ def generate(
     it, ``comfyui`` as a native ComfyUI H3 graph does. ``preview(step, steps, frame)`` receives each step's clean
     estimate of the middle latent frame (``sampler.denoise``). ``start``: latents to hold where its masks are 0
     and denoise masks for the rest (extend, inpaint: ``h3_core.pipeline.masks``); None generates the whole clip.
-    ``sigmas``: a video σ schedule from outside in place of the released one for ``steps`` (``sampler.denoise``).
+    ``sigmas``: a video σ schedule from outside in place of the released one for ``steps``; ``solver``: an integrator
+    in place of the released Euler loop, e.g. one of ComfyUI's samplers (both ``sampler.denoise``).
     For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the window softmax; a plain H3 model
     ignores them.
     ``before_sampling(packed)`` is called once the request is packed, before the first evaluation (e.g. to fit
@@ -117,6 +119,7 @@ def generate(
         preview=preview,
         start=start,
         sigmas=sigmas,
+        solver=solver,
     )
 
 
@@ -184,6 +187,7 @@ def generate_ref2va(
     noise: str = "released",
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
     sigmas: torch.Tensor | None = None,
+    solver=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
     them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``.
@@ -224,6 +228,7 @@ def generate_ref2va(
         noise=noise,
         preview=preview,
         sigmas=sigmas,
+        solver=solver,
     )
 
 
@@ -258,6 +263,7 @@ def _sample(
     preview=None,
     start=None,
     sigmas=None,
+    solver=None,
 ):
     """Noise drawn as ``noise`` says, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
@@ -298,6 +304,7 @@ def _sample(
         preview=preview,
         start=start,
         sigmas=sigmas,
+        solver=solver,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, h, w)

@@ -4,14 +4,17 @@ the conditioning and reference rows held where they are (only generated rows are
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Callable
 
 import torch
 
+from ..errors import H3InputError
 from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
 from ..models.run_options import apply_run_options, evaluate, run_options_of
 from ..triton_forms import check_compile
+from .carried_audio import carried_clean, from_carried, to_carried
 from .masks import MaskedStart, masked_euler_step, masked_input, masked_row_timesteps
 from .noise import CONDITION_T, REFERENCE_AUDIO_T, row_timesteps
 from .packing import PackedSequence, unpatchify
@@ -48,6 +51,7 @@ def denoise(
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
     start: MaskedStart | None = None,
     sigmas: torch.Tensor | None = None,
+    solver: Solver | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
 
@@ -68,6 +72,12 @@ def denoise(
         sigmas: a video σ schedule from outside (ComfyUI's SIGMAS; ``steps`` is then its length less one), the
             audio σ derived from it as native H3 derives it (``schedule.time_shift_sigma``); None: the released
             grids for ``steps``.
+        solver: integrates in place of the released Euler loop (e.g. one of ComfyUI's samplers), as
+            ``solver(denoised, x, sigmas, on_step)`` → the final ``x``: ``x`` ``[1, N]`` fp32 holds the generated
+            video rows then the generated audio rows carried on the video schedule (``carried_audio``),
+            ``denoised(x, σ)`` is one model evaluation's clean estimate of it at video σ (``σ`` a 0-d or 1-element
+            tensor), and ``on_step(i, n, denoised)`` reports step ``i`` of ``n`` (progress and preview). The
+            video σ schedule is ``sigmas`` or the released grid; not with ``start``.
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
     """
@@ -77,11 +87,26 @@ def denoise(
     else:
         video_sigmas = check_sigmas(sigmas)
         audio_sigmas = time_shift_sigma(video_sigmas, float(video_shift), float(audio_shift))
+    if solver is not None:
+        if start is not None:
+            raise H3InputError(
+                "start: extending or inpainting runs with the released sampler; disconnect the sampler input"
+            )
+        run = _Run(model, packed, text_rows, video_rows, audio_rows, condition_audio_rows, compile, hybrid)
+        with _per_block_cancel(model, check_cancel):
+            return run.solve(
+                solver,
+                video_sigmas,
+                (float(video_shift), float(audio_shift)),
+                condition_audio_t,
+                progress,
+                check_cancel,
+                preview,
+            )
     video_ts, audio_ts = timesteps_of(video_sigmas), timesteps_of(audio_sigmas)
     n = min(len(video_ts), len(audio_ts))  # equal unless a strong shift collapsed grid points
     cv, ca = packed.condition_rows, condition_audio_rows
     video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
-    extra = {} if hybrid is None else {"hybrid": hybrid}
     held_video = held_audio = None  # (held rows, mask) of each stream's generated rows
     if start is not None:
         device = video_rows.device
@@ -110,44 +135,30 @@ def denoise(
     ]
     if getattr(model, "adaln_on_host", False):  # the blocks' AdaLN tables for the whole run, made once
         prepare_adaln_tables(model, [timesteps for timesteps, _ in steps_timesteps], video_rows.device)
-    per_block = isinstance(model, torch.nn.Module) and check_cancel is not None
-    if per_block:
-        before = apply_run_options(model, replace(run_options_of(model), check_cancel=check_cancel))
+    run = _Run(model, packed, text_rows, video_rows, audio_rows, ca, compile, hybrid)
     try:
-        for i, (timesteps, index) in enumerate(steps_timesteps):
-            if check_cancel is not None:
-                check_cancel()
-            device = video_rows.device
-            video_in, audio_in = video_rows, audio_rows
-            if start is not None:
-                video_in, audio_in = video_rows.clone(), audio_rows.clone()
-                video_in[cv:] = masked_input(video_rows[cv:], *held_video)
-                audio_in[ca:] = masked_input(audio_rows[ca:], *held_audio)
-            v_video, v_audio = evaluate(
-                model,
-                compile,
-                video_in,
-                audio_in,
-                text_rows,
-                timesteps.to(device),
-                index.to(device),
-                packed.tags.to(device),
-                packed.positions.to(device),
-                packed.video_index.to(device),
-                packed.audio_index.to(device),
-                packed.text_index.to(device),
-                **extra,
-            )
-            frame = _middle_frame_estimate(packed, video_in, v_video, video_ts[i]) if preview is not None else None
-            video_rows[cv:] = _step(video_rows, video_in, v_video, cv, video_sigmas, video_ts, i, held_video)
-            audio_rows[ca:] = _step(audio_rows, audio_in, v_audio, ca, audio_sigmas, audio_ts, i, held_audio)
-            if progress is not None:
-                progress(i + 1, n)
-            if preview is not None:
-                preview(i + 1, n, frame)
+        with _per_block_cancel(model, check_cancel):
+            for i, (timesteps, index) in enumerate(steps_timesteps):
+                if check_cancel is not None:
+                    check_cancel()
+                video_in, audio_in = video_rows, audio_rows
+                if start is not None:
+                    video_in, audio_in = video_rows.clone(), audio_rows.clone()
+                    video_in[cv:] = masked_input(video_rows[cv:], *held_video)
+                    audio_in[ca:] = masked_input(audio_rows[ca:], *held_audio)
+                v_video, v_audio = run.velocities(video_in, audio_in, timesteps, index)
+                frame, mid = None, _middle_rows(packed)
+                if preview is not None:
+                    frame = _as_frame(
+                        packed, clean_estimate(video_in[cv:][mid].float(), v_video[cv:][mid].float(), video_ts[i])
+                    )
+                video_rows[cv:] = _step(video_rows, video_in, v_video, cv, video_sigmas, video_ts, i, held_video)
+                audio_rows[ca:] = _step(audio_rows, audio_in, v_audio, ca, audio_sigmas, audio_ts, i, held_audio)
+                if progress is not None:
+                    progress(i + 1, n)
+                if preview is not None:
+                    preview(i + 1, n, frame)
     finally:
-        if per_block:
-            apply_run_options(model, replace(before, check_cancel=None))
         if getattr(model, "adaln_on_host", False):
             clear_adaln_tables(model)
     return video_rows, audio_rows
@@ -162,11 +173,107 @@ def _step(rows, model_input, velocity, first: int, sigmas, timesteps, i: int, he
     return masked_euler_step(rows[first:], model_input[first:], velocity[first:], *held, *at)
 
 
-def _middle_frame_estimate(packed: PackedSequence, video_rows, v_video, timestep) -> torch.Tensor:
-    """The clean estimate ``x0 = x_t + (1 − t) · v`` of the target's middle latent frame, ``[24, 1, h, w]`` fp32."""
+def _middle_rows(packed: PackedSequence) -> slice:
+    """The target's middle latent frame among its generated video rows."""
+    per_frame = packed.layout.tokens_per_frame
+    start = packed.layout.num_frames // 2 * per_frame
+    return slice(start, start + per_frame)
+
+
+def _as_frame(packed: PackedSequence, clean_rows: torch.Tensor) -> torch.Tensor:
+    """The middle frame's clean rows as a latent frame ``[24, 1, h, w]`` fp32 on the CPU."""
     layout = packed.layout
-    per_frame = layout.tokens_per_frame
-    start = packed.condition_rows + layout.num_frames // 2 * per_frame
-    rows = slice(start, start + per_frame)
-    x0 = clean_estimate(video_rows[rows].float(), v_video[rows].float(), timestep)
-    return unpatchify(x0.cpu(), 24, 1, 2 * layout.frame_h, 2 * layout.frame_w)
+    return unpatchify(clean_rows.float().cpu(), 24, 1, 2 * layout.frame_h, 2 * layout.frame_w)
+
+
+@contextlib.contextmanager
+def _per_block_cancel(model, check_cancel):
+    """``check_cancel`` also before every block, for a model with the slot (``H3DiT``), within the block."""
+    if not (isinstance(model, torch.nn.Module) and check_cancel is not None):
+        yield
+        return
+    before = apply_run_options(model, replace(run_options_of(model), check_cancel=check_cancel))
+    try:
+        yield
+    finally:
+        apply_run_options(model, replace(before, check_cancel=None))
+
+
+# the integrator given from outside: (denoised, x, video sigmas, on_step) -> final x (``denoise``'s ``solver``)
+Solver = Callable[[Callable, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
+
+
+class _Run:
+    """One request's fixed inputs, for evaluations at any σ."""
+
+    def __init__(self, model, packed, text_rows, video_rows, audio_rows, condition_audio_rows, compile, hybrid):
+        self.model, self.packed, self.text_rows, self.compile = model, packed, text_rows, compile
+        self.video_rows, self.audio_rows, self.ca = video_rows, audio_rows, condition_audio_rows
+        self.extra = {} if hybrid is None else {"hybrid": hybrid}
+
+    def velocities(self, video_in, audio_in, timesteps, index):
+        """One model evaluation of the whole sequence: (video velocity, audio velocity)."""
+        packed, device = self.packed, video_in.device
+        return evaluate(
+            self.model,
+            self.compile,
+            video_in,
+            audio_in,
+            self.text_rows,
+            timesteps.to(device),
+            index.to(device),
+            packed.tags.to(device),
+            packed.positions.to(device),
+            packed.video_index.to(device),
+            packed.audio_index.to(device),
+            packed.text_index.to(device),
+            **self.extra,
+        )
+
+    def solve(self, solver, video_sigmas, shifts, condition_audio_t, progress, check_cancel, preview):
+        """``denoise`` with ``solver`` integrating: the generated rows packed into one state with the audio carried
+        on the video schedule, each ``denoised`` call one evaluation, the final state unpacked."""
+        cv, ca, packed = self.packed.condition_rows, self.ca, self.packed
+        video_rows, audio_rows = self.video_rows, self.audio_rows
+        video, audio = video_rows[cv:].float(), audio_rows[ca:].float()
+        nv = video.numel()
+        first = float(video_sigmas[0])
+        state = torch.cat([video.flatten(), to_carried(audio, first, *shifts).flatten()])[None]
+        host_tables = getattr(self.model, "adaln_on_host", False)
+
+        def denoised(x, sigma):
+            if check_cancel is not None:
+                check_cancel()
+            sigma_v = torch.as_tensor(sigma, dtype=torch.float32).flatten()[:1].cpu()
+            sigma_a = time_shift_sigma(sigma_v, *shifts)
+            t_video, t_audio = float(1.0 - sigma_v), float(1.0 - sigma_a)
+            x_video = x[0, :nv].view_as(video)
+            x_audio = from_carried(x[0, nv:].view_as(audio), float(sigma_v), *shifts)
+            video_in = torch.cat([video_rows[:cv], x_video.to(video_rows.dtype)])
+            audio_in = torch.cat([audio_rows[:ca], x_audio.to(audio_rows.dtype)])
+            timesteps, index = row_timesteps(
+                packed, t_video, t_audio, condition_audio_rows=ca, condition_audio_t=max(t_audio, condition_audio_t)
+            )
+            if host_tables:  # the σ a solver asks for are not known ahead: this evaluation's tables only
+                prepare_adaln_tables(self.model, [timesteps], video_in.device)
+            try:
+                v_video, v_audio = self.velocities(video_in, audio_in, timesteps, index)
+            finally:
+                if host_tables:
+                    clear_adaln_tables(self.model)
+            clean_video = clean_estimate(video_in[cv:].float(), v_video[cv:].float(), t_video)
+            clean_audio = clean_estimate(audio_in[ca:].float(), v_audio[ca:].float(), t_audio)
+            return torch.cat([clean_video.flatten(), carried_clean(clean_audio, *shifts).flatten()])[None].to(x.dtype)
+
+        def on_step(i, n, clean):
+            if progress is not None:
+                progress(i, n)
+            if preview is not None:
+                preview(i, n, _as_frame(packed, clean[0, :nv].view_as(video)[_middle_rows(packed)]))
+
+        final = solver(denoised, state, video_sigmas.to(video_rows.device), on_step)
+        last = float(video_sigmas[-1])
+        video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
+        video_rows[cv:] = final[0, :nv].view_as(video).to(video_rows.dtype)
+        audio_rows[ca:] = from_carried(final[0, nv:].view_as(audio), last, *shifts).to(audio_rows.dtype)
+        return video_rows, audio_rows
