@@ -29,12 +29,16 @@ def _check_strength(strength) -> None:
 
 def host_patches(patches) -> dict:
     """``h3_core.formats.lora.LoraPatch``es as the host's patches: key (or key with a row offset) → ``LoRAAdapter``
-    whose alpha over the rank gives the patch's scale."""
+    whose alpha over the rank gives the patch's scale, or the host's ``("diff", (tensor,))`` for a full
+    difference."""
     from comfy.weight_adapter.lora import LoRAAdapter
 
     out = {}
     for patch in patches:
         key = patch.key if patch.rows is None else (patch.key, (0, patch.rows[0], patch.rows[1]))
+        if patch.diff is not None:
+            out[key] = ("diff", (patch.diff,))
+            continue
         rank = patch.down.shape[0]
         out[key] = LoRAAdapter(set(), (patch.up, patch.down, patch.scale * rank, None, None, None))
     return out

@@ -6,7 +6,10 @@ Accepted files (safetensors):
     ``<module>.lora_B[.<adapter>].weight``, with ``lora_alpha`` and ``r`` from the ``adapter_config.json``
     beside the file (alpha == rank when it is absent);
   * ComfyUI-style LoRAs: ``diffusion_model.<module>.lora_{A,B}.weight`` or ``.lora_{down,up}.weight`` with an
-    optional ``.alpha`` scalar per module.
+    optional ``.alpha`` scalar per module, the module names with or without the ``diffusion_model.`` prefix (what
+    ComfyUI's own H3 LoRA keys map: comfy/lora.py ``model_lora_keys_unet`` at Comfy-Org/ComfyUI 17358c8f), and
+    full differences beside them as that file's ``load_lora`` reads them: ``<module>.diff`` added to the weight,
+    ``<module>.diff_b`` to the bias (``W += strength · diff``).
 Module names may be native (``blocks.{i}.attn.qkv_proj``) or diffusers' (``transformer_blocks.{i}.attn.to_q``,
 also under VDN's ``.attn.orig.``): a LoRA on ``to_q`` / ``to_k`` / ``to_v`` lands on its third of the fused
 ``qkv_proj`` rows, one on ``ff.net.0.proj`` has its ``B`` rows swapped to the native ``[gate; up]`` order.
@@ -35,6 +38,7 @@ __all__ = ["LoraDelta", "LoraPatch", "read_lora", "merge_lora", "lora_patches", 
 
 _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
 _PAIR = re.compile(r"(?P<module>.+?)\.(?P<which>lora_A|lora_B|lora_down|lora_up)(\.(?P<adapter>[^.]+))?\.weight")
+_DIFF = re.compile(r"(?P<module>.+)\.(?P<which>diff|diff_b)")
 
 # diffusers module names → ours
 _RENAMES = (
@@ -63,6 +67,8 @@ class LoraDelta:
     scale: float
     part: int | None = None  # 0, 1, 2 for q, k, v rows of qkv_proj
     swap_halves: bool = False  # B stored [up; gate] (diffusers) for the native [gate; up]
+    diff: torch.Tensor | None = None  # a full difference in place of up @ down (down and up then empty)
+    param: str = "weight"  # what it updates: the module's "weight" or (a diff only) its "bias"
 
 
 def _native(module: str) -> tuple[str, int | None]:
@@ -73,9 +79,10 @@ def _native(module: str) -> tuple[str, int | None]:
             break
     for pattern, repl in _RENAMES:
         module = re.sub(pattern, repl, module)
-    m = re.fullmatch(r"(?P<stem>.+\.attn)\.to_(?P<x>[qkv])", module)
+    # diffusers' split q / k / v: to_q in the blocks, q_proj in the token refiner
+    m = re.fullmatch(r"(?P<stem>.+\.attn)\.(to_(?P<x>[qkv])|(?P<y>[qkv])_proj)", module)
     if m:
-        return m.group("stem") + ".qkv_proj", "qkv".index(m.group("x"))
+        return m.group("stem") + ".qkv_proj", "qkv".index(m.group("x") or m.group("y"))
     return module, None
 
 
@@ -89,16 +96,23 @@ def read_lora(path: str | Path, strength: float = 1.0, adapter: str | None = Non
     if cfg_path.is_file():
         config = json.loads(cfg_path.read_text())
     pairs: dict[str, dict] = {}
+    diffs: list[tuple[str, str, torch.Tensor]] = []
     with safe_open(str(path), framework="pt") as f:
         keys = list(f.keys())
         for key in keys:
             m = _PAIR.fullmatch(key)
             if m is None:
+                d = _DIFF.fullmatch(key)
+                if d is not None:
+                    diffs.append(
+                        (d.group("module"), "bias" if d.group("which") == "diff_b" else "weight", f.get_tensor(key))
+                    )
+                    continue
                 if key.endswith(".alpha"):
                     continue
                 raise H3InputError(
                     f"{path}: '{key}' is not a LoRA weight (expected <module>.lora_A / lora_B / "
-                    f"lora_down / lora_up .weight)"
+                    f"lora_down / lora_up .weight, or <module>.diff / .diff_b)"
                 )
             if adapter is not None and m.group("adapter") not in (None, adapter):
                 continue
@@ -114,11 +128,21 @@ def read_lora(path: str | Path, strength: float = 1.0, adapter: str | None = Non
         alpha = entry.get("alpha", config.get("lora_alpha", rank))
         rank_cfg = config.get("r", rank)
         native, part = _native(module)
-        swap = bool(re.search(r"\.ff\.net\.0\.proj$", module))
-        deltas.append(LoraDelta(native, entry["down"], entry["up"], strength * alpha / rank_cfg, part, swap))
+        deltas.append(
+            LoraDelta(native, entry["down"], entry["up"], strength * alpha / rank_cfg, part, _swapped(module))
+        )
+    for module, param, diff in sorted(diffs, key=lambda item: item[:2]):
+        native, part = _native(module)
+        empty = diff.new_empty(0, 0)
+        deltas.append(LoraDelta(native, empty, empty, strength, part, _swapped(module), diff, param))
     if not deltas:
         raise H3InputError(f"{path}: holds no LoRA weights" + (f" for adapter '{adapter}'" if adapter else ""))
     return deltas
+
+
+def _swapped(module: str) -> bool:
+    """Whether ``module`` is diffusers' FFN input projection, whose rows are ``[up; gate]``."""
+    return bool(re.search(r"\.ff\.net\.0\.proj$", module))
 
 
 def _check_targets(model: torch.nn.Module, deltas: list[LoraDelta], source: str) -> list:
@@ -130,6 +154,10 @@ def _check_targets(model: torch.nn.Module, deltas: list[LoraDelta], source: str)
         if target is None or not isinstance(getattr(target, "weight", None), torch.Tensor):
             raise H3InputError(f"{source}: targets '{d.module}', which this model does not have")
         rows = target.weight.shape[0] // 3 if d.part is not None else target.weight.shape[0]
+        if d.diff is not None:
+            _check_diff(target, d, rows, source)
+            targets.append(target)
+            continue
         if d.up.shape[0] != rows or d.down.shape[1] != target.weight.shape[1] or d.up.shape[1] != d.down.shape[0]:
             hint = ""
             if "adaln_proj" in d.module and getattr(getattr(model, "cfg", None), "adaln_curve_grid", 0):
@@ -145,23 +173,43 @@ def _check_targets(model: torch.nn.Module, deltas: list[LoraDelta], source: str)
     return targets
 
 
-def _native_up(d: LoraDelta) -> torch.Tensor:
-    """``d.up`` with its rows in the model's order (a diffusers ``[up; gate]`` input projection swapped)."""
-    if not d.swap_halves:
-        return d.up
-    up_half, gate_half = d.up.chunk(2)
+def _check_diff(target, d: LoraDelta, rows: int, source: str) -> None:
+    """A full difference fits what it updates: the module's weight rows, or its bias (which it must have)."""
+    param = getattr(target, d.param, None)
+    if not isinstance(param, torch.Tensor):
+        raise H3InputError(f"{source}: adds to the {d.param} of '{d.module}', which has none in this model")
+    want = (rows, *param.shape[1:])
+    if tuple(d.diff.shape) != want:
+        raise H3InputError(
+            f"{source}: the difference for the {d.param} of '{d.module}' is {tuple(d.diff.shape)}, the "
+            f"{d.param} is {want}"
+        )
+
+
+def _native_rows(rows: torch.Tensor, swap: bool) -> torch.Tensor:
+    """``rows`` in the model's order: a diffusers ``[up; gate]`` input projection's halves swapped."""
+    if not swap:
+        return rows
+    up_half, gate_half = rows.chunk(2)
     return torch.cat([gate_half, up_half])
+
+
+def _native_up(d: LoraDelta) -> torch.Tensor:
+    """``d.up`` with its rows in the model's order."""
+    return _native_rows(d.up, d.swap_halves)
 
 
 @dataclass(frozen=True)
 class LoraPatch:
-    """One low-rank update as a weight patch: ``weight[rows] += strength · scale · up @ down``."""
+    """One update as a weight patch: ``weight[rows] += strength · scale · up @ down``, or ``+= strength · diff``
+    (also for a bias)."""
 
-    key: str  # the model's state-dict key of the weight, "<module>.weight"
+    key: str  # the model's state-dict key of what it updates, "<module>.weight" or "<module>.bias"
     rows: tuple[int, int] | None  # (first row, row count) of the weight it updates; None: every row
-    up: torch.Tensor  # [row count, rank], rows in the model's order
-    down: torch.Tensor  # [rank, in]
-    scale: float  # alpha / rank; the strength is the patcher's
+    up: torch.Tensor  # [row count, rank], rows in the model's order (empty for a full difference)
+    down: torch.Tensor  # [rank, in] (empty for a full difference)
+    scale: float  # alpha / rank (1 for a full difference); the strength is the patcher's
+    diff: torch.Tensor | None = None  # a full difference of the weight rows or the bias, rows in the model's order
 
 
 def lora_patches(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str = "LoRA") -> list[LoraPatch]:
@@ -174,6 +222,11 @@ def lora_patches(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str
         if d.part is not None:
             third = target.weight.shape[0] // 3
             rows = (d.part * third, third)
+        if d.diff is not None:
+            patches.append(
+                LoraPatch(f"{d.module}.{d.param}", rows, d.up, d.down, 1.0, _native_rows(d.diff, d.swap_halves))
+            )
+            continue
         patches.append(LoraPatch(f"{d.module}.weight", rows, _native_up(d), d.down, d.scale))
     return patches
 
@@ -197,7 +250,7 @@ def describe_lora_file(path: str | Path) -> str:
     files = CheckpointFiles(path)
     modules, other = set(), []
     for key in sorted(files.keys):
-        m = _PAIR.fullmatch(key)
+        m = _PAIR.fullmatch(key) or _DIFF.fullmatch(key)
         if m is None:
             if not key.endswith(".alpha"):
                 other.append(key)
@@ -225,9 +278,11 @@ def merge_lora(model: torch.nn.Module, deltas: list[LoraDelta], *, source: str =
     returns the number of weights changed."""
     plans = list(zip(_check_targets(model, deltas, source), deltas))
     for target, d in plans:
-        up = _native_up(d).float()
-        update = (up @ d.down.float()) * d.scale
-        weight = target.weight
+        if d.diff is not None:
+            update = _native_rows(d.diff, d.swap_halves).float() * d.scale
+        else:
+            update = (_native_up(d).float() @ d.down.float()) * d.scale
+        weight = getattr(target, d.param)
         rows = (
             slice(None) if d.part is None else slice(d.part * weight.shape[0] // 3, (d.part + 1) * weight.shape[0] // 3)
         )

@@ -208,3 +208,54 @@ def test_full_model_adaln_lora_on_a_pruned_model_says_why(tmp_path):
     ):
         merge_lora(pruned, read_lora(path), source=str(path))
     assert all(torch.equal(v, before[k]) for k, v in pruned.state_dict().items())
+
+
+def test_full_differences_add_to_weights_and_biases_as_comfyuis_loader_adds_them(tmp_path):
+    # comfy/lora.py load_lora (Comfy-Org/ComfyUI 17358c8f): "<key>.diff" patches "<key>.weight" and "<key>.diff_b"
+    # "<key>.bias", each as W + strength · diff; ComfyUI's H3 key map takes the native module name with or without
+    # "diffusion_model."
+    g = torch.Generator().manual_seed(5)
+    m = model()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    diffs = {
+        "diffusion_model.final_layer.video_out.diff": torch.randn(96, 48, generator=g),
+        "diffusion_model.final_layer.video_out.diff_b": torch.randn(96, generator=g),
+        "video_patch_proj.diff_b": torch.randn(48, generator=g),
+        # diffusers' refiner names its attention's projections q_proj / k_proj / v_proj
+        "token_refiner.refiner_blocks.0.attn.k_proj.diff": torch.randn(64, 48, generator=g),
+    }
+    save_file(diffs, str(tmp_path / "d.safetensors"))
+    assert merge_lora(m, read_lora(tmp_path / "d.safetensors", 0.5)) == 4
+    after = m.state_dict()
+    torch.testing.assert_close(
+        after["final_layer.video_out.weight"],
+        before["final_layer.video_out.weight"] + 0.5 * diffs["diffusion_model.final_layer.video_out.diff"],
+    )
+    torch.testing.assert_close(
+        after["final_layer.video_out.bias"],
+        before["final_layer.video_out.bias"] + 0.5 * diffs["diffusion_model.final_layer.video_out.diff_b"],
+    )
+    torch.testing.assert_close(
+        after["video_patch_proj.bias"], before["video_patch_proj.bias"] + 0.5 * diffs["video_patch_proj.diff_b"]
+    )
+    qkv, old = (
+        after["token_refiner.blocks.0.attn.qkv_proj.weight"],
+        before["token_refiner.blocks.0.attn.qkv_proj.weight"],
+    )
+    third = qkv.shape[0] // 3
+    torch.testing.assert_close(qkv[:third], old[:third])
+    torch.testing.assert_close(
+        qkv[third : 2 * third],
+        old[third : 2 * third] + 0.5 * diffs["token_refiner.refiner_blocks.0.attn.k_proj.diff"],
+    )
+    torch.testing.assert_close(qkv[2 * third :], old[2 * third :])
+
+
+def test_full_differences_that_do_not_fit_are_named(tmp_path):
+    m = model()
+    save_file({"blocks.0.attn.qkv_proj.diff_b": torch.zeros(192)}, str(tmp_path / "bias.safetensors"))
+    with pytest.raises(H3InputError, match=r"adds to the bias of 'blocks.0.attn.qkv_proj', which has none"):
+        merge_lora(m, read_lora(tmp_path / "bias.safetensors"))
+    save_file({"final_layer.video_out.diff": torch.zeros(96, 47)}, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(H3InputError, match=r"difference for the weight of 'final_layer.video_out' is \(96, 47\)"):
+        merge_lora(m, read_lora(tmp_path / "shape.safetensors"))
