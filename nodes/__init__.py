@@ -7,6 +7,7 @@ from .attention import H3AttentionSettings
 from .canvas import H3Canvas
 from .decode import H3AudioDecode, H3VideoDecode
 from .decode_and_save import H3DecodeAndSave
+from .host_sampling import H3Scheduler
 from .keyframes import H3AddKeyframe
 from .loaders import H3AudioVAELoader, H3DiTLoader, H3PromptEmbeddingLoader, H3TextEncoderLoader, H3VideoVAELoader
 from .lora import H3LoraLoader
@@ -30,6 +31,7 @@ NODES = [
     H3LoadAudio,
     H3AttentionSettings,
     H3ExtendOrInpaint,
+    H3Scheduler,
     H3Sampler,
     H3VideoDecode,
     H3AudioDecode,

@@ -32,6 +32,10 @@ def check_mode(mode, connected) -> None:
             f"mode {mode}: takes no keyframes, but {' and '.join(keyframes)} is connected; choose mode "
             "FL2VA or disconnect it"
         )
+    if connected("sampler") and connected("start"):
+        raise H3InputError(
+            "sampler: extending or inpainting (start) runs with the released sampler; disconnect the sampler input"
+        )
     if mode == "Ref2VA" and connected("start"):
         raise H3InputError("mode Ref2VA: takes no start clip; extend or inpaint in mode T2VA or FL2VA")
     if mode != "Ref2VA" and connected("references"):
@@ -113,6 +117,13 @@ class H3Sampler(io.ComfyNode):
                     tooltip="a σ schedule from 1 down to 0 (e.g. a turbo LoRA's) in place of the released one; "
                     "steps then follows it. The audio stream's σ are derived as ComfyUI's H3 derives them",
                 ),
+                io.Sampler.Input(
+                    "sampler",
+                    optional=True,
+                    tooltip="one of the host's samplers (KSamplerSelect: euler, res_multistep, ...) in place of the "
+                    "released Euler steps, run as on ComfyUI's own H3 model (the audio carried on the video "
+                    "schedule); the schedule is the sigmas input (H3 Scheduler) or the released one for steps",
+                ),
                 H3Start.Input(
                     "start",
                     optional=True,
@@ -185,6 +196,7 @@ class H3Sampler(io.ComfyNode):
         references=None,
         start=None,
         sigmas=None,
+        sampler=None,
         reference_audio_t=REFERENCE_AUDIO_T,
         noise=NOISE_DRAWS[0],
         latent_form=LATENT_FORMS[0],
@@ -198,6 +210,7 @@ class H3Sampler(io.ComfyNode):
             "keyframes": keyframes,
             "references": references,
             "start": start,
+            "sampler": sampler,
             "video_vae": video_vae,
             "audio_vae": audio_vae,
         }
@@ -211,6 +224,12 @@ class H3Sampler(io.ComfyNode):
             sigmas = check_sigmas(sigmas)
             steps = int(sigmas.numel()) - 1
             _host.tell(cls.hidden.unique_id, [f"sigmas: {steps} steps from {float(sigmas[0]):g} to 0, as connected"])
+        solver = None
+        if sampler is not None:
+            from .host_sampling import host_solver, sampler_name
+
+            solver = host_solver(sampler, video_shift, audio_shift, seed)
+            _host.tell(cls.hidden.unique_id, [f"sampler: {sampler_name(sampler)}, as connected"])
         reference_latents, placed = None, tuple(native_keyframes_of(conditioning))
         if placed and mode == "Ref2VA":
             raise H3InputError(
@@ -293,6 +312,7 @@ class H3Sampler(io.ComfyNode):
             noise=noise,
             preview=progress.on_step,
             sigmas=sigmas,
+            solver=solver,
         )
         try:
             if reference_latents is not None:
