@@ -32,6 +32,7 @@ NODES = {
         {"model", "conditioning", "canvas", "mode", "steps", "video_shift", "audio_shift", "seed"},
         ["LATENT"],
     ),
+    "H3Scheduler": ({"scheduler", "steps", "video_shift"}, ["SIGMAS"]),
     "H3VideoDecode": ({"video_vae", "latent", "tile_size", "overlap", "tiles_per_batch"}, ["IMAGE"]),
     "H3AudioDecode": ({"audio_vae", "latent"}, ["AUDIO"]),
     "H3SaveVideo": ({"images", "filename_prefix", "fps"}, []),
@@ -61,6 +62,7 @@ def test_object_info_lists_every_node_with_its_types(server):
         "keyframes",
         "references",
         "sigmas",
+        "sampler",
         "start",
         "reference_audio_t",
         "noise",
@@ -72,6 +74,7 @@ def test_object_info_lists_every_node_with_its_types(server):
     assert TINY_VIDEO_VAE in options(info["H3VideoVAELoader"]["input"]["required"]["vae_name"])
     assert "h3_tiny_random_qwen3vl" in options(info["H3TextEncoderLoader"]["input"]["required"]["text_encoder_name"])
     assert options(info["H3Sampler"]["input"]["required"]["mode"]) == ["T2VA", "FL2VA", "Ref2VA"]
+    assert {"simple", "beta"} <= set(options(info["H3Scheduler"]["input"]["required"]["scheduler"]))
 
 
 def check_mp4(path, frames, width, height):
