@@ -21,7 +21,7 @@ class Canvas:
 
 
 def check(width=None, height=None, length=None) -> None:
-    """The size on the 32-px grid and the length on the 17k + 5 grid; a value not known yet (None: the input is
+    """The size on the 16-px latent grid and the length on the 17k + 5 grid; a value not known yet (None: the input is
     linked, so only execution knows it) is skipped."""
     if width is not None or height is not None:
         check_canvas(32 if width is None else width, 32 if height is None else height)
@@ -38,11 +38,13 @@ class H3Canvas(io.ComfyNode):
             node_id="H3Canvas",
             display_name="H3 Canvas",
             category=_host.CATEGORY,
-            description="The clip's width, height (multiples of 32; 1344x768 released) and length (17k + 5 frames at "
-            "24 fps; 124-362 trained). Connect it to H3 Text Encode and to the H3 Sampler.",
+            description="The clip's width, height (multiples of 16, at least 32; 1344x768 released; a side of an odd "
+            "number of latents, a multiple of 16 but not 32, is padded for the model and cropped after, as ComfyUI's "
+            "own H3 does) and length (17k + 5 frames at 24 fps; 124-362 trained). Connect it to H3 Text Encode and "
+            "to the H3 Sampler.",
             inputs=[
-                io.Int.Input("width", default=1344, min=32, max=4096, step=32),
-                io.Int.Input("height", default=768, min=32, max=4096, step=32),
+                io.Int.Input("width", default=1344, min=32, max=4096, step=16),
+                io.Int.Input("height", default=768, min=32, max=4096, step=16),
                 io.Int.Input(
                     "length",
                     default=124,

@@ -27,7 +27,15 @@ from .geometry import audio_latents, check_canvas, check_frames, latent_frames
 from .keyframes import Keyframe
 from .masks import MaskedStart
 from .noise import REFERENCE_AUDIO_T, check_noise, noised_reference_audio, starting_rows
-from .packing import PackedSequence, Reference, pack_ref2va, pack_sequence, soundtrack_rows, unpatchify
+from .packing import (
+    PackedSequence,
+    Reference,
+    pack_ref2va,
+    pack_sequence,
+    padded_size,
+    soundtrack_rows,
+    unpatchify,
+)
 from .prompt import PromptEmbedding
 from .sampler import denoise
 from .schedule import AUDIO_SHIFT, VIDEO_SHIFT
@@ -96,7 +104,7 @@ def generate(
             )
         slots.append(anchor)
         conditions.append(latent)
-    packed = pack_sequence(prompt.tags, T, h, w, Ta, keyframes=tuple(slots))
+    packed = pack_sequence(prompt.tags, T, *padded_size(h, w), Ta, keyframes=tuple(slots))
     return _sample(
         model,
         prompt,
@@ -202,7 +210,7 @@ def generate_ref2va(
         )
     T, h, w, Ta = _clip_shape(frames, width, height)
     geometry = [ref.geometry(i) for i, ref in enumerate(references)]
-    packed = pack_ref2va(prompt.tags, geometry, T, h, w, Ta)
+    packed = pack_ref2va(prompt.tags, geometry, T, *padded_size(h, w), Ta)
     conditions = [ref.video for ref in references if ref.kind in ("image", "video")]
     audio_refs = [rows for rows in (ref.audio_rows() for ref in references) if rows is not None]
     audio_refs = noised_reference_audio(audio_refs, float(reference_audio_t), seed)
@@ -305,8 +313,9 @@ def _sample(
         start=start,
         sigmas=sigmas,
         solver=solver,
+        video_size=(T, h, w) if padded_size(h, w) != (h, w) else None,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
-    video_latents = unpatchify(target, 24, T, h, w)
+    video_latents = unpatchify(target, 24, T, *padded_size(h, w))[:, :, :h, :w]
     audio_latents_lr = audio_rows[reference_audio:].float().cpu().reshape(2, Ta, 32).transpose(1, 2)
     return video_latents, audio_latents_lr

@@ -3,9 +3,10 @@
 * Frames: ``17k + 5`` at 24 fps (the video VAE encodes 17-frame clips into 5 latents and drops the last 3
   latents once), so ``17k + 5`` frames are ``5k + 2`` latent frames. The model was trained on 124–362
   frames; other lengths work but leave that range, and say so.
-* Canvas: both sides on the 32-px grid (16 px per latent × a 2×2 patch). From an aspect ratio: the short
-  edge aims at 768, the area is capped at 768 × 1344, then both sides round to the nearest 32; aspect
-  ratios from 1:4 to 4:1.
+* Canvas: both sides on the 16-px grid of the latent, at least 32 px. A side that is an odd number of latents
+  (a multiple of 16 px but not of 32) is padded to whole 2×2 patches for the model and cropped after, as
+  ComfyUI's native H3 does (``packing.pad_to_patch``). From an aspect ratio: the short edge aims at 768, the area
+  is capped at 768 × 1344, then both sides round to the nearest 32 (as released); aspect ratios from 1:4 to 4:1.
 * Audio: 40 latents per second (hop 800 at 32 kHz), so ``round(frames / 24 · 40)`` per channel.
 """
 
@@ -18,6 +19,7 @@ from ..errors import H3InputError
 __all__ = [
     "FPS",
     "CANVAS_MULTIPLE",
+    "LATENT_PX",
     "TRAINED_FRAMES",
     "canvas_size",
     "check_canvas",
@@ -28,7 +30,8 @@ __all__ = [
 ]
 
 FPS = 24
-CANVAS_MULTIPLE = 32
+CANVAS_MULTIPLE = 32  # what canvases made from an aspect ratio round to
+LATENT_PX = 16  # one latent per 16 px: the grid every canvas side is on
 SHORT_EDGE = 768
 MAX_PIXELS = 768 * 1344
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
@@ -62,16 +65,16 @@ def canvas_size(
 
 
 def check_canvas(width: int, height: int) -> None:
-    """Refuse sides off the 32-px grid, naming the nearest valid value."""
+    """Refuse sides off the 16-px latent grid or under 32 px, naming the nearest valid value."""
     for name, value in (("width", width), ("height", height)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < CANVAS_MULTIPLE or value % CANVAS_MULTIPLE:
+        if isinstance(value, bool) or not isinstance(value, int) or value < CANVAS_MULTIPLE or value % LATENT_PX:
             nearest = (
-                max(CANVAS_MULTIPLE, round(value / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
+                max(CANVAS_MULTIPLE, round(value / LATENT_PX) * LATENT_PX)
                 if isinstance(value, (int, float)) and not isinstance(value, bool)
                 else SHORT_EDGE
             )
             raise H3InputError(
-                f"{name} must be a multiple of {CANVAS_MULTIPLE} px and at least {CANVAS_MULTIPLE}, "
+                f"{name} must be a multiple of {LATENT_PX} px and at least {CANVAS_MULTIPLE}, "
                 f"got {value!r}; nearest: {nearest}"
             )
 

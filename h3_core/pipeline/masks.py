@@ -21,7 +21,7 @@ import torch
 from ..errors import H3InputError
 from .geometry import AUDIO_LATENTS_PER_SECOND, FPS
 from .keyframes import latent_span
-from .packing import FRAMES_PER_LATENT, patchify, soundtrack_rows
+from .packing import FRAMES_PER_LATENT, pad_to_patch, patchify, soundtrack_rows
 
 __all__ = [
     "MaskedStart",
@@ -63,9 +63,10 @@ class MaskedStart:
                 raise H3InputError(f"start: its {name} must lie in [0, 1] (1 generates, 0 holds)")
 
     def video_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(held [N, 96], element mask [N, 96])`` in the target's row layout."""
+        """``(held [N, 96], element mask [N, 96])`` in the target's row layout (on the padded grid of an odd-sized
+        latent, ``packing.pad_to_patch``)."""
         mask = self.video_mask.float()[None].expand(24, -1, -1, -1)
-        return patchify(self.video.float()), patchify(mask.contiguous())
+        return patchify(pad_to_patch(self.video.float())), patchify(pad_to_patch(mask.contiguous()))
 
     def audio_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(held [2 · Ta, 32], mask [2 · Ta, 1])`` in the target's row layout (left channel first)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import H3InputError
-from .packing import PackedSequence, patchify
+from .packing import PackedSequence, pad_to_patch, patchify
 from .schedule import noise_to
 
 __all__ = [
@@ -85,19 +85,21 @@ def initial_noise(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(condition_rows, video_rows, audio_rows)`` in fp32 on the generator's device: the conditioning
     latents (``[24, t, h, w]`` each, model space) noised to ``t = 0.999`` and patchified, then pure-noise
-    target video rows and audio rows, drawn in the released order."""
+    target video rows and audio rows, drawn in the released order. Latents of odd size are drawn at their size and
+    padded to whole patches as native H3 pads them (``packing.pad_to_patch``)."""
     device = generator.device
     conditions = []
     for latent in condition_latents:
         noise = torch.randn((1, *latent.shape), generator=generator, device=device, dtype=torch.float32)[0]
-        conditions.append(patchify(noise_to(latent.to(device, torch.float32), noise, CONDITION_T), patch))
+        noised = noise_to(latent.to(device, torch.float32), noise, CONDITION_T)
+        conditions.append(patchify(pad_to_patch(noised, patch), patch))
     video = torch.randn(
         (1, latent_channels, frames, height, width), generator=generator, device=device, dtype=torch.float32
     )[0]
     audio = torch.randn(
         (audio_latents * audio_channels, audio_latent_channels), generator=generator, device=device, dtype=torch.float32
     )
-    return _joined(conditions, patch, latent_channels, device), patchify(video, patch), audio
+    return _joined(conditions, patch, latent_channels, device), patchify(pad_to_patch(video, patch), patch), audio
 
 
 def initial_noise_comfyui(
@@ -119,17 +121,18 @@ def initial_noise_comfyui(
     ``[2 · Ta, 32]``) (comfy/sample.py ``prepare_noise`` at Comfy-Org/ComfyUI 542de101). The model noises each
     condition's rows afresh from a generator seeded ``seed`` (every condition draws the same stream), in row
     layout: ``0.999 · rows + (1 − 0.999) · ε`` with the coefficients in float64 as Python computes them
-    (comfy/ldm/minimax/model.py ``_cond_video_rows`` at 2c64d4aa)."""
+    (comfy/ldm/minimax/model.py ``_cond_video_rows`` at 2c64d4aa). Latents of odd size are drawn at their size
+    and padded to whole patches (``packing.pad_to_patch``), as that model pads what it is given."""
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     video = torch.randn((1, latent_channels, frames, height, width), generator=generator, dtype=torch.float32)[0]
     audio = torch.randn((1, audio_latent_channels, audio_channels, audio_latents), generator=generator)[0]
     conditions = []
     for latent in condition_latents:
-        rows = patchify(latent.to("cpu", torch.float32), patch)
+        rows = patchify(pad_to_patch(latent.to("cpu", torch.float32), patch), patch)
         noise = torch.randn(rows.shape, generator=torch.Generator(device="cpu").manual_seed(int(seed)))
         conditions.append(CONDITION_T * rows + (1.0 - CONDITION_T) * noise)
     audio_rows = audio.permute(1, 2, 0).reshape(-1, audio_latent_channels)
-    return _joined(conditions, patch, latent_channels, "cpu"), patchify(video, patch), audio_rows
+    return _joined(conditions, patch, latent_channels, "cpu"), patchify(pad_to_patch(video, patch), patch), audio_rows
 
 
 def _joined(conditions: list[torch.Tensor], patch, latent_channels: int, device) -> torch.Tensor:

@@ -29,6 +29,9 @@ from ..attention.layout import SequenceLayout, Span
 from ..errors import H3InputError
 
 __all__ = [
+    "pad_to_patch",
+    "padded_size",
+    "repad_rows",
     "KeyframeSlot",
     "PackedSequence",
     "Reference",
@@ -56,6 +59,35 @@ def patchify(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> 
     if T % pt or h % ph or w % pw:
         raise H3InputError(f"latents of shape {tuple(latents.shape)} do not divide into {patch} patches")
     return rearrange(latents, "c (t pt) (h ph) (w pw) -> (t h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
+
+
+def pad_to_patch(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    """``[C, T, h, w]`` padded at the end of each axis to whole patches, circularly (the first frames, rows and
+    columns again), as ComfyUI's native H3 pads a latent of odd size before it patchifies it
+    (comfy/ldm/common_dit.py ``pad_to_patch_size``, called by comfy/ldm/minimax/model.py ``_forward`` at
+    Comfy-Org/ComfyUI 2c64d4aa). Unchanged (the same tensor) when it divides."""
+    pads = [(p - n % p) % p for p, n in zip(patch, latents.shape[1:])]
+    if not any(pads):
+        return latents
+    pt, ph, pw = pads
+    return torch.nn.functional.pad(latents[None], (0, pw, 0, ph, 0, pt), mode="circular")[0]
+
+
+def padded_size(height: int, width: int, patch: tuple[int, int, int] = (1, 2, 2)) -> tuple[int, int]:
+    """The latent grid ``pad_to_patch`` makes of ``height`` × ``width``."""
+    _, ph, pw = patch
+    return height + (-height) % ph, width + (-width) % pw
+
+
+def repad_rows(rows: torch.Tensor, frames: int, height: int, width: int, patch=(1, 2, 2)) -> torch.Tensor:
+    """Target rows on the padded grid with the padding made again from the ``height`` × ``width`` latent they
+    hold (what the model sees of a state that lives on the unpadded grid); the rows themselves when nothing is
+    padded."""
+    hp, wp = padded_size(height, width, patch)
+    if (hp, wp) == (height, width):
+        return rows
+    latents = unpatchify(rows, rows.shape[1] // (patch[0] * patch[1] * patch[2]), frames, hp, wp, patch)
+    return patchify(pad_to_patch(latents[:, :, :height, :width], patch), patch)
 
 
 def unpatchify(

@@ -17,7 +17,7 @@ from ..triton_forms import check_compile
 from .carried_audio import carried_clean, from_carried, to_carried
 from .masks import MaskedStart, masked_euler_step, masked_input, masked_row_timesteps
 from .noise import CONDITION_T, REFERENCE_AUDIO_T, row_timesteps
-from .packing import PackedSequence, unpatchify
+from .packing import PackedSequence, repad_rows, unpatchify
 from .schedule import (
     AUDIO_SHIFT,
     VIDEO_SHIFT,
@@ -52,6 +52,7 @@ def denoise(
     start: MaskedStart | None = None,
     sigmas: torch.Tensor | None = None,
     solver: Solver | None = None,
+    video_size: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
 
@@ -78,6 +79,9 @@ def denoise(
             ``denoised(x, σ)`` is one model evaluation's clean estimate of it at video σ (``σ`` a 0-d or 1-element
             tensor), and ``on_step(i, n, denoised)`` reports step ``i`` of ``n`` (progress and preview). The
             video σ schedule is ``sigmas`` or the released grid; not with ``start``.
+        video_size: the target's latent ``(frames, height, width)`` where it is not whole patches: its rows are on
+            the padded grid, and the padding is made again from the latent before every evaluation, as native H3
+            pads the latent it is given (``packing.repad_rows``); None when it divides.
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
     """
@@ -92,7 +96,7 @@ def denoise(
             raise H3InputError(
                 "start: extending or inpainting runs with the released sampler; disconnect the sampler input"
             )
-        run = _Run(model, packed, text_rows, video_rows, audio_rows, condition_audio_rows, compile, hybrid)
+        run = _Run(model, packed, text_rows, video_rows, audio_rows, condition_audio_rows, compile, hybrid, video_size)
         with _per_block_cancel(model, check_cancel):
             return run.solve(
                 solver,
@@ -141,6 +145,8 @@ def denoise(
             for i, (timesteps, index) in enumerate(steps_timesteps):
                 if check_cancel is not None:
                     check_cancel()
+                if video_size is not None:
+                    video_rows[cv:] = repad_rows(video_rows[cv:], *video_size)
                 video_in, audio_in = video_rows, audio_rows
                 if start is not None:
                     video_in, audio_in = video_rows.clone(), audio_rows.clone()
@@ -206,8 +212,11 @@ Solver = Callable[[Callable, torch.Tensor, torch.Tensor, Callable], torch.Tensor
 class _Run:
     """One request's fixed inputs, for evaluations at any σ."""
 
-    def __init__(self, model, packed, text_rows, video_rows, audio_rows, condition_audio_rows, compile, hybrid):
+    def __init__(
+        self, model, packed, text_rows, video_rows, audio_rows, condition_audio_rows, compile, hybrid, video_size=None
+    ):
         self.model, self.packed, self.text_rows, self.compile = model, packed, text_rows, compile
+        self.video_size = video_size
         self.video_rows, self.audio_rows, self.ca = video_rows, audio_rows, condition_audio_rows
         self.extra = {} if hybrid is None else {"hybrid": hybrid}
 
@@ -248,6 +257,8 @@ class _Run:
             sigma_a = time_shift_sigma(sigma_v, *shifts)
             t_video, t_audio = float(1.0 - sigma_v), float(1.0 - sigma_a)
             x_video = x[0, :nv].view_as(video)
+            if self.video_size is not None:
+                x_video = repad_rows(x_video, *self.video_size)
             x_audio = from_carried(x[0, nv:].view_as(audio), float(sigma_v), *shifts)
             video_in = torch.cat([video_rows[:cv], x_video.to(video_rows.dtype)])
             audio_in = torch.cat([audio_rows[:ca], x_audio.to(audio_rows.dtype)])

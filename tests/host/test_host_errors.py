@@ -89,7 +89,7 @@ def next_prompt_runs(server):
             r"diffusion_models folder",
         ),
         (dict(length=60), r"length must be 17k \+ 5 frames .* got 60; nearest: 56 or 73"),
-        (dict(width=100), r"width must be a multiple of 32 px .* got 100; nearest: 96"),
+        (dict(width=100), r"width must be a multiple of 16 px .* got 100; nearest: 96"),
         (dict(mode="FL2VA"), r"mode FL2VA: needs a first_frame, a last_frame or both"),
         (dict(first="first.png"), r"mode T2VA: takes no keyframes, but first_frame is connected"),
     ],

@@ -92,16 +92,22 @@ def check_mp4(path, frames, width, height):
 
 
 @pytest.mark.parametrize(
-    "mode, frames",
-    [("T2VA", {}), ("FL2VA", {"first": "first.png", "last": "last.png"}), ("FL2VA", {"last": "last.png"})],
-    ids=["t2va", "fl2va", "last-frame-only"],
+    "mode, frames, size",
+    [
+        ("T2VA", {}, (64, 32)),
+        ("FL2VA", {"first": "first.png", "last": "last.png"}, (64, 32)),
+        # 3 x 3 latents: padded to whole patches for the model and cropped after, as native H3 does
+        ("FL2VA", {"last": "last.png"}, (48, 48)),
+    ],
+    ids=["t2va", "fl2va", "last-frame-only-odd-canvas"],
 )
-def test_a_generation_writes_a_playable_mp4(server, mode, frames):
-    entry = server.run(generation(mode, prefix=f"H3/{mode.lower()}", **frames))
+def test_a_generation_writes_a_playable_mp4(server, mode, frames, size):
+    width, height = size
+    entry = server.run(generation(mode, prefix=f"H3/{mode.lower()}", width=width, height=height, **frames))
     assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
     files = mp4_files(entry, server.output)
     assert len(files) == 1
-    check_mp4(files[0], 56, 64, 32)
+    check_mp4(files[0], 56, width, height)
 
 
 # An image reference is encoded at its released size (a 2048 px short edge, h3_core.pipeline.conditioning), the

@@ -74,7 +74,7 @@ def test_fl2va_takes_both_keyframes(dit):
 def test_bad_requests(dit):
     with pytest.raises(H3InputError, match="length must be 17k"):
         generate(dit, prompt(), frames=20, width=64, height=32, steps=2, seed=0)
-    with pytest.raises(H3InputError, match="width must be a multiple of 32"):
+    with pytest.raises(H3InputError, match="width must be a multiple of 16"):
         generate(dit, prompt(), frames=22, width=60, height=32, steps=2, seed=0)
     with pytest.raises(H3InputError, match=r"the first keyframe latent must be \[24, 1, 2, 4\].*got \(24, 1, 4, 4\)"):
         generate(

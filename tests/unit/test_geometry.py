@@ -61,7 +61,8 @@ def test_check_frames():
 
 def test_check_canvas():
     check_canvas(1344, 768)
-    with pytest.raises(H3InputError, match="width must be a multiple of 32 px and at least 32, got 1000; nearest: 992"):
+    check_canvas(1360, 784)  # 85 x 49 latents: odd sides, padded for the model as native H3 pads them
+    with pytest.raises(H3InputError, match="width must be a multiple of 16 px and at least 32, got 1000; nearest: 992"):
         check_canvas(1000, 768)
     with pytest.raises(H3InputError, match="height must be .* got 16; nearest: 32"):
         check_canvas(1344, 16)

@@ -459,7 +459,7 @@ def test_bad_keyframe_pixels_are_named(pixels, message):
 def test_bad_keyframe_requests():
     with pytest.raises(H3InputError, match=r"keyframe fit must be one of \['stretch', 'cover'\], got 'crop'"):
         fit_keyframe(image(32, 32), 32, 32, fit="crop")
-    with pytest.raises(H3InputError, match=r"width must be a multiple of 32 px .* got 40"):
+    with pytest.raises(H3InputError, match=r"width must be a multiple of 16 px .* got 40"):
         fit_keyframe(image(32, 32), 40, 32)
     with pytest.raises(H3InputError, match=r"keyframe anchor must be 'first' or 'last', got 'middle'"):
         encode_keyframes(None, (("middle", image(32, 32)),), 32, 32)
