@@ -44,8 +44,10 @@ from h3_core.models.low_memory import LowMemory
 from h3_core.models.precision import keeps_fp32
 from h3_core.models.run_options import (
     apply_low_memory,
+    apply_run_options,
     fuse_blocks,
     fuse_branches,
+    run_options_of,
 )
 from h3_core.pipeline.geometry import audio_latents, latent_frames
 from h3_core.pipeline.noise import row_timesteps
@@ -208,6 +210,14 @@ def main(argv=None) -> dict:
         choices=("eager", "compiled"),
         help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)",
     )
+    parser.add_argument(
+        "--branch-stream",
+        nargs="*",
+        default=["off"],
+        choices=("on", "off"),
+        help="a hybrid block's linear branch on a second CUDA stream beside the window softmax, or serial (the "
+        "default); several: each hybrid variant once per choice",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a dry run of the code")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -240,7 +250,11 @@ def main(argv=None) -> dict:
         fuse_blocks(model, args.fused_blocks)
     fused = args.fused_blocks is not None  # the memory model knows fused blocks, not the fused branch alone
     quantised = False
-    for variant in sorted(set(args.variants), key=VARIANTS.index):  # bf16 before fp8, whatever the order asked
+    ordered = sorted(set(args.variants), key=VARIANTS.index)  # bf16 before fp8, whatever the order asked
+    streams = list(dict.fromkeys(args.branch_stream))
+    for variant, stream in [(v, b) for v in ordered for b in (streams if not v.startswith("dense") else streams[:1])]:
+        key = variant if len(streams) == 1 or variant.startswith("dense") else f"{variant}/branch-stream-{stream}"
+        apply_run_options(model, replace(run_options_of(model), branch_stream=stream == "on"))
         hybrid = not variant.startswith("dense")
         linears = "fp8" if variant.startswith("fp8") else "dtype"
         if linears == "fp8" and not quantised:
@@ -282,7 +296,14 @@ def main(argv=None) -> dict:
                 predicted = plan.predicted
             else:
                 predicted = evaluation_peak(
-                    cfg, shape, options, hybrid=hybrid, dtype=dtype, linears=linears, fused=fused
+                    cfg,
+                    shape,
+                    options,
+                    hybrid=hybrid,
+                    dtype=dtype,
+                    linears=linears,
+                    fused=fused,
+                    branch_stream=stream == "on",
                 )
             stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
             if args.profile:
@@ -292,8 +313,8 @@ def main(argv=None) -> dict:
                     stats["idle"] = idle_table(lambda: model(*inputs, hybrid=ctx), args.idle)
         except torch.OutOfMemoryError as exc:
             stats = dict(error=f"out of memory: {str(exc).splitlines()[0]}", allocated_before_gib=before)
-        result["variants"][variant] = stats
-        print(variant, json.dumps(stats), flush=True)
+        result["variants"][key] = stats
+        print(key, json.dumps(stats), flush=True)
         if cuda:
             torch.cuda.empty_cache()
     record.write(result, args.out)

@@ -38,7 +38,15 @@ import torch
 from ..models.dit import MODALITIES
 from ..models.low_memory import LowMemory
 
-__all__ = ["BlockShape", "block_peaks", "ROTATE_TEMPS", "BRANCH_BUFFERS", "FUSED_ROTATE_TEMPS", "FUSED_BRANCH_BUFFERS"]
+__all__ = [
+    "BlockShape",
+    "block_peaks",
+    "ROTATE_TEMPS",
+    "BRANCH_BUFFERS",
+    "FUSED_ROTATE_TEMPS",
+    "FUSED_BRANCH_BUFFERS",
+    "BRANCH_BESIDE_EXTRA",
+]
 
 ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each, plus the result
 # The linear branch's own buffers at its peak, in C / G: q̃, k̃, ṽ (3) and fp32 k̃, ṽ, β·k̃ (6) account for 9;
@@ -56,6 +64,10 @@ FP32_STATISTICS = 6.0
 # about 3 C. The grouped figure predates the last of those changes and is kept, an overestimate.
 FUSED_ROTATE_TEMPS = 0.5
 FUSED_BRANCH_BUFFERS = {1: 3.10, "grouped": 5.71}
+# The linear branch on a second stream beside the window softmax (``RunOptions.branch_stream``, one head group):
+# both phases' buffers alive at once raised an evaluation's peak by this much, in I. Measured once, fused blocks and
+# fp8 linears at the release length on an H200 (bench/results/dit_step.md); applied to plain blocks unmeasured.
+BRANCH_BESIDE_EXTRA = 0.385
 
 
 @dataclass(frozen=True)
@@ -88,11 +100,18 @@ class BlockShape:
 
 
 def block_peaks(
-    shape: BlockShape, options: LowMemory = LowMemory(), *, hybrid: bool, fused: bool = False, linears: str = "dtype"
+    shape: BlockShape,
+    options: LowMemory = LowMemory(),
+    *,
+    hybrid: bool,
+    fused: bool = False,
+    linears: str = "dtype",
+    branch_stream: bool = False,
 ) -> dict[str, float]:
     """Predicted peak bytes above what is allocated when a block is called: ``attention``, ``ffn`` and the
     whole ``block`` (their maximum). ``fused``: the blocks run ``block_fused``'s kernels; ``linears="fp8"``:
-    with head groups the projection's input is quantised once for all groups and held through them."""
+    with head groups the projection's input is quantised once for all groups and held through them;
+    ``branch_stream``: the linear branch beside the window softmax (one head group), ``BRANCH_BESIDE_EXTRA``."""
     e, T = shape.element, shape.rows
     D, I = T * shape.hidden * e, T * shape.inner * e
     C = shape.branch_rows * shape.inner * e
@@ -104,6 +123,8 @@ def block_peaks(
         if not fused and options.branch_frames is not None and shape.branch_frames > options.branch_frames:
             own -= FP32_STATISTICS * (1 - options.branch_frames / shape.branch_frames)
         attention = max(attention, (3 if grouped else 2) * D + 3 * I / groups + own * C / groups)
+        if branch_stream and not grouped:
+            attention += BRANCH_BESIDE_EXTRA * I
     if grouped and linears == "fp8":
         attention += T * (shape.hidden + 4)  # e4m3 codes and an fp32 scale per row (Attention.projection_input)
     chunk = T if options.ffn_chunk_rows is None else min(T, options.ffn_chunk_rows)
@@ -170,10 +191,11 @@ def evaluation_peak(
     steps: int = 50,
     timesteps_per_step: int = 2,
     fused: bool = False,
+    branch_stream: bool = False,
 ) -> dict[str, float]:
-    """Predicted peak device bytes of one model evaluation: the weights on the device (all blocks, or
-    ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each; without the blocks'
-    AdaLN projections when ``adaln_on_host``, but with their tables for ``steps`` steps of
+    """Predicted peak device bytes of one model evaluation (``branch_stream`` as ``block_peaks``): the weights on
+    the device (all blocks, or ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each;
+    without the blocks' AdaLN projections when ``adaln_on_host``, but with their tables for ``steps`` steps of
     ``timesteps_per_step`` distinct timesteps), the hidden state and the RoPE tables that live through the
     whole evaluation, and the largest block's working memory. Returns ``weights``, ``activations`` and
     ``total``."""
@@ -189,7 +211,8 @@ def evaluation_peak(
     T, e = shape.rows, shape.element
     rope_tables = 2 * T * 6 * cfg.rope_freqs * 4  # cos and sin, fp32, [T, 6 · rope_freqs] each (rope_cos_sin)
     living = T * shape.hidden * e + rope_tables
-    activations = living + block_peaks(shape, options, hybrid=hybrid, fused=fused, linears=linears)["block"]
+    peaks = block_peaks(shape, options, hybrid=hybrid, fused=fused, linears=linears, branch_stream=branch_stream)
+    activations = living + peaks["block"]
     return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))
 
 

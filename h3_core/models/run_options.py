@@ -42,7 +42,9 @@ class RunOptions:
     GEMM (strided views of its output; for comparisons); ``ffn_chunk_rows``: the FFN over that many rows at a
     time (None: all); ``branch_frames``: the branch's statistics that many frames at a time (None: all);
     ``final_chunk_rows``: the
-    output layer over that many rows at a time;
+    output layer over that many rows at a time; ``branch_stream``: a hybrid block's linear branch on a second
+    CUDA stream beside its window softmax (one head group; the same arithmetic, ``hybrid``; off by default: it
+    gained 0.4 % of an evaluation for 0.5 GiB more, bench/results/dit_step.md);
     ``check_cancel``: called before every block (a cancel stops within one evaluation)."""
 
     blocks_fused: str | None = None
@@ -52,6 +54,7 @@ class RunOptions:
     ffn_chunk_rows: int | None = None
     branch_frames: int | None = None
     final_chunk_rows: int = FinalLayer.chunk_rows
+    branch_stream: bool = False
     check_cancel: Callable[[], None] | None = field(default=None, compare=False)
 
     @property
@@ -79,6 +82,8 @@ def _check(options: RunOptions, model: nn.Module) -> None:
         raise H3InputError(
             f"head_groups must be between 1 and the model's {min(heads, default=1)} heads, got {options.head_groups!r}"
         )
+    if not isinstance(options.branch_stream, bool):
+        raise H3InputError(f"branch_stream must be True or False, got {options.branch_stream!r}")
     if options.check_cancel is not None and not callable(options.check_cancel):
         raise H3InputError(f"check_cancel must be callable or None, got {options.check_cancel!r}")
 
@@ -94,6 +99,7 @@ def apply_run_options(model: nn.Module, options: RunOptions) -> RunOptions:
             module.fused = options.blocks_fused
             module.head_groups = options.head_groups
             module.stacked_qkv = options.stacked_qkv
+            module.branch_stream = options.branch_stream
         elif isinstance(module, SwiGLU):
             module.fused = options.blocks_fused
             module.chunk_rows = options.ffn_chunk_rows
@@ -123,6 +129,7 @@ def run_options_of(model: nn.Module) -> RunOptions:
         ffn_chunk_rows=None if ffn is None else ffn.chunk_rows,
         branch_frames=None if branch is None else branch.statistics_frames,
         final_chunk_rows=FinalLayer.chunk_rows if final is None else final.chunk_rows,
+        branch_stream=False if attention is None else attention.branch_stream,
         check_cancel=None if dit is None else dit.check_cancel,
     )
 
