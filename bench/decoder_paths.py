@@ -2,7 +2,9 @@
 5 suffix tokens = 1797 tokens each, 36 blocks of width 2048, random fp16 weights), per way of running its blocks:
 
 * ``eager``: the blocks' halves as written (``EAGER_BLOCKS``);
-* ``compiled``: the halves through ``torch.compile`` (``compiled_decoder_blocks``, what the nodes run);
+* ``compiled``: the halves through ``torch.compile`` (``compiled_decoder_blocks``);
+* ``triton``: the halves' per-element work as hand-written Triton passes (``triton_decoder_blocks``, what the nodes
+  run on CUDA);
 * ``compiled-graph``: the same batch captured once in a CUDA graph and replayed (no launches, no guards);
 * ``autotune``: the halves compiled with ``mode="max-autotune-no-cudagraphs"`` (inductor's Triton GEMM
   templates beside cuBLAS, pointwise epilogues fused into the chosen GEMM);
@@ -37,7 +39,7 @@ import record
 from vae_decode import random_video_vae
 
 from h3_core.models import video_vae
-from h3_core.models.video_vae import EAGER_BLOCKS, VideoVAEConfig, compiled_decoder_blocks
+from h3_core.models.video_vae import EAGER_BLOCKS, VideoVAEConfig, compiled_decoder_blocks, triton_decoder_blocks
 
 
 def finish_split(x, attn, out_w, out_b, scale1, norm2_w, w1_w, w1_b, w2_w, w2_b, scale2, eps: float):
@@ -58,6 +60,8 @@ def paths(names):
             made[name] = EAGER_BLOCKS
         elif name in ("compiled", "compiled-graph"):
             made[name] = compiled_decoder_blocks()
+        elif name == "triton":
+            made[name] = triton_decoder_blocks()
         elif name == "autotune":
             made[name] = {
                 k: torch.compile(fn, dynamic=False, mode="max-autotune-no-cudagraphs") for k, fn in EAGER_BLOCKS.items()
@@ -175,6 +179,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiles", type=int, default=4)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--first-call", nargs="*", default=[], help="paths whose first call runs in new processes")
+    parser.add_argument(
+        "--precompile", action="store_true", help="the first calls also with dynamo's traced frames cached"
+    )
     parser.add_argument("--quack", action="store_true", help="also quack-kernels' GEMMs (where it is installed)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
@@ -232,7 +239,7 @@ def main(argv=None) -> dict:
     # each path's first call in a new process: twice plain (this process filled the caches), then twice with
     # dynamo's traced frames cached too (the first of those fills that cache)
     for name in args.first_call:
-        for precompile in ("0", "0", "1", "1"):
+        for precompile in ("0", "0", "1", "1") if args.precompile else ("0", "0"):
             env = dict(os.environ, TORCH_CACHING_PRECOMPILE=precompile)
             done = subprocess.run(
                 [sys.executable, __file__, "--child", name], capture_output=True, text=True, env=env, timeout=300

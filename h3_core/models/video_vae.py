@@ -21,12 +21,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.vae import vae_attention
-from ..triton_forms import guarded
+from ..triton_forms import guarded, runs_here
 from .latent_stats import LatentStats
 
 __all__ = [
     "EAGER_BLOCKS",
     "compiled_decoder_blocks",
+    "triton_decoder_blocks",
     "VideoVAEConfig",
     "VideoVAE",
     "keeps_fp32",
@@ -295,6 +296,22 @@ EAGER_BLOCKS = {"attention_inputs": block_attention_inputs, "finish": block_fini
 _compiled_blocks: dict = {}  # the compiled halves, made on first use and ``guarded``
 
 
+_triton_blocks: dict = {}
+
+
+def triton_decoder_blocks() -> dict | None:
+    """The decoder blocks' halves with their per-element work as hand-written Triton passes (``decoder_triton``),
+    each ``guarded``; None where Triton cannot be imported. No tracing in a new process, unlike
+    ``compiled_decoder_blocks``."""
+    if not _triton_blocks:
+        try:
+            from . import decoder_triton
+        except ImportError:
+            return None
+        _triton_blocks.update({name: guarded(getattr(decoder_triton, name)) for name in EAGER_BLOCKS})
+    return _triton_blocks
+
+
 def compiled_decoder_blocks() -> dict:
     """The decoder blocks' halves fused by ``torch.compile`` (norms, RoPE, casts, LayerScale; attention stays on
     the kernel layer), each ``guarded``: one that fails to compile or launch raises
@@ -444,10 +461,14 @@ class VideoVAE(LatentStats, nn.Module):
         return f"the decoder's {len(blocks)} blocks now stay in host memory and are streamed to {device} one at a time"
 
     def decode_tiles(self, z: torch.Tensor, overrides=None, compiled: bool = False) -> torch.Tensor:
-        """Raw latent tiles ``[B, 24, t, h, w]`` → ImageNet-normalised pixels ``[B, 3, 4t, 16h, 16w]``, the blocks
-        compiled when ``compiled`` (``compiled_decoder_blocks``)."""
+        """Raw latent tiles ``[B, 24, t, h, w]`` → ImageNet-normalised pixels ``[B, 3, 4t, 16h, 16w]``; when
+        ``compiled``, the blocks' per-element work as Triton passes where they run (``triton_decoder_blocks``: CUDA,
+        or Triton's interpreter), else through ``torch.compile`` (``compiled_decoder_blocks``)."""
         z = F.conv3d(z.float(), self.post_quant_conv.weight.float(), self.post_quant_conv.bias.float())
-        return self.decoder(z, overrides, compiled_decoder_blocks() if compiled else EAGER_BLOCKS)
+        blocks = EAGER_BLOCKS
+        if compiled:
+            blocks = (triton_decoder_blocks() if runs_here(z) else None) or compiled_decoder_blocks()
+        return self.decoder(z, overrides, blocks)
 
 
 # ---- precision -------------------------------------------------------------------------------
