@@ -1,6 +1,6 @@
 """h3_core's packages keep the README's layering: each module imports only from its own layer or the layers below
-(attention at the bottom, then models, formats, memory, media, pipeline), and no set of modules imports each other
-in a cycle. Every import counts, at the top of a module or inside a function, read from the source (AST)."""
+(attention at the bottom, then parallel, models, formats, memory, media, pipeline), and no set of modules imports
+each other in a cycle. Every import counts, at the top of a module or inside a function, read from the source (AST)."""
 
 import ast
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "h3_core"
 # Bottom to top; the package's root modules (errors, ...) sit below everything.
-LAYERS = ("", "attention", "models", "formats", "memory", "media", "pipeline")
+LAYERS = ("", "attention", "parallel", "models", "formats", "memory", "media", "pipeline")
 
 
 def module_name(path: Path) -> str:

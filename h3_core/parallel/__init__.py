@@ -1,0 +1,8 @@
+"""Several ranks for one clip (``torch.distributed``): the sequence's rows split across ranks between blocks, and
+Ulysses all-to-all exchanges to whole sequences of a rank's heads for attention and back."""
+
+from .exchange import heads_to_rows, rows_to_heads
+from .sharding import balanced_splits, head_ranges, row_shards
+from .ulysses import ulysses_attention
+
+__all__ = ["balanced_splits", "head_ranges", "row_shards", "rows_to_heads", "heads_to_rows", "ulysses_attention"]

@@ -1,0 +1,38 @@
+"""The Ulysses all-to-all between row shards and head shards, uneven rows and uneven heads included, through
+``torch.distributed.all_to_all_single`` (NCCL on GPUs, gloo on the CPU): one exchange each way, every rank sending
+each other rank the block it needs, nothing gathered whole."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["rows_to_heads", "heads_to_rows"]
+
+
+def _exchange(send_blocks: list[torch.Tensor], receive_shapes: list[tuple], group) -> list[torch.Tensor]:
+    """Each rank sends ``send_blocks[r]`` to rank r and receives a block of ``receive_shapes[r]`` from it."""
+    send = torch.cat([b.reshape(-1) for b in send_blocks])
+    sizes_out = [b.numel() for b in send_blocks]
+    sizes_in = [int(torch.Size(s).numel()) for s in receive_shapes]
+    receive = send.new_empty(sum(sizes_in))
+    dist.all_to_all_single(receive, send, sizes_in, sizes_out, group=group)
+    return [part.view(shape) for part, shape in zip(receive.split(sizes_in), receive_shapes)]
+
+
+def rows_to_heads(local: torch.Tensor, rows: list[tuple[int, int]], heads: list[slice], group=None) -> torch.Tensor:
+    """This rank's rows of every head ``[t_r, H, d]`` → every row of this rank's heads ``[T, h_r, d]``."""
+    rank = dist.get_rank(group)
+    mine = heads[rank]
+    blocks = [local[:, h].contiguous() for h in heads]
+    shapes = [(stop - start, mine.stop - mine.start, local.shape[2]) for start, stop in rows]
+    return torch.cat(_exchange(blocks, shapes, group))
+
+
+def heads_to_rows(local: torch.Tensor, rows: list[tuple[int, int]], heads: list[slice], group=None) -> torch.Tensor:
+    """Every row of this rank's heads ``[T, h_r, d]`` → this rank's rows of every head ``[t_r, H, d]``."""
+    rank = dist.get_rank(group)
+    start, stop = rows[rank]
+    blocks = [local[a:b].contiguous() for a, b in rows]
+    shapes = [(stop - start, h.stop - h.start, local.shape[2]) for h in heads]
+    return torch.cat(_exchange(blocks, shapes, group), dim=1)

@@ -1,0 +1,75 @@
+"""Ulysses sequence parallelism on the CPU (h3_core.parallel): ranks spawned here, joined by torch.distributed's gloo
+backend. The row↔head all-to-all against slicing one tensor all ranks build alike — uneven rows (a remainder, an
+empty last shard) and uneven heads included — and an H3 attention run on row shards against the single process's
+forward of the same module in fp64."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from h3_core.errors import H3InputError
+from h3_core.parallel import balanced_splits, head_ranges, heads_to_rows, row_shards, rows_to_heads, ulysses_attention
+
+
+def test_rows_and_heads_are_shared_as_the_published_split_shares_them():
+    assert balanced_splits(56, 6) == [10, 10, 9, 9, 9, 9] and balanced_splits(56, 2) == [28, 28]
+    assert balanced_splits(56, 3) == [19, 19, 18]
+    assert head_ranges([3, 2]) == [slice(0, 3), slice(3, 5)]
+    assert row_shards(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert row_shards(9, 4) == [(0, 3), (3, 6), (6, 9), (9, 9)]  # the last shard empty
+    with pytest.raises(H3InputError, match="2 heads cannot be shared by 3 ranks"):
+        balanced_splits(2, 3)
+
+
+def _join(rank, world, store):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def _worker(rank, world, store, rows_total, heads_total):
+    _join(rank, world, store)
+    try:
+        _exchange_check(rank, world, rows_total, heads_total)
+        _attention_check(rank, world, heads_total)
+    finally:
+        dist.destroy_process_group()
+
+
+def _exchange_check(rank, world, rows_total, heads_total):
+    everything = torch.randn(rows_total, heads_total, 5, generator=torch.Generator().manual_seed(7))
+    rows = row_shards(rows_total, world)
+    heads = head_ranges(balanced_splits(heads_total, world))
+    start, stop = rows[rank]
+    mine = rows_to_heads(everything[start:stop], rows, heads)
+    assert torch.equal(mine, everything[:, heads[rank]]), rank
+    back = heads_to_rows(mine, rows, heads)
+    assert torch.equal(back, everything[start:stop]), rank
+
+
+def _attention_check(rank, world, heads_total):
+    from h3_core.models.dit import Attention, DiTConfig
+
+    cfg = DiTConfig(hidden=48, heads=heads_total, head_dim=16, layers=1, ffn=64)
+    torch.manual_seed(0)
+    attn = Attention(cfg).double().eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(23, cfg.hidden, generator=g, dtype=torch.float64)
+    angles = torch.randn(23, 4, generator=g, dtype=torch.float64)
+    rope = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin())
+    with torch.no_grad():
+        whole = attn(x, rope)  # the single process's forward
+        rows = row_shards(x.shape[0], world)
+        heads = head_ranges(balanced_splits(heads_total, world))
+        start, stop = rows[rank]
+        part = ulysses_attention(attn, x[start:stop], tuple(r[start:stop] for r in rope), rows, heads)
+    err = float((part - whole[start:stop]).abs().max() / whole.abs().max())
+    assert err <= 1e-12, (rank, err)
+
+
+# 2 ranks with 7 heads (4 + 3) and an odd row count; 4 ranks whose last row shard is empty; 3 ranks of 5 heads
+@pytest.mark.parametrize("world, rows_total, heads_total", [(2, 11, 7), (4, 9, 7), (3, 10, 5)])
+def test_the_exchanges_are_slices_of_one_tensor_and_an_attention_on_row_shards_is_the_single_process_one(
+    tmp_path, world, rows_total, heads_total
+):
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), rows_total, heads_total), nprocs=world)
