@@ -22,6 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
+from ..errors import H3InputError
+from ..parallel.ulysses import SequenceShards, ulysses_attention
 from . import block_fused
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
 from .fp8_linear import Fp8Linear, quantize_input
@@ -154,6 +156,10 @@ class Attention(nn.Module):
         return tuple(linear_rows(self.qkv_proj, source, i * inner + a, i * inner + b).view(T, -1, d) for i in range(3))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, ctx=None) -> torch.Tensor:
+        """``ctx``: None, or ``parallel.SequenceShards`` when ``x`` holds this rank's rows of a sequence split among
+        ranks (the heads then attend whole sequences rank by rank, ``parallel.ulysses_attention``)."""
+        if isinstance(ctx, SequenceShards):
+            return ulysses_attention(self, x, rope, list(ctx.rows), list(ctx.heads), ctx.group)
         T, d = x.shape[0], self.head_dim
         out = None
         source = self.projection_input(x)
@@ -180,6 +186,8 @@ class HybridAttention(Attention):
     def forward(self, x, rope=None, ctx=None):
         if ctx is None:
             return super().forward(x, rope)
+        if isinstance(ctx, SequenceShards):
+            raise H3InputError("the hybrid attention does not run on row shards yet; run VDN-H3 on one rank")
         return hybrid_attention_forward(self, x, rope, ctx)
 
 

@@ -3,6 +3,14 @@ Ulysses all-to-all exchanges to whole sequences of a rank's heads for attention 
 
 from .exchange import heads_to_rows, rows_to_heads
 from .sharding import balanced_splits, head_ranges, row_shards
-from .ulysses import ulysses_attention
+from .ulysses import SequenceShards, ulysses_attention
 
-__all__ = ["balanced_splits", "head_ranges", "row_shards", "rows_to_heads", "heads_to_rows", "ulysses_attention"]
+__all__ = [
+    "SequenceShards",
+    "balanced_splits",
+    "head_ranges",
+    "row_shards",
+    "rows_to_heads",
+    "heads_to_rows",
+    "ulysses_attention",
+]

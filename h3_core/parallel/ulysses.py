@@ -3,12 +3,39 @@ rank's heads for the attention itself."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 
 from ..attention import dense_attention
 from .exchange import heads_to_rows, rows_to_heads
+from .sharding import balanced_splits, head_ranges, row_shards
 
-__all__ = ["ulysses_attention"]
+__all__ = ["SequenceShards", "ulysses_attention"]
+
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """Where a sequence's rows and an attention's heads live among the ranks of ``group``: ``rows`` each rank's
+    ``[start, stop)``, ``heads`` each rank's heads. Given as a block's attention context, the attention runs on
+    this rank's rows (``ulysses_attention``)."""
+
+    rows: tuple[tuple[int, int], ...]
+    heads: tuple[slice, ...]
+    group: object = None
+
+    @classmethod
+    def of(cls, rows: int, heads: int, group=None) -> "SequenceShards":
+        """``rows`` rows and ``heads`` heads shared among the ranks of ``group`` (``sharding``)."""
+        ranks = dist.get_world_size(group)
+        return cls(tuple(row_shards(rows, ranks)), tuple(head_ranges(balanced_splits(heads, ranks))), group)
+
+    @property
+    def mine(self) -> slice:
+        """This rank's rows."""
+        start, stop = self.rows[dist.get_rank(self.group)]
+        return slice(start, stop)
 
 
 def ulysses_attention(attn, x: torch.Tensor, rope, rows, heads, group=None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism on the CPU (h3_core.parallel): ranks spawned here, joined by torch.distributed's gloo
 backend. The row↔head all-to-all against slicing one tensor all ranks build alike — uneven rows (a remainder, an
-empty last shard) and uneven heads included — and an H3 attention run on row shards against the single process's
-forward of the same module in fp64."""
+empty last shard) and uneven heads included — and an H3 attention and a whole dense DiT block run on row shards
+against the single process's forward of the same module in fp64."""
 
 import pytest
 import torch
@@ -9,7 +9,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from h3_core.errors import H3InputError
-from h3_core.parallel import balanced_splits, head_ranges, heads_to_rows, row_shards, rows_to_heads, ulysses_attention
+from h3_core.parallel import (
+    SequenceShards,
+    balanced_splits,
+    head_ranges,
+    heads_to_rows,
+    row_shards,
+    rows_to_heads,
+    ulysses_attention,
+)
 
 
 def test_rows_and_heads_are_shared_as_the_published_split_shares_them():
@@ -32,6 +40,7 @@ def _worker(rank, world, store, rows_total, heads_total):
     try:
         _exchange_check(rank, world, rows_total, heads_total)
         _attention_check(rank, world, heads_total)
+        _block_check(rank, world, heads_total)
     finally:
         dist.destroy_process_group()
 
@@ -64,6 +73,29 @@ def _attention_check(rank, world, heads_total):
         start, stop = rows[rank]
         part = ulysses_attention(attn, x[start:stop], tuple(r[start:stop] for r in rope), rows, heads)
     err = float((part - whole[start:stop]).abs().max() / whole.abs().max())
+    assert err <= 1e-12, (rank, err)
+
+
+def _block_check(rank, world, heads_total):
+    """A dense DiT block (AdaLN, norms, FFN row by row; its attention on row shards) on a packed T2VA sequence."""
+    from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
+    from h3_core.pipeline.packing import pack_sequence
+
+    cfg = DiTConfig(hidden=48, heads=heads_total, head_dim=16, layers=1, ffn=64, time_embed=16, rope_freqs=2)
+    torch.manual_seed(2)
+    block = Block(cfg).double().eval()
+    packed = pack_sequence(torch.ones(5, dtype=torch.long), 3, 4, 6, 4)
+    T = packed.positions.shape[0]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, cfg.hidden, generator=g, dtype=torch.float64)
+    temb = torch.randn(1, cfg.time_embed, generator=g, dtype=torch.float64)
+    rope = tuple(r.double() for r in rope_cos_sin(packed.positions, rope_inv_freq(cfg)))
+    shards = SequenceShards.of(T, heads_total)
+    mine = shards.mine
+    with torch.no_grad():
+        whole = block(x.clone(), temb, packed.tags, rope)
+        part = block(x[mine].clone(), temb, packed.tags[mine], tuple(r[mine] for r in rope), shards)
+    err = float((part - whole[mine]).abs().max() / whole.abs().max())
     assert err <= 1e-12, (rank, err)
 
 
