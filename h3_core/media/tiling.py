@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..errors import H3InputError
+from ..parallel.spread import spread_in_order
 from ..triton_forms import CompileFailure, check_compile, compiles_on, plain_path
 
 __all__ = [
@@ -197,7 +199,8 @@ def decode_tiled(
     offload: Callable[[], str] | None = None,
     report: Callable[[str], None] | None = None,
     on_frames: Callable[[int, torch.Tensor], None] | None = None,
-) -> torch.Tensor:
+    group=None,
+) -> torch.Tensor | None:
     """Decode ``latents`` ``[C, T, h, w]`` window by window and tile by tile.
 
     Args:
@@ -219,8 +222,11 @@ def decode_tiled(
         report: receives a sentence whenever the decode changes its settings to fit.
         on_frames: called after each window with ``(start, frames)``: ``frames`` is ``out[start:stop]``, final
             (copied off the device) and never written again; the calls cover every frame once, in order.
+        group: a ``torch.distributed`` group whose ranks share each window's tile batches (every rank calls this
+            with the same latents; each decodes every P-th batch whole, ``parallel.spread_in_order``); rank 0 blends
+            and writes the frames exactly as one rank would, the others return None. Default: this process alone.
     Returns:
-        ``out``: ``[F, H, W, 3]`` with F from ``temporal_plan``.
+        ``out``: ``[F, H, W, 3]`` with F from ``temporal_plan`` (None on a rank other than 0 of ``group``).
     """
     if latents.dim() != 4:
         raise H3InputError(f"latents must be [C, T, h, w], got shape {tuple(latents.shape)}")
@@ -230,9 +236,10 @@ def decode_tiled(
     grid_y = split_tiles(H, tile_px, overlap_px, spatial_ratio)
     grid_x = split_tiles(W, tile_px, overlap_px, spatial_ratio)
     wy, wx = ramp_weights(grid_y), ramp_weights(grid_x)
-    if out is None:
+    receiving = group is None or dist.get_rank(group) == 0  # the rank that blends and writes the frames
+    if out is None and receiving:
         out = torch.empty(plan.num_frames, H, W, 3, dtype=torch.float32)
-    elif tuple(out.shape) != (plan.num_frames, H, W, 3):
+    elif out is not None and tuple(out.shape) != (plan.num_frames, H, W, 3):
         raise H3InputError(f"out must have shape {(plan.num_frames, H, W, 3)}, got {tuple(out.shape)}")
     if plan.pad:
         latents = torch.cat([latents, latents[:, -1:].expand(C, plan.pad, h, w)], dim=1)
@@ -240,7 +247,7 @@ def decode_tiled(
     if (tile_px, overlap_px) != (TRAINED_TILE_PX, TRAINED_OVERLAP_PX):
         state.say(f"decoding with {tile_px} px tiles and {overlap_px} px overlap. {UNTRAINED_TILES_NOTE}")
     device = latents.device
-    sink = _HostSink(out, device)
+    sink = _HostSink(out, device) if receiving else None
     weights = [
         [wy_t.to(device)[:, None] * wx_t.to(device)[None, :] for wx_t in wx] for wy_t in wy
     ]  # separable tile weights [th, tw]
@@ -251,6 +258,23 @@ def decode_tiled(
     announced = 0  # frames handed to on_frames
     for index, (z0, z1) in enumerate(plan.windows):
         window = latents[:, z0:z1]
+        tile_rows = [
+            [
+                window[
+                    :,
+                    :,
+                    y0 // spatial_ratio : (y0 + th) // spatial_ratio,
+                    x0 // spatial_ratio : (x0 + tw) // spatial_ratio,
+                ]
+                for x0, tw in zip(grid_x.starts, grid_x.sizes)
+            ]
+            for y0, th in zip(grid_y.starts, grid_y.sizes)
+        ]
+        decoded = None  # with ranks: this window's batches, decoded among them, by (tile row, first tile)
+        if group is not None:
+            decoded = _spread_window(tile_rows, state, check_cancel, device, group)
+            if decoded is None:
+                continue  # not rank 0: its share is decoded and sent
         # The running weighted mean of rows [band_top, band_top + band_rows) and the weight it holds;
         # every tile row starts at band_top.
         band = torch.zeros(3, (z1 - z0) * temporal_ratio, band_rows, W, dtype=torch.float32, device=device)
@@ -260,24 +284,22 @@ def decode_tiled(
         new_tail = (
             None if plan.tail is None or last else torch.empty(3, plan.tail[1] - plan.tail[0], H, W, device=device)
         )
-        for ty, (y0, th) in enumerate(zip(grid_y.starts, grid_y.sizes)):
-            r0, r1 = y0 // spatial_ratio, (y0 + th) // spatial_ratio
-            tiles = [
-                window[:, :, r0:r1, x0 // spatial_ratio : (x0 + tw) // spatial_ratio]
-                for x0, tw in zip(grid_x.starts, grid_x.sizes)
-            ]
+        for ty, (tiles, th) in enumerate(zip(tile_rows, grid_y.sizes)):
             tx = 0
             while tx < len(tiles):
-                if check_cancel is not None:
-                    check_cancel()
-                count = state.tiles_per_batch
-                for k, pixels in enumerate(state.run(torch.stack(tiles[tx : tx + count]))):
+                if decoded is not None:
+                    batch = decoded[(ty, tx)]
+                else:
+                    if check_cancel is not None:
+                        check_cancel()
+                    batch = state.run(torch.stack(tiles[tx : tx + state.tiles_per_batch]))
+                for k, pixels in enumerate(batch):
                     x0, tw = grid_x.starts[tx + k], grid_x.sizes[tx + k]
                     _blend_into(band[:, :, :th, x0 : x0 + tw], held[:th, x0 : x0 + tw], pixels, weights[ty][tx + k])
                     done += 1
                     if progress is not None:
                         progress(done, tiles_total)
-                tx += count
+                tx += batch.shape[0]
             # Rows above the next tile row's start can no longer change.
             final = (grid_y.starts[ty + 1] if ty + 1 < len(grid_y.starts) else H) - band_top
             _emit_rows(band[:, :, :final], band_top, plan, index, held_tail, new_tail, finish, sink)
@@ -291,7 +313,25 @@ def decode_tiled(
             sink.flush()
             on_frames(announced, sink.out[announced:ready])
             announced = ready
+    if sink is None:
+        return None
     return sink.close()
+
+
+def _spread_window(tile_rows, state, check_cancel, device, group) -> dict | None:
+    """One window's tile batches (tiles per batch as one rank would make them) decoded among the ranks of
+    ``group``: on rank 0 every batch by ``(tile row, first tile)``, None elsewhere."""
+    count = state.tiles_per_batch
+    batches = [(ty, tx) for ty, tiles in enumerate(tile_rows) for tx in range(0, len(tiles), count)]
+
+    def work(batch):
+        ty, tx = batch
+        if check_cancel is not None:
+            check_cancel()
+        return state.run(torch.stack(tile_rows[ty][tx : tx + count]))
+
+    results = spread_in_order(batches, work, device, group)
+    return None if results is None else dict(zip(batches, results))
 
 
 def _blend_into(mean, held, tile, weight):

@@ -3,6 +3,7 @@ Ulysses all-to-all exchanges to whole sequences of a rank's heads for attention 
 
 from .exchange import heads_to_rows, rows_to_heads
 from .sharding import balanced_splits, head_ranges, row_shards
+from .spread import spread_in_order
 from .ulysses import SequenceShards, ulysses_attention
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "rows_to_heads",
     "heads_to_rows",
     "ulysses_attention",
+    "spread_in_order",
 ]

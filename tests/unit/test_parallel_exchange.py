@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism on the CPU (h3_core.parallel): ranks spawned here, joined by torch.distributed's gloo
 backend. The row↔head all-to-all against slicing one tensor all ranks build alike — uneven rows (a remainder, an
-empty last shard) and uneven heads included — and an H3 attention and a whole dense DiT block run on row shards
-against the single process's forward of the same module in fp64."""
+empty last shard) and uneven heads included —, an H3 attention and a whole dense DiT block run on row shards
+against the single process's forward of the same module in fp64, and the video decoder's tile batches shared among
+the ranks against the one-rank decode."""
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ def _worker(rank, world, store, rows_total, heads_total):
         _exchange_check(rank, world, rows_total, heads_total)
         _attention_check(rank, world, heads_total)
         _block_check(rank, world, heads_total)
+        _decode_check(rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -97,6 +99,30 @@ def _block_check(rank, world, heads_total):
         part = block(x[mine].clone(), temb, packed.tags[mine], tuple(r[mine] for r in rope), shards)
     err = float((part - whole[mine]).abs().max() / whole.abs().max())
     assert err <= 1e-12, (rank, err)
+
+
+def _decode_check(rank, world):
+    """The video decoder's tile batches shared among the ranks: rank 0's frames are the one-rank decode's, bit for
+    bit; the other ranks return None."""
+    from h3_core.media.tiling import decode_video
+    from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
+
+    cfg = VideoVAEConfig(
+        decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6, norm_groups=4
+    )
+    torch.manual_seed(4)
+    vae = VideoVAE(cfg).eval()
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.normal_(0, 0.05)
+    z = torch.randn(24, 12, 6, 10, generator=torch.Generator().manual_seed(5))  # 2 windows, 2 x 3 tiles of 64 px
+    options = dict(tile_px=64, overlap_px=32, tiles_per_batch=2, compile="off")
+    shared = decode_video(vae, z, group=dist.group.WORLD, **options)
+    if rank != 0:
+        assert shared is None
+        return
+    alone = decode_video(vae, z, **options)
+    assert torch.equal(shared, alone)
 
 
 # 2 ranks with 7 heads (4 + 3) and an odd row count; 4 ranks whose last row shard is empty; 3 ranks of 5 heads
