@@ -87,6 +87,26 @@ def torch_device():
     return comfy.model_management.get_torch_device()
 
 
+DEFAULT_DEVICE = "default"
+
+
+def device_choices() -> list[str]:
+    """Where a loader may place its model: ``default`` (the host's choice for that kind of model), the CPU, and
+    each CUDA device this process sees."""
+    import torch
+
+    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return [DEFAULT_DEVICE, "cpu", *gpus]
+
+
+def chosen_device(choice, host_default):
+    """The device a loader's ``device`` choice names, or ``host_default`` (the host's device for that model) for
+    ``default``."""
+    import torch
+
+    return torch.device(host_default) if choice in (None, DEFAULT_DEVICE) else torch.device(choice)
+
+
 def free_memory(device) -> int:
     """Device memory free for the pack by the host's rules: what ``get_free_memory`` reports (including memory
     the host's allocator holds unused) less ``extra_reserved_memory()`` (``--reserve-vram``)."""

@@ -125,11 +125,34 @@ def _first_device(base, branch, dtype, offload: str):
     return torch.device(mm.unet_inital_load_device(parameters, dtype))
 
 
-def _vae_patcher(model):
+def _vae_patcher(model, device):
     import comfy.model_management as mm
     import comfy.model_patcher
 
-    return comfy.model_patcher.ModelPatcher(model, load_device=mm.vae_device(), offload_device=mm.vae_offload_device())
+    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=mm.vae_offload_device())
+
+
+def device_input(what: str):
+    """A loader's ``device`` choice (``_host.device_choices``)."""
+    return io.Combo.Input(
+        "device",
+        options=_host.device_choices(),
+        default=_host.DEFAULT_DEVICE,
+        optional=True,
+        tooltip=f"where the {what} runs: default (the host's choice), the CPU, or a GPU of its own (e.g. a second "
+        "card beside the DiT); the host's model management loads and frees it there",
+    )
+
+
+def check_device(device) -> None:
+    if device is not None:
+        check_choice("device", device, _host.device_choices())
+
+
+def _vae_device(device):
+    import comfy.model_management as mm
+
+    return _host.chosen_device(device, mm.vae_device())
 
 
 class _VAELoader(io.ComfyNode):
@@ -146,21 +169,26 @@ class _VAELoader(io.ComfyNode):
             display_name=cls.DISPLAY,
             category=_host.CATEGORY,
             description=cls.DESCRIPTION,
-            inputs=[io.Combo.Input("vae_name", options=_host.model_files("vae"))],
+            inputs=[
+                io.Combo.Input("vae_name", options=_host.model_files("vae")),
+                device_input(cls.KIND.replace("_", " ")),
+            ],
             outputs=[cls.OUTPUT.Output(display_name=cls.KIND)],
         )
 
     @classmethod
-    def validate_inputs(cls, vae_name=None):
-        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", cls.KIND))
+    def validate_inputs(cls, vae_name=None, device=None):
+        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", cls.KIND), lambda: check_device(device))
 
     @classmethod
-    def fingerprint_inputs(cls, vae_name):
-        return _host.file_version("vae", vae_name)
+    def fingerprint_inputs(cls, vae_name, device=_host.DEFAULT_DEVICE):
+        return _host.file_version("vae", vae_name), device
 
     @classmethod
-    def execute(cls, vae_name):
-        return io.NodeOutput(_vae_patcher(cls.read(_host.model_path("vae", vae_name, "vae_name"))))
+    def execute(cls, vae_name, device=_host.DEFAULT_DEVICE):
+        check_device(device)
+        where = _vae_device(device)
+        return io.NodeOutput(_vae_patcher(cls.read(_host.model_path("vae", vae_name, "vae_name"), where), where))
 
 
 class H3VideoVAELoader(_VAELoader):
@@ -171,12 +199,10 @@ class H3VideoVAELoader(_VAELoader):
     )
 
     @staticmethod
-    def read(path):
-        import comfy.model_management as mm
-
-        dtype = torch.float16 if mm.vae_device().type == "cuda" else torch.float32
-        # a quantised file's decoder linears stay comfy-kitchen layers where the host's VAE device has kernels
-        return load_video_vae(path, device="cpu", dtype=dtype, run_device=mm.vae_device())
+    def read(path, device):
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        # a quantised file's decoder linears stay comfy-kitchen layers where the VAE's device has kernels
+        return load_video_vae(path, device="cpu", dtype=dtype, run_device=device)
 
 
 class H3AudioVAELoader(_VAELoader):
@@ -187,7 +213,7 @@ class H3AudioVAELoader(_VAELoader):
     )
 
     @staticmethod
-    def read(path):
+    def read(path, device):
         return load_audio_vae(path, device="cpu")
 
 
@@ -236,14 +262,16 @@ class H3TextEncoderLoader(io.ComfyNode):
                     tooltip="layers: stream one decoder layer at a time from host memory; auto: when the "
                     "host cannot give the whole model room on the GPU; none: always whole",
                 ),
+                device_input("text encoder"),
             ],
             outputs=[H3TextEncoder.Output(display_name="text_encoder")],
         )
 
     @classmethod
-    def validate_inputs(cls, text_encoder_name=None, offload=None):
+    def validate_inputs(cls, text_encoder_name=None, offload=None, device=None):
         return verdict(
             lambda: check_choice("offload", offload, OFFLOAD_MODES),
+            lambda: check_device(device),
             lambda: (
                 text_encoder_name is None
                 or check_path(_text_encoder_path(text_encoder_name), "text_encoder", "text_encoder_name")
@@ -251,17 +279,18 @@ class H3TextEncoderLoader(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, text_encoder_name, offload):
-        return _host.path_version(_text_encoder_path(text_encoder_name)), offload
+    def fingerprint_inputs(cls, text_encoder_name, offload, device=_host.DEFAULT_DEVICE):
+        return _host.path_version(_text_encoder_path(text_encoder_name)), offload, device
 
     @classmethod
-    def execute(cls, text_encoder_name, offload):
+    def execute(cls, text_encoder_name, offload, device=_host.DEFAULT_DEVICE):
         import comfy.model_management as mm
 
         from .patchers import TextEncoderPatcher
 
+        check_device(device)
         path = _text_encoder_path(text_encoder_name)
-        run_device = mm.text_encoder_device()
+        run_device = _host.chosen_device(device, mm.text_encoder_device())
         dtype = torch.bfloat16 if run_device.type == "cuda" else torch.float32
         tokenizer = _host_tokenizer() if path.is_file() else None
         # into host memory; a quantised file's linears stay comfy-kitchen layers where the device has its kernels
@@ -269,7 +298,7 @@ class H3TextEncoderLoader(io.ComfyNode):
             path, tokenizer=tokenizer, device="cpu", dtype=dtype, offload="none", run_device=run_device
         )
         _host.say(f"loaded {path.name} into host memory: Qwen3-VL, {encoder.resident_bytes / 2**30:.2f} GiB held")
-        return io.NodeOutput(TextEncoderPatcher.wrap(encoder, offload))
+        return io.NodeOutput(TextEncoderPatcher.wrap(encoder, offload, run_device))
 
 
 class H3PromptEmbeddingLoader(io.ComfyNode):

@@ -299,10 +299,11 @@ class TextEncoderPatcher(comfy.model_patcher.ModelPatcher):
     decoder layers left in host memory, each visiting the device for its own forward."""
 
     @classmethod
-    def wrap(cls, encoder, offload: str) -> "TextEncoderPatcher":
+    def wrap(cls, encoder, offload: str, device=None) -> "TextEncoderPatcher":
+        """``device``: where it runs (the host's text-encoder device by default)."""
         patcher = cls(
             _EncoderModule(encoder.model),
-            load_device=mm.text_encoder_device(),
+            load_device=mm.text_encoder_device() if device is None else device,
             offload_device=mm.text_encoder_offload_device(),
         )
         patcher.attachments["h3_text_encoder"] = _EncoderState(encoder, offload)
