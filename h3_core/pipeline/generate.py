@@ -275,6 +275,7 @@ def _sample(
 ):
     """Noise drawn as ``noise`` says, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
+    padded = padded_size(h, w)  # the latent grid the model reads (``packing.pad_to_patch``)
     if start is not None:
         start.check(T, h, w, Ta)
     text_dim = getattr(getattr(model, "cfg", None), "text_dim", None)
@@ -313,9 +314,9 @@ def _sample(
         start=start,
         sigmas=sigmas,
         solver=solver,
-        video_size=(T, h, w) if padded_size(h, w) != (h, w) else None,
+        video_size=(T, h, w) if padded != (h, w) else None,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
-    video_latents = unpatchify(target, 24, T, *padded_size(h, w))[:, :, :h, :w]
+    video_latents = unpatchify(target, 24, T, *padded)[:, :, :h, :w]
     audio_latents_lr = audio_rows[reference_audio:].float().cpu().reshape(2, Ta, 32).transpose(1, 2)
     return video_latents, audio_latents_lr

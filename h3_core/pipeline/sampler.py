@@ -153,8 +153,9 @@ def denoise(
                     video_in[cv:] = masked_input(video_rows[cv:], *held_video)
                     audio_in[ca:] = masked_input(audio_rows[ca:], *held_audio)
                 v_video, v_audio = run.velocities(video_in, audio_in, timesteps, index)
-                frame, mid = None, _middle_rows(packed)
+                frame = None
                 if preview is not None:
+                    mid = _middle_rows(packed)
                     frame = _as_frame(
                         packed, clean_estimate(video_in[cv:][mid].float(), v_video[cv:][mid].float(), video_ts[i])
                     )
