@@ -133,15 +133,13 @@ def _guarded(module, attribute: str):
     return guarded(getattr(module, attribute))
 
 
-# What the compiled paths import on a process's first compiled run: dynamo, inductor (which registers its own
-# operators as it loads), Triton's JIT, and FA4's interface where it is installed (its kernels' helper libraries
-# register theirs).
+# What the default compiled paths import on a process's first run: Triton's JIT (every fused function of the DiT
+# and the decoder has a hand-written kernel on CUDA, so nothing is traced by dynamo or built by inductor there)
+# and FA4's interface where it is installed (its kernels' helper libraries register their operators as they load).
+# Dynamo and inductor are imported by the paths that use them (the flex backend, a fallback off CUDA kernels).
 COMPILER_MODULES = (
-    "torch._dynamo",
-    "torch._functorch.aot_autograd",
-    "torch._inductor.compile_fx",
-    "torch._inductor.codecache",
     "triton",
+    "triton.runtime.jit",
     "flash_attn.cute.interface",
 )
 

@@ -241,9 +241,10 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
 
 
 def import_compilers_in_background() -> threading.Thread | None:
-    """Where the compiled paths will run (CUDA with Triton), import what their first run would (dynamo, inductor,
-    Triton, FA4's interface) on a thread of its own while the server starts, so the first prompt does not wait
-    for it; the log says how long it took. Returns the thread (None where nothing compiles)."""
+    """Where the compiled paths will run (CUDA with Triton), import what their first run would
+    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) on a thread of its own while the server starts,
+    so the first prompt does not wait for it; the log says how long it took. Returns the thread (None where
+    nothing compiles)."""
     from ..h3_core.triton_forms import compiles_on, import_compilers
 
     if not compiles_on("cuda"):

@@ -187,5 +187,5 @@ _FUNCTIONS = {
 
 def run(mode: str, name: str, *args):
     """Call the block's fused function ``name`` as ``mode`` says (``branch_fused.call``: ``"compiled"`` runs
-    ``qk_norm_rope``, ``norm_modulate`` and ``swiglu_`` on CUDA as their own Triton kernels)."""
+    each of them on CUDA as its own Triton kernel, so an evaluation there traces nothing with dynamo)."""
     return branch_fused.call(mode, _FUNCTIONS[name], *args, name=name)

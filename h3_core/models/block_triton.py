@@ -277,3 +277,93 @@ def swiglu_triton(gate_up: torch.Tensor, block_r: int = 4, block_c: int = 1024, 
         grid = (triton.cdiv(rows, block_r), triton.cdiv(ffn, block_c))
         _swiglu_kernel[grid](gate_up, rows, ffn, gate_up.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return gate_up[:, :ffn]
+
+
+@triton.jit
+def _gated_residual_kernel(
+    x, y, gate, table_rows, n_rows, hidden, s_xr, s_xc, s_yr, s_yc, s_gr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)[None, :]
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < hidden)
+    table = tl.load(table_rows + rows, mask=row_ok, other=0).to(tl.int64)[:, None]
+    rows = rows[:, None]
+    xv = tl.load(x + rows * s_xr + cols * s_xc, mask=mask, other=0.0).to(tl.float32)
+    y_at = y + rows * s_yr + cols * s_yc
+    yv = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
+    gv = tl.load(gate + table * s_gr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_at, (xv + yv * gv).to(y.dtype.element_ty), mask=mask)
+
+
+def gated_residual_triton(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    table_rows: torch.Tensor,
+    block_r: int = 4,
+    block_c: int = 1024,
+    warps: int = 4,
+) -> torch.Tensor:
+    """``block_fused.gated_residual_(x, y, gate, table_rows)``: ``x + gate[table_rows] · y`` in fp32 for rows
+    ``x`` and ``y`` ``[T, hidden]`` (any strides), the gate table ``[R, hidden]``, rounded once and written into
+    ``y``'s storage, which is returned. ``block_r`` rows × ``block_c`` columns a program and ``warps`` choose the
+    launch."""
+    rows, hidden = y.shape
+    assert x.shape == y.shape and gate.shape[-1] == hidden and table_rows.shape == (rows,)
+    gate = gate.contiguous()
+    if rows and hidden:
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(hidden, block_c))
+        _gated_residual_kernel[grid](
+            x,
+            y,
+            gate,
+            table_rows.contiguous(),
+            rows,
+            hidden,
+            *x.stride(),
+            *y.stride(),
+            gate.stride(0),
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=warps,
+        )
+    return y
+
+
+@triton.jit
+def _gate_heads_kernel(
+    x, gate, n_rows, heads, d, s_xr, s_xh, s_xd, s_gr, s_gh, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    head = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D).to(tl.int64)[None, :]
+    row_ok = rows < n_rows
+    mask = row_ok & (cols < d)
+    gv = tl.load(gate + rows * s_gr + head * s_gh, mask=row_ok, other=0.0).to(tl.float32)
+    x_at = x + rows * s_xr + head * s_xh + cols * s_xd
+    xv = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_at, (xv * gv).to(x.dtype.element_ty), mask=mask)
+
+
+def gate_heads_triton(x: torch.Tensor, gate: torch.Tensor, block_r: int = 16, warps: int = 4) -> torch.Tensor:
+    """``block_fused.gate_heads_(x, gate)``: ``x`` ``[T, h, d]`` (any strides) times its per-head ``gate``
+    ``[T, h]`` in fp32, rounded once and written in place; ``x`` is returned. A program takes ``block_r`` rows of
+    one head."""
+    rows, heads, d = x.shape
+    assert gate.shape == (rows, heads)
+    if rows and heads and d:
+        grid = (triton.cdiv(rows, block_r), heads)
+        _gate_heads_kernel[grid](
+            x,
+            gate,
+            rows,
+            heads,
+            d,
+            *x.stride(),
+            *gate.stride(),
+            BLOCK_R=block_r,
+            BLOCK_D=triton.next_power_of_2(d),
+            num_warps=warps,
+        )
+    return x

@@ -134,7 +134,7 @@ def shifted_statistics(mode: str, k_scaled: torch.Tensor, v_scaled: torch.Tensor
     """I + A and B (``gram_statistics``) for ``branch_math.solve_shifted``, I + A formed by ``shifted_gram``
     as ``mode`` says (``call``)."""
     A, B = gram_products(k_scaled, v_scaled)
-    return call(mode, shifted_gram, A), B
+    return call(mode, shifted_gram, A, name="shifted_gram"), B
 
 
 def query_features(q: torch.Tensor) -> torch.Tensor:
@@ -226,7 +226,10 @@ _TRITON = {
     "qk_norm_rope": (block_triton, "qk_norm_rope_triton"),
     "norm_modulate": (block_triton, "block_norm_triton"),
     "swiglu_": (block_triton, "swiglu_triton"),
+    "gated_residual_": (block_triton, "gated_residual_triton"),
+    "gate_heads_": (block_triton, "gate_heads_triton"),
     "small_inverse": (branch_triton, "small_inverse_triton"),
+    "shifted_gram": (branch_triton, "shifted_gram_triton"),
 }
 
 

@@ -21,6 +21,8 @@ small batched GEMM per frame and direction (200 at the release length, each fill
 bridges, read in place and written once, where the library form copies the gathered frames, selects against
 the seed and scales and adds them in separate passes.
 
+``shifted_gram``: I + ½(A + Aᵀ) for the batch of Gram products, each program a tile and its mirror tile.
+
 ``small_inverse``: the solve's smallest blocks (16 × 16) inverted in one pass, a few whole blocks per program
 (Gauss-Jordan without pivoting, which positive definite blocks do not need).
 """
@@ -473,4 +475,29 @@ def small_inverse_triton(M: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         _small_inverse_kernel[(triton.cdiv(src.shape[0], block_m),)](
             src, dst, src.shape[0], n, *src.stride(), *dst.stride(), N=size, BLOCK_M=block_m, num_warps=4
         )
+    return out
+
+
+@triton.jit
+def _shifted_gram_kernel(A, out, d, BLOCK: tl.constexpr):
+    matrix = tl.program_id(0).to(tl.int64) * d * d
+    rows = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[:, None]
+    cols = (tl.program_id(2) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    mask = (rows < d) & (cols < d)
+    a = tl.load(A + matrix + rows * d + cols, mask=mask, other=0.0)
+    mirror = tl.load(A + matrix + cols * d + rows, mask=mask, other=0.0)
+    eye = tl.where(rows == cols, 1.0, 0.0)
+    tl.store(out + matrix + rows * d + cols, (0.5 * (a + mirror) + eye).to(out.dtype.element_ty), mask=mask)
+
+
+def shifted_gram_triton(A: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``branch_fused.shifted_gram(A)``: I + ½(A + Aᵀ) for ``A`` ``[..., d, d]`` in a new tensor, in ``A``'s
+    dtype (the sum, the halving and the identity in that order: the written function's numbers)."""
+    d = A.shape[-1]
+    A = A.contiguous()
+    out = torch.empty_like(A)
+    count = A.numel() // (d * d) if d else 0
+    if count:
+        grid = (count, triton.cdiv(d, block), triton.cdiv(d, block))
+        _shifted_gram_kernel[grid](A, out, d, BLOCK=block)
     return out

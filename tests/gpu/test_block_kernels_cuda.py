@@ -116,6 +116,35 @@ def test_triton_swiglu_matches_the_written_function(dtype):
         assert ((got.float() - want.float()).abs() <= want.float().abs() * step + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_gated_residual_and_head_gate_match_the_written_functions(dtype):
+    """The block's last residual and the softmax's head gate, as ``"compiled"`` runs them on CUDA (by name:
+    the Triton passes, no dynamo) against the written functions: one fp32 result rounded once by both, at the
+    model's width and head size, over more rows than one grid axis holds."""
+    if triton_kernel("gated_residual_") is None or triton_kernel("gate_heads_") is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(6)
+    rows, hidden = 70_000, 5120
+    x, y = (torch.randn(rows, hidden, generator=g).to(DEV, dtype) for _ in range(2))
+    gate = torch.randn(12, hidden, generator=g).to(DEV, dtype)
+    table_rows = torch.randint(0, 12, (rows,), generator=g).to(DEV)
+    step = {torch.bfloat16: 2**-7, torch.float32: 1e-6}[dtype]
+
+    def close(got, want):
+        return ((got.float() - want.float()).abs() <= want.float().abs() * step + 1e-5).all()
+
+    want = block_fused.run("eager", "gated_residual_", x, y.clone(), gate, table_rows)
+    written = y.clone()
+    got = block_fused.run("compiled", "gated_residual_", x, written, gate, table_rows)
+    assert got.data_ptr() == written.data_ptr() and close(got, want)
+    soft = torch.randn(rows, 40, 128, generator=g).to(DEV, dtype)
+    head_gate = torch.rand(rows, 40, generator=g).to(DEV, dtype)
+    want = block_fused.run("eager", "gate_heads_", soft.clone(), head_gate)
+    written = soft.clone()
+    got = block_fused.run("compiled", "gate_heads_", written, head_gate)
+    assert got.data_ptr() == written.data_ptr() and close(got, want)
+
+
 @pytest.mark.parametrize("normalize, with_beta", [(True, True), (False, True), (True, False)])
 def test_triton_conv_features_match_the_written_function(normalize, with_beta):
     from h3_core.models import branch_fused
@@ -228,3 +257,16 @@ def test_triton_leaf_inverse_solves_as_the_library_does():
     for got, lib, ref in zip(solve(alpha, A, B, leaf), solve(alpha, A, B), want):
         err, lib_err = ((t.cpu().double() - ref).abs().max() for t in (got, lib))
         assert err <= max(2 * lib_err, 1e-6 * ref.abs().max()), (err, lib_err)
+
+
+def test_triton_shifted_gram_equals_the_written_function():
+    """I + ½(A + Aᵀ) for the release size's Gram products (56 heads of 128 channels, a few frames) as
+    ``"compiled"`` runs it on CUDA, bit for bit the written function's."""
+    if triton_kernel("shifted_gram") is None:
+        pytest.skip("needs Triton")
+    from h3_core.models import branch_fused
+
+    A = torch.randn(5, 56, 128, 128, generator=torch.Generator().manual_seed(7)).to(DEV)
+    got, _ = branch_fused.shifted_statistics("compiled", A[..., :96].contiguous(), A[..., :8].contiguous())
+    want, _ = branch_fused.shifted_statistics("eager", A[..., :96].contiguous(), A[..., :8].contiguous())
+    assert torch.equal(got, want)

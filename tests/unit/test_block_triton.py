@@ -106,3 +106,49 @@ SWIGLU_CHECK = textwrap.dedent(
 
 def test_triton_swiglu_under_interpreter_matches_the_written_function():
     assert run_interpreted(SWIGLU_CHECK).split()[-1] == "OK"
+
+
+GATED_RESIDUAL_CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core.models.block_triton import gate_heads_triton, gated_residual_triton
+    from h3_core.models.block_fused import gate_heads_, gated_residual_
+
+    # fp32 rows (the interpreter emulates bf16 by truncation; bf16 runs in the GPU test)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(29, 70, generator=g)[:, 3:53]  # a row stride of its own
+    y = torch.randn(29, 50, generator=g)
+    gate = torch.randn(6, 50, generator=g)
+    rows = torch.randint(0, 6, (29,), generator=g)
+    want = gated_residual_(x, y.clone(), gate, rows)
+    for block_r, block_c in ((4, 16), (1, 64), (32, 8)):  # tiles splitting the rows and the columns, or not
+        out = y.clone()
+        got = gated_residual_triton(x, out, gate, rows, block_r, block_c)
+        assert got.data_ptr() == out.data_ptr()  # written into y's storage
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max(), (block_r, block_c)
+    # y strided too (a column slice of a wider buffer)
+    wide = torch.randn(29, 64, generator=g)
+    want = gated_residual_(x, wide[:, 7:57].clone(), gate, rows)
+    got = gated_residual_triton(x, wide[:, 7:57], gate, rows)
+    assert (wide[:, 7:57] - want).abs().max() <= 1e-6 * want.abs().max()
+
+    soft = torch.randn(31, 5, 40, generator=g)
+    head_gate = torch.rand(31, 5, generator=g)
+    want = gate_heads_(soft.clone(), head_gate)
+    for block_r in (1, 16, 64):
+        out = soft.clone()
+        got = gate_heads_triton(out, head_gate, block_r)
+        assert got.data_ptr() == out.data_ptr()
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max(), block_r
+    # heads of a fused projection (a head stride and a row stride of their own)
+    fused = torch.randn(31, 3, 5, 40, generator=g)
+    want = gate_heads_(fused[:, 2].clone(), head_gate)
+    gate_heads_triton(fused[:, 2], head_gate)
+    assert (fused[:, 2] - want).abs().max() <= 1e-6 * want.abs().max()
+    print("OK")
+    """
+)
+
+
+def test_triton_gated_residual_and_head_gate_under_interpreter_match_the_written_functions():
+    assert run_interpreted(GATED_RESIDUAL_CHECK).split()[-1] == "OK"

@@ -167,3 +167,23 @@ SMALL_INVERSE_CHECK = textwrap.dedent(
 
 def test_triton_small_inverse_under_interpreter_inverts_the_solve_blocks():
     assert run_interpreted(SMALL_INVERSE_CHECK).split()[-1] == "OK"
+
+
+SHIFTED_GRAM_CHECK = textwrap.dedent(
+    """
+    import torch
+    from h3_core.models.branch_fused import shifted_gram
+    from h3_core.models.branch_triton import shifted_gram_triton
+
+    g = torch.Generator().manual_seed(2)
+    for d, block in ((16, 16), (40, 16), (24, 32)):  # tiles that cover the matrix, split it, or overhang it
+        A = torch.randn(3, 2, d, d, generator=g)
+        got = shifted_gram_triton(A, block)
+        assert got.shape == A.shape and torch.equal(got, shifted_gram(A)), (d, block)
+    print("OK")
+    """
+)
+
+
+def test_triton_shifted_gram_under_interpreter_equals_the_written_function():
+    assert run_interpreted(SHIFTED_GRAM_CHECK).split()[-1] == "OK"

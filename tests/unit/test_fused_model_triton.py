@@ -1,7 +1,7 @@
 """The whole fused model on the CPU with every hand-written Triton kernel in its place, run by Triton's CPU
 interpreter: the kernels are driven through the model's own path (shapes, strides, head groups, the text
-state, the fp8 rows) and the model's output is the plain model's. ``torch.compile`` is left out there (the
-functions without a Triton form run as written), so only the Triton kernels differ from the eager path."""
+state, the fp8 rows) and the model's output is the plain model's. Every fused function has its kernel, so
+nothing reaches ``torch.compile`` (checked: an evaluation on CUDA traces nothing with dynamo)."""
 
 import textwrap
 
@@ -13,7 +13,8 @@ CHECK = textwrap.dedent(
     import sys
     sys.path.insert(0, "tests/unit")
     import torch
-    torch.compile = lambda fn, **kwargs: fn
+    compiled = []  # what would be handed to torch.compile: nothing, every fused function has its kernel
+    torch.compile = lambda fn, **kwargs: compiled.append(fn) or fn
 
     from h3_core.models import branch_fused, run_options
     from h3_core.models.low_memory import LowMemory
@@ -49,9 +50,11 @@ CHECK = textwrap.dedent(
         run_options.fuse_blocks(m, "compiled")
         fused = m(*args, hybrid=ctx)
     kernels = {{"qk_norm_rope", "conv_features", "readout", "scan", "gather", "small_inverse", "norm_modulate",
-               "norm", "residual + norm"}}
-    # an fp8 fc2 takes its input quantised as SiLU·up is formed; a bf16 one has it written in place
-    assert used == kernels | (set(quantisers) if fp8 else {{"swiglu_"}}), used
+               "norm", "residual + norm", "gated_residual_", "shifted_gram"}}
+    # an fp8 fc2 takes its input quantised as SiLU·up is formed; a bf16 one has it written in place; the
+    # softmax's head gate likewise
+    assert used == kernels | (set(quantisers) if fp8 else {{"swiglu_", "gate_heads_"}}), used
+    assert compiled == [], compiled
     for a, b in zip(fused, plain):
         if fp8:  # the interpreter's e4m3 cast is not the GPU's: the codes differ, not the computation
             assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.99
