@@ -63,7 +63,13 @@ def _frames_uint8(frames: torch.Tensor) -> torch.Tensor:
         return frames.cpu()
     if not frames.is_floating_point():
         raise H3InputError(f"frames must be floats in [0, 1] or uint8, got {frames.dtype}")
-    return (frames.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+    return pixels_uint8(frames.detach()).cpu()
+
+
+def pixels_uint8(frames: torch.Tensor) -> torch.Tensor:
+    """Floats in [0, 1] as the 8-bit values the mp4 stores (clamped, × 255, rounded), on ``frames``' device:
+    the same bytes wherever it runs."""
+    return (frames.float().clamp(0, 1) * 255).round().to(torch.uint8)
 
 
 def _check_audio(waveform, sample_rate) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..errors import H3InputError
 from ..parallel.spread import spread_in_order
 from ..triton_forms import CompileFailure, check_compile, compiles_on, plain_path
+from .mp4 import pixels_uint8
 
 __all__ = [
     "TRAINED_TILE_PX",
@@ -199,6 +200,7 @@ def decode_tiled(
     offload: Callable[[], str] | None = None,
     report: Callable[[str], None] | None = None,
     on_frames: Callable[[int, torch.Tensor], None] | None = None,
+    uint8_frames: bool = False,
     group=None,
 ) -> torch.Tensor | None:
     """Decode ``latents`` ``[C, T, h, w]`` window by window and tile by tile.
@@ -222,6 +224,8 @@ def decode_tiled(
         report: receives a sentence whenever the decode changes its settings to fit.
         on_frames: called after each window with ``(start, frames)``: ``frames`` is ``out[start:stop]``, final
             (copied off the device) and never written again; the calls cover every frame once, in order.
+        uint8_frames: ``on_frames`` receives those frames as the mp4's 8-bit values (``mp4.pixels_uint8``,
+            computed on the decoder's device before the copy out, a quarter of the bytes) instead.
         group: a ``torch.distributed`` group whose ranks share each window's tile batches (every rank calls this
             with the same latents; each decodes every P-th batch whole, ``parallel.spread_in_order``); rank 0 blends
             and writes the frames exactly as one rank would, the others return None. Default: this process alone.
@@ -247,7 +251,13 @@ def decode_tiled(
     if (tile_px, overlap_px) != (TRAINED_TILE_PX, TRAINED_OVERLAP_PX):
         state.say(f"decoding with {tile_px} px tiles and {overlap_px} px overlap. {UNTRAINED_TILES_NOTE}")
     device = latents.device
-    sink = _HostSink(out, device) if receiving else None
+    sink = None
+    if receiving:
+        pixels = None
+        if on_frames is not None and uint8_frames:
+            pinned = out.device.type == "cpu" and out.is_pinned()
+            pixels = torch.empty(out.shape, dtype=torch.uint8, pin_memory=pinned)
+        sink = _HostSink(out, device, pixels)
     weights = [
         [wy_t.to(device)[:, None] * wx_t.to(device)[None, :] for wx_t in wx] for wy_t in wy
     ]  # separable tile weights [th, tw]
@@ -311,7 +321,7 @@ def decode_tiled(
         ready = plan.num_frames if last else min(plan.num_frames, plan.output_start(index + 1))
         if on_frames is not None and ready > announced:
             sink.flush()
-            on_frames(announced, sink.out[announced:ready])
+            on_frames(announced, (sink.out if sink.pixels is None else sink.pixels)[announced:ready])
             announced = ready
     if sink is None:
         return None
@@ -378,44 +388,54 @@ def _store(pixels, frame0, top, stop, finish, sink):
 
 
 class _HostSink:
-    """Copies finished rows from the decoder's device into ``out`` without stalling the device.
+    """Copies finished rows from the decoder's device into ``out`` (and, as 8-bit values, into ``pixels`` when
+    given) without stalling the device.
 
     From CUDA into pinned memory, each frame's rows (contiguous in ``out``) are copied asynchronously on
     the decoding stream; into pageable memory, the rows go asynchronously to a pinned staging tensor and
     are written into ``out`` by the host while the device decodes the next tile row. ``close`` waits for
     every copy. Anything else (CPU decoding, or ``out`` on the decoder's device) is a plain copy."""
 
-    def __init__(self, out: torch.Tensor, device: torch.device):
-        self.out = out
-        self.staged = None  # (event, pinned rows, frame0, top, stop) still being copied off the device
+    def __init__(self, out: torch.Tensor, device: torch.device, pixels: torch.Tensor | None = None):
+        self.out, self.pixels = out, pixels
+        self.staged = None  # (event, [(target, pinned rows)], frame0, top, stop) still being copied off the device
         self.mode = "plain"
         if device.type == "cuda" and out.device.type == "cpu":
-            self.mode = "pinned" if out.is_pinned() else "staged"
+            self.mode = "pinned" if out.is_pinned() and (pixels is None or pixels.is_pinned()) else "staged"
 
     def put(self, frame0: int, top: int, stop: int, rows: torch.Tensor) -> None:
         """``rows`` ``[f, stop - top, W, 3]`` on the decoder's device, already in ``out``'s dtype."""
+        pairs = [(self.out, rows)]
+        if self.pixels is not None:
+            pairs.append((self.pixels, pixels_uint8(rows)))
         if self.mode == "plain":
-            self.out[frame0 : frame0 + rows.shape[0], top:stop] = rows.to(self.out.device)
+            for target, values in pairs:
+                target[frame0 : frame0 + values.shape[0], top:stop] = values.to(target.device)
         elif self.mode == "pinned":
-            for i, frame in enumerate(rows):
-                self.out[frame0 + i, top:stop].copy_(frame, non_blocking=True)
+            for target, values in pairs:
+                for i, frame in enumerate(values):
+                    target[frame0 + i, top:stop].copy_(frame, non_blocking=True)
         else:
-            pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            pinned.copy_(rows, non_blocking=True)
+            staged = []
+            for target, values in pairs:
+                pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                pinned.copy_(values, non_blocking=True)
+                staged.append((target, pinned))
             event = torch.cuda.Event()
             event.record()
             self._drain()
-            self.staged = (event, pinned, frame0, top, stop)
+            self.staged = (event, staged, frame0, top, stop)
 
     def _drain(self) -> None:
         if self.staged is not None:
-            event, pinned, frame0, top, stop = self.staged
+            event, staged, frame0, top, stop = self.staged
             event.synchronize()
-            self.out[frame0 : frame0 + pinned.shape[0], top:stop] = pinned
+            for target, pinned in staged:
+                target[frame0 : frame0 + pinned.shape[0], top:stop] = pinned
             self.staged = None
 
     def flush(self) -> None:
-        """Wait until every row put so far is in ``out``."""
+        """Wait until every row put so far is in ``out`` (and ``pixels``)."""
         self._drain()
         if self.mode == "pinned":
             torch.cuda.current_stream().synchronize()

@@ -1,7 +1,8 @@
 """The video decode streamed into the mp4: each decoder window's finished frames go to an ``Mp4Worker`` as soon
-as they are final, so the clip is encoded on the host while the GPU decodes the next window, and only the last
-window's frames (the audio is encoded first, while the first window decodes) are left to write once the decode
-ends. The file is the one ``decode_video`` followed by ``write_mp4`` makes, byte for byte."""
+as they are final (as the mp4's 8-bit values, made on the decoder's device), so the clip is encoded on the host
+while the GPU decodes the next window, and only the last window's frames (the audio is encoded first, while the
+first window decodes) are left to write once the decode ends. The file is the one ``decode_video`` followed by
+``write_mp4`` makes, byte for byte."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def decode_to_mp4(vae, latents: torch.Tensor, writer: Mp4Writer, **decode_option
     """Decode ``latents`` (``decode_video``'s arguments in ``decode_options``) into ``writer``. Any failure or
     cancel (``check_cancel`` raising) removes the partial file."""
     with Mp4Worker(writer) as worker:
-        frames = decode_video(vae, latents, on_frames=lambda start, ready: worker.put(ready), **decode_options)
+        frames = decode_video(
+            vae, latents, on_frames=lambda start, ready: worker.put(ready), uint8_frames=True, **decode_options
+        )
         path = worker.close(decode_options.get("check_cancel"))
     return DecodedClip(path, frames, worker.tail_s, worker.frames_behind)

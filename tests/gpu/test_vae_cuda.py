@@ -4,6 +4,7 @@ streamed-weights fallback give the frames of the plain CPU decode (skipped witho
 import pytest
 import torch
 
+from h3_core.media.mp4 import pixels_uint8
 from h3_core.media.tiling import decode_video
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32
 
@@ -52,6 +53,13 @@ def test_frames_copied_off_the_device_in_every_way_are_the_cpu_frames(vae_cpu, z
     frames = decode_video(vae, z.cuda(), tiles_per_batch=3, out=out)
     assert frames.device.type == ("cuda" if where == "device" else "cpu")
     torch.testing.assert_close(frames.cpu(), expected, atol=2e-4, rtol=0)
+    # the frames handed over as the mp4's 8-bit values, made on the GPU: those of the frames returned
+    announced = []
+    out = None if out is None else torch.empty_like(out)
+    frames = decode_video(
+        vae, z.cuda(), tiles_per_batch=3, out=out, on_frames=lambda s, f: announced.append(f.clone()), uint8_frames=True
+    )
+    assert torch.equal(torch.cat(announced), pixels_uint8(frames).cpu())
 
 
 def test_compiled_blocks_give_the_eager_frames(vae_cpu, z, expected):

@@ -334,3 +334,19 @@ def test_frames_are_announced_once_in_order_and_final_when_announced(vae, T):
     if len(temporal_plan(T).windows) > 1:
         assert len(announced) > 1  # handed over window by window, not at the end
     torch.testing.assert_close(got, reference_decode(vae, z), atol=2e-5, rtol=1e-4)
+
+
+def test_frames_announced_as_8_bit_values_are_the_mp4s_values_of_the_frames(vae):
+    """With ``uint8_frames`` each window's frames are handed over as ``mp4.pixels_uint8`` of the frames the
+    decode returns (made before the copy out), covering the clip once, in order; the float frames are unchanged."""
+    from h3_core.media.mp4 import pixels_uint8
+
+    z = latents(12, 2, 3, seed=5)
+    plain = decode_tiled(decoder_of(vae), z)
+    announced = []
+    got = decode_tiled(
+        decoder_of(vae), z, on_frames=lambda start, frames: announced.append((start, frames.clone())), uint8_frames=True
+    )
+    assert torch.equal(got, plain) and len(announced) > 1
+    assert all(frames.dtype == torch.uint8 for _, frames in announced)
+    assert torch.equal(torch.cat([f for _, f in announced]), pixels_uint8(plain))
