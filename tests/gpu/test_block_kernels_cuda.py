@@ -267,6 +267,7 @@ def test_triton_shifted_gram_equals_the_written_function():
     from h3_core.models import branch_fused
 
     A = torch.randn(5, 56, 128, 128, generator=torch.Generator().manual_seed(7)).to(DEV)
-    got, _ = branch_fused.shifted_statistics("compiled", A[..., :96].contiguous(), A[..., :8].contiguous())
-    want, _ = branch_fused.shifted_statistics("eager", A[..., :96].contiguous(), A[..., :8].contiguous())
+    k, v = A[..., :96].contiguous(), A[..., 32:].contiguous()  # [F, h, S, d]: 128 tokens of 96 channels
+    got, _ = branch_fused.shifted_statistics("compiled", k, v)
+    want, _ = branch_fused.shifted_statistics("eager", k, v)
     assert torch.equal(got, want)
