@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
 from ..errors import H3InputError
+from ..parallel.exchange import gather_rows
 from ..parallel.ulysses import SequenceShards, ulysses_attention
 from . import block_fused
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
@@ -407,7 +408,7 @@ class H3DiT(nn.Module):
         video_index: torch.Tensor,
         audio_index: torch.Tensor,
         text_index: torch.Tensor,
-        hybrid: HybridContext | None = None,
+        hybrid: HybridContext | SequenceShards | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One model evaluation over one packed sequence of ``T`` rows.
 
@@ -417,7 +418,10 @@ class H3DiT(nn.Module):
             timesteps ``[K]``: the distinct timesteps in the sequence; ``timestep_index`` ``[T]`` picks one per row.
             tags ``[T]``: each row's modality (0 video, 1 text, 2 audio); positions ``[T, 3]``: RoPE (t, h, w).
             hybrid: for a VDN-H3 model (``cfg.hybrid``), the window and layout of the sequence; without it the
-                blocks run dense attention (plain H3).
+                blocks run dense attention (plain H3). A ``parallel.SequenceShards`` instead runs the blocks on
+                this rank's rows (every rank of its group calls this with the same inputs): the embeddings, the
+                text refiner and the AdaLN work replicated, each block on the rank's rows with Ulysses attention,
+                the rows gathered before the final layer, so every rank returns the whole velocity.
         Returns:
             The velocity of the video rows ``[Nv, 96]`` and of the audio rows ``[Na, 32]`` (fp32).
         """
@@ -436,13 +440,21 @@ class H3DiT(nn.Module):
             temb = curve_embedding(self.adaln_t_table, timesteps)
         else:
             temb = self.time_embedder(timesteps)
-        rows = row_runs(timestep_index * MODALITIES + tags)
+        table_rows = timestep_index * MODALITIES + tags
         rope = rope_cos_sin(positions, self.rope.inv_freq)
         tables = adaln_tables_for(self, timesteps)
+        if isinstance(hybrid, SequenceShards):
+            if hybrid.rows[-1][1] != T:
+                raise H3InputError(f"the sequence shards cover {hybrid.rows[-1][1]} rows; the sequence has {T}")
+            mine = hybrid.mine
+            x, table_rows, rope = x[mine].contiguous(), table_rows[mine], tuple(r[mine] for r in rope)
+        rows = row_runs(table_rows)
         for i, block in enumerate(self.blocks):
             if self.check_cancel is not None:
                 self.check_cancel()
             x = block(x, temb if tables is None else tables[i], rows, rope, hybrid)
+        if isinstance(hybrid, SequenceShards):
+            x = gather_rows(x, list(hybrid.rows), hybrid.group)
         return self.final_layer(x, temb, timestep_index, video_index, audio_index)
 
 

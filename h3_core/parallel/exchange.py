@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["rows_to_heads", "heads_to_rows"]
+__all__ = ["rows_to_heads", "heads_to_rows", "gather_rows"]
 
 
 def _exchange(send_blocks: list[torch.Tensor], receive_shapes: list[tuple], group) -> list[torch.Tensor]:
@@ -36,3 +36,15 @@ def heads_to_rows(local: torch.Tensor, rows: list[tuple[int, int]], heads: list[
     blocks = [local[a:b].contiguous() for a, b in rows]
     shapes = [(stop - start, h.stop - h.start, local.shape[2]) for h in heads]
     return torch.cat(_exchange(blocks, shapes, group), dim=1)
+
+
+def gather_rows(local: torch.Tensor, rows: list[tuple[int, int]], group=None) -> torch.Tensor:
+    """Every rank's rows ``[t_r, ...]`` → the whole ``[T, ...]`` on every rank. Shards are contiguous and all but the
+    last non-empty one full (``sharding.row_shards``), so each is padded to the full size, gathered, and the
+    first ``T`` rows of the concatenation are the sequence."""
+    per = max(stop - start for start, stop in rows)
+    padded = local.new_zeros(per, *local.shape[1:])
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in rows]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat(parts)[: rows[-1][1]]

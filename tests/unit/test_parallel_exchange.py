@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism on the CPU (h3_core.parallel): ranks spawned here, joined by torch.distributed's gloo
 backend. The row↔head all-to-all against slicing one tensor all ranks build alike — uneven rows (a remainder, an
-empty last shard) and uneven heads included —, an H3 attention and a whole dense DiT block run on row shards
-against the single process's forward of the same module in fp64, and the video decoder's tile batches shared among
-the ranks against the one-rank decode."""
+empty last shard) and uneven heads included —, an H3 attention, a whole dense DiT block and a whole dense DiT
+evaluation (T2VA, FL2VA and Ref2VA layouts) run on row shards against the single process's forward of the same
+module in fp64, and the video decoder's tile batches shared among the ranks against the one-rank decode."""
 
 import pytest
 import torch
@@ -42,6 +42,7 @@ def _worker(rank, world, store, rows_total, heads_total):
         _exchange_check(rank, world, rows_total, heads_total)
         _attention_check(rank, world, heads_total)
         _block_check(rank, world, heads_total)
+        _model_check(rank, world, heads_total)
         _decode_check(rank, world)
     finally:
         dist.destroy_process_group()
@@ -99,6 +100,52 @@ def _block_check(rank, world, heads_total):
         part = block(x[mine].clone(), temb, packed.tags[mine], tuple(r[mine] for r in rope), shards)
     err = float((part - whole[mine]).abs().max() / whole.abs().max())
     assert err <= 1e-12, (rank, err)
+
+
+def _model_check(rank, world, heads_total):
+    """A whole dense DiT evaluation with its blocks on row shards (``hybrid=SequenceShards``) against the single
+    process's, for the T2VA, FL2VA (a first and a last keyframe) and Ref2VA (an image and a video reference with
+    its soundtrack) layouts: every rank returns the whole velocity."""
+    from h3_core.models.dit import DiTConfig, H3DiT
+    from h3_core.pipeline.packing import Reference, pack_ref2va, pack_sequence
+
+    cfg = DiTConfig(
+        hidden=24, layers=2, heads=heads_total, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12,
+        time_embed=10, rope_freqs=2,
+    )  # fmt: skip
+    torch.manual_seed(6)
+    model = H3DiT(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        model.rope.inv_freq.copy_(1 / (10000 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)))
+    text = torch.ones(4, dtype=torch.long)
+    layouts = {
+        "T2VA": pack_sequence(text, 3, 2, 4, 3),
+        "FL2VA": pack_sequence(text, 3, 2, 4, 3, keyframes=("first", "last")),
+        "Ref2VA": pack_ref2va(text, [Reference("image", 0, 2, 4), Reference("video", 2, 2, 2, 2)], 2, 2, 4, 3),
+    }
+    g = torch.Generator().manual_seed(8)
+    for name, packed in layouts.items():
+        T = packed.positions.shape[0]
+        args = (
+            torch.randn(packed.video_index.numel(), 96, generator=g, dtype=torch.float64),
+            torch.randn(packed.audio_index.numel(), 32, generator=g, dtype=torch.float64),
+            torch.randn(4, 20, generator=g, dtype=torch.float64),
+            torch.tensor([0.3, 0.999], dtype=torch.float64),
+            torch.arange(T) % 2,
+            packed.tags,
+            packed.positions,
+            packed.video_index,
+            packed.audio_index,
+            packed.text_index,
+        )
+        with torch.no_grad():
+            whole = model(*args)
+            part = model(*args, hybrid=SequenceShards.of(T, heads_total))
+        for a, b in zip(part, whole):
+            err = float((a - b).abs().max() / b.abs().max())
+            assert a.shape == b.shape and err <= 1e-12, (rank, name, err)
 
 
 def _decode_check(rank, world):
