@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from . import branch_fused
 from .branch_math import EPS, featurize, frame_statistics, solve, solve_shifted
 
-__all__ = ["LinearBranch", "TEXT_STATE_SCALE"]
+__all__ = ["LinearBranch", "TEXT_STATE_SCALE", "RowInputs", "GivenRowInputs"]
 
 TEXT_STATE_SCALE = 0.5
 
@@ -73,6 +73,46 @@ class _ShortConv(nn.Module):
         self.v_tm = nn.Conv1d(channels, channels, size, padding=size // 2, groups=channels, bias=False)
 
 
+class RowInputs:
+    """What the branch reads from the block's input rows ``x`` ``[F·S, hidden]`` of its video frames, computed
+    from ``x`` when asked (so each is made where the plain forward made it): β's pre-activations of the heads,
+    the frame means for α, and the output gate's pre-activations of their channels."""
+
+    def __init__(self, branch: "LinearBranch", x: torch.Tensor, frames: int):
+        self.branch, self.x, self.frames, self.dtype = branch, x, frames, x.dtype
+
+    def beta_logits(self, heads: slice) -> torch.Tensor:
+        return F.linear(self.x, self.branch.beta_proj.weight[heads])
+
+    def frame_mean(self) -> torch.Tensor:
+        acc = branch_fused.accumulation(self.dtype)
+        return self.x.view(self.frames, -1, self.x.shape[-1]).mean(dim=1, dtype=acc)
+
+    def gate_logits(self, channels: slice) -> torch.Tensor:
+        gate = self.branch.output_gate
+        return F.linear(gate.down(self.x), gate.up.weight[channels], gate.up.bias[channels])
+
+
+class GivenRowInputs(RowInputs):
+    """The same inputs made elsewhere: β's pre-activations ``[F·S, h]`` of the heads, the frame means
+    ``[F, hidden]`` and the output gate's bottleneck rows ``down(x)`` ``[F·S, bottleneck]`` (for rows split
+    among ranks: ``parallel`` gathers them)."""
+
+    def __init__(self, branch, beta_logits: torch.Tensor, frame_mean: torch.Tensor, gate_down: torch.Tensor):
+        self.branch, self._beta, self._mean, self._down = branch, beta_logits, frame_mean, gate_down
+        self.dtype = beta_logits.dtype
+
+    def beta_logits(self, heads: slice) -> torch.Tensor:
+        return self._beta
+
+    def frame_mean(self) -> torch.Tensor:
+        return self._mean
+
+    def gate_logits(self, channels: slice) -> torch.Tensor:
+        up = self.branch.output_gate.up
+        return F.linear(self._down, up.weight[channels], up.bias[channels])
+
+
 class LinearBranch(nn.Module):
     """The branch's weights (named as released, under ``attn.linear_attention``) and its forward."""
 
@@ -90,12 +130,14 @@ class LinearBranch(nn.Module):
     def _heads(self, heads: slice | None) -> slice:
         return slice(0, self.heads) if heads is None else heads
 
-    def text_state(self, text_x, k_raw, v_raw, heads: slice | None = None):
+    def text_state(self, text_x, k_raw, v_raw, heads: slice | None = None, beta_logits=None):
         """0.5 · B_txt (I + A_txt)⁻¹ over all text rows ``[L, ...]`` (no convs), fp32 ``[h, d, d]``, for the
-        ``heads`` whose raw k, v are given (all by default)."""
+        ``heads`` whose raw k, v are given (all by default); ``beta_logits`` ``[L, h]`` in place of ``text_x``'s."""
         heads = self._heads(heads)
         _, k, v = featurize(k_raw[None], k_raw[None], v_raw[None], None)
-        beta = torch.sigmoid(F.linear(text_x, self.beta_proj.weight[heads]))[None]
+        if beta_logits is None:
+            beta_logits = F.linear(text_x, self.beta_proj.weight[heads])
+        beta = torch.sigmoid(beta_logits)[None]
         A, B = frame_statistics(k, v, beta)
         _, J = solve(
             torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device), A, B, branch_fused.small_inverse(self.fused)
@@ -105,7 +147,10 @@ class LinearBranch(nn.Module):
     def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None, heads: slice | None = None):
         """Readout ``[F·S, h·d]`` for video rows ``x`` ``[F·S, hidden]`` and raw q, k, v ``[F·S, h, d]`` of the
         ``heads`` (all by default) over ``F`` frames on a ``grid`` (gh, gw), with per-frame window ``bounds``
-        in these frames' coordinates; ``seed`` is the text state of those heads (zero when None)."""
+        in these frames' coordinates; ``seed`` is the text state of those heads (zero when None). ``x`` may be a
+        ``RowInputs`` (what the branch reads from the rows, made elsewhere) instead."""
+        rows = x if isinstance(x, RowInputs) else RowInputs(self, x, len(bounds))
+        dtype = rows.dtype
         heads = self._heads(heads)
         channels = _channels(heads, self.head_dim)
         frames = len(bounds)
@@ -118,7 +163,7 @@ class LinearBranch(nn.Module):
             conv.v_sp.weight[channels],
             conv.v_tm.weight[channels],
         )
-        beta = torch.sigmoid(F.linear(x, self.beta_proj.weight[heads])).view(frames, S, -1)
+        beta = torch.sigmoid(rows.beta_logits(heads)).view(frames, S, -1)
         if self.fused:
             # √β·k̃ and √β·ṽ come head-major [F, h, S, d]: the statistics are their Gram products.
             k = self._fused_features(k_raw.view(frames, S, -1), weights[0], weights[1], grid, beta, True)
@@ -130,7 +175,7 @@ class LinearBranch(nn.Module):
             shifted = A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
             del A
         del k, v, beta
-        alpha = self.alpha(x.view(frames, S, -1).mean(dim=1, dtype=branch_fused.accumulation(x.dtype)), heads)
+        alpha = self.alpha(rows.frame_mean(), heads)
         T, J = solve_shifted(alpha.to(B.dtype), shifted, B, branch_fused.small_inverse(self.fused))
         del shifted, B  # each [F, h, d, d] fp32: freed as soon as read, so none is held through the readout
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
@@ -140,18 +185,15 @@ class LinearBranch(nn.Module):
         state = branch_fused.gather(self.fused, P, Q, alpha, bounds, seed, q_raw.dtype if self.fused else None)
         del P, Q
         if self.fused:
-            return self._fused_readout(x, q_raw.view(shape), state, channels)
+            logits = rows.gate_logits(channels)
+            return branch_fused.run(self.fused, "readout", q_raw.view(shape), state, self.norm.weight, logits)
         out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)
         del q
-        acc = branch_fused.accumulation(x.dtype)
-        out = F.rms_norm(out.to(acc), (self.head_dim,), self.norm.weight.to(acc), EPS).to(x.dtype)
-        return (out * self.output_gate(x, channels).view(shape)).reshape(frames * S, -1)
+        acc = branch_fused.accumulation(dtype)
+        out = F.rms_norm(out.to(acc), (self.head_dim,), self.norm.weight.to(acc), EPS).to(dtype)
+        return (out * torch.sigmoid(rows.gate_logits(channels)).view(shape)).reshape(frames * S, -1)
 
     def _fused_features(self, raw, spatial, temporal, grid, beta, normalize: bool):
         y = branch_fused.spatial_conv(raw, spatial, grid)
         return branch_fused.run(self.fused, "conv_features", y, temporal, beta.shape[-1], normalize, beta)
 
-    def _fused_readout(self, x, q_raw, state, channels: slice):
-        gate = self.output_gate
-        logits = F.linear(gate.down(x), gate.up.weight[channels], gate.up.bias[channels])
-        return branch_fused.run(self.fused, "readout", q_raw, state, self.norm.weight, logits)
