@@ -28,7 +28,7 @@ from ..parallel.ulysses import SequenceShards, ulysses_attention
 from . import block_fused
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
 from .fp8_linear import Fp8Linear, quantize_input
-from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward
+from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward, hybrid_attention_ulysses
 from .low_memory import add_linear_cols, head_slices, linear_rows
 
 __all__ = [
@@ -188,7 +188,9 @@ class HybridAttention(Attention):
         if ctx is None:
             return super().forward(x, rope)
         if isinstance(ctx, SequenceShards):
-            raise H3InputError("the hybrid attention does not run on row shards yet; run VDN-H3 on one rank")
+            if ctx.inner is None:  # dense attention, as without a context on one rank
+                return super().forward(x, rope, ctx)
+            return hybrid_attention_ulysses(self, x, rope, ctx.inner, ctx)
         return hybrid_attention_forward(self, x, rope, ctx)
 
 
@@ -420,8 +422,9 @@ class H3DiT(nn.Module):
             hybrid: for a VDN-H3 model (``cfg.hybrid``), the window and layout of the sequence; without it the
                 blocks run dense attention (plain H3). A ``parallel.SequenceShards`` instead runs the blocks on
                 this rank's rows (every rank of its group calls this with the same inputs): the embeddings, the
-                text refiner and the AdaLN work replicated, each block on the rank's rows with Ulysses attention,
-                the rows gathered before the final layer, so every rank returns the whole velocity.
+                text refiner and the AdaLN work replicated, each block on the rank's rows with Ulysses attention
+                (the hybrid attention when the shards carry a ``HybridContext`` as ``inner``), the rows gathered
+                before the final layer, so every rank returns the whole velocity.
         Returns:
             The velocity of the video rows ``[Nv, 96]`` and of the audio rows ``[Na, 32]`` (fp32).
         """

@@ -14,15 +14,24 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..attention.layout import SequenceLayout, WindowSpec, is_full_cover, window_bounds
 from ..attention.window import WindowRun, window_softmax
+from ..parallel.exchange import gather_rows, heads_to_rows, rows_to_heads
 from . import block_fused
-from .linear_branch import LinearBranch
+from .linear_branch import GivenRowInputs, LinearBranch
 from .low_memory import add_linear_cols, head_slices
 
-__all__ = ["HybridContext", "SoftmaxGate", "add_hybrid_parts", "hybrid_attention_forward", "branch_stream"]
+__all__ = [
+    "HybridContext",
+    "SoftmaxGate",
+    "add_hybrid_parts",
+    "hybrid_attention_forward",
+    "hybrid_attention_ulysses",
+    "branch_stream",
+]
 
 # The released window: chunk 5 latents, one chunk either side, anchor frames both ways.
 RELEASE_WINDOW = WindowSpec(radius=1, chunk=5, anchors="both")
@@ -115,6 +124,67 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
         readout_total.record_stream(torch.cuda.current_stream(x.device))  # read here, made there
     if readout_total is not None:
         out[r0:r1].add_(readout_total)
+    return out
+
+
+def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch.Tensor:
+    """``hybrid_attention_forward`` with the sequence's rows split among the ranks of ``shards``
+    (``parallel.SequenceShards``): ``x`` and ``rope`` this rank's rows, the result its rows of the output.
+
+    Where the rows are: the projections, q/k norm and RoPE, the softmax gate, β's pre-activations and the output
+    gate's bottleneck for every head, and each frame's partial sum of the rows. Exchanged: q, k, v (normed and raw)
+    and β to every row of the rank's heads (``rows_to_heads``), the bottleneck rows gathered, the frame sums added
+    up. Per head, on whole sequences: the window softmax and the linear branch with its text state. Back to the rows
+    (``heads_to_rows``): the softmax output, gated and through ``out_proj`` there, and the branch's readout, through
+    ``to_out_linear`` there. All heads at once (``head_groups`` is one rank's low-memory form)."""
+    rows, heads, group = list(shards.rows), list(shards.heads), shards.group
+    mine = heads[dist.get_rank(group)]
+    start, stop = rows[dist.get_rank(group)]
+    T, d = rows[-1][1], attn.head_dim
+    layout, window = ctx.layout, ctx.window
+    bounds = window_bounds(layout.num_frames, window.radius, window.chunk)
+    (r0, r1), inner = _branch_rows(ctx, bounds)
+    branch_on = not is_full_cover(bounds, layout.num_frames) and bool(inner)
+    branch: LinearBranch = attn.linear_attention
+
+    def to_heads(t):
+        return rows_to_heads(t, rows, heads, group)
+
+    gate = attn.softmax_gate(x)  # [t_r, H]
+    q_raw, k_raw, v = attn.project(x)
+    q, k = attn.normed_rotated(q_raw, k_raw, rope)
+    v = to_heads(v)
+    soft = window_softmax(to_heads(q), to_heads(k), v, layout, window, backend=ctx.backend, on_run=ctx.on_window_run)
+    del q, k
+    soft = heads_to_rows(soft, rows, heads, group)
+    quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
+    attended = block_fused.gate_heads_input(attn.fused, soft, gate, quantized)
+    out = add_linear_cols(None, attn.out_proj, attended, 0, attn.heads * d)
+    del soft
+    if not branch_on:
+        return out
+    q_raw, k_raw = to_heads(q_raw), to_heads(k_raw)
+    beta = to_heads(torch.nn.functional.linear(x, branch.beta_proj.weight)[..., None])[..., 0]  # [T, h_r]
+    down = gather_rows(branch.output_gate.down(x), rows, group)
+    S, frames = layout.tokens_per_frame, len(inner)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    sums = torch.zeros(frames, x.shape[-1], dtype=acc, device=x.device)
+    a, b = max(start, r0), min(stop, r1)
+    if b > a:
+        frame_of = torch.arange(a, b, device=x.device) - r0
+        sums.index_add_(0, frame_of // S, x[a - start : b - start].to(acc))
+    dist.all_reduce(sums, group=group)
+    t0, t1 = ctx.text
+    seed = branch.text_state(None, k_raw[t0:t1], v[t0:t1], mine, beta[t0:t1]) if t1 > t0 else None
+    given = GivenRowInputs(branch, beta[r0:r1], sums / S, down[r0:r1])
+    grid = (layout.frame_h, layout.frame_w)
+    readout = branch(given, q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, mine)
+    del q_raw, k_raw, v
+    placed = readout.new_zeros(T, mine.stop - mine.start, d)
+    placed[r0:r1] = readout.view(r1 - r0, -1, d).to(x.dtype)
+    back = heads_to_rows(placed, rows, heads, group)
+    if b > a:
+        out[a - start : b - start].add_(attn.to_out_linear(back[a - start : b - start].reshape(b - a, -1)))
     return out
 
 

@@ -196,4 +196,3 @@ class LinearBranch(nn.Module):
     def _fused_features(self, raw, spatial, temporal, grid, beta, normalize: bool):
         y = branch_fused.spatial_conv(raw, spatial, grid)
         return branch_fused.run(self.fused, "conv_features", y, temporal, beta.shape[-1], normalize, beta)
-

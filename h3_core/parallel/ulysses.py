@@ -24,12 +24,13 @@ class SequenceShards:
     rows: tuple[tuple[int, int], ...]
     heads: tuple[slice, ...]
     group: object = None
+    inner: object = None  # the attention context one rank would have had (a VDN-H3 model's ``HybridContext``)
 
     @classmethod
-    def of(cls, rows: int, heads: int, group=None) -> "SequenceShards":
+    def of(cls, rows: int, heads: int, group=None, inner=None) -> "SequenceShards":
         """``rows`` rows and ``heads`` heads shared among the ranks of ``group`` (``sharding``)."""
         ranks = dist.get_world_size(group)
-        return cls(tuple(row_shards(rows, ranks)), tuple(head_ranges(balanced_splits(heads, ranks))), group)
+        return cls(tuple(row_shards(rows, ranks)), tuple(head_ranges(balanced_splits(heads, ranks))), group, inner)
 
     @property
     def mine(self) -> slice:

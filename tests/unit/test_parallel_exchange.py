@@ -2,7 +2,8 @@
 backend. The row↔head all-to-all against slicing one tensor all ranks build alike — uneven rows (a remainder, an
 empty last shard) and uneven heads included —, an H3 attention, a whole dense DiT block and a whole dense DiT
 evaluation (T2VA, FL2VA and Ref2VA layouts) run on row shards against the single process's forward of the same
-module in fp64, and the video decoder's tile batches shared among the ranks against the one-rank decode."""
+module in fp64 — dense H3 and VDN-H3 (its window softmax and linear branch on whole sequences of a rank's heads) —,
+and the video decoder's tile batches shared among the ranks against the one-rank decode."""
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ def _worker(rank, world, store, rows_total, heads_total):
         _attention_check(rank, world, heads_total)
         _block_check(rank, world, heads_total)
         _model_check(rank, world, heads_total)
+        _model_check(rank, world, heads_total, hybrid=True)
         _decode_check(rank, world)
     finally:
         dist.destroy_process_group()
@@ -102,16 +104,19 @@ def _block_check(rank, world, heads_total):
     assert err <= 1e-12, (rank, err)
 
 
-def _model_check(rank, world, heads_total):
-    """A whole dense DiT evaluation with its blocks on row shards (``hybrid=SequenceShards``) against the single
+def _model_check(rank, world, heads_total, hybrid=False):
+    """A whole DiT evaluation with its blocks on row shards (``hybrid=SequenceShards``) against the single
     process's, for the T2VA, FL2VA (a first and a last keyframe) and Ref2VA (an image and a video reference with
-    its soundtrack) layouts: every rank returns the whole velocity."""
+    its soundtrack) layouts: every rank returns the whole velocity. ``hybrid``: VDN-H3, its window softmax and
+    linear branch (text state included) on whole sequences of the rank's heads."""
+    from h3_core.attention import WindowSpec
     from h3_core.models.dit import DiTConfig, H3DiT
+    from h3_core.models.hybrid import HybridContext
     from h3_core.pipeline.packing import Reference, pack_ref2va, pack_sequence
 
     cfg = DiTConfig(
         hidden=24, layers=2, heads=heads_total, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12,
-        time_embed=10, rope_freqs=2,
+        time_embed=10, rope_freqs=2, hybrid=hybrid,
     )  # fmt: skip
     torch.manual_seed(6)
     model = H3DiT(cfg).double().eval()
@@ -120,10 +125,11 @@ def _model_check(rank, world, heads_total):
             p.normal_(0, 0.3)
         model.rope.inv_freq.copy_(1 / (10000 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)))
     text = torch.ones(4, dtype=torch.long)
+    frames = 9 if hybrid else 3  # the window (1 chunk of 2 either side) leaves frames to the branch
     layouts = {
-        "T2VA": pack_sequence(text, 3, 2, 4, 3),
-        "FL2VA": pack_sequence(text, 3, 2, 4, 3, keyframes=("first", "last")),
-        "Ref2VA": pack_ref2va(text, [Reference("image", 0, 2, 4), Reference("video", 2, 2, 2, 2)], 2, 2, 4, 3),
+        "T2VA": pack_sequence(text, frames, 2, 4, 3),
+        "FL2VA": pack_sequence(text, frames, 2, 4, 3, keyframes=("first", "last")),
+        "Ref2VA": pack_ref2va(text, [Reference("image", 0, 2, 4), Reference("video", 2, 2, 2, 2)], frames, 2, 4, 3),
     }
     g = torch.Generator().manual_seed(8)
     for name, packed in layouts.items():
@@ -140,9 +146,10 @@ def _model_check(rank, world, heads_total):
             packed.audio_index,
             packed.text_index,
         )
+        ctx = HybridContext(packed.layout, WindowSpec(1, 2, "both"), "ref", (0, 4)) if hybrid else None
         with torch.no_grad():
-            whole = model(*args)
-            part = model(*args, hybrid=SequenceShards.of(T, heads_total))
+            whole = model(*args, hybrid=ctx)
+            part = model(*args, hybrid=SequenceShards.of(T, heads_total, inner=ctx))
         for a, b in zip(part, whole):
             err = float((a - b).abs().max() / b.abs().max())
             assert a.shape == b.shape and err <= 1e-12, (rank, name, err)
