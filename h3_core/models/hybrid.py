@@ -19,8 +19,8 @@ import torch.nn as nn
 
 from ..attention.layout import SequenceLayout, WindowSpec, is_full_cover, window_bounds
 from ..attention.window import WindowRun, window_softmax
-from ..parallel.exchange import gather_rows, heads_to_rows, rows_to_heads
-from . import block_fused
+from ..parallel.exchange import exchange_blocks, gather_rows, heads_to_rows, rows_to_heads
+from . import block_fused, branch_fused
 from .linear_branch import GivenRowInputs, LinearBranch
 from .low_memory import add_linear_cols, head_slices
 
@@ -146,6 +146,8 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
     (r0, r1), inner = _branch_rows(ctx, bounds)
     branch_on = not is_full_cover(bounds, layout.num_frames) and bool(inner)
     branch: LinearBranch = attn.linear_attention
+    if shards.softmax_ranks and branch_on:
+        return _branch_split(attn, x, rope, ctx, shards, (r0, r1), inner)
 
     def to_heads(t):
         return rows_to_heads(t, rows, heads, group)
@@ -167,13 +169,8 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
     beta = to_heads(torch.nn.functional.linear(x, branch.beta_proj.weight)[..., None])[..., 0]  # [T, h_r]
     down = gather_rows(branch.output_gate.down(x), rows, group)
     S, frames = layout.tokens_per_frame, len(inner)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    sums = torch.zeros(frames, x.shape[-1], dtype=acc, device=x.device)
+    sums = _frame_sums(x, (start, stop), (r0, r1), S, frames, group)
     a, b = max(start, r0), min(stop, r1)
-    if b > a:
-        frame_of = torch.arange(a, b, device=x.device) - r0
-        sums.index_add_(0, frame_of // S, x[a - start : b - start].to(acc))
-    dist.all_reduce(sums, group=group)
     t0, t1 = ctx.text
     seed = branch.text_state(None, k_raw[t0:t1], v[t0:t1], mine, beta[t0:t1]) if t1 > t0 else None
     given = GivenRowInputs(branch, beta[r0:r1], sums / S, down[r0:r1])
@@ -185,6 +182,86 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
     back = heads_to_rows(placed, rows, heads, group)
     if b > a:
         out[a - start : b - start].add_(attn.to_out_linear(back[a - start : b - start].reshape(b - a, -1)))
+    return out
+
+
+def _frame_sums(x, mine, branch_rows, S, frames, group) -> torch.Tensor:
+    """Each branch frame's sum of the rows ``x`` (this rank's ``mine`` = ``[start, stop)``), added up over the
+    ranks: ``[frames, hidden]`` in the accumulation dtype, every rank the same."""
+    (start, stop), (r0, r1) = mine, branch_rows
+    sums = torch.zeros(frames, x.shape[-1], dtype=branch_fused.accumulation(x.dtype), device=x.device)
+    a, b = max(start, r0), min(stop, r1)
+    if b > a:
+        frame_of = torch.arange(a, b, device=x.device) - r0
+        sums.index_add_(0, frame_of // S, x[a - start : b - start].to(sums.dtype))
+    dist.all_reduce(sums, group=group)
+    return sums
+
+
+def _branch_split(attn, x, rope, ctx: HybridContext, shards, branch_rows, inner) -> torch.Tensor:
+    """The hybrid attention under VDN-H3's branch split: the first ``shards.softmax_ranks`` ranks run the window
+    softmax of their ``softmax_heads``, the others the linear branch of their ``branch_heads``. Every rank owns rows:
+    it projects them once and sends, in one uneven all-to-all, q, k (normed, rotated) and v of each softmax rank's
+    heads to it, and raw q, k, v, β's pre-activations and the output gate's bottleneck of each branch rank's heads to
+    that one; the frame sums are added up over all ranks; a reverse all-to-all returns both branches' heads to the
+    row owners, which gate and project the softmax's and project the branch's."""
+    rows, group = list(shards.rows), shards.group
+    rank, n, d = dist.get_rank(group), shards.softmax_ranks, attn.head_dim
+    start, stop = rows[rank]
+    t_me = stop - start
+    (r0, r1), layout, branch = branch_rows, ctx.layout, attn.linear_attention
+    heads_of = list(shards.softmax_heads) + list(shards.branch_heads)  # rank r's heads, by its role
+    width = branch.output_gate.down.out_features
+
+    gate = attn.softmax_gate(x)
+    q_raw, k_raw, v = attn.project(x)
+    q, k = attn.normed_rotated(q_raw, k_raw, rope)
+    beta = torch.nn.functional.linear(x, branch.beta_proj.weight)
+    down = branch.output_gate.down(x)
+    sums = _frame_sums(x, (start, stop), (r0, r1), layout.tokens_per_frame, len(inner), group)
+    sends = []
+    for r, h in enumerate(heads_of):
+        if r < n:
+            sends.append(torch.stack([q[:, h], k[:, h], v[:, h]], 1))
+        else:
+            raw = [t[:, h].reshape(t_me, -1) for t in (q_raw, k_raw, v)]
+            sends.append(torch.cat([*raw, beta[:, h], down], 1))
+    del q, k, q_raw, k_raw
+    h = heads_of[rank]
+    count = h.stop - h.start
+    shape = (3, count, d) if rank < n else (3 * count * d + count + width,)
+    got = torch.cat(exchange_blocks(sends, [(b - a, *shape) for a, b in rows], group))
+    del sends
+    T = rows[-1][1]
+    if rank < n:
+        mine = window_softmax(
+            *(got[:, i].contiguous() for i in range(3)),
+            layout,
+            ctx.window,
+            backend=ctx.backend,
+            on_run=ctx.on_window_run,
+        )
+    else:
+        qh, kh, vh = (got[:, i * count * d : (i + 1) * count * d].reshape(T, count, d) for i in range(3))
+        beta_h, down_all = got[:, 3 * count * d : 3 * count * d + count], got[:, 3 * count * d + count :]
+        t0, t1 = ctx.text
+        seed = branch.text_state(None, kh[t0:t1], vh[t0:t1], h, beta_h[t0:t1]) if t1 > t0 else None
+        given = GivenRowInputs(branch, beta_h[r0:r1], sums / layout.tokens_per_frame, down_all[r0:r1])
+        grid = (layout.frame_h, layout.frame_w)
+        readout = branch(given, qh[r0:r1], kh[r0:r1], vh[r0:r1], grid, inner, seed, h)
+        mine = readout.new_zeros(T, count, d)
+        mine[r0:r1] = readout.view(r1 - r0, count, d).to(x.dtype)
+    del got
+    back = exchange_blocks(
+        [mine[a:b].contiguous() for a, b in rows], [(t_me, s.stop - s.start, d) for s in heads_of], group
+    )
+    soft, readout = torch.cat(back[:n], 1), torch.cat(back[n:], 1)
+    quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
+    attended = block_fused.gate_heads_input(attn.fused, soft, gate, quantized)
+    out = add_linear_cols(None, attn.out_proj, attended, 0, attn.heads * d)
+    a, b = max(start, r0), min(stop, r1)
+    if b > a:
+        out[a - start : b - start].add_(attn.to_out_linear(readout[a - start : b - start].reshape(b - a, -1)))
     return out
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["rows_to_heads", "heads_to_rows", "gather_rows"]
+__all__ = ["rows_to_heads", "heads_to_rows", "gather_rows", "exchange_blocks"]
 
 
-def _exchange(send_blocks: list[torch.Tensor], receive_shapes: list[tuple], group) -> list[torch.Tensor]:
-    """Each rank sends ``send_blocks[r]`` to rank r and receives a block of ``receive_shapes[r]`` from it."""
+def exchange_blocks(send_blocks: list[torch.Tensor], receive_shapes: list[tuple], group=None) -> list[torch.Tensor]:
+    """Each rank sends ``send_blocks[r]`` to rank r and receives a block of ``receive_shapes[r]`` from it, in one
+    ``all_to_all_single`` (blocks of any shape, empty ones included; all of one dtype)."""
     send = torch.cat([b.reshape(-1) for b in send_blocks])
     sizes_out = [b.numel() for b in send_blocks]
     sizes_in = [int(torch.Size(s).numel()) for s in receive_shapes]
@@ -26,7 +27,7 @@ def rows_to_heads(local: torch.Tensor, rows: list[tuple[int, int]], heads: list[
     mine = heads[rank]
     blocks = [local[:, h].contiguous() for h in heads]
     shapes = [(stop - start, mine.stop - mine.start, local.shape[2]) for start, stop in rows]
-    return torch.cat(_exchange(blocks, shapes, group))
+    return torch.cat(exchange_blocks(blocks, shapes, group))
 
 
 def heads_to_rows(local: torch.Tensor, rows: list[tuple[int, int]], heads: list[slice], group=None) -> torch.Tensor:
@@ -35,7 +36,7 @@ def heads_to_rows(local: torch.Tensor, rows: list[tuple[int, int]], heads: list[
     start, stop = rows[rank]
     blocks = [local[a:b].contiguous() for a, b in rows]
     shapes = [(stop - start, h.stop - h.start, local.shape[2]) for h in heads]
-    return torch.cat(_exchange(blocks, shapes, group), dim=1)
+    return torch.cat(exchange_blocks(blocks, shapes, group), dim=1)
 
 
 def gather_rows(local: torch.Tensor, rows: list[tuple[int, int]], group=None) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention import dense_attention
+from ..errors import H3InputError
 from .exchange import heads_to_rows, rows_to_heads
 from .sharding import balanced_splits, head_ranges, row_shards
 
@@ -25,12 +26,33 @@ class SequenceShards:
     heads: tuple[slice, ...]
     group: object = None
     inner: object = None  # the attention context one rank would have had (a VDN-H3 model's ``HybridContext``)
+    # VDN-H3's branch split: the first ``softmax_ranks`` ranks run the window softmax of ``softmax_heads`` (one range
+    # each), the others the linear branch of ``branch_heads``; 0 is plain Ulysses (``heads`` for both)
+    softmax_ranks: int = 0
+    softmax_heads: tuple[slice, ...] = ()
+    branch_heads: tuple[slice, ...] = ()
 
     @classmethod
-    def of(cls, rows: int, heads: int, group=None, inner=None) -> "SequenceShards":
-        """``rows`` rows and ``heads`` heads shared among the ranks of ``group`` (``sharding``)."""
+    def of(cls, rows: int, heads: int, group=None, inner=None, softmax_ranks: int = 0) -> "SequenceShards":
+        """``rows`` rows and ``heads`` heads shared among the ranks of ``group`` (``sharding``); with
+        ``softmax_ranks`` = n (1 to ranks − 1), the branch split: the heads' softmax shared by the first n ranks,
+        their linear branch by the others (6 + 2 on 8 ranks: 10, 10, 9, 9, 9, 9 | 28, 28)."""
         ranks = dist.get_world_size(group)
-        return cls(tuple(row_shards(rows, ranks)), tuple(head_ranges(balanced_splits(heads, ranks))), group, inner)
+        split = {}
+        if softmax_ranks:
+            if not 0 < softmax_ranks < ranks:
+                raise H3InputError(
+                    f"softmax_ranks: got {softmax_ranks} of {ranks} ranks; allowed: 0 (plain Ulysses) or 1 to "
+                    f"{ranks - 1} (the other ranks run the linear branch)"
+                )
+            split = dict(
+                softmax_ranks=softmax_ranks,
+                softmax_heads=tuple(head_ranges(balanced_splits(heads, softmax_ranks))),
+                branch_heads=tuple(head_ranges(balanced_splits(heads, ranks - softmax_ranks))),
+            )
+        return cls(
+            tuple(row_shards(rows, ranks)), tuple(head_ranges(balanced_splits(heads, ranks))), group, inner, **split
+        )
 
     @property
     def mine(self) -> slice:
