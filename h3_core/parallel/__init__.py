@@ -4,10 +4,11 @@ Ulysses all-to-all exchanges to whole sequences of a rank's heads for attention 
 from .exchange import exchange_blocks, gather_rows, heads_to_rows, rows_to_heads
 from .sharding import balanced_splits, head_ranges, row_shards
 from .spread import spread_in_order
-from .ulysses import SequenceShards, ulysses_attention
+from .ulysses import RankGroup, SequenceShards, ulysses_attention
 
 __all__ = [
     "SequenceShards",
+    "RankGroup",
     "balanced_splits",
     "head_ranges",
     "row_shards",

@@ -13,7 +13,7 @@ from ..errors import H3InputError
 from .exchange import heads_to_rows, rows_to_heads
 from .sharding import balanced_splits, head_ranges, row_shards
 
-__all__ = ["SequenceShards", "ulysses_attention"]
+__all__ = ["SequenceShards", "RankGroup", "ulysses_attention"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,22 @@ class SequenceShards:
         """This rank's rows."""
         start, stop = self.rows[dist.get_rank(self.group)]
         return slice(start, stop)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """The ranks one clip's evaluations run on: the ``torch.distributed`` ``group`` (None: the default group) and
+    VDN-H3's branch split (``softmax_ranks``, 0 for plain Ulysses). Every rank runs the same sampler loop with
+    the same inputs; each evaluation's blocks run on the rank's rows (``SequenceShards``)."""
+
+    group: object = None
+    softmax_ranks: int = 0
+
+    def shards(self, rows: int, heads: int, inner=None) -> SequenceShards:
+        """The shards of a sequence of ``rows`` rows for a model of ``heads`` heads; ``inner`` the one-rank context
+        (a VDN-H3 model's ``HybridContext``, or None for dense attention, which ignores the branch split)."""
+        split = self.softmax_ranks if inner is not None else 0
+        return SequenceShards.of(rows, heads, self.group, inner, split)
 
 
 def ulysses_attention(attn, x: torch.Tensor, rope, rows, heads, group=None) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 from ..attention.layout import WindowSpec
 from ..errors import H3InputError
 from ..models.hybrid import RELEASE_WINDOW, HybridContext
+from ..parallel.ulysses import RankGroup
 from ..triton_forms import check_compile
 from .geometry import audio_latents, check_canvas, check_frames, latent_frames
 from .keyframes import Keyframe
@@ -68,6 +69,7 @@ def generate(
     start: MaskedStart | None = None,
     sigmas: torch.Tensor | None = None,
     solver=None,
+    ranks: RankGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents. ``steps`` counts model evaluations; ``keyframes`` lists, in packed order,
     ``(anchor, latent)`` pairs ("first" / "last", the released FL2VA anchors) and/or ``Keyframe``s (anywhere in
@@ -79,7 +81,8 @@ def generate(
     ``sigmas``: a video σ schedule from outside in place of the released one for ``steps``; ``solver``: an integrator
     in place of the released Euler loop, e.g. one of ComfyUI's samplers (both ``sampler.denoise``).
     For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the window softmax; a plain H3 model
-    ignores them.
+    ignores them. ``ranks``: run every evaluation across the ranks of a ``parallel.RankGroup`` (every rank calls
+    this with the same arguments and returns the same latents); None runs it in this process alone.
     ``before_sampling(packed)`` is called once the request is packed, before the first evaluation (e.g. to fit
     the model to the device for that sequence). ``compile`` (``"auto"`` / ``"off"``): ``"off"`` runs every
     evaluation on the plain path, no ``torch.compile`` and no Triton kernel (``block_fused.evaluate``); give
@@ -128,6 +131,7 @@ def generate(
         start=start,
         sigmas=sigmas,
         solver=solver,
+        ranks=ranks,
     )
 
 
@@ -196,12 +200,13 @@ def generate_ref2va(
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
     sigmas: torch.Tensor | None = None,
     solver=None,
+    ranks: RankGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
     them). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32, as ``generate``.
     ``reference_audio_t``: 1 holds the audio references clean, as released; below 1 mixes them with noise to
     that ``t`` as ComfyUI's native H3 does when asked (``noise.noised_reference_audio``), in (0, 1]. ``noise``:
-    the starting draw, as ``generate``."""
+    the starting draw, ``ranks``: across ranks, as ``generate``."""
     check_compile(compile)
     check_noise(noise)
     if not 0.0 < float(reference_audio_t) <= 1.0:
@@ -237,6 +242,7 @@ def generate_ref2va(
         preview=preview,
         sigmas=sigmas,
         solver=solver,
+        ranks=ranks,
     )
 
 
@@ -272,6 +278,7 @@ def _sample(
     start=None,
     sigmas=None,
     solver=None,
+    ranks=None,
 ):
     """Noise drawn as ``noise`` says, conditioning in front, the denoising loop, the target unpacked."""
     T, h, w, Ta = shape
@@ -292,6 +299,8 @@ def _sample(
     if getattr(getattr(model, "cfg", None), "hybrid", False):
         text = (int(packed.text_index.min()), int(packed.text_index.max()) + 1)
         hybrid = HybridContext(packed.layout, window, backend, text)
+    if ranks is not None:
+        hybrid = ranks.shards(packed.positions.shape[0], model.cfg.heads, hybrid)
     reference_audio = sum(int(rows.shape[0]) for rows in audio_refs)
     if before_sampling is not None:
         before_sampling(packed)

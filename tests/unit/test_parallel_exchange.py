@@ -3,7 +3,7 @@ backend. The row↔head all-to-all against slicing one tensor all ranks build al
 empty last shard) and uneven heads included —, an H3 attention, a whole dense DiT block and a whole dense DiT
 evaluation (T2VA, FL2VA and Ref2VA layouts) run on row shards against the single process's forward of the same
 module in fp64 — dense H3 and VDN-H3 (its window softmax and linear branch on whole sequences of a rank's heads, or
-split between softmax ranks and branch ranks) —,
+split between softmax ranks and branch ranks) — and the sampler's loop across the ranks,
 and the video decoder's tile batches shared among the ranks against the one-rank decode."""
 
 import pytest
@@ -49,6 +49,7 @@ def _worker(rank, world, store, rows_total, heads_total):
         for softmax_ranks in range(max(1, world // 2), world):  # 1 + 1 on 2 ranks; 2 + 2 and 3 + 1 on 4
             _model_check(rank, world, heads_total, hybrid=True, softmax_ranks=softmax_ranks)
         _model_check(rank, world, heads_total, hybrid=True, softmax_ranks=world - 1, dtype=torch.float32)
+        _generate_check(rank, world)
         _decode_check(rank, world)
     finally:
         dist.destroy_process_group()
@@ -161,6 +162,36 @@ def _model_check(rank, world, heads_total, hybrid=False, softmax_ranks=0, dtype=
             err = float((a - b).abs().max() / b.abs().max())
             bound = 1e-12 if dtype == torch.float64 else 1e-5
             assert a.shape == b.shape and err <= bound, (rank, name, softmax_ranks, dtype, err)
+
+
+def _generate_check(rank, world):
+    """The whole sampler loop with every evaluation across the ranks (``generate(..., ranks=RankGroup())``, VDN-H3
+    with the branch on, in fp32) gives every rank the single process's latents, to rounding; so does the branch
+    split."""
+    from h3_core.attention import WindowSpec
+    from h3_core.models.dit import DiTConfig, H3DiT
+    from h3_core.parallel import RankGroup
+    from h3_core.pipeline.generate import generate
+    from h3_core.pipeline.prompt import PromptEmbedding
+
+    cfg = DiTConfig(
+        hidden=32, layers=2, heads=4, head_dim=16, ffn=48, text_dim=20, freq_dim=8, time_hidden=12, time_embed=10,
+        rope_freqs=2, hybrid=True,
+    )  # fmt: skip
+    torch.manual_seed(9)
+    model = H3DiT(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    g = torch.Generator().manual_seed(10)
+    prompt = PromptEmbedding(torch.randn(4, 20, generator=g), torch.ones(4, dtype=torch.long), features=20)
+    options = dict(frames=22, width=64, height=32, steps=2, seed=3, window=WindowSpec(1, 1, "both"), compile="off")
+    alone = generate(model, prompt, **options)
+    for softmax_ranks in (0, world - 1):
+        shared = generate(model, prompt, ranks=RankGroup(softmax_ranks=softmax_ranks), **options)
+        for a, b in zip(shared, alone):
+            err = float((a - b).abs().max() / b.abs().max())
+            assert err <= 1e-5, (rank, softmax_ranks, err)
 
 
 def _decode_check(rank, world):
