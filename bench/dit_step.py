@@ -10,8 +10,14 @@ that order, whatever the order asked: the model is quantised in place for the fi
 lower-memory paths, AdaLN projections in host memory, block streaming), applies the plan and then limits the
 process to the cap (``torch.cuda.set_per_process_memory_fraction``). ``--tiny`` runs a tiny model on the CPU
 (a dry run of the code).
+``--gpus N`` runs every evaluation across N ranks (``h3_core.parallel``: plain Ulysses, or with
+``--softmax-ranks n`` VDN-H3's branch split), one process per rank started here, or by ``torchrun
+--nproc-per-node N`` (then ``--gpus`` is not needed); each rank's seconds, peak and the seconds one evaluation
+spends in the collectives (``ranks.timed_collectives``) are gathered and written by rank 0.
 
     python3 bench/dit_step.py --out results.json
+    python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks compiled --gpus 8 --softmax-ranks 6 \
+        --out multi.json
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # dit_block's helpers, also when this file is loaded from elsewhere
 import dit_block
+import ranks
 import record
 from device_idle import idle_table
 
@@ -49,6 +56,7 @@ from h3_core.models.run_options import (
     fuse_branches,
     run_options_of,
 )
+from h3_core.parallel import SequenceShards
 from h3_core.pipeline.geometry import audio_latents, latent_frames
 from h3_core.pipeline.noise import row_timesteps
 from h3_core.pipeline.packing import pack_sequence
@@ -218,11 +226,22 @@ def main(argv=None) -> dict:
         help="a hybrid block's linear branch on a second CUDA stream beside the window softmax, or serial (the "
         "default); several: each hybrid variant once per choice",
     )
+    parser.add_argument("--gpus", type=int, default=1, help="ranks to run each evaluation across (one per GPU)")
+    parser.add_argument(
+        "--softmax-ranks", type=int, default=0, help="with --gpus: VDN-H3's branch split, n softmax ranks (0: none)"
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a dry run of the code")
     parser.add_argument("--out", type=Path, default=None)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    if args.gpus > 1 and not ranks.launched():
+        if args.cap_gib is not None or args.profile or args.idle or args.first_profile:
+            parser.error("--gpus runs plain timings: leave out --cap-gib, --profile, --idle and --first-profile")
+        ranks.launch(args.gpus, main, argv)
+        return json.loads(args.out.read_text()) if args.out else {}
+    spread = ranks.launched()
+    device = ranks.join(cuda) if spread else torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     if args.cap_gib is not None and len(args.variants) != 1:
         parser.error("--cap-gib plans for one variant at a time: name exactly one with --variants")
@@ -265,6 +284,8 @@ def main(argv=None) -> dict:
         backend = variant.split("-")[-1] if hybrid else None
         runs = []  # what each window softmax ran
         ctx = HybridContext(packed.layout, window, backend, (0, setup["text"]), runs.append) if hybrid else None
+        if spread:
+            ctx = SequenceShards.of(shape.rows, cfg.heads, inner=ctx, softmax_ranks=args.softmax_ranks if hybrid else 0)
         plan = None
         if args.cap_gib is not None:
             plan = plan_for_memory(
@@ -290,7 +311,7 @@ def main(argv=None) -> dict:
             stats = evaluate(model, inputs, ctx, args.reps, cuda, args.first_profile)
             stats["allocated_before_gib"] = before
             if hybrid:
-                stats["window_backend"] = runs[-1].backend
+                stats["window_backend"] = runs[-1].backend if runs else None  # a branch rank runs none
             # Weights counted as loaded: the branch's parameters are on the device in every variant here.
             if plan is not None:
                 predicted = plan.predicted
@@ -305,7 +326,13 @@ def main(argv=None) -> dict:
                     fused=fused,
                     branch_stream=stream == "on",
                 )
-            stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
+            if not spread:  # the memory model is one process's
+                stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
+            else:
+                exchanged = []
+                with torch.no_grad(), ranks.timed_collectives(cuda, exchanged):
+                    model(*inputs, hybrid=ctx)
+                stats["collectives_s"], stats["collectives"] = sum(exchanged), len(exchanged)
             if args.profile:
                 stats["profile_s"] = profile(model, inputs, ctx, cuda)
             if args.idle and cuda:
@@ -313,10 +340,20 @@ def main(argv=None) -> dict:
                     stats["idle"] = idle_table(lambda: model(*inputs, hybrid=ctx), args.idle)
         except torch.OutOfMemoryError as exc:
             stats = dict(error=f"out of memory: {str(exc).splitlines()[0]}", allocated_before_gib=before)
+        if spread:  # every rank's figures, in rank order, on every rank
+            per_rank = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(per_rank, stats)
+            stats = dict(ranks=per_rank, seconds=max(r.get("seconds", float("inf")) for r in per_rank))
         result["variants"][key] = stats
         print(key, json.dumps(stats), flush=True)
         if cuda:
             torch.cuda.empty_cache()
+    if spread:
+        result.update(gpus=torch.distributed.get_world_size(), softmax_ranks=args.softmax_ranks)
+        rank = torch.distributed.get_rank()
+        torch.distributed.destroy_process_group()
+        if rank != 0:
+            return result
     record.write(result, args.out)
     return result
 

@@ -58,6 +58,17 @@ def test_dit_step(tmp_path):
     assert HEADER <= set(result) and {"rows", "variants"} <= set(result)
 
 
+def test_dit_step_across_ranks(tmp_path):
+    """``--gpus 2`` with the branch split: two gloo ranks launched by the script, each rank's seconds and the
+    seconds spent in the collectives written by rank 0."""
+    args = ("--tiny", "--reps", "1", "--variants", "bf16-decomposed", "--gpus", "2", "--softmax-ranks", "1")
+    result = dry_run(tmp_path, "dit_step.py", *args)
+    assert HEADER <= set(result) and result["gpus"] == 2 and result["softmax_ranks"] == 1
+    per_rank = result["variants"]["bf16-decomposed"]["ranks"]
+    assert len(per_rank) == 2 and all(r["finite"] and r["collectives"] > 0 for r in per_rank)
+    assert [r["window_backend"] for r in per_rank] == ["decomposed", None]  # the second rank runs the branch
+
+
 def test_block_memory(tmp_path):
     result = dry_run(tmp_path, "block_memory.py", "--tiny", "--frames", "12", "--variants", "1:0", "2:16")
     assert HEADER <= set(result) and "rows" in result
