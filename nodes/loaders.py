@@ -67,15 +67,17 @@ class H3DiTLoader(io.ComfyNode):
                     tooltip="auto: the attention node's memory policy decides per run; resident: all "
                     "weights on the GPU; stream blocks: blocks from host memory",
                 ),
+                device_input("DiT"),
             ],
             outputs=[H3Model.Output(display_name="model")],
         )
 
     @classmethod
-    def validate_inputs(cls, dit_name=None, linear_branch=None, weight_dtype=None, offload=None):
+    def validate_inputs(cls, dit_name=None, linear_branch=None, weight_dtype=None, offload=None, device=None):
         return verdict(
             lambda: check_choice("weight_dtype", weight_dtype, WEIGHT_DTYPES),
             lambda: check_choice("offload", offload, OFFLOAD_POLICIES),
+            lambda: check_device(device),
             lambda: check_model_file("diffusion_models", dit_name, "dit_name", "dit"),
             lambda: (
                 linear_branch in (None, NONE)
@@ -84,42 +86,44 @@ class H3DiTLoader(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, dit_name, linear_branch, weight_dtype, offload):
+    def fingerprint_inputs(cls, dit_name, linear_branch, weight_dtype, offload, device=_host.DEFAULT_DEVICE):
         return (
             _host.file_version("diffusion_models", dit_name),
             None if linear_branch == NONE else _host.file_version("diffusion_models", linear_branch),
             weight_dtype,
             offload,
+            device,
         )
 
     @classmethod
-    def execute(cls, dit_name, linear_branch, weight_dtype, offload):
+    def execute(cls, dit_name, linear_branch, weight_dtype, offload, device=_host.DEFAULT_DEVICE):
         from .patchers import H3DiTPatcher
 
+        check_device(device)
         base = _host.model_path("diffusion_models", dit_name, "dit_name")
         branch = None if linear_branch == NONE else _host.model_path("diffusion_models", linear_branch, "linear_branch")
         import comfy.model_management as mm
 
         dtype, linears = WEIGHT_DTYPES[weight_dtype]
-        device = _first_device(base, branch, dtype, offload)
+        run_on = _host.chosen_device(device, mm.get_torch_device())
+        first = _first_device(base, branch, dtype, offload, run_on)
         # A quantised file's layers stay comfy-kitchen layers when the device the host will run the model on has
         # the library's kernels for them.
-        model = load_h3_model(
-            base, branch=branch, device=device, dtype=dtype, linears=linears, run_device=mm.get_torch_device()
-        )
-        where = "host memory" if device.type == "cpu" else f"the {device.type.upper()} ({device})"
+        model = load_h3_model(base, branch=branch, device=first, dtype=dtype, linears=linears, run_device=run_on)
+        where = "host memory" if first.type == "cpu" else f"the {first.type.upper()} ({first})"
         _host.say(f"loaded {base.name} into {where}: {_describe(model)}")
-        return io.NodeOutput(H3DiTPatcher.wrap(model, offload, device))
+        return io.NodeOutput(H3DiTPatcher.wrap(model, offload, first, load_device=run_on))
 
 
-def _first_device(base, branch, dtype, offload: str):
-    """Where the DiT is read to, by the host's own rule for diffusion models (``unet_inital_load_device``:
-    straight to the GPU when it has more memory free than the host and the weights fit, else host memory),
-    the weights counted as the host counts them (values × the dtype's size). With blocks streamed always host
-    memory, where they stream from."""
+def _first_device(base, branch, dtype, offload: str, run_on: torch.device):
+    """Where the DiT is read to: for the host's own device, by the host's rule for diffusion models
+    (``unet_inital_load_device``: straight to the GPU when it has more memory free than the host and the weights
+    fit, else host memory), the weights counted as the host counts them (values × the dtype's size); for another
+    device chosen on the loader, host memory, from where the host's model management loads it there. With blocks
+    streamed always host memory, where they stream from."""
     import comfy.model_management as mm
 
-    if offload == "stream blocks":
+    if offload == "stream blocks" or run_on != torch.device(mm.get_torch_device()):
         return torch.device("cpu")
     parameters = sum(CheckpointFiles(p).parameters for p in (base, branch) if p is not None)
     return torch.device(mm.unet_inital_load_device(parameters, dtype))

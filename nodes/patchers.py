@@ -67,10 +67,12 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
     """The host's ModelPatcher for the DiT, with loading and unloading that place it per run."""
 
     @classmethod
-    def wrap(cls, model: torch.nn.Module, offload: str, device=None) -> "H3DiTPatcher":
-        """The patcher around ``model``, whose weights are on ``device`` (default: the host's offload device)."""
+    def wrap(cls, model: torch.nn.Module, offload: str, device=None, load_device=None) -> "H3DiTPatcher":
+        """The patcher around ``model``, whose weights are on ``device`` (default: the host's offload device), run
+        on ``load_device`` (default: the host's device for diffusion models)."""
         model.device = torch.device(device) if device is not None else mm.unet_offload_device()
-        patcher = cls(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+        run_on = mm.get_torch_device() if load_device is None else torch.device(load_device)
+        patcher = cls(model, load_device=run_on, offload_device=mm.unet_offload_device())
         patcher.attachments["h3_placement"] = _Placement(offload)
         return patcher
 

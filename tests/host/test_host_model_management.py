@@ -181,16 +181,18 @@ def test_two_prompts_queued_back_to_back_share_the_loaded_models(server):
 
 
 def test_each_loader_places_its_model_on_the_device_chosen_and_refuses_one_there_is_not(server):
-    """A device per model: the VAEs and the text encoder on the device their loader names (here the CPU, which
-    the host would give them anyway on this machine: the choice reaches the host's model management, which lists
-    each where it was asked), and a device this process does not have refused at validation, by name."""
+    """A device per model: the DiT, the VAEs and the text encoder on the device their loader names (here the CPU,
+    which the host would give them anyway on this machine: the choice reaches the host's model management, which
+    lists each where it was asked), and a device this process does not have refused at validation, by name."""
     prompt = with_listing(generation(length=22, prefix="H3/device_per_model"))
-    for node in ("2", "3", "4"):
+    for node in ("1", "2", "3", "4"):
         prompt[node]["inputs"]["device"] = "cpu"
     listed = listing(run(server, prompt))
     devices = {m["model"]: m["device"] for m in listed}
     assert devices["VideoVAE"] == devices["AudioVAE"] == devices["_EncoderModule"] == "cpu"
-    prompt["2"]["inputs"]["device"] = "cuda:7"
-    answer = server.queue(prompt)
-    assert "prompt_id" not in answer
-    assert "device" in str(answer["node_errors"]) and "cuda:7" in str(answer["node_errors"])
+    assert devices.get("H3DiT", "cpu") == "cpu"  # listed while loaded; the decodes may have asked it off
+    for node in ("1", "2"):
+        bad = dict(prompt, **{node: {**prompt[node], "inputs": {**prompt[node]["inputs"], "device": "cuda:7"}}})
+        answer = server.queue(bad)
+        assert "prompt_id" not in answer
+        assert "device" in str(answer["node_errors"]) and "cuda:7" in str(answer["node_errors"]), node
