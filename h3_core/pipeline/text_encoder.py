@@ -21,8 +21,9 @@ them with its multimodal RoPE from the per-token modality ids.
 
 Placement: loading puts the weights in host memory (memory-mapped where the file's dtype is the one asked
 for). Each encode runs on ``device`` with the model either resident there or with its decoder layers
-streamed: they stay in host memory and each visits the device for its own forward only, the same numbers
-as the resident model. ``resident_bytes`` and ``streamed_bytes`` say what either needs on the device;
+streamed: they stay in host memory (page-locked on a GPU) and each visits the device for its own forward
+only, as copies its tensors point to until it leaves (nothing is copied back), the same numbers as the
+resident model. ``resident_bytes`` and ``streamed_bytes`` say what either needs on the device;
 ``place`` and ``to_host`` let a caller decide per run; otherwise the first encode decides by ``offload``. A kept
 comfy-kitchen layer counts at its stored size (codes and scales).
 """
@@ -90,6 +91,59 @@ def move_module(module: nn.Module, device) -> nn.Module:
         return module.to(device)
 
 
+def _own_tensors(module: nn.Module):
+    """(owner, store, name) of every parameter and buffer of ``module`` and its children."""
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, tensor in store.items():
+                if tensor is not None:
+                    yield sub, store, name
+
+
+def _plain(module: nn.Module) -> bool:
+    return all(type(store[name].data) is torch.Tensor for _, store, name in _own_tensors(module))
+
+
+def pin_module(module: nn.Module) -> bool:
+    """Put ``module``'s host tensors in page-locked memory, so a layer's visit to the GPU copies without the
+    driver's bounce buffers; a module holding tensor subclasses (comfy-kitchen weights) is left as it is, and so
+    is one the host cannot pin (too little memory to lock). Returns whether it was pinned."""
+    if not _plain(module):
+        return False
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            for _, store, name in _own_tensors(module):
+                tensor = store[name]
+                if tensor.device.type == "cpu" and not tensor.is_pinned():
+                    tensor.data = tensor.data.pin_memory()
+    except RuntimeError:  # cudaHostAlloc refused: the copies stay pageable
+        return False
+    return True
+
+
+def visit(module: nn.Module, device) -> list | None:
+    """Point ``module``'s tensors at copies on ``device`` for one forward, keeping their host tensors: the list
+    ``go_home`` points them back with (no copy back: the forward does not change them). A module holding tensor
+    subclasses is moved whole instead (``move_module``) and None returned."""
+    if not _plain(module):
+        move_module(module, device)
+        return None
+    home = []
+    with torch.inference_mode(False), torch.no_grad():
+        for _, store, name in _own_tensors(module):
+            tensor = store[name]
+            home.append((store, name, tensor.data))
+            tensor.data = tensor.data.to(device, non_blocking=tensor.data.is_pinned())
+    return home
+
+
+def go_home(home: list) -> None:
+    """Point a visiting module's tensors back at their host tensors (``visit``'s list)."""
+    with torch.inference_mode(False), torch.no_grad():
+        for store, name, data in home:
+            store[name].data = data
+
+
 def _nbytes(tensors) -> int:
     return sum(stored_bytes(t) for t in tensors)
 
@@ -124,6 +178,7 @@ class TextEncoder:
         self._processor_source, self._processors = processors, None
         self.streamed: bool | None = None  # how the model was last placed; None until then
         self.layer_visits = 0
+        self._homes: dict = {}  # a visiting layer's host tensors (``visit``), until it leaves
         # a quantised file's weights (file keys) kept as comfy-kitchen layers or dequantised, and the line logged
         self.kept_layers: tuple[str, ...] = ()
         self.dequantised_layers: tuple[str, ...] = ()
@@ -166,6 +221,8 @@ class TextEncoder:
             self.device = torch.device(device)
         if stream:
             move_module(self.language_model.layers, _HOST)
+            if self.device.type == "cuda":
+                pin_module(self.language_model.layers)
             for name, child in self.language_model.named_children():
                 if name != "layers":
                     move_module(child, self.device)
@@ -196,11 +253,15 @@ class TextEncoder:
     def _arrive(self, module, args, kwargs):
         if self.streamed:
             self.layer_visits += 1
-            move_module(module, self.device)
+            self._homes[module] = visit(module, self.device)
 
     def _leave(self, module, args, kwargs, output):
         if self.streamed:
-            move_module(module, _HOST)
+            home = self._homes.pop(module, None)
+            if home is None:
+                move_module(module, _HOST)
+            else:
+                go_home(home)
 
     @torch.inference_mode()
     def encode(self, prompt: str, *, keyframes=(), references: tuple[PresentedReference, ...] = ()) -> PromptEmbedding:

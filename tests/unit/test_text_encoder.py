@@ -132,7 +132,12 @@ def test_streamed_to_cuda_keeps_the_weights_at_home(folder):
     got = streamed.encode("a fox runs through snow")
     want = host.encode("a fox runs through snow")
     assert torch.allclose(got.embeds, want.embeds, atol=1e-5, rtol=1e-4)
-    assert all(p.device.type == "cpu" for p in streamed.language_model.layers.parameters())
+    layers = list(streamed.language_model.layers.parameters())
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in layers)  # copied from page-locked memory
+    homes = [p.data_ptr() for p in layers]
+    again = streamed.encode("a fox runs through snow")
+    assert torch.equal(again.embeds, got.embeds)
+    assert [p.data_ptr() for p in layers] == homes  # pointed back home after each visit, never copied back
 
 
 def test_weights_moved_in_inference_mode_become_ordinary_tensors_again():
