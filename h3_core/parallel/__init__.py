@@ -5,6 +5,7 @@ from .exchange import exchange_blocks, gather_rows, heads_to_rows, rows_to_heads
 from .sharding import balanced_splits, head_ranges, row_shards
 from .spread import spread_in_order
 from .ulysses import RankGroup, SequenceShards, ulysses_attention
+from .workers import RankWorkers, RanksCancelled, shared_cancel
 
 __all__ = [
     "SequenceShards",
@@ -18,4 +19,7 @@ __all__ = [
     "exchange_blocks",
     "ulysses_attention",
     "spread_in_order",
+    "RankWorkers",
+    "RanksCancelled",
+    "shared_cancel",
 ]

@@ -1,0 +1,206 @@
+"""Worker processes for the ranks beyond this one: ``RankWorkers(n)`` starts n processes (``torch.multiprocessing``,
+spawned), joins them with this process in one ``torch.distributed`` group (this process rank 0; NCCL with a GPU
+each, gloo on the CPU) and runs jobs on every rank at once: ``run(job)`` hands ``job`` to the workers and runs it
+here, each rank calling ``job(rank, device, state)`` (``state``: the worker's own dict, kept between jobs, e.g.
+its copy of the weights). A job raising on a worker is reported to rank 0, whose ``run`` raises it.
+
+Stopping: ``close()`` asks the workers to leave, waits, terminates any that do not, and leaves the group; a worker
+whose parent process is gone exits by itself (a watchdog), so none outlives the process that started it. A cancel
+reaches every rank through ``shared_cancel``: the check each rank calls between steps of a job."""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..errors import H3InputError
+
+__all__ = ["RankWorkers", "RanksCancelled", "shared_cancel"]
+
+_LEAVE = "leave"
+
+
+class RanksCancelled(InterruptedError):
+    """Another rank of the group was cancelled: this one stops with it."""
+
+
+def shared_cancel(check_cancel, group=None, device="cpu"):
+    """A cancel check every rank of ``group`` calls at the same points: each runs its own ``check_cancel`` (None on
+    ranks that have none), the outcomes are summed over the ranks (one ``all_reduce`` of a flag on ``device``),
+    and every rank stops when any was cancelled — the rank cancelled with its own exception, the others with
+    ``RanksCancelled``."""
+
+    def check() -> None:
+        raised = None
+        if check_cancel is not None:
+            try:
+                check_cancel()
+            except BaseException as exc:  # the host's interrupt, whatever its type
+                raised = exc
+        flag = torch.tensor([0.0 if raised is None else 1.0], device=device)
+        dist.all_reduce(flag, group=group)
+        if raised is not None:
+            raise raised
+        if flag.item():
+            raise RanksCancelled("another rank of the group was cancelled")
+
+    return check
+
+
+class RankWorkers:
+    """``count`` worker processes, ranks 1..count, beside this process (rank 0), in one process group.
+
+    Args:
+        count: the workers (at least 1).
+        devices: each rank's device, this process's first (default: ``cuda:r`` for rank r where CUDA has that many
+            devices, else the CPU for all).
+        timeout_s: how long a collective may wait for a rank before the group gives up (a rank that died).
+    """
+
+    def __init__(self, count: int, devices: list[str] | None = None, timeout_s: float = 600.0):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise H3InputError(f"workers: got {count!r}; allowed: a count of at least 1 (the ranks beside this one)")
+        world = count + 1
+        if devices is None:
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            devices = [f"cuda:{r}" for r in range(world)] if gpus >= world else ["cpu"] * world
+        if len(devices) != world:
+            raise H3InputError(f"devices: got {len(devices)} for {world} ranks; allowed: one per rank")
+        if dist.is_initialized():
+            raise H3InputError("this process is already in a process group: close the RankWorkers that made it first")
+        self.devices = [torch.device(d) for d in devices]
+        self.backend = "nccl" if self.devices[0].type == "cuda" else "gloo"
+        handle, store = tempfile.mkstemp(prefix="h3_ranks_")
+        os.close(handle)
+        os.unlink(store)  # the group's file store creates it
+        self._store = Path(store)
+        init = f"file://{store}"
+        context = mp.get_context("spawn")
+        self._jobs = [context.SimpleQueue() for _ in range(count)]
+        self._results = context.Queue()
+        self.processes = [
+            context.Process(
+                target=_worker_main,
+                args=(
+                    rank,
+                    world,
+                    init,
+                    self.backend,
+                    str(self.devices[rank]),
+                    timeout_s,
+                    os.getpid(),
+                    jobs,
+                    self._results,
+                ),
+                name=f"h3-rank-{rank}",
+                daemon=True,
+            )
+            for rank, jobs in zip(range(1, world), self._jobs)
+        ]
+        for process in self.processes:
+            process.start()
+        if self.devices[0].type == "cuda":
+            torch.cuda.set_device(self.devices[0])
+        dist.init_process_group(
+            self.backend, init_method=init, rank=0, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+        self.group = dist.group.WORLD
+        self.closed = False
+
+    @property
+    def world(self) -> int:
+        return len(self.processes) + 1
+
+    def run(self, job, state: dict | None = None, settle_s: float = 10.0):
+        """Run ``job(rank, device, state)`` on every rank; returns rank 0's result, raises the first failure. When
+        rank 0 fails and the workers do not report within ``settle_s`` (they wait in a collective rank 0 left),
+        they are closed, and the next run needs new ``RankWorkers``."""
+        if self.closed:
+            raise H3InputError("these ranks were closed: start new RankWorkers")
+        for jobs in self._jobs:
+            jobs.put(job)
+        try:
+            result = job(0, self.devices[0], {} if state is None else state)
+            failed = None
+        except BaseException as exc:
+            failed = exc
+        reports = []
+        for _ in self.processes:
+            try:
+                reports.append(self._results.get(timeout=None if failed is None else settle_s))
+            except queue.Empty:
+                self.close(wait_s=0)
+                break
+        if failed is not None:
+            raise failed
+        for rank, error in sorted(reports):
+            if error is not None:
+                raise RuntimeError(f"rank {rank} failed: {error}")
+        return result
+
+    def close(self, wait_s: float = 30.0) -> None:
+        """Ask the workers to leave, wait up to ``wait_s``, terminate those still running, leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        for jobs, process in zip(self._jobs, self.processes):
+            if process.is_alive():
+                jobs.put(_LEAVE)
+        deadline = time.monotonic() + wait_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store.unlink(missing_ok=True)
+
+    def __enter__(self) -> "RankWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit this worker once the process that started it is gone."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _worker_main(rank, world, init, backend, device, timeout_s, parent, jobs, results) -> None:
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="h3-parent-watch").start()
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+    state: dict = {}
+    try:
+        while (job := jobs.get()) != _LEAVE:
+            try:
+                job(rank, device, state)
+                results.put((rank, None))
+            except BaseException as exc:
+                if isinstance(exc, RanksCancelled):
+                    results.put((rank, None))
+                else:
+                    results.put((rank, "".join(traceback.format_exception_only(type(exc), exc)).strip()))
+    finally:
+        dist.destroy_process_group()
