@@ -5,7 +5,7 @@ from .exchange import exchange_blocks, gather_rows, heads_to_rows, rows_to_heads
 from .sharding import balanced_splits, head_ranges, row_shards
 from .spread import spread_in_order
 from .ulysses import RankGroup, SequenceShards, ulysses_attention
-from .workers import RankWorkers, RanksCancelled, shared_cancel
+from .workers import RanksCancelled, RankWorkers, shared_cancel
 
 __all__ = [
     "SequenceShards",
