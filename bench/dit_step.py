@@ -121,11 +121,7 @@ def request(setup, device):
         torch.randn(setup["text"], cfg.text_dim, generator=g).to(device),
         timesteps.to(device),
         index.to(device),
-        packed.tags.to(device),
-        packed.positions.to(device),
-        packed.video_index.to(device),
-        packed.audio_index.to(device),
-        packed.text_index.to(device),
+        *packed.model_inputs(device),
     )
     return packed, inputs
 

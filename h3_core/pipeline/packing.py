@@ -205,6 +205,13 @@ class PackedSequence:
     layout: SequenceLayout  # for the window softmax: globals = text, keyframes and audio
     condition_audio_rows: int = 0  # keyframe soundtrack rows, first in ``audio_index``
 
+    def model_inputs(self, device) -> tuple[torch.Tensor, ...]:
+        """What a DiT evaluation reads of the layout, in its argument order after the timesteps, on ``device``:
+        tags, positions and the video, audio and text row indices."""
+        return tuple(
+            t.to(device) for t in (self.tags, self.positions, self.video_index, self.audio_index, self.text_index)
+        )
+
 
 def pack_sequence(
     text_tags: torch.Tensor,

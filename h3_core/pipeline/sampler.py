@@ -232,11 +232,7 @@ class _Run:
             self.text_rows,
             timesteps.to(device),
             index.to(device),
-            packed.tags.to(device),
-            packed.positions.to(device),
-            packed.video_index.to(device),
-            packed.audio_index.to(device),
-            packed.text_index.to(device),
+            *packed.model_inputs(device),
             **self.extra,
         )
 
