@@ -140,7 +140,6 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
     rows, heads, group = list(shards.rows), list(shards.heads), shards.group
     mine = heads[dist.get_rank(group)]
     start, stop = rows[dist.get_rank(group)]
-    T, d = rows[-1][1], attn.head_dim
     layout, window = ctx.layout, ctx.window
     bounds = window_bounds(layout.num_frames, window.radius, window.chunk)
     (r0, r1), inner = _branch_rows(ctx, bounds)
@@ -158,30 +157,50 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
     v = to_heads(v)
     soft = window_softmax(to_heads(q), to_heads(k), v, layout, window, backend=ctx.backend, on_run=ctx.on_window_run)
     del q, k
-    soft = heads_to_rows(soft, rows, heads, group)
-    quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
-    attended = block_fused.gate_heads_input(attn.fused, soft, gate, quantized)
-    out = add_linear_cols(None, attn.out_proj, attended, 0, attn.heads * d)
+    out = _softmax_output(attn, heads_to_rows(soft, rows, heads, group), gate)
     del soft
     if not branch_on:
         return out
     q_raw, k_raw = to_heads(q_raw), to_heads(k_raw)
     beta = to_heads(torch.nn.functional.linear(x, branch.beta_proj.weight)[..., None])[..., 0]  # [T, h_r]
     down = gather_rows(branch.output_gate.down(x), rows, group)
-    S, frames = layout.tokens_per_frame, len(inner)
-    sums = _frame_sums(x, (start, stop), (r0, r1), S, frames, group)
-    a, b = max(start, r0), min(stop, r1)
-    t0, t1 = ctx.text
-    seed = branch.text_state(None, k_raw[t0:t1], v[t0:t1], mine, beta[t0:t1]) if t1 > t0 else None
-    given = GivenRowInputs(branch, beta[r0:r1], sums / S, down[r0:r1])
-    grid = (layout.frame_h, layout.frame_w)
-    readout = branch(given, q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, mine)
+    sums = _frame_sums(x, (start, stop), (r0, r1), layout.tokens_per_frame, len(inner), group)
+    placed = _readout_on_heads(branch, ctx, mine, (q_raw, k_raw, v), beta, sums, down, (r0, r1), inner, x.dtype)
     del q_raw, k_raw, v
-    placed = readout.new_zeros(T, mine.stop - mine.start, d)
-    placed[r0:r1] = readout.view(r1 - r0, -1, d).to(x.dtype)
-    back = heads_to_rows(placed, rows, heads, group)
+    return _add_branch_output(attn, out, heads_to_rows(placed, rows, heads, group), (start, stop), (r0, r1))
+
+
+def _readout_on_heads(branch, ctx: HybridContext, heads, qkv_raw, beta, sums, down, branch_rows, inner, dtype):
+    """The linear branch on whole sequences of ``heads``: raw q, k, v ``[T, h, d]`` and β's pre-activations
+    ``[T, h]`` of those heads, the frame sums (``_frame_sums``) and every row's output-gate bottleneck ``[T, b]``;
+    its readout placed in ``[T, h, d]`` rows of ``dtype`` (zero outside the branch's rows), ready to go back to the
+    rows' owners."""
+    q_raw, k_raw, v = qkv_raw
+    (r0, r1), (t0, t1), layout = branch_rows, ctx.text, ctx.layout
+    seed = branch.text_state(None, k_raw[t0:t1], v[t0:t1], heads, beta[t0:t1]) if t1 > t0 else None
+    given = GivenRowInputs(branch, beta[r0:r1], sums / layout.tokens_per_frame, down[r0:r1])
+    grid = (layout.frame_h, layout.frame_w)
+    readout = branch(given, q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
+    placed = readout.new_zeros(q_raw.shape[0], heads.stop - heads.start, q_raw.shape[-1], dtype=dtype)
+    placed[r0:r1] = readout.view(r1 - r0, -1, q_raw.shape[-1])
+    return placed
+
+
+def _softmax_output(attn, soft, gate) -> torch.Tensor:
+    """This rank's rows of the softmax side's output: ``soft`` ``[t_r, H, d]`` back on the rows, gated by ``gate``
+    ``[t_r, H]`` and through ``out_proj``, all heads at once."""
+    quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
+    attended = block_fused.gate_heads_input(attn.fused, soft, gate, quantized)
+    return add_linear_cols(None, attn.out_proj, attended, 0, attn.heads * attn.head_dim)
+
+
+def _add_branch_output(attn, out, readout, mine, branch_rows) -> torch.Tensor:
+    """``out`` (this rank's rows ``mine``) plus the branch's ``readout`` ``[t_r, H, d]`` back on the rows, through
+    ``to_out_linear``, on the rows the branch reads, as one rank adds it."""
+    (start, stop), (r0, r1) = mine, branch_rows
+    a, b = max(start, r0), min(stop, r1)
     if b > a:
-        out[a - start : b - start].add_(attn.to_out_linear(back[a - start : b - start].reshape(b - a, -1)))
+        out[a - start : b - start].add_(attn.to_out_linear(readout[a - start : b - start].reshape(b - a, -1)))
     return out
 
 
@@ -242,27 +261,15 @@ def _branch_split(attn, x, rope, ctx: HybridContext, shards, branch_rows, inner)
             on_run=ctx.on_window_run,
         )
     else:
-        qh, kh, vh = (got[:, i * count * d : (i + 1) * count * d].reshape(T, count, d) for i in range(3))
+        qkv = tuple(got[:, i * count * d : (i + 1) * count * d].reshape(T, count, d) for i in range(3))
         beta_h, down_all = got[:, 3 * count * d : 3 * count * d + count], got[:, 3 * count * d + count :]
-        t0, t1 = ctx.text
-        seed = branch.text_state(None, kh[t0:t1], vh[t0:t1], h, beta_h[t0:t1]) if t1 > t0 else None
-        given = GivenRowInputs(branch, beta_h[r0:r1], sums / layout.tokens_per_frame, down_all[r0:r1])
-        grid = (layout.frame_h, layout.frame_w)
-        readout = branch(given, qh[r0:r1], kh[r0:r1], vh[r0:r1], grid, inner, seed, h)
-        mine = readout.new_zeros(T, count, d)
-        mine[r0:r1] = readout.view(r1 - r0, count, d).to(x.dtype)
+        mine = _readout_on_heads(branch, ctx, h, qkv, beta_h, sums, down_all, (r0, r1), inner, x.dtype)
     del got
     back = exchange_blocks(
         [mine[a:b].contiguous() for a, b in rows], [(t_me, s.stop - s.start, d) for s in heads_of], group
     )
-    soft, readout = torch.cat(back[:n], 1), torch.cat(back[n:], 1)
-    quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
-    attended = block_fused.gate_heads_input(attn.fused, soft, gate, quantized)
-    out = add_linear_cols(None, attn.out_proj, attended, 0, attn.heads * d)
-    a, b = max(start, r0), min(stop, r1)
-    if b > a:
-        out[a - start : b - start].add_(attn.to_out_linear(readout[a - start : b - start].reshape(b - a, -1)))
-    return out
+    out = _softmax_output(attn, torch.cat(back[:n], 1), gate)
+    return _add_branch_output(attn, out, torch.cat(back[n:], 1), (start, stop), (r0, r1))
 
 
 _side_streams: dict = {}  # one second stream per device, made on first use

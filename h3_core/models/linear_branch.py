@@ -56,8 +56,9 @@ class _OutputGate(nn.Module):
         self.down = nn.Linear(hidden, bottleneck, bias=False)
         self.up = nn.Linear(bottleneck, heads * head_dim)
 
-    def forward(self, x, channels: slice):
-        return torch.sigmoid(F.linear(self.down(x), self.up.weight[channels], self.up.bias[channels]))
+    def logits(self, down_rows: torch.Tensor, channels: slice) -> torch.Tensor:
+        """The gate's pre-activations of ``channels`` from its bottleneck rows ``down(x)``."""
+        return F.linear(down_rows, self.up.weight[channels], self.up.bias[channels])
 
 
 def _channels(heads: slice, head_dim: int) -> slice:
@@ -90,7 +91,7 @@ class RowInputs:
 
     def gate_logits(self, channels: slice) -> torch.Tensor:
         gate = self.branch.output_gate
-        return F.linear(gate.down(self.x), gate.up.weight[channels], gate.up.bias[channels])
+        return gate.logits(gate.down(self.x), channels)
 
 
 class GivenRowInputs(RowInputs):
@@ -109,8 +110,7 @@ class GivenRowInputs(RowInputs):
         return self._mean
 
     def gate_logits(self, channels: slice) -> torch.Tensor:
-        up = self.branch.output_gate.up
-        return F.linear(self._down, up.weight[channels], up.bias[channels])
+        return self.branch.output_gate.logits(self._down, channels)
 
 
 class LinearBranch(nn.Module):
