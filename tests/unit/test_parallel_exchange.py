@@ -168,27 +168,14 @@ def _generate_check(rank, world):
     """The whole sampler loop with every evaluation across the ranks (``generate(..., ranks=RankGroup())``, VDN-H3
     with the branch on, in fp32) gives every rank the single process's latents, to rounding; so does the branch
     split."""
-    from h3_core.attention import WindowSpec
-    from h3_core.models.dit import DiTConfig, H3DiT
-    from h3_core.parallel import RankGroup
-    from h3_core.pipeline.generate import generate
-    from h3_core.pipeline.prompt import PromptEmbedding
+    from tiny_dit import ranks_clip, ranks_model
 
-    cfg = DiTConfig(
-        hidden=32, layers=2, heads=4, head_dim=16, ffn=48, text_dim=20, freq_dim=8, time_hidden=12, time_embed=10,
-        rope_freqs=2, hybrid=True,
-    )  # fmt: skip
-    torch.manual_seed(9)
-    model = H3DiT(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    g = torch.Generator().manual_seed(10)
-    prompt = PromptEmbedding(torch.randn(4, 20, generator=g), torch.ones(4, dtype=torch.long), features=20)
-    options = dict(frames=22, width=64, height=32, steps=2, seed=3, window=WindowSpec(1, 1, "both"), compile="off")
-    alone = generate(model, prompt, **options)
+    from h3_core.parallel import RankGroup
+
+    model = ranks_model()
+    alone = ranks_clip(model)
     for softmax_ranks in (0, world - 1):
-        shared = generate(model, prompt, ranks=RankGroup(softmax_ranks=softmax_ranks), **options)
+        shared = ranks_clip(model, ranks=RankGroup(softmax_ranks=softmax_ranks))
         for a, b in zip(shared, alone):
             err = float((a - b).abs().max() / b.abs().max())
             assert err <= 1e-5, (rank, softmax_ranks, err)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_dit import ranks_clip
 
 from h3_core.errors import H3InputError
 from h3_core.parallel.workers import RankWorkers, shared_cancel
@@ -20,38 +21,10 @@ from h3_core.parallel.workers import RankWorkers, shared_cancel
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def tiny_model():
-    from h3_core.models.dit import DiTConfig, H3DiT
-
-    cfg = DiTConfig(
-        hidden=32, layers=2, heads=3, head_dim=16, ffn=48, text_dim=20, freq_dim=8, time_hidden=12, time_embed=10,
-        rope_freqs=2, hybrid=True,
-    )  # fmt: skip
-    torch.manual_seed(9)
-    model = H3DiT(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    return model
-
-
-def sample(ranks=None, check_cancel=None):
-    from h3_core.attention import WindowSpec
-    from h3_core.pipeline.generate import generate
-    from h3_core.pipeline.prompt import PromptEmbedding
-
-    g = torch.Generator().manual_seed(10)
-    prompt = PromptEmbedding(torch.randn(4, 20, generator=g), torch.ones(4, dtype=torch.long), features=20)
-    return generate(
-        tiny_model(), prompt, frames=22, width=64, height=32, steps=3, seed=3, window=WindowSpec(1, 1, "both"),
-        compile="off", ranks=ranks, check_cancel=check_cancel,
-    )  # fmt: skip
-
-
 def generate_job(rank, device, state):
     from h3_core.parallel import RankGroup
 
-    return sample(RankGroup(), shared_cancel(None))
+    return ranks_clip(steps=3, ranks=RankGroup(), check_cancel=shared_cancel(None))
 
 
 class CancelAt:
@@ -70,7 +43,7 @@ def cancelled_job(rank, device, state):
     from h3_core.parallel import RankGroup
 
     state["cancels"] = state.get("cancels", 0) + 1
-    return sample(RankGroup(), shared_cancel(CancelAt(5) if rank == 0 else None))
+    return ranks_clip(steps=3, ranks=RankGroup(), check_cancel=shared_cancel(CancelAt(5) if rank == 0 else None))
 
 
 def failing_job(rank, device, state):
@@ -80,7 +53,7 @@ def failing_job(rank, device, state):
 
 
 def test_a_clip_across_workers_is_the_single_process_clip_and_a_cancel_stops_every_rank():
-    alone = sample()
+    alone = ranks_clip(steps=3)
     with RankWorkers(2) as workers:
         assert workers.world == 3 and all(p.is_alive() for p in workers.processes)
         shared = workers.run(generate_job)

@@ -61,3 +61,34 @@ def fp32_case(hybrid: bool, fp8: bool = True):
     args = tuple(a.float() if a.is_floating_point() else a for a in args)
     ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
     return m, args, ctx
+
+
+def ranks_model():
+    """A tiny VDN-H3 model in fp32 with 4 heads (enough for 4 ranks), seeded: the clip the tests across ranks
+    sample."""
+    from h3_core.models.dit import DiTConfig, H3DiT
+
+    cfg = DiTConfig(
+        hidden=32, layers=2, heads=4, head_dim=16, ffn=48, text_dim=20, freq_dim=8, time_hidden=12, time_embed=10,
+        rope_freqs=2, hybrid=True,
+    )  # fmt: skip
+    torch.manual_seed(9)
+    m = H3DiT(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.1)
+    return m
+
+
+def ranks_clip(model=None, steps=2, **options):
+    """``ranks_model``'s clip (22 frames at 64×32, a window that leaves frames to the linear branch) through
+    ``generate`` with ``options`` (``ranks``, ``check_cancel``)."""
+    from h3_core.pipeline.generate import generate
+    from h3_core.pipeline.prompt import PromptEmbedding
+
+    g = torch.Generator().manual_seed(10)
+    prompt = PromptEmbedding(torch.randn(4, 20, generator=g), torch.ones(4, dtype=torch.long), features=20)
+    return generate(
+        ranks_model() if model is None else model, prompt, frames=22, width=64, height=32, steps=steps, seed=3,
+        window=WindowSpec(1, 1, "both"), compile="off", **options,
+    )  # fmt: skip
