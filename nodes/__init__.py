@@ -11,6 +11,7 @@ from .host_sampling import H3Scheduler
 from .keyframes import H3AddKeyframe
 from .loaders import H3AudioVAELoader, H3DiTLoader, H3PromptEmbeddingLoader, H3TextEncoderLoader, H3VideoVAELoader
 from .lora import H3LoraLoader
+from .multi_gpu import H3MultiGPU
 from .references import H3AddReference, H3LoadAudio
 from .regenerate import H3ExtendOrInpaint
 from .sampler import H3Sampler
@@ -20,6 +21,7 @@ from .text import H3TextEncode
 NODES = [
     H3DiTLoader,
     H3LoraLoader,
+    H3MultiGPU,
     H3VideoVAELoader,
     H3AudioVAELoader,
     H3TextEncoderLoader,

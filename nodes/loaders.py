@@ -15,12 +15,14 @@ from ..h3_core.formats.audio_vae import load_audio_vae
 from ..h3_core.formats.checkpoints import load_h3_model
 from ..h3_core.formats.files import CheckpointFiles
 from ..h3_core.formats.video_vae import load_video_vae
+from ..h3_core.pipeline.clip_on_ranks import DiTSource
 from ..h3_core.pipeline.prompt import load_prompt_embedding
 from ..h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
 from . import _host
 from .checks import check_choice, check_model_file, check_path, verdict
 from .conditioning import to_conditioning
 from .io_types import H3AudioVAE, H3Model, H3TextEncoder, H3VideoVAE
+from .ranks import SOURCE_KEY
 
 NONE = "none"
 WEIGHT_DTYPES = {"bf16": (torch.bfloat16, "dtype"), "fp16": (torch.float16, "dtype"), "fp8": (torch.bfloat16, "fp8")}
@@ -112,7 +114,9 @@ class H3DiTLoader(io.ComfyNode):
         model = load_h3_model(base, branch=branch, device=first, dtype=dtype, linears=linears, run_device=run_on)
         where = "host memory" if first.type == "cpu" else f"the {first.type.upper()} ({first})"
         _host.say(f"loaded {base.name} into {where}: {_describe(model)}")
-        return io.NodeOutput(H3DiTPatcher.wrap(model, offload, first, load_device=run_on))
+        patcher = H3DiTPatcher.wrap(model, offload, first, load_device=run_on)
+        patcher.attachments[SOURCE_KEY] = DiTSource(str(base), None if branch is None else str(branch), dtype, linears)
+        return io.NodeOutput(patcher)
 
 
 def _first_device(base, branch, dtype, offload: str, run_on: torch.device):

@@ -264,6 +264,9 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
 
     def detach(self, unpatch_all=True):
         if unpatch_all:  # a full unload; without it the host only drops a clone's entry, the model stays
+            from .ranks import SOURCE_KEY, close_group_of
+
+            close_group_of(self.attachments.get(SOURCE_KEY), "the host unloaded the DiT they hold a copy of")
             self._release_streaming(to_host=True)
             self.placement.fitted = None
             _host.say(f"the DiT was unloaded from the {self.load_device.type} (the host asked for the memory)")

@@ -7,8 +7,8 @@ import torch
 from comfy_api.v0_0_2 import io
 
 from ..h3_core.errors import H3InputError
+from ..h3_core.pipeline.clip_on_ranks import generate_clip
 from ..h3_core.pipeline.conditioning import encode_keyframes
-from ..h3_core.pipeline.generate import generate, generate_ref2va
 from ..h3_core.pipeline.noise import NOISE_DRAWS, REFERENCE_AUDIO_T
 from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT, check_sigmas
 from . import _host
@@ -18,6 +18,7 @@ from .conditioning import native_keyframes_of, native_references_of, prompt_of, 
 from .images import single_image
 from .io_types import H3Attention, H3AudioVAE, H3Canvas, H3Keyframes, H3Model, H3References, H3Start, H3VideoVAE
 from .latents import LATENT_FORMS, to_latent
+from .ranks import RANKS_KEY, sample_on_ranks
 from .references import encoded
 
 MODES = ("T2VA", "FL2VA", "Ref2VA")
@@ -314,13 +315,16 @@ class H3Sampler(io.ComfyNode):
             sigmas=sigmas,
             solver=solver,
         )
+        if reference_latents is not None:
+            common["reference_audio_t"] = reference_audio_t
+        else:
+            common.update(keyframes=placed, start=start)
+        ranks = model.attachments.get(RANKS_KEY)
         try:
-            if reference_latents is not None:
-                video, audio = generate_ref2va(
-                    model.model, prompt, reference_latents, reference_audio_t=reference_audio_t, **common
-                )
+            if ranks is not None:
+                video, audio = sample_on_ranks(model, ranks, prompt, common, reference_latents, settings.memory)
             else:
-                video, audio = generate(model.model, prompt, keyframes=placed, start=start, **common)
+                video, audio = generate_clip(model.model, prompt, reference_latents, **common)
         except torch.OutOfMemoryError as exc:
             # Raised again as the same kind, so the host still frees its models for the next prompt.
             raise torch.OutOfMemoryError(

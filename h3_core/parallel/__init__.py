@@ -1,11 +1,13 @@
 """Several ranks for one clip (``torch.distributed``): the sequence's rows split across ranks between blocks, and
 Ulysses all-to-all exchanges to whole sequences of a rank's heads for attention and back."""
 
-from .exchange import exchange_blocks, gather_rows, heads_to_rows, rows_to_heads
+from .exchange import exchange_blocks, first_rank, gather_rows, heads_to_rows, rows_to_heads
+from .follow import following_solver, leading_solver
 from .sharding import balanced_splits, head_ranges, row_shards
 from .spread import spread_in_order
 from .ulysses import RankGroup, SequenceShards, ulysses_attention
-from .workers import RanksCancelled, RankWorkers, shared_cancel
+from .weights import receive_weights, send_weights, weight_names
+from .workers import HeldRaise, RanksCancelled, RankWorkers, shared_cancel
 
 __all__ = [
     "SequenceShards",
@@ -22,4 +24,11 @@ __all__ = [
     "RankWorkers",
     "RanksCancelled",
     "shared_cancel",
+    "HeldRaise",
+    "first_rank",
+    "leading_solver",
+    "following_solver",
+    "weight_names",
+    "send_weights",
+    "receive_weights",
 ]

@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["rows_to_heads", "heads_to_rows", "gather_rows", "exchange_blocks"]
+__all__ = ["rows_to_heads", "heads_to_rows", "gather_rows", "exchange_blocks", "first_rank"]
+
+
+def first_rank(group=None) -> int:
+    """The global rank of ``group``'s rank 0 (the one that leads, gathers and broadcasts)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
 
 
 def exchange_blocks(send_blocks: list[torch.Tensor], receive_shapes: list[tuple], group=None) -> list[torch.Tensor]:

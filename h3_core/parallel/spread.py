@@ -8,6 +8,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .exchange import first_rank
+
 __all__ = ["spread_in_order"]
 
 _MAX_DIMS = 8  # a result's shape travels as this many int64s, -1 beyond its last dimension
@@ -21,7 +23,7 @@ def spread_in_order(
     Each rank first runs all its own items, then the results travel point to point in item order."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     mine = {i: work(item) for i, item in enumerate(items) if i % ranks == rank}
-    first = 0 if group is None else dist.get_global_rank(group, 0)
+    first = first_rank(group)
     if rank != 0:
         for i in sorted(mine):
             result = mine[i].to(dtype).contiguous()

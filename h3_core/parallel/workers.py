@@ -4,18 +4,25 @@ each, gloo on the CPU) and runs jobs on every rank at once: ``run(job)`` hands `
 here, each rank calling ``job(rank, device, state)`` (``state``: the worker's own dict, kept between jobs, e.g.
 its copy of the weights). A job raising on a worker is reported to rank 0, whose ``run`` raises it.
 
+The workers start from ``rank_main.py`` (``spawn_from_pack``), never from the starting process's own script (a
+host's ``main.py`` would start a second host): it registers this pack's package under the name the starting process
+imported it by (a host imports it under a path of its own choosing), so the jobs it is handed unpickle there.
+
 Stopping: ``close()`` asks the workers to leave, waits, terminates any that do not, and leaves the group; a worker
 whose parent process is gone exits by itself (a watchdog), so none outlives the process that started it. A cancel
 reaches every rank through ``shared_cancel``: the check each rank calls between steps of a job."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import sys
 import tempfile
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,9 +32,12 @@ import torch.multiprocessing as mp
 
 from ..errors import H3InputError
 
-__all__ = ["RankWorkers", "RanksCancelled", "shared_cancel"]
+__all__ = ["RankWorkers", "RanksCancelled", "shared_cancel", "HeldRaise"]
 
 _LEAVE = "leave"
+# what rank_main.py reads in a starting worker: the package this module belongs to, and its folder
+PACKAGE_VARIABLE, FOLDER_VARIABLE = "H3_RANKS_PACKAGE", "H3_RANKS_PACKAGE_FOLDER"
+_starting = threading.Lock()
 
 
 class RanksCancelled(InterruptedError):
@@ -55,6 +65,64 @@ def shared_cancel(check_cancel, group=None, device="cpu"):
             raise RanksCancelled("another rank of the group was cancelled")
 
     return check
+
+
+class HeldRaise:
+    """A callback that may raise (the host's progress hook raises its interrupt) made safe to call where only
+    this rank is: ``wrap(callback)`` keeps what it raises, and ``check()`` raises it at a point every rank
+    reaches (before the shared cancel check), or ``raise_kept()`` once the ranks are done."""
+
+    def __init__(self):
+        self.kept: BaseException | None = None
+
+    def wrap(self, callback):
+        if callback is None:
+            return None
+
+        def call(*args):
+            try:
+                return callback(*args)
+            except BaseException as exc:
+                if self.kept is None:
+                    self.kept = exc
+                return None
+
+        return call
+
+    def raise_kept(self) -> None:
+        if self.kept is not None:
+            kept, self.kept = self.kept, None
+            raise kept
+
+    def check(self, then=None):
+        """A cancel check: what a wrapped callback raised, then ``then()``."""
+
+        def check() -> None:
+            self.raise_kept()
+            if then is not None:
+                then()
+
+        return check
+
+
+@contextlib.contextmanager
+def spawn_from_pack():
+    """While workers start: their first code is ``rank_main.py`` in place of this process's main script, told
+    this package's name and folder."""
+    package = __name__.rpartition(".h3_core.")[0]
+    folder = str(Path(__file__).resolve().parents[2]) if package else ""
+    main = sys.modules["__main__"]
+    stand_in = types.ModuleType("__main__")
+    stand_in.__file__ = str(Path(__file__).with_name("rank_main.py"))
+    with _starting:
+        os.environ[PACKAGE_VARIABLE], os.environ[FOLDER_VARIABLE] = package, folder
+        sys.modules["__main__"] = stand_in
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
+            os.environ.pop(PACKAGE_VARIABLE, None)
+            os.environ.pop(FOLDER_VARIABLE, None)
 
 
 class RankWorkers:
@@ -107,8 +175,9 @@ class RankWorkers:
             )
             for rank, jobs in zip(range(1, world), self._jobs)
         ]
-        for process in self.processes:
-            process.start()
+        with spawn_from_pack():
+            for process in self.processes:
+                process.start()
         if self.devices[0].type == "cuda":
             torch.cuda.set_device(self.devices[0])
         dist.init_process_group(
@@ -121,16 +190,17 @@ class RankWorkers:
     def world(self) -> int:
         return len(self.processes) + 1
 
-    def run(self, job, state: dict | None = None, settle_s: float = 10.0):
-        """Run ``job(rank, device, state)`` on every rank; returns rank 0's result, raises the first failure. When
-        rank 0 fails and the workers do not report within ``settle_s`` (they wait in a collective rank 0 left),
-        they are closed, and the next run needs new ``RankWorkers``."""
+    def run(self, job, state: dict | None = None, settle_s: float = 10.0, here=None):
+        """Run ``job(rank, device, state)`` on every rank (``here()`` in its place on this one, when given);
+        returns rank 0's result, raises the first failure. When rank 0 fails and the workers do not report within
+        ``settle_s`` (they wait in a collective rank 0 left), they are closed, and the next run needs new
+        ``RankWorkers``."""
         if self.closed:
             raise H3InputError("these ranks were closed: start new RankWorkers")
         for jobs in self._jobs:
             jobs.put(job)
         try:
-            result = job(0, self.devices[0], {} if state is None else state)
+            result = here() if here is not None else job(0, self.devices[0], {} if state is None else state)
             failed = None
         except BaseException as exc:
             failed = exc

@@ -1,0 +1,122 @@
+"""The jobs a host hands to its rank workers (``parallel.RankWorkers``) for one clip: each rank loads its own copy of
+the DiT from the files rank 0's came from (``DiTSource``), keeps it between jobs, and samples the clip with rank 0
+(``ClipOnRanks``): the same request on every rank, each evaluation's blocks on the rank's rows. What rank 0 changed
+in its weights after loading them (the host's LoRA patches) is copied to the other ranks before the first
+evaluation (``parallel.weights``); a sampler that only rank 0 runs (the host's) leads the others
+(``parallel.follow``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from dataclasses import dataclass, field
+
+import torch
+
+from ..memory.policy import place_for_run
+from ..parallel.follow import following_solver
+from ..parallel.ulysses import RankGroup
+from ..parallel.weights import receive_weights
+from ..parallel.workers import shared_cancel
+from .generate import generate, generate_ref2va
+
+__all__ = ["DiTSource", "ClipOnRanks", "on_cpu", "generate_clip", "RANK_ZERO_ONLY"]
+
+# generate's arguments only rank 0 has (its device, its progress and previews, its cancel, its placement and
+# its own solver); a job's request holds the others
+RANK_ZERO_ONLY = ("device", "progress", "check_cancel", "before_sampling", "preview", "solver", "ranks")
+
+
+def generate_clip(model, prompt, references=None, **request):
+    """``generate_ref2va`` with ``references``, else ``generate``."""
+    if references is not None:
+        return generate_ref2va(model, prompt, list(references), **request)
+    return generate(model, prompt, **request)
+
+
+@dataclass(frozen=True)
+class DiTSource:
+    """The DiT files and loader options a rank loads its copy from (``load_h3_model``'s arguments)."""
+
+    base: str
+    branch: str | None = None
+    dtype: torch.dtype = torch.bfloat16
+    linears: str = "dtype"
+
+    def load(self, device: torch.device):
+        from ..formats.checkpoints import load_h3_model
+
+        return load_h3_model(
+            self.base, branch=self.branch, device=device, dtype=self.dtype, linears=self.linears, run_device=device
+        )
+
+
+@dataclass(frozen=True)
+class ClipOnRanks:
+    """One clip sampled on a rank beside rank 0 (a ``RankWorkers`` job): ``request`` is ``generate``'s keyword
+    arguments (``generate_ref2va``'s with ``references``) as rank 0 passes them, less what only rank 0 does (its
+    progress, previews, cancel check and placement); ``follow``: rank 0 integrates with a solver of its own."""
+
+    source: DiTSource
+    request: dict = field(default_factory=dict)
+    references: tuple | None = None
+    placement: str = "auto"  # the loader's offload choice
+    memory: str = "auto"
+    softmax_ranks: int = 0
+    follow: bool = False
+
+    def __call__(self, rank: int, device: torch.device, state: dict):
+        first = torch.device("cpu") if self.placement == "stream blocks" else device
+        model = rank_model(self.source, first, state)
+        request = dict(self.request)
+
+        def fit(packed) -> None:
+            state["fitted"] = place_for_run(
+                model,
+                packed,
+                device,
+                placement=self.placement,
+                memory=self.memory,
+                steps=request.get("steps", 50),
+                compile=request.get("compile", "auto"),
+                current=state.get("fitted"),
+            )
+            receive_weights(model, device)
+
+        request.update(
+            device=device,
+            check_cancel=shared_cancel(None, device=device),
+            before_sampling=fit,
+            solver=following_solver(device) if self.follow else None,
+            ranks=RankGroup(softmax_ranks=self.softmax_ranks),
+        )
+        return generate_clip(model, request.pop("prompt"), self.references, **request)
+
+
+def rank_model(source: DiTSource, device: torch.device, state: dict):
+    """This rank's copy of the DiT from ``source`` (read to ``device``), loaded on its first job and kept while the
+    source stays."""
+    if state.get("source") != source:
+        fitted = state.pop("fitted", None)
+        if fitted is not None:
+            fitted.remove("cpu")
+        state.pop("model", None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        state["model"], state["source"] = source.load(device), source
+    return state["model"]
+
+
+def on_cpu(value):
+    """``value`` with every tensor in it (in tuples, lists, dicts and dataclasses) on the CPU, for a job's queue."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(on_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: on_cpu(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: on_cpu(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **changes)
+    return value
