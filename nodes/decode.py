@@ -37,7 +37,19 @@ class H3VideoDecode(io.ComfyNode):
     @classmethod
     def execute(cls, video_vae, latent, tile_size, overlap, tiles_per_batch, attention=None):
         vae, video, options = prepare_video_decode(video_vae, latent, tile_size, overlap, tiles_per_batch, attention)
-        return io.NodeOutput(decode_video(vae, video, **options))
+        return io.NodeOutput(
+            decode_here_or_on_ranks(video_vae, video, options, lambda o: decode_video(vae, video, **o))
+        )
+
+
+def decode_here_or_on_ranks(video_vae, latents, options, decode):
+    """``decode(options)``, or with its tile batches shared among the ranks H3 Multi-GPU chose for ``video_vae``."""
+    from .ranks import RANKS_KEY, decode_on_ranks
+
+    choice = video_vae.attachments.get(RANKS_KEY)
+    if choice is None:
+        return decode(options)
+    return decode_on_ranks(video_vae, choice, latents, options, decode)
 
 
 def tile_inputs() -> list:

@@ -11,7 +11,7 @@ from ..h3_core.pipeline.decode_to_mp4 import decode_to_mp4
 from ..h3_core.pipeline.geometry import FPS
 from . import _host
 from .checks import verdict
-from .decode import decode_audio, prepare_video_decode, tile_inputs
+from .decode import decode_audio, decode_here_or_on_ranks, prepare_video_decode, tile_inputs
 from .io_types import H3Attention, H3AudioVAE, H3VideoVAE
 from .save import disk_errors, output_target, saved, workflow_tags
 
@@ -95,7 +95,12 @@ class H3DecodeAndSave(io.ComfyNode):
                 metadata=workflow_tags(cls.hidden.prompt, cls.hidden.extra_pnginfo),
                 encoder=encoder,
             )
-            clip = decode_to_mp4(vae, latents, writer, **options)
+            clip = decode_here_or_on_ranks(
+                video_vae,
+                latents,
+                options,
+                lambda o: decode_to_mp4(vae, latents, writer, tail_cancel=_host.check_cancel, **o),
+            )
         _host.say(
             f"the mp4 was complete {clip.tail_s:.2f} s after the decode ended ({clip.frames_behind} frames "
             f"were still to encode then)"

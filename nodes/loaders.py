@@ -15,7 +15,7 @@ from ..h3_core.formats.audio_vae import load_audio_vae
 from ..h3_core.formats.checkpoints import load_h3_model
 from ..h3_core.formats.files import CheckpointFiles
 from ..h3_core.formats.video_vae import load_video_vae
-from ..h3_core.pipeline.clip_on_ranks import DiTSource
+from ..h3_core.pipeline.clip_on_ranks import DiTSource, VideoVAESource
 from ..h3_core.pipeline.prompt import load_prompt_embedding
 from ..h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
 from . import _host
@@ -196,7 +196,11 @@ class _VAELoader(io.ComfyNode):
     def execute(cls, vae_name, device=_host.DEFAULT_DEVICE):
         check_device(device)
         where = _vae_device(device)
-        return io.NodeOutput(_vae_patcher(cls.read(_host.model_path("vae", vae_name, "vae_name"), where), where))
+        path = _host.model_path("vae", vae_name, "vae_name")
+        patcher = _vae_patcher(cls.read(path, where), where)
+        if cls.KIND == "video_vae":
+            patcher.attachments[SOURCE_KEY] = VideoVAESource(str(path))
+        return io.NodeOutput(patcher)
 
 
 class H3VideoVAELoader(_VAELoader):

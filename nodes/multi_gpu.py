@@ -8,7 +8,7 @@ from comfy_api.v0_0_2 import io
 from ..h3_core.errors import H3InputError
 from . import _host
 from .checks import verdict
-from .io_types import H3Model
+from .io_types import H3Model, H3VideoVAE
 from .ranks import RANKS_KEY, RanksChoice, rank_devices
 
 MAX_GPUS = 8
@@ -47,8 +47,14 @@ class H3MultiGPU(io.ComfyNode):
                     "the heads; n gives the first n GPUs the softmax of all heads and the others the linear branch "
                     "(6 of 8 as published)",
                 ),
+                H3VideoVAE.Input(
+                    "video_vae",
+                    optional=True,
+                    tooltip="decode across the same GPUs too: connect the video VAE here and the decoder to the "
+                    "video_vae output (each window's tiles are shared among them)",
+                ),
             ],
-            outputs=[H3Model.Output(display_name="model")],
+            outputs=[H3Model.Output(display_name="model"), H3VideoVAE.Output(display_name="video_vae")],
         )
 
     @classmethod
@@ -56,7 +62,7 @@ class H3MultiGPU(io.ComfyNode):
         return verdict(lambda: gpus is None or softmax_ranks is None or check_ranks(gpus, softmax_ranks))
 
     @classmethod
-    def execute(cls, model, gpus, softmax_ranks):
+    def execute(cls, model, gpus, softmax_ranks, video_vae=None):
         check_ranks(gpus, softmax_ranks)
         devices = rank_devices(gpus, model.load_device)
         heads = model.model.cfg.heads
@@ -70,7 +76,15 @@ class H3MultiGPU(io.ComfyNode):
                 f"softmax_ranks: got {softmax_ranks}, but this DiT is MiniMax H3 with dense attention (no linear "
                 "branch to split off); set it to 0 or load a linear branch"
             )
+        choice = RanksChoice(gpus, softmax_ranks)
         ranked = model.clone()
-        ranked.attachments[RANKS_KEY] = RanksChoice(gpus, softmax_ranks)
-        _host.say(f"the DiT samples on {gpus} ranks: {', '.join(devices)}")
-        return io.NodeOutput(ranked)
+        ranked.attachments[RANKS_KEY] = choice
+        decoder = None
+        if video_vae is not None:
+            decoder = video_vae.clone()
+            decoder.attachments[RANKS_KEY] = choice
+        _host.say(
+            f"the DiT samples on {gpus} ranks: {', '.join(devices)}"
+            + ("; the video decodes across them" if decoder is not None else "")
+        )
+        return io.NodeOutput(ranked, decoder)

@@ -49,11 +49,14 @@ def rank_devices(gpus: int, first: torch.device) -> tuple[str, ...]:
     return tuple(f"cuda:{(index + r) % count}" for r in range(gpus))
 
 
-def group_for(gpus: int, first: torch.device) -> _Group:
-    """The running group for ``gpus`` ranks from ``first``, started (and an other one closed) as needed."""
+def group_for(gpus: int, first: torch.device, any_devices: bool = False) -> _Group:
+    """The running group for ``gpus`` ranks from ``first``, started (and an other one closed) as needed;
+    ``any_devices``: a running group of ``gpus`` ranks serves, whichever its devices."""
     global _group
     devices = rank_devices(gpus, first)
     with _lock:
+        if _group is not None and any_devices and len(_group.devices) == gpus and not _group.workers.closed:
+            return _group
         if _group is not None and (_group.devices != devices or _group.workers.closed):
             _close_locked("another number of GPUs was asked for")
         if _group is None:
@@ -152,3 +155,38 @@ def sample_on_ranks(model, choice: RanksChoice, prompt, request: dict, reference
         close_group(f"the run stopped ({type(exc).__name__})")
         raise
     return latents
+
+
+def decode_on_ranks(patcher, choice: RanksChoice, latents, options: dict, decode):
+    """``decode(options)`` (this process's decode of ``latents`` with ``decode_video``'s options) with each window's
+    tile batches shared among ``choice.gpus`` ranks (the running group's, if it has as many): each worker decodes
+    its share with its own copy of the video VAE, this process blends and writes every frame as one GPU would.
+    Cancel and failures as ``sample_on_ranks``."""
+    import torch.distributed as dist
+
+    from ..h3_core.parallel import HeldRaise, shared_cancel
+    from ..h3_core.pipeline.clip_on_ranks import DecodeOnRanks
+
+    source = patcher.attachments.get(SOURCE_KEY)
+    if source is None:
+        raise H3InputError(
+            "video_vae: was not read by H3 Video VAE Loader, so the other ranks cannot load it; H3 Multi-GPU needs one"
+        )
+    device = torch.device(patcher.load_device)
+    group = group_for(choice.gpus, device, any_devices=True)
+    held = HeldRaise()
+    here = dict(
+        options,
+        progress=held.wrap(options.get("progress")),
+        check_cancel=shared_cancel(held.check(options.get("check_cancel")), device=device),
+        group=dist.group.WORLD,
+    )
+    shared = {name: options[name] for name in ("overrides", "compile", "tile_px", "overlap_px", "tiles_per_batch")}
+    job = DecodeOnRanks(source, latents.cpu(), shared)
+    try:
+        result = group.workers.run(job, here=lambda: decode(here))
+        held.raise_kept()
+    except BaseException as exc:
+        close_group(f"the decode stopped ({type(exc).__name__})")
+        raise
+    return result

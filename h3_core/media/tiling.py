@@ -218,7 +218,7 @@ def decode_tiled(
         out: where to store the video, ``[F, H, W, 3]``. Default: a new fp32 CPU tensor.
         progress: called with (tiles done, tiles total) after every tile.
         check_cancel: called before every batch of tiles (every tile, with ``tiles_per_batch=1``); it
-            raises to stop, and nothing more is decoded.
+            raises to stop, and nothing more is decoded. With ``group``: before every window, on every rank.
         offload: called once if a single tile still runs out of memory, to move weights off the device;
             returns what it did. Without it, or if it fails to help, ``DecodeOutOfMemory`` is raised.
         report: receives a sentence whenever the decode changes its settings to fit.
@@ -330,14 +330,16 @@ def decode_tiled(
 
 def _spread_window(tile_rows, state, check_cancel, device, group) -> dict | None:
     """One window's tile batches (tiles per batch as one rank would make them) decoded among the ranks of
-    ``group``: on rank 0 every batch by ``(tile row, first tile)``, None elsewhere."""
+    ``group``: on rank 0 every batch by ``(tile row, first tile)``, None elsewhere. ``check_cancel`` is called once,
+    first, on every rank alike (the ranks decode different numbers of batches: a cancel check they share, e.g.
+    ``parallel.shared_cancel``, meets only at the window's start)."""
+    if check_cancel is not None:
+        check_cancel()
     count = state.tiles_per_batch
     batches = [(ty, tx) for ty, tiles in enumerate(tile_rows) for tx in range(0, len(tiles), count)]
 
     def work(batch):
         ty, tx = batch
-        if check_cancel is not None:
-            check_cancel()
         return state.run(torch.stack(tile_rows[ty][tx : tx + count]))
 
     results = spread_in_order(batches, work, device, group)

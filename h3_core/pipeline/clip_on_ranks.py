@@ -20,7 +20,7 @@ from ..parallel.weights import receive_weights
 from ..parallel.workers import shared_cancel
 from .generate import generate, generate_ref2va
 
-__all__ = ["DiTSource", "ClipOnRanks", "on_cpu", "generate_clip", "RANK_ZERO_ONLY"]
+__all__ = ["DiTSource", "ClipOnRanks", "VideoVAESource", "DecodeOnRanks", "on_cpu", "generate_clip", "RANK_ZERO_ONLY"]
 
 # generate's arguments only rank 0 has (its device, its progress and previews, its cancel, its placement and
 # its own solver); a job's request holds the others
@@ -93,19 +93,59 @@ class ClipOnRanks:
         return generate_clip(model, request.pop("prompt"), self.references, **request)
 
 
+@dataclass(frozen=True)
+class VideoVAESource:
+    """The video VAE file a rank loads its copy from (fp16 on a GPU, fp32 elsewhere, as the loader reads it)."""
+
+    path: str
+
+    def load(self, device: torch.device):
+        from ..formats.video_vae import load_video_vae
+
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        return load_video_vae(self.path, device="cpu", dtype=dtype, run_device=device).to(device)
+
+
+@dataclass(frozen=True)
+class DecodeOnRanks:
+    """One clip's video decoded on a rank beside rank 0 (a ``RankWorkers`` job): ``latents`` and
+    ``decode_video``'s ``options`` as rank 0 passes them, less its progress, cancel check and reports; each window's
+    tile batches are shared among the ranks (``media.tiling.decode_tiled``'s ``group``)."""
+
+    source: VideoVAESource
+    latents: torch.Tensor
+    options: dict = field(default_factory=dict)
+
+    def __call__(self, rank: int, device: torch.device, state: dict):
+        import torch.distributed as dist
+
+        from ..media.tiling import decode_video
+
+        vae = _kept(state, "video_vae", self.source, device)
+        options = dict(self.options, check_cancel=shared_cancel(None, device=device), group=dist.group.WORLD)
+        return decode_video(vae, self.latents.to(device), **options)
+
+
 def rank_model(source: DiTSource, device: torch.device, state: dict):
     """This rank's copy of the DiT from ``source`` (read to ``device``), loaded on its first job and kept while the
     source stays."""
-    if state.get("source") != source:
+    if state.get("model_source") != source:
         fitted = state.pop("fitted", None)
         if fitted is not None:
             fitted.remove("cpu")
-        state.pop("model", None)
+    return _kept(state, "model", source, device)
+
+
+def _kept(state: dict, name: str, source, device: torch.device):
+    """``state[name]``, loaded from ``source`` on ``device`` unless it was loaded from that source before (the
+    copy of another source dropped first)."""
+    if state.get(f"{name}_source") != source:
+        state.pop(name, None)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        state["model"], state["source"] = source.load(device), source
-    return state["model"]
+        state[name], state[f"{name}_source"] = source.load(device), source
+    return state[name]
 
 
 def on_cpu(value):

@@ -24,12 +24,14 @@ class DecodedClip(NamedTuple):
     frames_behind: int  # frames the encoder had still to take when the decode ended
 
 
-def decode_to_mp4(vae, latents: torch.Tensor, writer: Mp4Writer, **decode_options) -> DecodedClip:
+def decode_to_mp4(vae, latents: torch.Tensor, writer: Mp4Writer, *, tail_cancel=None, **decode_options) -> DecodedClip:
     """Decode ``latents`` (``decode_video``'s arguments in ``decode_options``) into ``writer``. Any failure or
-    cancel (``check_cancel`` raising) removes the partial file."""
+    cancel (``check_cancel`` raising, or ``tail_cancel`` while the encoder finishes after the decode: default
+    ``check_cancel``; a check the ranks of a decode share is no check for this process alone) removes the partial
+    file."""
     with Mp4Worker(writer) as worker:
         frames = decode_video(
             vae, latents, on_frames=lambda start, ready: worker.put(ready), uint8_frames=True, **decode_options
         )
-        path = worker.close(decode_options.get("check_cancel"))
+        path = worker.close(tail_cancel if tail_cancel is not None else decode_options.get("check_cancel"))
     return DecodedClip(path, frames, worker.tail_s, worker.frames_behind)

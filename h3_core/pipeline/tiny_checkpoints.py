@@ -82,7 +82,12 @@ TINY_DIT = DiTConfig(
     rope_freqs=4,
 )
 TINY_VIDEO_VAE = VideoVAEConfig(
-    decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6, norm_groups=4
+    decoder_layers=1,
+    decoder_heads=2,
+    decoder_head_dim=16,
+    block_out_channels=(4,) * 6,
+    norm_groups=4,
+    layers_per_block=1,  # the encoder's full-size levels dominate a reference's encode on the CPU
 )
 TINY_AUDIO_VAE = AudioVAEConfig(encoder_dim=4, latent_dim=64, latent_channels=32, decoder_dim=256, attention_heads=2)
 _BRANCH_PARTS = (".attn.softmax_gate.", ".attn.to_out_linear.", ".attn.linear_attention.")

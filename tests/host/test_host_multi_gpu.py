@@ -1,16 +1,17 @@
 """H3 Multi-GPU through a real ComfyUI server on the CPU, the ranks joined with gloo: the clip sampled across worker
 processes is the one-process clip (the released sampler with plain Ulysses; a LoRA'd model, the VDN-H3 branch split
-and one of the host's samplers, which rank 0 alone runs and the workers follow); a cancel stops every rank and
-closes the workers, an unload closes them, and the server keeps serving; a bad choice is refused before anything
-runs."""
+and one of the host's samplers, which rank 0 alone runs and the workers follow), and the video decoded with its tiles
+shared among them is the one-process decode, into IMAGE and into an mp4; a cancel stops every rank and closes the
+workers, an unload closes them, and the server keeps serving; a bad choice is refused before anything runs."""
 
 import json
 import time
 from pathlib import Path
 
+import av
 import torch
-from comfy_host import error_message
-from graphs import generation
+from comfy_host import error_message, mp4_files
+from graphs import generation, with_decode_and_save
 from test_host_loras import lora_files
 
 LENGTH = 22
@@ -77,6 +78,12 @@ def test_a_clip_sampled_across_ranks_is_the_one_process_clip(server):
     prompt = latents_only(seed=4, prefix="H3/ranks")
     sampler_copy(prompt, "50", "alone")
     sampler_copy(prompt, "51", "ranks", gpus=2)
+    prompt["512"]["inputs"]["video_vae"] = ["2", 0]
+    decode = {"latent": ["51", 0], "tile_size": 64, "overlap": 32, "tiles_per_batch": 1}
+    prompt["60"] = {"class_type": "H3VideoDecode", "inputs": dict(decode, video_vae=["512", 1])}
+    prompt["61"] = {"class_type": "H3VideoDecode", "inputs": dict(decode, video_vae=["2", 0])}
+    for node, name in (("60", "frames_ranks"), ("61", "frames_alone")):
+        prompt[f"{node}4"] = {"class_type": "H3ProbeKeep", "inputs": {"value": [node, 0], "name": name}}
     sampler_copy(prompt, "52", "lora_euler_alone", lora="style.safetensors", sampler="euler")
     sampler_copy(prompt, "53", "lora_euler_ranks", gpus=2, softmax_ranks=1, lora="style.safetensors", sampler="euler")
     prompt.pop("7")
@@ -92,6 +99,8 @@ def test_a_clip_sampled_across_ranks_is_the_one_process_clip(server):
     for alone, ranks in (("alone", "ranks"), ("lora_euler_alone", "lora_euler_ranks")):
         assert latents[alone].shape == latents[ranks].shape
         assert (latents[ranks] - latents[alone]).abs().max() <= lora_change / 10, (alone, lora_change)
+    frames = kept(server, "frames_ranks")
+    assert frames.shape[0] == LENGTH and torch.equal(frames, kept(server, "frames_alone"))
     assert len(rank_workers(server)) == 1  # one worker beside the server, kept for the next run
     log = server.log_path.read_text()
     assert "starting 1 worker process(es) for the ranks on cpu" in log
@@ -112,11 +121,16 @@ def test_a_cancel_stops_every_rank_and_closes_the_workers_and_the_server_goes_on
     assert kind == "execution_interrupted"
     assert interrupted_at is not None and max(seen) <= interrupted_at + 1
     assert wait_until_gone(server) == []
-    again = latents_only(prefix="H3/ranks_after_cancel")
+    again = with_decode_and_save(generation(length=LENGTH), "H3/ranks_after_cancel")
     sampler_copy(again, "50", "after_cancel", gpus=2)
+    again["502"]["inputs"]["video_vae"] = ["2", 0]
+    again["8"]["inputs"].update(latent=["50", 0], video_vae=["502", 1])
     again.pop("7")
     entry = server.run(again)
     assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+    (clip,) = mp4_files(entry, server.output)
+    with av.open(str(clip)) as container:
+        assert sum(1 for _ in container.decode(video=0)) == LENGTH
     assert len(rank_workers(server)) == 1
     server.post("/free", {"unload_models": True})
     assert wait_until_gone(server) == []

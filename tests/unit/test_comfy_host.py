@@ -68,7 +68,8 @@ def host(tmp_path):
     async def silent(request):
         ws = web.WebSocketResponse()
         await ws.prepare(request)
-        await asyncio.sleep(30)
+        async for _ in ws:  # sends nothing until the client closes
+            pass
         return ws
 
     app = web.Application()
