@@ -13,7 +13,10 @@ process to the cap (``torch.cuda.set_per_process_memory_fraction``). ``--tiny`` 
 ``--gpus N`` runs every evaluation across N ranks (``h3_core.parallel``: plain Ulysses, or with
 ``--softmax-ranks n`` VDN-H3's branch split), one process per rank started here, or by ``torchrun
 --nproc-per-node N`` (then ``--gpus`` is not needed); each rank's seconds, peak and the seconds one evaluation
-spends in the collectives (``ranks.timed_collectives``) are gathered and written by rank 0.
+spends in the collectives (``ranks.timed_collectives``) are gathered and written by rank 0. ``--fake-ranks P
+--fake-rank r ...`` runs rank r's share of an evaluation across P ranks alone on this device (torch's fake process
+group: the collectives move nothing), one rank after the other: each rank's peak memory and its own work, on one
+GPU, for layouts of more GPUs than the machine has.
 
     python3 bench/dit_step.py --out results.json
     python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks compiled --gpus 8 --softmax-ranks 6 \
@@ -226,6 +229,10 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--softmax-ranks", type=int, default=0, help="with --gpus: VDN-H3's branch split, n softmax ranks (0: none)"
     )
+    parser.add_argument(
+        "--fake-ranks", type=int, default=0, help="one rank's share of an evaluation across this many ranks, alone"
+    )
+    parser.add_argument("--fake-rank", type=int, nargs="+", default=[0], help="with --fake-ranks: the ranks to run")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a dry run of the code")
     parser.add_argument("--out", type=Path, default=None)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -267,8 +274,20 @@ def main(argv=None) -> dict:
     quantised = False
     ordered = sorted(set(args.variants), key=VARIANTS.index)  # bf16 before fp8, whatever the order asked
     streams = list(dict.fromkeys(args.branch_stream))
-    for variant, stream in [(v, b) for v in ordered for b in (streams if not v.startswith("dense") else streams[:1])]:
+    simulated = args.fake_ranks > 1
+    if simulated and (spread or args.cap_gib is not None):
+        parser.error("--fake-ranks runs one process alone: leave out --gpus and --cap-gib")
+    runs_of = [
+        (v, b, r)
+        for v in ordered
+        for b in (streams if not v.startswith("dense") else streams[:1])
+        for r in (args.fake_rank if simulated else [None])
+    ]
+    for variant, stream, fake_rank in runs_of:
         key = variant if len(streams) == 1 or variant.startswith("dense") else f"{variant}/branch-stream-{stream}"
+        if fake_rank is not None:
+            key += f"/rank{fake_rank}-of-{args.fake_ranks}"
+            ranks.join_fake(fake_rank, args.fake_ranks)
         apply_run_options(model, replace(run_options_of(model), branch_stream=stream == "on"))
         hybrid = not variant.startswith("dense")
         linears = "fp8" if variant.startswith("fp8") else "dtype"
@@ -280,7 +299,7 @@ def main(argv=None) -> dict:
         backend = variant.split("-")[-1] if hybrid else None
         runs = []  # what each window softmax ran
         ctx = HybridContext(packed.layout, window, backend, (0, setup["text"]), runs.append) if hybrid else None
-        if spread:
+        if spread or simulated:
             ctx = SequenceShards.of(shape.rows, cfg.heads, inner=ctx, softmax_ranks=args.softmax_ranks if hybrid else 0)
         plan = None
         if args.cap_gib is not None:
@@ -322,7 +341,9 @@ def main(argv=None) -> dict:
                     fused=fused,
                     branch_stream=stream == "on",
                 )
-            if not spread:  # the memory model is one process's
+            if simulated:
+                stats["rows"] = ctx.mine.stop - ctx.mine.start
+            elif not spread:  # the memory model is one process's
                 stats["predicted_gib"] = {k: v / GiB for k, v in predicted.items()}
             else:
                 exchanged = []
@@ -342,8 +363,12 @@ def main(argv=None) -> dict:
             stats = dict(ranks=per_rank, seconds=max(r.get("seconds", float("inf")) for r in per_rank))
         result["variants"][key] = stats
         print(key, json.dumps(stats), flush=True)
+        if fake_rank is not None:
+            torch.distributed.destroy_process_group()
         if cuda:
             torch.cuda.empty_cache()
+    if simulated:
+        result.update(fake_ranks=args.fake_ranks, softmax_ranks=args.softmax_ranks)
     if spread:
         result.update(gpus=torch.distributed.get_world_size(), softmax_ranks=args.softmax_ranks)
         rank = torch.distributed.get_rank()

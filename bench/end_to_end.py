@@ -30,6 +30,12 @@ Phases, each a separate call (each fits a 10-minute command; the results gather 
 * ``report``: ``--out`` (JSON) and the same path with ``.md``: per kernel environment (``--env``), the summary
   figures and every run's stages.
 
+``--gpus N`` (``--softmax-ranks n``) runs the workflows with H3 Multi-GPU between the loaders and the sampler and
+the decoder (N ranks, one worker process per extra GPU started by the node itself) and the ``eval`` phase's
+evaluation across N ranks (``bench/dit_step.py --gpus N``: each rank's seconds, peak and all-to-all seconds); its
+results are an environment of their own (``<env>_<N>gpus``), with each run's per-rank seconds and peak device
+memory from the node's log lines.
+
 ``--tiny`` dry-runs every phase on the CPU with the tiny random checkpoints and a small canvas.
 
     python3 bench/end_to_end.py --base /root/h3_e2e --env pytorch --phase write eval cold restart report \\
@@ -178,9 +184,10 @@ def write_files(base: Path, tiny: bool) -> dict:
 # ---- the workflow ---------------------------------------------------------------------------------------
 
 
-def workflow(name: str, object_info: dict, files: dict[str, Path], size: dict, seed: int) -> dict:
+def workflow(name: str, object_info: dict, files: dict[str, Path], size: dict, seed: int, ranks=(1, 0)) -> dict:
     """The bundled workflow ``name`` in API form with the benchmark's files, size and steps, its text encoding
-    replaced by the saved prompt embedding."""
+    replaced by the saved prompt embedding; with ``ranks`` (gpus, softmax ranks) of more than one GPU, H3
+    Multi-GPU between the loaders and the sampler and the decoder."""
     from ui_to_api import to_api
 
     prompt = to_api(json.loads((ROOT / "workflows" / name).read_text()), object_info)
@@ -196,7 +203,45 @@ def workflow(name: str, object_info: dict, files: dict[str, Path], size: dict, s
     inputs["H3Sampler"].update(steps=size["steps"], seed=seed, conditioning=["900", 0])
     saving = "H3DecodeAndSave" if "H3DecodeAndSave" in inputs else "H3SaveVideo"
     inputs[saving]["filename_prefix"] = f"H3/e2e_{Path(name).stem}"
+    gpus, softmax_ranks = ranks
+    if gpus > 1:
+        sampler = inputs["H3Sampler"]
+        prompt["910"] = {
+            "class_type": "H3MultiGPU",
+            "inputs": {
+                "model": sampler["model"],
+                "gpus": gpus,
+                "softmax_ranks": softmax_ranks,
+                "video_vae": [by_class["H3VideoVAELoader"], 0],
+            },
+        }
+        sampler["model"] = ["910", 0]
+        for node in prompt.values():
+            if node["class_type"] in ("H3DecodeAndSave", "H3VideoDecode"):
+                node["inputs"]["video_vae"] = ["910", 1]
     return prompt
+
+
+def rank_lines(log: str) -> dict:
+    """The node's lines on the workers of a run (``sampling`` / ``decoding across the ranks: rank 1 12.30 s, peak
+    40.10 GiB; ...``) as {what: {rank: {"seconds", "peak_gib"}}}, the last of each."""
+    found = {}
+    for line in log.splitlines():
+        for what in ("sampling", "decoding"):
+            marker = f"{what} across the ranks: "
+            if marker not in line:
+                continue
+            ranks = {}
+            for part in line.split(marker, 1)[1].split("; "):
+                words = part.replace(",", "").split()
+                if len(words) < 3 or words[0] != "rank":
+                    continue
+                entry = {"seconds": float(words[2])}
+                if "peak" in words:
+                    entry["peak_gib"] = float(words[words.index("peak") + 1])
+                ranks[int(words[1])] = entry
+            found[what] = ranks
+    return found
 
 
 def keyframe_images(folder: Path, size: dict) -> None:
@@ -301,6 +346,7 @@ def serve(
     size: dict,
     timeout: float,
     extra_args: tuple[str, ...] = (),
+    ranks=(1, 0),
 ) -> dict:
     """A new server on ``base`` with its compile caches under ``compile_cache`` (and ``extra_args`` on its command
     line); each run (label, workflow, seed) queued in turn, with the probe of torch's peak device memory after
@@ -326,7 +372,8 @@ def serve(
         files = paths(base, size is TINY)
         keyframe_images(server.input, size)
         for label, name, seed in runs:
-            prompt = workflow(name, info, files, size, seed)
+            prompt = workflow(name, info, files, size, seed, ranks)
+            log_start = server.log_path.stat().st_size
             writer = next(k for k, v in prompt.items() if v["class_type"] in ("H3DecodeAndSave", "H3SaveVideo"))
             prompt["990"] = {"class_type": "H3ProbePeakMemory", "inputs": {"tag": label, "after_images": [writer, 0]}}
             events = timed_events(server, prompt, timeout)
@@ -340,6 +387,10 @@ def serve(
                 None,
             )
             results[label]["peak"] = peak
+            if ranks[0] > 1:
+                with open(server.log_path, encoding="utf-8", errors="replace") as log:
+                    log.seek(log_start)
+                    results[label]["ranks"] = rank_lines(log.read())
             print(label, json.dumps(results[label]), flush=True)
     finally:
         server.stop()
@@ -355,9 +406,10 @@ def bench_in_process(script: str, *arguments: str) -> tuple[str, dict]:
     return " ".join(command[1:]), json.loads(out.read_text())
 
 
-def steady_evaluation(tiny: bool) -> dict:
+def steady_evaluation(tiny: bool, ranks=(1, 0)) -> dict:
     """One steady evaluation of the variant the nodes run (fp8 linears, VDN-H3's decomposed window softmax,
-    fused compiled blocks), by ``bench/dit_step.py``."""
+    fused compiled blocks), by ``bench/dit_step.py``; across ``ranks`` (gpus, softmax ranks) of more than one."""
+    gpus, softmax_ranks = ranks
     command, report = bench_in_process(
         "dit_step.py",
         "--variants",
@@ -367,8 +419,9 @@ def steady_evaluation(tiny: bool) -> dict:
         "--reps",
         "3",
         *(["--tiny"] if tiny else []),
+        *(["--gpus", str(gpus), "--softmax-ranks", str(softmax_ranks)] if gpus > 1 else []),
     )
-    return dict(command=command, stats=report["variants"]["fp8-decomposed"])
+    return dict(command=command, stats=report["variants"]["fp8-decomposed"])  # across ranks: each rank's in it
 
 
 def decode_bench(tiny: bool) -> dict | None:
@@ -430,6 +483,13 @@ def summary(env_state: dict) -> dict:
         small_card_peak_gib=(env_state.get("small", {}).get("peak") or {}).get("allocated_gib"),
         small_card_reserve_vram_gb=env_state.get("small_reserve_vram_gb"),
     )
+    worker_peaks = [
+        rank["peak_gib"] for rank in ((warm.get("ranks") or {}).get("sampling") or {}).values() if "peak_gib" in rank
+    ]
+    if worker_peaks:
+        figures["worker_peak_gib"] = max(worker_peaks)
+    if evaluation.get("ranks"):
+        figures["eval_collectives_s"] = max(rank.get("collectives_s", 0.0) for rank in evaluation["ranks"])
     bench = env_state.get("decode_bench") or {}
     if bench.get("decode_s") and warm.get("decode_s"):
         figures["decode_bench_s"] = bench["decode_s"]
@@ -492,12 +552,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--budget-gib", type=float, default=24.0, help="the small-card run's budget (phase small)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoints on the CPU: a dry run")
+    parser.add_argument("--gpus", type=int, default=1, help="H3 Multi-GPU's gpus in the workflows (1: none)")
+    parser.add_argument("--softmax-ranks", type=int, default=0, help="with --gpus: H3 Multi-GPU's softmax_ranks")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     base = args.base.resolve()
     state_path = args.state or base / "end_to_end_state.json"
     state = load_state(state_path)
     env = args.env or environment()
+    ranks = (args.gpus, args.softmax_ranks)
+    if args.gpus > 1:
+        env += f"_{args.gpus}gpus" + (f"_{args.softmax_ranks}softmax" if args.softmax_ranks else "")
     size = TINY if args.tiny else RELEASE
     env_state = state.setdefault("environments", {}).setdefault(env, {})
     if set(args.phase) - {"report", "write"}:  # a phase measuring this environment on this machine
@@ -509,7 +574,7 @@ def main(argv=None) -> dict:
         if phase == "write":
             state["files"] = write_files(base, args.tiny)
         elif phase == "eval":
-            env_state["eval"] = steady_evaluation(args.tiny)
+            env_state["eval"] = steady_evaluation(args.tiny, ranks)
             env_state["decode_bench"] = decode_bench(args.tiny)
         elif phase == "text":
             env_state["text_encode"] = text_encoding(args.tiny)
@@ -519,7 +584,12 @@ def main(argv=None) -> dict:
                 lora_repatch.drop_page_cache(path)
             env_state.update(
                 serve(
-                    base, compile_cache, [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)], size, args.timeout
+                    base,
+                    compile_cache,
+                    [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)],
+                    size,
+                    args.timeout,
+                    ranks=ranks,
                 )
             )
         elif phase == "restart":
@@ -530,6 +600,7 @@ def main(argv=None) -> dict:
                     [("restart", "h3_t2va.json", 3), ("fl2va", "h3_fl2va.json", 4)],
                     size,
                     args.timeout,
+                    ranks=ranks,
                 )
             )
         elif phase == "small":
@@ -543,6 +614,7 @@ def main(argv=None) -> dict:
                     size,
                     args.timeout,
                     ("--reserve-vram", f"{reserve:.3f}"),
+                    ranks=ranks,
                 )
             )
         elif phase == "report":

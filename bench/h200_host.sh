@@ -17,6 +17,11 @@
 #   mp4       bench/mp4_presets.py: libx264 presets x threads (seconds, MB, PSNR) on a clip built from the photos
 #             carried as .photos (written beforehand by bench/mp4_presets.py --extract .photos)
 #   host      the host tests (tests/host) with the ComfyUI server on the GPU (H3_COMFY_GPU=1)
+#   devices   the host test of a device per model with the server on the GPU: the DiT and the video VAE on cuda:0
+#             beside the text encoder and the audio VAE on the CPU
+#   rank-shares bench/dit_step.py's one rank's share of an evaluation alone on this GPU (--fake-ranks) for the
+#             layouts of 2, 4 and 8 GPUs and 8 with the branch split 6 + 2: each rank's peak and its own seconds,
+#             beside one GPU's whole evaluation
 #   load      bench/dit_load.py on the files e2e-write wrote: the DiT loader's and the move to the GPU's seconds, each
 #             profiled
 #   e2e-write, e2e-cold, e2e-restart
@@ -118,6 +123,19 @@ for part in "$@"; do
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_tests python3 -m pytest -q \
                 -p no:warnings -rs tests/host ;;
+        devices)
+            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
+            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run devices python3 -m pytest -q \
+                -p no:warnings -rs "tests/host/test_host_model_management.py::test_each_loader_places_its_model_on_the_device_chosen_and_refuses_one_there_is_not" ;;
+        rank-shares)
+            run rank_shares_1_0 python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks compiled --reps 3 \
+                --out "$out/rank_shares_1_0.json"
+            for layout in "2 0:0 1" "4 0:0 3" "8 0:0 7" "8 6:0 5 6 7"; do
+                world="${layout%% *}"; rest="${layout#* }"; split="${rest%%:*}"; which="${rest#*:}"
+                run "rank_shares_${world}_${split}" python3 bench/dit_step.py --variants fp8-decomposed \
+                    --fused-blocks compiled --reps 3 --fake-ranks "$world" --softmax-ranks "$split" \
+                    --fake-rank $which --out "$out/rank_shares_${world}_${split}.json"
+            done ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
 done

@@ -46,6 +46,14 @@ def join(cuda: bool) -> torch.device:
     return device
 
 
+def join_fake(rank: int, count: int) -> None:
+    """Join torch's fake process group as ``rank`` of ``count`` (this process alone: every collective returns at
+    once and moves nothing), for one rank's share of the work and its memory on one device."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=count)
+
+
 @contextmanager
 def timed_collectives(cuda: bool, seconds: list[float]):
     """Within the block, each collective of ``COLLECTIVES`` is synchronised before and after and its wall seconds

@@ -15,6 +15,7 @@ import torch
 from ..h3_core.errors import H3InputError
 from . import _host
 
+GiB = 2**30
 RANKS_KEY = "h3_ranks"  # a patcher's attachment: the RanksChoice of H3 Multi-GPU
 SOURCE_KEY = "h3_source"  # a patcher's attachment: the h3_core.parallel.DiTSource the loader read
 
@@ -151,6 +152,7 @@ def sample_on_ranks(model, choice: RanksChoice, prompt, request: dict, reference
     try:
         latents = group.workers.run(job, here=lambda: generate_clip(model.model, prompt, references, **here))
         held.raise_kept()
+        _say_reports("sampling", group.workers.reports)
     except BaseException as exc:
         close_group(f"the run stopped ({type(exc).__name__})")
         raise
@@ -186,7 +188,19 @@ def decode_on_ranks(patcher, choice: RanksChoice, latents, options: dict, decode
     try:
         result = group.workers.run(job, here=lambda: decode(here))
         held.raise_kept()
+        _say_reports("decoding", group.workers.reports)
     except BaseException as exc:
         close_group(f"the decode stopped ({type(exc).__name__})")
         raise
     return result
+
+
+def _say_reports(what: str, reports: dict) -> None:
+    """One log line: each worker's seconds and, on GPUs, its peak device memory during the job."""
+    parts = []
+    for rank, report in sorted(reports.items()):
+        if report is None:
+            continue
+        peak = "" if report.peak_bytes is None else f", peak {report.peak_bytes / GiB:.2f} GiB"
+        parts.append(f"rank {rank} {report.seconds:.2f} s{peak}")
+    _host.say(f"{what} across the ranks: " + "; ".join(parts))

@@ -185,6 +185,7 @@ class RankWorkers:
         )
         self.group = dist.group.WORLD
         self.closed = False
+        self.reports: dict = {}
 
     @property
     def world(self) -> int:
@@ -192,7 +193,8 @@ class RankWorkers:
 
     def run(self, job, state: dict | None = None, settle_s: float = 10.0, here=None):
         """Run ``job(rank, device, state)`` on every rank (``here()`` in its place on this one, when given);
-        returns rank 0's result, raises the first failure. When rank 0 fails and the workers do not report within
+        returns rank 0's result (the workers' results, which travel pickled, are in ``reports`` by rank after it),
+        raises the first failure. When rank 0 fails and the workers do not report within
         ``settle_s`` (they wait in a collective rank 0 left), they are closed, and the next run needs new
         ``RankWorkers``."""
         if self.closed:
@@ -213,9 +215,10 @@ class RankWorkers:
                 break
         if failed is not None:
             raise failed
-        for rank, error in sorted(reports):
+        for rank, error, _ in sorted(reports, key=lambda report: report[0]):
             if error is not None:
                 raise RuntimeError(f"rank {rank} failed: {error}")
+        self.reports = {rank: value for rank, _, value in reports}
         return result
 
     def close(self, wait_s: float = 30.0) -> None:
@@ -265,12 +268,11 @@ def _worker_main(rank, world, init, backend, device, timeout_s, parent, jobs, re
     try:
         while (job := jobs.get()) != _LEAVE:
             try:
-                job(rank, device, state)
-                results.put((rank, None))
+                results.put((rank, None, job(rank, device, state)))
             except BaseException as exc:
                 if isinstance(exc, RanksCancelled):
-                    results.put((rank, None))
+                    results.put((rank, None, None))
                 else:
-                    results.put((rank, "".join(traceback.format_exception_only(type(exc), exc)).strip()))
+                    results.put((rank, "".join(traceback.format_exception_only(type(exc), exc)).strip(), None))
     finally:
         dist.destroy_process_group()

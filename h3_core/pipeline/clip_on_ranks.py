@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,16 @@ from ..parallel.weights import receive_weights
 from ..parallel.workers import shared_cancel
 from .generate import generate, generate_ref2va
 
-__all__ = ["DiTSource", "ClipOnRanks", "VideoVAESource", "DecodeOnRanks", "on_cpu", "generate_clip", "RANK_ZERO_ONLY"]
+__all__ = [
+    "DiTSource",
+    "ClipOnRanks",
+    "VideoVAESource",
+    "DecodeOnRanks",
+    "RankReport",
+    "on_cpu",
+    "generate_clip",
+    "RANK_ZERO_ONLY",
+]
 
 # generate's arguments only rank 0 has (its device, its progress and previews, its cancel, its placement and
 # its own solver); a job's request holds the others
@@ -52,6 +62,24 @@ class DiTSource:
 
 
 @dataclass(frozen=True)
+class RankReport:
+    """What a worker's job reports back: its seconds and, on a GPU, the peak bytes torch allocated on its device
+    during the job (None on the CPU)."""
+
+    seconds: float
+    peak_bytes: int | None
+
+
+def _reporting(device: torch.device, work) -> RankReport:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    work()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return RankReport(time.perf_counter() - started, peak)
+
+
+@dataclass(frozen=True)
 class ClipOnRanks:
     """One clip sampled on a rank beside rank 0 (a ``RankWorkers`` job): ``request`` is ``generate``'s keyword
     arguments (``generate_ref2va``'s with ``references``) as rank 0 passes them, less what only rank 0 does (its
@@ -65,7 +93,7 @@ class ClipOnRanks:
     softmax_ranks: int = 0
     follow: bool = False
 
-    def __call__(self, rank: int, device: torch.device, state: dict):
+    def __call__(self, rank: int, device: torch.device, state: dict) -> RankReport:
         first = torch.device("cpu") if self.placement == "stream blocks" else device
         model = rank_model(self.source, first, state)
         request = dict(self.request)
@@ -90,7 +118,7 @@ class ClipOnRanks:
             solver=following_solver(device) if self.follow else None,
             ranks=RankGroup(softmax_ranks=self.softmax_ranks),
         )
-        return generate_clip(model, request.pop("prompt"), self.references, **request)
+        return _reporting(device, lambda: generate_clip(model, request.pop("prompt"), self.references, **request))
 
 
 @dataclass(frozen=True)
@@ -116,14 +144,14 @@ class DecodeOnRanks:
     latents: torch.Tensor
     options: dict = field(default_factory=dict)
 
-    def __call__(self, rank: int, device: torch.device, state: dict):
+    def __call__(self, rank: int, device: torch.device, state: dict) -> RankReport:
         import torch.distributed as dist
 
         from ..media.tiling import decode_video
 
         vae = _kept(state, "video_vae", self.source, device)
         options = dict(self.options, check_cancel=shared_cancel(None, device=device), group=dist.group.WORLD)
-        return decode_video(vae, self.latents.to(device), **options)
+        return _reporting(device, lambda: decode_video(vae, self.latents.to(device), **options))
 
 
 def rank_model(source: DiTSource, device: torch.device, state: dict):

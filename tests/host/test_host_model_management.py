@@ -181,16 +181,20 @@ def test_two_prompts_queued_back_to_back_share_the_loaded_models(server):
 
 
 def test_each_loader_places_its_model_on_the_device_chosen_and_refuses_one_there_is_not(server):
-    """A device per model: the DiT, the VAEs and the text encoder on the device their loader names (here the CPU,
-    which the host would give them anyway on this machine: the choice reaches the host's model management, which
-    lists each where it was asked), and a device this process does not have refused at validation, by name."""
+    """A device per model: the DiT, the VAEs and the text encoder on the device their loader names (with the
+    server on the CPU all on the CPU, which the host would give them anyway; with the server on a GPU the DiT and
+    the video VAE on cuda:0 beside the text encoder and the audio VAE on the CPU: the choice reaches the host's
+    model management, which lists each where it was asked), and a device this process does not have refused at
+    validation, by name."""
+    gpu = "cuda:0" if os.environ.get("H3_COMFY_GPU") == "1" else "cpu"
+    chosen = {"1": gpu, "2": gpu, "3": "cpu", "4": "cpu"}  # DiT, video VAE, audio VAE, text encoder
     prompt = with_listing(generation(length=22, prefix="H3/device_per_model"))
-    for node in ("1", "2", "3", "4"):
-        prompt[node]["inputs"]["device"] = "cpu"
+    for node, device in chosen.items():
+        prompt[node]["inputs"]["device"] = device
     listed = listing(run(server, prompt))
     devices = {m["model"]: m["device"] for m in listed}
-    assert devices["VideoVAE"] == devices["AudioVAE"] == devices["_EncoderModule"] == "cpu"
-    assert devices.get("H3DiT", "cpu") == "cpu"  # listed while loaded; the decodes may have asked it off
+    assert devices["VideoVAE"] == gpu and devices["AudioVAE"] == devices["_EncoderModule"] == "cpu", devices
+    assert devices.get("H3DiT", gpu) == gpu, devices  # listed while loaded; the decodes may have asked it off
     for node in ("1", "2"):
         bad = dict(prompt, **{node: {**prompt[node], "inputs": {**prompt[node]["inputs"], "device": "cuda:7"}}})
         answer = server.queue(bad)

@@ -11,7 +11,7 @@ from graphs import TINY_DIT, TINY_VIDEO_VAE, generation, with_references
 NODES = {
     "H3DiTLoader": ({"dit_name", "linear_branch", "weight_dtype", "offload"}, ["H3_MODEL"]),
     "H3LoraLoader": ({"model", "lora_name", "strength"}, ["H3_MODEL"]),
-    "H3MultiGPU": ({"model", "gpus", "softmax_ranks"}, ["H3_MODEL"]),
+    "H3MultiGPU": ({"model", "gpus", "softmax_ranks"}, ["H3_MODEL", "H3_VIDEO_VAE"]),
     "H3VideoVAELoader": ({"vae_name"}, ["H3_VIDEO_VAE"]),
     "H3AudioVAELoader": ({"vae_name"}, ["H3_AUDIO_VAE"]),
     "H3TextEncoderLoader": ({"text_encoder_name", "offload"}, ["H3_TEXT_ENCODER"]),

@@ -119,6 +119,22 @@ def test_end_to_end(tiny_end_to_end):
     assert {"environments", "files"} <= set(result)
 
 
+def test_end_to_end_across_ranks(tiny_end_to_end):
+    """The workflows with H3 Multi-GPU on 2 ranks through a real server (the CPU, gloo) and the evaluation across
+    2 ranks, into an environment of their own with each run's worker seconds."""
+    folder, _ = tiny_end_to_end
+    base = folder / "base"
+    result = dry_run(
+        folder, "end_to_end.py", "--tiny", "--gpus", "2", "--base", str(base), "--phase", "eval", "cold", "report"
+    )
+    (env,) = [name for name in result["environments"] if name.endswith("_2gpus")]
+    ranked = result["environments"][env]
+    assert set(ranked["runs"]) == {"cold", "warm"}
+    for run in ranked["runs"].values():
+        assert run["total_s"] > 0 and set(run["ranks"]["sampling"]) == {"1"} and set(run["ranks"]["decoding"]) == {"1"}
+    assert ranked["eval"]["stats"]["ranks"][1]["seconds"] > 0 and ranked["eval_collectives_s"] > 0
+
+
 def test_dit_load(tmp_path, tiny_end_to_end):
     models = tiny_end_to_end[0] / "base" / "models" / "diffusion_models"
     result = dry_run(
