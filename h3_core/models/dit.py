@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
 from ..errors import H3InputError
-from ..parallel.exchange import gather_rows
+from ..parallel.exchange import gather_kind
 from ..parallel.ulysses import SequenceShards, ulysses_attention
 from . import block_fused
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
@@ -430,35 +430,54 @@ class H3DiT(nn.Module):
         """
         T = positions.shape[0]
         text = self.token_refiner(self.condition_proj(text_rows.to(self.condition_proj.weight.dtype)))
-        dtype = text.dtype
-        x = text.new_zeros(T, self.cfg.hidden)
-        x.index_copy_(0, text_index, text)
-        x.index_copy_(
-            0, video_index, self.video_patch_proj(video_rows.to(self.video_patch_proj.weight.dtype)).to(dtype)
-        )
-        x.index_copy_(
-            0, audio_index, self.audio_patch_proj(audio_rows.to(self.audio_patch_proj.weight.dtype)).to(dtype)
-        )
+        sharded = isinstance(hybrid, SequenceShards)
+        if sharded:
+            if hybrid.rows[-1][1] != T:
+                raise H3InputError(f"the sequence shards cover {hybrid.rows[-1][1]} rows; the sequence has {T}")
+            mine = hybrid.mine
+            # this rank's rows of each kind: their places among its rows, and which of the kind's rows they are
+            picks = [_rows_within(index, mine) for index in (text_index, video_index, audio_index)]
+        else:
+            mine, picks = slice(0, T), [(index, None) for index in (text_index, video_index, audio_index)]
+        x = text.new_zeros(mine.stop - mine.start, self.cfg.hidden)
+        for (places, which), rows, proj in zip(
+            picks,
+            (text_rows, video_rows, audio_rows),
+            (None, self.video_patch_proj, self.audio_patch_proj),
+        ):
+            if which is not None:
+                rows = rows[which] if proj is not None else text[which]
+            elif proj is None:
+                rows = text
+            x.index_copy_(0, places, rows if proj is None else proj(rows.to(proj.weight.dtype)).to(text.dtype))
         if self.cfg.adaln_curve_grid > 0:
             temb = curve_embedding(self.adaln_t_table, timesteps)
         else:
             temb = self.time_embedder(timesteps)
-        table_rows = timestep_index * MODALITIES + tags
-        rope = rope_cos_sin(positions, self.rope.inv_freq)
+        table_rows = (timestep_index * MODALITIES + tags)[mine]
+        rope = rope_cos_sin(positions[mine], self.rope.inv_freq)
         tables = adaln_tables_for(self, timesteps)
-        if isinstance(hybrid, SequenceShards):
-            if hybrid.rows[-1][1] != T:
-                raise H3InputError(f"the sequence shards cover {hybrid.rows[-1][1]} rows; the sequence has {T}")
-            mine = hybrid.mine
-            x, table_rows, rope = x[mine].contiguous(), table_rows[mine], tuple(r[mine] for r in rope)
         rows = row_runs(table_rows)
         for i, block in enumerate(self.blocks):
             if self.check_cancel is not None:
                 self.check_cancel()
             x = block(x, temb if tables is None else tables[i], rows, rope, hybrid)
-        if isinstance(hybrid, SequenceShards):
-            x = gather_rows(x, list(hybrid.rows), hybrid.group)
-        return self.final_layer(x, temb, timestep_index, video_index, audio_index)
+        if not sharded:
+            return self.final_layer(x, temb, timestep_index, video_index, audio_index)
+        # the output heads on this rank's rows; the velocities (not the hidden rows) gathered, every rank the whole
+        (_, (video_places, _), (audio_places, _)) = picks
+        local = self.final_layer(x, temb, timestep_index[mine], video_places, audio_places)
+        return tuple(
+            gather_kind(part, index, list(hybrid.rows), hybrid.group)
+            for part, index in zip(local, (video_index, audio_index))
+        )
+
+
+def _rows_within(index: torch.Tensor, mine: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of one kind's rows (``index``: their places in the sequence), those in ``mine``: their places among the
+    rank's rows and which of the kind's rows they are."""
+    which = ((index >= mine.start) & (index < mine.stop)).nonzero().flatten()
+    return index[which] - mine.start, which
 
 
 # ---- precision and positions ------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["rows_to_heads", "heads_to_rows", "gather_rows", "exchange_blocks", "first_rank"]
+__all__ = ["rows_to_heads", "heads_to_rows", "gather_rows", "gather_kind", "exchange_blocks", "first_rank"]
 
 
 def first_rank(group=None) -> int:
@@ -54,3 +54,20 @@ def gather_rows(local: torch.Tensor, rows: list[tuple[int, int]], group=None) ->
     parts = [torch.empty_like(padded) for _ in rows]
     dist.all_gather(parts, padded, group=group)
     return torch.cat(parts)[: rows[-1][1]]
+
+
+def gather_kind(local: torch.Tensor, index: torch.Tensor, rows: list[tuple[int, int]], group=None) -> torch.Tensor:
+    """Per-row results of one kind of row, every rank's ``[n_r, ...]`` for its rows of that kind (``index``: the
+    kind's places in the sequence, in the kind's order; ``rows``: each rank's ``[start, stop)``) → all of them
+    ``[len(index), ...]`` in the kind's order, on every rank. Each rank's part is padded to the largest and
+    gathered; every rank works out which rows each part holds from ``index`` itself."""
+    which = [((index >= start) & (index < stop)).nonzero().flatten() for start, stop in rows]
+    per = max(int(w.numel()) for w in which)
+    padded = local.new_zeros(per, *local.shape[1:])
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in rows]
+    dist.all_gather(parts, padded, group=group)
+    out = local.new_empty(index.shape[0], *local.shape[1:])
+    for part, places in zip(parts, which):
+        out[places] = part[: places.numel()]
+    return out
