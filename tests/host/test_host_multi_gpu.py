@@ -161,3 +161,35 @@ def test_a_choice_the_ranks_cannot_take_is_refused_before_anything_runs(server):
     message = error_message(entry)
     assert "gpus: got 3 (softmax_ranks 0) for a DiT of 2 attention heads" in message, message
     assert rank_workers(server) == []
+
+
+def test_the_workers_end_with_the_server(server, tmp_path):
+    """A server stopped as a service manager stops it (SIGTERM, no clean shutdown) leaves no worker behind."""
+    from comfy_host import ComfyServer
+
+    base = tmp_path / "exiting"
+    base.mkdir()
+    (base / "models").symlink_to(server.models, target_is_directory=True)
+    exiting = ComfyServer(base).start()
+    try:
+        prompt = generation(length=LENGTH, prefix="H3/ranks_exiting")
+        prompt["71"] = {"class_type": "H3MultiGPU", "inputs": {"model": ["1", 0], "gpus": 2, "softmax_ranks": 0}}
+        prompt["7"]["inputs"]["model"] = ["71", 0]
+        entry = exiting.run(prompt)
+        assert entry["status"]["status_str"] == "success", error_message(entry) + exiting.log_tail()
+        workers = rank_workers(exiting)
+        assert len(workers) == 1
+    finally:
+        exiting.stop()
+    deadline = time.monotonic() + 60
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in workers)
+
+
+def alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "zombie" not in status.read_text()
+    except OSError:
+        return False
