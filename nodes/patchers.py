@@ -102,9 +102,20 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             memory=run.memory,
             free_bytes=free_bytes,
             steps=run.steps,
+            share=self._rank_share(run.packed),
         )
         placement.working = int(plan.predicted["activations"])
         return placement.working
+
+    def _rank_share(self, packed):
+        """This process's share of each evaluation when H3 Multi-GPU spreads them over several GPUs (rank 0's)."""
+        from ..h3_core.memory.ranks import rank_shares
+        from .ranks import RANKS_KEY
+
+        choice = self.attachments.get(RANKS_KEY)
+        if choice is None:
+            return None
+        return rank_shares(self.model.cfg, int(packed.positions.shape[0]), choice.gpus, choice.softmax_ranks)[0]
 
     def said(self) -> list[str]:
         """What the last load did, in the words the user is shown."""
@@ -139,6 +150,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
                 steps=run.steps,
                 compile=run.compile,
                 current=placement.fitted,
+                share=self._rank_share(run.packed),
             )
             placement.fitted, placement.said = fitted, list(fitted.said)
             self.model.device = device

@@ -148,6 +148,7 @@ def sample_on_ranks(model, choice: RanksChoice, prompt, request: dict, reference
         memory=memory,
         softmax_ranks=choice.softmax_ranks,
         follow=solver is not None,
+        ranks=choice.gpus,
     )
     try:
         latents = group.workers.run(job, here=lambda: generate_clip(model.model, prompt, references, **here))

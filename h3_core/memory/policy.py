@@ -25,6 +25,7 @@ from ..models.run_options import apply_low_memory, compile_failed, fuse_blocks
 from ..triton_forms import COMPILE_MODES, check_compile
 from .apply import FittedModel, apply_plan, plan_lines
 from .predict import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
+from .ranks import RankShare, rank_peaks
 
 __all__ = [
     "PLACEMENTS",
@@ -93,8 +94,13 @@ def working_bytes(model, packed) -> int:
     return int(predicted["activations"])
 
 
-def decide_placement(model, packed, *, placement: str, memory: str, free_bytes: int, steps: int) -> MemoryPlan:
-    """The plan for running ``model`` (an ``H3DiT``) on ``packed`` within ``free_bytes`` of device memory."""
+def decide_placement(
+    model, packed, *, placement: str, memory: str, free_bytes: int, steps: int, share: RankShare | None = None
+) -> MemoryPlan:
+    """The plan for running ``model`` (an ``H3DiT``) on ``packed`` within ``free_bytes`` of device memory; with
+    ``share``, one rank's share of each evaluation across several GPUs (``ranks.rank_peaks``): the whole model
+    resident and nothing given up when the rank's peak fits, else the plan for the whole sequence (which fits the
+    rank's share with room to spare: the per-rank model covers one head group, resident, only)."""
     if placement not in PLACEMENTS:
         raise H3InputError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
     if memory not in MEMORY_MODES:
@@ -104,6 +110,14 @@ def decide_placement(model, packed, *, placement: str, memory: str, free_bytes: 
     shape = BlockShape.of(cfg, packed, dtype)
     budget = free_bytes * BUDGET_SHARE
     kind = dict(hybrid=bool(cfg.hybrid), dtype=dtype, linears=linears, steps=steps, fused=_fused(model))
+    if share is not None and placement != "stream blocks":
+        predicted = rank_peaks(cfg, shape, share, fused=kind["fused"], dtype=dtype, linears=linears)
+        if memory == "off" or predicted["total"] <= budget:
+            said = (
+                f"rank {share.rank}'s share: {share.rows} rows, the window softmax of {share.softmax_heads} heads "
+                f"and the linear branch of {share.branch_heads}",
+            )
+            return MemoryPlan(LowMemory(), False, None, predicted, budget, said, "nothing given up")
     if memory == "auto":
         plan = plan_for_memory(cfg, shape, budget, **kind)
     else:
@@ -137,12 +151,14 @@ def place_for_run(
     steps: int = 50,
     compile: str = "auto",
     current: FittedModel | None = None,
+    share: RankShare | None = None,
 ) -> FittedModel:
     """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says (CUDA), or simply there (any
     other device), its blocks fused or plain as ``fuse_for`` says for ``compile``. ``current``: the placement
     of the model's last run, which this one replaces; when the new plan holds the weights where it did (the
     same blocks streamed, the same AdaLN residency), nothing moves. Otherwise call ``remove()`` on the result
-    before placing the model for another request."""
+    before placing the model for another request. ``share``: one rank's share of each evaluation
+    (``decide_placement``)."""
     device = torch.device(device)
     fused = fuse_for(model, device, compile)
     if device.type != "cuda":
@@ -154,7 +170,9 @@ def place_for_run(
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0]
     free_bytes += _bytes_on(model, device)  # a model left on the device by the last run is counted in the plan
-    plan = decide_placement(model, packed, placement=placement, memory=memory, free_bytes=free_bytes, steps=steps)
+    plan = decide_placement(
+        model, packed, placement=placement, memory=memory, free_bytes=free_bytes, steps=steps, share=share
+    )
     if current is not None and current.layout == (plan.options, plan.adaln_on_host, plan.resident_blocks):
         fitted = FittedModel(model, plan, current.offload, plan_lines(plan))
     else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..memory.policy import place_for_run
+from ..memory.ranks import rank_shares
 from ..parallel.follow import following_solver
 from ..parallel.ulysses import RankGroup
 from ..parallel.weights import receive_weights
@@ -92,6 +93,7 @@ class ClipOnRanks:
     memory: str = "auto"
     softmax_ranks: int = 0
     follow: bool = False
+    ranks: int = 2  # the group's ranks, for this rank's share of the memory
 
     def __call__(self, rank: int, device: torch.device, state: dict) -> RankReport:
         first = torch.device("cpu") if self.placement == "stream blocks" else device
@@ -99,6 +101,7 @@ class ClipOnRanks:
         request = dict(self.request)
 
         def fit(packed) -> None:
+            shares = rank_shares(model.cfg, int(packed.positions.shape[0]), self.ranks, self.softmax_ranks)
             state["fitted"] = place_for_run(
                 model,
                 packed,
@@ -108,6 +111,7 @@ class ClipOnRanks:
                 steps=request.get("steps", 50),
                 compile=request.get("compile", "auto"),
                 current=state.get("fitted"),
+                share=shares[rank],
             )
             receive_weights(model, device)
 
