@@ -2,7 +2,8 @@
 spawned), joins them with this process in one ``torch.distributed`` group (this process rank 0; NCCL with a GPU
 each, gloo on the CPU) and runs jobs on every rank at once: ``run(job)`` hands ``job`` to the workers and runs it
 here, each rank calling ``job(rank, device, state)`` (``state``: the worker's own dict, kept between jobs, e.g.
-its copy of the weights). A job raising on a worker is reported to rank 0, whose ``run`` raises it.
+its copy of the weights). A job raising on a worker is reported to rank 0, whose ``run`` raises it and closes the
+workers.
 
 The workers start from ``rank_main.py`` (``spawn_from_pack``), never from the starting process's own script (a
 host's ``main.py`` would start a second host): it registers this pack's package under the name the starting process
@@ -194,9 +195,10 @@ class RankWorkers:
     def run(self, job, state: dict | None = None, settle_s: float = 10.0, here=None):
         """Run ``job(rank, device, state)`` on every rank (``here()`` in its place on this one, when given);
         returns rank 0's result (the workers' results, which travel pickled, are in ``reports`` by rank after it),
-        raises the first failure. When rank 0 fails and the workers do not report within
-        ``settle_s`` (they wait in a collective rank 0 left), they are closed, and the next run needs new
-        ``RankWorkers``."""
+        raises the first failure. A worker that fails reports its error and leaves the group (a collective waiting on
+        it fails at once, on gloo; NCCL notices at the group's timeout); the workers are then closed and ``run``
+        raises that error. When rank 0 fails and the workers do not report within ``settle_s`` (they wait in a
+        collective rank 0 left), they are closed too. Once closed, the next run needs new ``RankWorkers``."""
         if self.closed:
             raise H3InputError("these ranks were closed: start new RankWorkers")
         for jobs in self._jobs:
@@ -213,11 +215,13 @@ class RankWorkers:
             except queue.Empty:
                 self.close(wait_s=0)
                 break
+        errors = [(rank, error) for rank, error, _ in sorted(reports, key=lambda report: report[0]) if error]
+        if errors:  # the failed workers left the group (so that no rank waits on them): it is closed
+            self.close()
+            rank, error = errors[0]
+            raise RuntimeError(f"rank {rank} failed: {error}") from failed
         if failed is not None:
             raise failed
-        for rank, error, _ in sorted(reports, key=lambda report: report[0]):
-            if error is not None:
-                raise RuntimeError(f"rank {rank} failed: {error}")
         self.reports = {rank: value for rank, _, value in reports}
         return result
 
@@ -274,5 +278,6 @@ def _worker_main(rank, world, init, backend, device, timeout_s, parent, jobs, re
                     results.put((rank, None, None))
                 else:
                     results.put((rank, "".join(traceback.format_exception_only(type(exc), exc)).strip(), None))
+                    break  # leave: a rank waiting on this one in a collective fails now, not at the timeout
     finally:
         dist.destroy_process_group()

@@ -1,8 +1,8 @@
 """Worker processes beside this one (h3_core.parallel.workers) on the CPU with gloo: a clip's sampler loop across
 this process and two workers gives the single process's latents; a cancel on rank 0 stops every rank and leaves the
-workers ready for the next job; a worker's failure is reported by rank, rank 0's own closes the workers left
-waiting for it; closing leaves no process behind, and workers whose parent dies without closing them exit by
-themselves."""
+workers ready for the next job; a worker's failure is reported by rank and closes the workers (one failing while
+rank 0 waits for it in a collective too), rank 0's own closes the workers left waiting for it; closing leaves no
+process behind, and workers whose parent dies without closing them exit by themselves."""
 
 import os
 import subprocess
@@ -83,6 +83,23 @@ def test_a_failure_of_rank_zero_alone_closes_the_workers_waiting_for_it():
     try:
         with pytest.raises(ValueError, match="rank 0's own failure"):
             workers.run(stranding_job, settle_s=1.0)
+        assert workers.closed and not any(p.is_alive() for p in workers.processes)
+    finally:
+        workers.close()
+
+
+def waiting_job(rank, device, state):
+    """A worker fails while rank 0 waits for it in a collective."""
+    if rank == 1:
+        raise ValueError("this worker's own failure")
+    torch.distributed.all_reduce(torch.zeros(1))
+
+
+def test_a_worker_failing_while_rank_zero_waits_for_it_is_reported_and_closes_the_workers():
+    workers = RankWorkers(1)  # the group's timeout (600 s) never comes into it: the failed worker leaves
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 failed: ValueError: this worker's own failure"):
+            workers.run(waiting_job)
         assert workers.closed and not any(p.is_alive() for p in workers.processes)
     finally:
         workers.close()
