@@ -19,6 +19,9 @@
 #   host      the host tests (tests/host) with the ComfyUI server on the GPU (H3_COMFY_GPU=1)
 #   devices   the host test of a device per model with the server on the GPU: the DiT and the video VAE on cuda:0
 #             beside the text encoder and the audio VAE on the CPU
+#   multi-gpu on a machine of several GPUs: the NCCL checks (tests/gpu/test_parallel_cuda.py), one GPU's evaluation
+#             and every GPU's with plain Ulysses and with the branch split (6 + 2 on 8, 1 + 1 on 2) by
+#             bench/dit_step.py --gpus, and the H3 Multi-GPU host tests with the server on the GPUs
 #   rank-shares bench/dit_step.py's one rank's share of an evaluation alone on this GPU (--fake-ranks) for the
 #             layouts of 2, 4 and 8 GPUs and 8 with the branch split 6 + 2: each rank's peak and its own seconds,
 #             beside one GPU's whole evaluation
@@ -127,6 +130,20 @@ for part in "$@"; do
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run devices python3 -m pytest -q \
                 -p no:warnings -rs "tests/host/test_host_model_management.py::test_each_loader_places_its_model_on_the_device_chosen_and_refuses_one_there_is_not" ;;
+        multi-gpu)
+            gpus=$(nvidia-smi -L | wc -l)
+            split=$(( gpus >= 8 ? 6 : gpus - 1 ))
+            run parallel_tests python3 -m pytest -q -p no:warnings -rs tests/gpu/test_parallel_cuda.py
+            for layout in "1 0" "$gpus 0" "$gpus $split"; do
+                read -r n softmax <<< "$layout"
+                across=()
+                [ "$n" -gt 1 ] && across=(--gpus "$n" --softmax-ranks "$softmax")
+                run "multi_gpu_${n}_${softmax}" python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks \
+                    compiled --reps 3 "${across[@]}" --out "$out/multi_gpu_${n}_${softmax}.json"
+            done
+            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
+            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run multi_gpu_host python3 -m pytest -q \
+                -p no:warnings -rs tests/host/test_host_multi_gpu.py ;;
         rank-shares)
             run rank_shares_1_0 python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks compiled --reps 3 \
                 --out "$out/rank_shares_1_0.json"

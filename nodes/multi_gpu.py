@@ -64,7 +64,6 @@ class H3MultiGPU(io.ComfyNode):
     @classmethod
     def execute(cls, model, gpus, softmax_ranks, video_vae=None):
         check_ranks(gpus, softmax_ranks)
-        devices = rank_devices(gpus, model.load_device)
         heads = model.model.cfg.heads
         if gpus > heads or max(softmax_ranks, gpus - softmax_ranks) > heads:
             raise H3InputError(
@@ -76,6 +75,7 @@ class H3MultiGPU(io.ComfyNode):
                 f"softmax_ranks: got {softmax_ranks}, but this DiT is MiniMax H3 with dense attention (no linear "
                 "branch to split off); set it to 0 or load a linear branch"
             )
+        devices = rank_devices(gpus, model.load_device)
         choice = RanksChoice(gpus, softmax_ranks)
         ranked = model.clone()
         ranked.attachments[RANKS_KEY] = choice
