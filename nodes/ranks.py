@@ -45,7 +45,8 @@ def rank_devices(gpus: int, first: torch.device) -> tuple[str, ...]:
         return ("cpu",) * gpus
     count = torch.cuda.device_count()
     if gpus > count:
-        raise H3InputError(f"gpus: got {gpus}; this machine has {count} CUDA device(s); allowed: 2 to {count}")
+        allowed = f"2 to {count}" if count >= 2 else "none: H3 Multi-GPU needs two or more; remove the node"
+        raise H3InputError(f"gpus: got {gpus}; this machine has {count} CUDA device(s); allowed: {allowed}")
     index = first.index if first.index is not None else torch.cuda.current_device()
     return tuple(f"cuda:{(index + r) % count}" for r in range(gpus))
 
