@@ -195,26 +195,31 @@ class RankWorkers:
     def run(self, job, state: dict | None = None, settle_s: float = 10.0, here=None):
         """Run ``job(rank, device, state)`` on every rank (``here()`` in its place on this one, when given);
         returns rank 0's result (the workers' results, which travel pickled, are in ``reports`` by rank after it),
-        raises the first failure. A worker that fails reports its error and leaves the group (a collective waiting on
-        it fails at once, on gloo; NCCL notices at the group's timeout); the workers are then closed and ``run``
-        raises that error. When rank 0 fails and the workers do not report within ``settle_s`` (they wait in a
-        collective rank 0 left), they are closed too. Once closed, the next run needs new ``RankWorkers``."""
+        raises the first failure. A worker that fails reports its error and leaves the group, one that dies is
+        noticed (``_gather_reports``): a collective waiting on either fails at once (gloo: its connection closes;
+        NCCL: the group is aborted); the workers are then closed and ``run`` raises that error. When rank 0 fails and
+        the workers do not report within ``settle_s`` (they wait in a collective rank 0 left), they are closed too.
+        Once closed, the next run needs new ``RankWorkers``."""
         if self.closed:
             raise H3InputError("these ranks were closed: start new RankWorkers")
         for jobs in self._jobs:
             jobs.put(job)
+        reports: list = []
+        stop = threading.Event()
+        watcher = threading.Thread(
+            target=self._gather_reports, args=(reports, stop), daemon=True, name="h3-rank-reports"
+        )
+        watcher.start()
         try:
             result = here() if here is not None else job(0, self.devices[0], {} if state is None else state)
             failed = None
         except BaseException as exc:
             failed = exc
-        reports = []
-        for _ in self.processes:
-            try:
-                reports.append(self._results.get(timeout=None if failed is None else settle_s))
-            except queue.Empty:
-                self.close(wait_s=0)
-                break
+        watcher.join(None if failed is None else settle_s)
+        if watcher.is_alive():  # the workers wait in a collective rank 0 left
+            stop.set()
+            watcher.join()
+            self.close(wait_s=0)
         errors = [(rank, error) for rank, error, _ in sorted(reports, key=lambda report: report[0]) if error]
         if errors:  # the failed workers left the group (so that no rank waits on them): it is closed
             self.close()
@@ -224,6 +229,31 @@ class RankWorkers:
             raise failed
         self.reports = {rank: value for rank, _, value in reports}
         return result
+
+    def _gather_reports(self, reports: list, stop: threading.Event) -> None:
+        """Every worker's report of the job into ``reports``, as they come; a worker that died without one is
+        reported as failed. On a failure the NCCL group is aborted, so that rank 0 does not wait for the failed
+        rank until the group's timeout (gloo's collectives fail by themselves when the rank's connection closes)."""
+        reported: set[int] = set()
+        while len(reported) < len(self.processes) and not stop.is_set():
+            try:
+                report = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.processes, start=1) if r not in reported and not p.is_alive()]
+                if not dead:
+                    continue
+                try:  # a report sent just before the worker ended may still be on its way
+                    report = self._results.get(timeout=1.0)
+                except queue.Empty:
+                    code = self.processes[dead[0] - 1].exitcode
+                    report = (dead[0], f"the worker exited (code {code}) without reporting", None)
+            reports.append(report)
+            reported.add(report[0])
+            if report[1] is not None and self.backend == "nccl":
+                try:
+                    self.group.abort()
+                except RuntimeError:  # already torn down
+                    pass
 
     def close(self, wait_s: float = 30.0) -> None:
         """Ask the workers to leave, wait up to ``wait_s``, terminate those still running, leave the group."""
@@ -241,7 +271,10 @@ class RankWorkers:
                 process.terminate()
                 process.join(5)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:  # a group aborted after a worker failed
+                pass
         self._store.unlink(missing_ok=True)
 
     def __enter__(self) -> "RankWorkers":

@@ -105,6 +105,23 @@ def test_a_worker_failing_while_rank_zero_waits_for_it_is_reported_and_closes_th
         workers.close()
 
 
+def dying_job(rank, device, state):
+    """A worker dies (no report, no clean exit) while rank 0 waits for it in a collective."""
+    if rank == 1:
+        os._exit(9)
+    torch.distributed.all_reduce(torch.zeros(1))
+
+
+def test_a_worker_dying_while_rank_zero_waits_for_it_is_reported_and_closes_the_workers():
+    workers = RankWorkers(1)
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 1 failed: the worker exited \(code 9\) without reporting"):
+            workers.run(dying_job)
+        assert workers.closed and not any(p.is_alive() for p in workers.processes)
+    finally:
+        workers.close()
+
+
 def test_the_ranks_refuse_a_count_they_cannot_start():
     with pytest.raises(H3InputError, match="at least 1"):
         RankWorkers(0)
