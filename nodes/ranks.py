@@ -84,17 +84,6 @@ def _close_locked(reason: str) -> None:
     _host.say(f"closed the {len(group.devices) - 1} rank worker process(es): {reason}")
 
 
-def running_devices() -> tuple[str, ...] | None:
-    """The devices of the running group's ranks, or None."""
-    group = _group
-    return None if group is None or group.workers.closed else group.devices
-
-
-def worker_pids() -> list[int]:
-    group = _group
-    return [] if group is None else [p.pid for p in group.workers.processes if p.is_alive()]
-
-
 atexit.register(lambda: close_group("the server is exiting"))
 
 
@@ -149,16 +138,8 @@ def sample_on_ranks(model, choice: RanksChoice, prompt, request: dict, reference
         memory=memory,
         softmax_ranks=choice.softmax_ranks,
         follow=solver is not None,
-        ranks=choice.gpus,
     )
-    try:
-        latents = group.workers.run(job, here=lambda: generate_clip(model.model, prompt, references, **here))
-        held.raise_kept()
-        _say_reports("sampling", group.workers.reports)
-    except BaseException as exc:
-        close_group(f"the run stopped ({type(exc).__name__})")
-        raise
-    return latents
+    return _run_everywhere(group, job, lambda: generate_clip(model.model, prompt, references, **here), held, "sampling")
 
 
 def decode_on_ranks(patcher, choice: RanksChoice, latents, options: dict, decode):
@@ -187,12 +168,18 @@ def decode_on_ranks(patcher, choice: RanksChoice, latents, options: dict, decode
     )
     shared = {name: options[name] for name in ("overrides", "compile", "tile_px", "overlap_px", "tiles_per_batch")}
     job = DecodeOnRanks(source, latents.cpu(), shared)
+    return _run_everywhere(group, job, lambda: decode(here), held, "decoding")
+
+
+def _run_everywhere(group: _Group, job, here, held, what: str):
+    """``job`` on the workers and ``here()`` in this process; then what a wrapped host callback kept (``held``) is
+    raised and the workers' figures logged. Whatever stops it closes the workers."""
     try:
-        result = group.workers.run(job, here=lambda: decode(here))
+        result = group.workers.run(job, here=here)
         held.raise_kept()
-        _say_reports("decoding", group.workers.reports)
+        _say_reports(what, group.workers.reports)
     except BaseException as exc:
-        close_group(f"the decode stopped ({type(exc).__name__})")
+        close_group(f"the {what} stopped ({type(exc).__name__})")
         raise
     return result
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from ..memory.policy import place_for_run
 from ..memory.ranks import rank_shares
@@ -93,7 +94,6 @@ class ClipOnRanks:
     memory: str = "auto"
     softmax_ranks: int = 0
     follow: bool = False
-    ranks: int = 2  # the group's ranks, for this rank's share of the memory
 
     def __call__(self, rank: int, device: torch.device, state: dict) -> RankReport:
         first = torch.device("cpu") if self.placement == "stream blocks" else device
@@ -101,7 +101,8 @@ class ClipOnRanks:
         request = dict(self.request)
 
         def fit(packed) -> None:
-            shares = rank_shares(model.cfg, int(packed.positions.shape[0]), self.ranks, self.softmax_ranks)
+            ranks = dist.get_world_size()
+            shares = rank_shares(model.cfg, int(packed.positions.shape[0]), ranks, self.softmax_ranks)
             state["fitted"] = place_for_run(
                 model,
                 packed,
@@ -149,8 +150,6 @@ class DecodeOnRanks:
     options: dict = field(default_factory=dict)
 
     def __call__(self, rank: int, device: torch.device, state: dict) -> RankReport:
-        import torch.distributed as dist
-
         from ..media.tiling import decode_video
 
         vae = _kept(state, "video_vae", self.source, device)
