@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_checks import decode_check
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two or more CUDA devices"
@@ -69,36 +70,13 @@ def evaluation_check(device, world, backend="auto"):
                     assert a.shape == b.shape and err <= BF16_BOUND, (name, softmax_ranks, err)
 
 
-def decode_check(device):
-    """The video decode with each window's tile batches shared among the ranks: rank 0's frames are one rank's."""
-    from h3_core.media.tiling import decode_video
-    from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
-
-    cfg = VideoVAEConfig(
-        decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6, norm_groups=4
-    )
-    torch.manual_seed(4)
-    vae = VideoVAE(cfg).eval()
-    with torch.no_grad():
-        for p in vae.parameters():
-            p.normal_(0, 0.05)
-    vae = vae.to(device=device, dtype=torch.float16)
-    z = torch.randn(24, 12, 6, 10, generator=torch.Generator().manual_seed(5)).to(device)
-    options = dict(tile_px=64, overlap_px=32, tiles_per_batch=2, compile="off")
-    shared = decode_video(vae, z, group=dist.group.WORLD, **options)
-    if dist.get_rank() != 0:
-        assert shared is None
-        return
-    assert torch.equal(shared, decode_video(vae, z, **options))
-
-
 def _rank(rank, world, store):
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         evaluation_check(device, world)
-        decode_check(device)
+        decode_check(device, torch.float16)
     finally:
         dist.destroy_process_group()
 

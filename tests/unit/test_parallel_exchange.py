@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_checks import decode_check
 
 from h3_core.errors import H3InputError
 from h3_core.parallel import (
@@ -50,7 +51,7 @@ def _worker(rank, world, store, rows_total, heads_total):
             _model_check(rank, world, heads_total, hybrid=True, softmax_ranks=softmax_ranks)
         _model_check(rank, world, heads_total, hybrid=True, softmax_ranks=world - 1, dtype=torch.float32)
         _generate_check(rank, world)
-        _decode_check(rank, world)
+        decode_check(torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 
@@ -179,30 +180,6 @@ def _generate_check(rank, world):
         for a, b in zip(shared, alone):
             err = float((a - b).abs().max() / b.abs().max())
             assert err <= 1e-5, (rank, softmax_ranks, err)
-
-
-def _decode_check(rank, world):
-    """The video decoder's tile batches shared among the ranks: rank 0's frames are the one-rank decode's, bit for
-    bit; the other ranks return None."""
-    from h3_core.media.tiling import decode_video
-    from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
-
-    cfg = VideoVAEConfig(
-        decoder_layers=1, decoder_heads=2, decoder_head_dim=16, block_out_channels=(8,) * 6, norm_groups=4
-    )
-    torch.manual_seed(4)
-    vae = VideoVAE(cfg).eval()
-    with torch.no_grad():
-        for p in vae.parameters():
-            p.normal_(0, 0.05)
-    z = torch.randn(24, 12, 6, 10, generator=torch.Generator().manual_seed(5))  # 2 windows, 2 x 3 tiles of 64 px
-    options = dict(tile_px=64, overlap_px=32, tiles_per_batch=2, compile="off")
-    shared = decode_video(vae, z, group=dist.group.WORLD, **options)
-    if rank != 0:
-        assert shared is None
-        return
-    alone = decode_video(vae, z, **options)
-    assert torch.equal(shared, alone)
 
 
 # 2 ranks with 7 heads (4 + 3) and an odd row count; 4 ranks (7 heads: 2, 2, 2, 1) whose last row shard is empty
