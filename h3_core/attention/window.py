@@ -8,6 +8,10 @@ Backends share one signature ``(q, k, v, layout, window, scale) -> out`` on toke
     CUDA, else ref. ``on_run`` is told what actually ran.
 When every window covers all frames the rule keeps every pair and any backend but ``ref`` runs one dense
 call.
+
+``precision="fp8"`` (opt-in, approximate): q, k and v in e4m3 with one scale each and the probabilities
+rounded to e4m3 inside the kernel (``window_fp8``): the decomposed plan on an fp8 kernel (``auto`` resolves
+to it), or the per-frame reference on the emulated kernel (``ref``); flex has no fp8 form.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from . import window_flex
 from .kernels import dense_attention, resolve_kernel
 from .layout import SequenceLayout, WindowSpec, is_full_cover, window_bounds
 from .window_decomposed import window_softmax_decomposed
+from .window_fp8 import window_softmax_fp8, window_softmax_fp8_ref
 from .window_ref import window_softmax_ref
 
 __all__ = [
     "WindowBackend",
     "BACKENDS",
+    "PRECISIONS",
+    "check_precision",
     "WindowRun",
     "window_softmax",
     "resolve_window_backend",
@@ -48,6 +55,8 @@ class WindowBackend(str, Enum):
 
 
 BACKENDS = tuple(b.value for b in WindowBackend)
+# bf16: exact in the inputs' own dtype (whatever it is); fp8: e4m3 inputs and probabilities, faster, approximate.
+PRECISIONS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,18 @@ def resolve_window_backend(backend: str, device: torch.device, dtype: torch.dtyp
     return resolved
 
 
+def check_precision(precision: str, backend: str = "auto") -> str:
+    """``precision`` if it is one of ``PRECISIONS`` and ``backend`` has a form for it, else ``H3InputError``."""
+    if precision not in PRECISIONS:
+        raise H3InputError(f"attention_precision: must be one of {list(PRECISIONS)}, got {precision!r}")
+    if precision == "fp8" and _check_backend(backend) == "flex":
+        raise H3InputError(
+            "attention_precision: 'fp8' runs on window_backend 'auto' or 'decomposed' (or 'ref', emulated), "
+            "got window_backend 'flex'"
+        )
+    return precision
+
+
 def _validate(q, k, v, layout, window):
     if not isinstance(layout, SequenceLayout):
         raise H3InputError(f"layout must be a SequenceLayout, got {type(layout).__name__}")
@@ -148,6 +169,7 @@ def window_softmax(
     backend: str = "auto",
     scale: float | None = None,
     on_run: Callable[[WindowRun], None] | None = None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Softmax attention under the VDN-H3 window rule.
 
@@ -158,6 +180,7 @@ def window_softmax(
         backend: one of ``BACKENDS``. Default: ``"auto"``.
         scale: score scale. Default: ``D ** -0.5``.
         on_run: called with what ran (``WindowRun``) once the call has run.
+        precision: one of ``PRECISIONS`` (see the module docstring). Default: ``"bf16"``, exact.
     Returns:
         ``[T, H, D]`` in q's dtype.
     """
@@ -165,6 +188,15 @@ def window_softmax(
     requested = _check_backend(backend)
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if scale is None else float(scale)
+    if check_precision(precision, requested) == "fp8":
+        name = "ref" if (_forced.get() if requested == "auto" else requested) == "ref" else "decomposed"
+        if name == "ref":
+            out, kernel = window_softmax_fp8_ref(q, k, v, layout, window, scale).to(q.dtype), "emulated"
+        else:
+            out, kernel = window_softmax_fp8(q, k, v, layout, window, scale)
+        if on_run is not None:
+            on_run(WindowRun(requested, name, kernel))
+        return out
     name = resolve_window_backend(requested, q.device, q.dtype, head_dim)
     F = layout.num_frames
     full = is_full_cover(window_bounds(F, window.radius, window.chunk), F)

@@ -1,0 +1,127 @@
+"""The window softmax in fp8: q, k and v quantised to e4m3 once (one scale each), then the decomposed plan's
+dense calls on e4m3 inputs (``fp8.fp8_attention``), the output written in q's dtype.
+
+The dense queries attend to every key in one call. Each window group attends to a staging buffer
+``[extra keys | window slots]`` in e4m3 filled from the quantised k and v (the rotating slots of
+``window_decomposed``), so every query sees all its keys in one call and no extra rounding. The reference,
+``window_softmax_fp8_ref``, quantises the same way and loops over frames with the emulated kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .fp8 import E4M3, Fp8Rows, fp8_attention, quantize_e4m3, resolve_fp8_kernel
+from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
+from .window_decomposed import DEFAULT_STAGE_BYTES, _heads_per_pass, _stage_slots, cached_plan
+
+__all__ = ["window_softmax_fp8", "window_softmax_fp8_ref", "quantized_qkv"]
+
+log = logging.getLogger(__name__)
+_said: set = set()
+
+
+def quantized_qkv(q, k, v) -> tuple[Fp8Rows, Fp8Rows, Fp8Rows]:
+    return quantize_e4m3(q), quantize_e4m3(k), quantize_e4m3(v)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """e4m3 values as their bytes: copies and concatenations of them need no float8 support."""
+    return x.view(torch.uint8)
+
+
+def _gather(x: Fp8Rows, runs) -> Fp8Rows:
+    if len(runs) == 1:
+        return x.rows(slice(*runs[0]))
+    return Fp8Rows(torch.cat([_bytes(x.values[a:b]) for a, b in runs]).view(E4M3), x.descale)
+
+
+def window_softmax_fp8(
+    q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float, *, stage_bytes: int = DEFAULT_STAGE_BYTES
+) -> tuple[torch.Tensor, str]:
+    """The window softmax on e4m3 inputs (see the module docstring); returns the output and the kernel that ran."""
+    kernel = resolve_fp8_kernel(q.device, q.shape[-1])
+    if (str(q.device), kernel) not in _said:
+        _said.add((str(q.device), kernel))
+        log.info("window softmax in fp8 on %s: the decomposed plan on the %s kernel", q.device, kernel)
+    plan = cached_plan(layout, window)
+    q8, k8, v8 = quantized_qkv(q, k, v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.dense_runs:
+        dense_out = fp8_attention(_gather(q8, plan.dense_runs), k8, v8, scale=scale, out_dtype=q.dtype)
+        offset = 0
+        for a, b in plan.dense_runs:
+            out[a:b] = dense_out[offset : offset + b - a]
+            offset += b - a
+        del dense_out
+    if plan.batches:
+        _window_leg(q8, k8, v8, out, plan, scale, stage_bytes)
+    return out, kernel
+
+
+def _window_leg(q8, k8, v8, out, plan, scale, stage_bytes):
+    T, H, D = q8.values.shape
+    extra_rows = sum(b - a for a, b in plan.extra_runs)
+    stage_rows = extra_rows + max(b.k_rows for b in plan.batches)
+    widest = max(plan.batches, key=lambda b: b.q_rows * b.groups)
+    heads = _heads_per_pass(H, max(1, stage_bytes // (2 * stage_rows * D)), widest.q_rows, q8.values.device)
+    for h0 in range(0, H, heads):
+        hs = slice(h0, min(H, h0 + heads))
+        stage_k = torch.empty(stage_rows, hs.stop - hs.start, D, dtype=torch.uint8, device=q8.values.device)
+        stage_v = torch.empty_like(stage_k)
+
+        def load(dst: int, src: int, n: int) -> None:
+            stage_k[dst : dst + n] = _bytes(k8.values[src : src + n, hs])
+            stage_v[dst : dst + n] = _bytes(v8.values[src : src + n, hs])
+
+        offset = 0
+        for a, b in plan.extra_runs:
+            load(offset, a, b - a)
+            offset += b - a
+        keys, values = Fp8Rows(stage_k.view(E4M3), k8.descale), Fp8Rows(stage_v.view(E4M3), v8.descale)
+        for batch in plan.batches:
+            used = slice(0, extra_rows + batch.k_rows)
+            for g in range(batch.groups):
+                for src, dst, n in _stage_slots(batch, g) if batch.k_rows else ():
+                    load(extra_rows + dst, src, n)
+                rows = slice(batch.q_start + g * batch.q_rows, batch.q_start + (g + 1) * batch.q_rows)
+                fp8_attention(
+                    Fp8Rows(q8.values[rows, hs], q8.descale),
+                    keys.rows(used),
+                    values.rows(used),
+                    scale=scale,
+                    out_dtype=out.dtype,
+                    out=out[rows, hs],
+                )
+
+
+def window_softmax_fp8_ref(q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float) -> torch.Tensor:
+    """One emulated fp8 call per video frame over its kept keys, on the same quantised q, k, v: the oracle for
+    ``window_softmax_fp8``'s plan (float32 output)."""
+    q8, k8, v8 = quantized_qkv(q, k, v)
+    F = layout.num_frames
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+    def attend(rows: slice, keys) -> torch.Tensor:
+        kk = k8 if keys is None else Fp8Rows(_bytes(k8.values)[keys].view(E4M3), k8.descale)
+        vv = v8 if keys is None else Fp8Rows(_bytes(v8.values)[keys].view(E4M3), v8.descale)
+        return fp8_attention(q8.rows(rows), kk, vv, scale=scale, out_dtype=torch.float32, kernel="emulated")
+
+    for a, b in layout.global_ranges():
+        out[a:b] = attend(slice(a, b), None)
+    global_rows = [torch.arange(a, b, device=q.device) for a, b in layout.global_ranges()]
+    anchors = anchor_frames(F)
+    for frame, bounds in enumerate(window_bounds(F, window.radius, window.chunk)):
+        q0, q1 = layout.frame_rows(frame)
+        if window.anchor_rows and frame in anchors:
+            out[q0:q1] = attend(slice(q0, q1), None)
+            continue
+        lo, hi = clamped_window(bounds, F)
+        frames = set(range(lo, hi + 1))
+        if window.anchor_columns:
+            frames.update(anchors)
+        video_rows = [torch.arange(*layout.frame_rows(f), device=q.device) for f in sorted(frames)]
+        out[q0:q1] = attend(slice(q0, q1), torch.cat(global_rows + video_rows))
+    return out
