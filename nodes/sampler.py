@@ -221,6 +221,12 @@ class H3Sampler(io.ComfyNode):
         check_choice("latent_form", latent_form, LATENT_FORMS)
         prompt = prompt_of(conditioning)
         width, height, length = canvas.width, canvas.height, canvas.length
+        if settings.attention_precision == "fp8" and getattr(model.model.cfg, "hybrid", False):
+            from ..h3_core.attention.fp8 import resolve_fp8_kernel
+
+            # before anything loads: an error if no fp8 kernel runs on the model's device
+            kernel = resolve_fp8_kernel(model.load_device, model.model.cfg.head_dim)
+            _host.tell(cls.hidden.unique_id, [f"window softmax in fp8 ({kernel} kernel)"])
         if sigmas is not None:
             sigmas = check_sigmas(sigmas)
             steps = int(sigmas.numel()) - 1
@@ -308,6 +314,7 @@ class H3Sampler(io.ComfyNode):
             progress=progress,
             check_cancel=_host.check_cancel,
             backend=settings.window_backend,
+            attention_precision=settings.attention_precision,
             before_sampling=fit,
             compile=settings.compile,
             noise=noise,

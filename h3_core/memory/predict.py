@@ -9,7 +9,9 @@ widths, so it is written here in those units, for the phase of the block where i
 * Attention phase, per head group: the modulated input (1 D), q, k, v from the fused projection (3 I/G),
   q and k normed (2 I/G) and the RoPE temporaries while one of them is rotated (``ROTATE_TEMPS`` I/G); from
   the second group on, the running sum of ``out_proj`` (1 D). With one group, v is a strided view of the
-  fused projection that the attention kernel copies to contiguous memory (1 I).
+  fused projection that the attention kernel copies to contiguous memory (1 I). The fp8 window softmax
+  (``attention_precision="fp8"``) adds its e4m3 copies of q, k and v (1.5 I/G) while the RoPE temporaries are
+  gone and its staging buffers are half the size, so it stays under that phase's peak.
 * Hybrid attention: its peak is inside the linear branch, which holds the group's raw q, k, v (3 I/G) and
   its own buffers, ``BRANCH_BUFFERS`` C/G (the three features, fp32 k̃, ṽ and β·k̃ for the frame
   statistics, and the short convolutions' layout copies), beside the modulated input and the attention

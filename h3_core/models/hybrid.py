@@ -46,6 +46,7 @@ class HybridContext:
     backend: str = "auto"
     text: tuple[int, int] = (0, 0)  # rows [start, stop) of the prompt
     on_window_run: Callable[[WindowRun], None] | None = None  # told what each window softmax ran
+    precision: str = "bf16"  # the window softmax's (attention.window.PRECISIONS)
 
 
 class SoftmaxGate(nn.Module):
@@ -105,7 +106,9 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
         if side is not None:
             readout_total = _branch_beside(side, attn, branch, x, q_raw, k_raw, v, heads, ctx, (r0, r1), inner, grid)
         q, k = attn.normed_rotated(q_raw, k_raw, rope)
-        soft = window_softmax(q, k, v, layout, window, backend=ctx.backend, on_run=ctx.on_window_run)
+        soft = window_softmax(
+            q, k, v, layout, window, backend=ctx.backend, on_run=ctx.on_window_run, precision=ctx.precision
+        )
         del q, k
         # an fp8 out_proj in a fused block takes its rows quantised as they are gated
         attended = block_fused.gate_heads_input(attn.fused, soft, gate[:, heads], quantized)
@@ -155,7 +158,16 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
     q_raw, k_raw, v = attn.project(x)
     q, k = attn.normed_rotated(q_raw, k_raw, rope)
     v = to_heads(v)
-    soft = window_softmax(to_heads(q), to_heads(k), v, layout, window, backend=ctx.backend, on_run=ctx.on_window_run)
+    soft = window_softmax(
+        to_heads(q),
+        to_heads(k),
+        v,
+        layout,
+        window,
+        backend=ctx.backend,
+        on_run=ctx.on_window_run,
+        precision=ctx.precision,
+    )
     del q, k
     out = _softmax_output(attn, heads_to_rows(soft, rows, heads, group), gate)
     del soft
@@ -259,6 +271,7 @@ def _branch_split(attn, x, rope, ctx: HybridContext, shards, branch_rows, inner)
             ctx.window,
             backend=ctx.backend,
             on_run=ctx.on_window_run,
+            precision=ctx.precision,
         )
     else:
         qkv = tuple(got[:, i * count * d : (i + 1) * count * d].reshape(T, count, d) for i in range(3))

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..attention.layout import WindowSpec
+from ..attention.window import check_precision
 from ..errors import H3InputError
 from ..models.hybrid import RELEASE_WINDOW, HybridContext
 from ..parallel.ulysses import RankGroup
@@ -62,6 +63,7 @@ def generate(
     check_cancel: Callable[[], None] | None = None,
     window: WindowSpec = RELEASE_WINDOW,
     backend: str = "auto",
+    attention_precision: str = "bf16",
     before_sampling: Callable[[PackedSequence], None] | None = None,
     compile: str = "auto",
     noise: str = "released",
@@ -80,9 +82,10 @@ def generate(
     and denoise masks for the rest (extend, inpaint: ``h3_core.pipeline.masks``); None generates the whole clip.
     ``sigmas``: a video σ schedule from outside in place of the released one for ``steps``; ``solver``: an integrator
     in place of the released Euler loop, e.g. one of ComfyUI's samplers (both ``sampler.denoise``).
-    For a VDN-H3 model (``model.cfg.hybrid``) ``window`` and ``backend`` pick the window softmax; a plain H3 model
-    ignores them. ``ranks``: run every evaluation across the ranks of a ``parallel.RankGroup`` (every rank calls
-    this with the same arguments and returns the same latents); None runs it in this process alone.
+    For a VDN-H3 model (``model.cfg.hybrid``) ``window``, ``backend`` and ``attention_precision`` (``"bf16"`` exact,
+    ``"fp8"`` approximate: ``attention.window``) pick the window softmax; a plain H3 model ignores them.
+    ``ranks``: run every evaluation across the ranks of a ``parallel.RankGroup`` (every rank calls this with the
+    same arguments and returns the same latents); None runs it in this process alone.
     ``before_sampling(packed)`` is called once the request is packed, before the first evaluation (e.g. to fit
     the model to the device for that sequence). ``compile`` (``"auto"`` / ``"off"``): ``"off"`` runs every
     evaluation on the plain path, no ``torch.compile`` and no Triton kernel (``block_fused.evaluate``); give
@@ -91,6 +94,7 @@ def generate(
     fp32."""
     check_compile(compile)
     check_noise(noise)
+    check_precision(attention_precision, backend)
     T, h, w, Ta = _clip_shape(frames, width, height)
     slots, conditions, audio_rows = [], [], []
     for i, keyframe in enumerate(keyframes):
@@ -124,6 +128,7 @@ def generate(
         check_cancel=check_cancel,
         window=window,
         backend=backend,
+        attention_precision=attention_precision,
         before_sampling=before_sampling,
         compile=compile,
         noise=noise,
@@ -193,6 +198,7 @@ def generate_ref2va(
     check_cancel: Callable[[], None] | None = None,
     window: WindowSpec = RELEASE_WINDOW,
     backend: str = "auto",
+    attention_precision: str = "bf16",
     before_sampling: Callable[[PackedSequence], None] | None = None,
     compile: str = "auto",
     reference_audio_t: float = REFERENCE_AUDIO_T,
@@ -209,6 +215,7 @@ def generate_ref2va(
     the starting draw, ``ranks``: across ranks, as ``generate``."""
     check_compile(compile)
     check_noise(noise)
+    check_precision(attention_precision, backend)
     if not 0.0 < float(reference_audio_t) <= 1.0:
         raise H3InputError(
             f"reference_audio_t must be in (0, 1] (1: the references held clean), got {reference_audio_t!r}"
@@ -235,6 +242,7 @@ def generate_ref2va(
         check_cancel=check_cancel,
         window=window,
         backend=backend,
+        attention_precision=attention_precision,
         before_sampling=before_sampling,
         compile=compile,
         reference_audio_t=float(reference_audio_t),
@@ -272,6 +280,7 @@ def _sample(
     backend,
     before_sampling,
     compile,
+    attention_precision="bf16",
     reference_audio_t=REFERENCE_AUDIO_T,
     noise="released",
     preview=None,
@@ -298,7 +307,7 @@ def _sample(
     hybrid = None
     if getattr(getattr(model, "cfg", None), "hybrid", False):
         text = (int(packed.text_index.min()), int(packed.text_index.max()) + 1)
-        hybrid = HybridContext(packed.layout, window, backend, text)
+        hybrid = HybridContext(packed.layout, window, backend, text, precision=attention_precision)
     if ranks is not None:
         hybrid = ranks.shards(packed.positions.shape[0], model.cfg.heads, hybrid)
     reference_audio = sum(int(rows.shape[0]) for rows in audio_refs)
