@@ -5,6 +5,7 @@ and where the time goes, for each variant in one process.
 Variants: ``dense-bf16`` (plain H3), ``bf16-decomposed``, ``bf16-flex``, ``fp8-decomposed``, ``fp8-flex``
 (VDN-H3 with the release window; fp8 = the fp8 linears of ``h3_core.models.fp8_linear``). The variants run in
 that order, whatever the order asked: the model is quantised in place for the first fp8 one.
+``--attention-precision bf16 fp8`` runs each VDN-H3 variant with the exact and the fp8 window softmax.
 ``--low-memory G:R`` runs attention and the branch in G head groups and the FFN over R rows at a time.
 ``--cap-gib`` (one variant) lets the memory model plan for that much device memory (``plan_for_memory``:
 lower-memory paths, AdaLN projections in host memory, block streaming), applies the plan and then limits the
@@ -225,6 +226,14 @@ def main(argv=None) -> dict:
         help="a hybrid block's linear branch on a second CUDA stream beside the window softmax, or serial (the "
         "default); several: each hybrid variant once per choice",
     )
+    parser.add_argument(
+        "--attention-precision",
+        nargs="*",
+        default=["bf16"],
+        choices=("bf16", "fp8"),
+        help="the window softmax's precision (attention.window.PRECISIONS); several: each hybrid variant once per "
+        "choice",
+    )
     parser.add_argument("--gpus", type=int, default=1, help="ranks to run each evaluation across (one per GPU)")
     parser.add_argument(
         "--softmax-ranks", type=int, default=0, help="with --gpus: VDN-H3's branch split, n softmax ranks (0: none)"
@@ -277,14 +286,18 @@ def main(argv=None) -> dict:
     simulated = args.fake_ranks > 1
     if simulated and (spread or args.cap_gib is not None):
         parser.error("--fake-ranks runs one process alone: leave out --gpus and --cap-gib")
+    precisions = list(dict.fromkeys(args.attention_precision))
     runs_of = [
-        (v, b, r)
+        (v, b, p, r)
         for v in ordered
         for b in (streams if not v.startswith("dense") else streams[:1])
+        for p in (precisions if not v.startswith("dense") else ["bf16"])
         for r in (args.fake_rank if simulated else [None])
     ]
-    for variant, stream, fake_rank in runs_of:
+    for variant, stream, precision, fake_rank in runs_of:
         key = variant if len(streams) == 1 or variant.startswith("dense") else f"{variant}/branch-stream-{stream}"
+        if precision != "bf16":
+            key += f"/attention-{precision}"
         if fake_rank is not None:
             key += f"/rank{fake_rank}-of-{args.fake_ranks}"
             ranks.join_fake(fake_rank, args.fake_ranks)
@@ -298,7 +311,9 @@ def main(argv=None) -> dict:
                 torch.cuda.empty_cache()
         backend = variant.split("-")[-1] if hybrid else None
         runs = []  # what each window softmax ran
-        ctx = HybridContext(packed.layout, window, backend, (0, setup["text"]), runs.append) if hybrid else None
+        ctx = None
+        if hybrid:
+            ctx = HybridContext(packed.layout, window, backend, (0, setup["text"]), runs.append, precision=precision)
         if spread or simulated:
             ctx = SequenceShards.of(shape.rows, cfg.heads, inner=ctx, softmax_ranks=args.softmax_ranks if hybrid else 0)
         plan = None
@@ -327,6 +342,8 @@ def main(argv=None) -> dict:
             stats["allocated_before_gib"] = before
             if hybrid:
                 stats["window_backend"] = runs[-1].backend if runs else None  # a branch rank runs none
+                stats["window_kernel"] = runs[-1].kernel if runs else None
+                stats["attention_precision"] = precision
             # Weights counted as loaded: the branch's parameters are on the device in every variant here.
             if plan is not None:
                 predicted = plan.predicted

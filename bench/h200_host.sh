@@ -25,6 +25,9 @@
 #   rank-shares bench/dit_step.py's one rank's share of an evaluation alone on this GPU (--fake-ranks) for the
 #             layouts of 2, 4 and 8 GPUs and 8 with the branch split 6 + 2: each rank's peak and its own seconds,
 #             beside one GPU's whole evaluation
+#   fp8-attention  the fp8 window softmax: nvidia-cudnn-frontend's wheel (carried as .whl_cudnn) installed into
+#             $SITE, its GPU tests, bench/fp8_attention.py (errors and the window softmax's milliseconds) and
+#             bench/dit_step.py's evaluation with the exact and the fp8 window softmax, fp8 and bf16 linears
 #   load      bench/dit_load.py on the files e2e-write wrote: the DiT loader's and the move to the GPU's seconds, each
 #             profiled
 #   e2e-write, e2e-cold, e2e-restart
@@ -153,6 +156,13 @@ for part in "$@"; do
                     --fused-blocks compiled --reps 3 --fake-ranks "$world" --softmax-ranks "$split" \
                     --fake-rank $which --out "$out/rank_shares_${world}_${split}.json"
             done ;;
+        fp8-attention)
+            run cudnn_install python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
+                --target "$site" .whl_cudnn/*.whl
+            run fp8_attention_tests python3 -m pytest -q -p no:warnings -rs tests/gpu/test_fp8_attention_cuda.py
+            run fp8_attention python3 bench/fp8_attention.py --out "$out/fp8_attention.json"
+            run dit_step_fp8_attention python3 bench/dit_step.py --variants bf16-decomposed fp8-decomposed \
+                --fused-blocks compiled --attention-precision bf16 fp8 --reps 3 --out "$out/dit_step_fp8_attention.json" ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
 done

@@ -58,6 +58,24 @@ def test_dit_step(tmp_path):
     assert HEADER <= set(result) and {"rows", "variants"} <= set(result)
 
 
+def test_dit_step_with_the_fp8_window_softmax(tmp_path):
+    args = ("--tiny", "--reps", "1", "--variants", "bf16-decomposed", "--attention-precision", "bf16", "fp8")
+    variants = dry_run(tmp_path, "dit_step.py", *args)["variants"]
+    assert set(variants) == {"bf16-decomposed", "bf16-decomposed/attention-fp8"}
+    fp8 = variants["bf16-decomposed/attention-fp8"]
+    assert (fp8["attention_precision"], fp8["window_kernel"]) == ("fp8", "emulated")
+
+
+def test_fp8_attention(tmp_path):
+    result = dry_run(tmp_path, "fp8_attention.py", "--tiny", "--reps", "1", "--steps", "1")
+    assert HEADER <= set(result) and result["fp8_kernel"] == "emulated"
+    calls, model = result["calls"], result["model"]
+    for kind in ("random", "outliers"):
+        assert 0 < calls[kind]["bf16_rel_err_vs_fp32"] < calls[kind]["fp8_rel_err_vs_fp32"]
+    assert 0 < model["velocity"]["video"]["rel_err"] < 0.1 and model["velocity"]["video"]["cosine"] > 0.99
+    assert model["trajectory"]["steps"] == 1 and set(model["trajectory"]["seconds"]) == {"bf16", "fp8"}
+
+
 def test_dit_step_across_ranks(tmp_path):
     """``--gpus 2`` with the branch split: two gloo ranks launched by the script, each rank's seconds and the
     seconds spent in the collectives written by rank 0."""
