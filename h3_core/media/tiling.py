@@ -18,6 +18,7 @@ device memory does not grow with the clip.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -320,8 +321,9 @@ def decode_tiled(
         # Frames before the next window's first kept frame are final: that one is cross-faded with this tail.
         ready = plan.num_frames if last else min(plan.num_frames, plan.output_start(index + 1))
         if on_frames is not None and ready > announced:
-            sink.flush()
-            on_frames(announced, (sink.out if sink.pixels is None else sink.pixels)[announced:ready])
+            # handed on once copied off the device (seen at a later row's copy): the device never waits for it
+            frames = (sink.out if sink.pixels is None else sink.pixels)[announced:ready]
+            sink.when_written(functools.partial(on_frames, announced, frames))
             announced = ready
     if sink is None:
         return None
@@ -395,15 +397,37 @@ class _HostSink:
 
     From CUDA into pinned memory, each frame's rows (contiguous in ``out``) are copied asynchronously on
     the decoding stream; into pageable memory, the rows go asynchronously to a pinned staging tensor and
-    are written into ``out`` by the host while the device decodes the next tile row. ``close`` waits for
-    every copy. Anything else (CPU decoding, or ``out`` on the decoder's device) is a plain copy."""
+    are written into ``out`` by the host while the device decodes the next tile row. ``when_written`` runs a
+    callback once the rows put so far have arrived, noticed at a later ``put`` or at ``close``, so handing
+    finished frames on never waits for the device. ``close`` waits for every copy. Anything else (CPU decoding,
+    or ``out`` on the decoder's device) is a plain copy."""
 
     def __init__(self, out: torch.Tensor, device: torch.device, pixels: torch.Tensor | None = None):
         self.out, self.pixels = out, pixels
         self.staged = None  # (event, [(target, pinned rows)], frame0, top, stop) still being copied off the device
+        self.waiting: list = []  # (event or None, callback): run, in order, once the rows before them arrived
         self.mode = "plain"
         if device.type == "cuda" and out.device.type == "cpu":
             self.mode = "pinned" if out.is_pinned() and (pixels is None or pixels.is_pinned()) else "staged"
+
+    def when_written(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once every row put so far is in ``out`` (and ``pixels``)."""
+        if self.mode == "plain" or (self.mode == "staged" and self.staged is None and not self.waiting):
+            callback()
+            return
+        event = None
+        if self.mode == "pinned":
+            event = torch.cuda.Event()
+            event.record()
+        self.waiting.append((event, callback))
+
+    def _run_arrived(self, everything: bool = False) -> None:
+        while self.waiting:
+            event, callback = self.waiting[0]
+            if not everything and (self.staged is not None if event is None else not event.query()):
+                return
+            self.waiting.pop(0)
+            callback()
 
     def put(self, frame0: int, top: int, stop: int, rows: torch.Tensor) -> None:
         """``rows`` ``[f, stop - top, W, 3]`` on the decoder's device, already in ``out``'s dtype."""
@@ -427,6 +451,7 @@ class _HostSink:
             event.record()
             self._drain()
             self.staged = (event, staged, frame0, top, stop)
+        self._run_arrived()
 
     def _drain(self) -> None:
         if self.staged is not None:
@@ -435,15 +460,14 @@ class _HostSink:
             for target, pinned in staged:
                 target[frame0 : frame0 + pinned.shape[0], top:stop] = pinned
             self.staged = None
+            self._run_arrived()  # the callbacks given after these rows and before the next ones
 
-    def flush(self) -> None:
-        """Wait until every row put so far is in ``out`` (and ``pixels``)."""
+    def close(self) -> torch.Tensor:
+        """Wait until every row put so far is in ``out`` (and ``pixels``), run the callbacks still waiting."""
         self._drain()
         if self.mode == "pinned":
             torch.cuda.current_stream().synchronize()
-
-    def close(self) -> torch.Tensor:
-        self.flush()
+        self._run_arrived(everything=True)
         return self.out
 
 

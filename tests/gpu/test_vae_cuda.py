@@ -53,13 +53,26 @@ def test_frames_copied_off_the_device_in_every_way_are_the_cpu_frames(vae_cpu, z
     frames = decode_video(vae, z.cuda(), tiles_per_batch=3, out=out)
     assert frames.device.type == ("cuda" if where == "device" else "cpu")
     torch.testing.assert_close(frames.cpu(), expected, atol=2e-4, rtol=0)
-    # the frames handed over as the mp4's 8-bit values, made on the GPU: those of the frames returned
-    announced = []
+    # the frames handed over as the mp4's 8-bit values, made on the GPU: those of the frames returned, each
+    # window's handed on while the next one decodes (once its rows were seen to arrive), the last at the end
+    announced, ticks, seen_at = [], [], []
+
+    def on_frames(start, values):
+        announced.append(values.clone())
+        seen_at.append(len(ticks))
+
     out = None if out is None else torch.empty_like(out)
     frames = decode_video(
-        vae, z.cuda(), tiles_per_batch=3, out=out, on_frames=lambda s, f: announced.append(f.clone()), uint8_frames=True
+        vae,
+        z.cuda(),
+        tiles_per_batch=3,
+        out=out,
+        on_frames=on_frames,
+        uint8_frames=True,
+        progress=lambda d, t: ticks.append(d),
     )
     assert torch.equal(torch.cat(announced), pixels_uint8(frames).cpu())
+    assert len(announced) == 2 and seen_at[0] < len(ticks) == seen_at[1]
 
 
 def test_compiled_blocks_give_the_eager_frames(vae_cpu, z, expected):
