@@ -28,6 +28,8 @@
 #   fp8-attention  the fp8 window softmax: nvidia-cudnn-frontend's wheel (carried as .whl_cudnn) installed into
 #             $SITE, its GPU tests, bench/fp8_attention.py (errors and the window softmax's milliseconds) and
 #             bench/dit_step.py's evaluation with the exact and the fp8 window softmax, fp8 and bf16 linears
+#   decode-stage  bench/decode_stage.py: the decode bench's call and the node's decode into an mp4, cool and after
+#             80 s of matrix products, with torch's allocator and with cudaMallocAsync (what ComfyUI sets)
 #   load      bench/dit_load.py on the files e2e-write wrote: the DiT loader's and the move to the GPU's seconds, each
 #             profiled
 #   e2e-write, e2e-cold, e2e-restart
@@ -163,6 +165,11 @@ for part in "$@"; do
             run fp8_attention python3 bench/fp8_attention.py --out "$out/fp8_attention.json"
             run dit_step_fp8_attention python3 bench/dit_step.py --variants bf16-decomposed fp8-decomposed \
                 --fused-blocks compiled --attention-precision bf16 fp8 --reps 3 --out "$out/dit_step_fp8_attention.json" ;;
+        decode-stage)
+            run decode_stage_native python3 bench/decode_stage.py --plan bench node bench node heat80 bench node \
+                --out "$out/decode_stage_native.json"
+            PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync run decode_stage_async python3 bench/decode_stage.py \
+                --plan bench node heat40 bench node --out "$out/decode_stage_async.json" ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
 done

@@ -76,6 +76,13 @@ def test_fp8_attention(tmp_path):
     assert model["trajectory"]["steps"] == 1 and set(model["trajectory"]["seconds"]) == {"bf16", "fp8"}
 
 
+def test_decode_stage(tmp_path):
+    result = dry_run(tmp_path, "decode_stage.py", "--tiny", "--plan", "bench", "node", "heat0")
+    assert HEADER <= set(result) and [step["kind"] for step in result["steps"]] == ["bench", "node", "heat0"]
+    bench, node = result["steps"][:2]
+    assert bench["tiles"] == node["tiles"] > 0 and node["mp4_tail_s"] >= 0 and bench["mp4_tail_s"] is None
+
+
 def test_dit_step_across_ranks(tmp_path):
     """``--gpus 2`` with the branch split: two gloo ranks launched by the script, each rank's seconds and the
     seconds spent in the collectives written by rank 0."""
