@@ -186,6 +186,11 @@ def _build_cudnn_graph(cudnn, handle, q, k, v, o_dims, o_strides, scale, out_fp8
 _bf16_output: dict[str, bool] = {}  # per device: whether cuDNN writes a bf16 output from e4m3 inputs there
 
 
+def writes_e4m3_output(device: torch.device) -> bool:
+    """Whether cuDNN's fp8 attention on ``device`` (a tensor's, with its index) writes e4m3 outputs, widened after."""
+    return not _bf16_output.get(str(device), True)
+
+
 def _cudnn_graph(cudnn, handle, q, k, v, out, scale) -> _CudnnGraph:
     device = str(q.device)
     o_dims, o_strides = _head_major_dims(out)
@@ -317,7 +322,7 @@ def _trial(kernel: _Fp8Kernel, device: torch.device, head_dim: int) -> str | Non
         got = kernel.run(*args, scale, torch.bfloat16, out=out)
     except Exception as exc:  # any failure just rules the kernel out
         return f"trial call failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    out_fp8 = kernel.name == "cudnn_fp8" and not _bf16_output.get(str(device), True)
+    out_fp8 = kernel.name == "cudnn_fp8" and writes_e4m3_output(q.device)
     ref = fp8_attention_reference(*args, scale, out_fp8)
     err = ((got.float() - ref).norm() / ref.norm()).item()
     if not err < TRIAL_TOLERANCE:
