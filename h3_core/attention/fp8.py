@@ -6,8 +6,7 @@ inverse as a float32 ``descale`` on the device (no host sync). Inside the kernel
 ``P_SCALE`` and rounded to e4m3 before they meet ``v8``; the row sums are taken before that rounding.
 
 Kernels (``FP8_KERNELS``), best first:
-  * ``cudnn_fp8`` — cuDNN's FP8 SDPA forward through ``nvidia-cudnn-frontend`` (Hopper and later). Where the
-    device cannot write a bf16 output from it, the output is written in e4m3 on v's own scale and widened.
+  * ``cudnn_fp8`` — cuDNN's FP8 SDPA forward through ``nvidia-cudnn-frontend`` (Hopper and later; ``fp8_cudnn``).
   * ``emulated`` — the same roundings in float32 matmuls, on any device: the reference every kernel is checked
     against, and what runs on the CPU (the fp8 kernels' rounding, none of their speed).
 
@@ -19,16 +18,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
 from ..errors import H3BackendUnavailable, H3InputError
-from ._lru import BoundedLRU
+from . import fp8_cudnn
 from .convert import scale_convert
-from .kernels import DeviceFacts, _optional_module, device_facts
+from .kernels import device_facts
 
 __all__ = [
     "E4M3",
@@ -113,159 +111,10 @@ def _emulated(q, k, v, scale, out_dtype, out=None, out_fp8=False):
     return out
 
 
-@dataclass
-class _CudnnGraph:
-    graph: object
-    workspace: int
-    out_fp8: bool
-
-
-_graphs = BoundedLRU(64)
-_graph_lock = threading.Lock()
-_handles = threading.local()
-_UID_Q, _UID_K, _UID_V, _UID_O, _UID_AMAX_S, _UID_AMAX_O = 1, 2, 3, 4, 5, 6
-_UID_SCALARS = (7, 8, 9, 10, 11, 12)  # descale q, k, v, s; scale s, o
-
-
-def _head_major_dims(x: torch.Tensor):
-    """cuDNN's [B, H, T, D] description of a token-major [B, T, H, D] tensor."""
-    B, T, H, D = x.shape
-    s = x.stride()
-    return [B, H, T, D], [s[0], s[2], s[1], s[3]]
-
-
-def _cudnn_handle(cudnn, device: torch.device):
-    handles = getattr(_handles, "by_device", None)
-    if handles is None:
-        handles = _handles.by_device = {}
-    if device not in handles:
-        with torch.cuda.device(device):
-            handles[device] = cudnn.create_handle()
-    cudnn.set_stream(handle=handles[device], stream=torch.cuda.current_stream(device).cuda_stream)
-    return handles[device]
-
-
-def _build_cudnn_graph(cudnn, handle, q, k, v, o_dims, o_strides, scale, out_fp8):
-    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-    graph = cudnn.pygraph(handle=handle, io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32)
-    tensors = []
-    for name, uid, x in (("q", _UID_Q, q), ("k", _UID_K, k), ("v", _UID_V, v)):
-        dims, strides = _head_major_dims(x)
-        tensors.append(graph.tensor(name=name, dim=dims, stride=strides, data_type=e4m3, uid=uid))
-    scalars = [
-        graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32, uid=uid)
-        for name, uid in zip(("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"), _UID_SCALARS)
-    ]
-    o, _, amax_s, amax_o = graph.sdpa_fp8(
-        q=tensors[0],
-        k=tensors[1],
-        v=tensors[2],
-        descale_q=scalars[0],
-        descale_k=scalars[1],
-        descale_v=scalars[2],
-        descale_s=scalars[3],
-        scale_s=scalars[4],
-        scale_o=scalars[5],
-        generate_stats=False,
-        attn_scale=scale,
-        use_causal_mask=False,
-        name="h3_fp8_window",
-    )
-    o.set_uid(_UID_O).set_output(True).set_dim(o_dims).set_stride(o_strides)
-    o.set_data_type(e4m3 if out_fp8 else cudnn.data_type.BFLOAT16)
-    for amax, uid in ((amax_s, _UID_AMAX_S), (amax_o, _UID_AMAX_O)):
-        amax.set_uid(uid).set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
-    graph.validate()
-    graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
-    return _CudnnGraph(graph, graph.get_workspace_size(), out_fp8)
-
-
-_bf16_output: dict[str, bool] = {}  # per device: whether cuDNN writes a bf16 output from e4m3 inputs there
-
-
-def writes_e4m3_output(device: torch.device) -> bool:
-    """Whether cuDNN's fp8 attention on ``device`` (a tensor's, with its index) writes e4m3 outputs, widened after."""
-    return not _bf16_output.get(str(device), True)
-
-
-def _cudnn_graph(cudnn, handle, q, k, v, out, scale) -> _CudnnGraph:
-    device = str(q.device)
-    o_dims, o_strides = _head_major_dims(out)
-    key = (device, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), tuple(o_strides), scale)
-
-    def build():
-        if _bf16_output.get(device, True):
-            try:
-                built = _build_cudnn_graph(cudnn, handle, q, k, v, o_dims, o_strides, scale, out_fp8=False)
-                _bf16_output[device] = True
-                return built
-            except Exception as exc:  # the engines of this device take e4m3 outputs only
-                log.info("cuDNN fp8 attention on %s writes e4m3 outputs (a bf16 output was refused: %s)", device, exc)
-                _bf16_output[device] = False
-        # the e4m3 output goes to a contiguous buffer of q's shape, widened into ``out`` afterwards
-        B, T, H, D = q.shape
-        dims, strides = [B, H, T, D], [T * H * D, D, H * D, 1]
-        return _build_cudnn_graph(cudnn, handle, q, k, v, dims, strides, scale, out_fp8=True)
-
-    with _graph_lock:
-        return _graphs.get_or_build(key, build)
-
-
-_constants: dict[str, dict[str, torch.Tensor]] = {}
-
-
-def _device_constants(device: torch.device) -> dict[str, torch.Tensor]:
-    key = str(device)
-    if key not in _constants:
-        full = lambda value: torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=device)  # noqa: E731
-        _constants[key] = {"one": full(1.0), "p_scale": full(P_SCALE), "p_descale": full(1.0 / P_SCALE)}
-    return _constants[key]
-
-
 def _cudnn_fp8(q, k, v, scale, out_dtype, out=None, out_fp8=False):
-    cudnn = _optional_module("cudnn")
-    device = q.values.device
-    handle = _cudnn_handle(cudnn, device)
     if out is None:
-        out = torch.empty(q.values.shape, dtype=out_dtype, device=device)
-    entry = _cudnn_graph(cudnn, handle, q.values, k.values, v.values, out, scale)
-    target = torch.empty(q.values.shape, dtype=E4M3, device=device) if entry.out_fp8 else out
-    const = _device_constants(device)
-    amax = torch.empty(2, 1, 1, 1, 1, dtype=torch.float32, device=device)
-    buffers = {
-        _UID_Q: q.values,
-        _UID_K: k.values,
-        _UID_V: v.values,
-        _UID_O: target,
-        _UID_AMAX_S: amax[0],
-        _UID_AMAX_O: amax[1],
-    }
-    descales = (q.descale, k.descale, v.descale, const["p_descale"], const["p_scale"])
-    # an e4m3 output is written on v's scale (scale_o = 1 / descale_v), where it cannot saturate
-    scale_o = (1.0 / v.descale) if entry.out_fp8 else const["one"]
-    for uid, value in zip(_UID_SCALARS, (*descales, scale_o)):
-        buffers[uid] = value.reshape(1, 1, 1, 1)
-    workspace = torch.empty(max(entry.workspace, 1), dtype=torch.uint8, device=device)
-    entry.graph.execute(buffers, workspace, handle=handle)
-    if entry.out_fp8:
-        for b in range(out.shape[0]):
-            scale_convert(target[b], out[b], v.descale)
-    return out
-
-
-def _cudnn_check(facts: DeviceFacts, head_dim: int) -> str | None:
-    if facts.type != "cuda" or facts.rocm:
-        return "needs an NVIDIA GPU"
-    if facts.capability is None or facts.capability < (9, 0):
-        return f"cuDNN's fp8 attention needs compute capability >= 9.0, device has {facts.capability}"
-    if head_dim % 16 or head_dim > 256:
-        return f"head_dim {head_dim} must be a multiple of 16 and <= 256"
-    if _optional_module("cudnn") is None:
-        return "'cudnn' is not importable (install nvidia-cudnn-frontend)"
-    return None
+        out = torch.empty(q.values.shape, dtype=out_dtype, device=q.values.device)
+    return fp8_cudnn.run(q.values, k.values, v.values, (q.descale, k.descale, v.descale), scale, P_SCALE, out)
 
 
 @dataclass(frozen=True)
@@ -276,7 +125,7 @@ class _Fp8Kernel:
 
 
 _KERNELS = {
-    "cudnn_fp8": _Fp8Kernel("cudnn_fp8", _cudnn_fp8, _cudnn_check),
+    "cudnn_fp8": _Fp8Kernel("cudnn_fp8", _cudnn_fp8, fp8_cudnn.unavailable),
     # float32 matmuls over whole score rows: on a GPU only when asked for by name (tests, error tables)
     "emulated": _Fp8Kernel(
         "emulated",
@@ -322,7 +171,7 @@ def _trial(kernel: _Fp8Kernel, device: torch.device, head_dim: int) -> str | Non
         got = kernel.run(*args, scale, torch.bfloat16, out=out)
     except Exception as exc:  # any failure just rules the kernel out
         return f"trial call failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    out_fp8 = kernel.name == "cudnn_fp8" and writes_e4m3_output(q.device)
+    out_fp8 = kernel.name == "cudnn_fp8" and fp8_cudnn.writes_e4m3_output(q.device, torch.bfloat16)
     ref = fp8_attention_reference(*args, scale, out_fp8)
     err = ((got.float() - ref).norm() / ref.norm()).item()
     if not err < TRIAL_TOLERANCE:

@@ -5,7 +5,7 @@ exact path reproducible run to run (skipped without CUDA; the cuDNN checks witho
 import pytest
 import torch
 
-from h3_core.attention import SequenceLayout, WindowSpec, window_softmax
+from h3_core.attention import SequenceLayout, WindowSpec, fp8_cudnn, window_softmax
 from h3_core.attention import fp8 as fp8_mod
 from h3_core.attention.convert import scale_convert, scale_convert_reference
 from h3_core.attention.fp8 import Fp8Rows, fp8_attention, fp8_attention_reference, quantize_e4m3, resolve_fp8_kernel
@@ -52,7 +52,7 @@ def test_cudnn_fp8_is_the_emulated_kernel(rows):
     view = [Fp8Rows(x.values[:, heads], x.descale) for x in (q8, k8, v8)]
     out = torch.zeros(tq, 8, 128, device=DEV, dtype=torch.bfloat16)
     fp8_attention(*view, out=out[:, heads], kernel="cudnn_fp8")
-    out_fp8 = fp8_mod.writes_e4m3_output(out.device)
+    out_fp8 = fp8_cudnn.writes_e4m3_output(out.device, out.dtype)
     want = fp8_attention_reference(*view, 128**-0.5, out_fp8)[0]
     assert rel(out[:, heads], want) < fp8_mod.TRIAL_TOLERANCE
     assert (out[:, :2] == 0).all() and (out[:, 6:] == 0).all()

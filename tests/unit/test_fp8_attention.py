@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from h3_core.attention import SequenceLayout, WindowSpec, window_softmax
+from h3_core.attention import SequenceLayout, WindowSpec, fp8_cudnn, window_softmax
 from h3_core.attention import fp8 as fp8_mod
 from h3_core.attention.fp8 import (
     E4M3,
@@ -161,7 +161,7 @@ def test_what_is_refused():
 
 def test_a_gpu_without_an_fp8_kernel_is_an_error_that_says_why(monkeypatch):
     monkeypatch.setattr(fp8_mod, "device_facts", lambda device: DeviceFacts("cuda", (9, 0)))
-    monkeypatch.setattr(fp8_mod, "_optional_module", lambda name: None)
+    monkeypatch.setattr(fp8_cudnn, "_optional_module", lambda name: None)
     with pytest.raises(H3BackendUnavailable) as caught:
         resolve_fp8_kernel("cuda:7", 128)
     message = str(caught.value)
