@@ -38,6 +38,7 @@ __all__ = [
     "fp8_attention",
     "fp8_attention_reference",
     "resolve_fp8_kernel",
+    "fp8_kernel_refusals",
     "force_fp8_kernel",
 ]
 
