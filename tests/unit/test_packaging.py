@@ -30,7 +30,8 @@ HOST_MODULES = TORCH_FAMILY | {
 }
 # Kernel packages used when importable, never installed by the pack (h3_core.triton_forms and
 # h3_core.attention.kernels import them inside try blocks; the pack runs its PyTorch paths without them).
-OPTIONAL_MODULES = {"triton", "flash_attn", "flash_attn_interface"}
+# cudnn (nvidia-cudnn-frontend) serves only the opt-in fp8 window softmax (h3_core.attention.fp8_cudnn).
+OPTIONAL_MODULES = {"triton", "flash_attn", "flash_attn_interface", "cudnn"}
 # comfy-kitchen is declared for the quantized linears built on its kernels, before this tree imports it.
 DECLARED_NOT_YET_IMPORTED = {"comfy-kitchen"}
 
