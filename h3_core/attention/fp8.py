@@ -15,8 +15,6 @@ Shapes: token-major ``[T, H, D]`` or ``[B, T, H, D]``, any strides with a contig
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -39,7 +37,6 @@ __all__ = [
     "fp8_attention_reference",
     "resolve_fp8_kernel",
     "fp8_kernel_refusals",
-    "force_fp8_kernel",
 ]
 
 log = logging.getLogger(__name__)
@@ -135,21 +132,9 @@ _KERNELS = {
     ),
 }
 _probed: dict[tuple, tuple[str, tuple]] = {}
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("h3_forced_fp8_kernel", default=None)
 # A kernel's output against the reference's on the trial: the two round the probabilities under different running
 # maxima and sum in different orders, so they differ by a fraction of one e4m3 rounding.
 TRIAL_TOLERANCE = 2e-2
-
-
-@contextlib.contextmanager
-def force_fp8_kernel(name: str):
-    """Run every fp8 attention inside the block with kernel ``name`` (an error if it cannot run)."""
-    _check_name(name)
-    token = _forced.set(name)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
 
 
 def _check_name(name: str) -> None:
@@ -182,8 +167,7 @@ def _trial(kernel: _Fp8Kernel, device: torch.device, head_dim: int) -> str | Non
 
 def resolve_fp8_kernel(device: torch.device, head_dim: int, kernel: str | None = None) -> str:
     """The kernel fp8 attention uses on ``device`` (probed on first use); an explicit one that cannot run raises."""
-    device = torch.device(device)
-    name = kernel or _forced.get()
+    device, name = torch.device(device), kernel
     if name is not None:
         _check_name(name)
     key = (str(device), head_dim, name)
@@ -219,7 +203,7 @@ def resolve_fp8_kernel(device: torch.device, head_dim: int, kernel: str | None =
 def fp8_kernel_refusals(device: torch.device, head_dim: int) -> tuple[tuple[str, str], ...]:
     """Why the kernels better than the one chosen on ``device`` were passed over."""
     resolve_fp8_kernel(device, head_dim)
-    return _probed[(str(torch.device(device)), head_dim, _forced.get())][1]
+    return _probed[(str(torch.device(device)), head_dim, None)][1]
 
 
 def fp8_attention(
@@ -238,7 +222,7 @@ def fp8_attention(
         q, k, v: ``Fp8Rows`` of ``[T, H, D]`` / ``[B, T, H, D]`` token-major e4m3 values (k and v of equal shape).
         scale: score scale. Default: ``D ** -0.5``.
         out: a preallocated output of q's shape in ``out_dtype`` to write into (it is returned).
-        kernel: one of ``FP8_KERNELS``. Default: the probed choice (or ``force_fp8_kernel``'s).
+        kernel: one of ``FP8_KERNELS``. Default: the probed choice.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Fp8Rows) or x.values.dtype != E4M3:

@@ -152,14 +152,18 @@ def _groups(x: torch.Tensor, start: int, groups: int, rows: int, step: int) -> t
     )
 
 
+def _put_rows(out: torch.Tensor, values: torch.Tensor, runs) -> None:
+    """``values`` (the rows of ``runs`` one after the other, as ``_rows`` gathers them) written back into ``out``."""
+    offset = 0
+    for a, b in runs:
+        out[a:b] = values[offset : offset + b - a]
+        offset += b - a
+
+
 def _dense_leg(q, k, v, out, plan, scale):
     if not plan.dense_runs:
         return
-    dense_out = dense_attention(_rows(q, plan.dense_runs), k, v, scale=scale).out
-    offset = 0
-    for a, b in plan.dense_runs:
-        out[a:b] = dense_out[offset : offset + b - a]
-        offset += b - a
+    _put_rows(out, dense_attention(_rows(q, plan.dense_runs), k, v, scale=scale).out, plan.dense_runs)
 
 
 def _window_leg_merge(q, k, v, out, plan, scale, slab_bytes):

@@ -14,8 +14,9 @@ import logging
 import torch
 
 from .fp8 import E4M3, Fp8Rows, fp8_attention, quantize_e4m3, resolve_fp8_kernel
-from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
-from .window_decomposed import DEFAULT_STAGE_BYTES, _heads_per_pass, _stage_slots, cached_plan
+from .layout import SequenceLayout, WindowSpec
+from .window_decomposed import DEFAULT_STAGE_BYTES, _heads_per_pass, _put_rows, _rows, _stage_slots, cached_plan
+from .window_ref import frame_keys
 
 __all__ = ["window_softmax_fp8", "window_softmax_fp8_ref", "quantized_qkv"]
 
@@ -32,12 +33,6 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
 
 
-def _gather(x: Fp8Rows, runs) -> Fp8Rows:
-    if len(runs) == 1:
-        return x.rows(slice(*runs[0]))
-    return Fp8Rows(torch.cat([_bytes(x.values[a:b]) for a, b in runs]).view(E4M3), x.descale)
-
-
 def window_softmax_fp8(
     q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float, *, stage_bytes: int = DEFAULT_STAGE_BYTES
 ) -> tuple[torch.Tensor, str]:
@@ -50,12 +45,8 @@ def window_softmax_fp8(
     q8, k8, v8 = quantized_qkv(q, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.dense_runs:
-        dense_out = fp8_attention(_gather(q8, plan.dense_runs), k8, v8, scale=scale, out_dtype=q.dtype)
-        offset = 0
-        for a, b in plan.dense_runs:
-            out[a:b] = dense_out[offset : offset + b - a]
-            offset += b - a
-        del dense_out
+        dense_q = Fp8Rows(_rows(_bytes(q8.values), plan.dense_runs).view(E4M3), q8.descale)
+        _put_rows(out, fp8_attention(dense_q, k8, v8, scale=scale, out_dtype=q.dtype), plan.dense_runs)
     if plan.batches:
         _window_leg(q8, k8, v8, out, plan, scale, stage_bytes)
     return out, kernel
@@ -101,27 +92,9 @@ def window_softmax_fp8_ref(q, k, v, layout: SequenceLayout, window: WindowSpec, 
     """One emulated fp8 call per video frame over its kept keys, on the same quantised q, k, v: the oracle for
     ``window_softmax_fp8``'s plan (float32 output)."""
     q8, k8, v8 = quantized_qkv(q, k, v)
-    F = layout.num_frames
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-
-    def attend(rows: slice, keys) -> torch.Tensor:
+    for rows, keys in frame_keys(layout, window, q.device):
         kk = k8 if keys is None else Fp8Rows(_bytes(k8.values)[keys].view(E4M3), k8.descale)
         vv = v8 if keys is None else Fp8Rows(_bytes(v8.values)[keys].view(E4M3), v8.descale)
-        return fp8_attention(q8.rows(rows), kk, vv, scale=scale, out_dtype=torch.float32, kernel="emulated")
-
-    for a, b in layout.global_ranges():
-        out[a:b] = attend(slice(a, b), None)
-    global_rows = [torch.arange(a, b, device=q.device) for a, b in layout.global_ranges()]
-    anchors = anchor_frames(F)
-    for frame, bounds in enumerate(window_bounds(F, window.radius, window.chunk)):
-        q0, q1 = layout.frame_rows(frame)
-        if window.anchor_rows and frame in anchors:
-            out[q0:q1] = attend(slice(q0, q1), None)
-            continue
-        lo, hi = clamped_window(bounds, F)
-        frames = set(range(lo, hi + 1))
-        if window.anchor_columns:
-            frames.update(anchors)
-        video_rows = [torch.arange(*layout.frame_rows(f), device=q.device) for f in sorted(frames)]
-        out[q0:q1] = attend(slice(q0, q1), torch.cat(global_rows + video_rows))
+        out[rows] = fp8_attention(q8.rows(rows), kk, vv, scale=scale, out_dtype=torch.float32, kernel="emulated")
     return out

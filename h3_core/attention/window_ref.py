@@ -11,7 +11,7 @@ import torch.nn.functional as F_
 
 from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
 
-__all__ = ["window_softmax_ref"]
+__all__ = ["window_softmax_ref", "frame_keys"]
 
 
 def _attend(q_rows, k_rows, v_rows, scale):
@@ -22,23 +22,32 @@ def _attend(q_rows, k_rows, v_rows, scale):
     return out.transpose(0, 1)
 
 
-def window_softmax_ref(q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float) -> torch.Tensor:
+def frame_keys(layout: SequenceLayout, window: WindowSpec, device):
+    """The window rule spelled out per query span: ``(rows, keys)`` for the global rows and then every video frame,
+    ``rows`` a slice of query rows and ``keys`` the index tensor of the key rows they keep (None: every row)."""
     num_frames = layout.num_frames
-    out = torch.empty_like(q)
-    global_rows = [torch.arange(a, b, device=q.device) for a, b in layout.global_ranges()]
     for a, b in layout.global_ranges():
-        out[a:b] = _attend(q[a:b], k, v, scale)
+        yield slice(a, b), None
+    global_rows = [torch.arange(a, b, device=device) for a, b in layout.global_ranges()]
     anchors = anchor_frames(num_frames)
     for frame, bounds in enumerate(window_bounds(num_frames, window.radius, window.chunk)):
-        q0, q1 = layout.frame_rows(frame)
+        rows = slice(*layout.frame_rows(frame))
         if window.anchor_rows and frame in anchors:
-            out[q0:q1] = _attend(q[q0:q1], k, v, scale)
+            yield rows, None
             continue
         lo, hi = clamped_window(bounds, num_frames)
         frames = set(range(lo, hi + 1))
         if window.anchor_columns:
             frames.update(anchors)
-        video_rows = [torch.arange(*layout.frame_rows(f), device=q.device) for f in sorted(frames)]
-        keys = torch.cat(global_rows + video_rows)
-        out[q0:q1] = _attend(q[q0:q1], k[keys], v[keys], scale)
+        video_rows = [torch.arange(*layout.frame_rows(f), device=device) for f in sorted(frames)]
+        yield rows, torch.cat(global_rows + video_rows)
+
+
+def window_softmax_ref(q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for rows, keys in frame_keys(layout, window, q.device):
+        if keys is None:
+            out[rows] = _attend(q[rows], k, v, scale)
+        else:
+            out[rows] = _attend(q[rows], k[keys], v[keys], scale)
     return out
