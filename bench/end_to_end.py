@@ -81,6 +81,12 @@ FOLDERS = {
     "prompt": "h3_prompts",
 }
 RUNS = ("cold", "warm", "restart", "fl2va", "small")
+# The phases that serve the workflows: each one server process, its runs as (name, workflow, seed).
+SERVED = {
+    "cold": [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)],
+    "restart": [("restart", "h3_t2va.json", 3), ("fl2va", "h3_fl2va.json", 4)],
+    "small": [("small", "h3_t2va.json", 5)],
+}
 STAGES = (
     "loaders_s",
     "sampler_prepare_s",
@@ -578,45 +584,17 @@ def main(argv=None) -> dict:
             env_state["decode_bench"] = decode_bench(args.tiny)
         elif phase == "text":
             env_state["text_encode"] = text_encoding(args.tiny)
-        elif phase == "cold":
-            shutil.rmtree(compile_cache, ignore_errors=True)
-            for path in paths(base, args.tiny).values():
-                lora_repatch.drop_page_cache(path)
-            env_state.update(
-                serve(
-                    base,
-                    compile_cache,
-                    [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)],
-                    size,
-                    args.timeout,
-                    ranks=ranks,
-                )
-            )
-        elif phase == "restart":
-            env_state.update(
-                serve(
-                    base,
-                    compile_cache,
-                    [("restart", "h3_t2va.json", 3), ("fl2va", "h3_fl2va.json", 4)],
-                    size,
-                    args.timeout,
-                    ranks=ranks,
-                )
-            )
-        elif phase == "small":
-            reserve = reserve_for_budget(args.budget_gib)
-            env_state["small_reserve_vram_gb"] = reserve
-            env_state.update(
-                serve(
-                    base,
-                    compile_cache,
-                    [("small", "h3_t2va.json", 5)],
-                    size,
-                    args.timeout,
-                    ("--reserve-vram", f"{reserve:.3f}"),
-                    ranks=ranks,
-                )
-            )
+        elif phase in SERVED:
+            server_args = ()
+            if phase == "cold":
+                shutil.rmtree(compile_cache, ignore_errors=True)
+                for path in paths(base, args.tiny).values():
+                    lora_repatch.drop_page_cache(path)
+            if phase == "small":
+                reserve = reserve_for_budget(args.budget_gib)
+                env_state["small_reserve_vram_gb"] = reserve
+                server_args = ("--reserve-vram", f"{reserve:.3f}")
+            env_state.update(serve(base, compile_cache, SERVED[phase], size, args.timeout, server_args, ranks=ranks))
         elif phase == "report":
             result = dict(
                 environments={
