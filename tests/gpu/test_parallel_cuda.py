@@ -52,11 +52,7 @@ def evaluation_check(device, world, backend="auto"):
             torch.randn(8, 64, generator=g),
             torch.tensor([0.3, 0.999]),
             torch.arange(T) % 2,
-            packed.tags,
-            packed.positions,
-            packed.video_index,
-            packed.audio_index,
-            packed.text_index,
+            *packed.model_inputs("cpu"),
         ]
         args = [a.to(device=device, dtype=torch.bfloat16) if a.is_floating_point() else a.to(device) for a in args]
         ctx = HybridContext(packed.layout, WindowSpec(1, 2, "both"), backend, (0, 8))

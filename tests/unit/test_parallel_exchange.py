@@ -148,11 +148,7 @@ def _model_check(rank, world, heads_total, hybrid=False, softmax_ranks=0, dtype=
             torch.randn(4, 20, generator=g, dtype=dtype),
             torch.tensor([0.3, 0.999], dtype=dtype),
             torch.arange(T) % 2,
-            packed.tags,
-            packed.positions,
-            packed.video_index,
-            packed.audio_index,
-            packed.text_index,
+            *packed.model_inputs("cpu"),
         )
         ctx = HybridContext(packed.layout, WindowSpec(1, 2, "both"), "ref", (0, 4)) if hybrid else None
         with torch.no_grad():
