@@ -37,7 +37,7 @@ import window_attention as wa
 
 from h3_core.attention import SequenceLayout, WindowSpec, window_softmax
 from h3_core.attention.fp8 import fp8_kernel_refusals, resolve_fp8_kernel
-from h3_core.models.fp8_linear import quantize_linears
+from h3_core.models.fp8_linear import Fp8Linear, quantize_linears
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.prompt import from_conditioning
@@ -116,6 +116,21 @@ def block_input_and_output(model, model_inputs, ctx):
     return seen, velocity
 
 
+def widened(block: torch.nn.Module) -> torch.nn.Module:
+    """A float32 copy of ``block`` whose fp8 linears are plain linears holding the weights their codes stand for."""
+    exact = copy.deepcopy(block)
+    for parent in list(exact.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Fp8Linear):
+                weight = child.dequantized_weight()
+                linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=child.bias is not None)
+                linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+                if child.bias is not None:
+                    linear.bias = torch.nn.Parameter(child.bias.float(), requires_grad=False)
+                setattr(parent, name, linear)
+    return exact.float()
+
+
 def as_fp32(value):
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.float()
@@ -143,10 +158,7 @@ def bench_model(setup, device, dtype, steps) -> dict:
         "fp8_cosine_vs_bf16": cosine(block_fp8, block_bf16),
     }
     try:  # the same block in fp32 (its linears widened) on the bf16 evaluation's input
-        exact = copy.deepcopy(model.blocks[0]).float()
-        for module in exact.modules():
-            if hasattr(module, "dequantized"):
-                module.dequantized()
+        exact = widened(model.blocks[0])
         args, kwargs = (as_fp32(x) for x in (seen["bf16"][0]["args"], seen["bf16"][0]["kwargs"]))
         with torch.no_grad():
             reference = exact(*args, **kwargs)

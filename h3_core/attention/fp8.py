@@ -132,9 +132,10 @@ _KERNELS = {
     ),
 }
 _probed: dict[tuple, tuple[str, tuple]] = {}
-# A kernel's output against the reference's on the trial: the two round the probabilities under different running
-# maxima and sum in different orders, so they differ by a fraction of one e4m3 rounding.
-TRIAL_TOLERANCE = 2e-2
+# A kernel's output against the reference's: the two round the probabilities under different running maxima and
+# sum in different orders, so a few codes land one e4m3 step apart (6-12 % of their value); where the kernel writes
+# e4m3 outputs, so do some of those. cuDNN on an H200 differs from the reference by 2.3-3.6 % on the GPU tests' cases.
+TRIAL_TOLERANCE = 5e-2
 
 
 def _check_name(name: str) -> None:

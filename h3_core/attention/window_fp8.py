@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .fp8 import E4M3, Fp8Rows, fp8_attention, quantize_e4m3, resolve_fp8_kernel
+from .fp8 import E4M3, Fp8Rows, fp8_attention, fp8_attention_reference, quantize_e4m3, resolve_fp8_kernel
 from .layout import SequenceLayout, WindowSpec
 from .window_decomposed import DEFAULT_STAGE_BYTES, _heads_per_pass, _put_rows, _rows, _stage_slots, cached_plan
 from .window_ref import frame_keys
@@ -88,13 +88,16 @@ def _window_leg(q8, k8, v8, out, plan, scale, stage_bytes):
                 )
 
 
-def window_softmax_fp8_ref(q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float) -> torch.Tensor:
+def window_softmax_fp8_ref(
+    q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float, out_fp8: bool = False
+) -> torch.Tensor:
     """One emulated fp8 call per video frame over its kept keys, on the same quantised q, k, v: the oracle for
-    ``window_softmax_fp8``'s plan (float32 output)."""
+    ``window_softmax_fp8``'s plan (float32 output). ``out_fp8``: each output also rounded to e4m3 on v's scale,
+    as a kernel that writes e4m3 (``fp8_cudnn.writes_e4m3_output``) returns it."""
     q8, k8, v8 = quantized_qkv(q, k, v)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for rows, keys in frame_keys(layout, window, q.device):
         kk = k8 if keys is None else Fp8Rows(_bytes(k8.values)[keys].view(E4M3), k8.descale)
         vv = v8 if keys is None else Fp8Rows(_bytes(v8.values)[keys].view(E4M3), v8.descale)
-        out[rows] = fp8_attention(q8.rows(rows), kk, vv, scale=scale, out_dtype=torch.float32, kernel="emulated")
+        out[rows] = fp8_attention_reference(q8.rows(rows), kk, vv, scale, out_fp8)[0]
     return out

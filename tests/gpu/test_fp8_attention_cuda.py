@@ -59,7 +59,8 @@ def test_cudnn_fp8_is_the_emulated_kernel(rows):
     exact = torch.nn.functional.scaled_dot_product_attention(
         *(x[:, heads].transpose(0, 1).float() for x in (q, k, v))
     ).transpose(0, 1)
-    assert rel(out[:, heads], exact) < 0.1
+    # no less exact than the roundings it stands for (the e4m3 scores of the scaled channels cost most of both)
+    assert rel(out[:, heads], exact) < 1.25 * rel(want, exact) + 0.01
 
 
 @pytest.mark.skipif(not cudnn_fp8_runs(), reason="cuDNN's fp8 attention does not run here")
@@ -71,7 +72,8 @@ def test_the_fp8_window_softmax_is_the_per_frame_reference_and_reproducible():
     runs = []
     out = window_softmax(q, k, v, layout, window, precision="fp8", on_run=runs.append)
     assert (runs[0].backend, runs[0].kernel) == ("decomposed", "cudnn_fp8")
-    ref = window_softmax_fp8_ref(q, k, v, layout, window, 128**-0.5)
+    out_fp8 = fp8_cudnn.writes_e4m3_output(out.device, out.dtype)
+    ref = window_softmax_fp8_ref(q, k, v, layout, window, 128**-0.5, out_fp8)
     assert rel(out, ref) < fp8_mod.TRIAL_TOLERANCE
     assert torch.equal(out, window_softmax(q, k, v, layout, window, precision="fp8"))
     exact = window_softmax(q, k, v, layout, window, backend="decomposed")
