@@ -357,6 +357,7 @@ def main(argv=None) -> dict:
                     linears=linears,
                     fused=fused,
                     branch_stream=stream == "on",
+                    attention_precision=precision,
                 )
             if simulated:
                 stats["rows"] = ctx.mine.stop - ctx.mine.start

@@ -44,6 +44,7 @@ class DiTRun:
     memory: str  # "auto" / "off"
     steps: int
     compile: str = "auto"
+    attention_precision: str = "bf16"
 
 
 @dataclass
@@ -90,7 +91,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         device = self.load_device
         fuse_for(self.model, device, run.compile)  # the paths the run will take, so the room asked for is theirs
         if device.type != "cuda":
-            placement.working = working_bytes(self.model, run.packed)
+            placement.working = working_bytes(self.model, run.packed, run.attention_precision)
             return placement.working
         # This model's weights already on the device count as room, whether or not the host has them on record
         # yet (a model the loader read straight to the GPU is not, before its first run).
@@ -103,6 +104,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             free_bytes=free_bytes,
             steps=run.steps,
             share=self._rank_share(run.packed),
+            attention_precision=run.attention_precision,
         )
         placement.working = int(plan.predicted["activations"])
         return placement.working
@@ -151,6 +153,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
                 compile=run.compile,
                 current=placement.fitted,
                 share=self._rank_share(run.packed),
+                attention_precision=run.attention_precision,
             )
             placement.fitted, placement.said = fitted, list(fitted.said)
             self.model.device = device

@@ -297,7 +297,9 @@ class H3Sampler(io.ComfyNode):
         def fit(packed):
             import comfy.model_management as mm
 
-            working = model.prepare(DiTRun(packed, settings.memory, steps, settings.compile))
+            working = model.prepare(
+                DiTRun(packed, settings.memory, steps, settings.compile, settings.attention_precision)
+            )
             mm.load_models_gpu([model], memory_required=working)
             _host.tell(node_id, model.said())
 

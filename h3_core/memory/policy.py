@@ -82,25 +82,40 @@ def _fused(model) -> bool:
     return any(getattr(block, "fused", None) for block in model.blocks)
 
 
-def working_bytes(model, packed) -> int:
+def working_bytes(model, packed, attention_precision: str = "bf16") -> int:
     """The activations of one evaluation on ``packed`` with nothing given up (the plain or fused path, as
     ``model`` is set): what the host is asked to make room for beside the weights, so that it frees other
     models before the plan has to trade time for memory."""
     dtype, linears = _weights_kind(model)
     shape = BlockShape.of(model.cfg, packed, dtype)
     predicted = evaluation_peak(
-        model.cfg, shape, hybrid=bool(model.cfg.hybrid), dtype=dtype, linears=linears, fused=_fused(model)
+        model.cfg,
+        shape,
+        hybrid=bool(model.cfg.hybrid),
+        dtype=dtype,
+        linears=linears,
+        fused=_fused(model),
+        attention_precision=attention_precision,
     )
     return int(predicted["activations"])
 
 
 def decide_placement(
-    model, packed, *, placement: str, memory: str, free_bytes: int, steps: int, share: RankShare | None = None
+    model,
+    packed,
+    *,
+    placement: str,
+    memory: str,
+    free_bytes: int,
+    steps: int,
+    share: RankShare | None = None,
+    attention_precision: str = "bf16",
 ) -> MemoryPlan:
     """The plan for running ``model`` (an ``H3DiT``) on ``packed`` within ``free_bytes`` of device memory; with
     ``share``, one rank's share of each evaluation across several GPUs (``ranks.rank_peaks``): the whole model
     resident and nothing given up when the rank's peak fits, else the plan for the whole sequence (which fits the
-    rank's share with room to spare: the per-rank model covers one head group, resident, only)."""
+    rank's share with room to spare: the per-rank model covers one head group, resident, only).
+    ``attention_precision``: the window softmax's (``predict.block_peaks``)."""
     if placement not in PLACEMENTS:
         raise H3InputError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
     if memory not in MEMORY_MODES:
@@ -109,9 +124,24 @@ def decide_placement(
     dtype, linears = _weights_kind(model)
     shape = BlockShape.of(cfg, packed, dtype)
     budget = free_bytes * BUDGET_SHARE
-    kind = dict(hybrid=bool(cfg.hybrid), dtype=dtype, linears=linears, steps=steps, fused=_fused(model))
+    kind = dict(
+        hybrid=bool(cfg.hybrid),
+        dtype=dtype,
+        linears=linears,
+        steps=steps,
+        fused=_fused(model),
+        attention_precision=attention_precision,
+    )
     if share is not None and placement != "stream blocks":
-        predicted = rank_peaks(cfg, shape, share, fused=kind["fused"], dtype=dtype, linears=linears)
+        predicted = rank_peaks(
+            cfg,
+            shape,
+            share,
+            fused=kind["fused"],
+            dtype=dtype,
+            linears=linears,
+            attention_precision=attention_precision,
+        )
         if memory == "off" or predicted["total"] <= budget:
             said = (
                 f"rank {share.rank}'s share: {share.rows} rows, the window softmax of {share.softmax_heads} heads "
@@ -152,13 +182,14 @@ def place_for_run(
     compile: str = "auto",
     current: FittedModel | None = None,
     share: RankShare | None = None,
+    attention_precision: str = "bf16",
 ) -> FittedModel:
     """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says (CUDA), or simply there (any
     other device), its blocks fused or plain as ``fuse_for`` says for ``compile``. ``current``: the placement
     of the model's last run, which this one replaces; when the new plan holds the weights where it did (the
     same blocks streamed, the same AdaLN residency), nothing moves. Otherwise call ``remove()`` on the result
-    before placing the model for another request. ``share``: one rank's share of each evaluation
-    (``decide_placement``)."""
+    before placing the model for another request. ``share``: one rank's share of each evaluation and
+    ``attention_precision`` the window softmax's (``decide_placement``)."""
     device = torch.device(device)
     fused = fuse_for(model, device, compile)
     if device.type != "cuda":
@@ -171,7 +202,14 @@ def place_for_run(
         free_bytes = torch.cuda.mem_get_info(device)[0]
     free_bytes += _bytes_on(model, device)  # a model left on the device by the last run is counted in the plan
     plan = decide_placement(
-        model, packed, placement=placement, memory=memory, free_bytes=free_bytes, steps=steps, share=share
+        model,
+        packed,
+        placement=placement,
+        memory=memory,
+        free_bytes=free_bytes,
+        steps=steps,
+        share=share,
+        attention_precision=attention_precision,
     )
     if current is not None and current.layout == (plan.options, plan.adaln_on_host, plan.resident_blocks):
         fitted = FittedModel(model, plan, current.offload, plan_lines(plan))

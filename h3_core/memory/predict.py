@@ -10,8 +10,8 @@ widths, so it is written here in those units, for the phase of the block where i
   q and k normed (2 I/G) and the RoPE temporaries while one of them is rotated (``ROTATE_TEMPS`` I/G); from
   the second group on, the running sum of ``out_proj`` (1 D). With one group, v is a strided view of the
   fused projection that the attention kernel copies to contiguous memory (1 I). The fp8 window softmax
-  (``attention_precision="fp8"``) adds its e4m3 copies of q, k and v (1.5 I/G) while the RoPE temporaries are
-  gone and its staging buffers are half the size, so it stays under that phase's peak.
+  (``attention_precision="fp8"``) holds, beside the normed q and k and v, their e4m3 copies (1.5 I/G) and its
+  staging and e4m3 output buffers: ``FP8_SOFTMAX_TEMPS`` I/G in all, in place of the RoPE temporaries.
 * Hybrid attention: its peak is inside the linear branch, which holds the group's raw q, k, v (3 I/G) and
   its own buffers, ``BRANCH_BUFFERS`` C/G (the three features, fp32 k̃, ṽ and β·k̃ for the frame
   statistics, and the short convolutions' layout copies), beside the modulated input and the attention
@@ -48,6 +48,8 @@ __all__ = [
     "FUSED_ROTATE_TEMPS",
     "FUSED_BRANCH_BUFFERS",
     "BRANCH_BESIDE_EXTRA",
+    "FP8_SOFTMAX_TEMPS",
+    "FP8_BRANCH_BESIDE_EXTRA",
 ]
 
 ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each, plus the result
@@ -70,6 +72,13 @@ FUSED_BRANCH_BUFFERS = {1: 3.10, "grouped": 5.71}
 # both phases' buffers alive at once raised an evaluation's peak by this much, in I. Measured once, fused blocks and
 # fp8 linears at the release length on an H200 (bench/results/dit_step.md); applied to plain blocks unmeasured.
 BRANCH_BESIDE_EXTRA = 0.385
+# The fp8 window softmax's buffers beside the attention phase's others, in I/G: 1.5 of e4m3 q, k and v (read off the
+# code) and the staging and output buffers (fitted). With the branch beside it, the peak rises by
+# ``FP8_BRANCH_BESIDE_EXTRA`` I instead of ``BRANCH_BESIDE_EXTRA``. Both measured once, fused blocks, fp8 linears,
+# one head group, at the release length on an H200 (bench/results/dit_step.md); plain blocks and head groups are
+# predicted unmeasured.
+FP8_SOFTMAX_TEMPS = 1.81
+FP8_BRANCH_BESIDE_EXTRA = 0.75
 
 
 @dataclass(frozen=True)
@@ -109,24 +118,30 @@ def block_peaks(
     fused: bool = False,
     linears: str = "dtype",
     branch_stream: bool = False,
+    attention_precision: str = "bf16",
 ) -> dict[str, float]:
     """Predicted peak bytes above what is allocated when a block is called: ``attention``, ``ffn`` and the
     whole ``block`` (their maximum). ``fused``: the blocks run ``block_fused``'s kernels; ``linears="fp8"``:
     with head groups the projection's input is quantised once for all groups and held through them;
-    ``branch_stream``: the linear branch beside the window softmax (one head group), ``BRANCH_BESIDE_EXTRA``."""
+    ``branch_stream``: the linear branch beside the window softmax (one head group), ``BRANCH_BESIDE_EXTRA``;
+    ``attention_precision="fp8"``: a hybrid block's window softmax in fp8 (``FP8_SOFTMAX_TEMPS``)."""
     e, T = shape.element, shape.rows
     D, I = T * shape.hidden * e, T * shape.inner * e
     C = shape.branch_rows * shape.inner * e
     groups = options.head_groups
     grouped = groups > 1
-    attention = D + (D if grouped else I) + (5 + (FUSED_ROTATE_TEMPS if fused else ROTATE_TEMPS)) * I / groups
+    base = D + (D if grouped else I) + 5 * I / groups
+    attention = base + (FUSED_ROTATE_TEMPS if fused else ROTATE_TEMPS) * I / groups
     if hybrid:
+        fp8 = attention_precision == "fp8"
+        if fp8:
+            attention = max(attention, base + FP8_SOFTMAX_TEMPS * I / groups)
         own = (FUSED_BRANCH_BUFFERS if fused else BRANCH_BUFFERS)["grouped" if grouped else 1]
         if not fused and options.branch_frames is not None and shape.branch_frames > options.branch_frames:
             own -= FP32_STATISTICS * (1 - options.branch_frames / shape.branch_frames)
         attention = max(attention, (3 if grouped else 2) * D + 3 * I / groups + own * C / groups)
         if branch_stream and not grouped:
-            attention += BRANCH_BESIDE_EXTRA * I
+            attention += (FP8_BRANCH_BESIDE_EXTRA if fp8 else BRANCH_BESIDE_EXTRA) * I
     if grouped and linears == "fp8":
         attention += T * (shape.hidden + 4)  # e4m3 codes and an fp32 scale per row (Attention.projection_input)
     chunk = T if options.ffn_chunk_rows is None else min(T, options.ffn_chunk_rows)
@@ -194,8 +209,10 @@ def evaluation_peak(
     timesteps_per_step: int = 2,
     fused: bool = False,
     branch_stream: bool = False,
+    attention_precision: str = "bf16",
 ) -> dict[str, float]:
-    """Predicted peak device bytes of one model evaluation (``branch_stream`` as ``block_peaks``): the weights on
+    """Predicted peak device bytes of one model evaluation (``branch_stream`` and ``attention_precision`` as
+    ``block_peaks``): the weights on
     the device (all blocks, or ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each;
     without the blocks' AdaLN projections when ``adaln_on_host``, but with their tables for ``steps`` steps of
     ``timesteps_per_step`` distinct timesteps), the hidden state and the RoPE tables that live through the
@@ -213,7 +230,15 @@ def evaluation_peak(
     T, e = shape.rows, shape.element
     rope_tables = 2 * T * 6 * cfg.rope_freqs * 4  # cos and sin, fp32, [T, 6 · rope_freqs] each (rope_cos_sin)
     living = T * shape.hidden * e + rope_tables
-    peaks = block_peaks(shape, options, hybrid=hybrid, fused=fused, linears=linears, branch_stream=branch_stream)
+    peaks = block_peaks(
+        shape,
+        options,
+        hybrid=hybrid,
+        fused=fused,
+        linears=linears,
+        branch_stream=branch_stream,
+        attention_precision=attention_precision,
+    )
     activations = living + peaks["block"]
     return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))
 
@@ -264,6 +289,7 @@ def plan_for_memory(
     steps: int = 50,
     prefetch: int = 1,
     fused: bool = False,
+    attention_precision: str = "bf16",
 ) -> MemoryPlan:
     """The cheapest way to run within ``budget`` bytes of device memory (e.g. the free memory less a margin):
     nothing, then the ``LOW_MEMORY_STEPS`` in order, then streaming blocks from host memory with as many as
@@ -283,6 +309,7 @@ def plan_for_memory(
             resident_blocks=resident,
             prefetch=prefetch,
             fused=fused,
+            attention_precision=attention_precision,
         )
 
     def plan(options, adaln_on_host, resident, predicted, extra):

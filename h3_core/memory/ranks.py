@@ -35,7 +35,14 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.sharding import balanced_splits, row_shards
-from .predict import BRANCH_BUFFERS, FUSED_BRANCH_BUFFERS, BlockShape, weight_bytes
+from .predict import (
+    BRANCH_BUFFERS,
+    FP8_SOFTMAX_TEMPS,
+    FUSED_BRANCH_BUFFERS,
+    FUSED_ROTATE_TEMPS,
+    BlockShape,
+    weight_bytes,
+)
 
 __all__ = ["RankShare", "rank_shares", "rank_peaks", "SOFTMAX_WORK"]
 
@@ -86,11 +93,13 @@ def rank_peaks(
     ffn_chunk_rows: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     linears: str = "dtype",
+    attention_precision: str = "bf16",
 ) -> dict[str, float]:
     """Predicted peak device bytes of ``share``'s part of one evaluation of a sequence of ``shape`` (one head group):
     ``weights`` (the whole model), ``activations`` (the rank's hidden rows and its largest block phase) and
     ``total``; the phases ``softmax``, ``branch`` (plain Ulysses) or ``exchange``, ``work`` (the branch split) and
-    ``ffn``."""
+    ``ffn``. ``attention_precision="fp8"``: the window softmax's e4m3 buffers on the rank's heads, as one process's
+    beyond its fused rotation (``FP8_SOFTMAX_TEMPS`` − ``FUSED_ROTATE_TEMPS``) Is; not measured on ranks."""
     e, T, d = shape.element, shape.rows, cfg.head_dim
     D = share.rows * cfg.hidden * e
     Ir = share.rows * cfg.inner * e
@@ -98,10 +107,11 @@ def rank_peaks(
     Ib = T * share.branch_heads * d * e
     Cb = shape.branch_rows * share.branch_heads * d * e
     own = (FUSED_BRANCH_BUFFERS if fused else BRANCH_BUFFERS)[1]
+    work = SOFTMAX_WORK + (FP8_SOFTMAX_TEMPS - FUSED_ROTATE_TEMPS if attention_precision == "fp8" else 0.0)
     chunk = share.rows if ffn_chunk_rows is None else min(share.rows, ffn_chunk_rows)
     phases = dict(ffn=2 * D + 2 * chunk * cfg.ffn * e + (chunk * cfg.hidden * e + D if chunk < share.rows else D))
     if not share.split:
-        phases["softmax"] = D + 5 * Ir + (4 + SOFTMAX_WORK) * Is
+        phases["softmax"] = D + 5 * Ir + (4 + work) * Is
         if share.branch_heads and shape.branch_rows:
             phases["branch"] = 2 * D + 4 * Ib + own * Cb
     else:
@@ -110,7 +120,7 @@ def rank_peaks(
         # during the all-to-all (the blocks and their concatenation sent), then while what came is concatenated
         phases["exchange"] = D + max(15 * Ir + received, 9 * Ir + 2 * received)
         if share.softmax_heads:
-            phases["work"] = D + 3 * Ir + received + (4 + SOFTMAX_WORK) * Is
+            phases["work"] = D + 3 * Ir + received + (4 + work) * Is
         else:
             phases["work"] = D + 3 * Ir + received + Ib + own * Cb
     activations = D + max(phases.values())

@@ -113,6 +113,7 @@ class ClipOnRanks:
                 compile=request.get("compile", "auto"),
                 current=state.get("fitted"),
                 share=shares[rank],
+                attention_precision=request.get("attention_precision", "bf16"),
             )
             receive_weights(model, device)
 

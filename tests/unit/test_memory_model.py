@@ -188,3 +188,36 @@ def test_the_branch_beside_the_window_softmax_is_within_ten_percent_of_its_measu
             assert predicted["total"] / GiB == pytest.approx(measured, rel=0.10), (precision, stream)
     grouped = block_peaks(shape, LowMemory(head_groups=2), hybrid=True, branch_stream=True)
     assert grouped == block_peaks(shape, LowMemory(head_groups=2), hybrid=True)  # head groups run the branch serially
+
+
+def test_the_fp8_window_softmax_is_within_ten_percent_of_its_measured_evaluations_and_plans_for_its_buffers():
+    from h3_core.memory.predict import evaluation_peak, plan_for_memory
+
+    runs = json.loads((RESULTS.parent / "dit_step_fp8_attention.json").read_text())
+    cfg = DiTConfig(hybrid=True)
+    packed = pack_sequence(torch.ones(300, dtype=torch.long), 102, 48, 84, 575)
+    shape = BlockShape.of(cfg, packed)
+    checked = 0
+    for run in runs.values():
+        assert shape.rows == run["rows"]
+        for name, stats in run["variants"].items():
+            predicted = evaluation_peak(
+                cfg,
+                shape,
+                hybrid=True,
+                linears="fp8" if name.startswith("fp8") else "dtype",
+                fused=True,
+                branch_stream="branch-stream-on" in name,
+                attention_precision=stats["attention_precision"],
+            )
+            assert predicted["total"] / GiB == pytest.approx(stats["peak_gib"], rel=0.10), name
+            checked += 1
+    assert checked == 8
+    # a budget the exact softmax fits and the fp8 one does not: only the fp8 run gives something up
+    kind = dict(hybrid=True, linears="fp8", fused=True)
+    exact, fp8 = (evaluation_peak(cfg, shape, **kind, attention_precision=p)["total"] for p in ("bf16", "fp8"))
+    assert fp8 > exact
+    budget = (exact + fp8) / 2
+    assert plan_for_memory(cfg, shape, budget, **kind).steps == ()
+    fitted = plan_for_memory(cfg, shape, budget, **kind, attention_precision="fp8")
+    assert fitted.steps and fitted.predicted["total"] <= budget

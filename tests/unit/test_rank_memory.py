@@ -62,6 +62,18 @@ def test_more_ranks_need_less_each_and_the_weights_are_every_ranks():
     assert len({p["weights"] for p in peaks}) == 1
 
 
+def test_a_softmax_rank_holds_the_fp8_buffers_on_its_heads_and_a_branch_rank_none():
+    from h3_core.memory.predict import FP8_SOFTMAX_TEMPS, FUSED_ROTATE_TEMPS
+
+    shape = BlockShape.of(CFG, release_packed())
+    for share in (rank_shares(CFG, shape.rows, 2)[0], *rank_shares(CFG, shape.rows, 8, 6)[5:7]):
+        exact, fp8 = (rank_peaks(CFG, shape, share, attention_precision=p) for p in ("bf16", "fp8"))
+        phase = "softmax" if not share.split else "work"
+        Is = shape.rows * share.softmax_heads * CFG.head_dim * shape.element
+        assert fp8[phase] - exact[phase] == pytest.approx((FP8_SOFTMAX_TEMPS - FUSED_ROTATE_TEMPS) * Is)
+        assert (fp8[phase] > exact[phase]) == (share.softmax_heads > 0)
+
+
 def test_the_policy_plans_a_ranks_share_where_the_whole_sequence_would_give_things_up():
     with torch.device("meta"):
         model = H3DiT(CFG).to(torch.bfloat16)
