@@ -166,7 +166,7 @@ for part in "$@"; do
             run dit_step_fp8_attention python3 bench/dit_step.py --variants bf16-decomposed fp8-decomposed \
                 --fused-blocks compiled --attention-precision bf16 fp8 --reps 3 --out "$out/dit_step_fp8_attention.json" ;;
         decode-stage)
-            run decode_stage_native python3 bench/decode_stage.py --plan bench node bench node heat80 bench node \
+            run decode_stage_native python3 bench/decode_stage.py --plan bench node heat80 bench node \
                 --out "$out/decode_stage_native.json"
             PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync run decode_stage_async python3 bench/decode_stage.py \
                 --plan bench node heat40 bench node --out "$out/decode_stage_async.json" ;;
