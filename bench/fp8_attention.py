@@ -4,7 +4,8 @@ the exact bf16 path, in one run.
 * ``calls``: the window softmax at the release geometry (102 latent frames × 1008 tokens, 1450 global rows,
   chunk 5, radius 1, anchors both, head_dim 128) on random inputs and on outlier-heavy ones (4 channels of q and
   k ×50): the relative error of bf16 and of fp8 against fp32 attention computed from the window rule on sampled
-  rows (``window_attention.reference_rows``), and the milliseconds of each (``--time-heads`` heads).
+  rows (``window_attention.reference_rows``), and the milliseconds of each (``--time-heads`` heads); with
+  ``--kernels N`` the top N CUDA kernels of one call of each.
 * ``block``: the first block of a random-weight model of the released sizes (fp8 linears), its output with the
   fp8 window softmax and with bf16's, each against the same block in fp32 on the same input.
 * ``velocity``: one evaluation's velocity (video and audio rows) with fp8 attention against bf16's: cosine and
@@ -31,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+import dit_block
 import dit_step
 import record
 import window_attention as wa
@@ -62,7 +64,7 @@ def inputs(layout, heads, kind, device, dtype, seed=0):
     return tuple(x.to(device, dtype) for x in (q, k, v))
 
 
-def bench_calls(layout, window, device, dtype, error_heads, time_heads, reps) -> dict:
+def bench_calls(layout, window, device, dtype, error_heads, time_heads, reps, kernels=0) -> dict:
     rows = wa.sample_rows(layout, window)
     scale = (128 if device.type == "cuda" else 32) ** -0.5
     result = {"sampled_rows": len(rows), "error_heads": error_heads, "time_heads": time_heads}
@@ -89,6 +91,8 @@ def bench_calls(layout, window, device, dtype, error_heads, time_heads, reps) ->
         _, stats = wa.timed(call, reps=reps)
         stats.pop("times")
         result[f"{precision}_timing"] = dict(stats, kernel=runs[-1].kernel)
+        if kernels and device.type == "cuda":  # where a call's device time goes: the attention kernels and the rest
+            result[f"{precision}_kernels"] = dit_block.kernel_table(call, kernels)
     result["speedup"] = result["bf16_timing"]["ms"] / result["fp8_timing"]["ms"]
     return result
 
@@ -218,6 +222,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=8, help="sampler steps of the trajectory (0: none)")
     parser.add_argument("--parts", nargs="*", default=["calls", "model"], choices=("calls", "model"))
+    parser.add_argument("--kernels", type=int, default=0, help="the top N CUDA kernels of one timed call of each")
     parser.add_argument("--tiny", action="store_true", help="a small geometry and model on the CPU: a dry run")
     parser.add_argument("--out", type=Path, default=None)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -235,7 +240,7 @@ def main(argv=None) -> dict:
         else:
             layout, window = wa.release_geometry(), WindowSpec(radius=1, chunk=5, anchors="both")
         heads = (2, 3) if args.tiny else (args.error_heads, args.time_heads)
-        result["calls"] = bench_calls(layout, window, device, dtype, *heads, args.reps)
+        result["calls"] = bench_calls(layout, window, device, dtype, *heads, args.reps, args.kernels)
         print("calls", record.write(result["calls"], None), flush=True)
     if "model" in args.parts:
         setup = dit_step.TINY if args.tiny else dit_step.RELEASE
