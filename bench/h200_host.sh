@@ -26,8 +26,11 @@
 #             layouts of 2, 4 and 8 GPUs and 8 with the branch split 6 + 2: each rank's peak and its own seconds,
 #             beside one GPU's whole evaluation
 #   fp8-attention  the fp8 window softmax: nvidia-cudnn-frontend's wheel (carried as .whl_cudnn) installed into
-#             $SITE, its GPU tests, bench/fp8_attention.py (errors and the window softmax's milliseconds) and
-#             bench/dit_step.py's evaluation with the exact and the fp8 window softmax, fp8 and bf16 linears
+#             $SITE, its GPU tests, bench/fp8_attention.py's calls (errors, milliseconds and kernels) and
+#             bench/dit_step.py's fp8-linear evaluation with the exact and the fp8 window softmax, the branch serial
+#             and beside it
+#   fp8-attention-model  bench/fp8_attention.py's model: a block's, a velocity's and 8 steps' errors (after
+#             fp8-attention, on the same machine: about 6 minutes)
 #   decode-stage  bench/decode_stage.py: the decode bench's call and the node's decode into an mp4, cool and after
 #             80 s of matrix products, with torch's allocator and with cudaMallocAsync (what ComfyUI sets)
 #   load      bench/dit_load.py on the files e2e-write wrote: the DiT loader's and the move to the GPU's seconds, each
@@ -162,9 +165,13 @@ for part in "$@"; do
             run cudnn_install python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
                 --target "$site" .whl_cudnn/*.whl
             run fp8_attention_tests python3 -m pytest -q -p no:warnings -rs tests/gpu/test_fp8_attention_cuda.py
-            run fp8_attention python3 bench/fp8_attention.py --out "$out/fp8_attention.json"
-            run dit_step_fp8_attention python3 bench/dit_step.py --variants bf16-decomposed fp8-decomposed \
-                --fused-blocks compiled --attention-precision bf16 fp8 --reps 3 --out "$out/dit_step_fp8_attention.json" ;;
+            run fp8_attention_calls python3 bench/fp8_attention.py --parts calls --kernels 10 \
+                --out "$out/fp8_attention_calls.json"
+            run dit_step_fp8_attention python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks compiled \
+                --branch-stream off on --attention-precision bf16 fp8 --reps 3 --out "$out/dit_step_fp8_attention.json" ;;
+        fp8-attention-model)
+            run fp8_attention_model python3 bench/fp8_attention.py --parts model --steps 8 \
+                --out "$out/fp8_attention_model.json" ;;
         decode-stage)
             run decode_stage_native python3 bench/decode_stage.py --plan bench node heat80 bench node \
                 --out "$out/decode_stage_native.json"
