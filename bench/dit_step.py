@@ -45,6 +45,7 @@ import ranks
 import record
 from device_idle import idle_table
 
+from h3_core.attention.window import PRECISIONS
 from h3_core.memory.apply import apply_plan
 from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory
 from h3_core.models.adaln_tables import prepare_adaln_tables
@@ -230,9 +231,8 @@ def main(argv=None) -> dict:
         "--attention-precision",
         nargs="*",
         default=["bf16"],
-        choices=("bf16", "fp8"),
-        help="the window softmax's precision (attention.window.PRECISIONS); several: each hybrid variant once per "
-        "choice",
+        choices=PRECISIONS,
+        help="the window softmax's precision; several: each hybrid variant once per choice",
     )
     parser.add_argument("--gpus", type=int, default=1, help="ranks to run each evaluation across (one per GPU)")
     parser.add_argument(
