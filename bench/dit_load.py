@@ -4,7 +4,8 @@ through pinned staging buffers, ``h3_core.formats.staged_read``) beside the earl
 memory then ``model.to(device)`` (the node's arguments otherwise: fp8 linears, bf16 compute, the run device
 named), each under ``cProfile`` so the functions that take the time are listed beside the wall seconds. The
 file's pages are read once first (the page cache filled, as for a restarted server), or dropped from the cache
-with ``--cold``.
+with ``--cold``; filled, the pages are also read by 1, 4, 8 and 16 threads alone (the rate the machine allows a
+loader).
 
     python3 bench/dit_load.py --dit /root/h3_e2e/models/diffusion_models/<dit>.safetensors \\
         [--branch <branch>.safetensors] --out bench/results/dit_load.json
@@ -35,6 +36,33 @@ def fill_page_cache(path: Path, chunk: int = 1 << 26) -> float:
         while handle.readinto(buffer):
             pass
     return time.perf_counter() - start
+
+
+def parallel_read_s(paths, threads: int, piece: int = 64 << 20) -> float:
+    """Seconds to read ``paths`` (from the page cache when filled) with ``threads`` threads, each ``pread``-ing
+    ``piece``-byte ranges into a buffer of its own: the rate the machine allows a loader, nothing else done."""
+    import os
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    buffers = threading.local()
+
+    def read(fd, offset):
+        if not hasattr(buffers, "view"):
+            buffers.view = memoryview(bytearray(piece))
+        return os.preadv(fd, [buffers.view], offset)
+
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            jobs = [pool.submit(read, fd, at) for fd, p in zip(fds, paths) for at in range(0, p.stat().st_size, piece)]
+            for job in jobs:
+                job.result()
+        return time.perf_counter() - start
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def main(argv=None) -> dict:
@@ -71,6 +99,7 @@ def main(argv=None) -> dict:
             for path in files:
                 drop_page_cache(path)
         read_s = None if args.cold else sum(fill_page_cache(p) for p in files)
+        threaded = {} if args.cold else {n: parallel_read_s(files, n) for n in (1, 4, 8, 16)}
         model, load_s, load_profile = record.profiled(lambda: load("cpu"), args.top)
         _, move_s, move_profile = record.profiled(synchronized(lambda: model.to(device)), args.top)
         weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -87,6 +116,7 @@ def main(argv=None) -> dict:
         result["runs"].append(
             dict(
                 page_cache_read_s=read_s,
+                page_cache_read_threads_s=threaded,
                 load_s=load_s,
                 to_device_s=move_s,
                 host_then_device_s=load_s + move_s,
@@ -101,6 +131,7 @@ def main(argv=None) -> dict:
             )
         )
         print(
+            f"page cache read by 1/4/8/16 threads {[round(v, 2) for v in threaded.values()]} s; "
             f"host {load_s:.2f} s + to {device} {move_s:.2f} s = {load_s + move_s:.2f} s; "
             f"straight to {device} {direct_s:.2f} s ({weights / 1e9:.2f} GB)",
             flush=True,

@@ -196,6 +196,8 @@ def _load_layers(model, base_info, branch_info, loras, device, dtype, linears, h
         elsewhere.append((source, [d for d in lora_deltas if d.module not in by_layer]))
     shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     own_keys = {f"{name}.{p}" for name, *_ in layers for p in ("weight", "bias")} & set(shapes)
+    if reader is not None:
+        reader.expect(_expected_reads(planned, own_keys, layers if linears == "fp8" else [], by_layer))
     state = {}
     for key, entry in planned.items():
         if key in own_keys:
@@ -222,6 +224,26 @@ def _load_layers(model, base_info, branch_info, loras, device, dtype, linears, h
     model.quantized_layers = {} if linears == "fp8" else how
     model.linears = _describe_fp8(how) if linears == "fp8" else _describe_held(how, dtype)
     model.eval()
+
+
+def _expected_reads(planned: dict, own_keys: set, fp8_layers: list, by_layer: dict) -> list[tuple]:
+    """The file ranges the load reads through its reader, in the order it reads them (``StagedReader.expect``):
+    every key outside the layers, then each fp8 layer's bias and its weight's codes and scale. Layers built
+    otherwise (LoRAs merged, comfy-kitchen's formats) are left out: their reads are simply not read ahead."""
+    keys = [(entry.files, source) for key, entry in planned.items() if key not in own_keys for source in entry.sources]
+    for name, *_ in fp8_layers:
+        if by_layer[name]:
+            continue
+        for key in (f"{name}.bias", f"{name}.weight"):
+            if key in planned:
+                keys += [(planned[key].files, source) for source in planned[key].sources]
+    spans = []
+    for files, key in keys:
+        for stored in files.read_keys(key) or ():
+            span = files.span(stored)
+            if span is not None:
+                spans.append(span)
+    return spans
 
 
 def _target_dtype(context: _Context, key: str) -> torch.dtype:

@@ -100,6 +100,17 @@ class CheckpointFiles:
             return tuple(cfg["latents_mean"]), tuple(cfg["latents_std"])
         return None
 
+    def span(self, key: str) -> tuple[Path, int, int] | None:
+        """Where ``get(key)`` reads from through the reader: (file, first byte, byte count); None when it would not
+        go through the reader."""
+        if self.reader is None or self.dtypes[key] not in TORCH_DTYPES:
+            return None
+        return (self._where[key], *self._spans[key])
+
+    def read_keys(self, key: str) -> tuple[str, ...]:
+        """The stored keys ``get(key)`` reads, in order."""
+        return (key,)
+
     def get(self, key: str) -> torch.Tensor:
         f = self._where[key]
         if self.reader is not None and self.dtypes[key] in TORCH_DTYPES:

@@ -99,6 +99,18 @@ class QuantizedView:
 
         return dequantize(self, quant, torch.float32, self.work_device).cpu()
 
+    def span(self, key: str):
+        """Where the reader reads the stored ``key`` (``CheckpointFiles.span``)."""
+        return self._files.span(key)
+
+    def read_keys(self, key: str) -> tuple[str, ...] | None:
+        """The stored keys ``get(key)`` and ``stored(key)`` read, in order; None for a layer dequantised by
+        comfy-kitchen (its reads are the library's)."""
+        quant = self.layers.get(key)
+        if quant is None:
+            return (key,)
+        return (key, quant.scale) if quant.format.startswith("float8") else None
+
     def stored(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``key``'s fp8 codes and their scale exactly as the file stores them, or None for a key that is not an
         fp8 weight (``fp8_scaled.layer_codes`` takes these as they are)."""

@@ -5,6 +5,9 @@ copied to the device asynchronously while the next chunk is read into the other.
 A memory-mapped tensor moved with ``.to(device)`` is copied from pageable memory (the driver bounces it
 through its own pinned buffers) after each page of the mapping is faulted in; reading with ``pread`` into
 pinned memory skips both. ``read_eager`` is the plain form every staged read must equal, byte for byte.
+
+Told the ranges a load will ask for (``expect``), the reader fills further slabs with them ahead of the asking
+(``read_ahead``), so the reads go on while the load builds its modules.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from pathlib import Path
 
 import torch
 
+from .read_ahead import ReadAhead
+
 __all__ = ["StagedReader", "read_eager", "reader_for"]
 
 CHUNK_BYTES = 64 << 20
 READ_THREADS = 8
+AHEAD_SLABS = 8  # slabs of CHUNK_BYTES the read-ahead may fill before their bytes are asked for
 
 
 def read_eager(path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape, device) -> torch.Tensor:
@@ -37,18 +43,21 @@ class StagedReader:
     device's current stream; a buffer is refilled only once its last copy has finished. ``close()`` (or the
     ``with`` block's end) releases the buffers, the threads and the open files."""
 
-    def __init__(self, device, chunk_bytes: int = CHUNK_BYTES, threads: int = READ_THREADS):
+    def __init__(
+        self, device, chunk_bytes: int = CHUNK_BYTES, threads: int = READ_THREADS, ahead_slabs: int = AHEAD_SLABS
+    ):
         if chunk_bytes <= 0 or threads <= 0:
             raise ValueError(f"chunk_bytes and threads must be positive, got {chunk_bytes} and {threads}")
         self.device = torch.device(device)
-        self.chunk_bytes, self.threads = chunk_bytes, threads
-        pin = self.device.type == "cuda"
+        self.chunk_bytes, self.threads, self.ahead_slabs = chunk_bytes, threads, ahead_slabs
+        pin = self._pinned = self.device.type == "cuda"
         self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._views = [memoryview(b.numpy()) for b in self._buffers]
         self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._next = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="h3-staged-read")
         self._fds: dict[Path, int] = {}
+        self._ahead: ReadAhead | None = None
 
     def __enter__(self) -> StagedReader:
         return self
@@ -57,6 +66,8 @@ class StagedReader:
         self.close()
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
         if self.device.type == "cuda":
             for event in self._copied:
                 event.synchronize()
@@ -70,10 +81,37 @@ class StagedReader:
             self._fds[path] = os.open(path, os.O_RDONLY)
         return self._fds[path]
 
+    def expect(self, spans) -> None:
+        """The ranges ``(path, offset, nbytes)`` later ``read`` calls will ask for, in that order: they are read
+        ahead (``read_ahead``). Anything asked for out of this order is read as without it."""
+        if self._ahead is not None:
+            self._ahead.stop()
+        spans = [(Path(path), offset, nbytes) for path, offset, nbytes in spans]
+        fds = {path: self._fd(path) for path, _, _ in spans}
+        self._ahead = ReadAhead(
+            spans,
+            fds,
+            self._pool,
+            _pread_exact,
+            slab_bytes=self.chunk_bytes,
+            slabs=self.ahead_slabs,
+            pinned=self._pinned,
+        )
+
     def read(self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
         """The tensor of ``dtype`` and ``shape`` stored at byte ``offset`` of ``path`` (``nbytes`` bytes), on the
         reader's device. The result is ready for any later work queued on the current stream."""
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        pieces = self._ahead.take((Path(path), offset, nbytes)) if self._ahead is not None else None
+        if pieces is not None:
+            for staged, start, done in pieces:
+                out[start : start + staged.numel()].copy_(staged, non_blocking=True)
+                event = None
+                if self._pinned:
+                    event = torch.cuda.Event()
+                    event.record()
+                done(event)
+            return out.view(dtype).reshape(shape)
         fd = self._fd(Path(path))
         done = 0
         while done < nbytes:

@@ -22,6 +22,7 @@ from h3_core.errors import H3InputError
 from h3_core.formats.checkpoints import load_h3_model
 from h3_core.formats.dit import diffusers_layout
 from h3_core.formats.fp8_scaled import Fp8ScaledView
+from h3_core.formats.staged_read import StagedReader
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.fp8_linear import Fp8Linear
 from h3_core.models.hybrid import HybridContext
@@ -724,3 +725,40 @@ def test_linears_dtype_is_todays_load(written, name, loras):
 def test_bad_linears_are_refused_naming_the_value_first(tmp_path, kwargs, message):
     with pytest.raises(H3InputError, match=message):
         load_h3_model(tmp_path / "nowhere.safetensors", cfg=CFG, **kwargs)
+
+
+class _RecordingReader(StagedReader):
+    """The reader a load to a GPU uses, here on the CPU, noting what the load expects and what it asks for."""
+
+    def __init__(self):
+        super().__init__("cpu", chunk_bytes=4096, threads=3, ahead_slabs=3)
+        self.expected, self.asked, self.before = [], [], None
+
+    def expect(self, spans):
+        self.expected, self.before = list(spans), len(self.asked)  # the sidecars are read before, to plan
+        super().expect(self.expected)
+
+    def read(self, path, offset, nbytes, dtype, shape):
+        self.asked.append((Path(path), offset, nbytes))
+        return super().read(path, offset, nbytes, dtype, shape)
+
+
+@pytest.mark.parametrize(
+    "base_name, branch_name",
+    [("comfy per tensor", None), ("official shards", None), ("diffusers", None), ("vdn base", "vdn fp8 branch")],
+)
+def test_a_load_reads_ahead_exactly_what_it_then_asks_for(written, base_name, branch_name, monkeypatch):
+    """The fp8 load's read-ahead plan is the order the load reads in, every read is served from it, and the model
+    equals the memory-mapped load."""
+    import h3_core.formats.dit_layers as dit_layers
+
+    base, *_ = written[base_name]
+    branch = written[branch_name][0] if branch_name else None
+    mapped = load_h3_model(base, branch=branch, dtype=torch.float32, cfg=CFG, linears="fp8")
+    reader = _RecordingReader()
+    monkeypatch.setattr(dit_layers, "reader_for", lambda device: reader)
+    staged = load_h3_model(base, branch=branch, dtype=torch.float32, cfg=CFG, linears="fp8")
+    assert reader.expected and reader.asked[reader.before :] == reader.expected
+    assert reader._ahead.taken == len(reader.expected)
+    assert staged.fp8_layers == mapped.fp8_layers
+    assert_same_model(staged, mapped, hybrid=branch is not None)

@@ -4,6 +4,7 @@ read (``read_eager``), whatever the chunk size against the tensors' sizes; throu
 ``load_into``, a whole model loads the same. On the CPU the staging buffers are plain memory; the GPU test
 (tests/gpu/test_staged_read_cuda.py) runs the pinned, asynchronous form."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,66 @@ def test_a_model_loaded_through_the_reader_equals_the_mapped_load(tmp_path):
     assert {v.dtype for v in mapped.values()} == {torch.bfloat16, torch.float32}
     for key, value in mapped.items():
         assert staged[key].dtype == value.dtype and torch.equal(_bytes(staged[key]), _bytes(value)), key
+
+
+# ---- the read-ahead (h3_core.formats.read_ahead) ------------------------------------------------------
+
+
+def _spans(files: CheckpointFiles, keys) -> list:
+    return [files.span(key) for key in keys]
+
+
+def _check_all(files: CheckpointFiles, oracle_path: Path, keys) -> None:
+    with safe_open(str(oracle_path), framework="pt") as oracle:
+        for key in keys:
+            expected, got = oracle.get_tensor(key), files.get(key)
+            assert got.dtype == expected.dtype and got.shape == expected.shape, key
+            assert torch.equal(_bytes(got), _bytes(expected)), key
+
+
+@pytest.mark.parametrize("chunk_bytes, slabs", [(4096, 2), (1000, 3), (1 << 20, 8), (64, 2)])
+def test_reads_taken_in_the_expected_order_come_from_the_read_ahead(mixed_file, chunk_bytes, slabs):
+    with StagedReader("cpu", chunk_bytes=chunk_bytes, threads=3, ahead_slabs=slabs) as reader:
+        files = CheckpointFiles(mixed_file, reader)
+        keys = sorted(files.keys) * 2  # every range twice: the ring is refilled many times over
+        reader.expect(_spans(files, keys))
+        _check_all(files, mixed_file, keys)
+        assert reader._ahead.taken == len(keys)
+
+
+def test_reads_out_of_order_skipped_or_unexpected_are_still_exact(mixed_file):
+    with StagedReader("cpu", chunk_bytes=2048, threads=2, ahead_slabs=2) as reader:
+        files = CheckpointFiles(mixed_file, reader)
+        keys = sorted(files.keys)
+        reader.expect(_spans(files, keys))
+        # the fourth asked first (the first three passed over), then one passed over, then in order again
+        asked = [keys[3], keys[0], *keys[4:9], keys[12]]
+        _check_all(files, mixed_file, asked)
+        assert reader._ahead.taken == len(asked) - 1  # all but keys[0], read as if nothing were expected
+        _check_all(files, mixed_file, keys)  # none left ahead: read as without the read-ahead
+
+
+def test_the_read_ahead_reports_a_file_cut_short_on_the_read_that_needs_it(tmp_path, mixed_file):
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(mixed_file.read_bytes())
+    with StagedReader("cpu", chunk_bytes=4096, threads=2, ahead_slabs=2) as reader:
+        files = CheckpointFiles(short, reader)  # the header checked against the whole file
+        keys = sorted(files.keys, key=lambda k: files._spans[k][0])
+        last = keys[-1]
+        cut = files._spans[last][0] + files._spans[last][1] - 6
+        os.truncate(short, cut)  # then the file shrinks under the load
+        reader.expect(_spans(files, keys))
+        for key in keys[:-1]:
+            if sum(files._spans[key]) <= cut:
+                files.get(key)
+        with pytest.raises(OSError, match=r"short\.safetensors: the file ended 6 bytes early"):
+            files.get(last)
+
+
+def test_closing_with_ranges_still_ahead_does_not_wait_for_them(mixed_file):
+    reader = StagedReader("cpu", chunk_bytes=1024, threads=2, ahead_slabs=2)
+    files = CheckpointFiles(mixed_file, reader)
+    reader.expect(_spans(files, sorted(files.keys)) * 50)  # far more than the slabs hold
+    files.get(sorted(files.keys)[0])
+    reader.close()
+    assert not reader._ahead._thread.is_alive()
