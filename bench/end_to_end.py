@@ -95,6 +95,8 @@ STAGES = (
     "sampling_s",
     "sampler_tail_s",
     "decode_s",
+    "decode_first_tiles_s",
+    "decode_steady_tiles_s",
     "audio_s",
     "mp4_tail_s",
     "total_s",
@@ -329,6 +331,11 @@ def stages(events, prompt: dict, steps: int) -> dict:
         sound = next(t for t, kind, data in events if kind == "text" and data[0] == combined)
         tiles = [t for t, kind, data in events if kind == "progress" and data.get("node") == combined]
         out.update(audio_s=sound - d0, decode_s=tiles[-1] - sound, mp4_tail_s=d1 - tiles[-1])
+        # the first batch of tiles (the host's load of the video VAE before it) against a later one's
+        out.update(
+            decode_first_tiles_s=tiles[0] - sound,
+            decode_steady_tiles_s=(tiles[-1] - tiles[0]) / (len(tiles) - 1) if len(tiles) > 1 else None,
+        )
     out["total_s"] = total
     return out
 

@@ -157,6 +157,7 @@ def test_end_to_end_across_ranks(tiny_end_to_end):
     assert set(ranked["runs"]) == {"cold", "warm"}
     for run in ranked["runs"].values():
         assert run["total_s"] > 0 and set(run["ranks"]["sampling"]) == {"1"} and set(run["ranks"]["decoding"]) == {"1"}
+        assert 0 < run["decode_first_tiles_s"] <= run["decode_s"]
     assert ranked["eval"]["stats"]["ranks"][1]["seconds"] > 0 and ranked["eval_collectives_s"] > 0
 
 
@@ -175,6 +176,9 @@ def test_dit_load(tmp_path, tiny_end_to_end):
         "1",
     )
     assert HEADER <= set(result) and "runs" in result
+    (run,) = result["runs"]
+    assert set(run["page_cache_read_threads_s"]) == {"1", "4", "8", "16"}
+    assert all(s > 0 for s in run["page_cache_read_threads_s"].values())
 
 
 def test_mp4_presets(tmp_path):
