@@ -33,7 +33,7 @@ from ..models.dit import H3DiT
 from ..models.fp8_linear import FP8_LAYERS, Fp8Linear, quantization_targets
 from ..models.precision import keeps_fp32
 from .dit import layouts
-from .files import CheckpointFiles
+from .files import CheckpointFiles, spans_of
 from .fp8_scaled import LayerCodes, layer_codes
 from .keymap import match_layout, quantized_plan
 from .kitchen import hold_layers, kitchen_tensor, requantize
@@ -237,13 +237,7 @@ def _expected_reads(planned: dict, own_keys: set, fp8_layers: list, by_layer: di
         for key in (f"{name}.bias", f"{name}.weight"):
             if key in planned:
                 keys += [(planned[key].files, source) for source in planned[key].sources]
-    spans = []
-    for files, key in keys:
-        for stored in files.read_keys(key) or ():
-            span = files.span(stored)
-            if span is not None:
-                spans.append(span)
-    return spans
+    return spans_of(keys)
 
 
 def _target_dtype(context: _Context, key: str) -> torch.dtype:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from ..errors import H3InputError
 from .staged_read import StagedReader
 
-__all__ = ["CheckpointFiles", "read_header", "TORCH_DTYPES"]
+__all__ = ["CheckpointFiles", "read_header", "spans_of", "TORCH_DTYPES"]
 
 # safetensors' dtype names (its format specification) -> torch's
 TORCH_DTYPES = {
@@ -119,6 +119,18 @@ class CheckpointFiles:
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
         return self._handles[f].get_tensor(key)
+
+
+def spans_of(reads) -> list[tuple[Path, int, int]]:
+    """The file ranges a reader is asked for when each ``(files, key)`` of ``reads`` is read in turn (for
+    ``StagedReader.expect``): every stored key it reads, where it goes through the reader."""
+    spans = []
+    for files, key in reads:
+        for stored in files.read_keys(key) or ():
+            span = files.span(stored)
+            if span is not None:
+                spans.append(span)
+    return spans
 
 
 def read_header(path: Path) -> dict:

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..errors import H3InputError
-from .files import CheckpointFiles
+from .files import CheckpointFiles, spans_of
 from .kitchen import hold_layers
 from .quant_layers import FORMATS, HELD
 from .quantized_files import QuantizedView, quantized_view
@@ -174,11 +174,20 @@ def load_into(
         else:
             files = CheckpointFiles(path, reader)
         return _load_into(
-            module, quantized_view(files, work_device=work), keymaps, what, device, dtype, keep_fp32, held, run_device
+            module,
+            quantized_view(files, work_device=work),
+            keymaps,
+            what,
+            device,
+            dtype,
+            keep_fp32,
+            held,
+            run_device,
+            files.reader,
         )
 
 
-def _load_into(module, files, keymaps, what, device, dtype, keep_fp32, held, run_device) -> str:
+def _load_into(module, files, keymaps, what, device, dtype, keep_fp32, held, run_device, reader=None) -> str:
     expected = module.state_dict()
     keymap, plan = match_layout(files, list(expected), keymaps, what)
     candidates, kept = {}, []
@@ -186,6 +195,10 @@ def _load_into(module, files, keymaps, what, device, dtype, keep_fp32, held, run
         candidates, forced, quants = quantized_plan(module, plan, files, keep_fp32)
         holding = hold_layers(files.path, quants, held, dtype or torch.float32, run_device, forced)
         candidates = {k: q for k, q in candidates.items() if q.weight in holding.kept}
+    if reader is not None:  # the tensors below read ahead, in the order the loop asks for them
+        reader.expect(
+            spans_of((files, s) for key, (sources, _) in plan.items() if key not in candidates for s in sources)
+        )
     state = {}
     for key, (sources, combine) in plan.items():
         if key in candidates:

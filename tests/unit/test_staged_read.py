@@ -103,6 +103,7 @@ def test_a_model_loaded_through_the_reader_equals_the_mapped_load(tmp_path):
     mapped = _loaded(path, None)
     with StagedReader("cpu", chunk_bytes=4096, threads=3) as reader:
         staged = _loaded(path, reader)
+        assert reader._ahead.taken == len(staged)  # every tensor came from the read-ahead
     assert set(staged) == set(mapped)
     assert {v.dtype for v in mapped.values()} == {torch.bfloat16, torch.float32}
     for key, value in mapped.items():
