@@ -1,8 +1,8 @@
 """Loader nodes: the DiT (with the optional VDN linear branch), both VAEs, the text encoder and prompt-embedding
 files, from the host's model folders. Each file is checked from its header at validation, before any loader
-runs; loaders read into host memory (the DiT and the VAEs straight to the GPU where the host's rule for diffusion
-models puts them there) and hand the model to the host's model management, which moves it to the device when the
-node that runs it asks."""
+runs; loaders read into host memory (the DiT straight to the GPU where the host's rule for diffusion models puts
+it there) and hand the model to the host's model management, which moves it to the device when the node that runs
+it asks."""
 
 from __future__ import annotations
 
@@ -125,28 +125,18 @@ def _first_device(base, branch, dtype, offload: str, run_on: torch.device):
     fit, else host memory), the weights counted as the host counts them (values × the dtype's size); for another
     device chosen on the loader, host memory, from where the host's model management loads it there. With blocks
     streamed always host memory, where they stream from."""
-    if offload == "stream blocks":
-        return torch.device("cpu")
-    return _read_to((base, branch), dtype, run_on)
-
-
-def _read_to(paths, dtype, run_on: torch.device) -> torch.device:
-    """The host's rule for where a model's weights go first (``unet_inital_load_device``) when it runs on the host's
-    own device, host memory otherwise."""
     import comfy.model_management as mm
 
-    if run_on != torch.device(mm.get_torch_device()):
+    if offload == "stream blocks" or run_on != torch.device(mm.get_torch_device()):
         return torch.device("cpu")
-    parameters = sum(CheckpointFiles(p).parameters for p in paths if p is not None)
+    parameters = sum(CheckpointFiles(p).parameters for p in (base, branch) if p is not None)
     return torch.device(mm.unet_inital_load_device(parameters, dtype))
 
 
-def _vae_patcher(model, device, read_to):
-    """The host's ModelPatcher around a VAE whose weights are on ``read_to``, run on ``device``."""
+def _vae_patcher(model, device):
     import comfy.model_management as mm
     import comfy.model_patcher
 
-    model.device = read_to  # the patcher keeps a model's own device as where its weights are
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=mm.vae_offload_device())
 
 
@@ -174,10 +164,8 @@ def _vae_device(device):
 
 
 class _VAELoader(io.ComfyNode):
-    """A VAE from the host's ``vae`` folder, checked as ``KIND`` from its header and held by the host's own
-    ModelPatcher: read straight to its GPU where the host would put a diffusion model of its size there first
-    (``_read_to``; otherwise the first decode of a restarted server waits for the host to copy it from pageable
-    host memory), else into host memory."""
+    """A VAE from the host's ``vae`` folder, checked as ``KIND`` from its header, read into host memory and held by
+    the host's own ModelPatcher."""
 
     NODE_ID = DISPLAY = DESCRIPTION = KIND = ""
     OUTPUT = None
@@ -209,8 +197,7 @@ class _VAELoader(io.ComfyNode):
         check_device(device)
         where = _vae_device(device)
         path = _host.model_path("vae", vae_name, "vae_name")
-        read_to = _read_to((path,), cls.dtype_on(where), where)
-        patcher = _vae_patcher(cls.read(path, read_to, where), where, read_to)
+        patcher = _vae_patcher(cls.read(path, where), where)
         if cls.KIND == "video_vae":
             patcher.attachments[SOURCE_KEY] = VideoVAESource(str(path))
         return io.NodeOutput(patcher)
@@ -220,34 +207,26 @@ class H3VideoVAELoader(_VAELoader):
     NODE_ID, DISPLAY, KIND, OUTPUT = "H3VideoVAELoader", "H3 Video VAE Loader", "video_vae", H3VideoVAE
     DESCRIPTION = (
         "Loads the MiniMax H3 video VAE (minimax_h3_video_vae_fp16.safetensors or a diffusers folder) from "
-        "vae/ into host memory (straight to the GPU where the host would put a diffusion model of its size there); "
-        "the decoder runs in fp16 on a GPU."
+        "vae/ into host memory; the decoder runs in fp16 on a GPU."
     )
 
     @staticmethod
-    def dtype_on(device):
-        return torch.float16 if device.type == "cuda" else torch.float32
-
-    @classmethod
-    def read(cls, path, read_to, device):
+    def read(path, device):
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
         # a quantised file's decoder linears stay comfy-kitchen layers where the VAE's device has kernels
-        return load_video_vae(path, device=read_to, dtype=cls.dtype_on(device), run_device=device)
+        return load_video_vae(path, device="cpu", dtype=dtype, run_device=device)
 
 
 class H3AudioVAELoader(_VAELoader):
     NODE_ID, DISPLAY, KIND, OUTPUT = "H3AudioVAELoader", "H3 Audio VAE Loader", "audio_vae", H3AudioVAE
     DESCRIPTION = (
-        "Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/ into host memory "
-        "(straight to the GPU where the host would put a diffusion model of its size there); it runs in fp32."
+        "Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/ into host memory; "
+        "it runs in fp32."
     )
 
     @staticmethod
-    def dtype_on(device):
-        return torch.float32
-
-    @staticmethod
-    def read(path, read_to, device):
-        return load_audio_vae(path, device=read_to)
+    def read(path, device):
+        return load_audio_vae(path, device="cpu")
 
 
 def _text_encoder_choices() -> list[str]:
