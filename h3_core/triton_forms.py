@@ -40,6 +40,7 @@ __all__ = [
     "runs_here",
     "COMPILER_MODULES",
     "import_compilers",
+    "launch_once",
 ]
 
 COMPILE_MODES = ("auto", "off")
@@ -160,3 +161,23 @@ def import_compilers(modules: tuple[str, ...] = COMPILER_MODULES) -> dict[str, f
             continue
         seconds[name] = time.perf_counter() - start
     return seconds
+
+
+def launch_once(device: torch.device | str = "cuda") -> float | None:
+    """Launch one trivial Triton kernel on ``device`` (``first_launch_triton``) so that a process's one-time launch
+    work is done now rather than in the first step of its first run: seconds it took, None where Triton does not
+    launch here."""
+    device = torch.device(device)
+    if not (device.type == "cuda" and compiles_on(device)) and not (_INTERPRETED and device.type == "cpu"):
+        return None
+    start = time.perf_counter()
+    try:
+        from . import first_launch_triton
+
+        x = torch.zeros(3, device=device)
+        first_launch_triton.add_one(x)
+        if x.tolist() != [1.0, 1.0, 1.0]:
+            raise RuntimeError(f"the first launch returned {x.tolist()}")
+    except Exception:  # the compiled paths will meet and report whatever failed here
+        return None
+    return time.perf_counter() - start

@@ -242,10 +242,11 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
 
 def import_compilers_in_background() -> threading.Thread | None:
     """Where the compiled paths will run (CUDA with Triton), import what their first run would
-    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) on a thread of its own while the server starts,
-    so the first prompt does not wait for it; the log says how long it took. Returns the thread (None where
-    nothing compiles)."""
-    from ..h3_core.triton_forms import compiles_on, import_compilers
+    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) and launch one trivial Triton kernel
+    (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache
+    filled) on a thread of its own while the server starts, so the first prompt does not wait for either; the log
+    says how long they took. Returns the thread (None where nothing compiles)."""
+    from ..h3_core.triton_forms import compiles_on, import_compilers, launch_once
 
     if not compiles_on("cuda"):
         return None
@@ -254,7 +255,9 @@ def import_compilers_in_background() -> threading.Thread | None:
         seconds = import_compilers()
         done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
         total = sum(s for s in seconds.values() if s is not None)
-        say(f"imported the compilers' modules ({', '.join(done)}) in {total:.1f} s")
+        launched = launch_once("cuda")
+        first = "" if launched is None else f"; Triton's first launch in {launched:.1f} s"
+        say(f"imported the compilers' modules ({', '.join(done)}) in {total:.1f} s{first}")
 
     thread = threading.Thread(target=run, name="h3-import-compilers", daemon=True)
     thread.start()

@@ -181,6 +181,13 @@ def test_dit_load(tmp_path, tiny_end_to_end):
     assert all(s > 0 for s in run["page_cache_read_threads_s"].values())
 
 
+def test_first_launch(tmp_path):
+    """Under Triton's CPU interpreter: two new processes sharing one cache, each launch timed."""
+    result = dry_run(tmp_path, "first_launch.py", "--processes", "2", "--device", "cpu", env={"TRITON_INTERPRET": "1"})
+    assert HEADER <= set(result) and len(result["runs"]) == 2
+    assert all(run["first_launch_s"] > 0 and run["second_kernel_s"] > 0 for run in result["runs"])
+
+
 def test_mp4_presets(tmp_path):
     pytest.importorskip("av")
     image = pytest.importorskip("PIL.Image")
