@@ -126,7 +126,8 @@ class AudioVAEConfig:
 
 
 def kaiser_sinc(cutoff: float, half_width: float, size: int) -> torch.Tensor:
-    """The Kaiser-windowed sinc low-pass filter ``[1, 1, size]`` of the alias-free resamplers, normalised to sum 1."""
+    """The Kaiser-windowed sinc low-pass filter ``[1, 1, size]`` of the alias-free resamplers, normalised to sum 1,
+    on the CPU (built under a meta device context, torch.arange would import dynamo and sympy on first use)."""
     half = size // 2
     attenuation = 2.285 * (half - 1) * math.pi * (4 * half_width) + 7.95
     if attenuation > 50.0:
@@ -135,8 +136,9 @@ def kaiser_sinc(cutoff: float, half_width: float, size: int) -> torch.Tensor:
         beta = 0.5842 * (attenuation - 21) ** 0.4 + 0.07886 * (attenuation - 21.0)
     else:
         beta = 0.0
-    window = torch.kaiser_window(size, beta=beta, periodic=False)
-    time = torch.arange(-half, half) + 0.5 if size % 2 == 0 else torch.arange(size) - half
+    window = torch.kaiser_window(size, beta=beta, periodic=False, device="cpu")
+    cpu = torch.device("cpu")
+    time = torch.arange(-half, half, device=cpu) + 0.5 if size % 2 == 0 else torch.arange(size, device=cpu) - half
     taps = 2 * cutoff * window * torch.sinc(2 * cutoff * time)
     return (taps / taps.sum()).view(1, 1, size)
 
@@ -275,7 +277,7 @@ class UpSample(nn.Module):
         self.ratio, self.pad = ratio, size // ratio - 1
         self.crop_left = self.pad * ratio + (size - ratio) // 2
         self.crop_right = self.pad * ratio + (size - ratio + 1) // 2
-        self.register_buffer("filter", kaiser_sinc(0.5 / ratio, 0.6 / ratio, size))
+        self.register_buffer("filter", kaiser_sinc(0.5 / ratio, 0.6 / ratio, size).to(torch.empty(0).device))
 
     def forward(self, x):
         C = x.shape[1]
@@ -289,7 +291,7 @@ class LowPass(nn.Module):
         super().__init__()
         self.stride = ratio
         self.pads = (size // 2 - int(size % 2 == 0), size // 2)
-        self.register_buffer("filter", kaiser_sinc(0.5 / ratio, 0.6 / ratio, size))
+        self.register_buffer("filter", kaiser_sinc(0.5 / ratio, 0.6 / ratio, size).to(torch.empty(0).device))
 
     def forward(self, x):
         C = x.shape[1]

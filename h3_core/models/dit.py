@@ -347,7 +347,9 @@ class TimeEmbedder(nn.Module):
 class Rope(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg))
+        # Made on the CPU and moved to the device being built on: on the meta device torch.arange runs through
+        # torch._refs, whose first call in a process imports dynamo and sympy (most of a second of a first load).
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(torch.empty(0).device))
 
 
 class FinalLayer(nn.Module):
@@ -484,4 +486,6 @@ def _rows_within(index: torch.Tensor, mine: slice) -> tuple[torch.Tensor, torch.
 
 
 def rope_inv_freq(cfg: DiTConfig) -> torch.Tensor:
-    return cfg.rope_theta ** -(torch.arange(0, 2 * cfg.rope_freqs, 2, dtype=torch.float32) / (2 * cfg.rope_freqs))
+    """The rotary frequencies, on the CPU."""
+    steps = torch.arange(0, 2 * cfg.rope_freqs, 2, dtype=torch.float32, device="cpu")
+    return cfg.rope_theta ** -(steps / (2 * cfg.rope_freqs))
