@@ -7,7 +7,8 @@
 # linked as .host when the checkout has none.
 #   install   every wheel found in .whl_a .whl_b .whl_c (the kitchen parts joined first) into $SITE, compiled to
 #             bytecode as pip does by default (a process's first run then reads .pyc files, as on a user's machine),
-#             and the carried host's and the pack's sources compiled too
+#             the carried host copied to /root/comfyui-0.3.75 (COMFYUI_PATH for every later part and call, so the
+#             host need not be carried again), and its and the pack's sources compiled too
 #   gpu       python -m pytest on every GPU test (tests/gpu) and the single-file text encoder on CUDA
 #   checks    python -m pytest on the GPU tests of what the host integration touches (the fused model and its
 #             compile fallback, block offload, the VAEs)
@@ -61,6 +62,8 @@ mkdir -p "$out" "$site"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 unset PYTHONDONTWRITEBYTECODE  # imports keep their bytecode, as on a user's machine
 fa4="${FA4:-/tmp/fa4}"
+host_copy=/root/comfyui-0.3.75
+[ -z "${COMFYUI_PATH:-}" ] && [ -d "$host_copy" ] && export COMFYUI_PATH="$host_copy"
 [ "${H3_FA4:-0}" = 1 ] && export PYTHONPATH="$fa4:$fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 run() {  # name, command...
     local name="$1"; shift
@@ -82,8 +85,13 @@ for part in "$@"; do
             fi
             run install python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
                 --target "$site" "$wheels"/*.whl
-            # bytecode for the carried host and the pack too, as a user's installation has it after a first start
-            run compileall python3 -m compileall -q -j 0 "$(readlink -f .host)" h3_core nodes ;;
+            # The carried host copied out of the checkout (a later call that does not carry it finds it there), and
+            # bytecode for it and the pack, as a user's installation has after a first start
+            if [ -d .host/comfyui-0.3.75 ]; then
+                rm -rf "$host_copy" && cp -r .host/comfyui-0.3.75 "$host_copy"
+                export COMFYUI_PATH="${COMFYUI_PATH:-$host_copy}"
+            fi
+            run compileall python3 -m compileall -q -j 0 $([ -d "$host_copy" ] && echo "$host_copy") h3_core nodes ;;
         fa4-a) mkdir -p /tmp/fa4_parts && cp .fa4_a/* /tmp/fa4_parts/ && echo "   FA4 part a kept" ;;
         fa4-b)
             cat /tmp/fa4_parts/cu13.part.aa .fa4_b/cu13.part.ab \
