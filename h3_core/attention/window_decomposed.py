@@ -228,6 +228,31 @@ def _stage_slots(batch, g):
     return [(batch.k_start + g * step, 0, batch.k_rows)]
 
 
+def stage_walk(plan, heads: int, per_pass: int):
+    """The staged strategy's order of work, shared by the exact and the fp8 window legs, as steps:
+
+    * ``("pass", hs)``: a pass over the heads ``hs`` (``per_pass`` at a time) begins: stage buffers for them;
+    * ``("load", dst, src, n)``: ``n`` key (and value) rows from row ``src`` into stage row ``dst``;
+    * ``("batch", batch)``: a batch of window groups begins;
+    * ``("call", rows, used)``: the query ``rows`` attend to the stage rows ``used``.
+
+    Each pass loads the extra keys first, then before each window group the slots that enter its window."""
+    extra_rows = sum(b - a for a, b in plan.extra_runs)
+    for h0 in range(0, heads, per_pass):
+        yield "pass", slice(h0, min(heads, h0 + per_pass))
+        offset = 0
+        for a, b in plan.extra_runs:
+            yield "load", offset, a, b - a
+            offset += b - a
+        for batch in plan.batches:
+            yield "batch", batch
+            used = slice(0, extra_rows + batch.k_rows)
+            for g in range(batch.groups):
+                for src, dst, n in _stage_slots(batch, g) if batch.k_rows else ():
+                    yield "load", extra_rows + dst, src, n
+                yield "call", slice(batch.q_start + g * batch.q_rows, batch.q_start + (g + 1) * batch.q_rows), used
+
+
 def _heads_per_pass(heads: int, max_heads: int, q_rows: int, device: torch.device) -> int:
     """Heads per staging pass: at most ``max_heads`` (memory), choosing the split whose kernel grids
     (128-row query tiles × heads over the multiprocessors) leave the least of a last wave idle."""
@@ -273,42 +298,36 @@ def _window_leg_staged(q, k, v, out, plan, scale, stage_dtype, stage_bytes):
         else:
             dst.copy_(src)
 
-    for h0 in range(0, H, heads):
-        hs = slice(h0, min(H, h0 + heads))
-        stage_k = torch.empty(stage_rows, hs.stop - hs.start, D, dtype=stage_dtype, device=q.device)
-        stage_v = torch.empty_like(stage_k)
-        offset = 0
-        for a, b in plan.extra_runs:
-            load(stage_k[offset : offset + b - a], k[a:b, hs])
-            load(stage_v[offset : offset + b - a], v[a:b, hs], v_inv)
-            offset += b - a
-        for batch in plan.batches:
-            keys = slice(0, extra_rows + batch.k_rows)
+    for step in stage_walk(plan, H, heads):
+        if step[0] == "pass":
+            hs = step[1]
+            stage_k = torch.empty(stage_rows, hs.stop - hs.start, D, dtype=stage_dtype, device=q.device)
+            stage_v = torch.empty_like(stage_k)
+        elif step[0] == "load":
+            _, dst, src, n = step
+            load(stage_k[dst : dst + n], k[src : src + n, hs])
+            load(stage_v[dst : dst + n], v[src : src + n, hs], v_inv)
+        elif step[0] == "batch" and convert:
+            q_stage = torch.empty(step[1].q_rows, hs.stop - hs.start, D, dtype=stage_dtype, device=q.device)
+            # The kernel may write its fp16 output straight into the bytes of the bf16 destination.
+            in_place = elt == q.element_size()
+        elif step[0] == "call":
+            _, rows, keys = step
+            target = out[rows, hs]
             if convert:
-                q_stage = torch.empty(batch.q_rows, hs.stop - hs.start, D, dtype=stage_dtype, device=q.device)
-                # The kernel may write its fp16 output straight into the bytes of the bf16 destination.
-                in_place = elt == q.element_size()
-            for g in range(batch.groups):
-                for src, dst, n in _stage_slots(batch, g) if batch.k_rows else ():
-                    dst += extra_rows
-                    load(stage_k[dst : dst + n], k[src : src + n, hs])
-                    load(stage_v[dst : dst + n], v[src : src + n, hs], v_inv)
-                rows = slice(batch.q_start + g * batch.q_rows, batch.q_start + (g + 1) * batch.q_rows)
-                target = out[rows, hs]
-                if convert:
-                    load(q_stage, q[rows, hs])
-                    res = dense_attention(
-                        q_stage,
-                        stage_k[keys],
-                        stage_v[keys],
-                        scale=scale,
-                        out=target.view(stage_dtype) if in_place else None,
-                    ).out
-                    scale_convert(res, target, v_scale)
-                else:
-                    res = dense_attention(q[rows, hs], stage_k[keys], stage_v[keys], scale=scale, out=target).out
-                    if res is not target:
-                        target.copy_(res)
+                load(q_stage, q[rows, hs])
+                res = dense_attention(
+                    q_stage,
+                    stage_k[keys],
+                    stage_v[keys],
+                    scale=scale,
+                    out=target.view(stage_dtype) if in_place else None,
+                ).out
+                scale_convert(res, target, v_scale)
+            else:
+                res = dense_attention(q[rows, hs], stage_k[keys], stage_v[keys], scale=scale, out=target).out
+                if res is not target:
+                    target.copy_(res)
 
 
 STRATEGIES = ("staged", "merge")

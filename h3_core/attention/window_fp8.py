@@ -15,7 +15,7 @@ import torch
 
 from .fp8 import E4M3, Fp8Rows, fp8_attention, fp8_attention_reference, quantize_e4m3, resolve_fp8_kernel
 from .layout import SequenceLayout, WindowSpec
-from .window_decomposed import DEFAULT_STAGE_BYTES, _heads_per_pass, _put_rows, _rows, _stage_slots, cached_plan
+from .window_decomposed import DEFAULT_STAGE_BYTES, _heads_per_pass, _put_rows, _rows, cached_plan, stage_walk
 from .window_ref import frame_keys
 
 __all__ = ["window_softmax_fp8", "window_softmax_fp8_ref", "quantized_qkv"]
@@ -58,34 +58,26 @@ def _window_leg(q8, k8, v8, out, plan, scale, stage_bytes):
     stage_rows = extra_rows + max(b.k_rows for b in plan.batches)
     widest = max(plan.batches, key=lambda b: b.q_rows * b.groups)
     heads = _heads_per_pass(H, max(1, stage_bytes // (2 * stage_rows * D)), widest.q_rows, q8.values.device)
-    for h0 in range(0, H, heads):
-        hs = slice(h0, min(H, h0 + heads))
-        stage_k = torch.empty(stage_rows, hs.stop - hs.start, D, dtype=torch.uint8, device=q8.values.device)
-        stage_v = torch.empty_like(stage_k)
-
-        def load(dst: int, src: int, n: int) -> None:
+    for step in stage_walk(plan, H, heads):
+        if step[0] == "pass":
+            hs = step[1]
+            stage_k = torch.empty(stage_rows, hs.stop - hs.start, D, dtype=torch.uint8, device=q8.values.device)
+            stage_v = torch.empty_like(stage_k)
+            keys, values = Fp8Rows(stage_k.view(E4M3), k8.descale), Fp8Rows(stage_v.view(E4M3), v8.descale)
+        elif step[0] == "load":
+            _, dst, src, n = step
             stage_k[dst : dst + n] = _bytes(k8.values[src : src + n, hs])
             stage_v[dst : dst + n] = _bytes(v8.values[src : src + n, hs])
-
-        offset = 0
-        for a, b in plan.extra_runs:
-            load(offset, a, b - a)
-            offset += b - a
-        keys, values = Fp8Rows(stage_k.view(E4M3), k8.descale), Fp8Rows(stage_v.view(E4M3), v8.descale)
-        for batch in plan.batches:
-            used = slice(0, extra_rows + batch.k_rows)
-            for g in range(batch.groups):
-                for src, dst, n in _stage_slots(batch, g) if batch.k_rows else ():
-                    load(extra_rows + dst, src, n)
-                rows = slice(batch.q_start + g * batch.q_rows, batch.q_start + (g + 1) * batch.q_rows)
-                fp8_attention(
-                    Fp8Rows(q8.values[rows, hs], q8.descale),
-                    keys.rows(used),
-                    values.rows(used),
-                    scale=scale,
-                    out_dtype=out.dtype,
-                    out=out[rows, hs],
-                )
+        elif step[0] == "call":
+            _, rows, used = step
+            fp8_attention(
+                Fp8Rows(q8.values[rows, hs], q8.descale),
+                keys.rows(used),
+                values.rows(used),
+                scale=scale,
+                out_dtype=out.dtype,
+                out=out[rows, hs],
+            )
 
 
 def window_softmax_fp8_ref(
