@@ -242,10 +242,10 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
 
 def import_compilers_in_background() -> threading.Thread | None:
     """Where the compiled paths will run (CUDA with Triton), import what their first run would
-    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) and launch one trivial Triton kernel
-    (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache
-    filled) on a thread of its own while the server starts, so the first prompt does not wait for either; the log
-    says how long they took. Returns the thread (None where nothing compiles)."""
+    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) and, where the host's device is that GPU, launch
+    one trivial Triton kernel there (``triton_forms.launch_once``: a process's first launch costs about half a
+    second on an H200, the cache filled) on a thread of its own while the server starts, so the first prompt does
+    not wait for either; the log says how long they took. Returns the thread (None where nothing compiles)."""
     from ..h3_core.triton_forms import compiles_on, import_compilers, launch_once
 
     if not compiles_on("cuda"):
@@ -255,7 +255,8 @@ def import_compilers_in_background() -> threading.Thread | None:
         seconds = import_compilers()
         done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
         total = sum(s for s in seconds.values() if s is not None)
-        launched = launch_once("cuda")
+        device = torch_device()
+        launched = launch_once(device) if device.type == "cuda" else None
         first = "" if launched is None else f"; Triton's first launch in {launched:.1f} s"
         say(f"imported the compilers' modules ({', '.join(done)}) in {total:.1f} s{first}")
 
