@@ -24,7 +24,7 @@ Phases, each a separate call (each fits a 10-minute command; the results gather 
 * ``cold``: a new server with the files' pages dropped from the page cache and an empty compile cache: T2VA
   (the cold run), then T2VA again with another seed (warm: models loaded, kernels compiled);
 * ``restart``: a new server process, page cache and compile cache filled: T2VA (the first run of a restarted
-  server), then FL2VA once;
+  server), then FL2VA once; ``restart-t2va``: the same without FL2VA (an earlier FL2VA run stands);
 * ``small``: a new server whose host budget is ``--budget-gib`` (``--reserve-vram`` set to the rest of the free
   memory; the memory policy on, as the workflow ships): T2VA once, its total and torch's peak;
 * ``report``: ``--out`` (JSON) and the same path with ``.md``: per kernel environment (``--env``), the summary
@@ -85,6 +85,7 @@ RUNS = ("cold", "warm", "restart", "fl2va", "small")
 SERVED = {
     "cold": [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)],
     "restart": [("restart", "h3_t2va.json", 3), ("fl2va", "h3_fl2va.json", 4)],
+    "restart-t2va": [("restart", "h3_t2va.json", 3)],
     "small": [("small", "h3_t2va.json", 5)],
 }
 STAGES = (
@@ -553,7 +554,10 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, required=True, help="the server's base folder (models, output)")
     parser.add_argument(
-        "--phase", nargs="+", required=True, choices=("write", "eval", "text", "cold", "restart", "small", "report")
+        "--phase",
+        nargs="+",
+        required=True,
+        choices=("write", "eval", "text", *SERVED, "report"),
     )
     parser.add_argument("--env", default=None, help="the kernel environment's label (default: detected)")
     parser.add_argument(

@@ -144,6 +144,17 @@ def test_end_to_end(tiny_end_to_end):
     assert {"environments", "files"} <= set(result)
 
 
+def test_end_to_end_restart_without_fl2va(tiny_end_to_end):
+    """A restarted server's first T2VA run alone, through a real server on the CPU."""
+    folder, _ = tiny_end_to_end
+    result = dry_run(
+        folder, "end_to_end.py", "--tiny", "--base", str(folder / "base"), "--phase", "restart-t2va", "report"
+    )
+    (env,) = [name for name in result["environments"] if not name.endswith("gpus")]
+    runs = result["environments"][env]["runs"]
+    assert "restart" in runs and "fl2va" not in runs and runs["restart"]["total_s"] > 0
+
+
 def test_end_to_end_across_ranks(tiny_end_to_end):
     """The workflows with H3 Multi-GPU on 2 ranks through a real server (the CPU, gloo) and the evaluation across
     2 ranks, into an environment of their own with each run's worker seconds."""
