@@ -216,6 +216,7 @@ def _load_layers(model, base_info, branch_info, loras, device, dtype, linears, h
         layer, how[name] = build(context, name, linear, by_layer[name], how_kept)
         setattr(parent, attribute, layer)
         del layer
+    _check_scales(model, planned, [name for name, *_ in layers if how[name] == FROM_FILE])
     for source, lora_deltas in elsewhere:
         if lora_deltas:
             merge_lora(model, lora_deltas, source=source)
@@ -224,6 +225,22 @@ def _load_layers(model, base_info, branch_info, loras, device, dtype, linears, h
     model.quantized_layers = {} if linears == "fp8" else how
     model.linears = _describe_fp8(how) if linears == "fp8" else _describe_held(how, dtype)
     model.eval()
+
+
+def _check_scales(model: H3DiT, planned: dict, names: list[str]) -> None:
+    """The file's scales of the fp8 layers ``names`` (taken as they are) are finite: one check for them all,
+    so a load to a GPU waits for the device once rather than once a layer."""
+    if not names:
+        return
+    scales = [model.get_submodule(name).weight_scale for name in names]
+    finite = torch.stack([torch.isfinite(scale).all() for scale in scales]).tolist()
+    bad = [name for name, ok in zip(names, finite) if not ok]
+    if bad:
+        path = planned[f"{bad[0]}.weight"].files.path
+        raise H3InputError(
+            f"{path}: the fp8 scales of {len(bad)} layer(s) are not finite (first: {bad[0]!r}); the file is "
+            "damaged: download it again"
+        )
 
 
 def _expected_reads(planned: dict, own_keys: set, fp8_layers: list, by_layer: dict) -> list[tuple]:
@@ -260,7 +277,10 @@ def _fp8_layer(context: _Context, name: str, linear: nn.Linear, lora_updates, _h
     else:
         found = layer_codes(entry.files, entry.sources, entry.combine, context.shapes[weight_key])
         if isinstance(found, LayerCodes):
-            return Fp8Linear.from_scaled(found.codes.to(context.device), found.scale, bias, context.dtype), FROM_FILE
+            layer = Fp8Linear.from_scaled(
+                found.codes.to(context.device), found.scale, bias, context.dtype, check_finite=False
+            )
+            return layer, FROM_FILE
         why = found
     context.merged_fp32(name, linear, bias, lora_updates)
     layer = Fp8Linear.from_linear(linear, context.dtype).to(context.device)

@@ -294,11 +294,14 @@ class Fp8Linear(nn.Module):
         bias: torch.Tensor | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
         fast_accum: bool = True,
+        check_finite: bool = True,
     ) -> Fp8Linear:
         """An fp8-scaled checkpoint's layer taken as it is, no round trip through bf16: ``weight_fp8``
         ``[out, in]`` e4m3 (ComfyUI's ``<layer>.weight``) and its ``scale`` (``<layer>.weight_scale``, or the
         legacy ``scale_weight``): one value broadcast to every channel, or one per channel. A checkpoint's
-        static ``input_scale`` is not needed: activations are scaled per row at run time."""
+        static ``input_scale`` is not needed: activations are scaled per row at run time. ``check_finite=False``
+        leaves the scale's finiteness to the caller (a load checks every layer's at once: on a GPU each check
+        waits for the device)."""
         if not isinstance(weight_fp8, torch.Tensor) or weight_fp8.dtype != E4M3:
             got = weight_fp8.dtype if isinstance(weight_fp8, torch.Tensor) else type(weight_fp8).__name__
             hint = (
@@ -314,7 +317,7 @@ class Fp8Linear(nn.Module):
             raise H3InputError(f"weight_fp8 must be a matrix [out, in], got shape {list(weight_fp8.shape)}")
         out_features, in_features = weight_fp8.shape
         channel_scale = _channel_scales(scale, out_features).to(weight_fp8.device)
-        if not bool(torch.isfinite(channel_scale).all()):
+        if check_finite and not bool(torch.isfinite(channel_scale).all()):
             raise H3InputError(f"scale must be finite, got values {channel_scale.unique()[:4].tolist()}")
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise H3InputError(

@@ -762,3 +762,21 @@ def test_a_load_reads_ahead_exactly_what_it_then_asks_for(written, base_name, br
     assert reader._ahead.taken == len(reader.expected)
     assert staged.fp8_layers == mapped.fp8_layers
     assert_same_model(staged, mapped, hybrid=branch is not None)
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["per tensor", "per row"])
+def test_a_scale_that_is_not_finite_is_refused_naming_the_layer(dense, tmp_path, per_row):
+    """The scales of the layers taken from the file are checked together once the layers are built."""
+    fp8 = native_fp8(dense, per_row=per_row)
+    key = "blocks.1.mlp.fc2.weight"
+    ((codes, scale),) = fp8[key]
+    broken = scale.clone()
+    broken.view(-1)[-1] = float("inf")
+    fp8[key] = [(codes, broken)]
+    path = write(comfy_file(dense, fp8), tmp_path / "broken.safetensors")
+    with pytest.raises(
+        H3InputError,
+        match=r"broken\.safetensors: the fp8 scales of 1 layer\(s\) are not finite "
+        r"\(first: 'blocks\.1\.mlp\.fc2'\)",
+    ):
+        load_h3_model(path, dtype=torch.float32, cfg=CFG, linears="fp8")
