@@ -224,3 +224,17 @@ def test_partial_unload_frees_at_least_what_is_asked_a_block_at_a_time(pack):
     assert int(1.5 * block) <= freed < int(1.5 * block) + block
     assert patcher.loaded_size() == before - freed
     assert patcher.placement.fitted.offload.stats.resident_blocks < CFG.layers
+
+
+def test_the_attention_kernels_chosen_ahead_are_the_ones_a_run_then_uses(pack):
+    """The server's start thread chooses the dense-attention kernels for the pack's (dtype, head dim) pairs
+    (here on the CPU); a later run's resolution finds each already probed and gets the same kernel."""
+    from h3_hybrid.h3_core.attention.kernels import probed_kernels, resolve_kernel  # the pack's own copy
+    from h3_hybrid.nodes._host import choose_attention_kernels
+
+    chosen = choose_attention_kernels("cpu")
+    assert set(chosen) == {"float16 d=128", "bfloat16 d=128", "float16 d=64"}
+    probed = probed_kernels()
+    for label, name in chosen.items():
+        dtype, head_dim = getattr(torch, label.split()[0]), int(label.split("=")[1])
+        assert probed[("cpu", dtype, head_dim)].name == name == resolve_kernel(torch.device("cpu"), dtype, head_dim)
