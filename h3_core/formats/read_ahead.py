@@ -171,9 +171,8 @@ class ReadAhead:
                 return None
             position = positions.popleft()
             self.taken += 1
-            passed = [p for p in range(self._cursor, position)]
+            dropped = [piece for p in range(self._cursor, position) for piece in self._pieces.pop(p, [])]
             self._cursor = position
-            dropped = [piece for p in passed for piece in self._pieces.pop(p, [])]
         for piece in dropped:
             for read in piece.reads:
                 read.exception()  # let the read finish before its slab is reused; its error no longer matters

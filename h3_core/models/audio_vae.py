@@ -136,8 +136,8 @@ def kaiser_sinc(cutoff: float, half_width: float, size: int) -> torch.Tensor:
         beta = 0.5842 * (attenuation - 21) ** 0.4 + 0.07886 * (attenuation - 21.0)
     else:
         beta = 0.0
-    window = torch.kaiser_window(size, beta=beta, periodic=False, device="cpu")
     cpu = torch.device("cpu")
+    window = torch.kaiser_window(size, beta=beta, periodic=False, device=cpu)
     time = torch.arange(-half, half, device=cpu) + 0.5 if size % 2 == 0 else torch.arange(size, device=cpu) - half
     taps = 2 * cutoff * window * torch.sinc(2 * cutoff * time)
     return (taps / taps.sum()).view(1, 1, size)
@@ -277,7 +277,7 @@ class UpSample(nn.Module):
         self.ratio, self.pad = ratio, size // ratio - 1
         self.crop_left = self.pad * ratio + (size - ratio) // 2
         self.crop_right = self.pad * ratio + (size - ratio + 1) // 2
-        self.register_buffer("filter", kaiser_sinc(0.5 / ratio, 0.6 / ratio, size).to(torch.empty(0).device))
+        self.register_buffer("filter", kaiser_sinc(0.5 / ratio, 0.6 / ratio, size).to(torch.get_default_device()))
 
     def forward(self, x):
         C = x.shape[1]
@@ -291,7 +291,7 @@ class LowPass(nn.Module):
         super().__init__()
         self.stride = ratio
         self.pads = (size // 2 - int(size % 2 == 0), size // 2)
-        self.register_buffer("filter", kaiser_sinc(0.5 / ratio, 0.6 / ratio, size).to(torch.empty(0).device))
+        self.register_buffer("filter", kaiser_sinc(0.5 / ratio, 0.6 / ratio, size).to(torch.get_default_device()))
 
     def forward(self, x):
         C = x.shape[1]

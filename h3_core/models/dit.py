@@ -349,7 +349,7 @@ class Rope(nn.Module):
         super().__init__()
         # Made on the CPU and moved to the device being built on: on the meta device torch.arange runs through
         # torch._refs, whose first call in a process imports dynamo and sympy (most of a second of a first load).
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(torch.empty(0).device))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(torch.get_default_device()))
 
 
 class FinalLayer(nn.Module):
