@@ -38,9 +38,8 @@
 #             profiled
 #   e2e-write, e2e-cold, e2e-restart, e2e-restart-t2va
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report; restart without FL2VA + report)
-#             under /root/h3_e2e, each
-#             within one 10-minute call, the results gathered there between calls (a copy in $out after each
-#             part); the report goes to $out
+#             under /root/h3_e2e, each within one 10-minute call, the results gathered there between calls (a copy
+#             in $out after each part); the report goes to $out
 #   first-step, first-step-precompile
 #             bench/dit_step.py's first evaluation (profiled) in two new processes, the compile cache empty then
 #             filled; -precompile with TORCH_CACHING_PRECOMPILE=1 (dynamo's traced frames cached as well)
