@@ -25,6 +25,8 @@ Phases, each a separate call (each fits a 10-minute command; the results gather 
   (the cold run), then T2VA again with another seed (warm: models loaded, kernels compiled);
 * ``restart``: a new server process, page cache and compile cache filled: T2VA (the first run of a restarted
   server), then FL2VA once; ``restart-t2va``: the same without FL2VA (an earlier FL2VA run stands);
+  ``restart-warm``: T2VA as the restarted server's first run, then again warm in the same process (both
+  figures of ``first_run_extra_s`` from one server on one machine; the cold run stands);
 * ``small``: a new server whose host budget is ``--budget-gib`` (``--reserve-vram`` set to the rest of the free
   memory; the memory policy on, as the workflow ships): T2VA once, its total and torch's peak;
 * ``report``: ``--out`` (JSON) and the same path with ``.md``: per kernel environment (``--env``), the summary
@@ -86,6 +88,7 @@ SERVED = {
     "cold": [("cold", "h3_t2va.json", 1), ("warm", "h3_t2va.json", 2)],
     "restart": [("restart", "h3_t2va.json", 3), ("fl2va", "h3_fl2va.json", 4)],
     "restart-t2va": [("restart", "h3_t2va.json", 3)],
+    "restart-warm": [("restart", "h3_t2va.json", 3), ("warm", "h3_t2va.json", 2)],
     "small": [("small", "h3_t2va.json", 5)],
 }
 STAGES = (

@@ -36,8 +36,9 @@
 #             80 s of matrix products, with torch's allocator and with cudaMallocAsync (what ComfyUI sets)
 #   load      bench/dit_load.py on the files e2e-write wrote: the DiT loader's and the move to the GPU's seconds, each
 #             profiled
-#   e2e-write, e2e-cold, e2e-restart, e2e-restart-t2va
-#             bench/end_to_end.py's phases (write + eval; cold; restart + report; restart without FL2VA + report)
+#   e2e-write, e2e-cold, e2e-restart, e2e-restart-t2va, e2e-restart-warm
+#             bench/end_to_end.py's phases (write + eval; cold; restart + report; restart without FL2VA + report;
+#             restart then warm in one server + report)
 #             under /root/h3_e2e, each within one 10-minute call, the results gathered there between calls (a copy
 #             in $out after each part); the report goes to $out
 #   first-step, first-step-precompile
@@ -130,10 +131,11 @@ for part in "$@"; do
         e2e-text) run e2e_text python3 bench/end_to_end.py --base /root/h3_e2e --phase text
             cp /root/h3_e2e/end_to_end_state.json "$out/" ;;
         e2e-quick) run e2e_quick_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write ;&
-        e2e-cold|e2e-restart|e2e-restart-t2va|e2e-small)
+        e2e-cold|e2e-restart|e2e-restart-t2va|e2e-restart-warm|e2e-small)
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid benchmark</body></html>" > /tmp/h3_frontend/index.html
             phases=(cold); [ "$part" = e2e-restart ] && phases=(restart report)
             [ "$part" = e2e-restart-t2va ] && phases=(restart-t2va report)
+            [ "$part" = e2e-restart-warm ] && phases=(restart-warm report)
             [ "$part" = e2e-quick ] && phases=(cold report)
             [ "$part" = e2e-small ] && phases=(small report)
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" python3 \
