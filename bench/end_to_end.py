@@ -92,6 +92,7 @@ SERVED = {
     "small": [("small", "h3_t2va.json", 5)],
 }
 STAGES = (
+    "validation_s",
     "loaders_s",
     "sampler_prepare_s",
     "first_step_s",
@@ -307,10 +308,13 @@ def stages(events, prompt: dict, steps: int) -> dict:
     def span(cls):
         return sum(t1 - t0 for t0, t1 in by_class.get(cls, []))
 
+    loaders = ("H3DiTLoader", "H3VideoVAELoader", "H3AudioVAELoader", "H3PromptEmbeddingLoader")
+    timed_apart = (*loaders, "H3Sampler", "H3DecodeAndSave", "H3VideoDecode", "H3AudioDecode", "H3SaveVideo")
     out = dict(
-        loaders_s=sum(
-            span(c) for c in ("H3DiTLoader", "H3VideoVAELoader", "H3AudioVAELoader", "H3PromptEmbeddingLoader")
-        ),
+        # from queueing to the first node's start: the host's validation of the prompt (every node's checks)
+        validation_s=min(t0 for t0, _ in spans.values()) if spans else None,
+        other_nodes_s=sum(span(c) for c in by_class if c not in timed_apart),
+        loaders_s=sum(span(c) for c in loaders),
         dit_loader_s=span("H3DiTLoader"),
         sampler_prepare_s=loaded - s0,
         first_step_s=None if first is None else first - loaded,
@@ -544,7 +548,7 @@ def markdown(state: dict) -> str:
         ]
         runs = [label for label in RUNS if label in env_state]
         lines += ["", "| stage (s) | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
-        for stage in ("loaders_s", "dit_loader_s") + STAGES[1:]:
+        for stage in ("validation_s", "loaders_s", "dit_loader_s", "other_nodes_s") + STAGES[2:]:
             cells = [env_state[r].get(stage) for r in runs]
             lines.append(f"| {stage} | " + " | ".join("—" if c is None else f"{c:.2f}" for c in cells) + " |")
         peaks = [(env_state[r].get("peak") or {}).get("allocated_gib") for r in runs]

@@ -44,8 +44,12 @@ class StagedReader:
     ``with`` block's end) releases the buffers, the threads and the open files."""
 
     def __init__(
-        self, device, chunk_bytes: int = CHUNK_BYTES, threads: int = READ_THREADS, ahead_slabs: int = AHEAD_SLABS
+        self, device, chunk_bytes: int | None = None, threads: int | None = None, ahead_slabs: int | None = None
     ):
+        # the module's constants read here, not at import, so a bench can set them for a variant
+        chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        threads = READ_THREADS if threads is None else threads
+        ahead_slabs = AHEAD_SLABS if ahead_slabs is None else ahead_slabs
         if chunk_bytes <= 0 or threads <= 0:
             raise ValueError(f"chunk_bytes and threads must be positive, got {chunk_bytes} and {threads}")
         self.device = torch.device(device)
