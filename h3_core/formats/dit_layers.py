@@ -38,6 +38,7 @@ from .fp8_scaled import LayerCodes, layer_codes
 from .keymap import match_layout, quantized_plan
 from .kitchen import hold_layers, kitchen_tensor, requantize
 from .lora import LoraDelta, merge_lora
+from .meta_shapes import meta_shapes
 from .quantized_files import QuantizedView, quantized_view
 from .staged_read import reader_for
 from .vdn import BranchWeights, branch_layouts
@@ -49,13 +50,6 @@ BRANCH = "VDN-H3 linear branch"
 FROM_FILE, AT_LOAD = "codes from the file", "quantised at load"
 KEPT, REQUANTISED = "kept as a comfy-kitchen layer", "requantised by comfy-kitchen after its LoRA merge"
 _SHOW = 5
-
-
-def meta_shapes(build, cfg) -> dict[str, tuple[int, ...]]:
-    """The state-dict shapes of ``build(cfg)``, built on the meta device (no memory, no init)."""
-    with torch.device("meta"):
-        module = build(cfg)
-    return {key: tuple(value.shape) for key, value in module.state_dict().items()}
 
 
 def meta_model(base_info, branch_info) -> H3DiT:

@@ -11,6 +11,7 @@ import torch
 from ..errors import H3InputError
 from .files import CheckpointFiles
 from .keymap import KeyMap, load_into, match_layout
+from .meta_shapes import meta_shapes
 from .quant_layers import describe_formats
 from .quantized_files import QuantizedView, quantized_view
 from .sizes import sizes_from_metadata
@@ -43,14 +44,13 @@ def describe_model(
     refuse."""
     files = quantized_view(CheckpointFiles(path))
     cfg = _sized(config_cls, cfg, files)
-    with torch.device("meta"):
-        expected = model_cls(cfg).state_dict()
+    expected = meta_shapes(model_cls, cfg)
     keymap, plan = match_layout(files, list(expected), layouts(cfg), what)
     for key, (sources, combine) in plan.items():
-        if combine is None and tuple(files.shape(sources[0])) != tuple(expected[key].shape):
+        if combine is None and tuple(files.shape(sources[0])) != expected[key]:
             raise H3InputError(
                 f"{files.path}: {what} key {sources[0]!r} has shape {files.shape(sources[0])}, the "
-                f"{keymap.name} layout needs {tuple(expected[key].shape)} for {key!r}"
+                f"{keymap.name} layout needs {expected[key]} for {key!r}"
             )
     if isinstance(files, QuantizedView):
         return f"{keymap.name}, {describe_formats(files.formats())}"
