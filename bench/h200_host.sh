@@ -11,7 +11,7 @@
 #             host need not be carried again), and its and the pack's sources compiled too
 #   gpu       python -m pytest on every GPU test (tests/gpu) and the single-file text encoder on CUDA
 #   checks    python -m pytest on the GPU tests of what the host integration touches (the fused model and its
-#             compile fallback, block offload, the VAEs)
+#             compile fallback, block offload, the VAEs, their weights made page-locked)
 #   quant     the GPU tests of comfy-kitchen's formats (the DiT and video VAE kept against dequantised, the
 #             quantised text encoders) and the single-file text encoder on CUDA
 #   lora      bench/lora_repatch.py: a strength change against a fresh load from a cold page cache, release size
@@ -36,6 +36,8 @@
 #             80 s of matrix products, with torch's allocator and with cudaMallocAsync (what ComfyUI sets)
 #   load      bench/dit_load.py on the files e2e-write wrote: the DiT loader's and the move to the GPU's seconds, each
 #             profiled
+#   load-phases  bench/dit_load.py --phases on the same files: the straight load's steps and the staged reads' floor,
+#             per read-ahead variant (threads:slabs:chunk MiB)
 #   e2e-write, e2e-cold, e2e-restart, e2e-restart-t2va, e2e-restart-warm
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report; restart without FL2VA + report;
 #             restart then warm in one server + report)
@@ -102,7 +104,7 @@ for part in "$@"; do
                 --target "$fa4" /tmp/fa4_parts/*.whl ;;
         gpu) run gpu_tests python3 -m pytest -q -p no:warnings -rs tests/gpu tests/unit/test_text_encoder_file.py ;;
         checks) run gpu_checks python3 -m pytest -q -p no:warnings tests/gpu/test_hybrid_cuda.py \
-                tests/gpu/test_offload_cuda.py tests/gpu/test_vae_cuda.py ;;
+                tests/gpu/test_offload_cuda.py tests/gpu/test_vae_cuda.py tests/gpu/test_pinned_weights_cuda.py ;;
         quant) run quant_checks python3 -m pytest -q -p no:warnings -rs tests/gpu/test_quantized_cuda.py \
                 tests/gpu/test_text_encoder_quantized_cuda.py tests/unit/test_text_encoder_file.py ;;
         lora) mkdir -p /root/h3_bench
@@ -111,6 +113,11 @@ for part in "$@"; do
         load) models=/root/h3_e2e/models/diffusion_models
             run dit_load python3 bench/dit_load.py --dit $models/minimax_h3_fl2va_pruned_fp8_scaled_random.safetensors \
                 --branch $models/vdn_h3_linear_branch_random.safetensors --out "$out/dit_load.json" ;;
+        load-phases) models=/root/h3_e2e/models/diffusion_models
+            run dit_load_phases python3 bench/dit_load.py --phases --reps 2 \
+                --variants ${LOAD_VARIANTS:-8:8:64 16:8:64 8:32:64 16:32:64 16:16:128} \
+                --dit $models/minimax_h3_fl2va_pruned_fp8_scaled_random.safetensors \
+                --branch $models/vdn_h3_linear_branch_random.safetensors --out "$out/dit_load_phases.json" ;;
         mp4) run mp4_presets python3 bench/mp4_presets.py --photos .photos --threads 0 8 --out "$out/mp4_presets.json" ;;
         e2e-write) run e2e_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write eval ;;
         e2e-files) run e2e_files python3 bench/end_to_end.py --base /root/h3_e2e --phase write ;;
