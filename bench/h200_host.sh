@@ -11,7 +11,7 @@
 #             host need not be carried again), and its and the pack's sources compiled too
 #   gpu       python -m pytest on every GPU test (tests/gpu) and the single-file text encoder on CUDA
 #   checks    python -m pytest on the GPU tests of what the host integration touches (the fused model and its
-#             compile fallback, block offload, the VAEs, their weights made page-locked)
+#             compile fallback, block offload, the VAEs)
 #   quant     the GPU tests of comfy-kitchen's formats (the DiT and video VAE kept against dequantised, the
 #             quantised text encoders) and the single-file text encoder on CUDA
 #   lora      bench/lora_repatch.py: a strength change against a fresh load from a cold page cache, release size
@@ -104,7 +104,7 @@ for part in "$@"; do
                 --target "$fa4" /tmp/fa4_parts/*.whl ;;
         gpu) run gpu_tests python3 -m pytest -q -p no:warnings -rs tests/gpu tests/unit/test_text_encoder_file.py ;;
         checks) run gpu_checks python3 -m pytest -q -p no:warnings tests/gpu/test_hybrid_cuda.py \
-                tests/gpu/test_offload_cuda.py tests/gpu/test_vae_cuda.py tests/gpu/test_pinned_weights_cuda.py ;;
+                tests/gpu/test_offload_cuda.py tests/gpu/test_vae_cuda.py ;;
         quant) run quant_checks python3 -m pytest -q -p no:warnings -rs tests/gpu/test_quantized_cuda.py \
                 tests/gpu/test_text_encoder_quantized_cuda.py tests/unit/test_text_encoder_file.py ;;
         lora) mkdir -p /root/h3_bench

@@ -173,21 +173,17 @@ class PreviewProgress(Progress):
     """The progress bar with a live preview per step, made by the host's own previewer for H3's video latent
     (``latent_preview.get_previewer``: none when the user runs with previews off, a TAE where the host has one
     and the user chose it, else the latent→RGB map). ``steps`` progress and ``preview`` frames come from
-    ``h3_core.pipeline.sampler.denoise``; with a previewer the preview call moves the bar, once per step.
-    ``after_first_step()`` runs once the first step is done."""
+    ``h3_core.pipeline.sampler.denoise``; with a previewer the preview call moves the bar, once per step."""
 
-    def __init__(self, total: int, device, after_first_step=None):
+    def __init__(self, total: int, device):
         import latent_preview
 
         super().__init__(total)
         self.previewer = latent_preview.get_previewer(device, video_latent_format())
-        self.after_first_step = after_first_step
 
     def __call__(self, done: int, total: int) -> None:
         if self.previewer is None:
             super().__call__(done, total)
-        if done == 1 and self.after_first_step is not None:
-            self.after_first_step()
 
     def preview(self, done: int, total: int, frame) -> None:
         image = self.previewer.decode_latent_to_preview_image("JPEG", frame[None])

@@ -18,7 +18,7 @@ from ..h3_core.formats.video_vae import load_video_vae
 from ..h3_core.pipeline.clip_on_ranks import DiTSource, VideoVAESource
 from ..h3_core.pipeline.prompt import load_prompt_embedding
 from ..h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
-from . import _host, pinned_prefetch
+from . import _host
 from .checks import check_choice, check_model_file, check_path, verdict
 from .conditioning import to_conditioning
 from .io_types import H3AudioVAE, H3Model, H3TextEncoder, H3VideoVAE
@@ -198,7 +198,6 @@ class _VAELoader(io.ComfyNode):
         where = _vae_device(device)
         path = _host.model_path("vae", vae_name, "vae_name")
         patcher = _vae_patcher(cls.read(path, where), where)
-        pinned_prefetch.offer(patcher)
         if cls.KIND == "video_vae":
             patcher.attachments[SOURCE_KEY] = VideoVAESource(str(path))
         return io.NodeOutput(patcher)

@@ -370,9 +370,5 @@ def load_text_encoder(patcher: TextEncoderPatcher):
 def load_vae(patcher, working_bytes: int = 0):
     """A VAE (the host's ModelPatcher around it), loaded whole by the host with ``working_bytes`` of room for
     its activations; returns the module."""
-    from .pinned_prefetch import load_pinned
-
-    load_pinned(
-        patcher, lambda: mm.load_models_gpu([patcher], memory_required=int(working_bytes), force_full_load=True)
-    )
+    mm.load_models_gpu([patcher], memory_required=int(working_bytes), force_full_load=True)
     return patcher.model

@@ -11,7 +11,7 @@ from ..h3_core.pipeline.clip_on_ranks import generate_clip
 from ..h3_core.pipeline.conditioning import encode_keyframes
 from ..h3_core.pipeline.noise import NOISE_DRAWS, REFERENCE_AUDIO_T
 from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT, check_sigmas
-from . import _host, pinned_prefetch
+from . import _host
 from .attention import DEFAULT
 from .checks import check_choice, check_linked_types, linked, verdict
 from .conditioning import native_keyframes_of, native_references_of, prompt_of, references_of
@@ -303,8 +303,7 @@ class H3Sampler(io.ComfyNode):
             mm.load_models_gpu([model], memory_required=working)
             _host.tell(node_id, model.said())
 
-        # the VAEs' weights made ready for the decode while the steps after the first keep the GPU busy
-        progress = _host.PreviewProgress(steps, model.load_device, after_first_step=pinned_prefetch.start)
+        progress = _host.PreviewProgress(steps, model.load_device)
         common = dict(
             frames=length,
             width=width,
