@@ -231,3 +231,16 @@ def test_mp4_presets(tmp_path):
         "idle",
     )
     assert HEADER <= set(result) and {"rows", "reference"} <= set(result)
+
+
+def test_first_calls(tmp_path):
+    """Small shapes on the CPU: each new process times the attention and matrix products, first at one shape, then
+    again, then at new shapes."""
+    result = dry_run(tmp_path, "first_calls.py", "--processes", "2", "--device", "cpu", "--tiny")
+    assert HEADER <= set(result) and len(result["runs"]) == 2
+    for run in result["runs"]:
+        assert set(run["attention"]) == {"dit_fp16", "dit_bf16", "decoder_fp16"}
+        assert all(
+            len(a["calls"]) == 4 and all(c["seconds"] > 0 for c in a["calls"]) for a in run["attention"].values()
+        )
+        assert set(run["products"]) == {"bf16", "fp16"} and all(len(p) == 4 for p in run["products"].values())

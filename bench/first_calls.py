@@ -1,0 +1,126 @@
+"""What a process pays the first time it calls each kind of GPU work the nodes run, apart from Triton (whose
+first launch ``bench/first_launch.py`` times): the pack's dense attention (the kernel the start thread chooses)
+at the DiT's head size in fp16 and bf16 and at the video decoder's in fp16, and the matrix products (bf16 and
+fp16 ``F.linear``, the fp8 row-scaled ``torch._scaled_mm``), each first at one shape, then again at it, then at
+shapes it has not run yet. Separates the once-per-process costs (libraries, handles) a server's start could pay
+ahead from the once-per-shape ones that only the run itself knows the shapes for.
+
+Run in a new process for every repetition (``--processes``), each timing with the device synchronised around
+every call, nothing else on the GPU.
+
+    python3 bench/first_calls.py --processes 2 --out bench/results/first_calls.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import record
+
+# rows of the attention calls: the first, the same again, then new lengths (a window's rows vary with the canvas)
+ATTENTION_ROWS = (4096, 4096, 6144, 12288, 24576)
+# (rows, in, out) of the products: the first, the same again, then new shapes
+PRODUCT_SHAPES = ((8192, 7168, 7168), (8192, 7168, 7168), (12288, 7168, 21504), (20000, 7168, 7168))
+TINY_ROWS, TINY_SHAPES = (64, 64, 96, 128), ((64, 96, 96), (64, 96, 96), (96, 96, 160), (80, 96, 96))
+
+
+def _timed(fn, device, *args, **kwargs) -> float:
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def one_process(device: torch.device, tiny: bool) -> dict:
+    """The timings of this process (it must not have touched the GPU before)."""
+    import torch.nn.functional as F
+
+    from h3_core.attention.kernels import dense_attention, resolve_kernel
+    from h3_core.models.dit import DiTConfig
+    from h3_core.models.video_vae import VideoVAEConfig
+
+    attention_rows, product_shapes = (TINY_ROWS, TINY_SHAPES) if tiny else (ATTENTION_ROWS, PRODUCT_SHAPES)
+    out = {"context_s": _timed(lambda: torch.empty(1, device=device), device)}
+    dit, vae = DiTConfig(), VideoVAEConfig()
+    attention = {}
+    for label, dtype, heads, head_dim in (
+        ("dit_fp16", torch.float16, dit.heads, dit.head_dim),
+        ("dit_bf16", torch.bfloat16, dit.heads, dit.head_dim),
+        ("decoder_fp16", torch.float16, vae.decoder_heads, vae.decoder_head_dim),
+    ):
+        start = time.perf_counter()
+        kernel = resolve_kernel(device, dtype, head_dim)
+        chosen = time.perf_counter() - start
+        calls = []
+        for rows in attention_rows:
+            q, k, v = (torch.randn(1, rows, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
+            calls.append(dict(rows=rows, seconds=_timed(dense_attention, device, q, k, v)))
+        attention[label] = dict(kernel=kernel, choose_s=chosen, calls=calls)
+    out["attention"] = attention
+    products = {}
+    for label, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16 if device.type == "cuda" else torch.float32)):
+        calls = []
+        for rows, n_in, n_out in product_shapes:
+            x = torch.randn(rows, n_in, device=device, dtype=dtype)
+            w = torch.randn(n_out, n_in, device=device, dtype=dtype)
+            calls.append(dict(shape=[rows, n_in, n_out], seconds=_timed(F.linear, device, x, w)))
+        products[label] = calls
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        calls = []
+        for rows, n_in, n_out in product_shapes:
+            a = torch.randn(rows, n_in, device=device).to(torch.float8_e4m3fn)
+            b = torch.randn(n_out, n_in, device=device).to(torch.float8_e4m3fn)
+            sa = torch.ones(rows, 1, device=device)
+            sb = torch.ones(1, n_out, device=device)
+            calls.append(
+                dict(
+                    shape=[rows, n_in, n_out],
+                    seconds=_timed(
+                        torch._scaled_mm, device, a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16
+                    ),
+                )
+            )
+        products["fp8_rowwise"] = calls
+    out["products"] = products
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (a dry run on the CPU)")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: print its timings
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.one:
+        print(json.dumps(one_process(device, args.tiny)))
+        return {}
+    result = record.header("first_calls.py", argv)
+    runs = []
+    child = [sys.executable, __file__, "--one", "--device", args.device, *(["--tiny"] if args.tiny else [])]
+    for _ in range(args.processes):
+        answer = subprocess.run(child, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+        runs.append(json.loads(answer.strip().splitlines()[-1]))
+        print(json.dumps(runs[-1]), flush=True)
+    result["runs"] = runs
+    return record.finish(result, args.out, False)
+
+
+if __name__ == "__main__":
+    main()
