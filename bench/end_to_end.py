@@ -275,9 +275,12 @@ def keyframe_images(folder: Path, size: dict) -> None:
 
 
 def timed_events(server, prompt: dict, timeout: float) -> list[tuple[float, str, object]]:
+    """The run's events, each with its seconds from the queueing; the websocket is opened before the clock
+    starts, as the frontend holds its socket open before a prompt is queued."""
+    ws = server.socket()
     start = time.perf_counter()
     events = []
-    for kind, data in server.events(prompt, timeout=timeout):
+    for kind, data in server.events(prompt, timeout=timeout, ws=ws):
         events.append((time.perf_counter() - start, kind, data))
     return events
 

@@ -209,13 +209,17 @@ class ComfyServer:
             raise PromptRefused(answer)
         return self.wait(answer["prompt_id"], stall)
 
-    def events(self, prompt: dict, timeout: float = 300):
+    def socket(self) -> "_EventSocket":
+        """The host's websocket for this client, opened (as the frontend has it open before anything is queued)."""
+        return _EventSocket(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}")
+
+    def events(self, prompt: dict, timeout: float = 300, ws: "_EventSocket | None" = None):
         """Queue ``prompt`` and yield its events from the host's websocket until it ends: ``(type, data)`` for
         the JSON messages about this prompt (the last one ``execution_success``, ``execution_error`` or
         ``execution_interrupted``), ``("text", (node, text))`` for a node's progress text and
         ``("preview", payload)`` for a preview image (the bytes after the event type). The first event is
-        ``("queued", {"prompt_id": ...})``."""
-        ws = _EventSocket(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}")
+        ``("queued", {"prompt_id": ...})``. ``ws``: a socket already open (``socket()``), closed at the end."""
+        ws = ws or self.socket()
         try:
             answer = self.queue(prompt)
             if "prompt_id" not in answer:
