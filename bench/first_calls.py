@@ -1,7 +1,8 @@
 """What a process pays the first time it calls each kind of GPU work the nodes run, apart from Triton (whose
 first launch ``bench/first_launch.py`` times): the pack's dense attention (the kernel the start thread chooses)
 at the DiT's head size in fp16 and bf16 and at the video decoder's in fp16, and the matrix products (bf16 and
-fp16 ``F.linear``, the fp8 row-scaled ``torch._scaled_mm``), each first at one shape, then again at it, then at
+fp16 ``F.linear``, the fp8 row-scaled ``torch._scaled_mm``) and the convolutions (the audio decoder's fp32
+``conv1d`` and ``conv_transpose1d``, the linear branch's bf16 depthwise ``conv2d``), each first at one shape, then again at it, then at
 shapes it has not run yet. Separates the once-per-process costs (libraries, handles) a server's start could pay
 ahead from the once-per-shape ones that only the run itself knows the shapes for.
 
@@ -32,6 +33,13 @@ ATTENTION_ROWS = (4096, 4096, 6144, 12288, 24576)
 # (rows, in, out) of the products: the first, the same again, then new shapes
 PRODUCT_SHAPES = ((8192, 7168, 7168), (8192, 7168, 7168), (12288, 7168, 21504), (20000, 7168, 7168))
 TINY_ROWS, TINY_SHAPES = (64, 64, 96, 128), ((64, 96, 96), (64, 96, 96), (96, 96, 160), (80, 96, 96))
+# (channels, kernel, dilation, length) of the audio decoder's fp32 convolutions: the first, the same again, then
+# new ones (its stages change channels, kernel and dilation)
+CONV1D_SHAPES = ((512, 3, 1, 8000), (512, 3, 1, 8000), (512, 7, 3, 8000), (256, 11, 5, 16000), (64, 3, 1, 256000))
+TINY_CONV1D = ((8, 3, 1, 64), (8, 3, 1, 64), (8, 7, 3, 64), (4, 11, 5, 128), (4, 3, 1, 256))
+# (channels, height, width) of the linear branch's depthwise 2-D convolution in bf16
+DEPTHWISE_SHAPES = ((7168, 48, 84), (7168, 48, 84), (7168, 40, 72))
+TINY_DEPTHWISE = ((16, 6, 8), (16, 6, 8), (16, 5, 7))
 
 
 def _timed(fn, device, *args, **kwargs) -> float:
@@ -54,6 +62,7 @@ def one_process(device: torch.device, tiny: bool) -> dict:
     from h3_core.models.video_vae import VideoVAEConfig
 
     attention_rows, product_shapes = (TINY_ROWS, TINY_SHAPES) if tiny else (ATTENTION_ROWS, PRODUCT_SHAPES)
+    conv1d_shapes, depthwise_shapes = (TINY_CONV1D, TINY_DEPTHWISE) if tiny else (CONV1D_SHAPES, DEPTHWISE_SHAPES)
     out = {"context_s": _timed(lambda: torch.empty(1, device=device), device)}
     dit, vae = DiTConfig(), VideoVAEConfig()
     attention = {}
@@ -96,6 +105,22 @@ def one_process(device: torch.device, tiny: bool) -> dict:
             )
         products["fp8_rowwise"] = calls
     out["products"] = products
+    convolutions = {"conv1d_fp32": [], "conv_transpose1d_fp32": [], "depthwise_conv2d_bf16": []}
+    for channels, kernel, dilation, length in conv1d_shapes:
+        x = torch.randn(1, channels, length, device=device)
+        w = torch.randn(channels, channels, kernel, device=device)
+        seconds = _timed(F.conv1d, device, x, w, padding=(kernel * dilation - dilation) // 2, dilation=dilation)
+        convolutions["conv1d_fp32"].append(dict(shape=[channels, kernel, dilation, length], seconds=seconds))
+        up = torch.randn(channels, channels // 2, 4, device=device)
+        seconds = _timed(F.conv_transpose1d, device, x, up, stride=2, padding=1)
+        convolutions["conv_transpose1d_fp32"].append(dict(shape=[channels, 4, 2, length], seconds=seconds))
+    depthwise_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for channels, height, width in depthwise_shapes:
+        x = torch.randn(1, channels, height, width, device=device, dtype=depthwise_dtype)
+        w = torch.randn(channels, 1, 3, 3, device=device, dtype=depthwise_dtype)
+        seconds = _timed(F.conv2d, device, x, w, padding=1, groups=channels)
+        convolutions["depthwise_conv2d_bf16"].append(dict(shape=[channels, height, width], seconds=seconds))
+    out["convolutions"] = convolutions
     return out
 
 
