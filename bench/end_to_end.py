@@ -100,6 +100,7 @@ STAGES = (
     "sampling_s",
     "sampler_tail_s",
     "decode_s",
+    "decode_vae_load_s",
     "decode_first_tiles_s",
     "decode_steady_tiles_s",
     "audio_s",
@@ -339,12 +340,16 @@ def stages(events, prompt: dict, steps: int) -> dict:
         # Decode & Save: the soundtrack (its progress text), the video decode (to the last tile's progress), the
         # mp4's tail (the rest)
         ((d0, d1),) = by_class["H3DecodeAndSave"]
-        sound = next(t for t, kind, data in events if kind == "text" and data[0] == combined)
+        told_decode = [t for t, kind, data in events if kind == "text" and data[0] == combined]
+        sound = told_decode[0]
+        # the host's load of the video VAE (told when done; older nodes do not tell it)
+        vae_ready = told_decode[1] if len(told_decode) > 1 else sound
         tiles = [t for t, kind, data in events if kind == "progress" and data.get("node") == combined]
         out.update(audio_s=sound - d0, decode_s=tiles[-1] - sound, mp4_tail_s=d1 - tiles[-1])
-        # the first batch of tiles (the host's load of the video VAE before it) against a later one's
+        # the video VAE's load, the first batch of tiles against a later one's
         out.update(
-            decode_first_tiles_s=tiles[0] - sound,
+            decode_vae_load_s=vae_ready - sound,
+            decode_first_tiles_s=tiles[0] - vae_ready,
             decode_steady_tiles_s=(tiles[-1] - tiles[0]) / (len(tiles) - 1) if len(tiles) > 1 else None,
         )
     out["total_s"] = total

@@ -80,6 +80,7 @@ class H3DecodeAndSave(io.ComfyNode):
         waveform, rate = decode_audio(audio_vae, latent) if audio_vae is not None else (None, 32000)
         _host.tell(cls.hidden.unique_id, ["soundtrack decoded" if audio_vae is not None else "no soundtrack"])
         vae, latents, options = prepare_video_decode(video_vae, latent, tile_size, overlap, tiles_per_batch, attention)
+        _host.tell(cls.hidden.unique_id, [f"video VAE ready on {latents.device}"])
         ratio = vae.cfg.spatial_ratio
         width, height = latents.shape[-1] * ratio, latents.shape[-2] * ratio
         target, subfolder = output_target(filename_prefix, width, height)

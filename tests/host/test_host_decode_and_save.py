@@ -1,6 +1,7 @@
 """H3 Decode & Save in a real ComfyUI server: the latents of a run written as one mp4 whose video and audio equal,
 frame for frame and sample for sample, what H3 Video Decode + H3 Audio Decode + H3 Save Video write from the same
-latents, with the workflow in its metadata and its frames passed on; a cancel while it decodes leaves no file and
+latents, with the workflow in its metadata and its frames passed on, telling when the soundtrack and the VAE's load
+are done; a cancel while it decodes leaves no file and
 the next prompt runs; an encoder named outright that does not open on this machine is refused when queued."""
 
 import json
@@ -27,7 +28,12 @@ def test_decode_and_save_writes_what_decode_then_save_write(server):
     separate = generation(length=56, width=64, height=32, seed=9, prefix="H3/separate")
     combined = with_decode_and_save(separate, "H3/combined")
     combined["20"] = {"class_type": "PreviewImage", "inputs": {"images": ["8", 0]}}  # the frames passed on
-    entries = [server.run(prompt) for prompt in (separate, combined)]
+    entries = [server.run(separate)]
+    events = list(server.events(combined, timeout=300))
+    entries.append(server.wait(events[0][1]["prompt_id"]))
+    # the node says when the soundtrack is done and when the video VAE is loaded, before its tiles
+    told = [text for kind, (node, text) in (e for e in events if e[0] == "text") if node == "8"]
+    assert told == ["soundtrack decoded", "video VAE ready on cpu"], told
     for entry in entries:
         assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
     (reference,), (streamed,) = (mp4_files(entry, server.output) for entry in entries)
