@@ -1,8 +1,8 @@
 """Loader nodes: the DiT (with the optional VDN linear branch), both VAEs, the text encoder and prompt-embedding
 files, from the host's model folders. Each file is checked from its header at validation, before any loader
-runs; loaders read into host memory (the DiT straight to the GPU where the host's rule for diffusion models puts
-it there) and hand the model to the host's model management, which moves it to the device when the node that runs
-it asks."""
+runs; the DiT and the text encoder are read into host memory (the DiT straight to the GPU where the host's rule
+for diffusion models puts it there), the VAEs where the host first loads them, and each is handed to the host's
+model management, which moves it to the device when the node that runs it asks."""
 
 from __future__ import annotations
 
@@ -135,9 +135,10 @@ def _first_device(base, branch, dtype, offload: str, run_on: torch.device):
 
 def _vae_patcher(model, device):
     import comfy.model_management as mm
-    import comfy.model_patcher
 
-    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=mm.vae_offload_device())
+    from .patchers import VAEPatcher
+
+    return VAEPatcher(model, load_device=device, offload_device=mm.vae_offload_device())
 
 
 def device_input(what: str):
@@ -164,8 +165,8 @@ def _vae_device(device):
 
 
 class _VAELoader(io.ComfyNode):
-    """A VAE from the host's ``vae`` folder, checked as ``KIND`` from its header, read into host memory and held by
-    the host's own ModelPatcher."""
+    """A VAE from the host's ``vae`` folder, checked as ``KIND`` from its header and held by the host's model
+    management (``patchers.VAEPatcher``), which reads its weights from the file where it first loads it."""
 
     NODE_ID = DISPLAY = DESCRIPTION = KIND = ""
     OUTPUT = None
@@ -206,27 +207,27 @@ class _VAELoader(io.ComfyNode):
 class H3VideoVAELoader(_VAELoader):
     NODE_ID, DISPLAY, KIND, OUTPUT = "H3VideoVAELoader", "H3 Video VAE Loader", "video_vae", H3VideoVAE
     DESCRIPTION = (
-        "Loads the MiniMax H3 video VAE (minimax_h3_video_vae_fp16.safetensors or a diffusers folder) from "
-        "vae/ into host memory; the decoder runs in fp16 on a GPU."
+        "Loads the MiniMax H3 video VAE (minimax_h3_video_vae_fp16.safetensors or a diffusers folder) from vae/; "
+        "its weights are read where the host first loads it; the decoder runs in fp16 on a GPU."
     )
 
     @staticmethod
     def read(path, device):
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         # a quantised file's decoder linears stay comfy-kitchen layers where the VAE's device has kernels
-        return load_video_vae(path, device="cpu", dtype=dtype, run_device=device)
+        return load_video_vae(path, device="meta", dtype=dtype, run_device=device)
 
 
 class H3AudioVAELoader(_VAELoader):
     NODE_ID, DISPLAY, KIND, OUTPUT = "H3AudioVAELoader", "H3 Audio VAE Loader", "audio_vae", H3AudioVAE
     DESCRIPTION = (
-        "Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/ into host memory; "
-        "it runs in fp32."
+        "Loads the MiniMax H3 audio VAE (minimax_h3_audio_vae_fp32.safetensors) from vae/; its weights are read "
+        "where the host first loads it; it runs in fp32."
     )
 
     @staticmethod
     def read(path, device):
-        return load_audio_vae(path, device="cpu")
+        return load_audio_vae(path, device="meta")
 
 
 def _text_encoder_choices() -> list[str]:

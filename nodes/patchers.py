@@ -1,5 +1,6 @@
 """The pack's models held by the host's own model management, ``comfy.model_patcher.ModelPatcher``: the VAEs by
-the host's class itself, the DiT and the text encoder by subclasses whose loading and unloading place them.
+a subclass that reads their weights at the host's first load, the DiT and the text encoder by subclasses whose
+loading and unloading place them.
 
 The loader wraps the DiT (in host memory) in an ``H3DiTPatcher``; LoRA nodes clone it and add patches, as the
 host's own LoRA loaders do. Before a run the sampler tells the patcher what it will run (``prepare``: the packed
@@ -27,6 +28,7 @@ import torch
 
 from ..h3_core.errors import H3InputError
 from ..h3_core.formats.kitchen import is_kitchen_tensor, requantize
+from ..h3_core.formats.vae import read_weights
 from ..h3_core.memory.offload import block_image_bytes, offload_blocks
 from ..h3_core.memory.policy import decide_placement, fuse_for, place_for_run, working_bytes
 from . import _host
@@ -365,6 +367,17 @@ def load_text_encoder(patcher: TextEncoderPatcher):
     """The text encoder, loaded by the host (which frees other models for it); its ``encode`` runs there."""
     mm.load_models_gpu([patcher])
     return patcher.encoder
+
+
+class VAEPatcher(comfy.model_patcher.ModelPatcher):
+    """The host's ModelPatcher for a VAE the loader left in its file (``load_model(..., device="meta")``): the
+    host's first load of it reads the weights straight to where it loads them (a GPU through the staged reader,
+    not a copy of host memory), so a VAE never run costs nothing and one run costs one read."""
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        if read_weights(self.model, device_to if device_to is not None else self.load_device):
+            self.size = 0  # the host measures it again (a quantised file's layers are smaller than their meta)
+        return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, **kwargs)
 
 
 def load_vae(patcher, working_bytes: int = 0):

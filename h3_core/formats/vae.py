@@ -3,7 +3,7 @@ statistics, and its layout found from the header."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -16,7 +16,7 @@ from .quant_layers import describe_formats
 from .quantized_files import QuantizedView, quantized_view
 from .sizes import sizes_from_metadata
 
-__all__ = ["describe_model", "load_model"]
+__all__ = ["describe_model", "load_model", "read_weights"]
 
 
 def _sized(config_cls, cfg, files: CheckpointFiles):
@@ -73,12 +73,59 @@ def load_model(
     """Build ``model_cls(cfg)`` on the meta device and fill it from ``path``; the file's latent statistics
     (tensors, or a folder's ``config.json``) replace the config's. Without ``cfg``, the sizes come from the
     file's metadata (``h3_core.formats.sizes``) or are the released ``config_cls()``. ``model.layout`` names the
-    layout found. ``run_device`` is where the model will run, when it is read elsewhere (``keymap.load_into``)."""
+    layout found. ``run_device`` is where the model will run, when it is read elsewhere (``keymap.load_into``).
+
+    ``device="meta"`` reads nothing: the model stays on the meta device, its tensors already in the dtypes the read
+    will give them (so its size is the loaded one), until ``read_weights`` reads it where it is wanted."""
     files = CheckpointFiles(path)
     cfg = _sized(config_cls, cfg, files)
     with torch.device("meta"):
         model = model_cls(cfg)
-    model.layout = load_into(
-        model, files, layouts(cfg), what=what, device=device, dtype=dtype, keep_fp32=keep_fp32, run_device=run_device
-    )
+    model.unread = _Unread(path, tuple(layouts(cfg)), what, dtype, keep_fp32, run_device)
+    model.layout = None
+    if torch.device(device).type == "meta":
+        _cast_as_read(model, dtype, keep_fp32)
+    else:
+        read_weights(model, device)
     return model.eval()
+
+
+@dataclass(frozen=True)
+class _Unread:
+    """What ``load_model`` needs to read a model it left on the meta device."""
+
+    path: object
+    layouts: tuple[KeyMap, ...]
+    what: str
+    dtype: torch.dtype | None
+    keep_fp32: Callable[[str], bool]
+    run_device: object
+
+
+def read_weights(model, device) -> bool:
+    """Read the weights of a model ``load_model`` left on the meta device into ``device`` (a GPU straight through
+    the staged reader); False when they were read already."""
+    unread = getattr(model, "unread", None)
+    if unread is None:
+        return False
+    model.layout = load_into(
+        model,
+        CheckpointFiles(unread.path),
+        unread.layouts,
+        what=unread.what,
+        device=device,
+        dtype=unread.dtype,
+        keep_fp32=unread.keep_fp32,
+        run_device=unread.run_device,
+    )
+    model.unread = None
+    return True
+
+
+def _cast_as_read(model, dtype: torch.dtype | None, keep_fp32: Callable[[str], bool]) -> None:
+    """The floating-point tensors of a model on the meta device in the dtypes ``load_into`` gives them."""
+    if dtype is None:
+        return
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and not keep_fp32(name):
+            tensor.data = tensor.data.to(dtype)

@@ -137,7 +137,7 @@ class VideoVAESource:
         from ..formats.video_vae import load_video_vae
 
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-        return load_video_vae(self.path, device="cpu", dtype=dtype, run_device=device).to(device)
+        return load_video_vae(self.path, device=device, dtype=dtype)
 
 
 @dataclass(frozen=True)

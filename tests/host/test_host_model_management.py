@@ -1,5 +1,6 @@
 """The pack's models in the host's own model management, in a real ComfyUI server: held by the host's
-ModelPatcher (the DiT and the text encoder by subclasses that place them), listed among its loaded models,
+ModelPatcher (the DiT and the text encoder by subclasses that place them, the VAEs by one that reads them at its
+first load), listed among its loaded models,
 kept across runs, unloaded by its "unload models", and the DiT freeing what the host asks of it — a block at a
 time — when another model needs the room. A test-only node pack beside ours (``tests/host/probe_nodes``)
 reports what the host holds and makes the host's own unload call."""
@@ -57,8 +58,8 @@ def test_the_models_are_the_hosts_stay_loaded_and_go_when_it_unloads(server):
     held = {(m["patcher"], m["model"]) for m in listing(run(server, prompt))}
     assert {
         ("H3DiTPatcher", "H3DiT"),
-        ("ModelPatcher", "VideoVAE"),
-        ("ModelPatcher", "AudioVAE"),
+        ("VAEPatcher", "VideoVAE"),
+        ("VAEPatcher", "AudioVAE"),
         ("TextEncoderPatcher", "_EncoderModule"),
     } <= held
     first = loads(server)

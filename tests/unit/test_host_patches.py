@@ -238,3 +238,30 @@ def test_the_attention_kernels_chosen_ahead_are_the_ones_a_run_then_uses(pack):
     for label, name in chosen.items():
         dtype, head_dim = getattr(torch, label.split()[0]), int(label.split("=")[1])
         assert probed[("cpu", dtype, head_dim)].name == name == resolve_kernel(torch.device("cpu"), dtype, head_dim)
+
+
+def test_the_vae_loaders_leave_the_weights_to_the_hosts_first_load(pack, tmp_path):
+    """Each VAE loader's model stays on the meta device (its size already the loaded one) until the host first
+    loads it; that load reads what a direct load of the file reads."""
+    from h3_hybrid.nodes import loaders
+
+    from h3_core.formats.audio_vae import load_audio_vae
+    from h3_core.formats.video_vae import load_video_vae
+    from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints
+
+    mm, _, patchers = pack
+    tiny = write_tiny_checkpoints(tmp_path)
+    cpu = torch.device("cpu")
+    for loader, path, direct in (
+        (loaders.H3VideoVAELoader, tiny.video_vae, load_video_vae(tiny.video_vae, dtype=torch.float32)),
+        (loaders.H3AudioVAELoader, tiny.audio_vae, load_audio_vae(tiny.audio_vae)),
+    ):
+        patcher = loaders._vae_patcher(loader.read(path, cpu), cpu)
+        assert isinstance(patcher, patchers.VAEPatcher)
+        assert all(t.is_meta for t in patcher.model.state_dict().values())
+        size = sum(t.numel() * t.element_size() for t in direct.state_dict().values())
+        assert patcher.model_size() == size
+        assert patchers.load_vae(patcher) is patcher.model
+        got, want = patcher.model.state_dict(), direct.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), loader.__name__
+        assert patcher.model_size() == size

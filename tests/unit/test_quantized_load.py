@@ -358,3 +358,18 @@ def test_video_vae_kept_as_comfy_kitchen_layers(vae_files, allow_cpu_kernels):
         got, want = vae.decode_tiles(latents()), reference.decode_tiles(latents())
     error = (got - want).norm() / want.norm()
     assert 0 < error < 0.05, error.item()
+
+
+def test_a_quantised_vae_read_later_keeps_its_comfy_kitchen_layers(vae_files, allow_cpu_kernels):
+    """A quantised file left on the meta device (as the loader node leaves it) is read at the host's first load
+    into the same comfy-kitchen layers a direct load keeps."""
+    from h3_core.formats.vae import read_weights
+
+    path, _, oracle = vae_files
+    direct = load_video_vae(path, dtype=torch.float32, cfg=VAE_CFG)
+    deferred = load_video_vae(path, device="meta", dtype=torch.float32, cfg=VAE_CFG)
+    assert read_weights(deferred, "cpu")
+    for key in oracle:
+        assert isinstance(deferred.get_parameter(key), QuantizedTensor), key
+    with torch.no_grad():
+        assert torch.equal(deferred.decode_tiles(latents()), direct.decode_tiles(latents()))

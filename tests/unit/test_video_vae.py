@@ -340,3 +340,22 @@ def test_decode_falls_back_to_streamed_blocks_when_a_tile_does_not_fit(folder, m
     frames = decode_video(vae, latents, tiles_per_batch=2, report=said.append)
     assert torch.equal(frames, expected)
     assert said[-1].startswith("video decode ran out of memory with 1 tile per batch; the decoder's 2 blocks")
+
+
+def test_a_vae_left_on_meta_reads_later_what_a_direct_load_reads(folder):
+    """``device="meta"`` reads nothing yet gives every tensor the dtype and shape the read will; ``read_weights``
+    then reads exactly what a direct load reads, once."""
+    from h3_core.formats.vae import read_weights
+
+    direct = load_video_vae(folder, dtype=torch.float16, cfg=tiny_cfg())
+    deferred = load_video_vae(folder, device="meta", dtype=torch.float16, cfg=tiny_cfg())
+    want = direct.state_dict()
+    assert all(t.is_meta for t in deferred.state_dict().values()) and deferred.layout is None
+    assert {k: (t.dtype, t.shape) for k, t in deferred.state_dict().items()} == {
+        k: (t.dtype, t.shape) for k, t in want.items()
+    }
+    assert {t.dtype for t in want.values()} == {torch.float16, torch.float32}  # the released mix, not one dtype
+    assert read_weights(deferred, "cpu") and not read_weights(deferred, "cpu")
+    assert deferred.layout == direct.layout == "diffusers"
+    got = deferred.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
