@@ -1,10 +1,10 @@
 """What a process pays the first time it calls each kind of GPU work the nodes run, apart from Triton (whose
 first launch ``bench/first_launch.py`` times): the pack's dense attention (the kernel the start thread chooses)
-at the DiT's head size in fp16 and bf16 and at the video decoder's in fp16, and the matrix products (bf16 and
-fp16 ``F.linear``, the fp8 row-scaled ``torch._scaled_mm``) and the convolutions (the audio decoder's fp32
-``conv1d`` and ``conv_transpose1d``, the linear branch's bf16 depthwise ``conv2d``), each first at one shape, then again at it, then at
-shapes it has not run yet. Separates the once-per-process costs (libraries, handles) a server's start could pay
-ahead from the once-per-shape ones that only the run itself knows the shapes for.
+at the DiT's head size in fp16 and bf16 and at the video decoder's in fp16, the matrix products (bf16 and fp16
+``F.linear``, the fp8 row-scaled ``torch._scaled_mm``) and the convolutions (the audio decoder's fp32 ``conv1d``
+and ``conv_transpose1d``, the linear branch's bf16 depthwise ``conv2d``), each first at one shape, then again at
+it, then at shapes it has not run yet. Separates the once-per-process costs (libraries, handles) a server's start
+could pay ahead from the once-per-shape ones that only the run itself knows the shapes for.
 
 Run in a new process for every repetition (``--processes``), each timing with the device synchronised around
 every call, nothing else on the GPU.
