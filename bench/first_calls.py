@@ -7,9 +7,11 @@ it, then at shapes it has not run yet. Separates the once-per-process costs (lib
 could pay ahead from the once-per-shape ones that only the run itself knows the shapes for.
 
 Run in a new process for every repetition (``--processes``), each timing with the device synchronised around
-every call, nothing else on the GPU.
+every call, nothing else on the GPU. ``--with-warm-thread`` runs as many processes again, each first making every
+kind of call once at small shapes on another thread (as a server's start thread could): what of a first call such
+a thread takes off the thread that runs the prompt (the cuDNN attention plans are kept per thread in PyTorch).
 
-    python3 bench/first_calls.py --processes 2 --out bench/results/first_calls.json
+    python3 bench/first_calls.py --processes 2 --with-warm-thread --out bench/results/first_calls.json
 """
 
 from __future__ import annotations
@@ -53,8 +55,24 @@ def _timed(fn, device, *args, **kwargs) -> float:
     return time.perf_counter() - start
 
 
-def one_process(device: torch.device, tiny: bool) -> dict:
-    """The timings of this process (it must not have touched the GPU before)."""
+def one_process(device: torch.device, tiny: bool, warm_thread: bool = False) -> dict:
+    """The timings of this process (it must not have touched the GPU before). ``warm_thread``: first make every
+    kind of call once at the small shapes on a thread of its own (as a server's start thread could), then time
+    this thread's calls."""
+    import threading
+
+    out = {"context_s": _timed(lambda: torch.empty(1, device=device), device)}
+    if warm_thread:
+        start = time.perf_counter()
+        thread = threading.Thread(target=_calls, args=(device, True), name="warm")
+        thread.start()
+        thread.join()
+        out["warm_thread_s"] = time.perf_counter() - start
+    out.update(_calls(device, tiny))
+    return out
+
+
+def _calls(device: torch.device, tiny: bool) -> dict:
     import torch.nn.functional as F
 
     from h3_core.attention.kernels import dense_attention, resolve_kernel
@@ -63,7 +81,7 @@ def one_process(device: torch.device, tiny: bool) -> dict:
 
     attention_rows, product_shapes = (TINY_ROWS, TINY_SHAPES) if tiny else (ATTENTION_ROWS, PRODUCT_SHAPES)
     conv1d_shapes, depthwise_shapes = (TINY_CONV1D, TINY_DEPTHWISE) if tiny else (CONV1D_SHAPES, DEPTHWISE_SHAPES)
-    out = {"context_s": _timed(lambda: torch.empty(1, device=device), device)}
+    out = {}
     dit, vae = DiTConfig(), VideoVAEConfig()
     attention = {}
     for label, dtype, heads, head_dim in (
@@ -129,21 +147,28 @@ def main(argv=None) -> dict:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="small shapes (a dry run on the CPU)")
+    parser.add_argument(
+        "--with-warm-thread",
+        action="store_true",
+        help="as many processes again, each making every kind of call once at small shapes on another thread first",
+    )
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: print its timings
+    parser.add_argument("--warm-thread", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.one:
-        print(json.dumps(one_process(device, args.tiny)))
+        print(json.dumps(one_process(device, args.tiny, args.warm_thread)))
         return {}
     result = record.header("first_calls.py", argv)
-    runs = []
     child = [sys.executable, __file__, "--one", "--device", args.device, *(["--tiny"] if args.tiny else [])]
-    for _ in range(args.processes):
-        answer = subprocess.run(child, check=True, capture_output=True, text=True, cwd=ROOT).stdout
-        runs.append(json.loads(answer.strip().splitlines()[-1]))
-        print(json.dumps(runs[-1]), flush=True)
-    result["runs"] = runs
+    variants = {"runs": child} | ({"runs_warm_thread": [*child, "--warm-thread"]} if args.with_warm_thread else {})
+    for key, command in variants.items():
+        result[key] = []
+        for _ in range(args.processes):
+            answer = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+            result[key].append(json.loads(answer.strip().splitlines()[-1]))
+            print(key, json.dumps(result[key][-1]), flush=True)
     return record.finish(result, args.out, False)
 
 

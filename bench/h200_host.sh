@@ -115,7 +115,8 @@ for part in "$@"; do
         load) models=/root/h3_e2e/models/diffusion_models
             run dit_load python3 bench/dit_load.py --dit $models/minimax_h3_fl2va_pruned_fp8_scaled_random.safetensors \
                 --branch $models/vdn_h3_linear_branch_random.safetensors --out "$out/dit_load.json" ;;
-        first-calls) run first_calls python3 bench/first_calls.py --processes 2 --out "$out/first_calls.json" ;;
+        first-calls) run first_calls python3 bench/first_calls.py --processes 2 --with-warm-thread \
+            --out "$out/first_calls.json" ;;
         load-phases) models=/root/h3_e2e/models/diffusion_models
             run dit_load_phases python3 bench/dit_load.py --phases --reps 2 \
                 --variants ${LOAD_VARIANTS:-8:8:64 16:8:64 8:32:64 16:32:64 16:16:128} \
@@ -150,7 +151,8 @@ for part in "$@"; do
             [ "$part" = e2e-small ] && phases=(small report)
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" python3 \
                 bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --out "$out/end_to_end.json"
-            cp /root/h3_e2e/end_to_end_state.json "$out/" ;;
+            cp /root/h3_e2e/end_to_end_state.json "$out/"
+            cp /root/h3_e2e/server.log "$out/server_${part}.log" 2>/dev/null ;;  # the last server's whole log
         host)
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_tests python3 -m pytest -q \
