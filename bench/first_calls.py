@@ -3,8 +3,9 @@ first launch ``bench/first_launch.py`` times): the pack's dense attention (the k
 at the DiT's head size in fp16 and bf16 and at the video decoder's in fp16, the matrix products (bf16 and fp16
 ``F.linear``, the fp8 row-scaled ``torch._scaled_mm``) and the convolutions (the audio decoder's fp32 ``conv1d``
 and ``conv_transpose1d``, the linear branch's bf16 depthwise ``conv2d``), each first at one shape, then again at
-it, then at shapes it has not run yet. Separates the once-per-process costs (libraries, handles) a server's start
-could pay ahead from the once-per-shape ones that only the run itself knows the shapes for.
+it, then at shapes it has not run yet, and the staged reader's page-locked slabs allocated. Separates the
+once-per-process costs (libraries, handles) a server's start could pay ahead from the once-per-shape ones that
+only the run itself knows the shapes for.
 
 Run in a new process for every repetition (``--processes``), each timing with the device synchronised around
 every call, nothing else on the GPU. ``--with-warm-thread`` runs as many processes again, each first making every
@@ -69,7 +70,25 @@ def one_process(device: torch.device, tiny: bool, warm_thread: bool = False) -> 
         thread.join()
         out["warm_thread_s"] = time.perf_counter() - start
     out.update(_calls(device, tiny))
+    out["pinned_slabs"] = _pinned_slabs(device, tiny)
     return out
+
+
+def _pinned_slabs(device: torch.device, tiny: bool) -> dict:
+    """The staged reader's page-locked slabs (``staged_read``: two buffers and the read-ahead's slabs) allocated the
+    first time in this process, then again once freed (PyTorch's host allocator keeps them)."""
+    from h3_core.formats import staged_read
+
+    slabs = 2 + staged_read.AHEAD_SLABS
+    nbytes = (1 << 20) if tiny else staged_read.CHUNK_BYTES
+    pin = device.type == "cuda"
+    timings = {}
+    for label in ("first_s", "again_s"):
+        start = time.perf_counter()
+        buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(slabs)]
+        timings[label] = time.perf_counter() - start
+        del buffers
+    return dict(slabs=slabs, bytes=nbytes, **timings)
 
 
 def _calls(device: torch.device, tiny: bool) -> dict:

@@ -247,6 +247,7 @@ def test_first_calls(tmp_path):
             len(a["calls"]) == 4 and all(c["seconds"] > 0 for c in a["calls"]) for a in run["attention"].values()
         )
         assert set(run["products"]) == {"bf16", "fp16"} and all(len(p) == 4 for p in run["products"].values())
+        assert run["pinned_slabs"]["slabs"] > 2 and run["pinned_slabs"]["first_s"] > 0
         convolutions = run["convolutions"]
         assert len(convolutions["conv1d_fp32"]) == len(convolutions["conv_transpose1d_fp32"]) == 5
         assert len(convolutions["depthwise_conv2d_bf16"]) == 3
