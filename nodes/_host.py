@@ -244,9 +244,11 @@ def import_compilers_in_background() -> threading.Thread | None:
     """Where the compiled paths will run (CUDA with Triton), import what their first run would
     (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) and, where the host's device is that GPU, launch
     one trivial Triton kernel there (``triton_forms.launch_once``: a process's first launch costs about half a
-    second on an H200, the cache filled) and choose the dense-attention kernels (``choose_attention_kernels``), on
-    a thread of its own while the server starts, so the first prompt does not wait for them; the log says how long
-    they took and what was chosen. Returns the thread (None where nothing compiles)."""
+    second on an H200, the cache filled), choose the dense-attention kernels (``choose_attention_kernels``) and make
+    the libraries' first products and convolutions (``first_library_calls``), on a thread of its own while the
+    server starts, so the first prompt does not wait for them; the log says how long they took and what was chosen.
+    Returns the thread (None where nothing compiles)."""
+    from ..h3_core.first_library_calls import make_first_calls
     from ..h3_core.triton_forms import compiles_on, import_compilers, launch_once
 
     if not compiles_on("cuda"):
@@ -263,6 +265,11 @@ def import_compilers_in_background() -> threading.Thread | None:
         if device.type == "cuda":
             chosen = choose_attention_kernels(device)
             say("dense attention kernels chosen ahead: " + "; ".join(f"{k} {v}" for k, v in chosen.items()))
+            made = make_first_calls(device)
+            say(
+                "the libraries' first calls made ahead: "
+                + ", ".join(f"{k} {'failed' if s is None else f'{s:.2f} s'}" for k, s in made.items())
+            )
 
     thread = threading.Thread(target=run, name="h3-import-compilers", daemon=True)
     thread.start()

@@ -1,0 +1,28 @@
+"""The libraries' first calls made ahead (h3_core.first_library_calls): each routine the models run is called once
+and timed, and one that fails is reported as such rather than raised (the run that needs it meets the failure)."""
+
+import torch
+
+from h3_core import first_library_calls
+
+
+def test_each_call_is_made_once_and_timed():
+    made = first_library_calls.make_first_calls("cpu")
+    # the fp8 product needs a GPU with fp8 matrix units; the CPU makes the others
+    assert set(made) == {
+        "bf16 product",
+        "fp16 product",
+        "fp32 conv1d",
+        "fp32 conv_transpose1d",
+        "bf16 depthwise conv2d",
+    }
+    assert all(seconds is not None and seconds >= 0 for seconds in made.values())
+
+
+def test_a_call_that_fails_is_reported_not_raised(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(first_library_calls.F, "conv1d", broken)
+    made = first_library_calls.make_first_calls(torch.device("cpu"))
+    assert made["fp32 conv1d"] is None and made["bf16 product"] is not None
