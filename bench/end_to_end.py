@@ -26,7 +26,10 @@ Phases, each a separate call (each fits a 10-minute command; the results gather 
 * ``restart``: a new server process, page cache and compile cache filled: T2VA (the first run of a restarted
   server), then FL2VA once; ``restart-t2va``: the same without FL2VA (an earlier FL2VA run stands);
   ``restart-warm``: T2VA as the restarted server's first run, then again warm in the same process (both
-  figures of ``first_run_extra_s`` from one server on one machine; the cold run stands);
+  figures of ``first_run_extra_s`` from one server on one machine; the cold run stands); with ``--repeat N``, N
+  such servers one after the other: ``first_run_extra_s`` is the median of their extras (for even N the mean
+  of the middle two; all of them in ``first_run_extra_samples_s``) and the runs kept are the median server's (the
+  lower middle one's for even N);
 * ``small``: a new server whose host budget is ``--budget-gib`` (``--reserve-vram`` set to the rest of the free
   memory; the memory policy on, as the workflow ships): T2VA once, its total and torch's peak;
 * ``report``: ``--out`` (JSON) and the same path with ``.md``: per kernel environment (``--env``), the summary
@@ -50,6 +53,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -492,8 +496,33 @@ def environment() -> str:
         return "pytorch"
 
 
+def _first_run_extra(env_state: dict) -> float | None:
+    """A restarted server's first run beyond warm: the median of the ``restart-warm`` servers' extras when the last
+    served phase repeated it, else the restart run against the warm one."""
+    samples = env_state.get("restart_samples")
+    if samples:
+        return statistics.median(sample["extra_s"] for sample in samples)
+    restart, warm = env_state.get("restart"), env_state.get("warm")
+    return restart["total_s"] - warm["total_s"] if restart and warm else None
+
+
+def restart_pairs(servers: list[dict]) -> tuple[dict, list[dict]]:
+    """From ``restart-warm`` servers' results: the one with the median extra (the lower middle for an even count)
+    and every server's extra."""
+    samples = [
+        dict(
+            extra_s=r["restart"]["total_s"] - r["warm"]["total_s"],
+            restart_s=r["restart"]["total_s"],
+            warm_s=r["warm"]["total_s"],
+        )
+        for r in servers
+    ]
+    order = sorted(range(len(servers)), key=lambda i: samples[i]["extra_s"])
+    return servers[order[(len(order) - 1) // 2]], samples
+
+
 def summary(env_state: dict) -> dict:
-    cold, warm, restart = env_state.get("cold", {}), env_state.get("warm", {}), env_state.get("restart", {})
+    cold, warm = env_state.get("cold", {}), env_state.get("warm", {})
     evaluation = env_state.get("eval", {}).get("stats", {})
     t_eval = evaluation.get("median_s", evaluation.get("seconds"))
     figures = dict(
@@ -506,7 +535,7 @@ def summary(env_state: dict) -> dict:
         cold_total_s=cold.get("total_s"),
         text_encode_s=env_state.get("text_encode", {}).get("resident", {}).get("median_s"),
         text_encode_streamed_s=env_state.get("text_encode", {}).get("streamed", {}).get("median_s"),
-        first_run_extra_s=(restart["total_s"] - warm["total_s"]) if restart and warm else None,
+        first_run_extra_s=_first_run_extra(env_state),
         empty_cache_first_run_s=cold.get("total_s"),
         small_card_total_s=env_state.get("small", {}).get("total_s"),
         small_card_peak_gib=(env_state.get("small", {}).get("peak") or {}).get("allocated_gib"),
@@ -517,6 +546,8 @@ def summary(env_state: dict) -> dict:
     ]
     if worker_peaks:
         figures["worker_peak_gib"] = max(worker_peaks)
+    if env_state.get("restart_samples"):
+        figures["first_run_extra_samples_s"] = [sample["extra_s"] for sample in env_state["restart_samples"]]
     if evaluation.get("ranks"):
         figures["eval_collectives_s"] = max(rank.get("collectives_s", 0.0) for rank in evaluation["ranks"])
     bench = env_state.get("decode_bench") or {}
@@ -530,6 +561,14 @@ def summary(env_state: dict) -> dict:
         figures["sampler_overhead"] = warm["sampling_s"] / (steps * t_eval) - 1
         figures["goal_total_s"] = steps * t_eval + 13
     return figures
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value)
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def markdown(state: dict) -> str:
@@ -551,9 +590,7 @@ def markdown(state: dict) -> str:
         ]
         figures = summary(env_state)
         lines += ["| figure | value |", "|---|---:|"]
-        lines += [
-            f"| `{k}` | {'—' if v is None else f'{v:.3f}' if isinstance(v, float) else v} |" for k, v in figures.items()
-        ]
+        lines += [f"| `{k}` | {_cell(v)} |" for k, v in figures.items()]
         runs = [label for label in RUNS if label in env_state]
         lines += ["", "| stage (s) | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
         for stage in ("validation_s", "loaders_s", "dit_loader_s", "other_nodes_s") + STAGES[2:]:
@@ -586,8 +623,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoints on the CPU: a dry run")
     parser.add_argument("--gpus", type=int, default=1, help="H3 Multi-GPU's gpus in the workflows (1: none)")
     parser.add_argument("--softmax-ranks", type=int, default=0, help="with --gpus: H3 Multi-GPU's softmax_ranks")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="restart-warm: this many servers one after the other (the median kept)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat: got {args.repeat}; allowed: 1 or more")
     base = args.base.resolve()
     state_path = args.state or base / "end_to_end_state.json"
     state = load_state(state_path)
@@ -620,7 +662,20 @@ def main(argv=None) -> dict:
                 reserve = reserve_for_budget(args.budget_gib)
                 env_state["small_reserve_vram_gb"] = reserve
                 server_args = ("--reserve-vram", f"{reserve:.3f}")
-            env_state.update(serve(base, compile_cache, SERVED[phase], size, args.timeout, server_args, ranks=ranks))
+            if phase == "restart-warm":
+                servers = [
+                    serve(base, compile_cache, SERVED[phase], size, args.timeout, server_args, ranks=ranks)
+                    for _ in range(args.repeat)
+                ]
+                kept, samples = restart_pairs(servers)
+                env_state.update(kept)
+                env_state["restart_samples"] = samples
+            else:
+                if {label for label, _, _ in SERVED[phase]} & {"restart", "warm"}:
+                    env_state.pop("restart_samples", None)  # the restart or the warm run is no longer theirs
+                env_state.update(
+                    serve(base, compile_cache, SERVED[phase], size, args.timeout, server_args, ranks=ranks)
+                )
         elif phase == "report":
             result = dict(
                 environments={

@@ -42,7 +42,7 @@
 #             per read-ahead variant (threads:slabs:chunk MiB)
 #   e2e-write, e2e-cold, e2e-restart, e2e-restart-t2va, e2e-restart-warm
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report; restart without FL2VA + report;
-#             restart then warm in one server + report)
+#             restart then warm in one server + report; E2E_REPEAT=N: N such servers, the median reported)
 #             under /root/h3_e2e, each within one 10-minute call, the results gathered there between calls (a copy
 #             in $out after each part); the report goes to $out
 #   first-step, first-step-precompile
@@ -150,7 +150,8 @@ for part in "$@"; do
             [ "$part" = e2e-quick ] && phases=(cold report)
             [ "$part" = e2e-small ] && phases=(small report)
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" python3 \
-                bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --out "$out/end_to_end.json"
+                bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --repeat "${E2E_REPEAT:-1}" \
+                --out "$out/end_to_end.json"
             cp /root/h3_e2e/end_to_end_state.json "$out/"
             cp /root/h3_e2e/server.log "$out/server_${part}.log" 2>/dev/null ;;  # the last server's whole log
         host)

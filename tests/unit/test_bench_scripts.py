@@ -155,6 +155,30 @@ def test_end_to_end_restart_without_fl2va(tiny_end_to_end):
     assert "restart" in runs and "fl2va" not in runs and runs["restart"]["total_s"] > 0
 
 
+def test_end_to_end_restart_then_warm_repeated(tiny_end_to_end):
+    """Two restarted servers, each a first T2VA run then a warm one: the extra reported is their median, the runs
+    kept are the lower middle server's."""
+    folder, _ = tiny_end_to_end
+    result = dry_run(
+        folder,
+        "end_to_end.py",
+        "--tiny",
+        "--base",
+        str(folder / "base"),
+        "--phase",
+        "restart-warm",
+        "report",
+        "--repeat",
+        "2",
+    )
+    (env,) = [name for name in result["environments"] if not name.endswith("gpus")]
+    figures = result["environments"][env]
+    samples = figures["first_run_extra_samples_s"]
+    assert len(samples) == 2 and figures["first_run_extra_s"] == pytest.approx(sum(samples) / 2)
+    runs = figures["runs"]
+    assert runs["restart"]["total_s"] - runs["warm"]["total_s"] == pytest.approx(min(samples))
+
+
 def test_end_to_end_across_ranks(tiny_end_to_end):
     """The workflows with H3 Multi-GPU on 2 ranks through a real server (the CPU, gloo) and the evaluation across
     2 ranks, into an environment of their own with each run's worker seconds."""
