@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 from ..h3_core.errors import H3InputError
@@ -245,10 +246,12 @@ def import_compilers_in_background() -> threading.Thread | None:
     (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) and, where the host's device is that GPU, launch
     one trivial Triton kernel there (``triton_forms.launch_once``: a process's first launch costs about half a
     second on an H200, the cache filled), choose the dense-attention kernels (``choose_attention_kernels``) and make
-    the libraries' first products and convolutions (``first_library_calls``), on a thread of its own while the
-    server starts, so the first prompt does not wait for them; the log says how long they took and what was chosen.
+    the libraries' first products and convolutions (``first_library_calls``), and open the hardware video
+    encoders (``mp4.probe_hardware_encoders``), on a thread of its own while the server starts, so the first
+    prompt does not wait for them; the log says how long they took and what was chosen.
     Returns the thread (None where nothing compiles)."""
     from ..h3_core.first_library_calls import make_first_calls
+    from ..h3_core.media.mp4 import probe_hardware_encoders
     from ..h3_core.triton_forms import compiles_on, import_compilers, launch_once
 
     if not compiles_on("cuda"):
@@ -270,6 +273,15 @@ def import_compilers_in_background() -> threading.Thread | None:
                 "the libraries' first calls made ahead: "
                 + ", ".join(f"{k} {'failed' if s is None else f'{s:.2f} s'}" for k, s in made.items())
             )
+        start = time.perf_counter()
+        try:
+            encoders = probe_hardware_encoders()
+        except ImportError:  # no PyAV: the nodes that write mp4 files say so when they run
+            return
+        say(
+            f"hardware video encoders probed in {time.perf_counter() - start:.1f} s: "
+            + "; ".join(f"{name} {'opens' if why is None else 'does not open'}" for name, why in encoders.items())
+        )
 
     thread = threading.Thread(target=run, name="h3-import-compilers", daemon=True)
     thread.start()

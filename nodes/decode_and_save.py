@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..h3_core.media.mp4 import DEFAULT_PRESET, ENCODERS, HARDWARE_ENCODERS, PRESETS, Mp4Writer, video_encoder
+from ..h3_core.media.mp4 import (
+    DEFAULT_PRESET,
+    ENCODERS,
+    HARDWARE_ENCODERS,
+    PRESETS,
+    PROBE_SIZE,
+    Mp4Writer,
+    video_encoder,
+)
 from ..h3_core.pipeline.decode_to_mp4 import decode_to_mp4
 from ..h3_core.pipeline.geometry import FPS
 from . import _host
@@ -60,7 +68,7 @@ class H3DecodeAndSave(io.ComfyNode):
     def validate_inputs(cls, encoder):
         # a hardware encoder named outright must open here (tried at a small size: the clip's is known only later);
         # "auto" is decided when the clip is written
-        return verdict(lambda: encoder in HARDWARE_ENCODERS and video_encoder(256, 256, choice=encoder))
+        return verdict(lambda: encoder in HARDWARE_ENCODERS and video_encoder(*PROBE_SIZE, choice=encoder))
 
     @classmethod
     def execute(

@@ -86,12 +86,21 @@ _said: set[tuple[str, str]] = set()  # the encoder choices already logged
 _opened: dict[tuple[str, int, int], str | None] = {}  # (encoder, width, height) -> why it failed to open, or None
 
 
+# the size hardware encoders are probed at ahead of a clip (``probe_hardware_encoders``) and when a node names one;
+# every encoder takes it, so one that fails there fails at any size
+PROBE_SIZE = (256, 256)
+
+
 def _fails_to_open(name: str, width: int, height: int, fps: int) -> str | None:
     """Why ``name`` cannot encode ``width``×``height`` yuv420p here (it is opened and given a blank frame), or
-    None when it can. Asked once per process and size."""
+    None when it can. Asked once per process and size; an encoder that already failed at ``PROBE_SIZE`` is not
+    opened again."""
     import av
 
     key = (name, width, height)
+    small = _opened.get((name, *PROBE_SIZE))
+    if key not in _opened and small is not None:
+        _opened[key] = small
     if key not in _opened:
         try:
             context = av.CodecContext.create(name, "w")
@@ -106,6 +115,13 @@ def _fails_to_open(name: str, width: int, height: int, fps: int) -> str | None:
         except Exception as exc:  # unknown to this FFmpeg, no device, no driver, a size it refuses
             _opened[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return _opened[key]
+
+
+def probe_hardware_encoders(fps: int = 24) -> dict[str, str | None]:
+    """Open each hardware encoder at ``PROBE_SIZE`` now (a process's first attempt loads FFmpeg and, for NVENC, the
+    driver, whether or not the card has an encoder), so that the first clip's ``video_encoder`` finds the answer:
+    why each fails, or None for one that opens."""
+    return {name: _fails_to_open(name, *PROBE_SIZE, fps) for name in HARDWARE_ENCODERS}
 
 
 def video_encoder(
