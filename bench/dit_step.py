@@ -46,6 +46,7 @@ import record
 from device_idle import idle_table
 
 from h3_core.attention.window import PRECISIONS
+from h3_core.formats.meta_shapes import cast_as_loaded
 from h3_core.memory.apply import apply_plan
 from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory
 from h3_core.models.adaln_tables import prepare_adaln_tables
@@ -96,9 +97,7 @@ def random_model(cfg: DiTConfig, device, dtype) -> H3DiT:
     allocated on the device and filled with N(0, 1/fan_in)."""
     with torch.device("meta"):
         model = H3DiT(cfg)
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if not keeps_fp32(name) and tensor.is_floating_point():
-            tensor.data = tensor.data.to(dtype)
+    cast_as_loaded(model, dtype, keeps_fp32)
     model = model.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():

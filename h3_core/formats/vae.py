@@ -11,7 +11,7 @@ import torch
 from ..errors import H3InputError
 from .files import CheckpointFiles
 from .keymap import KeyMap, load_into, match_layout
-from .meta_shapes import meta_shapes
+from .meta_shapes import cast_as_loaded, meta_shapes
 from .quant_layers import describe_formats
 from .quantized_files import QuantizedView, quantized_view
 from .sizes import sizes_from_metadata
@@ -84,7 +84,7 @@ def load_model(
     model.unread = _Unread(path, tuple(layouts(cfg)), what, dtype, keep_fp32, run_device)
     model.layout = None
     if torch.device(device).type == "meta":
-        _cast_as_read(model, dtype, keep_fp32)
+        cast_as_loaded(model, dtype, keep_fp32)
     else:
         read_weights(model, device)
     return model.eval()
@@ -120,12 +120,3 @@ def read_weights(model, device) -> bool:
     )
     model.unread = None
     return True
-
-
-def _cast_as_read(model, dtype: torch.dtype | None, keep_fp32: Callable[[str], bool]) -> None:
-    """The floating-point tensors of a model on the meta device in the dtypes ``load_into`` gives them."""
-    if dtype is None:
-        return
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and not keep_fp32(name):
-            tensor.data = tensor.data.to(dtype)
