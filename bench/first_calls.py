@@ -8,9 +8,10 @@ once-per-process costs (libraries, handles) a server's start could pay ahead fro
 only the run itself knows the shapes for.
 
 Run in a new process for every repetition (``--processes``), each timing with the device synchronised around
-every call, nothing else on the GPU. ``--with-warm-thread`` runs as many processes again, each first making every
-kind of call once at small shapes on another thread (as a server's start thread could): what of a first call such
-a thread takes off the thread that runs the prompt (the cuDNN attention plans are kept per thread in PyTorch).
+every call, nothing else on the GPU. ``--with-warm-thread`` runs as many processes again, each first doing on
+another thread what a server's start thread does with the libraries (``pipeline.first_library_calls``: the
+attention kernels chosen, one small product and convolution of each kind): what of a first call that thread takes
+off the thread that runs the prompt (the cuDNN attention plans are kept per thread in PyTorch).
 
     python3 bench/first_calls.py --processes 2 --with-warm-thread --out bench/results/first_calls.json
 """
@@ -65,13 +66,21 @@ def one_process(device: torch.device, tiny: bool, warm_thread: bool = False) -> 
     out = {"context_s": _timed(lambda: torch.empty(1, device=device), device)}
     if warm_thread:
         start = time.perf_counter()
-        thread = threading.Thread(target=_calls, args=(device, True), name="warm")
+        thread = threading.Thread(target=_start_thread_work, args=(device,), name="warm")
         thread.start()
         thread.join()
         out["warm_thread_s"] = time.perf_counter() - start
     out.update(_calls(device, tiny))
     out["pinned_slabs"] = _pinned_slabs(device, tiny)
     return out
+
+
+def _start_thread_work(device: torch.device) -> None:
+    """What a server's start thread does with the libraries (``nodes._host.import_compilers_in_background``)."""
+    from h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
+
+    choose_attention_kernels(device)
+    make_first_calls(device)
 
 
 def _pinned_slabs(device: torch.device, tiny: bool) -> dict:

@@ -250,8 +250,8 @@ def import_compilers_in_background() -> threading.Thread | None:
     encoders (``mp4.probe_hardware_encoders``), on a thread of its own while the server starts, so the first
     prompt does not wait for them; the log says how long they took and what was chosen.
     Returns the thread (None where nothing compiles)."""
-    from ..h3_core.first_library_calls import make_first_calls
     from ..h3_core.media.mp4 import probe_hardware_encoders
+    from ..h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
     from ..h3_core.triton_forms import compiles_on, import_compilers, launch_once
 
     if not compiles_on("cuda"):
@@ -286,28 +286,6 @@ def import_compilers_in_background() -> threading.Thread | None:
     thread = threading.Thread(target=run, name="h3-import-compilers", daemon=True)
     thread.start()
     return thread
-
-
-def choose_attention_kernels(device) -> dict[str, str]:
-    """Probe now the dense-attention kernel for each (dtype, head dim) the pack's models attend with on ``device``
-    (the DiT's windows staged in fp16 and its other calls in bf16, the video decoder's fp16): each probe runs its
-    candidates on a small case (``kernels.resolve_kernel``), the first launches a first prompt would otherwise
-    pay. Returns the kernel per ``dtype d=head_dim``; a probe that fails is left to the first prompt."""
-    import torch
-
-    from ..h3_core.attention.kernels import resolve_kernel
-    from ..h3_core.models.dit import DiTConfig
-    from ..h3_core.models.video_vae import VideoVAEConfig
-
-    dit, decoder = DiTConfig().head_dim, VideoVAEConfig().decoder_head_dim
-    chosen = {}
-    for dtype, head_dim in ((torch.float16, dit), (torch.bfloat16, dit), (torch.float16, decoder)):
-        label = f"{str(dtype).removeprefix('torch.')} d={head_dim}"
-        try:
-            chosen[label] = resolve_kernel(torch.device(device), dtype, head_dim)
-        except Exception as exc:  # the first prompt probes it again and reports what fails
-            chosen[label] = f"not probed ({type(exc).__name__})"
-    return chosen
 
 
 def register_folders() -> None:

@@ -1,9 +1,10 @@
-"""The libraries' first calls made ahead (h3_core.first_library_calls): each routine the models run is called once
-and timed, and one that fails is reported as such rather than raised (the run that needs it meets the failure)."""
+"""The libraries' first calls made ahead (h3_core.pipeline.first_library_calls): each routine the models run is
+called once and timed, and one that fails is reported as such rather than raised (the run that needs it meets the
+failure)."""
 
 import torch
 
-from h3_core import first_library_calls
+from h3_core.pipeline import first_library_calls
 
 
 def test_each_call_is_made_once_and_timed():

@@ -230,7 +230,7 @@ def test_the_attention_kernels_chosen_ahead_are_the_ones_a_run_then_uses(pack):
     """The server's start thread chooses the dense-attention kernels for the pack's (dtype, head dim) pairs
     (here on the CPU); a later run's resolution finds each already probed and gets the same kernel."""
     from h3_hybrid.h3_core.attention.kernels import probed_kernels, resolve_kernel  # the pack's own copy
-    from h3_hybrid.nodes._host import choose_attention_kernels
+    from h3_hybrid.h3_core.pipeline.first_library_calls import choose_attention_kernels
 
     chosen = choose_attention_kernels("cpu")
     assert set(chosen) == {"float16 d=128", "bfloat16 d=128", "float16 d=64"}

@@ -1,4 +1,5 @@
-"""One small call of each library routine the models run, made once per process ahead of the real ones.
+"""One small call of each library routine the models run, made once per process ahead of the real ones, and the
+dense-attention kernel chosen for each (dtype, head dim) the models attend with.
 
 A process's first call of a cuBLAS product or a cuDNN convolution loads the library's kernels and sets up its
 state; a later call at a new shape costs a few milliseconds (``bench/first_calls.py`` measures both). Made on a
@@ -13,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-__all__ = ["make_first_calls"]
+__all__ = ["choose_attention_kernels", "make_first_calls"]
 
 
 def _scaled_mm(device):
@@ -61,3 +62,23 @@ def make_first_calls(device: torch.device | str) -> dict[str, float | None]:
         except Exception:
             seconds[name] = None
     return seconds
+
+
+def choose_attention_kernels(device) -> dict[str, str]:
+    """Probe now the dense-attention kernel for each (dtype, head dim) the pack's models attend with on ``device``
+    (the DiT's windows staged in fp16 and its other calls in bf16, the video decoder's fp16): each probe runs its
+    candidates on a small case (``kernels.resolve_kernel``), the first launches a first prompt would otherwise
+    pay. Returns the kernel per ``dtype d=head_dim``; a probe that fails is left to the first prompt."""
+    from ..attention.kernels import resolve_kernel
+    from ..models.dit import DiTConfig
+    from ..models.video_vae import VideoVAEConfig
+
+    dit, decoder = DiTConfig().head_dim, VideoVAEConfig().decoder_head_dim
+    chosen = {}
+    for dtype, head_dim in ((torch.float16, dit), (torch.bfloat16, dit), (torch.float16, decoder)):
+        label = f"{str(dtype).removeprefix('torch.')} d={head_dim}"
+        try:
+            chosen[label] = resolve_kernel(torch.device(device), dtype, head_dim)
+        except Exception as exc:  # the first prompt probes it again and reports what fails
+            chosen[label] = f"not probed ({type(exc).__name__})"
+    return chosen
