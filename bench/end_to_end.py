@@ -662,20 +662,18 @@ def main(argv=None) -> dict:
                 reserve = reserve_for_budget(args.budget_gib)
                 env_state["small_reserve_vram_gb"] = reserve
                 server_args = ("--reserve-vram", f"{reserve:.3f}")
+            repeat = args.repeat if phase == "restart-warm" else 1
+            servers = [
+                serve(base, compile_cache, SERVED[phase], size, args.timeout, server_args, ranks=ranks)
+                for _ in range(repeat)
+            ]
             if phase == "restart-warm":
-                servers = [
-                    serve(base, compile_cache, SERVED[phase], size, args.timeout, server_args, ranks=ranks)
-                    for _ in range(args.repeat)
-                ]
-                kept, samples = restart_pairs(servers)
+                kept, env_state["restart_samples"] = restart_pairs(servers)
                 env_state.update(kept)
-                env_state["restart_samples"] = samples
             else:
                 if {label for label, _, _ in SERVED[phase]} & {"restart", "warm"}:
                     env_state.pop("restart_samples", None)  # the restart or the warm run is no longer theirs
-                env_state.update(
-                    serve(base, compile_cache, SERVED[phase], size, args.timeout, server_args, ranks=ranks)
-                )
+                env_state.update(servers[0])
         elif phase == "report":
             result = dict(
                 environments={
