@@ -79,8 +79,8 @@ def _start_thread_work(device: torch.device) -> None:
     """What a server's start thread does with the libraries (``nodes._host.import_compilers_in_background``)."""
     from h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
 
-    choose_attention_kernels(device)
     make_first_calls(device)
+    choose_attention_kernels(device)
 
 
 def _pinned_slabs(device: torch.device, tiny: bool) -> dict:

@@ -243,10 +243,11 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
 
 def import_compilers_in_background() -> threading.Thread | None:
     """Where the compiled paths will run (CUDA with Triton), import what their first run would
-    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) and, where the host's device is that GPU, launch
-    one trivial Triton kernel there (``triton_forms.launch_once``: a process's first launch costs about half a
-    second on an H200, the cache filled), choose the dense-attention kernels (``choose_attention_kernels``) and make
-    the libraries' first products and convolutions (``first_library_calls``), and open the hardware video
+    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) and, where the host's device is that GPU, allocate
+    the staged reader's page-locked buffers and make the libraries' first products and convolutions
+    (``first_library_calls``; the loaders and the first step meet these first), launch one trivial Triton kernel
+    there (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache
+    filled), choose the dense-attention kernels (``choose_attention_kernels``), and open the hardware video
     encoders (``mp4.probe_hardware_encoders``), on a thread of its own while the server starts, so the first
     prompt does not wait for them; the log says how long they took and what was chosen.
     Returns the thread (None where nothing compiles)."""
@@ -262,17 +263,18 @@ def import_compilers_in_background() -> threading.Thread | None:
         done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
         total = sum(s for s in seconds.values() if s is not None)
         device = torch_device()
+        if device.type == "cuda":  # the loaders' buffers and the libraries' first: a prompt meets them first
+            made = make_first_calls(device)
+            say(
+                "the libraries' first calls made ahead: "
+                + ", ".join(f"{k} {'failed' if s is None else f'{s:.2f} s'}" for k, s in made.items())
+            )
         launched = launch_once(device) if device.type == "cuda" else None
         first = "" if launched is None else f"; Triton's first launch in {launched:.1f} s"
         say(f"imported the compilers' modules ({', '.join(done)}) in {total:.1f} s{first}")
         if device.type == "cuda":
             chosen = choose_attention_kernels(device)
             say("dense attention kernels chosen ahead: " + "; ".join(f"{k} {v}" for k, v in chosen.items()))
-            made = make_first_calls(device)
-            say(
-                "the libraries' first calls made ahead: "
-                + ", ".join(f"{k} {'failed' if s is None else f'{s:.2f} s'}" for k, s in made.items())
-            )
         start = time.perf_counter()
         try:
             encoders = probe_hardware_encoders()

@@ -21,11 +21,20 @@ import torch
 
 from .read_ahead import ReadAhead
 
-__all__ = ["StagedReader", "read_eager", "reader_for"]
+__all__ = ["StagedReader", "pin_staging_buffers", "read_eager", "reader_for"]
 
 CHUNK_BYTES = 64 << 20
 READ_THREADS = 8
 AHEAD_SLABS = 8  # slabs of CHUNK_BYTES the read-ahead may fill before their bytes are asked for
+
+
+def pin_staging_buffers(chunk_bytes: int | None = None) -> None:
+    """Allocate, then free, the page-locked buffers a reader for a GPU holds (its two and the read-ahead's slabs,
+    ``chunk_bytes`` each). A process's first page-locked allocation of a size asks the driver to lock the pages;
+    freed, PyTorch's host allocator keeps the blocks, so a reader made later in the process gets them at once."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2 + AHEAD_SLABS)]
+    del buffers
 
 
 def read_eager(path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape, device) -> torch.Tensor:

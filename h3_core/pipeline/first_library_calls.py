@@ -2,7 +2,8 @@
 dense-attention kernel chosen for each (dtype, head dim) the models attend with.
 
 A process's first call of a cuBLAS product or a cuDNN convolution loads the library's kernels and sets up its
-state; a later call at a new shape costs a few milliseconds (``bench/first_calls.py`` measures both). Made on a
+state; a later call at a new shape costs a few milliseconds (``bench/first_calls.py`` measures both). The same
+holds for the staged reader's page-locked buffers, allocated once and kept by PyTorch's host allocator. Made on a
 thread while a server starts, these calls take that first cost off the first prompt. cuDNN's attention plans are
 not among them: PyTorch keeps those per thread and per shape, so only the thread that runs the prompt can make them.
 """
@@ -13,6 +14,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from ..formats.staged_read import pin_staging_buffers
 
 __all__ = ["choose_attention_kernels", "make_first_calls"]
 
@@ -25,9 +28,11 @@ def _scaled_mm(device):
 
 
 def _calls(device: torch.device) -> dict:
-    """The calls by name: the DiT's bf16 and the video decoder's fp16 products, the DiT's fp8 row-scaled product,
-    the audio decoder's fp32 convolutions and the linear branch's bf16 depthwise convolution."""
-    calls = {
+    """The calls by name, in the order a prompt needs them: on a GPU the staged reader's page-locked buffers (the
+    loaders'), then the DiT's bf16 and the video decoder's fp16 products, the DiT's fp8 row-scaled product, the
+    audio decoder's fp32 convolutions and the linear branch's bf16 depthwise convolution."""
+    calls = {"pinned staging buffers": pin_staging_buffers} if device.type == "cuda" else {}
+    calls |= {
         "bf16 product": lambda: F.linear(*(torch.ones(64, 128, device=device, dtype=torch.bfloat16) for _ in "xw")),
         "fp16 product": lambda: F.linear(*(torch.ones(64, 128, device=device, dtype=torch.float16) for _ in "xw")),
         "fp32 conv1d": lambda: F.conv1d(torch.ones(1, 8, 64, device=device), torch.ones(8, 8, 3, device=device)),

@@ -1,6 +1,7 @@
 """Reading straight onto a CUDA GPU (h3_core.formats.staged_read; skipped without one): pinned staging buffers,
 asynchronous copies, several reads in flight. Every tensor equals, byte for byte, what the safetensors library
-reads (moved to the GPU); a DiT loaded to the GPU (fp8 linears and bf16, with the VDN branch) equals the same
+reads (moved to the GPU); buffers pinned ahead (``pin_staging_buffers``, what a server's start thread does) are
+the ones a later reader gets; a DiT loaded to the GPU (fp8 linears and bf16, with the VDN branch) equals the same
 files loaded into host memory and moved."""
 
 import pytest
@@ -9,8 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from h3_core.formats.checkpoints import load_h3_model
-from h3_core.formats.files import CheckpointFiles
-from h3_core.formats.staged_read import StagedReader
+from h3_core.formats.files import CheckpointFiles, spans_of
+from h3_core.formats.staged_read import AHEAD_SLABS, StagedReader, pin_staging_buffers
 from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -43,6 +44,26 @@ def test_reads_equal_the_safetensors_read(tmp_path, chunk_bytes):
             expected = oracle.get_tensor(key)
             assert value.device.type == "cuda" and value.dtype == expected.dtype and value.shape == expected.shape
             assert torch.equal(_bytes(value).cpu(), _bytes(expected)), key
+
+
+def test_buffers_pinned_ahead_are_the_ones_a_later_reader_gets(tmp_path):
+    chunk_bytes = 3 << 20  # a size no other test pins: PyTorch's host allocator keeps blocks by rounded size
+    blocks = lambda: torch.cuda.host_memory_stats()["num_host_alloc"]  # noqa: E731
+    before = blocks()
+    pin_staging_buffers(chunk_bytes)
+    assert blocks() - before == 2 + AHEAD_SLABS  # each buffer a new page-locked block, then freed to the cache
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.randn(1 << 20), "b": torch.randn(1 << 19)}, str(path))
+    pinned = blocks()
+    with StagedReader(DEV, chunk_bytes=chunk_bytes, threads=2) as reader:
+        files = CheckpointFiles(path, reader)
+        reader.expect(spans_of([(files, "a"), (files, "b")]))  # the read-ahead's slabs too
+        got = {key: files.get(key) for key in ("a", "b")}
+        torch.cuda.synchronize()
+    assert blocks() == pinned  # the reader's buffers and slabs came from the cache: nothing locked anew
+    with safe_open(str(path), framework="pt") as oracle:
+        for key, value in got.items():
+            assert torch.equal(value.cpu(), oracle.get_tensor(key)), key
 
 
 @pytest.mark.parametrize("linears, dtype", [("fp8", torch.bfloat16), ("dtype", torch.bfloat16)])

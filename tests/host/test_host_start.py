@@ -1,7 +1,7 @@
 """What a ComfyUI server on a GPU does for the pack while it starts, on a thread of its own (``nodes._host``):
-the compilers' modules imported and Triton's first launch, the dense-attention kernels chosen, the libraries'
-first products and convolutions made and the hardware video encoders probed, each said in the log. On the CPU
-nothing is compiled and the thread does not start."""
+the staged reader's page-locked buffers allocated and the libraries' first products and convolutions made, the
+compilers' modules imported and Triton's first launch, the dense-attention kernels chosen and the hardware video
+encoders probed, each said in the log. On the CPU nothing is compiled and the thread does not start."""
 
 import os
 
@@ -16,7 +16,14 @@ def test_the_start_thread_does_its_work_ahead_and_says_so(server):
     said = server.log_path.read_text(errors="replace")
     assert "imported the compilers' modules" in said and "dense attention kernels chosen ahead" in said
     made = next(line for line in said.splitlines() if "the libraries' first calls made ahead" in line)
-    for kind in ("bf16 product", "fp16 product", "fp32 conv1d", "fp32 conv_transpose1d", "bf16 depthwise conv2d"):
+    for kind in (
+        "pinned staging buffers",
+        "bf16 product",
+        "fp16 product",
+        "fp32 conv1d",
+        "fp32 conv_transpose1d",
+        "bf16 depthwise conv2d",
+    ):
         assert f"{kind} " in made and f"{kind} failed" not in made, made
     assert "h264_nvenc " in next(line for line in said.splitlines() if "hardware video encoders probed" in line)
 
