@@ -242,14 +242,14 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
 
 
 def import_compilers_in_background() -> threading.Thread | None:
-    """Where the compiled paths will run (CUDA with Triton), import what their first run would
-    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface) and, where the host's device is that GPU, allocate
+    """Where the compiled paths will run (CUDA with Triton), on a thread of its own while the server starts, do
+    ahead what a first prompt would meet, in the order it meets them: where the host's device is that GPU, allocate
     the staged reader's page-locked buffers and make the libraries' first products and convolutions
-    (``first_library_calls``; the loaders and the first step meet these first), launch one trivial Triton kernel
-    there (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache
+    (``first_library_calls``; the loaders come first), then import what the compiled paths' first run would
+    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface), launch one trivial Triton kernel on that GPU
+    (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache
     filled), choose the dense-attention kernels (``choose_attention_kernels``), and open the hardware video
-    encoders (``mp4.probe_hardware_encoders``), on a thread of its own while the server starts, so the first
-    prompt does not wait for them; the log says how long they took and what was chosen.
+    encoders (``mp4.probe_hardware_encoders``); the log says how long they took and what was chosen.
     Returns the thread (None where nothing compiles)."""
     from ..h3_core.media.mp4 import probe_hardware_encoders
     from ..h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
@@ -259,16 +259,16 @@ def import_compilers_in_background() -> threading.Thread | None:
         return None
 
     def run():
-        seconds = import_compilers()
-        done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
-        total = sum(s for s in seconds.values() if s is not None)
         device = torch_device()
-        if device.type == "cuda":  # the loaders' buffers and the libraries' first: a prompt meets them first
+        if device.type == "cuda":  # the loaders' buffers and the libraries' first calls: a prompt meets them first
             made = make_first_calls(device)
             say(
                 "the libraries' first calls made ahead: "
                 + ", ".join(f"{k} {'failed' if s is None else f'{s:.2f} s'}" for k, s in made.items())
             )
+        seconds = import_compilers()
+        done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
+        total = sum(s for s in seconds.values() if s is not None)
         launched = launch_once(device) if device.type == "cuda" else None
         first = "" if launched is None else f"; Triton's first launch in {launched:.1f} s"
         say(f"imported the compilers' modules ({', '.join(done)}) in {total:.1f} s{first}")
