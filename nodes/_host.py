@@ -243,16 +243,14 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
 
 def import_compilers_in_background() -> threading.Thread | None:
     """Where the compiled paths will run (CUDA with Triton), on a thread of its own while the server starts, do
-    ahead what a first prompt would meet, in the order it meets them: import the modules its file checks import
-    (``file_kinds.import_describers``); where the host's device is that GPU, allocate the staged reader's page-locked
-    buffers and make the libraries' first products and convolutions
+    ahead what a first prompt would meet, in the order it meets them: where the host's device is that GPU, allocate
+    the staged reader's page-locked buffers and make the libraries' first products and convolutions
     (``first_library_calls``; the loaders come first), then import what the compiled paths' first run would
     (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface), launch one trivial Triton kernel on that GPU
     (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache
     filled), choose the dense-attention kernels (``choose_attention_kernels``), and open the hardware video
     encoders (``mp4.probe_hardware_encoders``); the log says how long they took and what was chosen.
     Returns the thread (None where nothing compiles)."""
-    from ..h3_core.formats.file_kinds import import_describers
     from ..h3_core.media.mp4 import probe_hardware_encoders
     from ..h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
     from ..h3_core.triton_forms import compiles_on, import_compilers, launch_once
@@ -261,11 +259,8 @@ def import_compilers_in_background() -> threading.Thread | None:
         return None
 
     def run():
-        start = time.perf_counter()
-        import_describers()
-        say(f"the file checks' modules imported in {time.perf_counter() - start:.1f} s")
         device = torch_device()
-        if device.type == "cuda":  # the loaders' buffers and the libraries' first calls: a prompt meets them next
+        if device.type == "cuda":  # the loaders' buffers and the libraries' first calls: a prompt meets them first
             made = make_first_calls(device)
             say(
                 "the libraries' first calls made ahead: "

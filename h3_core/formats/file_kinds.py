@@ -10,7 +10,6 @@ kinds, so a VAE picked as the DiT is refused as "a video VAE", with the loader t
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Callable
 
 from ..errors import H3InputError
 
-__all__ = ["FileKind", "KINDS", "check_file", "describe_as", "import_describers"]
+__all__ = ["FileKind", "KINDS", "check_file", "describe_as"]
 
 
 @dataclass(frozen=True)
@@ -114,28 +113,6 @@ KINDS = {
 }
 # Kinds a file of one kind may be mistaken for, tried in this order when its own describer refuses it.
 _OTHERS = ("dit", "linear_branch", "video_vae", "audio_vae", "text_encoder", "lora", "prompt_embedding")
-
-
-# What the describers import when first called (the models they build on the meta device among it), relative to
-# this package
-_DESCRIBERS_IMPORT = (
-    ".checkpoints",
-    ".vae",
-    ".video_vae",
-    ".audio_vae",
-    ".qwen3vl_checkpoint",
-    ".lora",
-    ".files",
-    "..models.video_vae",
-    "..models.audio_vae",
-)
-
-
-def import_describers() -> None:
-    """Import now what the describers import at their first call (a server's start thread does, so that the first
-    prompt's checks find the modules loaded)."""
-    for name in _DESCRIBERS_IMPORT:
-        importlib.import_module(name, __package__)
 
 
 def describe_as(path: str | Path, kind: str) -> str:

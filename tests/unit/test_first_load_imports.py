@@ -1,9 +1,7 @@
 """A process's first model load stays light: building the DiT and the VAEs on the meta device and filling them
 from their files imports neither dynamo nor sympy (on the meta device torch.arange and friends run through
 torch._refs, whose first call imports both: about a second of a restarted server's first load). Run in a fresh
-interpreter, since this test process may have imported them already. And the modules a prompt's file checks
-import at their first call are the ones ``file_kinds.import_describers`` imports ahead (a server's start thread
-calls it)."""
+interpreter, since this test process may have imported them already."""
 
 import json
 import subprocess
@@ -45,26 +43,3 @@ def test_loading_the_models_imports_neither_dynamo_nor_sympy(tiny):
     )
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {"before": [], "after": []}
-
-
-CHECKS = """
-import json, sys
-from h3_core.formats.file_kinds import check_file, import_describers
-import_describers()
-before = set(sys.modules)
-for kind, path in zip(("dit", "linear_branch", "video_vae", "audio_vae"), sys.argv[1:]):
-    check_file(path, kind, kind)
-print(json.dumps(sorted(m for m in set(sys.modules) - before if m.startswith("h3_core"))))
-"""
-
-
-def test_the_describers_modules_are_imported_ahead_of_the_first_checks(tiny):
-    files = [tiny.dit, tiny.linear_branch, tiny.video_vae, tiny.audio_vae]
-    result = subprocess.run(
-        [sys.executable, "-c", CHECKS, *map(str, files)],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
