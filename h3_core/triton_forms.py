@@ -39,6 +39,8 @@ __all__ = [
     "triton_form",
     "runs_here",
     "COMPILER_MODULES",
+    "FA4_MODULES",
+    "TRITON_MODULES",
     "import_compilers",
     "launch_once",
 ]
@@ -138,11 +140,9 @@ def _guarded(module, attribute: str):
 # and the decoder has a hand-written kernel on CUDA, so nothing is traced by dynamo or built by inductor there)
 # and FA4's interface where it is installed (its kernels' helper libraries register their operators as they load).
 # Dynamo and inductor are imported by the paths that use them (the flex backend, a fallback off CUDA kernels).
-COMPILER_MODULES = (
-    "triton",
-    "triton.runtime.jit",
-    "flash_attn.cute.interface",
-)
+TRITON_MODULES = ("triton", "triton.runtime.jit")
+FA4_MODULES = ("flash_attn.cute.interface",)
+COMPILER_MODULES = TRITON_MODULES + FA4_MODULES
 
 
 def import_compilers(modules: tuple[str, ...] = COMPILER_MODULES) -> dict[str, float | None]:

@@ -243,36 +243,38 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
 
 def import_compilers_in_background() -> threading.Thread | None:
     """Where the compiled paths will run (CUDA with Triton), on a thread of its own while the server starts, do
-    ahead what a first prompt would meet, in the order it meets them: where the host's device is that GPU, allocate
-    the staged reader's page-locked buffers and make the libraries' first products and convolutions
-    (``first_library_calls``; the loaders come first), then import what the compiled paths' first run would
-    (``triton_forms.COMPILER_MODULES``: Triton, FA4's interface), launch one trivial Triton kernel on that GPU
-    (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache
-    filled), choose the dense-attention kernels (``choose_attention_kernels``), and open the hardware video
-    encoders (``mp4.probe_hardware_encoders``); the log says how long they took and what was chosen.
+    ahead what a first prompt would meet, in the order it meets them (the calls of ``first_library_calls`` where
+    the host's device is that GPU): the loaders' page-locked staging buffers; Triton's import and one trivial launch
+    (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache filled;
+    the loaders' fp8 quantiser is a Triton kernel); the first products and convolutions of the models' runs; FA4's
+    interface where installed; the dense-attention kernels' choice (``choose_attention_kernels``); and the hardware
+    video encoders' probe (``mp4.probe_hardware_encoders``). The log says how long they took and what was chosen.
     Returns the thread (None where nothing compiles)."""
     from ..h3_core.media.mp4 import probe_hardware_encoders
     from ..h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
-    from ..h3_core.triton_forms import compiles_on, import_compilers, launch_once
+    from ..h3_core.triton_forms import FA4_MODULES, TRITON_MODULES, compiles_on, import_compilers, launch_once
 
     if not compiles_on("cuda"):
         return None
 
     def run():
         device = torch_device()
-        if device.type == "cuda":  # the loaders' buffers and the libraries' first calls: a prompt meets them first
-            made = make_first_calls(device)
+        on_gpu = device.type == "cuda"
+        made = make_first_calls(device, "loaders") if on_gpu else {}  # the staged reader's page-locked buffers
+        seconds = import_compilers(TRITON_MODULES)
+        launched = launch_once(device) if on_gpu else None  # the loaders' fp8 quantiser is a Triton kernel
+        if on_gpu:  # the products and convolutions the models' runs make
+            made |= make_first_calls(device, "runs")
             say(
                 "the libraries' first calls made ahead: "
                 + ", ".join(f"{k} {'failed' if s is None else f'{s:.2f} s'}" for k, s in made.items())
             )
-        seconds = import_compilers()
+        seconds |= import_compilers(FA4_MODULES)
         done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
         total = sum(s for s in seconds.values() if s is not None)
-        launched = launch_once(device) if device.type == "cuda" else None
         first = "" if launched is None else f"; Triton's first launch in {launched:.1f} s"
         say(f"imported the compilers' modules ({', '.join(done)}) in {total:.1f} s{first}")
-        if device.type == "cuda":
+        if on_gpu:
             chosen = choose_attention_kernels(device)
             say("dense attention kernels chosen ahead: " + "; ".join(f"{k} {v}" for k, v in chosen.items()))
         start = time.perf_counter()

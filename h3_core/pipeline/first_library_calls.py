@@ -17,7 +17,10 @@ import torch.nn.functional as F
 
 from ..formats.staged_read import pin_staging_buffers
 
-__all__ = ["choose_attention_kernels", "make_first_calls"]
+__all__ = ["LOADER_CALLS", "choose_attention_kernels", "make_first_calls"]
+
+LOADER_CALLS = ("pinned staging buffers",)  # what the loaders meet, before any model runs
+STAGES = ("loaders", "runs")
 
 
 def _scaled_mm(device):
@@ -51,12 +54,17 @@ def _calls(device: torch.device) -> dict:
     return calls
 
 
-def make_first_calls(device: torch.device | str) -> dict[str, float | None]:
-    """Make each call once on ``device``: seconds per call, None for one that failed (the run that needs it then
-    meets the failure itself)."""
+def make_first_calls(device: torch.device | str, stage: str | None = None) -> dict[str, float | None]:
+    """Make each call once on ``device`` (with ``stage``, only the loaders' calls, ``LOADER_CALLS``, or only the
+    models' runs'): seconds per call, None for one that failed (the run that needs it then meets the failure
+    itself)."""
+    if stage not in (None, *STAGES):
+        raise ValueError(f"stage must be None or one of {STAGES}, got {stage!r}")
     device = torch.device(device)
     seconds = {}
     for name, call in _calls(device).items():
+        if stage is not None and (name in LOADER_CALLS) != (stage == "loaders"):
+            continue
         start = time.perf_counter()
         try:
             with torch.no_grad():

@@ -2,6 +2,7 @@
 called once and timed, and one that fails is reported as such rather than raised (the run that needs it meets the
 failure)."""
 
+import pytest
 import torch
 
 from h3_core.pipeline import first_library_calls
@@ -27,3 +28,16 @@ def test_a_call_that_fails_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(first_library_calls.F, "conv1d", broken)
     made = first_library_calls.make_first_calls(torch.device("cpu"))
     assert made["fp32 conv1d"] is None and made["bf16 product"] is not None
+
+
+def test_the_calls_split_into_the_loaders_and_the_runs():
+    # on the CPU nothing is page-locked: the loaders' stage is empty and the runs' stage is every call
+    assert first_library_calls.make_first_calls("cpu", "loaders") == {}
+    assert set(first_library_calls.make_first_calls("cpu", "runs")) == set(first_library_calls.make_first_calls("cpu"))
+    calls = first_library_calls._calls(torch.device("cpu"))
+    assert not set(first_library_calls.LOADER_CALLS) & set(calls)
+
+
+def test_an_unknown_stage_is_refused():
+    with pytest.raises(ValueError, match="stage must be None or one of"):
+        first_library_calls.make_first_calls("cpu", "decode")
