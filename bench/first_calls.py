@@ -12,8 +12,13 @@ every call, nothing else on the GPU. ``--with-warm-thread`` runs as many process
 another thread what a server's start thread does with the libraries (``pipeline.first_library_calls``: the
 attention kernels chosen, one small product and convolution of each kind): what of a first call that thread takes
 off the thread that runs the prompt (the cuDNN attention plans are kept per thread in PyTorch).
+``--with-same-shapes-thread`` runs as many processes again, each first making, on another thread, that work and
+then every timed call at the very shapes this thread then times: whether what cuDNN builds for a shape on one
+thread (its plan per thread, any kernel it compiles or loads for the process) shortens the same shape's first call
+on another.
 
-    python3 bench/first_calls.py --processes 2 --with-warm-thread --out bench/results/first_calls.json
+    python3 bench/first_calls.py --processes 2 --with-warm-thread --with-same-shapes-thread \
+        --out bench/results/first_calls.json
 """
 
 from __future__ import annotations
@@ -57,16 +62,22 @@ def _timed(fn, device, *args, **kwargs) -> float:
     return time.perf_counter() - start
 
 
-def one_process(device: torch.device, tiny: bool, warm_thread: bool = False) -> dict:
+def one_process(device: torch.device, tiny: bool, warm_thread: bool = False, same_shapes: bool = False) -> dict:
     """The timings of this process (it must not have touched the GPU before). ``warm_thread``: first make every
     kind of call once at the small shapes on a thread of its own (as a server's start thread could), then time
-    this thread's calls."""
+    this thread's calls; ``same_shapes``: that thread also makes every timed call first, at the same shapes."""
     import threading
 
     out = {"context_s": _timed(lambda: torch.empty(1, device=device), device)}
-    if warm_thread:
+    if warm_thread or same_shapes:
+
+        def work():
+            _start_thread_work(device)
+            if same_shapes:
+                _calls(device, tiny)
+
         start = time.perf_counter()
-        thread = threading.Thread(target=_start_thread_work, args=(device,), name="warm")
+        thread = threading.Thread(target=work, name="warm")
         thread.start()
         thread.join()
         out["warm_thread_s"] = time.perf_counter() - start
@@ -180,17 +191,25 @@ def main(argv=None) -> dict:
         action="store_true",
         help="as many processes again, each making every kind of call once at small shapes on another thread first",
     )
+    parser.add_argument(
+        "--with-same-shapes-thread",
+        action="store_true",
+        help="as many processes again, each making every timed call on another thread first, at the same shapes",
+    )
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: print its timings
     parser.add_argument("--warm-thread", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--same-shapes-thread", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.one:
-        print(json.dumps(one_process(device, args.tiny, args.warm_thread)))
+        print(json.dumps(one_process(device, args.tiny, args.warm_thread, args.same_shapes_thread)))
         return {}
     result = record.header("first_calls.py", argv)
     child = [sys.executable, __file__, "--one", "--device", args.device, *(["--tiny"] if args.tiny else [])]
     variants = {"runs": child} | ({"runs_warm_thread": [*child, "--warm-thread"]} if args.with_warm_thread else {})
+    if args.with_same_shapes_thread:
+        variants["runs_same_shapes_thread"] = [*child, "--same-shapes-thread"]
     for key, command in variants.items():
         result[key] = []
         for _ in range(args.processes):

@@ -37,7 +37,8 @@
 #   load      bench/dit_load.py on the files e2e-write wrote: the DiT loader's and the move to the GPU's seconds, each
 #             profiled
 #   first-calls  bench/first_calls.py: the first calls of the dense attention and the matrix products in new
-#             processes, per shape (what a process pays once, what each new shape costs)
+#             processes, per shape (what a process pays once, what each new shape costs), also after the start
+#             thread's work on another thread, and after that thread made the same calls at the same shapes
 #   load-phases  bench/dit_load.py --phases on the same files: the straight load's steps and the staged reads' floor,
 #             per read-ahead variant (threads:slabs:chunk MiB)
 #   e2e-write, e2e-cold, e2e-restart, e2e-restart-t2va, e2e-restart-warm
@@ -116,7 +117,7 @@ for part in "$@"; do
             run dit_load python3 bench/dit_load.py --dit $models/minimax_h3_fl2va_pruned_fp8_scaled_random.safetensors \
                 --branch $models/vdn_h3_linear_branch_random.safetensors --out "$out/dit_load.json" ;;
         first-calls) run first_calls python3 bench/first_calls.py --processes 2 --with-warm-thread \
-            --out "$out/first_calls.json" ;;
+            --with-same-shapes-thread --out "$out/first_calls.json" ;;
         load-phases) models=/root/h3_e2e/models/diffusion_models
             run dit_load_phases python3 bench/dit_load.py --phases --reps 2 \
                 --variants ${LOAD_VARIANTS:-8:8:64 16:8:64 8:32:64 16:32:64 16:16:128} \

@@ -261,11 +261,17 @@ def test_mp4_presets(tmp_path):
 
 def test_first_calls(tmp_path):
     """Small shapes on the CPU: each new process times the attention, matrix products and convolutions, first at one
-    shape, then again, then at new shapes; the second set after the same calls on a thread of their own."""
-    result = dry_run(tmp_path, "first_calls.py", "--processes", "2", "--device", "cpu", "--tiny", "--with-warm-thread")
-    assert HEADER <= set(result) and len(result["runs"]) == len(result["runs_warm_thread"]) == 2
-    assert all(run["warm_thread_s"] > 0 for run in result["runs_warm_thread"])
-    for run in result["runs"] + result["runs_warm_thread"]:
+    shape, then again, then at new shapes; the second set after the start thread's calls on a thread of their own,
+    the third after that thread also made every timed call at the same shapes."""
+    result = dry_run(
+        tmp_path,
+        "first_calls.py",
+        *("--processes", "2", "--device", "cpu", "--tiny", "--with-warm-thread", "--with-same-shapes-thread"),
+    )
+    threaded = result["runs_warm_thread"] + result["runs_same_shapes_thread"]
+    assert HEADER <= set(result) and len(result["runs"]) == 2 and len(threaded) == 4
+    assert all(run["warm_thread_s"] > 0 for run in threaded)
+    for run in result["runs"] + threaded:
         assert set(run["attention"]) == {"dit_fp16", "dit_bf16", "decoder_fp16"}
         assert all(
             len(a["calls"]) == 4 and all(c["seconds"] > 0 for c in a["calls"]) for a in run["attention"].values()
