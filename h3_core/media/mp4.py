@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..errors import H3InputError
+from .encoder_open import fails_to_open, fails_to_open_elsewhere
 
 __all__ = [
     "Mp4Writer",
@@ -92,36 +93,26 @@ PROBE_SIZE = (256, 256)
 
 
 def _fails_to_open(name: str, width: int, height: int, fps: int) -> str | None:
-    """Why ``name`` cannot encode ``width``×``height`` yuv420p here (it is opened and given a blank frame), or
-    None when it can. Asked once per process and size; an encoder that already failed at ``PROBE_SIZE`` is not
-    opened again."""
-    import av
-
+    """Why ``name`` cannot encode ``width``×``height`` yuv420p here (``encoder_open.fails_to_open``), or None when it
+    can. Asked once per process and size; an encoder that already failed at ``PROBE_SIZE`` is not opened again."""
     key = (name, width, height)
     small = _opened.get((name, *PROBE_SIZE))
     if key not in _opened and small is not None:
         _opened[key] = small
     if key not in _opened:
-        try:
-            context = av.CodecContext.create(name, "w")
-            context.width, context.height, context.pix_fmt = width, height, "yuv420p"
-            context.time_base = Fraction(1, fps)
-            context.open()
-            blank = av.VideoFrame(width, height, "yuv420p")
-            blank.pts = 0
-            context.encode(blank)
-            context.encode(None)
-            _opened[key] = None
-        except Exception as exc:  # unknown to this FFmpeg, no device, no driver, a size it refuses
-            _opened[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        _opened[key] = fails_to_open(name, width, height, fps)
     return _opened[key]
 
 
 def probe_hardware_encoders(fps: int = 24) -> dict[str, str | None]:
-    """Open each hardware encoder at ``PROBE_SIZE`` now (a process's first attempt loads FFmpeg and, for NVENC, the
-    driver, whether or not the card has an encoder), so that the first clip's ``video_encoder`` finds the answer:
-    why each fails, or None for one that opens."""
-    return {name: _fails_to_open(name, *PROBE_SIZE, fps) for name in HARDWARE_ENCODERS}
+    """Each hardware encoder opened at ``PROBE_SIZE`` now, in a child process (``encoder_open``: in this one, the
+    open would hold every other thread for as long as FFmpeg takes to load the driver), so that the first clip's
+    ``video_encoder`` finds the answer: why each fails, or None for one that opens. ``ImportError`` without
+    PyAV."""
+    answers = fails_to_open_elsewhere(HARDWARE_ENCODERS, *PROBE_SIZE, fps)
+    for name, why in answers.items():
+        _opened[(name, *PROBE_SIZE)] = why
+    return answers
 
 
 def video_encoder(

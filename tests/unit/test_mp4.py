@@ -192,17 +192,18 @@ def test_the_soundtrack_is_encoded_before_the_first_frame(tmp_path):
 
 
 def test_an_encoder_that_failed_at_the_probe_size_is_not_opened_again(monkeypatch):
-    """The probe made ahead (``probe_hardware_encoders``, at ``PROBE_SIZE``) answers for every later size when the
-    encoder failed there; one that opens is still opened at the clip's own size."""
+    """The probe made ahead (``probe_hardware_encoders``, at ``PROBE_SIZE``, in a child process) answers for every
+    later size when the encoder failed there; one that opens is still opened at the clip's own size, here."""
     from h3_core.media import mp4
 
     monkeypatch.setattr(mp4, "_opened", {})
     monkeypatch.setattr(mp4, "HARDWARE_ENCODERS", ("h264_missing", "libx264"))
-    probed = mp4.probe_hardware_encoders()
-    assert probed["libx264"] is None and probed["h264_missing"].startswith("UnknownCodecError")
     opened = []
     create = av.CodecContext.create
     monkeypatch.setattr(av.CodecContext, "create", lambda name, mode: opened.append(name) or create(name, mode))
+    probed = mp4.probe_hardware_encoders()
+    assert probed["libx264"] is None and probed["h264_missing"].startswith("UnknownCodecError")
+    assert opened == []  # the probe opened them in a child process
     assert mp4._fails_to_open("h264_missing", 1344, 768, 24) == probed["h264_missing"]
     assert mp4.video_encoder(1344, 768) == ("libx264", "libx264 opened")
     assert opened == ["libx264"]  # the failed one not opened again; the one that opens tried at the clip's size
