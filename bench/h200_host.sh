@@ -45,7 +45,9 @@
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report; restart without FL2VA + report;
 #             restart then warm in one server + report; E2E_REPEAT=N: N such servers, the median reported)
 #             under /root/h3_e2e, each within one 10-minute call, the results gathered there between calls (a copy
-#             in $out after each part); the report goes to $out
+#             in $out after each part); the report goes to $out. With E2E_PYSPY=1, py-spy (its wheel carried in
+#             .whl_prof) records every server of the part, all threads, 100 samples a second without pausing it:
+#             $out/server_<pid>.speedscope.json.gz (bench/thread_timeline.py reads them)
 #   first-step, first-step-precompile
 #             bench/dit_step.py's first evaluation (profiled) in two new processes, the compile cache empty then
 #             filled; -precompile with TORCH_CACHING_PRECOMPILE=1 (dynamo's traced frames cached as well)
@@ -71,6 +73,18 @@ fa4="${FA4:-/tmp/fa4}"
 host_copy=/root/comfyui-0.3.75
 [ -z "${COMFYUI_PATH:-}" ] && [ -d "$host_copy" ] && export COMFYUI_PATH="$host_copy"
 [ "${H3_FA4:-0}" = 1 ] && export PYTHONPATH="$fa4:$fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
+profile_servers() {  # py-spy on each ComfyUI server started until this is killed, one file per server
+    python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl_prof/*.whl || return
+    local seen=" " pid
+    while sleep 0.05; do
+        for pid in $(pgrep -f '^[^ ]*python[0-9.]* main[.]py '); do
+            case "$seen" in *" $pid "*) continue ;; esac
+            seen="$seen$pid "
+            /tmp/pyspy/bin/py-spy record --pid "$pid" --threads --idle --rate 100 --nonblocking \
+                --format speedscope -o "$out/server_$pid.speedscope.json" > "$out/pyspy_$pid.log" 2>&1 &
+        done
+    done
+}
 run() {  # name, command...
     local name="$1"; shift
     echo "== $name: $*"
@@ -150,9 +164,16 @@ for part in "$@"; do
             [ "$part" = e2e-restart-warm ] && phases=(restart-warm report)
             [ "$part" = e2e-quick ] && phases=(cold report)
             [ "$part" = e2e-small ] && phases=(small report)
+            profiler=
+            if [ "${E2E_PYSPY:-0}" = 1 ]; then profile_servers & profiler=$!; fi
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" python3 \
                 bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --repeat "${E2E_REPEAT:-1}" \
                 --out "$out/end_to_end.json"
+            if [ -n "$profiler" ]; then
+                kill "$profiler"
+                for _ in $(seq 150); do pgrep -f 'pyspy/bin/py-spy record' > /dev/null || break; sleep 0.2; done
+                gzip -f "$out"/server_*.speedscope.json 2>/dev/null
+            fi
             cp /root/h3_e2e/end_to_end_state.json "$out/"
             cp /root/h3_e2e/server.log "$out/server_${part}.log" 2>/dev/null ;;  # the last server's whole log
         host)

@@ -282,3 +282,45 @@ def test_first_calls(tmp_path):
         assert len(convolutions["conv1d_fp32"]) == len(convolutions["conv_transpose1d_fp32"]) == 5
         assert len(convolutions["depthwise_conv2d_bf16"]) == 3
         assert all(c["seconds"] > 0 for calls in convolutions.values() for c in calls)
+
+
+def test_thread_timeline_reads_a_speedscope_file(tmp_path):
+    """Runs of samples at one place, per thread, from the file format py-spy writes (gzipped as h200_host.sh keeps
+    it): the pack's innermost frame and the innermost frame of all, timed at the recording's rate."""
+    import gzip
+
+    frames = [
+        {"name": "worker", "file": "/usr/lib/python3.12/threading.py", "line": 1},
+        {"name": "check_file", "file": "/x/custom_nodes/h3_hybrid/h3_core/formats/file_kinds.py", "line": 141},
+        {"name": "uniform_", "file": "/torch/_decomp/decompositions.py", "line": 3031},
+        {"name": "select", "file": "/usr/lib/python3.12/selectors.py", "line": 468},
+    ]
+    samples = [[0, 3]] * 5 + [[0, 1, 2]] * 46 + [[0, 3]] * 3
+    profiles = [
+        {"type": "sampled", "name": 'Thread 1 "MainThread"', "samples": samples, "weights": [0.01] * len(samples)},
+        {"type": "sampled", "name": 'Thread 2 "other"', "samples": [[0, 3]], "weights": [0.01]},
+    ]
+    path = tmp_path / "server_1.speedscope.json.gz"
+    with gzip.open(path, "wt") as file:
+        json.dump({"shared": {"frames": frames}, "profiles": profiles}, file)
+
+    def timeline(*args: str) -> list[str]:
+        command = [sys.executable, str(ROOT / "bench" / "thread_timeline.py"), str(path), *args]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.splitlines()
+
+    assert timeline("--thread", "Main", "--min-ms", "40") == [
+        '# Thread 1 "MainThread": 0.54 s of samples',
+        "    0.00      50 ms  - | select (selectors.py:468)",
+        "    0.05     460 ms  check_file (file_kinds.py:141) | uniform_ (decompositions.py:3031)",
+    ]
+    assert timeline("--thread", "Main", "--from", "0.5", "--min-ms", "0") == [
+        '# Thread 1 "MainThread": 0.54 s of samples',
+        "    0.51      30 ms  - | select (selectors.py:468)",
+    ]
+    totals = timeline("--thread", "Main", "--totals")
+    assert totals[1:] == [
+        "    0.46 s  check_file (file_kinds.py:141) | uniform_ (decompositions.py:3031)",
+        "    0.08 s  - | select (selectors.py:468)",
+    ]
