@@ -47,7 +47,7 @@
 #             under /root/h3_e2e, each within one 10-minute call, the results gathered there between calls (a copy
 #             in $out after each part); the report goes to $out. With E2E_PYSPY=1, py-spy (its wheel carried in
 #             .whl_prof) records every server of the part, all threads, 100 samples a second without pausing it:
-#             $out/server_<pid>.speedscope.json.gz (bench/thread_timeline.py reads them)
+#             server_<pid>.speedscope.json in $out/pyspy_<part>.tar.gz (bench/thread_timeline.py reads them)
 #   first-step, first-step-precompile
 #             bench/dit_step.py's first evaluation (profiled) in two new processes, the compile cache empty then
 #             filled; -precompile with TORCH_CACHING_PRECOMPILE=1 (dynamo's traced frames cached as well)
@@ -74,7 +74,8 @@ host_copy=/root/comfyui-0.3.75
 [ -z "${COMFYUI_PATH:-}" ] && [ -d "$host_copy" ] && export COMFYUI_PATH="$host_copy"
 [ "${H3_FA4:-0}" = 1 ] && export PYTHONPATH="$fa4:$fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 profile_servers() {  # py-spy on each ComfyUI server started until this is killed, one file per server
-    python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl_prof/*.whl || return
+    [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl_prof/*.whl \
+        || return
     local seen=" " pid
     while sleep 0.05; do
         for pid in $(pgrep -f '^[^ ]*python[0-9.]* main[.]py '); do
@@ -172,7 +173,9 @@ for part in "$@"; do
             if [ -n "$profiler" ]; then
                 kill "$profiler"
                 for _ in $(seq 150); do pgrep -f 'pyspy/bin/py-spy record' > /dev/null || break; sleep 0.2; done
-                gzip -f "$out"/server_*.speedscope.json 2>/dev/null
+                # one file for them all: a device call brings back only a few files
+                (cd "$out" && tar czf "pyspy_${part}.tar.gz" server_*.speedscope.json pyspy_*.log \
+                    && rm -f server_*.speedscope.json pyspy_*.log)
             fi
             cp /root/h3_e2e/end_to_end_state.json "$out/"
             cp /root/h3_e2e/server.log "$out/server_${part}.log" 2>/dev/null ;;  # the last server's whole log
