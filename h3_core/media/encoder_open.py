@@ -19,6 +19,7 @@ import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
+from typing import Iterable
 
 __all__ = ["fails_to_open", "fails_to_open_elsewhere"]
 
@@ -45,7 +46,7 @@ def fails_to_open(name: str, width: int, height: int, fps: int) -> str | None:
     return None
 
 
-def fails_to_open_elsewhere(names, width: int, height: int, fps: int) -> dict[str, str | None]:
+def fails_to_open_elsewhere(names: Iterable[str], width: int, height: int, fps: int) -> dict[str, str | None]:
     """``fails_to_open`` for each of ``names``, asked of a child process (this file run by this interpreter, with
     this process's environment). ``ImportError`` where the child cannot import PyAV; a child that fails otherwise
     or does not answer within ``CHILD_TIMEOUT_S`` makes every name fail, with the reason."""
