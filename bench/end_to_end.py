@@ -27,9 +27,10 @@ Phases, each a separate call (each fits a 10-minute command; the results gather 
   server), then FL2VA once; ``restart-t2va``: the same without FL2VA (an earlier FL2VA run stands);
   ``restart-warm``: T2VA as the restarted server's first run, then again warm in the same process (both
   figures of ``first_run_extra_s`` from one server on one machine; the cold run stands); with ``--repeat N``, N
-  such servers one after the other: ``first_run_extra_s`` is the median of their extras (for even N the mean
-  of the middle two; all of them in ``first_run_extra_samples_s``) and the runs kept are the median server's (the
-  lower middle one's for even N);
+  such servers one after the other (``--add-servers``: added to the earlier ones, for more servers than one call
+  holds): ``first_run_extra_s`` and ``total_s`` are the medians of their extras and their warm totals (for even N
+  the mean of the middle two; all of them in ``first_run_extra_samples_s`` and ``warm_total_samples_s``) and the
+  runs kept are those of the server with the median warm total (the lower middle one's for even N);
 * ``small``: a new server whose host budget is ``--budget-gib`` (``--reserve-vram`` set to the rest of the free
   memory; the memory policy on, as the workflow ships): T2VA once, its total and torch's peak;
 * ``report``: ``--out`` (JSON) and the same path with ``.md``: per kernel environment (``--env``), the summary
@@ -109,6 +110,7 @@ STAGES = (
     "decode_steady_tiles_s",
     "audio_s",
     "mp4_tail_s",
+    "mp4_written_s",
     "total_s",
 )
 
@@ -279,15 +281,31 @@ def keyframe_images(folder: Path, size: dict) -> None:
 # ---- one run ---------------------------------------------------------------------------------------------
 
 
-def timed_events(server, prompt: dict, timeout: float) -> list[tuple[float, str, object]]:
-    """The run's events, each with its seconds from the queueing; the websocket is opened before the clock
-    starts, as the frontend holds its socket open before a prompt is queued."""
+def timed_events(server, prompt: dict, timeout: float) -> tuple[list[tuple[float, str, object]], float]:
+    """The run's events, each with its seconds from the queueing, and the queueing's wall-clock time; the
+    websocket is opened before the clock starts, as the frontend holds its socket open before a prompt is
+    queued."""
     ws = server.socket()
-    start = time.perf_counter()
+    start, queued_at = time.perf_counter(), time.time()
     events = []
     for kind, data in server.events(prompt, timeout=timeout, ws=ws):
         events.append((time.perf_counter() - start, kind, data))
-    return events
+    return events, queued_at
+
+
+def mp4_written_s(events, writer: str, output: Path, queued_at: float) -> float | None:
+    """Seconds from the queueing until the writer node's mp4 was complete on disk (its modification time: the
+    file's last byte, written before it took its final name). The host tells of it later: after the node
+    returns, its worker runs ``gc.collect()`` holding the interpreter lock, which can hold back the messages the
+    node's return queued (``executed``, ``execution_success``)."""
+    shown = next(
+        (data["output"]["images"][0] for _, kind, data in events if kind == "executed" and data.get("node") == writer),
+        None,
+    )
+    if shown is None:
+        return None
+    path = output / shown.get("subfolder", "") / shown["filename"]
+    return path.stat().st_mtime_ns / 1e9 - queued_at if path.exists() else None
 
 
 def stages(events, prompt: dict, steps: int) -> dict:
@@ -409,8 +427,9 @@ def serve(
             log_start = server.log_path.stat().st_size
             writer = next(k for k, v in prompt.items() if v["class_type"] in ("H3DecodeAndSave", "H3SaveVideo"))
             prompt["990"] = {"class_type": "H3ProbePeakMemory", "inputs": {"tag": label, "after_images": [writer, 0]}}
-            events = timed_events(server, prompt, timeout)
+            events, queued_at = timed_events(server, prompt, timeout)
             results[label] = stages(events, prompt, size["steps"])
+            results[label]["mp4_written_s"] = mp4_written_s(events, writer, server.output, queued_at)
             peak = next(
                 (
                     data["output"]["peak"][0]
@@ -506,9 +525,18 @@ def _first_run_extra(env_state: dict) -> float | None:
     return restart["total_s"] - warm["total_s"] if restart and warm else None
 
 
+def _warm_total(env_state: dict) -> float | None:
+    """The warm run's total: the median of the ``restart-warm`` servers' warm runs when the last served phase
+    repeated it, else the one warm run."""
+    samples = env_state.get("restart_samples")
+    if samples:
+        return statistics.median(sample["warm_s"] for sample in samples)
+    return env_state.get("warm", {}).get("total_s")
+
+
 def restart_pairs(servers: list[dict]) -> tuple[dict, list[dict]]:
-    """From ``restart-warm`` servers' results: the one with the median extra (the lower middle for an even count)
-    and every server's extra."""
+    """From ``restart-warm`` servers' results: the one with the median warm total (the lower middle for an even
+    count), whose runs give the stages, and every server's totals and extra."""
     samples = [
         dict(
             extra_s=r["restart"]["total_s"] - r["warm"]["total_s"],
@@ -517,7 +545,7 @@ def restart_pairs(servers: list[dict]) -> tuple[dict, list[dict]]:
         )
         for r in servers
     ]
-    order = sorted(range(len(servers)), key=lambda i: samples[i]["extra_s"])
+    order = sorted(range(len(servers)), key=lambda i: samples[i]["warm_s"])
     return servers[order[(len(order) - 1) // 2]], samples
 
 
@@ -531,7 +559,8 @@ def summary(env_state: dict) -> dict:
         decode_s=warm.get("decode_s"),
         audio_s=warm.get("audio_s"),
         mp4_tail_s=warm.get("mp4_tail_s"),
-        total_s=warm.get("total_s"),
+        total_s=_warm_total(env_state),
+        mp4_written_s=warm.get("mp4_written_s"),
         cold_total_s=cold.get("total_s"),
         text_encode_s=env_state.get("text_encode", {}).get("resident", {}).get("median_s"),
         text_encode_streamed_s=env_state.get("text_encode", {}).get("streamed", {}).get("median_s"),
@@ -548,6 +577,7 @@ def summary(env_state: dict) -> dict:
         figures["worker_peak_gib"] = max(worker_peaks)
     if env_state.get("restart_samples"):
         figures["first_run_extra_samples_s"] = [sample["extra_s"] for sample in env_state["restart_samples"]]
+        figures["warm_total_samples_s"] = [sample["warm_s"] for sample in env_state["restart_samples"]]
     if evaluation.get("ranks"):
         figures["eval_collectives_s"] = max(rank.get("collectives_s", 0.0) for rank in evaluation["ranks"])
     bench = env_state.get("decode_bench") or {}
@@ -626,6 +656,12 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--repeat", type=int, default=1, help="restart-warm: this many servers one after the other (the median kept)"
     )
+    parser.add_argument(
+        "--add-servers",
+        action="store_true",
+        help="restart-warm: add its servers to this environment's earlier restart-warm servers (one machine's "
+        "servers over several calls) instead of replacing them",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.repeat < 1:
@@ -668,11 +704,16 @@ def main(argv=None) -> dict:
                 for _ in range(repeat)
             ]
             if phase == "restart-warm":
+                if args.add_servers:
+                    servers = env_state.get("restart_servers", []) + servers
+                env_state["restart_servers"] = servers
                 kept, env_state["restart_samples"] = restart_pairs(servers)
                 env_state.update(kept)
             else:
                 if {label for label, _, _ in SERVED[phase]} & {"restart", "warm"}:
-                    env_state.pop("restart_samples", None)  # the restart or the warm run is no longer theirs
+                    # the restart or the warm run is no longer theirs
+                    env_state.pop("restart_samples", None)
+                    env_state.pop("restart_servers", None)
                 env_state.update(servers[0])
         elif phase == "report":
             result = dict(

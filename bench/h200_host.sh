@@ -43,11 +43,14 @@
 #             per read-ahead variant (threads:slabs:chunk MiB)
 #   e2e-write, e2e-cold, e2e-restart, e2e-restart-t2va, e2e-restart-warm
 #             bench/end_to_end.py's phases (write + eval; cold; restart + report; restart without FL2VA + report;
-#             restart then warm in one server + report; E2E_REPEAT=N: N such servers, the median reported)
+#             restart then warm in one server + report; E2E_REPEAT=N: N such servers, the median reported;
+#             E2E_ADD=1: added to the servers of earlier calls)
 #             under /root/h3_e2e, each within one 10-minute call, the results gathered there between calls (a copy
 #             in $out after each part); the report goes to $out. With E2E_PYSPY=1, py-spy (its wheel carried in
 #             .whl_prof) records every server of the part, all threads, 100 samples a second without pausing it:
-#             server_<pid>.speedscope.json in $out/pyspy_<part>.tar.gz (bench/thread_timeline.py reads them)
+#             server_<pid>.speedscope.json in $out/pyspy_<part>.tar.gz (bench/thread_timeline.py reads them);
+#             with E2E_GC=1, every full garbage collection of every process, timed, in $out/gc_<part>.jsonl
+#             (bench/gc_watch)
 #   first-step, first-step-precompile
 #             bench/dit_step.py's first evaluation (profiled) in two new processes, the compile cache empty then
 #             filled; -precompile with TORCH_CACHING_PRECOMPILE=1 (dynamo's traced frames cached as well)
@@ -167,8 +170,12 @@ for part in "$@"; do
             [ "$part" = e2e-small ] && phases=(small report)
             profiler=
             if [ "${E2E_PYSPY:-0}" = 1 ]; then profile_servers & profiler=$!; fi
-            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" python3 \
+            gc_watch=()
+            [ "${E2E_GC:-0}" = 1 ] && gc_watch=(env H3_GC_LOG="$(cd "$out" && pwd)/gc_${part}.jsonl" \
+                PYTHONPATH="$PWD/bench/gc_watch:$PYTHONPATH")
+            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" "${gc_watch[@]}" python3 \
                 bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --repeat "${E2E_REPEAT:-1}" \
+                $([ "${E2E_ADD:-0}" = 1 ] && echo --add-servers) \
                 --out "$out/end_to_end.json"
             if [ -n "$profiler" ]; then
                 kill "$profiler"

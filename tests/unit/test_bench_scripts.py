@@ -156,27 +156,26 @@ def test_end_to_end_restart_without_fl2va(tiny_end_to_end):
 
 
 def test_end_to_end_restart_then_warm_repeated(tiny_end_to_end):
-    """Two restarted servers, each a first T2VA run then a warm one: the extra reported is their median, the runs
-    kept are the lower middle server's."""
+    """Two restarted servers, each a first T2VA run then a warm one, the second added in a later call: the extra
+    and the warm total reported are their medians, the runs kept are those of the server with the lower warm
+    total, and each run knows when its mp4 was on disk."""
     folder, _ = tiny_end_to_end
-    result = dry_run(
-        folder,
-        "end_to_end.py",
-        "--tiny",
-        "--base",
-        str(folder / "base"),
-        "--phase",
-        "restart-warm",
-        "report",
-        "--repeat",
-        "2",
-    )
+    command = ("end_to_end.py", "--tiny", "--base", str(folder / "base"), "--phase", "restart-warm", "report")
+    dry_run(folder, *command)
+    result = dry_run(folder, *command, "--add-servers")
     (env,) = [name for name in result["environments"] if not name.endswith("gpus")]
     figures = result["environments"][env]
-    samples = figures["first_run_extra_samples_s"]
-    assert len(samples) == 2 and figures["first_run_extra_s"] == pytest.approx(sum(samples) / 2)
+    extras, warm_totals = figures["first_run_extra_samples_s"], figures["warm_total_samples_s"]
+    assert len(extras) == 2 and figures["first_run_extra_s"] == pytest.approx(sum(extras) / 2)
+    assert len(warm_totals) == 2 and figures["total_s"] == pytest.approx(sum(warm_totals) / 2)
     runs = figures["runs"]
-    assert runs["restart"]["total_s"] - runs["warm"]["total_s"] == pytest.approx(min(samples))
+    assert runs["warm"]["total_s"] == pytest.approx(min(warm_totals))
+    kept = warm_totals.index(min(warm_totals))
+    assert runs["restart"]["total_s"] - runs["warm"]["total_s"] == pytest.approx(extras[kept])
+    for run in (runs["restart"], runs["warm"]):
+        # the file's clock and the bench's: the same machine's, to the file system's resolution
+        assert 0 < run["mp4_written_s"] <= run["total_s"] + 0.01
+    assert figures["mp4_written_s"] == runs["warm"]["mp4_written_s"]
 
 
 def test_end_to_end_across_ranks(tiny_end_to_end):
@@ -324,3 +323,20 @@ def test_thread_timeline_reads_a_speedscope_file(tmp_path):
         "    0.46 s  check_file (file_kinds.py:141) | uniform_ (decompositions.py:3031)",
         "    0.08 s  - | select (selectors.py:468)",
     ]
+
+
+def test_gc_watch_logs_each_full_collection(tmp_path):
+    """``bench/gc_watch`` first on a process's path: each full collection becomes a line with its seconds, and the
+    first ones the objects tracked by type and package."""
+    log = tmp_path / "gc.jsonl"
+    script = "import gc\nkept = [[i] for i in range(50000)]\ngc.collect()\ngc.collect(1)\ngc.collect()\n"
+    subprocess.run(
+        [sys.executable, "-c", script],
+        check=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "bench" / "gc_watch"), H3_GC_LOG=str(log), H3_GC_DETAIL_S="0"),
+    )
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) >= 2 and all(line["seconds"] > 0 for line in lines)  # the generation-1 one is left out
+    detailed = [line for line in lines if "tracked" in line]
+    assert detailed and detailed[0]["tracked"] > 50000
+    assert dict(detailed[0]["by_type"])["list"] >= 50000 and dict(detailed[0]["by_package"])["builtins"] >= 50000
