@@ -430,6 +430,7 @@ def serve(
             events, queued_at = timed_events(server, prompt, timeout)
             results[label] = stages(events, prompt, size["steps"])
             results[label]["mp4_written_s"] = mp4_written_s(events, writer, server.output, queued_at)
+            results[label]["queued_at"] = queued_at  # wall-clock, to line the run up with other records of it
             peak = next(
                 (
                     data["output"]["peak"][0]
