@@ -479,11 +479,20 @@ def steady_evaluation(tiny: bool, ranks=(1, 0)) -> dict:
 
 def decode_bench(tiny: bool) -> dict | None:
     """The video decode (the node's settings: auto attention, compiled blocks, output in pageable memory) and the
-    audio decode in their own bench (``bench/vae_decode.py``); None on the CPU (that bench needs CUDA)."""
+    audio decode in their own bench (``bench/vae_decode.py``), with the decode also streamed into an mp4 as H3
+    Decode & Save runs it (libx264's threads chosen by it, as the node's, and 8), in turn with the plain one;
+    None on the CPU (that bench needs CUDA)."""
     if tiny or not torch.cuda.is_available():
         return None
-    command, report = bench_in_process("vae_decode.py", "--backends", "auto", "--output-memory", "pageable")
-    return dict(command=command, decode_s=report["video"][0].get("seconds"), audio_s=report["audio"]["seconds"])
+    command, report = bench_in_process(
+        "vae_decode.py", "--backends", "auto", "--output-memory", "pageable", "--into-mp4", "0", "8"
+    )
+    return dict(
+        command=command,
+        decode_s=report["video"][0].get("seconds"),
+        audio_s=report["audio"]["seconds"],
+        into_mp4=report.get("into_mp4"),
+    )
 
 
 def text_encoding(tiny: bool) -> dict:

@@ -7,6 +7,9 @@ not grow with the clip); a profile of one window split into attention, linear la
 the audio decoder's seconds and peak for the same duration.
 
     python3 bench/vae_decode.py --out results.json
+
+``--into-mp4 0 8`` adds the decode streamed into an mp4 as H3 Decode & Save runs it (libx264's threads beside the
+decode's launching thread), per thread count, in turn with the plain decode.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record
 
 from h3_core.attention.vae import resolve_vae_attention
+from h3_core.media.mp4 import Mp4Writer
 from h3_core.media.tiling import decode_video, temporal_plan
 from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32
+from h3_core.pipeline.decode_to_mp4 import decode_to_mp4
 
 GiB = record.GiB
 
@@ -69,6 +74,35 @@ def timed(fn):
     return out, time.perf_counter() - t0, peak
 
 
+def decode_into_mp4(vae, latents, path: Path, threads: int, waveform=None, **options) -> dict:
+    """``latents`` decoded straight into an mp4 at ``path`` as H3 Decode & Save does (``decode_to_mp4``: each
+    window's 8-bit frames to libx264 at the nodes' preset on a thread of its own while the next window decodes),
+    libx264 with ``threads`` (0: it chooses, the nodes' setting). The seconds to the last tile (the server's
+    ``decode_s``), to the finished file, the encoder's tail and the frames it still had then."""
+    last_tile = [0.0]
+
+    def progress(done, total):
+        last_tile[0] = time.perf_counter()
+
+    frames = temporal_plan(latents.shape[1]).num_frames
+    height, width = (n * vae.cfg.spatial_ratio for n in latents.shape[-2:])
+    writer = Mp4Writer(path, width, height, threads=threads, waveform=waveform)
+    if latents.is_cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    clip = decode_to_mp4(vae, latents, writer, progress=progress, **options)
+    finished = time.perf_counter()
+    return dict(
+        threads=threads,
+        decode_s=last_tile[0] - started,
+        seconds=finished - started,
+        tail_s=clip.tail_s,
+        frames_behind=clip.frames_behind,
+        frames=frames,
+        file_mb=path.stat().st_size / 1e6,
+    )
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=345)
@@ -92,6 +126,17 @@ def main(argv=None) -> dict:
         action="store_true",
         help="also time the lowest-memory fallback (blocks streamed from host) on a 2-window clip",
     )
+    parser.add_argument(
+        "--into-mp4",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="THREADS",
+        help="also decode the clip into an mp4 as H3 Decode & Save does, once per libx264 thread count given "
+        "(0: libx264 chooses, the nodes' setting), each beside a plain decode into pageable memory, --mp4-reps "
+        "rounds in turn",
+    )
+    parser.add_argument("--mp4-reps", type=int, default=2)
     parser.add_argument("--skip-audio", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -146,6 +191,27 @@ def main(argv=None) -> dict:
                 report["video"].append(row)
                 print(row, flush=True)
                 torch.cuda.empty_cache()
+
+    if args.into_mp4:
+        # The decode as the node runs it, the encoder's threads beside it, against the plain decode in turn.
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="h3_vae_decode_mp4_"))
+        waveform = torch.rand(2, round(args.frames / 24 * 32000)) * 0.2 - 0.1  # the soundtrack, encoded first
+        report["into_mp4"] = []
+        for round_ in range(args.mp4_reps):
+            _, seconds, _ = timed(lambda: decode_video(vae, z, compile=args.compile))
+            report["into_mp4"].append(dict(round=round_, threads=None, seconds=seconds))
+            print(report["into_mp4"][-1], flush=True)
+            for threads in args.into_mp4:
+                row = decode_into_mp4(
+                    vae, z, folder / f"clip_{round_}_{threads}.mp4", threads, waveform, compile=args.compile
+                )
+                report["into_mp4"].append(dict(round=round_, **row))
+                print(report["into_mp4"][-1], flush=True)
+        for clip in folder.iterdir():
+            clip.unlink()
+        folder.rmdir()
 
     # Where one window's time goes (28 tiles at the release geometry).
     window = z[:, :7]

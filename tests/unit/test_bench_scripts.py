@@ -340,3 +340,25 @@ def test_gc_watch_logs_each_full_collection(tmp_path):
     detailed = [line for line in lines if "tracked" in line]
     assert detailed and detailed[0]["tracked"] > 50000
     assert dict(detailed[0]["by_type"])["list"] >= 50000 and dict(detailed[0]["by_package"])["builtins"] >= 50000
+
+
+def test_vae_decode_into_mp4_times_the_nodes_path(tmp_path):
+    """``vae_decode.py --into-mp4``'s run: a tiny decoder's clip streamed into an mp4 as H3 Decode & Save does,
+    every frame in the file, the decode's seconds to its last tile within the whole."""
+    av = pytest.importorskip("av")
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import vae_decode
+
+    from h3_core.models.video_vae import VideoVAEConfig
+
+    tiny = VideoVAEConfig(decoder_layers=1, decoder_heads=2, block_out_channels=(8,) * 6, norm_groups=4)
+    vae = vae_decode.random_video_vae(torch.device("cpu"), torch.float32, tiny)
+    path = tmp_path / "clip.mp4"
+    row = vae_decode.decode_into_mp4(vae, torch.randn(24, 7, 2, 3), path, 2, torch.zeros(2, 3200))
+    assert row["threads"] == 2 and 0 < row["decode_s"] <= row["seconds"] and row["frames_behind"] >= 0
+    with av.open(str(path)) as clip:
+        stream = clip.streams.video[0]
+        assert (stream.height, stream.width) == (2 * vae.cfg.spatial_ratio, 3 * vae.cfg.spatial_ratio)
+        assert sum(1 for _ in clip.decode(stream)) == row["frames"]
