@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..errors import H3InputError
 from ..parallel.spread import spread_in_order
 from ..triton_forms import CompileFailure, check_compile, compiles_on, plain_path
+from .host_frames import empty_frames
 from .mp4 import pixels_uint8
 
 __all__ = [
@@ -216,7 +217,8 @@ def decode_tiled(
         tiles_per_batch: tiles per ``decode`` call (a tile row at most).
         finish: applied to finished pixels ``[3, f, rows, W]`` (fp32) before they are stored, e.g. the
             de-normalisation and clamp. Default: none.
-        out: where to store the video, ``[F, H, W, 3]``. Default: a new fp32 CPU tensor.
+        out: where to store the video, ``[F, H, W, 3]``. Default: a new fp32 CPU tensor (``host_frames``: on huge
+            pages where the kernel offers them).
         progress: called with (tiles done, tiles total) after every tile.
         check_cancel: called before every batch of tiles (every tile, with ``tiles_per_batch=1``); it
             raises to stop, and nothing more is decoded. With ``group``: before every window, on every rank.
@@ -243,7 +245,7 @@ def decode_tiled(
     wy, wx = ramp_weights(grid_y), ramp_weights(grid_x)
     receiving = group is None or dist.get_rank(group) == 0  # the rank that blends and writes the frames
     if out is None and receiving:
-        out = torch.empty(plan.num_frames, H, W, 3, dtype=torch.float32)
+        out = empty_frames((plan.num_frames, H, W, 3), torch.float32)
     elif out is not None and tuple(out.shape) != (plan.num_frames, H, W, 3):
         raise H3InputError(f"out must have shape {(plan.num_frames, H, W, 3)}, got {tuple(out.shape)}")
     if plan.pad:
@@ -256,8 +258,10 @@ def decode_tiled(
     if receiving:
         pixels = None
         if on_frames is not None and uint8_frames:
-            pinned = out.device.type == "cpu" and out.is_pinned()
-            pixels = torch.empty(out.shape, dtype=torch.uint8, pin_memory=pinned)
+            if out.device.type == "cpu" and out.is_pinned():
+                pixels = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)
+            else:
+                pixels = empty_frames(tuple(out.shape), torch.uint8)
         sink = _HostSink(out, device, pixels)
     weights = [
         [wy_t.to(device)[:, None] * wx_t.to(device)[None, :] for wx_t in wx] for wy_t in wy

@@ -362,3 +362,13 @@ def test_vae_decode_into_mp4_times_the_nodes_path(tmp_path):
         stream = clip.streams.video[0]
         assert (stream.height, stream.width) == (2 * vae.cfg.spatial_ratio, 3 * vae.cfg.spatial_ratio)
         assert sum(1 for _ in clip.decode(stream)) == row["frames"]
+
+
+def test_host_frames(tmp_path):
+    """``host_frames.py`` on a small clip: both allocations written and freed, per dtype."""
+    result = dry_run(tmp_path, "host_frames.py", "--frames", "3", "--height", "64", "--width", "96", "--reps", "1")
+    assert HEADER <= set(result)
+    assert {(row["dtype"], row["variant"]) for row in result["rows"]} == {
+        (dtype, variant) for dtype in ("float32", "uint8") for variant in ("torch.empty", "huge pages")
+    }
+    assert all(row["write_s"] > 0 and row["free_s"] >= 0 for row in result["rows"])
