@@ -12,6 +12,8 @@ compiled form's; the eager halves are the reference (``tests/unit/test_decoder_t
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -76,11 +78,33 @@ def residual_norm_triton(x, y=None, scale=None, weight=None, eps: float = 1e-5, 
     return (stream if residual else None), normed
 
 
+# Every block of a tile batch rotates by the same cos and sin (``ViTDecoder3d.forward`` makes them once a batch and
+# never changes them): their widened tables are made at the first block and kept, by the cos tensor's id, until
+# that tensor is freed.
+_tables_of: dict = {}
+_ones: dict = {}  # (head_dim, device): the per-head norms' unit weight
+
+
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int):
     """The decoder's ``[T, n/2]`` cos and sin as the rotation kernel reads them: fp32 ``[B·T, n]``, each row's
-    angles for both halves of the rotated channels."""
-    cos, sin = torch.cat([cos, cos], dim=-1).float(), torch.cat([sin, sin], dim=-1).float()
-    return cos.repeat(batch, 1), sin.repeat(batch, 1)
+    angles for both halves of the rotated channels; the same tensors again for the same ``cos``, ``sin`` and
+    ``batch``."""
+    held = _tables_of.get(id(cos))
+    if held is not None and held[0] is sin and held[1] == batch:
+        return held[2]
+    wide_cos, wide_sin = torch.cat([cos, cos], dim=-1).float(), torch.cat([sin, sin], dim=-1).float()
+    tables = wide_cos.repeat(batch, 1), wide_sin.repeat(batch, 1)
+    if held is None:
+        weakref.finalize(cos, _tables_of.pop, id(cos), None)
+    _tables_of[id(cos)] = (sin, batch, tables)
+    return tables
+
+
+def _unit_weight(head_dim: int, device) -> torch.Tensor:
+    ones = _ones.get((head_dim, device))
+    if ones is None:
+        ones = _ones[(head_dim, device)] = torch.ones(head_dim, dtype=torch.float32, device=device)
+    return ones
 
 
 def attention_inputs(x, norm1_w, qkv_w, qkv_b, cos, sin, heads: int, head_dim: int, eps: float):
@@ -88,7 +112,7 @@ def attention_inputs(x, norm1_w, qkv_w, qkv_b, cos, sin, heads: int, head_dim: i
     B, T, width = x.shape
     _, h = residual_norm_triton(x.reshape(B * T, width), weight=norm1_w, eps=eps, dtype=qkv_w.dtype)
     qkv = F.linear(h, qkv_w, qkv_b).view(B * T, heads, 3, head_dim)
-    ones = torch.ones(head_dim, dtype=torch.float32, device=x.device)  # the per-head norms are not affine
+    ones = _unit_weight(head_dim, x.device)  # the per-head norms are not affine
     c, s = _rope_tables(cos, sin, B)
     q, k = (qk_norm_rope_triton(qkv[:, :, i], ones, c, s, eps) for i in (0, 1))
     return tuple(t.reshape(B, T, heads, head_dim).transpose(1, 2) for t in (q, k, qkv[:, :, 2]))

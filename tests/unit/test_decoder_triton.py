@@ -46,6 +46,19 @@ CHECK = textwrap.dedent(
         assert got.dtype == torch.float32 and got.shape == want.shape
         err = ((got - want).abs().max() / (want - xs).abs().max()).item()  # of the block's update
         assert err <= tol, (dtype, err)
+
+    # the blocks of a batch share one widening of its cos and sin, made by the first; another batch makes its own
+    cos, sin = angles.cos(), angles.sin()
+    first = tri._rope_tables(cos, sin, 2)
+    assert all(a is b for a, b in zip(tri._rope_tables(cos, sin, 2), first))
+    assert torch.equal(first[0], torch.cat([cos, cos], dim=-1).repeat(2, 1))
+    assert torch.equal(first[1], torch.cat([sin, sin], dim=-1).repeat(2, 1))
+    assert tri._rope_tables(cos, sin, 3)[0].shape[0] == 3 * cos.shape[0]
+    other = angles.sin() * 2
+    assert torch.equal(tri._rope_tables(cos, other, 2)[1], torch.cat([other, other], dim=-1).repeat(2, 1))
+    count = len(tri._tables_of)
+    del cos, first
+    assert len(tri._tables_of) == count - 1  # gone with its cos tensor
     print("OK")
     """
 )
