@@ -10,6 +10,7 @@ mp4's frames); each variant ``--reps`` times, in turn, the median reported.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -71,7 +72,7 @@ def main(argv=None) -> dict:
             row = dict(
                 dtype=str(dtype).removeprefix("torch."),
                 variant=name,
-                gib=torch.empty((), dtype=dtype).element_size() * args.frames * args.height * args.width * 3 / 2**30,
+                gib=dtype.itemsize * math.prod(shape) / 2**30,
                 **{k: statistics.median(run[k] for run in runs) for k in runs[0]},
                 runs=runs,
             )

@@ -84,7 +84,6 @@ def decode_into_mp4(vae, latents, path: Path, threads: int, waveform=None, **opt
     def progress(done, total):
         last_tile[0] = time.perf_counter()
 
-    frames = temporal_plan(latents.shape[1]).num_frames
     height, width = (n * vae.cfg.spatial_ratio for n in latents.shape[-2:])
     writer = Mp4Writer(path, width, height, threads=threads, waveform=waveform)
     if latents.is_cuda:
@@ -98,7 +97,7 @@ def decode_into_mp4(vae, latents, path: Path, threads: int, waveform=None, **opt
         seconds=finished - started,
         tail_s=clip.tail_s,
         frames_behind=clip.frames_behind,
-        frames=frames,
+        frames=clip.frames.shape[0],
         file_mb=path.stat().st_size / 1e6,
     )
 
