@@ -12,9 +12,16 @@ WEB_DIRECTORY = "./nodes/web"
 async def comfy_entrypoint():
     """The pack's ``ComfyExtension`` (the host's V3 registration): its nodes and model folders."""
     from .nodes import H3Extension
-    from .nodes._host import import_compilers_in_background, keep_compiled_kernels, register_folders, say
+    from .nodes._host import (
+        import_compilers_in_background,
+        keep_compiled_kernels,
+        register_folders,
+        say,
+        set_aside_startup_objects,
+    )
 
     register_folders()
+    set_aside_startup_objects("at start-up")
     caches = keep_compiled_kernels()
     say("compiled kernels are kept in " + ", ".join(sorted(set(caches.values()))))
     import_compilers_in_background()  # after the cache folders are named: FA4 reads them when it is imported

@@ -281,15 +281,39 @@ def import_compilers_in_background() -> threading.Thread | None:
         try:
             encoders = probe_hardware_encoders()
         except ImportError:  # no PyAV: the nodes that write mp4 files say so when they run
-            return
-        say(
-            f"hardware video encoders probed in {time.perf_counter() - start:.1f} s: "
-            + "; ".join(f"{name} {'opens' if why is None else 'does not open'}" for name, why in encoders.items())
-        )
+            encoders = None
+        if encoders is not None:
+            say(
+                f"hardware video encoders probed in {time.perf_counter() - start:.1f} s: "
+                + "; ".join(f"{name} {'opens' if why is None else 'does not open'}" for name, why in encoders.items())
+            )
+        set_aside_startup_objects("once the compilers were imported, before any prompt")
 
     thread = threading.Thread(target=run, name="h3-import-compilers", daemon=True)
     thread.start()
     return thread
+
+
+def prompt_queue():
+    """The server's prompt queue (None outside a ComfyUI server)."""
+    try:
+        from server import PromptServer
+    except ImportError:
+        return None
+    return getattr(getattr(PromptServer, "instance", None), "prompt_queue", None)
+
+
+def set_aside_startup_objects(stage: str) -> None:
+    """``_gc.set_aside_startup_objects`` on the server's queue, said in the log with ``stage`` (what was imported)."""
+    from ._gc import SWITCH
+    from ._gc import set_aside_startup_objects as freeze
+
+    done = freeze(prompt_queue())
+    if done is not None:
+        say(
+            f"{done[0]} objects alive {stage} set aside from the host's garbage collections in {done[1]:.2f} s "
+            f"({SWITCH}=0 leaves them in)"
+        )
 
 
 def register_folders() -> None:

@@ -1,7 +1,8 @@
 """What a ComfyUI server on a GPU does for the pack while it starts, on a thread of its own (``nodes._host``):
 the staged reader's page-locked buffers allocated and the libraries' first products and convolutions made, the
 compilers' modules imported and Triton's first launch, the dense-attention kernels chosen and the hardware video
-encoders probed, each said in the log. On the CPU nothing is compiled and the thread does not start."""
+encoders probed, each said in the log. On the CPU nothing is compiled and the thread does not start. Either way the
+objects alive when the pack is registered are set aside from the host's collections (``nodes._gc``)."""
 
 import os
 
@@ -32,4 +33,5 @@ def test_the_start_thread_does_its_work_ahead_and_says_so(server):
 def test_on_the_cpu_the_start_thread_does_not_run(server):
     said = server.log_path.read_text(errors="replace")
     assert "compiled kernels are kept in" in said  # the pack loaded
+    assert "objects alive at start-up set aside from the host's garbage collections" in said
     assert "hardware video encoders probed" not in said and "first calls made ahead" not in said
