@@ -69,6 +69,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import lora_repatch
 import record
 
+from h3_core.media.mp4 import ENCODER_NICENESS
+
 NOTE = "H3 Hybrid benchmark RANDOM weights: not a trained model"
 GiB = 2**30
 RELEASE = dict(width=1344, height=768, length=345, steps=8, text=300)
@@ -480,12 +482,23 @@ def steady_evaluation(tiny: bool, ranks=(1, 0)) -> dict:
 def decode_bench(tiny: bool) -> dict | None:
     """The video decode (the node's settings: auto attention, compiled blocks, output in pageable memory) and the
     audio decode in their own bench (``bench/vae_decode.py``), with the decode also streamed into an mp4 as H3
-    Decode & Save runs it (libx264's threads chosen by it, as the node's, and 8), in turn with the plain one;
-    None on the CPU (that bench needs CUDA)."""
+    Decode & Save runs it (libx264's threads chosen by it, as the node's, and 8; each with the encoder's threads
+    at the nodes' niceness and at the process's own), in turn with the plain one; None on the CPU (that bench
+    needs CUDA)."""
     if tiny or not torch.cuda.is_available():
         return None
     command, report = bench_in_process(
-        "vae_decode.py", "--backends", "auto", "--output-memory", "pageable", "--into-mp4", "0", "8"
+        "vae_decode.py",
+        "--backends",
+        "auto",
+        "--output-memory",
+        "pageable",
+        "--into-mp4",
+        "0",
+        "8",
+        "--encoder-niceness",
+        str(ENCODER_NICENESS),
+        "0",
     )
     return dict(
         command=command,

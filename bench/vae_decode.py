@@ -9,7 +9,8 @@ the audio decoder's seconds and peak for the same duration.
     python3 bench/vae_decode.py --out results.json
 
 ``--into-mp4 0 8`` adds the decode streamed into an mp4 as H3 Decode & Save runs it (libx264's threads beside the
-decode's launching thread), per thread count, in turn with the plain decode.
+decode's launching thread), per thread count and per ``--encoder-niceness`` (the encoder's threads that much below
+the process; the nodes' default first), in turn with the plain decode.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record
 
 from h3_core.attention.vae import resolve_vae_attention
-from h3_core.media.mp4 import Mp4Writer
+from h3_core.media.mp4 import ENCODER_NICENESS, Mp4Writer
 from h3_core.media.tiling import decode_video, temporal_plan
 from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32
@@ -74,11 +75,14 @@ def timed(fn):
     return out, time.perf_counter() - t0, peak
 
 
-def decode_into_mp4(vae, latents, path: Path, threads: int, waveform=None, **options) -> dict:
+def decode_into_mp4(
+    vae, latents, path: Path, threads: int, waveform=None, niceness: int = ENCODER_NICENESS, **options
+) -> dict:
     """``latents`` decoded straight into an mp4 at ``path`` as H3 Decode & Save does (``decode_to_mp4``: each
     window's 8-bit frames to libx264 at the nodes' preset on a thread of its own while the next window decodes),
-    libx264 with ``threads`` (0: it chooses, the nodes' setting). The seconds to the last tile (the server's
-    ``decode_s``), to the finished file, the encoder's tail and the frames it still had then."""
+    libx264 with ``threads`` (0: it chooses, the nodes' setting) ``niceness`` below the process. The seconds to the
+    last tile (the server's ``decode_s``), to the finished file, the encoder's tail and the frames it still had
+    then."""
     last_tile = [0.0]
 
     def progress(done, total):
@@ -89,10 +93,11 @@ def decode_into_mp4(vae, latents, path: Path, threads: int, waveform=None, **opt
     if latents.is_cuda:
         torch.cuda.synchronize()
     started = time.perf_counter()
-    clip = decode_to_mp4(vae, latents, writer, progress=progress, **options)
+    clip = decode_to_mp4(vae, latents, writer, progress=progress, encoder_niceness=niceness, **options)
     finished = time.perf_counter()
     return dict(
         threads=threads,
+        niceness=niceness,
         decode_s=last_tile[0] - started,
         seconds=finished - started,
         tail_s=clip.tail_s,
@@ -134,6 +139,14 @@ def main(argv=None) -> dict:
         help="also decode the clip into an mp4 as H3 Decode & Save does, once per libx264 thread count given "
         "(0: libx264 chooses, the nodes' setting), each beside a plain decode into pageable memory, --mp4-reps "
         "rounds in turn",
+    )
+    parser.add_argument(
+        "--encoder-niceness",
+        type=int,
+        nargs="*",
+        default=[ENCODER_NICENESS],
+        metavar="N",
+        help="with --into-mp4: the encoder's threads N below the process (Linux nice), each thread count per N",
     )
     parser.add_argument("--mp4-reps", type=int, default=2)
     parser.add_argument("--skip-audio", action="store_true")
@@ -203,11 +216,18 @@ def main(argv=None) -> dict:
             report["into_mp4"].append(dict(round=round_, threads=None, seconds=seconds))
             print(report["into_mp4"][-1], flush=True)
             for threads in args.into_mp4:
-                row = decode_into_mp4(
-                    vae, z, folder / f"clip_{round_}_{threads}.mp4", threads, waveform, compile=args.compile
-                )
-                report["into_mp4"].append(dict(round=round_, **row))
-                print(report["into_mp4"][-1], flush=True)
+                for niceness in args.encoder_niceness:
+                    row = decode_into_mp4(
+                        vae,
+                        z,
+                        folder / f"clip_{round_}_{threads}_{niceness}.mp4",
+                        threads,
+                        waveform,
+                        niceness,
+                        compile=args.compile,
+                    )
+                    report["into_mp4"].append(dict(round=round_, **row))
+                    print(report["into_mp4"][-1], flush=True)
         for clip in folder.iterdir():
             clip.unlink()
         folder.rmdir()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from fractions import Fraction
@@ -34,6 +35,8 @@ __all__ = [
     "ENCODERS",
     "PRESETS",
     "DEFAULT_PRESET",
+    "ENCODER_NICENESS",
+    "lower_this_threads_priority",
 ]
 
 VIDEO_CODEC = "libx264"
@@ -48,6 +51,10 @@ PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "sl
 DEFAULT_PRESET = "superfast"
 AUDIO_CODEC = "aac"
 _AUDIO_CHUNK = 1024  # AAC frame size
+# How much lower than the rest of the process the encoder's threads are scheduled (Linux nice, added): the thread
+# that feeds the GPU the next window's work goes first when every core is busy; the encoder still takes every
+# cycle that thread leaves idle
+ENCODER_NICENESS = 10
 
 
 def _frames_uint8(frames: torch.Tensor) -> torch.Tensor:
@@ -278,6 +285,20 @@ class Mp4Writer:
             self.abort()
 
 
+def lower_this_threads_priority(niceness: int) -> int | None:
+    """Add ``niceness`` to the calling thread's nice value where threads have their own (Linux: the threads it
+    starts afterwards inherit it); returns the new value, or None where nothing changed."""
+    if niceness == 0 or not sys.platform.startswith("linux"):
+        return None
+    thread = threading.get_native_id()
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(current + niceness, 19))
+        return os.getpriority(os.PRIO_PROCESS, thread)
+    except OSError:
+        return None
+
+
 class Mp4Worker:
     """An ``Mp4Writer`` fed by a thread of its own, so the clip is encoded while its next frames are made: ``put``
     hands over frames (which must not change afterwards) and returns at once; the soundtrack is encoded first,
@@ -285,10 +306,13 @@ class Mp4Worker:
     path (``tail_s``: how long that took, ``frames_behind``: how many frames handed over were not yet encoded
     when it was called);
     ``abort`` (or leaving a ``with`` block by an exception) stops and removes the file. A failure in the thread is
-    raised by the next ``put`` or ``close``."""
+    raised by the next ``put`` or ``close``. On Linux the thread lowers its own scheduling priority by
+    ``niceness`` before it opens the encoders, whose threads (libx264's) inherit it; 0 leaves it as it is."""
 
-    def __init__(self, writer: Mp4Writer):
-        self.writer = writer
+    def __init__(self, writer: Mp4Writer, niceness: int = ENCODER_NICENESS):
+        if not isinstance(niceness, int) or niceness < 0:
+            raise H3InputError(f"niceness: got {niceness!r}; allowed: 0 (as the process) or a positive increment")
+        self.writer, self.niceness = writer, niceness
         self.tail_s: float | None = None
         self.frames_behind: int | None = None
         self._handed = 0
@@ -299,6 +323,7 @@ class Mp4Worker:
         self._thread.start()
 
     def _run(self) -> None:
+        lower_this_threads_priority(self.niceness)
         try:
             self.writer.write_audio()
         except BaseException as exc:  # handed to the caller by the next put or close

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..media.mp4 import Mp4Worker, Mp4Writer
+from ..media.mp4 import ENCODER_NICENESS, Mp4Worker, Mp4Writer
 from ..media.tiling import decode_video
 
 __all__ = ["decode_to_mp4", "DecodedClip"]
@@ -24,12 +24,20 @@ class DecodedClip(NamedTuple):
     frames_behind: int  # frames the encoder had still to take when the decode ended
 
 
-def decode_to_mp4(vae, latents: torch.Tensor, writer: Mp4Writer, *, tail_cancel=None, **decode_options) -> DecodedClip:
-    """Decode ``latents`` (``decode_video``'s arguments in ``decode_options``) into ``writer``. Any failure or
-    cancel (``check_cancel`` raising, or ``tail_cancel`` while the encoder finishes after the decode: default
-    ``check_cancel``; a check the ranks of a decode share is no check for this process alone) removes the partial
-    file."""
-    with Mp4Worker(writer) as worker:
+def decode_to_mp4(
+    vae,
+    latents: torch.Tensor,
+    writer: Mp4Writer,
+    *,
+    tail_cancel=None,
+    encoder_niceness: int = ENCODER_NICENESS,
+    **decode_options,
+) -> DecodedClip:
+    """Decode ``latents`` (``decode_video``'s arguments in ``decode_options``) into ``writer``, its encoder's threads
+    ``encoder_niceness`` below the process (``Mp4Worker``). Any failure or cancel (``check_cancel`` raising, or
+    ``tail_cancel`` while the encoder finishes after the decode: default ``check_cancel``; a check the ranks of a
+    decode share is no check for this process alone) removes the partial file."""
+    with Mp4Worker(writer, encoder_niceness) as worker:
         frames = decode_video(
             vae, latents, on_frames=lambda start, ready: worker.put(ready), uint8_frames=True, **decode_options
         )

@@ -1,8 +1,12 @@
 """Writing clips as mp4 (at once, in ranges, from a thread of its own) and reading audio with PyAV
 (h3_core.media.mp4), read back with av."""
 
+import os
+import sys
 import threading
+import time
 from fractions import Fraction
+from pathlib import Path
 
 import av
 import pytest
@@ -207,3 +211,38 @@ def test_an_encoder_that_failed_at_the_probe_size_is_not_opened_again(monkeypatc
     assert mp4._fails_to_open("h264_missing", 1344, 768, 24) == probed["h264_missing"]
     assert mp4.video_encoder(1344, 768) == ("libx264", "libx264 opened")
     assert opened == ["libx264"]  # the failed one not opened again; the one that opens tried at the clip's size
+
+
+def _nice_values() -> dict[str, int]:
+    """Each thread of this process and its nice value (``/proc/self/task/<tid>/stat``, field 19)."""
+    values = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = (Path("/proc/self/task") / tid / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        values[tid] = int(stat[stat.rfind(")") + 2 :].split()[16])
+    return values
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have nice values of their own on Linux")
+def test_the_encoders_threads_run_below_the_rest_of_the_process(tmp_path):
+    frames = torch.randint(0, 256, (48, 240, 320, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = _nice_values()
+    writer = Mp4Writer(tmp_path / "nice.mp4", 320, 240, threads=3)
+    with Mp4Worker(writer, niceness=5) as worker:
+        worker.put(frames[:24])
+        deadline = time.monotonic() + 60
+        while writer.frames == 0 and time.monotonic() < deadline:  # libx264 is open once a frame went in
+            time.sleep(0.01)
+        started = {tid: nice for tid, nice in _nice_values().items() if tid not in before}
+        worker.put(frames[24:])
+        path = worker.close()
+    assert len(started) >= 3, started  # the worker and libx264's frame threads
+    assert set(started.values()) == {min(caller + 5, 19)}, started
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+    with av.open(str(path)) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 48
+    with pytest.raises(H3InputError, match="niceness: got -1"):
+        Mp4Worker(Mp4Writer(tmp_path / "x.mp4", 32, 32), niceness=-1)
