@@ -31,7 +31,7 @@ from ..errors import H3InputError
 from ..parallel.spread import spread_in_order
 from ..triton_forms import CompileFailure, check_compile, compiles_on, plain_path
 from .host_frames import empty_frames
-from .mp4 import pixels_uint8
+from .host_sink import HostSink
 
 __all__ = [
     "TRAINED_TILE_PX",
@@ -262,7 +262,7 @@ def decode_tiled(
                 pixels = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)
             else:
                 pixels = empty_frames(tuple(out.shape), torch.uint8)
-        sink = _HostSink(out, device, pixels)
+        sink = HostSink(out, device, pixels)
     weights = [
         [wy_t.to(device)[:, None] * wx_t.to(device)[None, :] for wx_t in wx] for wy_t in wy
     ]  # separable tile weights [th, tw]
@@ -271,64 +271,69 @@ def decode_tiled(
     done = 0
     held_tail = None  # the previous window's tail, raw, [3, f, H, W] on the decoder's device
     announced = 0  # frames handed to on_frames
-    for index, (z0, z1) in enumerate(plan.windows):
-        window = latents[:, z0:z1]
-        tile_rows = [
-            [
-                window[
-                    :,
-                    :,
-                    y0 // spatial_ratio : (y0 + th) // spatial_ratio,
-                    x0 // spatial_ratio : (x0 + tw) // spatial_ratio,
+    try:
+        for index, (z0, z1) in enumerate(plan.windows):
+            window = latents[:, z0:z1]
+            tile_rows = [
+                [
+                    window[
+                        :,
+                        :,
+                        y0 // spatial_ratio : (y0 + th) // spatial_ratio,
+                        x0 // spatial_ratio : (x0 + tw) // spatial_ratio,
+                    ]
+                    for x0, tw in zip(grid_x.starts, grid_x.sizes)
                 ]
-                for x0, tw in zip(grid_x.starts, grid_x.sizes)
+                for y0, th in zip(grid_y.starts, grid_y.sizes)
             ]
-            for y0, th in zip(grid_y.starts, grid_y.sizes)
-        ]
-        decoded = None  # with ranks: this window's batches, decoded among them, by (tile row, first tile)
-        if group is not None:
-            decoded = _spread_window(tile_rows, state, check_cancel, device, group)
-            if decoded is None:
-                continue  # not rank 0: its share is decoded and sent
-        # The running weighted mean of rows [band_top, band_top + band_rows) and the weight it holds;
-        # every tile row starts at band_top.
-        band = torch.zeros(3, (z1 - z0) * temporal_ratio, band_rows, W, dtype=torch.float32, device=device)
-        held = torch.zeros(band_rows, W, dtype=torch.float32, device=device)
-        band_top = 0
-        last = index == len(plan.windows) - 1
-        new_tail = (
-            None if plan.tail is None or last else torch.empty(3, plan.tail[1] - plan.tail[0], H, W, device=device)
-        )
-        for ty, (tiles, th) in enumerate(zip(tile_rows, grid_y.sizes)):
-            tx = 0
-            while tx < len(tiles):
-                if decoded is not None:
-                    batch = decoded[(ty, tx)]
-                else:
-                    if check_cancel is not None:
-                        check_cancel()
-                    batch = state.run(torch.stack(tiles[tx : tx + state.tiles_per_batch]))
-                for k, pixels in enumerate(batch):
-                    x0, tw = grid_x.starts[tx + k], grid_x.sizes[tx + k]
-                    _blend_into(band[:, :, :th, x0 : x0 + tw], held[:th, x0 : x0 + tw], pixels, weights[ty][tx + k])
-                    done += 1
-                    if progress is not None:
-                        progress(done, tiles_total)
-                tx += batch.shape[0]
-            # Rows above the next tile row's start can no longer change.
-            final = (grid_y.starts[ty + 1] if ty + 1 < len(grid_y.starts) else H) - band_top
-            _emit_rows(band[:, :, :final], band_top, plan, index, held_tail, new_tail, finish, sink)
-            band = torch.cat([band[:, :, final:], torch.zeros_like(band[:, :, :final])], dim=2)
-            held = torch.cat([held[final:], torch.zeros_like(held[:final])])
-            band_top += final
-        held_tail = new_tail
-        # Frames before the next window's first kept frame are final: that one is cross-faded with this tail.
-        ready = plan.num_frames if last else min(plan.num_frames, plan.output_start(index + 1))
-        if on_frames is not None and ready > announced:
-            # handed on once copied off the device (seen at a later row's copy): the device never waits for it
-            frames = (sink.out if sink.pixels is None else sink.pixels)[announced:ready]
-            sink.when_written(functools.partial(on_frames, announced, frames))
-            announced = ready
+            decoded = None  # with ranks: this window's batches, decoded among them, by (tile row, first tile)
+            if group is not None:
+                decoded = _spread_window(tile_rows, state, check_cancel, device, group)
+                if decoded is None:
+                    continue  # not rank 0: its share is decoded and sent
+            # The running weighted mean of rows [band_top, band_top + band_rows) and the weight it holds;
+            # every tile row starts at band_top.
+            band = torch.zeros(3, (z1 - z0) * temporal_ratio, band_rows, W, dtype=torch.float32, device=device)
+            held = torch.zeros(band_rows, W, dtype=torch.float32, device=device)
+            band_top = 0
+            last = index == len(plan.windows) - 1
+            new_tail = (
+                None if plan.tail is None or last else torch.empty(3, plan.tail[1] - plan.tail[0], H, W, device=device)
+            )
+            for ty, (tiles, th) in enumerate(zip(tile_rows, grid_y.sizes)):
+                tx = 0
+                while tx < len(tiles):
+                    if decoded is not None:
+                        batch = decoded[(ty, tx)]
+                    else:
+                        if check_cancel is not None:
+                            check_cancel()
+                        batch = state.run(torch.stack(tiles[tx : tx + state.tiles_per_batch]))
+                    for k, pixels in enumerate(batch):
+                        x0, tw = grid_x.starts[tx + k], grid_x.sizes[tx + k]
+                        _blend_into(band[:, :, :th, x0 : x0 + tw], held[:th, x0 : x0 + tw], pixels, weights[ty][tx + k])
+                        done += 1
+                        if progress is not None:
+                            progress(done, tiles_total)
+                    tx += batch.shape[0]
+                # Rows above the next tile row's start can no longer change.
+                final = (grid_y.starts[ty + 1] if ty + 1 < len(grid_y.starts) else H) - band_top
+                _emit_rows(band[:, :, :final], band_top, plan, index, held_tail, new_tail, finish, sink)
+                band = torch.cat([band[:, :, final:], torch.zeros_like(band[:, :, :final])], dim=2)
+                held = torch.cat([held[final:], torch.zeros_like(held[:final])])
+                band_top += final
+            held_tail = new_tail
+            # Frames before the next window's first kept frame are final: that one is cross-faded with this tail.
+            ready = plan.num_frames if last else min(plan.num_frames, plan.output_start(index + 1))
+            if on_frames is not None and ready > announced:
+                # handed on once copied off the device (seen at a later row's copy): the device never waits for it
+                frames = (sink.out if sink.pixels is None else sink.pixels)[announced:ready]
+                sink.when_written(functools.partial(on_frames, announced, frames))
+                announced = ready
+    except BaseException:
+        if sink is not None:
+            sink.stop()  # its copier thread ends; the frames written so far are not handed on
+        raise
     if sink is None:
         return None
     return sink.close()
@@ -393,86 +398,6 @@ def _store(pixels, frame0, top, stop, finish, sink):
     if finish is not None:
         pixels = finish(pixels)
     sink.put(frame0, top, stop, pixels.permute(1, 2, 3, 0).to(sink.out.dtype).contiguous())
-
-
-class _HostSink:
-    """Copies finished rows from the decoder's device into ``out`` (and, as 8-bit values, into ``pixels`` when
-    given) without stalling the device.
-
-    From CUDA into pinned memory, each frame's rows (contiguous in ``out``) are copied asynchronously on
-    the decoding stream; into pageable memory, the rows go asynchronously to a pinned staging tensor and
-    are written into ``out`` by the host while the device decodes the next tile row. ``when_written`` runs a
-    callback once the rows put so far have arrived, noticed at a later ``put`` or at ``close``, so handing
-    finished frames on never waits for the device. ``close`` waits for every copy. Anything else (CPU decoding,
-    or ``out`` on the decoder's device) is a plain copy."""
-
-    def __init__(self, out: torch.Tensor, device: torch.device, pixels: torch.Tensor | None = None):
-        self.out, self.pixels = out, pixels
-        self.staged = None  # (event, [(target, pinned rows)], frame0, top, stop) still being copied off the device
-        self.waiting: list = []  # (event or None, callback): run, in order, once the rows before them arrived
-        self.mode = "plain"
-        if device.type == "cuda" and out.device.type == "cpu":
-            self.mode = "pinned" if out.is_pinned() and (pixels is None or pixels.is_pinned()) else "staged"
-
-    def when_written(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once every row put so far is in ``out`` (and ``pixels``)."""
-        if self.mode == "plain" or (self.mode == "staged" and self.staged is None and not self.waiting):
-            callback()
-            return
-        event = None
-        if self.mode == "pinned":
-            event = torch.cuda.Event()
-            event.record()
-        self.waiting.append((event, callback))
-
-    def _run_arrived(self, everything: bool = False) -> None:
-        while self.waiting:
-            event, callback = self.waiting[0]
-            if not everything and (self.staged is not None if event is None else not event.query()):
-                return
-            self.waiting.pop(0)
-            callback()
-
-    def put(self, frame0: int, top: int, stop: int, rows: torch.Tensor) -> None:
-        """``rows`` ``[f, stop - top, W, 3]`` on the decoder's device, already in ``out``'s dtype."""
-        pairs = [(self.out, rows)]
-        if self.pixels is not None:
-            pairs.append((self.pixels, pixels_uint8(rows)))
-        if self.mode == "plain":
-            for target, values in pairs:
-                target[frame0 : frame0 + values.shape[0], top:stop] = values.to(target.device)
-        elif self.mode == "pinned":
-            for target, values in pairs:
-                for i, frame in enumerate(values):
-                    target[frame0 + i, top:stop].copy_(frame, non_blocking=True)
-        else:
-            staged = []
-            for target, values in pairs:
-                pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                pinned.copy_(values, non_blocking=True)
-                staged.append((target, pinned))
-            event = torch.cuda.Event()
-            event.record()
-            self._drain()
-            self.staged = (event, staged, frame0, top, stop)
-        self._run_arrived()
-
-    def _drain(self) -> None:
-        if self.staged is not None:
-            event, staged, frame0, top, stop = self.staged
-            event.synchronize()
-            for target, pinned in staged:
-                target[frame0 : frame0 + pinned.shape[0], top:stop] = pinned
-            self.staged = None
-            self._run_arrived()  # the callbacks given after these rows and before the next ones
-
-    def close(self) -> torch.Tensor:
-        """Wait until every row put so far is in ``out`` (and ``pixels``), run the callbacks still waiting."""
-        self._drain()
-        if self.mode == "pinned":
-            torch.cuda.current_stream().synchronize()
-        self._run_arrived(everything=True)
-        return self.out
 
 
 class _DecodeState:

@@ -1,6 +1,8 @@
 """GPU checks of the video decode: every way of copying frames off the device, the compiled blocks and the
 streamed-weights fallback give the frames of the plain CPU decode (skipped without CUDA)."""
 
+import threading
+
 import pytest
 import torch
 
@@ -73,6 +75,20 @@ def test_frames_copied_off_the_device_in_every_way_are_the_cpu_frames(vae_cpu, z
     )
     assert torch.equal(torch.cat(announced), pixels_uint8(frames).cpu())
     assert len(announced) == 2 and seen_at[0] < len(ticks) == seen_at[1]
+
+
+def test_a_cancelled_decode_into_pageable_memory_stops_its_copier(vae_cpu, z):
+    vae = cuda_copy(vae_cpu)
+    checks = []
+
+    def check_cancel():  # the cancel comes once the first tile row's rows were handed to the copier
+        checks.append(1)
+        if len(checks) > 6:
+            raise InterruptedError("cancelled")
+
+    with pytest.raises(InterruptedError):
+        decode_video(vae, z.cuda(), tiles_per_batch=1, check_cancel=check_cancel)
+    assert not [t for t in threading.enumerate() if t.name == "h3-decode-copy-out"]
 
 
 def test_compiled_blocks_give_the_eager_frames(vae_cpu, z, expected):
