@@ -50,7 +50,8 @@
 #             .whl_prof) records every server of the part, all threads, 100 samples a second without pausing it:
 #             server_<pid>.speedscope.json in $out/pyspy_<part>.tar.gz (bench/thread_timeline.py reads them);
 #             with E2E_GC=1, every full garbage collection of every process, timed, in $out/gc_<part>.jsonl
-#             (bench/gc_watch); the GPU's clocks, power and throttle reasons every 0.25 s in $out/gpu_<part>.csv
+#             (bench/gc_watch); the GPU's clocks, power and throttle reasons every 0.25 s in $out/gpu_<part>.csv, the
+#             host's free and cached memory, huge pages, page faults and compaction stalls in $out/host_<part>.csv
 #   first-step, first-step-precompile
 #             bench/dit_step.py's first evaluation (profiled) in two new processes, the compile cache empty then
 #             filled; -precompile with TORCH_CACHING_PRECOMPILE=1 (dynamo's traced frames cached as well)
@@ -94,6 +95,15 @@ gpu_log() {  # the GPU's clocks, power, temperature, use and throttle reasons ev
     for reasons in clocks_event_reasons.active clocks_throttle_reasons.active; do  # the newer name, then the older
         nvidia-smi --query-gpu="$fields,$reasons" --format=csv -i 0 > /dev/null 2>&1 || continue
         exec nvidia-smi --query-gpu="$fields,$reasons" --format=csv -lms 250 -i 0 > "$1"
+    done
+}
+host_log() {  # the host's free and cached memory, huge pages and page-fault and compaction counters every 0.25 s
+    echo "time,mem_free_kib,cached_kib,anon_huge_kib,thp_fault_alloc,thp_fault_fallback,pgfault,compact_stall" > "$1"
+    while sleep 0.25; do
+        awk -v t="$(date +%s.%N)" '
+            FILENAME == "/proc/meminfo" { m[$1] = $2 } FILENAME == "/proc/vmstat" { v[$1] = $2 }
+            END { print t "," m["MemFree:"] "," m["Cached:"] "," m["AnonHugePages:"] "," v["thp_fault_alloc"] "," \
+                  v["thp_fault_fallback"] "," v["pgfault"] "," v["compact_stall"] }' /proc/meminfo /proc/vmstat >> "$1"
     done
 }
 run() {  # name, command...
@@ -178,6 +188,7 @@ for part in "$@"; do
             profiler=
             if [ "${E2E_PYSPY:-0}" = 1 ]; then profile_servers & profiler=$!; fi
             gpu_log "$out/gpu_${part}.csv" & clocks=$!
+            host_log "$out/host_${part}.csv" & memory=$!
             gc_watch=()
             [ "${E2E_GC:-0}" = 1 ] && gc_watch=(env H3_GC_LOG="$(cd "$out" && pwd)/gc_${part}.jsonl" \
                 PYTHONPATH="$PWD/bench/gc_watch:$PYTHONPATH")
@@ -185,7 +196,7 @@ for part in "$@"; do
                 bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --repeat "${E2E_REPEAT:-1}" \
                 $([ "${E2E_ADD:-0}" = 1 ] && echo --add-servers) \
                 --out "$out/end_to_end.json"
-            kill "$clocks" 2> /dev/null
+            kill "$clocks" "$memory" 2> /dev/null
             if [ -n "$profiler" ]; then
                 kill "$profiler"
                 for _ in $(seq 150); do pgrep -f 'pyspy/bin/py-spy record' > /dev/null || break; sleep 0.2; done
