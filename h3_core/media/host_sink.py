@@ -49,6 +49,7 @@ class HostSink:
         self._jobs = None  # the copier's queue (staged mode, started at the first put)
         self._copier: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._inference = torch.is_inference_mode_enabled()  # the copier writes out as the decode's thread would
 
     # -- the copier (staged mode)
     def _start_copier(self) -> None:
@@ -59,6 +60,10 @@ class HostSink:
         self._copier.start()
 
     def _copy_arrivals(self) -> None:
+        with torch.inference_mode(self._inference):
+            self._copy_each()
+
+    def _copy_each(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
                 if self._failure is None:
