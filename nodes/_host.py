@@ -225,7 +225,9 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
     """Keep what torch.compile, Triton and FA4 build in ``<user directory>/h3_hybrid/compile_cache`` (the host's
     user folder, which outlives the temporary one their defaults use), so a restarted server finds the kernels
     its last run compiled; FA4's disk cache is switched on unless the user switched it off. A cache folder the
-    user set (its environment variable) is left as it is. Returns the folders in use by variable."""
+    user set (its environment variable) is left as it is. The models' state-dict shapes that the checks build on
+    the meta device are kept beside them (``compile_cache/meta_shapes``, key ``meta_shapes``). Returns the folders
+    in use by variable."""
     if user_directory is None:
         import folder_paths
 
@@ -238,6 +240,10 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
             os.environ[variable] = str(root / folder)
         chosen[variable] = os.environ[variable]
     os.environ.setdefault(FA4_CACHE_SWITCH, "1")
+    from ..h3_core.formats.meta_shapes import keep_on_disk
+
+    keep_on_disk(root / "meta_shapes")
+    chosen["meta_shapes"] = str(root / "meta_shapes")
     return chosen
 
 

@@ -171,7 +171,8 @@ def test_ref2va_with_references_writes_a_playable_mp4(server, refs):
 
 def test_compiled_kernels_are_kept_in_the_hosts_user_folder(server):
     """torch.compile's, Triton's and FA4's caches under the host's user folder (unless the environment names them),
-    so a restarted server finds the kernels compiled before."""
+    so a restarted server finds the kernels compiled before; the models' shapes the checks build are kept there
+    too, once a prompt was checked."""
     import os
 
     root = server.base / "user" / "h3_hybrid" / "compile_cache"
@@ -185,3 +186,9 @@ def test_compiled_kernels_are_kept_in_the_hosts_user_folder(server):
         assert expected in line, line
         if not os.environ.get(variable):
             assert (root / folder).is_dir()
+    assert str(root / "meta_shapes") in line, line
+    if not list((root / "meta_shapes").glob("*.json")):  # no prompt was checked yet in this server
+        entry = server.run(generation(prefix="H3/meta_shapes"))
+        assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+    kept = sorted(path.name.split("-")[0] for path in (root / "meta_shapes").glob("*.json"))
+    assert {"H3DiT", "BranchWeights", "VideoVAE", "AudioVAE"} <= set(kept), kept

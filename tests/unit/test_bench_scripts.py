@@ -373,3 +373,16 @@ def test_host_frames(tmp_path):
         (dtype, variant) for dtype in ("float32", "uint8") for variant in ("torch.empty", "huge pages")
     }
     assert all(row["write_s"] > 0 and row["free_s"] >= 0 for row in result["rows"])
+
+
+def test_meta_shapes():
+    """``meta_shapes.py`` once: every model's shapes built in one new process and read back in the next."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = dry_run(Path(folder), "meta_shapes.py", "--reps", "1")
+    assert HEADER <= set(result)
+    assert [row["variant"] for row in result["rows"]] == ["built (nothing kept)", "read (kept by the process before)"]
+    for row in result["rows"]:
+        assert set(row["seconds"]) == {"dit", "branch", "video_vae", "audio_vae"}
+        assert all(seconds > 0 for seconds in row["seconds"].values())
