@@ -255,7 +255,8 @@ def import_compilers_in_background() -> threading.Thread | None:
     the loaders' fp8 quantiser is a Triton kernel); the first products and convolutions of the models' runs; FA4's
     interface where installed; the dense-attention kernels' choice (``choose_attention_kernels``); and the hardware
     video encoders' probe (``mp4.probe_hardware_encoders``). The log says how long they took and what was chosen.
-    Returns the thread (None where nothing compiles)."""
+    Last, if still no prompt was queued, what those imports left alive is set aside from the host's collections
+    too (``set_aside_startup_objects``). Returns the thread (None where nothing compiles)."""
     from ..h3_core.media.mp4 import probe_hardware_encoders
     from ..h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
     from ..h3_core.triton_forms import FA4_MODULES, TRITON_MODULES, compiles_on, import_compilers, launch_once
