@@ -14,6 +14,7 @@ Anything else (CPU decoding, or ``out`` on the decoder's device) is a plain copy
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 from typing import Callable
 
@@ -53,8 +54,6 @@ class HostSink:
 
     # -- the copier (staged mode)
     def _start_copier(self) -> None:
-        import queue
-
         self._jobs = queue.SimpleQueue()
         self._copier = threading.Thread(target=self._copy_arrivals, name="h3-decode-copy-out", daemon=True)
         self._copier.start()
