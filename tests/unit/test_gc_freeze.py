@@ -17,9 +17,9 @@ SCRIPT = textwrap.dedent(
     h3_gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(h3_gc)
 
-    class Queue:  # the host's PromptQueue as the function reads it: its lock and its count of queued prompts
-        def __init__(self, queued):
-            self.mutex, self.task_counter = threading.RLock(), queued
+    class Queue:  # the host's PromptQueue as read: its lock, the prompts its worker took, those waiting
+        def __init__(self, taken, waiting=()):
+            self.mutex, self.task_counter, self.queue = threading.RLock(), taken, list(waiting)
 
     class Node:
         pass
@@ -33,7 +33,13 @@ SCRIPT = textwrap.dedent(
     dropped = cycle()
     dropped_ref = weakref.ref(dropped)
     del dropped  # garbage the collector alone can free
-    queue = {"none": None, "unlocked": object(), "queued": Queue(1), "fresh": Queue(0)}[sys.argv[2]]
+    queue = {
+        "none": None,
+        "unlocked": object(),
+        "taken": Queue(1),
+        "waiting": Queue(0, [(0, "a prompt")]),
+        "fresh": Queue(0),
+    }[sys.argv[2]]
     done = h3_gc.set_aside_startup_objects(queue)
     later = cycle()
     later_ref = weakref.ref(later)
@@ -76,6 +82,6 @@ def test_before_any_prompt_the_live_objects_are_frozen_and_garbage_is_still_free
 
 
 def test_nothing_is_frozen_once_a_prompt_was_queued_or_without_a_queue_or_when_switched_off():
-    for got in (run("queued"), run("none"), run("unlocked"), run("fresh", switch="0")):
+    for got in (run("taken"), run("waiting"), run("none"), run("unlocked"), run("fresh", switch="0")):
         assert got["done"] is None and got["frozen"] == 0 and got["kept_tracked"], got
         assert got["dropped_freed"] and got["later_freed"]
