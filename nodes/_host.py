@@ -249,14 +249,17 @@ def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str,
 
 def import_compilers_in_background() -> threading.Thread | None:
     """Where the compiled paths will run (CUDA with Triton), on a thread of its own while the server starts, do
-    ahead what a first prompt would meet, in the order it meets them (the calls of ``first_library_calls`` where
-    the host's device is that GPU): the loaders' page-locked staging buffers; Triton's import and one trivial launch
+    ahead what a first prompt would meet. First FA4's interface where installed: it needs no device and is the
+    thread's longest stretch of Python, so it runs while the server finishes starting rather than beside a first
+    prompt's checks and loaders, which would take turns with it on the interpreter's lock; what it left alive is
+    then set aside from the host's collections if no prompt was queued yet (``set_aside_startup_objects``).
+    Then, in the order a prompt meets them (the calls of ``first_library_calls`` where the host's device is that
+    GPU): the loaders' page-locked staging buffers; Triton's import and one trivial launch
     (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache filled;
-    the loaders' fp8 quantiser is a Triton kernel); the first products and convolutions of the models' runs; FA4's
-    interface where installed; the dense-attention kernels' choice (``choose_attention_kernels``); and the hardware
-    video encoders' probe (``mp4.probe_hardware_encoders``). The log says how long they took and what was chosen.
-    Last, if still no prompt was queued, what those imports left alive is set aside from the host's collections
-    too (``set_aside_startup_objects``). Returns the thread (None where nothing compiles)."""
+    the loaders' fp8 quantiser is a Triton kernel); the first products and convolutions of the models' runs; the
+    dense-attention kernels' choice (``choose_attention_kernels``); and the hardware video encoders' probe
+    (``mp4.probe_hardware_encoders``). The log says how long they took and what was chosen. Last, if still no
+    prompt was queued, what the thread left alive is set aside too. Returns the thread (None where nothing compiles)."""
     from ..h3_core.media.mp4 import probe_hardware_encoders
     from ..h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
     from ..h3_core.triton_forms import FA4_MODULES, TRITON_MODULES, compiles_on, import_compilers, launch_once
@@ -265,10 +268,13 @@ def import_compilers_in_background() -> threading.Thread | None:
         return None
 
     def run():
+        seconds = import_compilers(FA4_MODULES)
+        if any(s is not None for s in seconds.values()):
+            set_aside_startup_objects("once FA4's interface was imported, before any prompt")
         device = torch_device()
         on_gpu = device.type == "cuda"
         made = make_first_calls(device, "loaders") if on_gpu else {}  # the staged reader's page-locked buffers
-        seconds = import_compilers(TRITON_MODULES)
+        seconds |= import_compilers(TRITON_MODULES)
         launched = launch_once(device) if on_gpu else None  # the loaders' fp8 quantiser is a Triton kernel
         if on_gpu:  # the products and convolutions the models' runs make
             made |= make_first_calls(device, "runs")
@@ -276,7 +282,6 @@ def import_compilers_in_background() -> threading.Thread | None:
                 "the libraries' first calls made ahead: "
                 + ", ".join(f"{k} {'failed' if s is None else f'{s:.2f} s'}" for k, s in made.items())
             )
-        seconds |= import_compilers(FA4_MODULES)
         done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
         total = sum(s for s in seconds.values() if s is not None)
         first = "" if launched is None else f"; Triton's first launch in {launched:.1f} s"
@@ -294,7 +299,7 @@ def import_compilers_in_background() -> threading.Thread | None:
                 f"hardware video encoders probed in {time.perf_counter() - start:.1f} s: "
                 + "; ".join(f"{name} {'opens' if why is None else 'does not open'}" for name, why in encoders.items())
             )
-        set_aside_startup_objects("once the compilers were imported, before any prompt")
+        set_aside_startup_objects("once the start thread's work was done, before any prompt")
 
     thread = threading.Thread(target=run, name="h3-import-compilers", daemon=True)
     thread.start()
