@@ -38,6 +38,7 @@ __all__ = [
     "FUSED_MODES",
     "compiled_branch_available",
     "spatial_conv",
+    "spatial",
     "conv_features",
     "gram_products",
     "gram_statistics",
@@ -230,12 +231,23 @@ _TRITON = {
     "gate_heads_": (block_triton, "gate_heads_triton"),
     "small_inverse": (branch_triton, "small_inverse_triton"),
     "shifted_gram": (branch_triton, "shifted_gram_triton"),
+    "spatial_conv": (branch_triton, "spatial_conv_triton"),
 }
 
 
 def triton_kernel(name: str):
     """The hand-written Triton form of the fused function ``name``; None if it has none or Triton is missing."""
     return triton_form(*_TRITON[name]) if name in _TRITON else None
+
+
+def spatial(mode: str | None, x: torch.Tensor, weight: torch.Tensor, grid) -> torch.Tensor:
+    """``spatial_conv`` in ``mode``: in ``"compiled"``, for CUDA rows and 5×5 taps, the Triton pass (fp32 sums in
+    its own order, one rounding); cuDNN's depthwise convolution otherwise."""
+    if mode == "compiled" and compiling() and runs_here(x) and x.dtype != torch.float64:
+        kernel = triton_kernel("spatial_conv") if tuple(weight.shape[-2:]) == (5, 5) else None
+        if kernel is not None:
+            return kernel(x, weight, grid)
+    return spatial_conv(x, weight, grid)
 
 
 def small_inverse(mode: str | None):

@@ -21,6 +21,10 @@ small batched GEMM per frame and direction (200 at the release length, each fill
 bridges, read in place and written once, where the library form copies the gathered frames, selects against
 the seed and scales and adds them in separate passes.
 
+``spatial_conv``: the depthwise 5×5 over each frame's grid, each program one output row × a block of channels
+walking the row's columns with the five input columns around the current one held, where cuDNN's depthwise
+kernel moves several times the bytes it needs (bench/results/dit_block.md).
+
 ``shifted_gram``: I + ½(A + Aᵀ) for the batch of Gram products, each program a tile and its mirror tile.
 
 ``small_inverse``: the solve's smallest blocks (16 × 16) inverted in one pass, a few whole blocks per program
@@ -175,6 +179,133 @@ def _conv_features_rolling_kernel(
             HAS_BETA,
         )
         x0, x1, x2, x3 = x1, x2, x3, x4
+
+
+@triton.jit
+def _spatial_column(at, line_stride, inside, row, grid_h):
+    """Input rows ``row`` − 2 … ``row`` + 5 at one column (``at`` points at row ``row``'s), fp32, zero outside."""
+    r0 = tl.load(at - 2 * line_stride, mask=inside & (row >= 2), other=0.0).to(tl.float32)
+    r1 = tl.load(at - line_stride, mask=inside & (row >= 1), other=0.0).to(tl.float32)
+    r2 = tl.load(at, mask=inside & (row < grid_h), other=0.0).to(tl.float32)
+    r3 = tl.load(at + line_stride, mask=inside & (row + 1 < grid_h), other=0.0).to(tl.float32)
+    r4 = tl.load(at + 2 * line_stride, mask=inside & (row + 2 < grid_h), other=0.0).to(tl.float32)
+    r5 = tl.load(at + 3 * line_stride, mask=inside & (row + 3 < grid_h), other=0.0).to(tl.float32)
+    r6 = tl.load(at + 4 * line_stride, mask=inside & (row + 4 < grid_h), other=0.0).to(tl.float32)
+    r7 = tl.load(at + 5 * line_stride, mask=inside & (row + 5 < grid_h), other=0.0).to(tl.float32)
+    return r0, r1, r2, r3, r4, r5, r6, r7
+
+
+@triton.jit
+def _spatial_taps(weight, ch, ch_ok, dx: tl.constexpr):
+    """Column ``dx`` of each channel's 5×5 taps (rows 0..4), fp32."""
+    at = weight + ch.to(tl.int64) * 25 + dx
+    a = tl.load(at, mask=ch_ok, other=0.0).to(tl.float32)
+    b = tl.load(at + 5, mask=ch_ok, other=0.0).to(tl.float32)
+    c = tl.load(at + 10, mask=ch_ok, other=0.0).to(tl.float32)
+    d = tl.load(at + 15, mask=ch_ok, other=0.0).to(tl.float32)
+    e = tl.load(at + 20, mask=ch_ok, other=0.0).to(tl.float32)
+    return a, b, c, d, e
+
+
+@triton.jit
+def _tap_column(a, b, c, d, e, wa, wb, wc, wd, we):
+    return a * wa + b * wb + c * wc + d * wd + e * we
+
+
+@triton.jit
+def _zero_column(BLOCK_C: tl.constexpr):
+    # eight separate zero tensors: a loop-carried value must not start as the same value as another
+    z0 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    z1 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    z2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    z3 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    z4 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    z5 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    z6 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    z7 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    return z0, z1, z2, z3, z4, z5, z6, z7
+
+
+@triton.jit
+def _spatial_store(out, line_stride, col, channels, ok, row, grid_h, y0, y1, y2, y3):
+    at = out + col * channels
+    tl.store(at, y0.to(out.dtype.element_ty), mask=ok & (row < grid_h))
+    tl.store(at + line_stride, y1.to(out.dtype.element_ty), mask=ok & (row + 1 < grid_h))
+    tl.store(at + 2 * line_stride, y2.to(out.dtype.element_ty), mask=ok & (row + 2 < grid_h))
+    tl.store(at + 3 * line_stride, y3.to(out.dtype.element_ty), mask=ok & (row + 3 < grid_h))
+
+
+@triton.jit
+def _spatial_conv_kernel(src, weight, dst, grid_h, grid_w, channels, row_blocks, BLOCK_C: tl.constexpr):
+    # four output rows of one frame × a block of channels per program, walking the columns with the 8 × 5 inputs
+    # around the current column held as channel vectors (p … t, rows − 2 … + 5): each step loads the eight of the
+    # column that enters, so each input is read twice from L2 instead of five times at one row a program
+    frame = tl.program_id(0) // row_blocks
+    row = (tl.program_id(0) % row_blocks) * 4
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ch_ok = ch < channels
+    line_stride = grid_w.to(tl.int64) * channels
+    first = (frame.to(tl.int64) * grid_h + row) * line_stride + ch
+    at, out = src + first, dst + first
+    w0a, w0b, w0c, w0d, w0e = _spatial_taps(weight, ch, ch_ok, 0)
+    w1a, w1b, w1c, w1d, w1e = _spatial_taps(weight, ch, ch_ok, 1)
+    w2a, w2b, w2c, w2d, w2e = _spatial_taps(weight, ch, ch_ok, 2)
+    w3a, w3b, w3c, w3d, w3e = _spatial_taps(weight, ch, ch_ok, 3)
+    w4a, w4b, w4c, w4d, w4e = _spatial_taps(weight, ch, ch_ok, 4)
+    p0, p1, p2, p3, p4, p5, p6, p7 = _zero_column(BLOCK_C)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _zero_column(BLOCK_C)
+    r0, r1, r2, r3, r4, r5, r6, r7 = _spatial_column(at, line_stride, ch_ok & (grid_w > 0), row, grid_h)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _spatial_column(at + channels, line_stride, ch_ok & (grid_w > 1), row, grid_h)
+    for col in range(grid_w):
+        ahead = col + 2
+        t0, t1, t2, t3, t4, t5, t6, t7 = _spatial_column(
+            at + ahead * channels, line_stride, ch_ok & (ahead < grid_w), row, grid_h
+        )
+        out0 = _tap_column(p0, p1, p2, p3, p4, w0a, w0b, w0c, w0d, w0e)
+        out0 += _tap_column(q0, q1, q2, q3, q4, w1a, w1b, w1c, w1d, w1e)
+        out0 += _tap_column(r0, r1, r2, r3, r4, w2a, w2b, w2c, w2d, w2e)
+        out0 += _tap_column(s0, s1, s2, s3, s4, w3a, w3b, w3c, w3d, w3e)
+        out0 += _tap_column(t0, t1, t2, t3, t4, w4a, w4b, w4c, w4d, w4e)
+        out1 = _tap_column(p1, p2, p3, p4, p5, w0a, w0b, w0c, w0d, w0e)
+        out1 += _tap_column(q1, q2, q3, q4, q5, w1a, w1b, w1c, w1d, w1e)
+        out1 += _tap_column(r1, r2, r3, r4, r5, w2a, w2b, w2c, w2d, w2e)
+        out1 += _tap_column(s1, s2, s3, s4, s5, w3a, w3b, w3c, w3d, w3e)
+        out1 += _tap_column(t1, t2, t3, t4, t5, w4a, w4b, w4c, w4d, w4e)
+        out2 = _tap_column(p2, p3, p4, p5, p6, w0a, w0b, w0c, w0d, w0e)
+        out2 += _tap_column(q2, q3, q4, q5, q6, w1a, w1b, w1c, w1d, w1e)
+        out2 += _tap_column(r2, r3, r4, r5, r6, w2a, w2b, w2c, w2d, w2e)
+        out2 += _tap_column(s2, s3, s4, s5, s6, w3a, w3b, w3c, w3d, w3e)
+        out2 += _tap_column(t2, t3, t4, t5, t6, w4a, w4b, w4c, w4d, w4e)
+        out3 = _tap_column(p3, p4, p5, p6, p7, w0a, w0b, w0c, w0d, w0e)
+        out3 += _tap_column(q3, q4, q5, q6, q7, w1a, w1b, w1c, w1d, w1e)
+        out3 += _tap_column(r3, r4, r5, r6, r7, w2a, w2b, w2c, w2d, w2e)
+        out3 += _tap_column(s3, s4, s5, s6, s7, w3a, w3b, w3c, w3d, w3e)
+        out3 += _tap_column(t3, t4, t5, t6, t7, w4a, w4b, w4c, w4d, w4e)
+        _spatial_store(out, line_stride, col, channels, ch_ok, row, grid_h, out0, out1, out2, out3)
+        p0, p1, p2, p3, p4, p5, p6, p7 = q0, q1, q2, q3, q4, q5, q6, q7
+        q0, q1, q2, q3, q4, q5, q6, q7 = r0, r1, r2, r3, r4, r5, r6, r7
+        r0, r1, r2, r3, r4, r5, r6, r7 = s0, s1, s2, s3, s4, s5, s6, s7
+        s0, s1, s2, s3, s4, s5, s6, s7 = t0, t1, t2, t3, t4, t5, t6, t7
+
+
+def spatial_conv_triton(
+    x: torch.Tensor, weight: torch.Tensor, grid, block_c: int = 64, warps: int = 1
+) -> torch.Tensor:
+    """``branch_fused.spatial_conv``: the depthwise 5×5 over each frame's grid of ``x`` ``[F, S, C]`` (zero
+    padded) with ``weight`` ``[C, 1, 5, 5]`` rounded to ``x``'s dtype, fp32 sums, one rounding. ``block_c`` and
+    ``warps`` choose the launch; the numbers do not depend on it."""
+    frames, _, channels = x.shape
+    if tuple(weight.shape[-2:]) != (5, 5):
+        raise ValueError(f"spatial_conv_triton takes 5×5 taps, got {tuple(weight.shape)}")
+    x = x.contiguous()
+    taps = weight.to(x.dtype).reshape(channels, 25).contiguous()
+    out = torch.empty_like(x)
+    if out.numel():
+        row_blocks = triton.cdiv(grid[0], 4)
+        _spatial_conv_kernel[(frames * row_blocks, triton.cdiv(channels, block_c))](
+            x, taps, out, grid[0], grid[1], channels, row_blocks, BLOCK_C=block_c, num_warps=warps
+        )
+    return out
 
 
 def conv_features_triton(

@@ -194,5 +194,5 @@ class LinearBranch(nn.Module):
         return (out * torch.sigmoid(rows.gate_logits(channels)).view(shape)).reshape(frames * S, -1)
 
     def _fused_features(self, raw, spatial, temporal, grid, beta, normalize: bool):
-        y = branch_fused.spatial_conv(raw, spatial, grid)
+        y = branch_fused.spatial(self.fused, raw, spatial, grid)
         return branch_fused.run(self.fused, "conv_features", y, temporal, beta.shape[-1], normalize, beta)

@@ -170,6 +170,28 @@ def test_triton_conv_features_match_the_written_function(normalize, with_beta):
         assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-5 * want.abs().max()).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("grid, channels", [((24, 42), 512), ((7, 3), 200), ((1, 2), 128)])
+def test_triton_spatial_conv_is_one_rounding_of_the_exact_convolution(grid, channels, dtype):
+    from h3_core.models import branch_fused
+
+    if triton_kernel("spatial_conv") is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(5)
+    frames = 3
+    # v of a fused projection [F, S, 3, C] (a strided view), and the model's 5×5 taps
+    x = torch.randn(frames, grid[0] * grid[1], 3, channels, generator=g).to(DEV, dtype)[:, :, 2]
+    weight = (torch.randn(channels, 1, 5, 5, generator=g) / 5).to(DEV, dtype)
+    exact = branch_fused.spatial_conv(x.double(), weight.double(), grid)
+    got = branch_fused.spatial("compiled", x, weight, grid)
+    cudnn = branch_fused.spatial("eager", x, weight, grid)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    step = 2**-8 if dtype == torch.bfloat16 else 2**-20  # one rounding of the exact sum, and fp32 sums' error
+    bound = exact.abs() * step + 1e-6 * exact.abs().max()
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((cudnn.double() - exact).abs() <= bound).all()  # cuDNN's, the library's form, by the same measure
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_readout_matches_the_written_function(dtype):
     from h3_core.models import branch_fused

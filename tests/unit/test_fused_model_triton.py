@@ -50,7 +50,7 @@ CHECK = textwrap.dedent(
         run_options.fuse_blocks(m, "compiled")
         fused = m(*args, hybrid=ctx)
     kernels = {{"qk_norm_rope", "conv_features", "readout", "scan", "gather", "small_inverse", "norm_modulate",
-               "norm", "residual + norm", "gated_residual_", "shifted_gram"}}
+               "norm", "residual + norm", "gated_residual_", "shifted_gram", "spatial_conv"}}
     # an fp8 fc2 takes its input quantised as SiLU·up is formed; a bf16 one has it written in place; the
     # softmax's head gate likewise
     assert used == kernels | (set(quantisers) if fp8 else {{"swiglu_", "gate_heads_"}}), used
