@@ -3,13 +3,13 @@ of 128, bf16): each stage as the plain branch runs it and as the fused branch ru
 (``h3_core.models.branch_fused``), timed (median of ``--reps`` CUDA-event timings after a warm-up) and
 checked against the plain form (the solve against its fp64 reference).
 
-Stages: features (the plain depthwise 5×5 + 5-tap convs, SiLU and L2; the fused branch's cuDNN spatial conv,
-then its temporal conv + SiLU + L2 + √β), the frame statistics (plain fp32, also a few frames at a time as
-``LowMemory.branch_frames`` runs them; fused: the Gram products of √β-scaled features with fp32 sums, and
-I + A in one pass), the solve (the inverse by halves; in ``compiled`` its 16-row leaves inverted by the
-Triton kernel), the scans, the gather, the readout, and the whole branch. On CUDA ``compiled`` runs the
-library's Triton kernels and ``torch.compile``'s passes; ``--tiny`` runs the plain and ``eager`` forms on a
-small geometry on the CPU.
+Stages: features (the plain depthwise 5×5 + 5-tap convs, SiLU and L2; the fused branch's spatial conv by cuDNN
+and by the Triton pass at several launches, then its temporal conv + SiLU + L2 + √β), the frame statistics
+(plain fp32, also a few frames at a time as ``LowMemory.branch_frames`` runs them; fused: the Gram products of
+√β-scaled features with fp32 sums, and I + A in one pass), the solve (the inverse by halves; in ``compiled`` its
+16-row leaves inverted by the Triton kernel), the scans, the gather, the readout, and the whole branch. On CUDA
+``compiled`` runs the library's Triton kernels and ``torch.compile``'s passes; ``--tiny`` runs the plain and
+``eager`` forms on a small geometry on the CPU.
 
     python3 bench/branch_stages.py --out results.json
 """
@@ -32,6 +32,7 @@ from h3_core.models.linear_branch import LinearBranch
 from h3_core.models.run_options import fuse_branches
 
 RELEASE = dict(frames=100, grid=(24, 42), heads=56, head_dim=128, hidden=5376)
+SPATIAL_LAUNCHES = ((128, 4), (64, 2), (32, 1), (256, 8), (256, 4), (128, 2), (64, 1))  # channels, warps
 TINY = dict(frames=12, grid=(3, 5), heads=2, head_dim=16, hidden=32)
 
 
@@ -70,6 +71,11 @@ def main(argv=None) -> dict:
         dense_k = k.view(frames, S, C)
         ms["spatial conv of k (fused: cuDNN)"] = time_it(lambda: branch_fused.spatial_conv(dense_k, weights[0], grid))
         spatial = branch_fused.spatial_conv(dense_k, weights[0], grid)
+        kernel = branch_fused.triton_kernel("spatial_conv") if cuda else None
+        for block_c, warps in SPATIAL_LAUNCHES if kernel is not None else ():
+            launch = lambda b=block_c, w=warps: kernel(dense_k, weights[0], grid, b, w)  # noqa: E731
+            ms[f"spatial conv of k (Triton, {block_c} channels, {warps} warps)"] = time_it(launch)
+            diff[f"spatial conv Triton {block_c}x{warps} vs cuDNN"] = max_diff(launch(), spatial)
         for mode in modes:
             conv_k = lambda mode=mode: branch_fused.run(  # noqa: E731
                 mode, "conv_features", spatial, weights[1], H, True

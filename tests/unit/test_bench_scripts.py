@@ -1,10 +1,9 @@
 """Dry runs of the benchmarks in ``bench/`` that run on the CPU: each script runs as a subprocess with the small
-arguments it offers for that, must exit 0 and write its JSON with the top-level keys its results are read by.
-What the numbers say is the benchmarks' business (``bench/results``), not these tests': they only keep the
-scripts runnable. The scripts that need CUDA (``vae_decode.py``, ``decode_streaming.py``) and those whose
-smallest run is too long for a unit test (``lora_repatch.py`` writes a checkpoint of the release width,
-``text_encoder_memory.py`` a synthetic encoder with Qwen's whole vocabulary, loaded twice) have no dry run
-here."""
+arguments it offers for that, must exit 0 and write its JSON with the top-level keys its results are read by. What
+the numbers say is the benchmarks' business (``bench/results``), not these tests': they only keep the scripts
+runnable. The scripts that need CUDA (``vae_decode.py``, ``decode_streaming.py``, ``attention_configs.py``) and
+those whose smallest run is too long for a unit test (``lora_repatch.py`` writes a checkpoint of the release width,
+``text_encoder_memory.py`` a synthetic encoder with Qwen's whole vocabulary, loaded twice) have no dry run here."""
 
 import json
 import os
