@@ -142,6 +142,8 @@ def block_peaks(
         attention = max(attention, (3 if grouped else 2) * D + 3 * I / groups + own * C / groups)
         if branch_stream and not grouped:
             attention += (FP8_BRANCH_BESIDE_EXTRA if fp8 else BRANCH_BESIDE_EXTRA) * I
+            if linears != "fp8":  # the readout waits for the first stream's to_out_linear, not its output
+                attention += shape.branch_rows * (shape.inner - shape.hidden) * e
     if grouped and linears == "fp8":
         attention += T * (shape.hidden + 4)  # e4m3 codes and an fp32 scale per row (Attention.projection_input)
     chunk = T if options.ffn_chunk_rows is None else min(T, options.ffn_chunk_rows)

@@ -93,7 +93,7 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     t0, t1 = ctx.text
     grid = (layout.frame_h, layout.frame_w)
     gate = attn.softmax_gate(x)  # [T, H]
-    out = readout_total = None
+    out = beside = None
     source = attn.projection_input(x)
     quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
     side = branch_stream(x.device) if branch_on and getattr(attn, "branch_stream", False) else None
@@ -104,14 +104,26 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
         if heads.stop == attn.heads:
             source = None  # the fp8 rows' last reader: freed before the attention
         if side is not None:
-            readout_total = _branch_beside(side, attn, branch, x, q_raw, k_raw, v, heads, ctx, (r0, r1), inner, grid)
+            beside = _branch_beside(side, attn, branch, x, q_raw, k_raw, v, heads, ctx, (r0, r1), inner, grid)
         q, k = attn.normed_rotated(q_raw, k_raw, rope)
+        # a bf16 out_proj's input is gated by the window softmax as it writes its output; an fp8 one's, in a
+        # fused block, as its rows are quantised
         soft = window_softmax(
-            q, k, v, layout, window, backend=ctx.backend, on_run=ctx.on_window_run, precision=ctx.precision
+            q,
+            k,
+            v,
+            layout,
+            window,
+            backend=ctx.backend,
+            on_run=ctx.on_window_run,
+            precision=ctx.precision,
+            gate=None if quantized else gate[:, heads],
         )
         del q, k
-        # an fp8 out_proj in a fused block takes its rows quantised as they are gated
-        attended = block_fused.gate_heads_input(attn.fused, soft, gate[:, heads], quantized)
+        if quantized:
+            attended = block_fused.gate_heads_input(attn.fused, soft, gate[:, heads], quantized)
+        else:
+            attended = soft.reshape(soft.shape[0], -1)
         del soft
         out = add_linear_cols(out, attn.out_proj, attended, heads.start * d, heads.stop * d)
         del attended
@@ -119,14 +131,16 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
             seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
             readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
             del q_raw, k_raw, v
-            readout_total = add_linear_cols(
-                readout_total, attn.to_out_linear, readout.to(x.dtype), heads.start * d, heads.stop * d
-            )
-    if side is not None:
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        readout_total.record_stream(torch.cuda.current_stream(x.device))  # read here, made there
-    if readout_total is not None:
-        out[r0:r1].add_(readout_total)
+            # accumulated into the output's rows by to_out_linear's GEMM (one rounding, no [rows, hidden] buffer)
+            add_linear_cols(out[r0:r1], attn.to_out_linear, readout.to(x.dtype), heads.start * d, heads.stop * d)
+    if beside is not None:
+        main = torch.cuda.current_stream(x.device)
+        main.wait_stream(side)
+        beside.record_stream(main)  # read here, made there
+        if hasattr(attn.to_out_linear, "part"):
+            out[r0:r1].add_(beside)
+        else:
+            add_linear_cols(out[r0:r1], attn.to_out_linear, beside, 0, attn.heads * d)
     return out
 
 
@@ -299,15 +313,18 @@ def branch_stream(device: torch.device):
 
 
 def _branch_beside(side, attn, branch, x, q_raw, k_raw, v, heads, ctx, rows, inner, grid):
-    """The branch's readout through ``to_out_linear`` launched on ``side`` once the projections are done; its
-    inputs are marked in use there, so their memory is not reused before it has read them."""
+    """The branch's readout launched on ``side`` once the projections are done; its inputs are marked in use
+    there, so their memory is not reused before it has read them. An fp8 ``to_out_linear`` takes it there too
+    (its share is then added to the output as the serial path adds it); a bf16 one is left to the caller, whose
+    GEMM accumulates into the output's rows as the serial path's does: the readout ``[rows, inner]`` is returned."""
     main = torch.cuda.current_stream(x.device)
     side.wait_stream(main)
     (r0, r1), (t0, t1), d = rows, ctx.text, attn.head_dim
     with torch.cuda.stream(side):
         seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
-        readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
-        total = add_linear_cols(None, attn.to_out_linear, readout.to(x.dtype), heads.start * d, heads.stop * d)
+        readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads).to(x.dtype)
+        if hasattr(attn.to_out_linear, "part"):
+            readout = add_linear_cols(None, attn.to_out_linear, readout, heads.start * d, heads.stop * d)
     for tensor in (x, q_raw, k_raw, v):
         tensor.record_stream(side)
-    return total
+    return readout
