@@ -1,10 +1,11 @@
 """Copying rows into another float dtype with a device-side scale, in one pass.
 
-``scale_convert(src, dst, scale, saturate)`` writes ``dst = cast(src · scale)``, the product taken in
-float32; ``scale`` is a float32 tensor of shape [1] on the device (so no host sync is needed to pick
-it) or None; ``saturate`` clamps to the finite range of ``dst``'s dtype before the cast. Shapes:
-``[N, H, D]`` with any strides and a contiguous last dim. One fused Triton pass on CUDA; the eager
-version below is the reference and the path everywhere else.
+``scale_convert(src, dst, scale, saturate, gate)`` writes ``dst = cast(src · scale · gate)``, the
+products taken in float32; ``scale`` is a float32 tensor of shape [1] on the device (so no host sync is
+needed to pick it) or None; ``gate`` ``[N, H]`` (any strides) multiplies each row's head, or None;
+``saturate`` clamps to the finite range of ``dst``'s dtype before the cast. Shapes: ``[N, H, D]`` with
+any strides and a contiguous last dim. One fused Triton pass on CUDA; the eager version below is the
+reference and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ except ImportError:
 __all__ = ["scale_convert", "scale_convert_reference"]
 
 
-def scale_convert_reference(src, dst, scale=None, saturate=False) -> torch.Tensor:
+def scale_convert_reference(src, dst, scale=None, saturate=False, gate=None) -> torch.Tensor:
     x = src.float()
     if scale is not None:
         x = x * scale
+    if gate is not None:
+        x = x * gate.float()[..., None]
     if saturate:
         limit = torch.finfo(dst.dtype).max
         x = x.clamp(-limit, limit)
@@ -32,9 +35,9 @@ def scale_convert_reference(src, dst, scale=None, saturate=False) -> torch.Tenso
     return dst
 
 
-def scale_convert(src, dst, scale=None, saturate=False) -> torch.Tensor:
+def scale_convert(src, dst, scale=None, saturate=False, gate=None) -> torch.Tensor:
     if dst.is_cuda and dst.dim() == 3 and src.shape == dst.shape and dst.numel():
         fused = triton_form(convert_triton, "scale_convert_triton")
         if fused is not None:
-            return fused(src, dst, scale, saturate)
-    return scale_convert_reference(src, dst, scale, saturate)
+            return fused(src, dst, scale, saturate, gate)
+    return scale_convert_reference(src, dst, scale, saturate, gate)

@@ -170,6 +170,7 @@ def window_softmax(
     scale: float | None = None,
     on_run: Callable[[WindowRun], None] | None = None,
     precision: str = "bf16",
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention under the VDN-H3 window rule.
 
@@ -181,10 +182,14 @@ def window_softmax(
         scale: score scale. Default: ``D ** -0.5``.
         on_run: called with what ran (``WindowRun``) once the call has run.
         precision: one of ``PRECISIONS`` (see the module docstring). Default: ``"bf16"``, exact.
+        gate: ``[T, H]`` or None: the output multiplied per row and head (the hybrid block's softmax gate),
+            by the decomposed backend's staged windows as they convert their output, elsewhere after.
     Returns:
         ``[T, H, D]`` in q's dtype.
     """
     _validate(q, k, v, layout, window)
+    if gate is not None and gate.shape != q.shape[:2]:
+        raise H3InputError(f"gate must be [T, H] = {list(q.shape[:2])}, got {list(gate.shape)}")
     requested = _check_backend(backend)
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if scale is None else float(scale)
@@ -196,21 +201,19 @@ def window_softmax(
             out, kernel = window_softmax_fp8(q, k, v, layout, window, scale)
         if on_run is not None:
             on_run(WindowRun(requested, name, kernel))
-        return out
+        return out if gate is None else out.mul_(gate[..., None])
     name = resolve_window_backend(requested, q.device, q.dtype, head_dim)
     F = layout.num_frames
     full = is_full_cover(window_bounds(F, window.radius, window.chunk), F)
     if full and name != "ref":
         out = dense_attention(q, k, v, scale=scale).out
         kernel = resolve_kernel(q.device, q.dtype, head_dim)
+    elif name == "decomposed":
+        out, gate = window_softmax_decomposed(q, k, v, layout, window, scale, gate=gate), None
+        kernel = resolve_kernel(q.device, q.dtype, head_dim)
     else:
         out = _RUNNERS[name](q, k, v, layout, window, scale)
-        if name == "flex":
-            out, kernel = out
-        elif name == "decomposed":
-            kernel = resolve_kernel(q.device, q.dtype, head_dim)
-        else:
-            kernel = "sdpa"
+        out, kernel = out if name == "flex" else (out, "sdpa")
     if on_run is not None:
         on_run(WindowRun(requested, name, kernel))
-    return out
+    return out if gate is None else out.mul_(gate[..., None])

@@ -270,7 +270,7 @@ def _heads_per_pass(heads: int, max_heads: int, q_rows: int, device: torch.devic
     return min(range(max_heads, 0, -1), key=waves)
 
 
-def _window_leg_staged(q, k, v, out, plan, scale, stage_dtype, stage_bytes):
+def _window_leg_staged(q, k, v, out, plan, scale, stage_dtype, stage_bytes, gate=None):
     """One call per window group over a staging buffer [extra keys | window slots], in ``stage_dtype``.
 
     Every window query then sees all its keys in one kernel call: one rounding of the output, as in a
@@ -279,7 +279,8 @@ def _window_leg_staged(q, k, v, out, plan, scale, stage_dtype, stage_bytes):
 
     fp16 staging: v is divided by a power of two chosen on the device (``_value_scale``) and the output
     multiplied back, so large activations stay exact; q and k (normalised in the model) are saturated
-    at the fp16 limit rather than overflowing."""
+    at the fp16 limit rather than overflowing. ``gate`` ``[T, H]`` multiplies the output as it is converted
+    back; returns whether it did (only where the window calls ran in another dtype)."""
     T, H, D = q.shape
     convert = stage_dtype != q.dtype
     v_scale = _value_scale(v) if convert else None
@@ -323,11 +324,12 @@ def _window_leg_staged(q, k, v, out, plan, scale, stage_dtype, stage_bytes):
                     scale=scale,
                     out=target.view(stage_dtype) if in_place else None,
                 ).out
-                scale_convert(res, target, v_scale)
+                scale_convert(res, target, v_scale, gate=None if gate is None else gate[rows, hs])
             else:
                 res = dense_attention(q[rows, hs], stage_k[keys], stage_v[keys], scale=scale, out=target).out
                 if res is not target:
                     target.copy_(res)
+    return convert
 
 
 STRATEGIES = ("staged", "merge")
@@ -352,6 +354,7 @@ def window_softmax_decomposed(
     stage_dtype: torch.dtype | None = None,
     stage_bytes: int = DEFAULT_STAGE_BYTES,
     slab_bytes: int = DEFAULT_SLAB_BYTES,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decomposed window softmax (see the module docstring).
 
@@ -362,16 +365,21 @@ def window_softmax_decomposed(
         stage_dtype: dtype of the staged keys and of the window calls. Default: ``stage_dtype_for(q)``.
         stage_bytes: bound on the staging buffers; heads are processed in passes to stay under it.
         slab_bytes: bound on the partial results of the ``merge`` strategy.
+        gate: ``[T, H]`` or None: the output multiplied per row and head, on the staged windows as their
+            output is converted back to q's dtype, on the other rows after.
     """
     if strategy not in STRATEGIES:
         raise H3InputError(f"decomposed strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
     plan = cached_plan(layout, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _dense_leg(q, k, v, out, plan, scale)
-    if not plan.batches:
-        return out
-    if strategy == "merge":
+    windows_gated = False
+    if plan.batches and strategy == "merge":
         _window_leg_merge(q, k, v, out, plan, scale, slab_bytes)
-    else:
-        _window_leg_staged(q, k, v, out, plan, scale, stage_dtype or stage_dtype_for(q), stage_bytes)
+    elif plan.batches:
+        stage_dtype = stage_dtype or stage_dtype_for(q)
+        windows_gated = _window_leg_staged(q, k, v, out, plan, scale, stage_dtype, stage_bytes, gate)
+    if gate is not None:
+        for a, b in plan.dense_runs if windows_gated else ((0, q.shape[0]),):
+            out[a:b].mul_(gate[a:b, :, None])
     return out

@@ -288,9 +288,7 @@ def _spatial_conv_kernel(src, weight, dst, grid_h, grid_w, channels, row_blocks,
         s0, s1, s2, s3, s4, s5, s6, s7 = t0, t1, t2, t3, t4, t5, t6, t7
 
 
-def spatial_conv_triton(
-    x: torch.Tensor, weight: torch.Tensor, grid, block_c: int = 64, warps: int = 1
-) -> torch.Tensor:
+def spatial_conv_triton(x: torch.Tensor, weight: torch.Tensor, grid, block_c: int = 64, warps: int = 1) -> torch.Tensor:
     """``branch_fused.spatial_conv``: the depthwise 5×5 over each frame's grid of ``x`` ``[F, S, C]`` (zero
     padded) with ``weight`` ``[C, 1, 5, 5]`` rounded to ``x``'s dtype, fp32 sums, one rounding. ``block_c`` and
     ``warps`` choose the launch; the numbers do not depend on it."""

@@ -110,6 +110,22 @@ def test_window_backends_match_fp32_reference(layout, window):
     assert errs["merge-None"] <= 1.5 * errs["flex"], errs
 
 
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_gated_window_softmax_is_one_rounding_of_the_gated_fp32_reference(layout):
+    """The gate taken into the staged windows' conversion back to bf16 (and after the dense rows): no worse
+    than gating the bf16 output afterwards, both against the gated fp32 reference."""
+    window = WINDOWS["c5r1-both"]
+    g = torch.Generator(device=DEV).manual_seed(layout.seq_len + 1)
+    q, k, v = (torch.randn(layout.seq_len, 8, 128, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    gate = torch.rand(layout.seq_len, 8, device=DEV, generator=g).to(torch.bfloat16)
+    ref = window_softmax(q.float(), k.float(), v.float(), layout, window, backend="ref") * gate.float()[..., None]
+    for backend in ("decomposed", "flex"):
+        gated = window_softmax(q, k, v, layout, window, backend=backend, gate=gate)
+        after = window_softmax(q, k, v, layout, window, backend=backend).mul_(gate[..., None])
+        assert rel(gated, ref) <= rel(after, ref) * 1.01, backend
+        assert (gated.float() - after.float()).abs().max() <= 2**-7 * after.float().abs().max(), backend
+
+
 def test_decomposed_fp32_inputs_and_every_kernel():
     layout, window = LAYOUTS["t2va"], WINDOWS["c5r1-both"]
     g = torch.Generator(device=DEV).manual_seed(5)
@@ -148,10 +164,11 @@ def test_scale_convert_triton_matches_reference(saturate):
     scale = torch.tensor([0.5], device=DEV)
     fast = torch.full((3000, 7, 128), float("nan"), device=DEV, dtype=torch.float16)
     ref = torch.empty_like(fast)
-    scale_convert(src, fast, scale, saturate)
-    scale_convert_reference(src, ref, scale, saturate)
-    assert torch.equal(fast.isinf(), ref.isinf()) and not fast.isnan().any()
-    assert torch.equal(fast[~fast.isinf()], ref[~ref.isinf()])
+    for gate in (None, torch.rand(3000, 9, device=DEV, generator=g).to(torch.bfloat16)[:, 1:8]):
+        scale_convert(src, fast, scale, saturate, gate)
+        scale_convert_reference(src, ref, scale, saturate, gate)
+        assert torch.equal(fast.isinf(), ref.isinf()) and not fast.isnan().any()
+        assert torch.equal(fast[~fast.isinf()], ref[~ref.isinf()])
 
 
 def test_dense_attention_writes_into_out_when_the_kernel_can():

@@ -16,6 +16,14 @@ def test_reference_scales_in_float32_then_casts():
     assert dst.tolist() == [[[7488.0, -37376.0, 0.5]]]
 
 
+def test_reference_gates_each_row_and_head_before_the_cast():
+    src = torch.tensor([[[3.0, 5.0], [7.0, 9.0]], [[1.0, 2.0], [4.0, 8.0]]], dtype=torch.bfloat16)
+    gate = torch.tensor([[0.5, 2.0], [3.0, 0.25]], dtype=torch.bfloat16)
+    dst = torch.empty(2, 2, 2, dtype=torch.float16)
+    scale_convert_reference(src, dst, torch.tensor([2.0]), gate=gate)
+    assert dst.tolist() == [[[3.0, 5.0], [28.0, 36.0]], [[6.0, 12.0], [2.0, 4.0]]]
+
+
 def test_reference_saturates_only_when_asked():
     src = torch.tensor([[[1.0e5, -1.0e5, 1.0]]], dtype=torch.bfloat16)
     plain, clamped = torch.empty(1, 1, 3, dtype=torch.float16), torch.empty(1, 1, 3, dtype=torch.float16)
@@ -38,23 +46,24 @@ def test_dispatch_on_cpu_is_the_reference_and_writes_strided_views():
 
 TRITON_CHECK = textwrap.dedent(
     """
+    import itertools
     import torch
     from h3_core.attention.convert_triton import scale_convert_triton
     from h3_core.attention.convert import scale_convert_reference
 
     g = torch.Generator().manual_seed(1)
     src = (torch.randn(45, 7, 40, generator=g) * 3e4).to(torch.bfloat16)[:37, 2:5, :24]
+    gates = (None, torch.rand(37, 5, generator=g).to(torch.bfloat16)[:, 1:4])
     worst = 0.0
-    for scale in (None, torch.tensor([0.25])):
-        for saturate in (False, True):
-            fast = torch.full((37, 3, 24), float("nan"), dtype=torch.float16)
-            ref = torch.empty(37, 3, 24, dtype=torch.float16)
-            scale_convert_triton(src, fast, scale, saturate)
-            scale_convert_reference(src, ref, scale, saturate)
-            assert torch.equal(fast.isinf(), ref.isinf()) and not fast.isnan().any()
-            finite = ~ref.isinf()
-            worst = max(worst, (fast[finite].float() - ref[finite].float()).abs().max().item())
-            assert saturate is False or not fast.isinf().any()
+    for scale, saturate, gate in itertools.product((None, torch.tensor([0.25])), (False, True), gates):
+        fast = torch.full((37, 3, 24), float("nan"), dtype=torch.float16)
+        ref = torch.empty(37, 3, 24, dtype=torch.float16)
+        scale_convert_triton(src, fast, scale, saturate, gate)
+        scale_convert_reference(src, ref, scale, saturate, gate)
+        assert torch.equal(fast.isinf(), ref.isinf()) and not fast.isnan().any()
+        finite = ~ref.isinf()
+        worst = max(worst, (fast[finite].float() - ref[finite].float()).abs().max().item())
+        assert saturate is False or not fast.isinf().any()
     print("MAXDIFF", worst)
     """
 )

@@ -491,6 +491,50 @@ def test_decomposed_fp16_staging(options, dtype, q_mul, k_mul, v_mul):
     assert rel_err(out, ref32) < 1e-2
 
 
+def _gate(case, dtype=torch.float64):
+    g = torch.Generator().manual_seed(case.seed + 7)
+    return torch.rand(case.layout.seq_len, case.H, generator=g, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("backend", ["ref", "decomposed", "flex", "auto"])
+def test_gate_multiplies_each_row_and_head(backend):
+    case = SLAB_CASES[1]
+    q, k, v = _inputs(case)
+    gate = _gate(case)
+    plain = window_softmax(q, k, v, case.layout, case.window, backend=backend)
+    gated = window_softmax(q, k, v, case.layout, case.window, backend=backend, gate=gate)
+    assert rel_err(gated, plain * gate[..., None]) <= 1e-14
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(strategy="staged"), dict(strategy="staged", stage_bytes=1), dict(strategy="merge")],
+    ids=["staged", "staged-head-passes", "merge"],
+)
+def test_decomposed_gate_on_converted_windows_and_the_other_rows(options, dtype):
+    """Staged in fp16 the windows are gated as their output is converted back, the dense rows after: every
+    row ends up gated once, within one rounding of the ungated output times the gate."""
+    case = SLAB_CASES[2]
+    q, k, v = (t.to(dtype) for t in _inputs(case, torch.float32))
+    gate = _gate(case, dtype)
+    run = dict(stage_dtype=torch.float16, **options)
+    plain = window_softmax_decomposed(q, k, v, case.layout, case.window, case.D**-0.5, **run)
+    gated = window_softmax_decomposed(q, k, v, case.layout, case.window, case.D**-0.5, gate=gate, **run)
+    want = plain.double() * gate.double()[..., None]
+    step = torch.finfo(dtype).eps
+    assert ((gated.double() - want).abs() <= 2 * step * want.abs() + 1e-30).all()
+    assert not torch.equal(gated, plain)
+
+
+def test_gate_of_the_wrong_shape_is_refused():
+    case = SLAB_CASES[0]
+    q, k, v = _inputs(case)
+    bad = torch.ones(case.layout.seq_len, case.H + 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match=re.escape(f"gate must be [T, H] = {[case.layout.seq_len, case.H]}")):
+        window_softmax(q, k, v, case.layout, case.window, gate=bad)
+
+
 def test_decomposed_refuses_unknown_strategy():
     assert STRATEGIES == ("staged", "merge")
     case = SLAB_CASES[0]
