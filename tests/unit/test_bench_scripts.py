@@ -98,6 +98,12 @@ def test_block_memory(tmp_path):
     assert HEADER <= set(result) and "rows" in result
 
 
+def test_block_gemms(tmp_path):
+    result = dry_run(tmp_path, "block_gemms.py", "--tiny", "--reps", "1")
+    assert HEADER <= set(result) and {"qkv", "output"} <= set(result)
+    assert all(row["max_abs_diff"] < 1e-4 for part in ("qkv", "output") for row in result[part].values())
+
+
 def test_branch_stages(tmp_path):
     result = dry_run(tmp_path, "branch_stages.py", "--tiny", "--reps", "1")
     assert HEADER <= set(result) and {"ms", "max_diff"} <= set(result)
