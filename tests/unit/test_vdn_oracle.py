@@ -487,7 +487,8 @@ def test_compiled_branch_kernels_under_the_triton_interpreter_match_the_oracle(t
     )
     assert run_interpreted(INTERPRETED.format(path=str(case), out=str(result))).split()[-1] == "OK"
     got = torch.load(result)
-    assert set(got["used"]) == {"conv_features", "small_inverse", "scan", "gather", "readout", "shifted_gram"}
+    kernels = {"conv_features", "spatial_conv", "small_inverse", "scan", "gather", "readout", "shifted_gram"}
+    assert set(got["used"]) == kernels
     w = weights(branch)
     x, q, k, v, text_x, text_k, text_v = (t.to(DT) for t in inputs)
     seed_want = oracle_text_state(w, text_x, text_k, text_v)
