@@ -153,10 +153,9 @@ def _validate(q, k, v, layout, window):
         raise H3InputError(f"q has {q.shape[0]} rows but layout.seq_len is {layout.seq_len}")
 
 
-_RUNNERS = {
+_RUNNERS = {  # decomposed is called on its own: it takes the gate
     "ref": window_softmax_ref,
     "flex": window_flex.window_softmax_flex_run,
-    "decomposed": window_softmax_decomposed,
 }
 
 

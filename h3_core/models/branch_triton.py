@@ -21,9 +21,9 @@ small batched GEMM per frame and direction (200 at the release length, each fill
 bridges, read in place and written once, where the library form copies the gathered frames, selects against
 the seed and scales and adds them in separate passes.
 
-``spatial_conv``: the depthwise 5×5 over each frame's grid, each program one output row × a block of channels
-walking the row's columns with the five input columns around the current one held, where cuDNN's depthwise
-kernel moves several times the bytes it needs (bench/results/dit_block.md).
+``spatial_conv``: the depthwise 5×5 over each frame's grid, each program four output rows × a block of channels
+walking the columns with the eight input rows of the five columns around the current one held, where cuDNN's
+depthwise kernel moves several times the bytes it needs (bench/results/dit_block.md).
 
 ``shifted_gram``: I + ½(A + Aᵀ) for the batch of Gram products, each program a tile and its mirror tile.
 
