@@ -14,13 +14,21 @@ cd "$root"
 venv="${H3_MIN_VENV:-$root/.venv-minimum}"
 python="${PYTHON:-python3}"
 stamp="$venv/.h3-minimum"
-want="$(cat requirements.txt tests/lanes/minimum.sh tests/host/install_comfyui.sh | sha256sum | cut -c1-16)"
+want="$(cat requirements.txt tests/lanes/minimum.sh tests/lanes/share_install.py tests/host/install_comfyui.sh | sha256sum | cut -c1-16)"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "setting up the minimum-version lane in $venv"
     # From nothing: a package left from an earlier set-up could be newer than a floor.
     rm -rf "$venv"
     "$python" -m venv "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip
+    # The same torch and torchvision release as the main environment's: where that one holds them, their files
+    # (5 GiB with the CUDA libraries) are hard-linked rather than copied a second time; pip installs the rest.
+    main_venv="${H3_VENV:-$root/.venv}"
+    if [ -x "$main_venv/bin/python" ]; then
+        "$main_venv/bin/python" tests/lanes/share_install.py \
+            "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+            "torch==2.14.1" "torchvision==0.29.1"
+    fi
     "$venv/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
     floors="$venv/floors.txt"
     printf 'torch==2.14.1\ntorchvision==0.29.1\n' > "$floors"
