@@ -240,14 +240,19 @@ def triton_kernel(name: str):
     return triton_form(*_TRITON[name]) if name in _TRITON else None
 
 
+def _rows_kernel(name: str, mode: str | None, rows: torch.Tensor):
+    """The Triton kernel ``name`` in ``"compiled"`` mode (outside ``triton_forms.plain_path``) for CUDA rows with a
+    contiguous last dimension that are not fp64 (the kernels sum in fp32); None otherwise."""
+    if mode == "compiled" and compiling() and runs_here(rows) and rows.dtype != torch.float64 and rows.stride(-1) == 1:
+        return triton_kernel(name)
+    return None
+
+
 def spatial(mode: str | None, x: torch.Tensor, weight: torch.Tensor, grid) -> torch.Tensor:
-    """``spatial_conv`` in ``mode``: in ``"compiled"``, for CUDA rows and 5×5 taps, the Triton pass (fp32 sums in
-    its own order, one rounding); cuDNN's depthwise convolution otherwise."""
-    if mode == "compiled" and compiling() and runs_here(x) and x.dtype != torch.float64:
-        kernel = triton_kernel("spatial_conv") if tuple(weight.shape[-2:]) == (5, 5) else None
-        if kernel is not None:
-            return kernel(x, weight, grid)
-    return spatial_conv(x, weight, grid)
+    """``spatial_conv`` in ``mode``: in ``"compiled"``, for rows ``_rows_kernel`` takes and 5×5 taps, the Triton
+    pass (fp32 sums in its own order, one rounding); cuDNN's depthwise convolution otherwise."""
+    kernel = _rows_kernel("spatial_conv", mode, x) if tuple(weight.shape[-2:]) == (5, 5) else None
+    return kernel(x, weight, grid) if kernel is not None else spatial_conv(x, weight, grid)
 
 
 def small_inverse(mode: str | None):
@@ -263,11 +268,9 @@ def call(mode: str, fn, *args, name: str | None = None):
     in fp32, so fp64 rows keep the compiled form's fp64 sums). Inside ``triton_forms.plain_path`` nothing is
     compiled: ``"compiled"`` runs as written."""
     if mode == "compiled" and compiling():
-        lead = args[0]
-        if name is not None and runs_here(lead) and lead.dtype != torch.float64 and lead.stride(-1) == 1:
-            kernel = triton_kernel(name)
-            if kernel is not None:
-                return kernel(*args)
+        kernel = _rows_kernel(name, mode, args[0]) if name is not None else None
+        if kernel is not None:
+            return kernel(*args)
         if fn not in _compiled:
             _compiled[fn] = guarded(torch.compile(fn))
         fn = _compiled[fn]
