@@ -4,9 +4,17 @@ velocities).
 
 A mask is 1 where the clip is generated and 0 where it is held at the given latents, per video latent element
 ``[T, h, w]`` and per audio latent ``[2, Ta]``. Every step, for the generated streams' rows:
-  * the model sees ``m · x + (1 − m) · held`` (held rows enter clean);
+  * the model sees ``m · x + (1 − m) · held`` (held rows enter clean), per element; on an odd-sized latent the
+    element mask is padded to whole patches circularly, as the latents are (``packing.pad_to_patch``);
   * a video row's timestep is ``1 − m · σ`` with ``m`` the largest mask value of its 2×2 patch, clamped at
-    ``max(t, 0.999)`` (a held row sits where the keyframes sit); an audio row's at ``max(t, 1)``;
+    ``max(t, 0.999)`` (a held row sits where the keyframes sit); an audio row's at ``max(t, 1)``, ``m`` its own
+    mask value. Two rules of the native model set ``m`` (``video_row_mask`` / ``audio_row_mask``):
+      1. for the timesteps the video mask is padded to whole patches by repeating its last row and column
+         (``mode="replicate"``), not circularly as the latents are: on an odd grid a held last row or column
+         keeps its patch row at the pinned timestep;
+      2. a stream whose row values are all ``>= 1 − 1e-3`` (0.999) counts as fully generated: its rows run at the
+         stream's own timestep, as with no mask; video (after the 2×2 max) and audio each on its own. Only the
+         timesteps follow this rule, the blending above keeps the mask as given;
   * the clean estimate is ``x_in + (1 − t) · m · v`` and the step lands on ``m · x0 + (1 − m) · held``, so held
     latents come out exactly as given.
 With the mask all ones this is the unmasked step, bit for bit.
@@ -17,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 
 from ..errors import H3InputError
 from .geometry import AUDIO_LATENTS_PER_SECOND, FPS
@@ -24,7 +33,9 @@ from .keyframes import latent_span
 from .packing import FRAMES_PER_LATENT, pad_to_patch, patchify, soundtrack_rows
 
 __all__ = [
+    "FULLY_GENERATED",
     "MaskedStart",
+    "patch_row_mask",
     "masked_input",
     "masked_row_timesteps",
     "masked_euler_step",
@@ -33,6 +44,28 @@ __all__ = [
     "extend_start",
     "region_mask",
 ]
+
+# a stream whose row mask values all reach this runs at its own timesteps, as if it had no mask (native
+# ``mask_row_values`` and the audio mask in ``_forward``)
+FULLY_GENERATED = 1.0 - 1e-3
+
+
+def patch_row_mask(mask: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    """A video mask ``[T, h, w]`` → one value per row of the patch grid (t-major, as ``packing.patchify``), fp32:
+    the mask padded at the end of each axis to whole patches by repeating its last frame, row and column
+    (replicate, rule 1 of the module docstring), then the largest value of each patch."""
+    pt, ph, pw = patch
+    T, h, w = mask.shape
+    pads = (0, (-w) % pw, 0, (-h) % ph, 0, (-T) % pt)
+    padded = mask.float()
+    if any(pads):
+        padded = torch.nn.functional.pad(padded[None, None], pads, mode="replicate")[0, 0]
+    return rearrange(padded, "(t pt) (h ph) (w pw) -> (t h w) (pt ph pw)", pt=pt, ph=ph, pw=pw).amax(dim=1)
+
+
+def _unless_fully_generated(row_mask: torch.Tensor) -> torch.Tensor | None:
+    """``row_mask``, or None where every value is ``>= FULLY_GENERATED`` (rule 2 of the module docstring)."""
+    return None if bool((row_mask >= FULLY_GENERATED).all()) else row_mask
 
 
 @dataclass(frozen=True)
@@ -63,14 +96,24 @@ class MaskedStart:
                 raise H3InputError(f"start: its {name} must lie in [0, 1] (1 generates, 0 holds)")
 
     def video_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(held [N, 96], element mask [N, 96])`` in the target's row layout (on the padded grid of an odd-sized
-        latent, ``packing.pad_to_patch``)."""
+        """``(held [N, 96], element mask [N, 96])`` in the target's row layout, for the blending (on the padded grid
+        of an odd-sized latent, both padded circularly as the latents are, ``packing.pad_to_patch``)."""
         mask = self.video_mask.float()[None].expand(24, -1, -1, -1)
         return patchify(pad_to_patch(self.video.float())), patchify(pad_to_patch(mask.contiguous()))
 
     def audio_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(held [2 · Ta, 32], mask [2 · Ta, 1])`` in the target's row layout (left channel first)."""
         return soundtrack_rows(self.audio), self.audio_mask.float().reshape(-1, 1)
+
+    def video_row_mask(self) -> torch.Tensor | None:
+        """The mask value ``[N]`` each generated video row's timestep follows (``patch_row_mask``: replicate
+        padding, the 2×2 max), or None when every row counts as fully generated (module docstring)."""
+        return _unless_fully_generated(patch_row_mask(self.video_mask))
+
+    def audio_row_mask(self) -> torch.Tensor | None:
+        """The mask value ``[2 · Ta]`` each generated audio row's timestep follows (left channel first), or None
+        when every row counts as fully generated (module docstring)."""
+        return _unless_fully_generated(self.audio_mask.float().reshape(-1))
 
 
 def masked_input(rows: torch.Tensor, held: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -112,19 +112,21 @@ def denoise(
     cv, ca = packed.condition_rows, condition_audio_rows
     video_rows, audio_rows = video_rows.clone(), audio_rows.clone()
     held_video = held_audio = None  # (held rows, mask) of each stream's generated rows
+    row_mask_v = row_mask_a = None  # the mask values the rows' timesteps follow; None: the stream's own timestep
     if start is not None:
         device = video_rows.device
         held_video = tuple(r.to(device) for r in start.video_rows())
         held_audio = tuple(r.to(device) for r in start.audio_rows())
-        row_mask_v, row_mask_a = held_video[1].amax(dim=1).cpu(), held_audio[1][:, 0].cpu()
+        row_mask_v, row_mask_a = (m if m is None else m.cpu() for m in (start.video_row_mask(), start.audio_row_mask()))
 
     def rows_t(i):
-        if start is None:
-            return {}
-        return dict(
-            video_rows_t=masked_row_timesteps(row_mask_v, video_sigmas[i], max(float(video_ts[i]), CONDITION_T)),
-            audio_rows_t=masked_row_timesteps(row_mask_a, audio_sigmas[i], max(float(audio_ts[i]), 1.0)),
-        )
+        rows = {}
+        if row_mask_v is not None:
+            pin = max(float(video_ts[i]), CONDITION_T)
+            rows["video_rows_t"] = masked_row_timesteps(row_mask_v, video_sigmas[i], pin)
+        if row_mask_a is not None:
+            rows["audio_rows_t"] = masked_row_timesteps(row_mask_a, audio_sigmas[i], max(float(audio_ts[i]), 1.0))
+        return rows
 
     steps_timesteps = [
         row_timesteps(

@@ -1,5 +1,6 @@
 """Denoise masks (h3_core.pipeline.masks) through generate on a tiny random DiT, against the native rules
-re-derived here from Comfy-Org/ComfyUI comfy/ldm/minimax/model.py at 2c64d4aa (``mask_row_values``; the masked rows'
+re-derived here from Comfy-Org/ComfyUI comfy/ldm/minimax/model.py at 2c64d4aa (``mask_row_values``: the mask padded
+with ``mode="replicate"``, the 2x2 max, a mask whose values all reach 1 - 1e-3 counting as none; the masked rows'
 timesteps ``(1 - m · sigma).clamp(max=max(t, 0.999))``)."""
 
 import pytest
@@ -13,6 +14,7 @@ from h3_core.pipeline.masks import (
     extend_start,
     latent_frame_spans,
     masked_row_timesteps,
+    patch_row_mask,
     region_mask,
     span_mask,
 )
@@ -100,3 +102,110 @@ def test_a_start_that_does_not_fit_the_clip_is_named(dit):
         generate(dit, prompt(), frames=39, start=start, **COMMON)
     with pytest.raises(H3InputError, match="must be longer than the 22 it extends"):
         extend_start(torch.zeros(24, 7, 2, 4), torch.zeros(2, 32, 37), 7, 37)
+
+
+def hand_row_values(mask, pad):
+    """The 2x2 max of each patch row of ``mask`` ``[T, h, w]`` on the grid padded to even size, by explicit loops:
+    a padded cell ``(i, j)`` reads ``mask[t, pad(i, h), pad(j, w)]``."""
+    T, h, w = mask.shape
+    values = []
+    for t in range(T):
+        for pi in range((h + 1) // 2):
+            for pj in range((w + 1) // 2):
+                cells = [float(mask[t, pad(2 * pi + di, h), pad(2 * pj + dj, w)]) for di in (0, 1) for dj in (0, 1)]
+                values.append(max(cells))
+    return torch.tensor(values)
+
+
+def replicate(i, n):
+    return min(i, n - 1)
+
+
+def circular(i, n):
+    return i % n
+
+
+def seen_timesteps(dit, **kwargs):
+    """Run generate, keeping each evaluation's per-row timesteps of the generated video rows and audio rows (t2va:
+    no conditioning or reference rows), as the DiT is given them."""
+    seen, real = [], dit.forward
+
+    def recording(video_rows, audio_rows, text_rows, timesteps, index, tags, positions, video_index, audio_index, *a):
+        per_row = timesteps[index]
+        seen.append((per_row[video_index].clone(), per_row[audio_index].clone()))
+        return real(video_rows, audio_rows, text_rows, timesteps, index, tags, positions, video_index, audio_index, *a)
+
+    dit.forward = recording
+    try:
+        generate(dit, prompt(), **kwargs)
+    finally:
+        del dit.forward
+    return seen
+
+
+def test_an_odd_grid_holds_the_last_row_and_column_at_the_pinned_timestep(dit):
+    # 80 x 48 pixels: 3 x 5 latents, padded to 4 x 6 (2 x 3 patch rows per frame); 22 frames: 7 latent frames
+    mask = torch.ones(7, 3, 5)
+    mask[1:4, :2, :2] = 0.5
+    mask[:, 2, :] = 0  # hold the last latent row
+    mask[:, :, 4] = 0  # and the last latent column
+    want = hand_row_values(mask, replicate)
+    held = torch.zeros(7, 2, 3, dtype=torch.bool)
+    held[:, 1, :] = held[:, :, 2] = True  # the patch row and column the held latents fall in
+    held = held.reshape(-1)
+    assert (want[held] == 0).all() and (want[~held] > 0).all()
+    wrapped = hand_row_values(mask, circular)  # the circular pad reads the first row / column there instead
+    assert (wrapped[held] > 0).all() and torch.equal(wrapped[~held], want[~held])
+
+    start = MaskedStart(torch.randn(24, 7, 3, 5), torch.randn(2, 32, 37), mask, torch.ones(2, 37))
+    assert torch.equal(patch_row_mask(mask), want) and torch.equal(start.video_row_mask(), want)
+
+    common = dict(frames=22, width=80, height=48, steps=3, seed=4)
+    plain = seen_timesteps(dit, **common)
+    masked = seen_timesteps(dit, start=start, **common)
+    assert len(masked) == len(plain) == 3
+    for (t_plain, _), (t_rows, _) in zip(plain, masked):
+        t = float(t_plain[0])  # the stream's timestep, every row of the unmasked run
+        assert torch.equal(t_plain, torch.full_like(t_plain, t))
+        pin = max(t, 0.999)
+        sigma = 1.0 - t
+        assert torch.equal(t_rows[held], torch.full((int(held.sum()),), pin))
+        torch.testing.assert_close(t_rows, (1.0 - want * sigma).clamp(max=pin), rtol=0, atol=1e-6)
+        if sigma > 1e-3:  # the circular pad would have regenerated them
+            assert ((1.0 - wrapped[held] * sigma).clamp(max=pin) < pin - 1e-4).all()
+
+
+def test_a_mask_at_or_above_0_999_runs_the_unmasked_timesteps(dit):
+    video, audio = torch.randn(24, 7, 2, 4), torch.randn(2, 32, 37)
+    almost = MaskedStart(video, audio, torch.full((7, 2, 4), 0.9995), torch.full((2, 37), 0.9995))
+    assert almost.video_row_mask() is None and almost.audio_row_mask() is None
+    plain = seen_timesteps(dit, frames=22, **COMMON)
+    masked = seen_timesteps(dit, frames=22, start=almost, **COMMON)
+    assert len(masked) == len(plain) == COMMON["steps"]
+    for (v_plain, a_plain), (v_rows, a_rows) in zip(plain, masked):
+        assert torch.equal(v_rows, v_plain) and torch.equal(a_rows, a_plain)
+
+    # one element of a patch below 0.999: the 2x2 max still reaches it, fully generated
+    one_cell = torch.full((7, 2, 4), 0.9995)
+    one_cell[3, 0, 0] = 0.998
+    assert MaskedStart(video, audio, one_cell, torch.ones(2, 37)).video_row_mask() is None
+
+    # a whole patch (video) or one audio latent (audio) at 0.998: masked, each stream on its own
+    video_mask = torch.full((7, 2, 4), 0.9995)
+    video_mask[3, :, :2] = 0.998
+    audio_mask = torch.full((2, 37), 0.9995)
+    audio_mask[1, 20] = 0.998
+    for start, video_masked in (
+        (MaskedStart(video, audio, video_mask, torch.full((2, 37), 0.9995)), True),
+        (MaskedStart(video, audio, torch.full((7, 2, 4), 0.9995), audio_mask), False),
+    ):
+        assert (start.video_row_mask() is None) != video_masked and (start.audio_row_mask() is None) == video_masked
+        masked = seen_timesteps(dit, frames=22, start=start, **COMMON)
+        (v_plain, a_plain), (v_rows, a_rows) = plain[0], masked[0]  # step 0: sigma 1, t 0
+        # a masked stream's rows all follow 1 - m · sigma, its 0.9995 rows included
+        if video_masked:
+            assert not torch.equal(v_rows, v_plain) and torch.equal(a_rows, a_plain)
+            torch.testing.assert_close(v_rows, 1.0 - hand_row_values(video_mask, replicate), rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(v_rows, v_plain) and not torch.equal(a_rows, a_plain)
+            torch.testing.assert_close(a_rows, 1.0 - audio_mask.reshape(-1), rtol=0, atol=1e-6)
