@@ -12,6 +12,7 @@ from .keyframes import H3AddKeyframe
 from .loaders import H3AudioVAELoader, H3DiTLoader, H3PromptEmbeddingLoader, H3TextEncoderLoader, H3VideoVAELoader
 from .lora import H3LoraLoader
 from .multi_gpu import H3MultiGPU
+from .native_vdn import H3VDNPatch
 from .references import H3AddReference, H3LoadAudio
 from .regenerate import H3ExtendOrInpaint
 from .sampler import H3Sampler
@@ -19,6 +20,7 @@ from .save import H3SaveVideo
 from .text import H3TextEncode
 
 NODES = [
+    H3VDNPatch,
     H3DiTLoader,
     H3LoraLoader,
     H3MultiGPU,

@@ -341,8 +341,9 @@ class FinalLayer(nn.Module):
         return head(video_seg, self.video_out), head(audio_seg, self.audio_out)
 
 
-class NativeH3Model(nn.Module):
-    """``MiniMaxH3Model`` (parameter names as the host's, so its state dict is a native checkpoint's)."""
+class MiniMaxH3Model(nn.Module):
+    """The host's ``MiniMaxH3Model``, by name too (parameter names as the host's, so its state dict is a native
+    checkpoint's)."""
 
     def __init__(
         self, hidden, layers, heads, head_dim, ffn, text_dim, freq_dim, time_hidden, time_embed, rope_freqs,

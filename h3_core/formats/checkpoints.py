@@ -69,7 +69,15 @@ from .quantized_files import QuantizedView, quantized_view
 from .sizes import sizes_from_metadata
 from .vdn import BranchWeights, branch_layouts
 
-__all__ = ["DiTCheckpointInfo", "LoraSpec", "MergedLora", "LINEARS", "describe_dit_checkpoint", "load_h3_model"]
+__all__ = [
+    "DiTCheckpointInfo",
+    "LoraSpec",
+    "MergedLora",
+    "LINEARS",
+    "describe_dit_checkpoint",
+    "load_h3_model",
+    "load_branch_weights",
+]
 
 LOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LINEARS = ("dtype", "fp8")
@@ -557,6 +565,25 @@ def _load_dit(
     if curve is not None:
         model.layout += " (pruned AdaLN curves)"
     return model.eval()
+
+
+def load_branch_weights(path, cfg: DiTConfig, *, device="cpu", dtype: torch.dtype = torch.bfloat16) -> BranchWeights:
+    """VDN-H3's branch file alone (``BranchWeights``, named as the file names them), for a DiT of ``cfg``'s sizes
+    that is held elsewhere (a host's native H3 model). Checked from its header first: a DiT, another model size or
+    a file that is no branch is refused naming the input ``linear_branch``."""
+    _check_dtype(dtype)
+    info = _describe_role("linear_branch", path, replace(cfg, hybrid=False), None, want_branch=True)
+    if needs_layers(info):
+        raise H3InputError(
+            f"linear_branch: {info.path} is quantised ({', '.join(f'{k}: {n}' for k, n in info.quantization)}); "
+            "the branch loads from a bf16, fp16 or fp32 file"
+        )
+    with torch.device("meta"):
+        branch = BranchWeights(replace(cfg, hybrid=False))
+    branch.layout = load_into(
+        branch, info.path, branch_layouts(), what="VDN-H3 linear branch", device=device, dtype=dtype
+    )
+    return branch.eval()
 
 
 def _load_vdn(

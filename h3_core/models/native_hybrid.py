@@ -250,17 +250,18 @@ class NativeVDN:
             on_window_run=self._on_run,
         )
 
-    def block_patch(self, index: int) -> "NativeBlockPatch":
-        return NativeBlockPatch(self, index)
+    def block_patch(self, index: int, previous=None) -> "NativeBlockPatch":
+        return NativeBlockPatch(self, index, previous)
 
 
 class NativeBlockPatch:
     """The host's block replacement for block ``index`` (``patches_replace["dit"][("double_block", index)]``):
     called with the block's arguments and ``{"original_block": ...}``, it runs the original block with
-    ``attention=`` the hybrid attention."""
+    ``attention=`` the hybrid attention. A replacement already there (``previous``, another pack's) keeps
+    running: it is called in turn, and its ``original_block`` is the one that takes the hybrid attention."""
 
-    def __init__(self, vdn: NativeVDN, index: int):
-        self.vdn, self.index = vdn, index
+    def __init__(self, vdn: NativeVDN, index: int, previous=None):
+        self.vdn, self.index, self.previous = vdn, index, previous
 
     def __call__(self, args: dict, extra: dict) -> dict:
         layout = args.get("layout")
@@ -271,4 +272,12 @@ class NativeBlockPatch:
                 "the native H3 block published no layout (transformer_options['minimax_h3_layout']); VDN-H3 needs "
                 "a ComfyUI whose H3 model publishes it"
             )
-        return extra["original_block"]({**args, "attention": self.vdn.attention(self.index, layout)})
+        attention = self.vdn.attention(self.index, layout)
+        original = extra["original_block"]
+
+        def hybrid_block(block_args):
+            return original({**block_args, "attention": attention})
+
+        if self.previous is None:
+            return hybrid_block(args)
+        return self.previous(args, {**extra, "original_block": hybrid_block})

@@ -5,7 +5,7 @@ latent grid."""
 
 import pytest
 import torch
-from native_h3_protocol import NativeH3Model, PackedLayout, audio_to_rows, pad_circular, row_mask, to_rows
+from native_h3_protocol import MiniMaxH3Model, PackedLayout, audio_to_rows, pad_circular, row_mask, to_rows
 
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
@@ -41,7 +41,7 @@ def pack_model():
 
 def native_pair(pack: H3DiT):
     """The native model holding the pack model's weights, and the branch file's tensors (as the file names them)."""
-    native = NativeH3Model(
+    native = MiniMaxH3Model(
         CFG.hidden, CFG.layers, CFG.heads, CFG.head_dim, CFG.ffn, CFG.text_dim, CFG.freq_dim, CFG.time_hidden,
         CFG.time_embed, CFG.rope_freqs,
     ).double()  # fmt: skip

@@ -4,6 +4,7 @@ memory so that a run meets an out-of-memory. Never shipped. Each probe takes opt
 to be placed after the nodes whose outputs it takes, and passes a model through."""
 
 import comfy.model_management as mm
+import torch
 
 
 class AnyType(str):
@@ -327,7 +328,143 @@ class H3ProbeKeep:
         return {}
 
 
+def _native_protocol():
+    """The tests' re-derivation of ComfyUI's native H3 model (``tests/native_h3_protocol.py``)."""
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[2])
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import native_h3_protocol
+
+    return native_h3_protocol
+
+
+class _NativeHolder(torch.nn.Module):
+    """What the host's ModelPatcher holds for a diffusion model (its ``BaseModel``): the model as
+    ``diffusion_model``, in fp32 here."""
+
+    def __init__(self, diffusion_model):
+        super().__init__()
+        self.diffusion_model = diffusion_model
+        self.manual_cast_dtype = None
+
+    def get_dtype(self):
+        return torch.float32
+
+
+class H3ProbeNativeH3(_Probe):
+    """A host MODEL holding the re-derived native H3 model (``native_h3_protocol.MiniMaxH3Model``) with the base
+    weights of the pack's DiT ``h3_model`` (loaded without a branch), in fp32, in the host's own ModelPatcher: the
+    MODEL ComfyUI's own H3 loader gives, for a host without native H3."""
+
+    RETURN_TYPES = ("MODEL",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"h3_model": ("H3_MODEL",)}}
+
+    def probe(self, h3_model, **_):
+        import comfy.model_patcher
+
+        native = _native_protocol()
+        dit = h3_model.model
+        cfg = dit.cfg
+        model = native.MiniMaxH3Model(
+            cfg.hidden, cfg.layers, cfg.heads, cfg.head_dim, cfg.ffn, cfg.text_dim, cfg.freq_dim, cfg.time_hidden,
+            cfg.time_embed, cfg.rope_freqs, refiner_layers=cfg.refiner_layers,
+        )  # fmt: skip
+        model.load_state_dict({k: v.float() for k, v in dit.state_dict().items()})
+        holder = _NativeHolder(model.eval())
+        patcher = comfy.model_patcher.ModelPatcher(holder, load_device=mm.get_torch_device(),
+                                                   offload_device=mm.unet_offload_device())  # fmt: skip
+        return {"ui": {"native": [{"blocks": cfg.layers}]}, "result": (patcher,)}
+
+
+class H3ProbeOtherModel(_Probe):
+    """A host MODEL that is not MiniMax H3: one linear layer as its diffusion model."""
+
+    RETURN_TYPES = ("MODEL",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"tag": ("STRING", {"default": ""})}}
+
+    def probe(self, tag, **_):
+        import comfy.model_patcher
+
+        holder = _NativeHolder(torch.nn.Linear(4, 4))
+        patcher = comfy.model_patcher.ModelPatcher(holder, load_device=mm.get_torch_device(),
+                                                   offload_device=mm.unet_offload_device())  # fmt: skip
+        return {"ui": {"other": [tag]}, "result": (patcher,)}
+
+
+class H3ProbeNativeEvaluate(_Probe):
+    """One evaluation of the (patched) native ``model`` after the host loads it (``load_models_gpu``, which also
+    loads what its block replacements' ``models()`` give), beside the pack's own DiT ``h3_model`` (VDN-H3, loaded
+    with the branch) in fp32 on the same T2VA request (``frames`` latent frames of 2x4 latents): the largest
+    difference of the two velocities, and the host's loaded models."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "h3_model": ("H3_MODEL",), "frames": ("INT", {"default": 12})}}
+
+    def probe(self, model, h3_model, frames, **_):
+        import copy
+
+        native = _native_protocol()
+        pack_module = type(h3_model.model).__module__.rsplit(".models.", 1)[0]  # <pack>.h3_core
+        import importlib
+
+        packing = importlib.import_module(pack_module + ".pipeline.packing")
+        hybrid = importlib.import_module(pack_module + ".models.hybrid")
+        layout_mod = importlib.import_module(pack_module + ".attention.layout")
+        mm.load_models_gpu([model])
+        loaded = [type(m.model.model).__name__ for m in mm.current_loaded_models if m.model is not None]
+        device = mm.get_torch_device()
+        g = torch.Generator().manual_seed(3)
+        cfg = h3_model.model.cfg
+        video = torch.randn(1, cfg.video_channels, frames, 2, 4, generator=g)
+        audio = torch.randn(1, cfg.audio_channels, 2, 7, generator=g)
+        text = torch.randn(1, 5, cfg.text_dim, generator=g)
+        sigma = 0.6
+        options = copy.copy(model.model_options.get("transformer_options", {}))
+        diffusion = model.model.diffusion_model
+        with torch.no_grad():
+            out_video, out_audio = diffusion(
+                [video.to(device), audio.to(device)], torch.tensor([sigma * 1000.0]), text.to(device), options
+            )
+        layout = options["minimax_h3_layout"]
+        packed = packing.pack_sequence(torch.ones(5, dtype=torch.long), frames, 2, 4, 7)
+        t_v = 1.0 - float(torch.tensor(sigma, dtype=torch.float32))
+        base = (1.0 - t_v) / (12.0 + (1.0 - t_v) * (1.0 - 12.0))
+        t_a = 1.0 - 3.0 * base / (1.0 + 2.0 * base)
+        levels = torch.tensor(sorted({t_v, t_a}), dtype=torch.float64)
+        per_row = torch.full((layout.seq_len,), levels.tolist().index(t_v))
+        a, b, _ = layout.segments[-2]
+        per_row[a:b] = levels.tolist().index(t_a)
+        pack_dit = copy.deepcopy(h3_model.model).float().to(device)
+        ctx = hybrid.HybridContext(packed.layout, layout_mod.WindowSpec(1, 5, "both"), "auto", (0, 5))
+        with torch.no_grad():
+            v_rows, a_rows = pack_dit(
+                native.to_rows(video).to(device), native.audio_to_rows(audio).to(device), text[0].to(device), levels,
+                per_row, *(t.to(device) for t in (packed.tags, packed.positions, packed.video_index,
+                                                   packed.audio_index, packed.text_index)), hybrid=ctx,
+            )  # fmt: skip
+        video_diff = (v_rows.cpu() + native.to_rows(out_video.cpu())).abs().max().item()
+        audio_diff = (a_rows.cpu() + native.audio_to_rows(out_audio.cpu())).abs().max().item()
+        scale = v_rows.abs().max().item()
+        return {
+            "ui": {"evaluate": [{"video": video_diff, "audio": audio_diff, "scale": scale, "loaded": loaded}]},
+            "result": (model,),
+        }
+
+
 NODE_CLASS_MAPPINGS = {
+    "H3ProbeNativeH3": H3ProbeNativeH3,
+    "H3ProbeNativeEvaluate": H3ProbeNativeEvaluate,
+    "H3ProbeOtherModel": H3ProbeOtherModel,
     "H3ProbeKeep": H3ProbeKeep,
     "H3ProbeNativeConditioning": H3ProbeNativeConditioning,
     "H3ProbeLoadedModels": H3ProbeLoadedModels,
