@@ -16,7 +16,8 @@ from ui_to_api import EMBEDDED_FILES, EMBEDDED_SIZE, SIZED_NODES, to_api
 playwright = pytest.importorskip("playwright.sync_api", reason="install the test requirements (tests/run.sh does)")
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
+# the pack's own workflows; h3_vdn_native_* need a host with native H3 (0.30 or later), which the test host is not
+WORKFLOWS = sorted(p for p in (ROOT / "workflows").glob("*.json") if "_native_" not in p.name)
 EARLIER = sorted((Path(__file__).resolve().parent / "earlier_workflows").glob("*.json"))
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [

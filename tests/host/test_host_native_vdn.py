@@ -76,3 +76,11 @@ def test_a_file_that_is_no_branch_is_refused_at_validation(server):
     assert f"linear_branch: '{TINY_DIT}' is an H3 DiT checkpoint, not VDN-H3's linear branch" in refused, answer
     entry = server.wait(answer["prompt_id"])
     assert "5" not in entry["outputs"]
+
+
+def test_the_patch_nodes_inputs_are_those_the_native_workflows_name(server):
+    from native_schema import PATCH_NODE
+
+    info = server.object_info()["H3VDNPatch"]
+    names = list(info["input"]["required"]) + list(info["input"].get("optional", {}))
+    assert names == [name for name, _ in PATCH_NODE[1]]

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 from ui_to_api import to_api
 
-WORKFLOWS = sorted((Path(__file__).resolve().parents[2] / "workflows").glob("*.json"))
+# the pack's own workflows; h3_vdn_native_* need a host with native H3 (0.30 or later), which the test host is not
+WORKFLOWS = sorted(
+    p for p in (Path(__file__).resolve().parents[2] / "workflows").glob("*.json") if "_native_" not in p.name
+)
 
 
 def test_the_examples_are_bundled():
