@@ -1,0 +1,244 @@
+"""One model evaluation of VDN-H3 two ways, holding the same weights, side by side in one process: the pack's own
+VDN-H3 DiT (``H3DiT``, plain and with its fused forms as a run sets them, ``policy.fuse_for``) and the host's
+native H3 model (the re-derived ``tests/native_h3_protocol.MiniMaxH3Model``) whose blocks are replaced by the
+H3 VDN-H3 Patch's ``NativeVDN.block_patch`` (its linear branches plain, and fused as ``fuse_branches`` sets them).
+
+Release geometry (345 frames: 102 latent frames of 48x84 latents, 1008 rows a frame, 575 audio latents per
+channel, 300 text rows) with ``--layers`` blocks of the released width (the full 50 do not fit twice, nor once
+with the activations, on an 80 GB card). The weights are random (``dit_step.random_model``, made on the device)
+and held once: the native model and its branch file's modules are built on meta and take the pack model's
+tensors (``load_state_dict(assign=True)``). Variants ``pack``, ``native``, ``pack-fused`` and
+``native-fused-branch``: each warmed up once, then timed ``--reps`` times (wall clock between device
+synchronisations), the pack and the native model of a pairing in turns, the first of each pair alternating from
+one repetition to the next; each variant's device peak over its timed evaluations (weights included); after the
+warm-up, how far the native model's video (and audio) velocity is from the pack's, relative to the pack's largest
+(and, as a yardstick of the rounding, how far the pack's fused path is from its plain one).
+The native model runs under ``torch.device`` (its tensors are made without a device, as the host's are on its
+own default device). ``--tiny``: the tiny model of ``tests/unit/test_native_patch.py`` on the CPU in fp32 (a dry
+run; the fused forms then run eager, ``fuse_for`` choosing none off CUDA).
+
+    python3 bench/vdn_patch.py --layers 8 --out vdn_patch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # the re-derived native model
+import dit_step
+import record
+from native_h3_protocol import MiniMaxH3Model, audio_to_rows, shifted_sigma, to_rows
+
+from h3_core.formats.vdn import BranchWeights
+from h3_core.memory.policy import fuse_for
+from h3_core.models.dit import DiTConfig
+from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
+from h3_core.models.native_hybrid import NativeHybridSettings, NativeVDN
+from h3_core.models.run_options import fuse_blocks, fuse_branches
+from h3_core.pipeline.geometry import audio_latents, latent_frames
+from h3_core.pipeline.noise import row_timesteps
+from h3_core.pipeline.packing import pack_sequence
+
+GiB = record.GiB
+HYBRID_PARTS = ("softmax_gate", "to_out_linear", "linear_attention")
+PAIRS = (("pack", "native"), ("pack-fused", "native-fused-branch"))
+TINY_CFG = DiTConfig(
+    hidden=24, layers=2, heads=3, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12, time_embed=10,
+    rope_freqs=2, hybrid=True,
+)  # fmt: skip  # tests/unit/test_native_patch.py's CFG
+
+
+def geometry(args) -> dict:
+    if args.tiny:
+        return dict(cfg=TINY_CFG, text=args.text or 5, latent_t=12, height=2, width=4, audio_t=7)
+    cfg = DiTConfig(hybrid=True)
+    frames = latent_frames(args.frames)
+    return dict(
+        cfg=cfg, text=args.text or 300, latent_t=frames, height=48, width=84, audio_t=audio_latents(args.frames)
+    )
+
+
+def native_twin(pack, cfg: DiTConfig):
+    """The native model and the branch file's modules (``BranchWeights``, as the file names them) holding the pack
+    model's tensors themselves: built on meta, the tensors assigned."""
+    with torch.device("meta"):
+        native = MiniMaxH3Model(
+            cfg.hidden, cfg.layers, cfg.heads, cfg.head_dim, cfg.ffn, cfg.text_dim, cfg.freq_dim, cfg.time_hidden,
+            cfg.time_embed, cfg.rope_freqs, refiner_layers=cfg.refiner_layers, eps=cfg.eps,
+        )  # fmt: skip
+        branch = BranchWeights(cfg)
+    state = pack.state_dict()
+    hybrid = {k for k in state if any(f".attn.{part}." in k for part in HYBRID_PARTS)}
+    native.load_state_dict({k: v for k, v in state.items() if k not in hybrid}, assign=True)
+    branch.load_state_dict({k.replace("blocks.", "transformer_blocks.", 1): state[k] for k in hybrid}, assign=True)
+    shared = native.blocks[0].attn.qkv_proj.weight.data_ptr() == pack.blocks[0].attn.qkv_proj.weight.data_ptr()
+    shared &= branch.transformer_blocks[0].attn.to_out_linear.weight.data_ptr() == (
+        pack.blocks[0].attn.to_out_linear.weight.data_ptr()
+    )
+    return native.eval(), branch.eval(), shared
+
+
+def requests(setup, device, dtype, sigma: float, shifts: tuple[float, float]):
+    """The same T2VA request for both: the native model's latents, timestep and context, and the pack DiT's
+    rows in its index order with the per-row timesteps the native model forms from that timestep."""
+    cfg, text = setup["cfg"], setup["text"]
+    packed = pack_sequence(
+        torch.ones(text, dtype=torch.long), setup["latent_t"], setup["height"], setup["width"], setup["audio_t"]
+    )
+    g = torch.Generator().manual_seed(0)
+    video = torch.randn(1, cfg.video_channels, setup["latent_t"], setup["height"], setup["width"], generator=g)
+    audio = torch.randn(1, cfg.audio_channels, 2, setup["audio_t"], generator=g)
+    context = torch.randn(1, text, cfg.text_dim, generator=g).to(device, dtype)
+    video, audio = video.to(device), audio.to(device)
+    timestep = torch.tensor([sigma * 1000.0], dtype=torch.float32, device=device)
+    sigma_v = float((timestep[0] / 1000.0).clamp(min=1e-6))  # as the native model reads it
+    timesteps, index = row_timesteps(packed, 1.0 - sigma_v, 1.0 - shifted_sigma(sigma_v, *shifts))
+    pack_args = (to_rows(video), audio_to_rows(audio), context[0], timesteps.to(device), index.to(device))
+    return packed, pack_args + packed.model_inputs(device), ([video, audio], timestep, context)
+
+
+def timed(fn, cuda: bool):
+    """``fn()``, its wall seconds between device synchronisations and the device's peak during it (GiB)."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return out, seconds, torch.cuda.max_memory_allocated() / GiB if cuda else None
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=None, help="DiT blocks (8; --tiny: 2)")
+    parser.add_argument("--frames", type=int, default=345, help="video frames, 17k + 5 (release geometry)")
+    parser.add_argument("--text", type=int, default=None, help="text rows (300; --tiny: 5)")
+    parser.add_argument("--sigma", type=float, default=0.6, help="the step's noise level (sets the timesteps)")
+    parser.add_argument("--reps", type=int, default=None, help="timed evaluations per variant (3; --tiny: 1)")
+    parser.add_argument(
+        "--fused",
+        default=None,
+        choices=("eager", "compiled"),
+        help="the fused forms' mode (default: what policy.fuse_for sets for a run: compiled on CUDA with Triton; "
+        "eager where it sets none)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="test_native_patch's tiny model on the CPU, fp32")
+    parser.add_argument("--out", type=Path, default=None)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    setup = geometry(args)
+    layers = args.layers or (setup["cfg"].layers if args.tiny else 8)
+    cfg = setup["cfg"] = replace(setup["cfg"], layers=layers)
+    reps = args.reps or (1 if args.tiny else 3)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+
+    torch.manual_seed(0)  # the weights (drawn on the device)
+    pack = dit_step.random_model(cfg, device, dtype)
+    native, branch, shared = native_twin(pack, cfg)
+    mode = args.fused or fuse_for(pack, device) or "eager"
+    weights_gib = torch.cuda.memory_allocated() / GiB if cuda else None
+    shifts = (native.sigma_shift_video, native.sigma_shift_audio)
+    packed, pack_args, native_args = requests(setup, device, dtype, args.sigma, shifts)
+    windows = {name: [] for pair in PAIRS for name in pair}  # what each variant's window softmax ran
+    contexts = {
+        name: HybridContext(packed.layout, RELEASE_WINDOW, "auto", (0, setup["text"]), windows[name].append)
+        for name in ("pack", "pack-fused")
+    }
+    options = {}
+    for name in ("native", "native-fused-branch"):
+        vdn = NativeVDN(
+            native, branch, NativeHybridSettings(RELEASE_WINDOW, "auto"), on_window_run=windows[name].append
+        )
+        options[name] = {"patches_replace": {"dit": {("double_block", i): vdn.block_patch(i) for i in range(layers)}}}
+
+    def run(name):
+        if name.startswith("pack"):
+            fuse_blocks(pack, mode if name == "pack-fused" else None)
+            return pack(*pack_args, hybrid=contexts[name])
+        fuse_branches(branch, mode if name == "native-fused-branch" else None)
+        with torch.device(device):  # the native model makes its tensors on the default device
+            return native(*native_args, options[name])
+
+    names = [name for pair in PAIRS for name in pair]
+    stats = {name: dict(times_s=[], peaks_gib=[]) for name in names}
+    agreement, plain = {}, None
+    with torch.inference_mode():
+        for pack_name, native_name in PAIRS:
+            outs = {}
+            for name in (pack_name, native_name):
+                outs[name], stats[name]["first_s"], _ = timed(lambda: run(name), cuda)
+            (pv, pa), (video, audio) = outs[pack_name], outs[native_name]
+            nv, na = to_rows(-video), audio_to_rows(-audio)  # the host's output is the negated velocity
+            agreement[f"{native_name} vs {pack_name}"] = dict(video=relative(nv, pv), audio=relative(na, pa))
+            if plain is not None:  # a yardstick: the pack's own two paths, rounded differently
+                agreement["pack-fused vs pack"] = dict(video=relative(pv, plain[0]), audio=relative(pa, plain[1]))
+            plain = (pv, pa)
+            del outs, pv, pa, video, audio, nv, na
+        del plain
+        if cuda:
+            torch.cuda.empty_cache()
+        for rep in range(reps):
+            for pair in PAIRS:
+                for name in pair if rep % 2 == 0 else pair[::-1]:
+                    seconds, peak = timed(lambda: run(name), cuda)[1:]  # the output dropped before the next
+                    stats[name]["times_s"].append(seconds)
+                    stats[name]["peaks_gib"].append(peak)
+    variants = {}
+    for name in names:
+        times, peaks = stats[name]["times_s"], stats[name]["peaks_gib"]
+        variants[name] = dict(
+            seconds=statistics.median(times),
+            spread_s=max(times) - min(times),
+            times_s=times,
+            first_s=stats[name]["first_s"],
+            peak_gib=max(peaks) if cuda else None,
+            window_backend=windows[name][-1].backend if windows[name] else None,
+            window_kernel=windows[name][-1].kernel if windows[name] else None,
+        )
+    result = dict(
+        record.header("vdn_patch.py", argv),
+        triton=triton_version,
+        args=dict(vars(args), out=str(args.out) if args.out else None, layers=layers, reps=reps),
+        rows=int(packed.positions.shape[0]),
+        geometry={k: v for k, v in setup.items() if k != "cfg"},
+        dtype=str(dtype).removeprefix("torch."),
+        fused_mode=mode,
+        weights_shared=bool(shared),
+        weights_gib=weights_gib,
+        agreement=agreement,
+        variants=variants,
+        ratio_native_over_pack={
+            f"{native_name} / {pack_name}": variants[native_name]["seconds"] / variants[pack_name]["seconds"]
+            for pack_name, native_name in PAIRS
+        },
+    )
+    print(record.write(result, args.out))
+    return result
+
+
+if __name__ == "__main__":
+    main()
