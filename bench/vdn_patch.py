@@ -35,9 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))  # the re-derived native model
+sys.path.insert(0, str(ROOT / "tests" / "unit"))  # the tiny model's sizes
 import dit_step
 import record
-from native_h3_protocol import MiniMaxH3Model, audio_to_rows, shifted_sigma, to_rows
+import tiny_dit
+from native_h3_protocol import audio_to_rows, native_for, shifted_sigma, split_pack_state, to_rows
 
 from h3_core.formats.vdn import BranchWeights
 from h3_core.memory.policy import fuse_for
@@ -50,12 +52,8 @@ from h3_core.pipeline.noise import row_timesteps
 from h3_core.pipeline.packing import pack_sequence
 
 GiB = record.GiB
-HYBRID_PARTS = ("softmax_gate", "to_out_linear", "linear_attention")
 PAIRS = (("pack", "native"), ("pack-fused", "native-fused-branch"))
-TINY_CFG = DiTConfig(
-    hidden=24, layers=2, heads=3, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12, time_embed=10,
-    rope_freqs=2, hybrid=True,
-)  # fmt: skip  # tests/unit/test_native_patch.py's CFG
+TINY_CFG = replace(tiny_dit.CFG, hybrid=True)  # tests/unit/test_native_patch.py's
 
 
 def geometry(args) -> dict:
@@ -72,15 +70,10 @@ def native_twin(pack, cfg: DiTConfig):
     """The native model and the branch file's modules (``BranchWeights``, as the file names them) holding the pack
     model's tensors themselves: built on meta, the tensors assigned."""
     with torch.device("meta"):
-        native = MiniMaxH3Model(
-            cfg.hidden, cfg.layers, cfg.heads, cfg.head_dim, cfg.ffn, cfg.text_dim, cfg.freq_dim, cfg.time_hidden,
-            cfg.time_embed, cfg.rope_freqs, refiner_layers=cfg.refiner_layers, eps=cfg.eps,
-        )  # fmt: skip
-        branch = BranchWeights(cfg)
-    state = pack.state_dict()
-    hybrid = {k for k in state if any(f".attn.{part}." in k for part in HYBRID_PARTS)}
-    native.load_state_dict({k: v for k, v in state.items() if k not in hybrid}, assign=True)
-    branch.load_state_dict({k.replace("blocks.", "transformer_blocks.", 1): state[k] for k in hybrid}, assign=True)
+        native, branch = native_for(cfg), BranchWeights(cfg)
+    native_state, branch_state = split_pack_state(pack.state_dict())
+    native.load_state_dict(native_state, assign=True)
+    branch.load_state_dict(branch_state, assign=True)
     shared = native.blocks[0].attn.qkv_proj.weight.data_ptr() == pack.blocks[0].attn.qkv_proj.weight.data_ptr()
     shared &= branch.transformer_blocks[0].attn.to_out_linear.weight.data_ptr() == (
         pack.blocks[0].attn.to_out_linear.weight.data_ptr()

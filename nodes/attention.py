@@ -98,7 +98,7 @@ class H3AttentionSettings(io.ComfyNode):
         return verdict(
             lambda: check_choice("window_backend", window_backend, BACKENDS),
             lambda: check_choice("attention_precision", attention_precision, PRECISIONS),
-            lambda: _precision_fits(attention_precision, window_backend),
+            lambda: precision_fits(attention_precision, window_backend),
             lambda: check_choice("video_vae_attention", video_vae_attention, VAE_BACKENDS),
             lambda: check_choice("audio_vae_attention", audio_vae_attention, VAE_BACKENDS),
             lambda: check_choice("memory_mode", memory_mode, MEMORY_MODES),
@@ -123,7 +123,7 @@ class H3AttentionSettings(io.ComfyNode):
         return io.NodeOutput(settings)
 
 
-def _precision_fits(precision, backend) -> None:
+def precision_fits(precision, backend) -> None:
     """fp8 with the flex backend is refused at validation (both inputs are known then); links are checked later."""
     if precision in PRECISIONS and backend in BACKENDS:
         check_precision(precision, backend)

@@ -16,6 +16,7 @@ from ..h3_core.attention.window import BACKENDS, PRECISIONS, check_precision
 from ..h3_core.errors import H3InputError
 from ..h3_core.models.hybrid import RELEASE_WINDOW
 from . import _host
+from .attention import precision_fits
 from .checks import check_choice, check_model_file, verdict
 
 NATIVE_CLASS = "MiniMaxH3Model"  # the host's H3 diffusion model (comfy.ldm.minimax.model)
@@ -100,14 +101,14 @@ class H3VDNPatch(io.ComfyNode):
                     min=0,
                     max=64,
                     tooltip="chunks seen on each side of a frame's own (1 as released)",
-                ),  # fmt: skip
+                ),
                 io.Int.Input(
                     "window_chunk",
                     default=RELEASE_WINDOW.chunk,
                     min=0,
                     max=64,
                     tooltip="latent frames per chunk (5 as released); 0: per-frame windows",
-                ),  # fmt: skip
+                ),
                 io.Combo.Input("window_anchors", options=list(ANCHOR_MODES), default=RELEASE_WINDOW.anchors),
                 io.Combo.Input(
                     "window_backend",
@@ -129,17 +130,13 @@ class H3VDNPatch(io.ComfyNode):
             lambda: check_choice("window_anchors", window_anchors, ANCHOR_MODES),
             lambda: check_choice("window_backend", window_backend, BACKENDS),
             lambda: check_choice("attention_precision", attention_precision, PRECISIONS),
-            lambda: (
-                attention_precision not in PRECISIONS
-                or window_backend not in BACKENDS
-                or check_precision(attention_precision, window_backend)
-            ),
+            lambda: precision_fits(attention_precision, window_backend),
             lambda: check_model_file("diffusion_models", linear_branch, "linear_branch", "linear_branch"),
         )
 
     @classmethod
-    def fingerprint_inputs(cls, linear_branch, **others):
-        return _host.file_version("diffusion_models", linear_branch), tuple(sorted(others.items(), key=str))
+    def fingerprint_inputs(cls, linear_branch, **_):
+        return _host.file_version("diffusion_models", linear_branch)
 
     @classmethod
     def execute(

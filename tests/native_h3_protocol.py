@@ -519,3 +519,23 @@ class MiniMaxH3Model(nn.Module):
         video_out = from_rows(v, latent_t, lat_h // 2, lat_w // 2, self.latents_dim, self.patch_size)
         video_out = video_out[:, :, :orig_t, :orig_h, :orig_w]
         return [-video_out.to(video_x.dtype), -rows_to_audio(a).to(audio_x.dtype)]
+
+
+# The parameters VDN-H3 adds to a block's attention: in the pack's own DiT under ``blocks.{i}.attn.``, in the
+# branch file under ``transformer_blocks.{i}.attn.``; the native model has none of them.
+BRANCH_PARTS = ("softmax_gate", "to_out_linear", "linear_attention")
+
+
+def native_for(cfg) -> MiniMaxH3Model:
+    """The native model of a pack ``DiTConfig``'s sizes (made on the default device, in its default dtype)."""
+    return MiniMaxH3Model(
+        cfg.hidden, cfg.layers, cfg.heads, cfg.head_dim, cfg.ffn, cfg.text_dim, cfg.freq_dim, cfg.time_hidden,
+        cfg.time_embed, cfg.rope_freqs, refiner_layers=cfg.refiner_layers, eps=cfg.eps,
+    )  # fmt: skip
+
+
+def split_pack_state(state: dict) -> tuple[dict, dict]:
+    """A VDN-H3 pack DiT's state dict as the native model's and the branch file's (keys as the file names them)."""
+    branch = {k for k in state if any(f".attn.{part}." in k for part in BRANCH_PARTS)}
+    native = {k: v for k, v in state.items() if k not in branch}
+    return native, {k.replace("blocks.", "transformer_blocks.", 1): state[k] for k in branch}

@@ -87,10 +87,9 @@ def published_layout(segments, signature, patch: tuple[int, int, int]) -> Native
             f"the native H3 layout's video segment has {v1 - v0} rows, but its signature gives {frames} frames of "
             f"{frame_h}x{frame_w} patches ({frames * frame_h * frame_w} rows)"
         )
-    seq_len = segments[-1][1] if segments else 0
     globals_ = tuple(Span(f"{kind}_{i}", a, b - a) for i, (a, b, kind) in enumerate(segments) if kind != "video")
     layout = SequenceLayout(
-        seq_len=seq_len,
+        seq_len=segments[-1][1],
         video=Span("video", v0, v1 - v0),
         num_frames=frames,
         tokens_per_frame=frame_h * frame_w,

@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from einops import rearrange
 
 from ..errors import H3InputError
 from .geometry import AUDIO_LATENTS_PER_SECOND, FPS
@@ -54,13 +53,7 @@ def patch_row_mask(mask: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) 
     """A video mask ``[T, h, w]`` → one value per row of the patch grid (t-major, as ``packing.patchify``), fp32:
     the mask padded at the end of each axis to whole patches by repeating its last frame, row and column
     (replicate, rule 1 of the module docstring), then the largest value of each patch."""
-    pt, ph, pw = patch
-    T, h, w = mask.shape
-    pads = (0, (-w) % pw, 0, (-h) % ph, 0, (-T) % pt)
-    padded = mask.float()
-    if any(pads):
-        padded = torch.nn.functional.pad(padded[None, None], pads, mode="replicate")[0, 0]
-    return rearrange(padded, "(t pt) (h ph) (w pw) -> (t h w) (pt ph pw)", pt=pt, ph=ph, pw=pw).amax(dim=1)
+    return patchify(pad_to_patch(mask.float()[None], patch, mode="replicate"), patch).amax(dim=1)
 
 
 def _unless_fully_generated(row_mask: torch.Tensor) -> torch.Tensor | None:

@@ -61,16 +61,19 @@ def patchify(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> 
     return rearrange(latents, "c (t pt) (h ph) (w pw) -> (t h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
 
 
-def pad_to_patch(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+def pad_to_patch(
+    latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2), mode: str = "circular"
+) -> torch.Tensor:
     """``[C, T, h, w]`` padded at the end of each axis to whole patches, circularly (the first frames, rows and
     columns again), as ComfyUI's native H3 pads a latent of odd size before it patchifies it
     (comfy/ldm/common_dit.py ``pad_to_patch_size``, called by comfy/ldm/minimax/model.py ``_forward`` at
-    Comfy-Org/ComfyUI 2c64d4aa). Unchanged (the same tensor) when it divides."""
+    Comfy-Org/ComfyUI 2c64d4aa); ``mode="replicate"`` repeats the last frame, row and column instead, as it pads
+    a denoise mask (``mask_row_values``). Unchanged (the same tensor) when it divides."""
     pads = [(p - n % p) % p for p, n in zip(patch, latents.shape[1:])]
     if not any(pads):
         return latents
     pt, ph, pw = pads
-    return torch.nn.functional.pad(latents[None], (0, pw, 0, ph, 0, pt), mode="circular")[0]
+    return torch.nn.functional.pad(latents[None], (0, pw, 0, ph, 0, pt), mode=mode)[0]
 
 
 def padded_size(height: int, width: int, patch: tuple[int, int, int] = (1, 2, 2)) -> tuple[int, int]:

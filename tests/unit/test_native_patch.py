@@ -3,14 +3,26 @@ pack's block patches equals the pack's own VDN-H3 DiT with the same weights, in 
 with keyframes at several frames, Ref2VA with image / video / audio references, a masked extension and an odd
 latent grid."""
 
+from dataclasses import replace
+
 import pytest
+import tiny_dit
 import torch
-from native_h3_protocol import MiniMaxH3Model, PackedLayout, audio_to_rows, pad_circular, row_mask, to_rows
+from native_h3_protocol import (
+    audio_to_rows,
+    from_rows,
+    native_for,
+    pad_circular,
+    row_mask,
+    shifted_sigma,
+    split_pack_state,
+    to_rows,
+)
 
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
 from h3_core.formats.vdn import BranchWeights
-from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.dit import H3DiT
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.native_hybrid import (
     NativeHybridSettings,
@@ -18,84 +30,27 @@ from h3_core.models.native_hybrid import (
     published_layout,
     split_half_norm_rope,
 )
+from h3_core.pipeline.noise import row_timesteps
 from h3_core.pipeline.packing import KeyframeSlot, Reference, pack_ref2va, pack_sequence
 
-CFG = DiTConfig(
-    hidden=24, layers=2, heads=3, head_dim=16, ffn=40, text_dim=20, freq_dim=8, time_hidden=12, time_embed=10,
-    rope_freqs=2, hybrid=True,
-)  # fmt: skip
+CFG = replace(tiny_dit.CFG, hybrid=True)
 WINDOW = WindowSpec(1, 2, "both")
 TEXT = 5
 SHIFTS = (12.0, 3.0)
 
 
-def pack_model():
-    torch.manual_seed(0)
-    m = H3DiT(CFG).double().eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3)
-        m.rope.inv_freq.copy_(1 / (10000 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)))
-    return m
-
-
 def native_pair(pack: H3DiT):
     """The native model holding the pack model's weights, and the branch file's tensors (as the file names them)."""
-    native = MiniMaxH3Model(
-        CFG.hidden, CFG.layers, CFG.heads, CFG.head_dim, CFG.ffn, CFG.text_dim, CFG.freq_dim, CFG.time_hidden,
-        CFG.time_embed, CFG.rope_freqs,
-    ).double()  # fmt: skip
-    branch = BranchWeights(CFG).double()
-    state = pack.state_dict()
-    hybrid = ("softmax_gate", "to_out_linear", "linear_attention")
-    native.load_state_dict({k: v for k, v in state.items() if not any(f".attn.{h}" in k for h in hybrid)})
-    branch.load_state_dict(
-        {
-            k.replace("blocks.", "transformer_blocks.", 1): v
-            for k, v in state.items()
-            if any(f".attn.{h}" in k for h in hybrid)
-        }
-    )
-    native.rope.inv_freq.copy_(pack.rope.inv_freq)
+    native, branch = native_for(CFG).double(), BranchWeights(CFG).double()
+    native_state, branch_state = split_pack_state(pack.state_dict())
+    native.load_state_dict(native_state)
+    branch.load_state_dict(branch_state)
     return native, branch
 
 
 def patched_options(native, branch, backend="ref"):
     vdn = NativeVDN(native, branch, NativeHybridSettings(WINDOW, backend))
     return {"patches_replace": {"dit": {("double_block", i): vdn.block_patch(i) for i in range(CFG.layers)}}}
-
-
-def segment_timesteps(sigma, pins=(0.999, 1.0)):
-    """Each native segment kind's timestep (ComfyUI's rule, written out here again): text and target video on the
-    video schedule, target audio on the audio one, condition and reference rows pinned (``pins``: the payload's
-    condition noise augmentation, 0.999 for video and 1 for audio unless it says otherwise)."""
-    sigma = float(torch.tensor(sigma, dtype=torch.float32))
-    t_v = 1.0 - sigma
-    base = sigma / (SHIFTS[0] + sigma * (1.0 - SHIFTS[0]))
-    t_a = 1.0 - SHIFTS[1] * base / (1.0 + (SHIFTS[1] - 1.0) * base)
-    vis, aud = pins
-    return {"text": t_v, "video": t_v, "audio": t_a, "cond": max(t_v, vis), "ref_img": max(t_v, vis),
-            "cond_audio": max(t_a, aud), "ref_audio": max(t_a, aud)}, t_v, t_a  # fmt: skip
-
-
-def pack_inputs(layout: PackedLayout, packed, rows, text, sigma, pins, rows_t=(None, None)):
-    """The pack DiT's arguments for the same request: rows in its index order, per-row timesteps by segment."""
-    (video_rows, audio_rows), (video_rows_t, audio_rows_t) = rows, rows_t
-    seg_t, t_v, t_a = segment_timesteps(sigma, pins)
-    per_row = torch.empty(layout.seq_len, dtype=torch.float64)
-    for a, b, kind in layout.segments:
-        per_row[a:b] = seg_t[kind]
-    if video_rows_t is not None:
-        a, b, _ = layout.segments[-1]
-        per_row[a:b] = video_rows_t.double()
-    if audio_rows_t is not None:
-        a, b, _ = layout.segments[-2]
-        per_row[a:b] = audio_rows_t.double()
-    levels, index = torch.unique(
-        torch.cat([per_row, torch.tensor([t_v, t_a], dtype=torch.float64)]), return_inverse=True
-    )
-    return (video_rows, audio_rows, text, levels, index[: layout.seq_len], packed.tags, packed.positions,
-            packed.video_index, packed.audio_index, packed.text_index)  # fmt: skip
 
 
 def compare(pack, native, branch, video, audio, text, sigma, packed, payload=None, masks=(None, None), tags=None):
@@ -130,8 +85,8 @@ def compare(pack, native, branch, video, audio, text, sigma, packed, payload=Non
     video_rows = torch.cat([r for r in (cond_video, to_rows(padded)) if r is not None])
     audio_rows = torch.cat([r for r in (cond_audio, audio_to_rows(audio)) if r is not None])
     video_rows_t = audio_rows_t = None
-    pins = (payload.get("visual_cond_noise_aug", 0.999), payload.get("audio_cond_noise_aug", 1.0))
-    _, t_v, t_a = segment_timesteps(sigma, pins)
+    sigma_v = float(timestep[0] / 1000.0)
+    t_v, t_a = 1.0 - sigma_v, 1.0 - shifted_sigma(sigma_v, *SHIFTS)
     if masks[0] is not None:
         m = row_mask(masks[0][0, 0].float(), *padded.shape[2:])
         if m is not None:
@@ -140,17 +95,21 @@ def compare(pack, native, branch, video, audio, text, sigma, packed, payload=Non
         m = masks[1][0, 0].float().reshape(-1)
         if not bool((m >= 0.999).all()):
             audio_rows_t = (1.0 - m * (1.0 - t_a)).clamp(max=max(t_a, 1.0))
-    args = pack_inputs(layout, packed, (video_rows, audio_rows), text[0], sigma, pins, (video_rows_t, audio_rows_t))
+    # the pack's per-row timesteps, condition and reference rows pinned at the payload's noise augmentation
+    n_cond_v, n_cond_a = video_rows.shape[0] - to_rows(padded).shape[0], audio_rows.shape[0] - audio.shape[-1] * 2
+    timesteps, index = row_timesteps(
+        packed, t_v, t_a, condition_audio_rows=n_cond_a, video_rows_t=video_rows_t, audio_rows_t=audio_rows_t,
+        condition_video_t=max(t_v, payload.get("visual_cond_noise_aug", 0.999)),
+        condition_audio_t=max(t_a, payload.get("audio_cond_noise_aug", 1.0)),
+    )  # fmt: skip
+    args = (video_rows, audio_rows, text[0], timesteps, index, *packed.model_inputs("cpu"))
     ctx = HybridContext(packed.layout, WINDOW, "ref", (0, text.shape[1]))
     with torch.no_grad():
         v_rows, a_rows = pack(*args, hybrid=ctx)
-    n_cond_v, n_cond_a = video_rows.shape[0] - to_rows(padded).shape[0], audio_rows.shape[0] - audio.shape[-1] * 2
     want_video = to_rows(pad_circular(-out_video)) if video.shape == padded.shape else None
     if want_video is not None:
         assert (v_rows[n_cond_v:] - want_video).abs().max() <= 1e-12
     else:  # an odd grid: the native output is cropped; compare the rows of the kept latents
-        from native_h3_protocol import from_rows
-
         full = from_rows(v_rows[n_cond_v:], *[s // p for s, p in zip(padded.shape[2:], (1, 2, 2))], 24)
         kept = full[:, :, : video.shape[2], : video.shape[3], : video.shape[4]]
         assert (kept + out_video).abs().max() <= 1e-12
@@ -171,7 +130,7 @@ def latents(frames, h, w, audio_t, seed=1):
 
 @pytest.fixture(scope="module")
 def models():
-    pack = pack_model()
+    pack = tiny_dit.model(hybrid=True)
     native, branch = native_pair(pack)
     return pack, native, branch
 

@@ -368,18 +368,12 @@ class H3ProbeNativeH3(_Probe):
     def probe(self, h3_model, **_):
         import comfy.model_patcher
 
-        native = _native_protocol()
-        dit = h3_model.model
-        cfg = dit.cfg
-        model = native.MiniMaxH3Model(
-            cfg.hidden, cfg.layers, cfg.heads, cfg.head_dim, cfg.ffn, cfg.text_dim, cfg.freq_dim, cfg.time_hidden,
-            cfg.time_embed, cfg.rope_freqs, refiner_layers=cfg.refiner_layers,
-        )  # fmt: skip
-        model.load_state_dict({k: v.float() for k, v in dit.state_dict().items()})
+        model = _native_protocol().native_for(h3_model.model.cfg)
+        model.load_state_dict({k: v.float() for k, v in h3_model.model.state_dict().items()})
         holder = _NativeHolder(model.eval())
         patcher = comfy.model_patcher.ModelPatcher(holder, load_device=mm.get_torch_device(),
                                                    offload_device=mm.unet_offload_device())  # fmt: skip
-        return {"ui": {"native": [{"blocks": cfg.layers}]}, "result": (patcher,)}
+        return {"ui": {"native": [{"blocks": len(model.blocks)}]}, "result": (patcher,)}
 
 
 class H3ProbeOtherModel(_Probe):
@@ -419,7 +413,7 @@ class H3ProbeNativeEvaluate(_Probe):
 
         packing = importlib.import_module(pack_module + ".pipeline.packing")
         hybrid = importlib.import_module(pack_module + ".models.hybrid")
-        layout_mod = importlib.import_module(pack_module + ".attention.layout")
+        noise = importlib.import_module(pack_module + ".pipeline.noise")
         mm.load_models_gpu([model])
         loaded = [type(m.model.model).__name__ for m in mm.current_loaded_models if m.model is not None]
         device = mm.get_torch_device()
@@ -435,23 +429,15 @@ class H3ProbeNativeEvaluate(_Probe):
             out_video, out_audio = diffusion(
                 [video.to(device), audio.to(device)], torch.tensor([sigma * 1000.0]), text.to(device), options
             )
-        layout = options["minimax_h3_layout"]
         packed = packing.pack_sequence(torch.ones(5, dtype=torch.long), frames, 2, 4, 7)
-        t_v = 1.0 - float(torch.tensor(sigma, dtype=torch.float32))
-        base = (1.0 - t_v) / (12.0 + (1.0 - t_v) * (1.0 - 12.0))
-        t_a = 1.0 - 3.0 * base / (1.0 + 2.0 * base)
-        levels = torch.tensor(sorted({t_v, t_a}), dtype=torch.float64)
-        per_row = torch.full((layout.seq_len,), levels.tolist().index(t_v))
-        a, b, _ = layout.segments[-2]
-        per_row[a:b] = levels.tolist().index(t_a)
+        sigma_v = float(torch.tensor(sigma, dtype=torch.float32))  # as the native model reads its timestep
+        levels, per_row = noise.row_timesteps(packed, 1.0 - sigma_v, 1.0 - native.shifted_sigma(sigma_v, 12.0, 3.0))
         pack_dit = copy.deepcopy(h3_model.model).float().to(device)
-        ctx = hybrid.HybridContext(packed.layout, layout_mod.WindowSpec(1, 5, "both"), "auto", (0, 5))
+        # the window the patch node's defaults give
+        ctx = hybrid.HybridContext(packed.layout, hybrid.RELEASE_WINDOW, "auto", (0, 5))
+        rows = (native.to_rows(video), native.audio_to_rows(audio), text[0], levels, per_row)
         with torch.no_grad():
-            v_rows, a_rows = pack_dit(
-                native.to_rows(video).to(device), native.audio_to_rows(audio).to(device), text[0].to(device), levels,
-                per_row, *(t.to(device) for t in (packed.tags, packed.positions, packed.video_index,
-                                                   packed.audio_index, packed.text_index)), hybrid=ctx,
-            )  # fmt: skip
+            v_rows, a_rows = pack_dit(*(t.to(device) for t in rows), *packed.model_inputs(device), hybrid=ctx)
         video_diff = (v_rows.cpu() + native.to_rows(out_video.cpu())).abs().max().item()
         audio_diff = (a_rows.cpu() + native.audio_to_rows(out_audio.cpu())).abs().max().item()
         scale = v_rows.abs().max().item()
