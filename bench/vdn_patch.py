@@ -1,17 +1,16 @@
 """One model evaluation of VDN-H3 two ways, holding the same weights, side by side in one process: the pack's own
 VDN-H3 DiT (``H3DiT``, plain and with its fused forms as a run sets them, ``policy.fuse_for``) and the host's
 native H3 model (the re-derived ``tests/native_h3_protocol.MiniMaxH3Model``) whose blocks are replaced by the
-H3 VDN-H3 Patch's ``NativeVDN.block_patch`` (its linear branches plain, and fused as ``fuse_branches`` sets them).
+H3 VDN-H3 Patch's ``NativeVDN.block_patch``, as the node sets them (the linear branches plain).
 
 Release geometry (345 frames: 102 latent frames of 48x84 latents, 1008 rows a frame, 575 audio latents per
 channel, 300 text rows) with ``--layers`` blocks of the released width (the full 50 do not fit twice, nor once
 with the activations, on an 80 GB card). The weights are random (``dit_step.random_model``, made on the device)
 and held once: the native model and its branch file's modules are built on meta and take the pack model's
-tensors (``load_state_dict(assign=True)``). Variants ``pack``, ``native``, ``pack-fused`` and
-``native-fused-branch``: each warmed up once, then timed ``--reps`` times (wall clock between device
-synchronisations), the pack and the native model of a pairing in turns, the first of each pair alternating from
-one repetition to the next; each variant's device peak over its timed evaluations (weights included); after the
-warm-up, how far the native model's video (and audio) velocity is from the pack's, relative to the pack's largest
+tensors (``load_state_dict(assign=True)``). Variants ``pack``, ``pack-fused`` and ``native``: each warmed up once,
+then timed ``--reps`` times (wall clock between device synchronisations), in turns, each variant first in one
+repetition of three; each variant's device peak over its timed evaluations (weights included); after the warm-up,
+how far the native model's video (and audio) velocity is from each of the pack's, relative to the pack's largest
 (and, as a yardstick of the rounding, how far the pack's fused path is from its plain one).
 The native model runs under ``torch.device`` (its tensors are made without a device, as the host's are on its
 own default device). ``--tiny``: the tiny model of ``tests/unit/test_native_patch.py`` on the CPU in fp32 (a dry
@@ -46,13 +45,16 @@ from h3_core.memory.policy import fuse_for
 from h3_core.models.dit import DiTConfig
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.native_hybrid import NativeHybridSettings, NativeVDN
-from h3_core.models.run_options import fuse_blocks, fuse_branches
+from h3_core.models.run_options import fuse_blocks
 from h3_core.pipeline.geometry import audio_latents, latent_frames
 from h3_core.pipeline.noise import row_timesteps
 from h3_core.pipeline.packing import pack_sequence
 
 GiB = record.GiB
-PAIRS = (("pack", "native"), ("pack-fused", "native-fused-branch"))
+VARIANTS = ("pack", "pack-fused", "native")
+# the native model against both forms of the pack's; the pack's fused form against its plain one, as a yardstick of
+# the rounding
+COMPARED = (("native", "pack"), ("native", "pack-fused"), ("pack-fused", "pack"))
 TINY_CFG = replace(tiny_dit.CFG, hybrid=True)  # tests/unit/test_native_patch.py's
 
 
@@ -156,52 +158,47 @@ def main(argv=None) -> dict:
     weights_gib = torch.cuda.memory_allocated() / GiB if cuda else None
     shifts = (native.sigma_shift_video, native.sigma_shift_audio)
     packed, pack_args, native_args = requests(setup, device, dtype, args.sigma, shifts)
-    windows = {name: [] for pair in PAIRS for name in pair}  # what each variant's window softmax ran
+    windows = {name: [] for name in VARIANTS}  # what each variant's window softmax ran
     contexts = {
         name: HybridContext(packed.layout, RELEASE_WINDOW, "auto", (0, setup["text"]), windows[name].append)
         for name in ("pack", "pack-fused")
     }
-    options = {}
-    for name in ("native", "native-fused-branch"):
-        vdn = NativeVDN(
-            native, branch, NativeHybridSettings(RELEASE_WINDOW, "auto"), on_window_run=windows[name].append
-        )
-        options[name] = {"patches_replace": {"dit": {("double_block", i): vdn.block_patch(i) for i in range(layers)}}}
+    vdn = NativeVDN(
+        native, branch, NativeHybridSettings(RELEASE_WINDOW, "auto"), on_window_run=windows["native"].append
+    )
+    options = {"patches_replace": {"dit": {("double_block", i): vdn.block_patch(i) for i in range(layers)}}}
 
     def run(name):
-        if name.startswith("pack"):
-            fuse_blocks(pack, mode if name == "pack-fused" else None)
-            return pack(*pack_args, hybrid=contexts[name])
-        fuse_branches(branch, mode if name == "native-fused-branch" else None)
-        with torch.device(device):  # the native model makes its tensors on the default device
-            return native(*native_args, options[name])
+        if name == "native":
+            with torch.device(device):  # the native model makes its tensors on the default device
+                return native(*native_args, options)
+        fuse_blocks(pack, mode if name == "pack-fused" else None)
+        return pack(*pack_args, hybrid=contexts[name])
 
-    names = [name for pair in PAIRS for name in pair]
-    stats = {name: dict(times_s=[], peaks_gib=[]) for name in names}
-    agreement, plain = {}, None
+    stats = {name: dict(times_s=[], peaks_gib=[]) for name in VARIANTS}
     with torch.inference_mode():
-        for pack_name, native_name in PAIRS:
-            outs = {}
-            for name in (pack_name, native_name):
-                outs[name], stats[name]["first_s"], _ = timed(lambda: run(name), cuda)
-            (pv, pa), (video, audio) = outs[pack_name], outs[native_name]
-            nv, na = to_rows(-video), audio_to_rows(-audio)  # the host's output is the negated velocity
-            agreement[f"{native_name} vs {pack_name}"] = dict(video=relative(nv, pv), audio=relative(na, pa))
-            if plain is not None:  # a yardstick: the pack's own two paths, rounded differently
-                agreement["pack-fused vs pack"] = dict(video=relative(pv, plain[0]), audio=relative(pa, plain[1]))
-            plain = (pv, pa)
-            del outs, pv, pa, video, audio, nv, na
-        del plain
+        outs = {}
+        for name in VARIANTS:
+            outs[name], stats[name]["first_s"], _ = timed(lambda: run(name), cuda)
+        video, audio = outs.pop("native")
+        outs["native"] = to_rows(-video), audio_to_rows(-audio)  # the host's output is the negated velocity
+        del video, audio
+        agreement = {
+            f"{got} vs {want}": dict(
+                video=relative(outs[got][0], outs[want][0]), audio=relative(outs[got][1], outs[want][1])
+            )
+            for got, want in COMPARED
+        }
+        del outs
         if cuda:
             torch.cuda.empty_cache()
         for rep in range(reps):
-            for pair in PAIRS:
-                for name in pair if rep % 2 == 0 else pair[::-1]:
-                    seconds, peak = timed(lambda: run(name), cuda)[1:]  # the output dropped before the next
-                    stats[name]["times_s"].append(seconds)
-                    stats[name]["peaks_gib"].append(peak)
+            for name in VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]:  # each variant first in turn
+                seconds, peak = timed(lambda: run(name), cuda)[1:]  # the output dropped before the next
+                stats[name]["times_s"].append(seconds)
+                stats[name]["peaks_gib"].append(peak)
     variants = {}
-    for name in names:
+    for name in VARIANTS:
         times, peaks = stats[name]["times_s"], stats[name]["peaks_gib"]
         variants[name] = dict(
             seconds=statistics.median(times),
@@ -225,8 +222,8 @@ def main(argv=None) -> dict:
         agreement=agreement,
         variants=variants,
         ratio_native_over_pack={
-            f"{native_name} / {pack_name}": variants[native_name]["seconds"] / variants[pack_name]["seconds"]
-            for pack_name, native_name in PAIRS
+            f"native / {name}": variants["native"]["seconds"] / variants[name]["seconds"]
+            for name in ("pack", "pack-fused")
         },
     )
     print(record.write(result, args.out))
