@@ -15,6 +15,7 @@ from ..h3_core.attention.layout import ANCHOR_MODES, WindowSpec
 from ..h3_core.attention.window import BACKENDS, PRECISIONS, check_precision
 from ..h3_core.errors import H3InputError
 from ..h3_core.models.hybrid import RELEASE_WINDOW
+from ..h3_core.triton_forms import COMPILE_MODES
 from . import _host
 from .attention import precision_fits
 from .checks import check_choice, check_model_file, verdict
@@ -118,16 +119,24 @@ class H3VDNPatch(io.ComfyNode):
                     "an explicit choice that cannot run is an error",
                 ),
                 io.Combo.Input("attention_precision", options=list(PRECISIONS), default="bf16"),
+                io.Combo.Input(
+                    "compile",
+                    options=list(COMPILE_MODES),
+                    default="auto",
+                    tooltip="auto: the linear branch fused and compiled where CUDA and Triton are present, the "
+                    "plain path if that fails (one log line says why); off: the plain path always",
+                ),
             ],
             outputs=[io.Model.Output(display_name="model")],
         )
 
     @classmethod
     def validate_inputs(
-        cls, linear_branch=None, window_anchors=None, window_backend=None, attention_precision=None, **_
+        cls, linear_branch=None, window_anchors=None, window_backend=None, attention_precision=None, compile=None, **_
     ):
         return verdict(
             lambda: check_choice("window_anchors", window_anchors, ANCHOR_MODES),
+            lambda: check_choice("compile", compile, COMPILE_MODES),
             lambda: check_choice("window_backend", window_backend, BACKENDS),
             lambda: check_choice("attention_precision", attention_precision, PRECISIONS),
             lambda: precision_fits(attention_precision, window_backend),
@@ -140,7 +149,15 @@ class H3VDNPatch(io.ComfyNode):
 
     @classmethod
     def execute(
-        cls, model, linear_branch, window_radius, window_chunk, window_anchors, window_backend, attention_precision
+        cls,
+        model,
+        linear_branch,
+        window_radius,
+        window_chunk,
+        window_anchors,
+        window_backend,
+        attention_precision,
+        compile="auto",
     ):
         import comfy.model_management as mm
         import comfy.model_patcher
@@ -175,7 +192,7 @@ class H3VDNPatch(io.ComfyNode):
         vdn = NativeVDN(
             diffusion,
             branch,
-            NativeHybridSettings(window, window_backend, attention_precision),
+            NativeHybridSettings(window, window_backend, attention_precision, compile),
             norm_rope=norm_rope if kitchen is not None else None,
             cast_weight=lambda weight, device: mm.cast_to(weight, device=device),
         )
@@ -187,6 +204,6 @@ class H3VDNPatch(io.ComfyNode):
         _host.say(
             f"VDN-H3 on the native H3 model: {path.name} ({branch.layout}, {dtype}) on {cfg.layers} blocks, window "
             f"radius {window.radius} chunk {window.chunk} anchors {window.anchors}, softmax {window_backend} "
-            f"{attention_precision}"
+            f"{attention_precision}, compile {compile}"
         )
         return io.NodeOutput(patched)

@@ -74,5 +74,6 @@ PATCH_NODE = (
         ("window_anchors", W),
         ("window_backend", W),
         ("attention_precision", W),
+        ("compile", W),
     ],  # fmt: skip
 )

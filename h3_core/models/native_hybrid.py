@@ -17,6 +17,7 @@ norm/rotation kernel and its weight casts — comes in as functions.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,7 +26,10 @@ import torch.nn as nn
 
 from ..attention.layout import SequenceLayout, Span, WindowSpec
 from ..errors import H3InputError
+from ..triton_forms import COMPILE_MODES, CompileFailure, plain_path
+from .branch_fused import compiled_branch_available
 from .hybrid import RELEASE_WINDOW, HybridContext, hybrid_attention_forward
+from .run_options import fuse_branches
 
 __all__ = [
     "NATIVE_SEGMENT_KINDS",
@@ -38,6 +42,9 @@ __all__ = [
     "NativeVDN",
     "NativeBlockPatch",
 ]
+
+log = logging.getLogger(__name__)
+_UNSET = object()
 
 # The segment kinds the native layout publishes; every kind but the target video is a global row.
 NATIVE_SEGMENT_KINDS = ("text", "cond", "cond_audio", "ref_img", "ref_audio", "audio", "video")
@@ -170,11 +177,18 @@ class NativeAttentionSource:
 
 @dataclass(frozen=True)
 class NativeHybridSettings:
-    """How the patched attention runs: the window, the window softmax backend and its precision."""
+    """How the patched attention runs: the window, the window softmax backend and its precision, and ``compile``
+    (``triton_forms.COMPILE_MODES``): ``"auto"`` runs the linear branch fused and compiled where CUDA and Triton
+    are present, ``"off"`` the plain path."""
 
     window: WindowSpec = RELEASE_WINDOW
     backend: str = "auto"
     precision: str = "bf16"
+    compile: str = "auto"
+
+    def __post_init__(self):
+        if self.compile not in COMPILE_MODES:
+            raise H3InputError(f"compile: got {self.compile!r}; allowed: {list(COMPILE_MODES)}")
 
 
 def native_block_attention(
@@ -186,9 +200,11 @@ def native_block_attention(
     norm_rope: NormRope | None = None,
     cast_weight: CastWeight | None = None,
     on_window_run=None,
+    run=hybrid_attention_forward,
 ):
     """The ``attention(h, rope_freqs=..., transformer_options=...)`` a native block calls in place of its own:
-    the hybrid attention over the block's weights and the branch ``parts``."""
+    the hybrid attention over the block's weights and the branch ``parts``; ``run`` calls
+    ``hybrid_attention_forward`` (``NativeVDN.run`` picks its compiled or plain form)."""
     source = NativeAttentionSource(attn, parts, norm_rope, cast_weight)
     ctx = HybridContext(
         native_layout.layout,
@@ -202,7 +218,7 @@ def native_block_attention(
     def attention(h, rope_freqs=None, transformer_options=None):
         if rope_freqs is None:
             raise H3InputError("the native H3 block gave its attention no rotation table; VDN-H3 needs RoPE")
-        return hybrid_attention_forward(source, h, rope_freqs, ctx)
+        return run(source, h, rope_freqs, ctx)
 
     return attention
 
@@ -211,7 +227,12 @@ class NativeVDN:
     """VDN-H3 on a native H3 model: for each block ``i`` a replacement (``block_patch(i)``) that runs the host's
     own block with the hybrid attention in place of its attention. ``model`` is the host's diffusion model (its
     ``blocks[i].attn`` and ``patch_size`` are read at call time, so whatever the host holds then is used);
-    ``branch`` the branch file's weights (``formats.vdn.BranchWeights``)."""
+    ``branch`` the branch file's weights (``formats.vdn.BranchWeights``).
+
+    With ``settings.compile == "auto"`` the branch runs fused and compiled where the rows' device compiles
+    (``branch_fused``). The compiled form belongs to this object: where it fails to compile or launch
+    (``CompileFailure``), the attention runs again from the same input on the plain path, one line says why, and
+    every later call runs plain (``compile_failed``)."""
 
     def __init__(
         self,
@@ -229,6 +250,29 @@ class NativeVDN:
         self.model, self.branch, self.settings = model, branch, settings
         self._norm_rope, self._cast, self._on_run = norm_rope, cast_weight, on_window_run
         self._last: tuple[object, NativeLayout] | None = None
+        self.compile_failed = False
+        self._branch_mode: object = _UNSET  # whatever the branch's modules hold until the first call sets it
+
+    def _branch_in(self, mode: str | None) -> None:
+        if mode != self._branch_mode:
+            fuse_branches(self.branch, mode)
+            self._branch_mode = mode
+
+    def run(self, source, h, rope, ctx):
+        """``hybrid_attention_forward(source, h, rope, ctx)``: compiled where it may, else plain."""
+        if self.settings.compile == "auto" and not self.compile_failed:
+            self._branch_in("compiled" if compiled_branch_available(h.device) else None)
+            try:
+                return hybrid_attention_forward(source, h, rope, ctx)
+            except CompileFailure as failure:
+                self.compile_failed = True
+                log.warning(
+                    "the compiled VDN-H3 patch failed (%s); its attention runs the plain path from now on",
+                    failure.describe(),
+                )
+        self._branch_in(None)
+        with plain_path():
+            return hybrid_attention_forward(source, h, rope, ctx)
 
     def layout_for(self, native_layout) -> NativeLayout:
         """The window softmax's layout for the native layout of the running evaluation (read once per layout)."""
@@ -247,6 +291,7 @@ class NativeVDN:
             norm_rope=self._norm_rope,
             cast_weight=self._cast,
             on_window_run=self._on_run,
+            run=self.run,
         )
 
     def block_patch(self, index: int, previous=None) -> "NativeBlockPatch":

@@ -16,6 +16,7 @@ def patch_inputs(model, **changes):
         "window_anchors": "both",
         "window_backend": "auto",
         "attention_precision": "bf16",
+        "compile": "auto",
     }
     return {**inputs, **changes}
 
