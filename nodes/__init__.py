@@ -10,7 +10,7 @@ from .decode_and_save import H3DecodeAndSave
 from .host_sampling import H3Scheduler
 from .keyframes import H3AddKeyframe
 from .loaders import H3AudioVAELoader, H3DiTLoader, H3PromptEmbeddingLoader, H3TextEncoderLoader, H3VideoVAELoader
-from .lora import H3LoraLoader
+from .lora import H3LoraLoader, H3LoraLoaderNative
 from .multi_gpu import H3MultiGPU
 from .native_vdn import H3VDNPatch
 from .references import H3AddReference, H3LoadAudio
@@ -21,6 +21,7 @@ from .text import H3TextEncode
 
 NODES = [
     H3VDNPatch,
+    H3LoraLoaderNative,
     H3DiTLoader,
     H3LoraLoader,
     H3MultiGPU,

@@ -77,6 +77,11 @@ class _HostBlockPatch:
     def cleanup(self):
         pass
 
+    def __deepcopy__(self, memo):
+        # Hosts before 0.38 deep-copy a MODEL's options on clone(); the patch holds the host's own model and the
+        # branch weights' patcher, which a copy must share (a copy of the model would miss its weight patches).
+        return self
+
 
 class H3VDNPatch(io.ComfyNode):
     @classmethod

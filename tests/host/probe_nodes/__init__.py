@@ -362,6 +362,10 @@ class H3ProbeNativeH3(_Probe):
     RETURN_TYPES = ("MODEL",)
 
     @classmethod
+    def IS_CHANGED(cls, **_):
+        return "the same"  # cached as a loader's output is: what follows it runs again only when its inputs change
+
+    @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"h3_model": ("H3_MODEL",)}}
 
@@ -398,13 +402,18 @@ class H3ProbeNativeEvaluate(_Probe):
     """One evaluation of the (patched) native ``model`` after the host loads it (``load_models_gpu``, which also
     loads what its block replacements' ``models()`` give), beside the pack's own DiT ``h3_model`` (VDN-H3, loaded
     with the branch) in fp32 on the same T2VA request (``frames`` latent frames of 2x4 latents): the largest
-    difference of the two velocities, and the host's loaded models."""
+    difference of the two velocities, and the host's loaded models. With ``lora_name``, the pack's DiT has that
+    LoRA merged at ``strength`` in fp32 by the library's ``merge_lora`` (the oracle of the host's weight patches on
+    ``model``)."""
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "h3_model": ("H3_MODEL",), "frames": ("INT", {"default": 12})}}
+        return {
+            "required": {"model": ("MODEL",), "h3_model": ("H3_MODEL",), "frames": ("INT", {"default": 12})},
+            "optional": {"lora_name": ("STRING", {"default": ""}), "strength": ("FLOAT", {"default": 1.0})},
+        }
 
-    def probe(self, model, h3_model, frames, **_):
+    def probe(self, model, h3_model, frames, lora_name="", strength=1.0, **_):
         import copy
 
         native = _native_protocol()
@@ -433,6 +442,12 @@ class H3ProbeNativeEvaluate(_Probe):
         sigma_v = float(torch.tensor(sigma, dtype=torch.float32))  # as the native model reads its timestep
         levels, per_row = noise.row_timesteps(packed, 1.0 - sigma_v, 1.0 - native.shifted_sigma(sigma_v, 12.0, 3.0))
         pack_dit = copy.deepcopy(h3_model.model).float().to(device)
+        if lora_name:
+            import folder_paths
+
+            lora = importlib.import_module(pack_module + ".formats.lora")
+            path = folder_paths.get_full_path_or_raise("loras", lora_name)
+            lora.merge_lora(pack_dit, lora.read_lora(path, strength))
         # the window the patch node's defaults give
         ctx = hybrid.HybridContext(packed.layout, hybrid.RELEASE_WINDOW, "auto", (0, 5))
         rows = (native.to_rows(video), native.audio_to_rows(audio), text[0], levels, per_row)
@@ -459,3 +474,303 @@ NODE_CLASS_MAPPINGS = {
     "H3ProbeLoadAnother": H3ProbeLoadAnother,
     "H3ProbePeakMemory": H3ProbePeakMemory,
 }
+
+
+# ---- a native H3 MODEL the host's own samplers run (tests/host/test_host_native_vdn_sampling.py) ---------------------
+#
+# ComfyUI 0.38 samples its MiniMax H3 model as a model_base ``MiniMaxH3`` (Comfy-Org/ComfyUI comfy/model_base.py at
+# 094c74c1): model type FLOW_AV, whose model_sampling is ``ModelSamplingAV`` + ``CONST`` (comfy/model_sampling.py at
+# 2fd20839: a discrete flow sampling at the video shift, with an ``audio_shift`` and ``audio_scale = shift /
+# audio_shift``); the latent is a nested (video [1, 24, T, h, w], audio [1, 32, 2, Ta]) pair, which the sampler
+# packs flat (``latent_shapes``), carrying the audio scaled onto the video schedule: ``process_latent_in`` multiplies
+# the packed audio slice by ``audio_scale``, ``process_latent_out`` divides it again, and the diffusion model's
+# ``forward`` (comfy/ldm/minimax/model.py at 01a56b76) reads the carried audio back at its own σ before its blocks
+# and turns the audio output into the carried latent's. ComfyUI 0.3.75 has the nested latent and the flat pack but
+# not the rest; ``_native_h3`` writes them again here, from reading them, for the tests only.
+
+_NATIVE_H3 = {}
+
+
+def _native_h3() -> dict:
+    """The stand-ins (made once): ``MiniMaxH3Model`` (the re-derived native model with the carried audio undone
+    around it), ``MiniMaxH3`` (the model_base), its ``config``, and ``record`` (the wrapper that gives it the
+    sampler's packed shapes)."""
+    if _NATIVE_H3:
+        return _NATIVE_H3
+    import math
+
+    import comfy.conds
+    import comfy.latent_formats
+    import comfy.model_base
+    import comfy.model_sampling
+    import comfy.nested_tensor
+    import comfy.supported_models_base
+
+    native = _native_protocol()
+
+    class MiniMaxH3AV(comfy.latent_formats.LatentFormat):
+        """``latent_formats.MiniMaxH3AV``: the video stream's geometry, 32 channels (the wider stream's), no
+        scaling. Without the preview factors: 0.3.75 hands preview callbacks the flat pack, not the nested pair."""
+
+        latent_channels = 32
+        latent_dimensions = 3
+        spacial_downscale_ratio = 16
+        temporal_downscale_ratio = 4
+        scale_factor = 1.0
+
+    class ModelSamplingAV(comfy.model_sampling.ModelSamplingDiscreteFlow):
+        """``ModelSamplingAV``: the video shift's flow sampling, and the audio stream's shift beside it."""
+
+        def __init__(self, model_config=None):
+            super().__init__(model_config)
+            settings = {} if model_config is None else model_config.sampling_settings
+            self.audio_shift = settings.get("audio_shift")
+
+        def set_parameters(self, shift=1.0, audio_shift=None, timesteps=1000, multiplier=1000):
+            self.audio_shift = audio_shift
+            super().set_parameters(shift=shift, timesteps=timesteps, multiplier=multiplier)
+
+        @property
+        def audio_scale(self):
+            return 1.0 if self.audio_shift is None else self.shift / self.audio_shift
+
+    class Sampling(ModelSamplingAV, comfy.model_sampling.CONST):
+        pass
+
+    class MiniMaxH3Config(comfy.supported_models_base.BASE):
+        """``supported_models.MiniMaxH3``'s settings."""
+
+        unet_config = {"image_model": "minimax_h3"}
+        sampling_settings = {"shift": 12.0, "audio_shift": 3.0}
+        memory_usage_factor = 0.17
+        latent_format = MiniMaxH3AV
+        supported_inference_dtypes = [torch.bfloat16, torch.float32]
+
+    class MiniMaxH3Model(native.MiniMaxH3Model):
+        """The re-derived native model (its ``forward`` is the host's ``_forward``) with what the host's ``forward``
+        adds around it: the audio the sampler carries, ``(σ_v / σ_a) · x_audio``, read back at its own σ, and the
+        audio output turned into the carried latent's (its derivative in σ_v), so that ``x − σ_v · output`` is
+        ``audio_scale`` times the audio's clean estimate."""
+
+        def forward(self, x, timestep, context, transformer_options=None, minimax_payload=None, denoise_mask=None,
+                    audio_denoise_mask=None, **_):  # fmt: skip
+            options = {} if transformer_options is None else transformer_options
+            payload = minimax_payload or {}
+            scale = float(payload.get("audio_scale", 1.0))
+            video, audio = x
+            if scale != 1.0:
+                shift_v = float(options.get("minimax_h3_sigma_shift_video", self.sigma_shift_video))
+                shift_a = float(options.get("minimax_h3_sigma_shift_audio", self.sigma_shift_audio))
+                sigma_v = (timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6)
+                sigma_a = native.shifted_sigma(sigma_v, shift_v, shift_a)
+                audio = audio * (sigma_a / sigma_v).to(audio.dtype)
+            out_video, out_audio = super().forward(
+                [video, audio], timestep, context, options, payload, denoise_mask, audio_denoise_mask
+            )
+            if scale != 1.0:
+                out_audio = (1.0 - scale) * audio + (1.0 + (scale - 1.0) * sigma_a).to(out_audio.dtype) * out_audio
+            return [out_video, out_audio]
+
+    class MiniMaxH3(comfy.model_base.BaseModel):
+        """``model_base.MiniMaxH3`` on the host's ``BaseModel``: the carried audio's scale on the packed latent
+        (``process_latent_in`` / ``_out``), and the conds its model reads (``extra_conds``: the text, the packed
+        shapes, the ``minimax_payload``). The text goes to the model as the encoder gives it (0.38 refines it once
+        per run; the re-derived model refines it in every evaluation, the same arithmetic), and the packed layout
+        is the model's own each evaluation (0.38 builds it once per run in ``extra_conds``)."""
+
+        def __init__(self, diffusion_model):
+            config = MiniMaxH3Config({"image_model": "minimax_h3", "disable_unet_model_creation": True})
+            super().__init__(config, comfy.model_base.ModelType.FLOW)  # 0.3.75 has no FLOW_AV
+            self.diffusion_model = diffusion_model.eval()
+            self.model_sampling = Sampling(config)
+            self.latent_shapes = None  # the sampler's packed shapes (recorded by ``record_latent_shapes``)
+
+        def get_dtype(self):
+            return self.diffusion_model.dtype
+
+        def audio_scale(self):
+            if self.latent_shapes is None or len(self.latent_shapes) < 2:
+                return 1.0
+            return self.model_sampling.audio_scale
+
+        def _scaled_audio(self, latent, scale):
+            if scale == 1.0:
+                return latent
+            if getattr(latent, "is_nested", False):
+                video, audio, *rest = latent.unbind()
+                return comfy.nested_tensor.NestedTensor([video, audio * scale, *rest])
+            video_size = math.prod(self.latent_shapes[0][1:])
+            latent = latent.clone()
+            latent[..., video_size:] *= scale
+            return latent
+
+        def process_latent_in(self, latent):
+            return self._scaled_audio(super().process_latent_in(latent), self.audio_scale())
+
+        def process_latent_out(self, latent):
+            return super().process_latent_out(self._scaled_audio(latent, 1.0 / self.audio_scale()))
+
+        def extra_conds(self, **kwargs):
+            out = super().extra_conds(**kwargs)
+            if kwargs.get("cross_attn") is not None:
+                out["c_crossattn"] = comfy.conds.CONDRegular(kwargs["cross_attn"])
+            latent_shapes = kwargs.get("latent_shapes")
+            if latent_shapes is not None:
+                out["latent_shapes"] = comfy.conds.CONDConstant(latent_shapes)
+            if kwargs.get("denoise_mask") is not None:
+                raise ValueError("the test host's native H3 stand-in does not take denoise masks")
+            payload = {}
+            if kwargs.get("minimax_token_tags") is not None:
+                payload["text_token_tags"] = kwargs["minimax_token_tags"]
+            # keyframes, then references: their latents are the condition rows, in that order
+            for key, name in (("minimax_keyframes", "keyframes"), ("minimax_refs", "refs")):
+                blocks = kwargs.get(key)
+                if blocks is None:
+                    continue
+                payload[name] = blocks
+                for stream, latent in (("video", "latent"), ("audio", "audio_latent")):
+                    found = [b[latent] for b in blocks if b.get(latent) is not None]
+                    payload[f"cond_{stream}_latents"] = payload.get(f"cond_{stream}_latents", []) + found
+            for name in ("visual_cond_noise_aug", "audio_cond_noise_aug"):
+                if kwargs.get(f"minimax_{name}") is not None:
+                    payload[name] = kwargs[f"minimax_{name}"]
+            payload["seed"] = kwargs.get("seed", 0)
+            payload["audio_scale"] = self.audio_scale()
+            out["minimax_payload"] = comfy.conds.CONDConstant(payload)
+            return out
+
+    def record_latent_shapes(executor, *args, **kwargs):
+        """An OUTER_SAMPLE wrapper: the packed shapes on the model before anything is scaled, where 0.38's
+        ``CFGGuider.inner_sample`` puts them (``inner_model.latent_shapes``)."""
+        executor.class_obj.model_patcher.model.latent_shapes = kwargs.get("latent_shapes")
+        return executor(*args, **kwargs)
+
+    _NATIVE_H3.update(
+        MiniMaxH3Model=MiniMaxH3Model, MiniMaxH3=MiniMaxH3, config=MiniMaxH3Config, record=record_latent_shapes
+    )
+    return _NATIVE_H3
+
+
+class H3ProbeNativeH3Model(_Probe):
+    """A host MODEL as ComfyUI 0.38's own H3 loader gives it, which the host's samplers run: the re-derived native
+    model with the base weights of the pack's DiT ``h3_model`` (loaded without a branch), in fp32, in a
+    ``BaseModel`` like 0.38's ``model_base.MiniMaxH3`` (``_native_h3``), held by the host's own ModelPatcher."""
+
+    RETURN_TYPES = ("MODEL",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"h3_model": ("H3_MODEL",)}}
+
+    def probe(self, h3_model, **_):
+        import comfy.model_patcher
+        import comfy.patcher_extension
+
+        parts, cfg = _native_h3(), h3_model.model.cfg
+        model = parts["MiniMaxH3Model"](
+            cfg.hidden, cfg.layers, cfg.heads, cfg.head_dim, cfg.ffn, cfg.text_dim, cfg.freq_dim, cfg.time_hidden,
+            cfg.time_embed, cfg.rope_freqs, refiner_layers=cfg.refiner_layers, eps=cfg.eps,
+        )  # fmt: skip
+        model.load_state_dict({k: v.float() for k, v in h3_model.model.state_dict().items()})
+        model.dtype = torch.float32  # as the host's model records the dtype it was made in
+        patcher = comfy.model_patcher.ModelPatcher(parts["MiniMaxH3"](model), load_device=mm.get_torch_device(),
+                                                   offload_device=mm.unet_offload_device())  # fmt: skip
+        patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, "h3_probe", parts["record"])
+        return {"ui": {"native": [{"blocks": len(model.blocks)}]}, "result": (patcher,)}
+
+
+class H3ProbeEmptyNativeLatentAV(_Probe):
+    """``EmptyMiniMaxH3LatentAV`` (comfy_extras/nodes_minimax_h3.py at 13a83ce7): the length snapped up to 17k + 5
+    frames, a nested pair of zeros, video [1, 24, T, height/16, width/16] and audio [1, 32, 2, round(seconds · 40)]."""
+
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("latent",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        size = {"default": 64, "min": 32, "max": 16384}
+        return {"required": {"width": ("INT", size), "height": ("INT", size), "length": ("INT", {"default": 22})}}
+
+    def probe(self, width, height, length, **_):
+        from comfy.nested_tensor import NestedTensor
+
+        frames = max(5, length)
+        frames += (5 - frames) % 17
+        latent_t = 2 if frames <= 5 else (frames - 5) // 17 * 5 + 2
+        device = mm.intermediate_device()
+        video = torch.zeros([1, 24, latent_t, height // 16, width // 16], device=device)
+        audio = torch.zeros([1, 32, 2, round(frames / 24 * 40)], device=device)
+        shapes = {"video": list(video.shape), "audio": list(audio.shape)}
+        return {"ui": {"latent": [shapes]}, "result": ({"samples": NestedTensor((video, audio))},)}
+
+
+class H3ProbeNativeTextConditioning:
+    """A CONDITIONING as ComfyUI's own H3 text encoder gives it: the pack's encoded prompt's rows, and its row tags
+    under ``minimax_token_tags`` (nothing else)."""
+
+    CATEGORY = "H3 test probes"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "probe"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"conditioning": ("CONDITIONING",)}}
+
+    def probe(self, conditioning):
+        tensor, extra = conditioning[0]
+        return ([[tensor, {"minimax_token_tags": extra["h3_prompt"].tags[None].clone()}]],)
+
+
+class H3ProbeFloat32DiT(_Probe):
+    """The pack's DiT ``h3_model`` in fp32 (a copy of its weights, each exactly as loaded), in the pack's own patcher
+    with the same offload policy: the pack's sampler then runs in the dtype the native model above runs in."""
+
+    RETURN_TYPES = ("H3_MODEL",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"h3_model": ("H3_MODEL",)}}
+
+    def probe(self, h3_model, **_):
+        import copy
+
+        model = copy.deepcopy(h3_model.model).float()
+        patcher = type(h3_model).wrap(model, h3_model.placement.offload, "cpu", load_device=h3_model.load_device)
+        return {"ui": {"dtype": [str(next(model.parameters()).dtype)]}, "result": (patcher,)}
+
+
+class H3ProbeKeepStreams:
+    """Saves a LATENT's streams as plain tensors with ``torch.save`` as ``<output>/probes/<name>.pt``: ``[video,
+    audio]`` of ComfyUI's own nested H3 AV latent (readable without the host's ``NestedTensor``)."""
+
+    CATEGORY = "H3 test probes"
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "probe"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"latent": ("LATENT",), "name": ("STRING", {"default": "kept"})}}
+
+    def probe(self, latent, name):
+        import os
+
+        import folder_paths
+
+        samples = latent["samples"]
+        streams = [t.detach().cpu().clone() for t in samples.unbind()] if samples.is_nested else [samples.cpu()]
+        folder = os.path.join(folder_paths.get_output_directory(), "probes")
+        os.makedirs(folder, exist_ok=True)
+        torch.save(streams, os.path.join(folder, f"{name}.pt"))
+        return {}
+
+
+NODE_CLASS_MAPPINGS.update(
+    {
+        "H3ProbeNativeH3Model": H3ProbeNativeH3Model,
+        "H3ProbeEmptyNativeLatentAV": H3ProbeEmptyNativeLatentAV,
+        "H3ProbeNativeTextConditioning": H3ProbeNativeTextConditioning,
+        "H3ProbeFloat32DiT": H3ProbeFloat32DiT,
+        "H3ProbeKeepStreams": H3ProbeKeepStreams,
+    }
+)
