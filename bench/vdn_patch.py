@@ -1,17 +1,24 @@
 """One model evaluation of VDN-H3 two ways, holding the same weights, side by side in one process: the pack's own
-VDN-H3 DiT (``H3DiT``, plain and with its fused forms as a run sets them, ``policy.fuse_for``) and the host's
-native H3 model (the re-derived ``tests/native_h3_protocol.MiniMaxH3Model``) whose blocks are replaced by the
-H3 VDN-H3 Patch's ``NativeVDN.block_patch``, as the node sets them (the linear branches plain).
+VDN-H3 DiT (``H3DiT``) and the host's native H3 model (the re-derived ``tests/native_h3_protocol.MiniMaxH3Model``)
+whose blocks are replaced by the H3 VDN-H3 Patch's ``NativeVDN.block_patch``, as the node sets them.
+
+Variants: ``pack`` (plain), ``pack-branch-fused`` (the linear branch fused, the blocks' own parts plain: what the
+patch can fuse, since the rest of a native block is the host's), ``pack-fused`` (every fused form, as the pack's own
+sampler runs it, ``policy.fuse_for``) and ``native`` (the patch with ``compile="auto"``, the node's default: the
+branch fused and compiled on CUDA with Triton; the q/k norm and rotation by comfy-kitchen's ``rms_rope_split_half``
+where it imports, as the host calls it, else the plain form).
 
 Release geometry (345 frames: 102 latent frames of 48x84 latents, 1008 rows a frame, 575 audio latents per
 channel, 300 text rows) with ``--layers`` blocks of the released width (the full 50 do not fit twice, nor once
 with the activations, on an 80 GB card). The weights are random (``dit_step.random_model``, made on the device)
 and held once: the native model and its branch file's modules are built on meta and take the pack model's
-tensors (``load_state_dict(assign=True)``). Variants ``pack``, ``pack-fused`` and ``native``: each warmed up once,
-then timed ``--reps`` times (wall clock between device synchronisations), in turns, each variant first in one
-repetition of three; each variant's device peak over its timed evaluations (weights included); after the warm-up,
-how far the native model's video (and audio) velocity is from each of the pack's, relative to the pack's largest
-(and, as a yardstick of the rounding, how far the pack's fused path is from its plain one).
+tensors (``load_state_dict(assign=True)``). Each variant warmed up once, then timed ``--reps`` times (wall clock
+between device synchronisations), in turns, each variant first in one repetition of four; each variant's device
+peak over its timed evaluations (weights included); after the warm-up, how far the native model's video (and
+audio) velocity is from each of the pack's, relative to the pack's largest (and, as a yardstick of the rounding,
+how far the pack's fused paths are from its plain one). ``attention_parts``: block 0's attention alone, on the
+inputs the warm-up gave it, ``--reps`` timed calls each: the pack's in its plain and branch-fused forms, the
+patch's with the norm/rotation the node uses and with the plain one.
 The native model runs under ``torch.device`` (its tensors are made without a device, as the host's are on its
 own default device). ``--tiny``: the tiny model of ``tests/unit/test_native_patch.py`` on the CPU in fp32 (a dry
 run; the fused forms then run eager, ``fuse_for`` choosing none off CUDA).
@@ -44,17 +51,24 @@ from h3_core.formats.vdn import BranchWeights
 from h3_core.memory.policy import fuse_for
 from h3_core.models.dit import DiTConfig
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
-from h3_core.models.native_hybrid import NativeHybridSettings, NativeVDN
-from h3_core.models.run_options import fuse_blocks
+from h3_core.models.native_hybrid import NativeAttentionSource, NativeHybridSettings, NativeVDN
+from h3_core.models.run_options import fuse_blocks, fuse_branches
 from h3_core.pipeline.geometry import audio_latents, latent_frames
 from h3_core.pipeline.noise import row_timesteps
 from h3_core.pipeline.packing import pack_sequence
 
 GiB = record.GiB
-VARIANTS = ("pack", "pack-fused", "native")
-# the native model against both forms of the pack's; the pack's fused form against its plain one, as a yardstick of
+VARIANTS = ("pack", "pack-branch-fused", "pack-fused", "native")
+PACK_FORMS = VARIANTS[:3]
+# the native model against each form of the pack's; the pack's fused forms against its plain one, as a yardstick of
 # the rounding
-COMPARED = (("native", "pack"), ("native", "pack-fused"), ("pack-fused", "pack"))
+COMPARED = (
+    ("native", "pack"),
+    ("native", "pack-branch-fused"),
+    ("native", "pack-fused"),
+    ("pack-branch-fused", "pack"),
+    ("pack-fused", "pack"),
+)
 TINY_CFG = replace(tiny_dit.CFG, hybrid=True)  # tests/unit/test_native_patch.py's
 
 
@@ -115,6 +129,50 @@ def timed(fn, cuda: bool):
     return out, seconds, torch.cuda.max_memory_allocated() / GiB if cuda else None
 
 
+def host_norm_rope():
+    """comfy-kitchen's fused q/k norm and split-half rotation as the host's H3 attention calls it, or None."""
+    try:
+        import comfy_kitchen
+    except ImportError:
+        return None
+
+    def norm_rope(q, k, table, qw, kw, eps, rot_dim):
+        return comfy_kitchen.rms_rope_split_half(q, k, table, qw, kw, epsilon=eps, rot_dim=rot_dim)
+
+    return norm_rope
+
+
+class Captured:
+    """The first call's arguments of a function (block 0's attention in an evaluation)."""
+
+    def __init__(self, fn):
+        self.fn, self.args = fn, None
+
+    def __call__(self, *args, **kwargs):
+        if self.args is None:
+            self.args = (args, kwargs)
+        return self.fn(*args, **kwargs)
+
+
+def attention_parts(pack, vdn_kinds: dict, pack_inputs, native_inputs, mode, reps, cuda) -> dict:
+    """Block 0's attention alone on the warm-up's inputs: median seconds of ``reps`` calls (after one) per form.
+    ``vdn_kinds``: name -> (a ``NativeVDN``, the attention source it reads, None for the warm-up's)."""
+    attn = pack.blocks[0].attn
+    calls = {}
+    for name, fused in (("pack", None), ("pack-branch-fused", mode)):
+        calls[name] = (lambda fused=fused: (fuse_blocks(pack, None), fuse_branches(pack, fused)), attn, pack_inputs)
+    (source, *rest), kwargs = native_inputs
+    for name, (vdn, own_source) in vdn_kinds.items():
+        calls[name] = (lambda: None, vdn.run, ((own_source or source, *rest), kwargs))
+    parts = {}
+    for name, (prepare, fn, (args, kwargs)) in calls.items():
+        prepare()
+        fn(*args, **kwargs)
+        times = [timed(lambda: fn(*args, **kwargs), cuda)[1] for _ in range(reps)]
+        parts[name] = dict(seconds=statistics.median(times), times_s=times)
+    return parts
+
+
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
@@ -161,11 +219,14 @@ def main(argv=None) -> dict:
     windows = {name: [] for name in VARIANTS}  # what each variant's window softmax ran
     contexts = {
         name: HybridContext(packed.layout, RELEASE_WINDOW, "auto", (0, setup["text"]), windows[name].append)
-        for name in ("pack", "pack-fused")
+        for name in PACK_FORMS
     }
-    vdn = NativeVDN(
-        native, branch, NativeHybridSettings(RELEASE_WINDOW, "auto"), on_window_run=windows["native"].append
-    )
+    kitchen = host_norm_rope()
+    settings = NativeHybridSettings(RELEASE_WINDOW, "auto")
+    vdn = NativeVDN(native, branch, settings, norm_rope=kitchen, on_window_run=windows["native"].append)
+    vdn.run = native_attention = Captured(vdn.run)  # block 0's inputs, for attention_parts
+    pack_attention = Captured(pack.blocks[0].attn.forward)
+    pack.blocks[0].attn.forward = pack_attention
     options = {"patches_replace": {"dit": {("double_block", i): vdn.block_patch(i) for i in range(layers)}}}
 
     def run(name):
@@ -173,6 +234,7 @@ def main(argv=None) -> dict:
             with torch.device(device):  # the native model makes its tensors on the default device
                 return native(*native_args, options)
         fuse_blocks(pack, mode if name == "pack-fused" else None)
+        fuse_branches(pack, mode if name != "pack" else None)
         return pack(*pack_args, hybrid=contexts[name])
 
     stats = {name: dict(times_s=[], peaks_gib=[]) for name in VARIANTS}
@@ -193,10 +255,16 @@ def main(argv=None) -> dict:
         if cuda:
             torch.cuda.empty_cache()
         for rep in range(reps):
-            for name in VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]:  # each variant first in turn
+            turn = rep % len(VARIANTS)
+            for name in VARIANTS[turn:] + VARIANTS[:turn]:  # each variant first in turn
                 seconds, peak = timed(lambda: run(name), cuda)[1:]  # the output dropped before the next
                 stats[name]["times_s"].append(seconds)
                 stats[name]["peaks_gib"].append(peak)
+        forms = {"native": (vdn, None)}
+        if kitchen is not None:
+            plain = NativeAttentionSource(native.blocks[0].attn, branch.transformer_blocks[0].attn, None, None)
+            forms["native-plain-rope"] = (NativeVDN(native, branch, settings), plain)
+        parts = attention_parts(pack, forms, pack_attention.args, native_attention.args, mode, reps, cuda)
     variants = {}
     for name in VARIANTS:
         times, peaks = stats[name]["times_s"], stats[name]["peaks_gib"]
@@ -217,14 +285,16 @@ def main(argv=None) -> dict:
         geometry={k: v for k, v in setup.items() if k != "cfg"},
         dtype=str(dtype).removeprefix("torch."),
         fused_mode=mode,
+        native_norm_rope="comfy-kitchen rms_rope_split_half" if kitchen is not None else "plain",
+        native_branch_fused=sorted({str(b.attn.linear_attention.fused) for b in branch.transformer_blocks}),
         weights_shared=bool(shared),
         weights_gib=weights_gib,
         agreement=agreement,
         variants=variants,
         ratio_native_over_pack={
-            f"native / {name}": variants["native"]["seconds"] / variants[name]["seconds"]
-            for name in ("pack", "pack-fused")
+            f"native / {name}": variants["native"]["seconds"] / variants[name]["seconds"] for name in PACK_FORMS
         },
+        attention_parts=parts,
     )
     print(record.write(result, args.out))
     return result
