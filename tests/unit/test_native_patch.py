@@ -234,3 +234,31 @@ def test_a_layout_the_window_rule_cannot_place_is_refused():
         published_layout([(0, 4, "text"), (4, 6, "mystery"), (6, 14, "video")], (4, 2, 2, 4, 1), (1, 2, 2))
     with pytest.raises(H3InputError, match="video segment has 6 rows"):
         published_layout([(0, 4, "text"), (4, 10, "video")], (4, 2, 2, 4, 1), (1, 2, 2))
+
+
+def test_another_packs_replacement_on_the_same_blocks_keeps_running(models):
+    """A replacement already on a block (another pack's) is called in turn, with the block's own arguments; the block
+    it calls runs the hybrid attention, so an identity replacement leaves the result as it was, and one that changes
+    the block's input changes it."""
+    _, native, branch = models
+    video, audio, text = latents(12, 2, 4, 7, seed=10)
+    timestep = torch.tensor([600.0])
+    vdn = NativeVDN(native, branch, NativeHybridSettings(WINDOW, "ref"))
+    calls = []
+
+    def passing(args, extra):
+        calls.append(sorted(args))
+        return extra["original_block"](args)
+
+    def scaling(args, extra):
+        return extra["original_block"]({**args, "img": args["img"] * 1.5})
+
+    def evaluate(previous):
+        replaced = {("double_block", i): vdn.block_patch(i, previous) for i in range(CFG.layers)}
+        with torch.no_grad():
+            return native([video, audio], timestep, text, {"patches_replace": {"dit": replaced}})
+
+    alone, passed, scaled = evaluate(None), evaluate(passing), evaluate(scaling)
+    assert len(calls) == CFG.layers and all("attention" not in names and "img" in names for names in calls)
+    assert all(torch.equal(a, b) for a, b in zip(passed, alone, strict=True))
+    assert (scaled[0] - alone[0]).abs().max() > 1e-3
