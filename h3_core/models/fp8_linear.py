@@ -26,6 +26,7 @@ lose the update.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from typing import Iterable, NamedTuple
@@ -429,7 +430,12 @@ def quantize_linears(
 ) -> int:
     """Swap, in place, every ``nn.Linear`` of ``model`` whose attribute name is in ``names`` for an ``Fp8Linear``
     (see the module docstring for the default set and why); fp32 islands are kept. Run it once, after
-    merging LoRAs. Returns the number of layers swapped; each bf16 weight is freed as its layer is swapped."""
+    merging LoRAs. Returns the number of layers swapped.
+
+    Each bf16 weight is freed as its layer is swapped (a Linear shared by several parents, once the last of them
+    is), so the peak is the model plus one layer's codes, not the model plus all of them: no list, loop variable
+    or table here holds a swapped Linear. A reference the caller keeps (a ``state_dict()``, the Linear itself)
+    keeps its weight alive."""
     names = (names,) if isinstance(names, str) else tuple(names)
     if not all(isinstance(n, str) for n in names):
         raise H3InputError(f"names must be a list of attribute names such as {list(FP8_LAYERS)}, got {names!r}")
@@ -440,10 +446,21 @@ def quantize_linears(
             f"the model already holds {len(already)} Fp8Linear layers (e.g. '{already[0]}'): "
             f"quantize_linears runs once per model, on its bf16/fp32 weights"
         )
-    swapped: dict[int, Fp8Linear] = {}  # a Linear shared by two parents is quantised once
     targets = quantization_targets(model, frozenset(names))
-    for parent, attribute, linear in targets:
-        if id(linear) not in swapped:
-            swapped[id(linear)] = Fp8Linear.from_linear(linear, compute_dtype, fast_accum)
-        setattr(parent, attribute, swapped[id(linear)])
-    return len(targets)
+    count = len(targets)
+    # A Linear shared by several parents is quantised once; ``holders`` counts the parents still holding it,
+    # and its entry in ``swapped`` goes with the last one.
+    holders = collections.Counter(id(linear) for _, _, linear in targets)
+    swapped: dict[int, Fp8Linear] = {}
+    targets.reverse()  # popped from the end in the model's order: the list lets go of each Linear as it goes
+    while targets:
+        parent, attribute, linear = targets.pop()
+        key = id(linear)
+        if key not in swapped:
+            swapped[key] = Fp8Linear.from_linear(linear, compute_dtype, fast_accum)
+        setattr(parent, attribute, swapped[key])
+        del parent, linear  # the parent now holds the Fp8Linear: the old Linear (and its weight) goes here
+        holders[key] -= 1
+        if not holders[key]:
+            del swapped[key]
+    return count
