@@ -28,7 +28,7 @@ import copy
 import sys
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import pytest
@@ -38,6 +38,7 @@ from native_h3_protocol import audio_to_rows, native_for, pad_circular, shifted_
 
 from h3_core.formats.vdn import BranchWeights
 from h3_core.models.hybrid import HybridContext
+from h3_core.models.run_options import apply_run_options, run_options_of
 from h3_core.pipeline.noise import row_timesteps
 
 # The linears of a block the released quantised files quantise (``formats.dit_layers``' int8 files, the fp8-scaled
@@ -244,8 +245,7 @@ def stacked(pack: nn.Module) -> nn.Module:
     default reads row slices of ``qkv_proj.weight`` (``low_memory.linear_rows``): a ``scaled_fp8`` layer's raw
     e4m3 codes (``F.linear`` refuses fp32 × e4m3, and the scale would be left out), and from a comfy-kitchen int8
     weight a dequantised slice, so its q, k and v would skip the int8 matmul the host runs."""
-    for block in pack.blocks:
-        block.attn.stacked_qkv = True
+    apply_run_options(pack, replace(run_options_of(pack), stacked_qkv=True))
     return pack
 
 
