@@ -356,7 +356,7 @@ def _check_shard_set(path: Path) -> None:
     present = {f.name for f in path.glob("*.safetensors")}
     for index in sorted(path.glob("*.safetensors.index.json")):
         try:
-            listed = set(json.loads(index.read_text())["weight_map"].values())
+            listed = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise H3InputError(f"{index}: not a safetensors index (a JSON object with a 'weight_map')") from None
         if listed - present:

@@ -74,7 +74,7 @@ def _text_encoder(path: Path) -> str:
     if not path.is_dir() or not config.is_file():
         raise H3InputError(f"{path.name}: not a Qwen3-VL folder (no config.json in it or its text_encoder/)")
     try:
-        kind = json.loads(config.read_text()).get("model_type")
+        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type")
     except ValueError as exc:
         raise H3InputError(f"{config}: not valid JSON ({exc})") from None
     if kind != "qwen3_vl":

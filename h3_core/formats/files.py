@@ -89,7 +89,7 @@ class CheckpointFiles:
         """``config.json`` beside the weights (a diffusers folder), or {}."""
         folder = self.path if self.path.is_dir() else self.path.parent
         cfg = folder / "config.json"
-        return json.loads(cfg.read_text()) if self.path.is_dir() and cfg.is_file() else {}
+        return json.loads(cfg.read_text(encoding="utf-8")) if self.path.is_dir() and cfg.is_file() else {}
 
     def latent_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         """Per-channel latent mean and std, from tensors in the file or a folder's ``config.json``."""

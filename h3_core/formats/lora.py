@@ -94,7 +94,7 @@ def read_lora(path: str | Path, strength: float = 1.0, adapter: str | None = Non
     config = {}
     cfg_path = path.parent / "adapter_config.json"
     if cfg_path.is_file():
-        config = json.loads(cfg_path.read_text())
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
     pairs: dict[str, dict] = {}
     diffs: list[tuple[str, str, torch.Tensor]] = []
     with safe_open(str(path), framework="pt") as f:

@@ -48,7 +48,7 @@ def _built(build: Callable, cfg) -> tuple[tuple[str, tuple[int, ...]], ...]:
     path = None if folder is None else folder / f"{_disk_key(build, cfg)}.json"
     if path is not None:
         try:
-            return tuple((key, tuple(shape)) for key, shape in json.loads(path.read_text()))
+            return tuple((key, tuple(shape)) for key, shape in json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError):  # not kept yet, or unreadable: built and written again
             pass
     with torch.device("meta"):
@@ -85,7 +85,7 @@ def _write(path: Path, shapes) -> None:
     partial = path.with_name(f".{path.stem}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps([[key, list(shape)] for key, shape in shapes]))
+        partial.write_text(json.dumps([[key, list(shape)] for key, shape in shapes]), encoding="utf-8")
         os.replace(partial, path)
     except OSError:
         with contextlib.suppress(OSError):

@@ -49,13 +49,14 @@ class _Piece:
 
 class ReadAhead:
     """Fills ``slabs`` staging buffers of ``slab_bytes`` (pinned when ``pinned``) with ``spans`` in order, the
-    reads spread over ``pool``; ``fds`` maps each span's file to an open descriptor. ``take(span)`` yields the
+    reads spread over ``pool``; ``fds`` maps each span's file to what ``read_piece`` reads it by (an open
+    descriptor, or the path where each thread opens its own: ``staged_read``). ``take(span)`` yields the
     span's pieces (slab tensor slice, then ``done(event)`` once its copy is queued) or returns None."""
 
     def __init__(
         self,
         spans: list[Span],
-        fds: dict[Path, int],
+        fds: dict[Path, int | Path],
         pool: ThreadPoolExecutor,
         read_piece: Callable,
         *,

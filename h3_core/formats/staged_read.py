@@ -6,6 +6,11 @@ A memory-mapped tensor moved with ``.to(device)`` is copied from pageable memory
 through its own pinned buffers) after each page of the mapping is faulted in; reading with ``pread`` into
 pinned memory skips both. ``read_eager`` is the plain form every staged read must equal, byte for byte.
 
+The reads are positional, so the threads share a file: ``os.preadv`` on one descriptor where the platform has it
+(Linux, the BSDs, macOS 11+). Where it has not (Windows), each thread reads through an unbuffered file object of
+its own, ``seek`` then ``readinto`` the same staging buffer (``_ThreadFiles``): the same bytes in the same place,
+no copy in between.
+
 Told the ranges a load will ask for (``expect``), the reader fills further slabs with them ahead of the asking
 (``read_ahead``), so the reads go on while the load builds its modules.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,7 +56,8 @@ class StagedReader:
     """Reads byte ranges of files into tensors on ``device`` through two staging buffers of ``chunk_bytes``
     (pinned when ``device`` is CUDA), ``threads`` ``pread`` calls filling each chunk. Copies are queued on the
     device's current stream; a buffer is refilled only once its last copy has finished. ``close()`` (or the
-    ``with`` block's end) releases the buffers, the threads and the open files."""
+    ``with`` block's end) releases the buffers, the threads and the open files. How the threads read (``os.preadv``
+    or a file object each, module docstring) is chosen when the reader is made."""
 
     def __init__(
         self, device, chunk_bytes: int | None = None, threads: int | None = None, ahead_slabs: int | None = None
@@ -69,7 +76,10 @@ class StagedReader:
         self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._next = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="h3-staged-read")
-        self._fds: dict[Path, int] = {}
+        # what the threads read a file by: its descriptor (os.preadv), or its path (a file object per thread)
+        self._files = None if hasattr(os, "preadv") else _ThreadFiles()
+        self._read_piece = _preadv_exact if self._files is None else self._files.read_exact
+        self._fds: dict[Path, int | Path] = {}
         self._ahead: ReadAhead | None = None
 
     def __enter__(self) -> StagedReader:
@@ -85,13 +95,21 @@ class StagedReader:
             for event in self._copied:
                 event.synchronize()
         self._pool.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
+        if self._files is None:
+            for fd in self._fds.values():
+                os.close(fd)
+        else:
+            self._files.close()
         self._fds.clear()
 
-    def _fd(self, path: Path) -> int:
+    def _fd(self, path: Path) -> int | Path:
+        """What the threads read ``path`` by (opened here either way, so a missing file fails here)."""
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            if self._files is None:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            else:
+                self._files.handle(path)
+                self._fds[path] = path
         return self._fds[path]
 
     def expect(self, spans) -> None:
@@ -105,7 +123,7 @@ class StagedReader:
             spans,
             fds,
             self._pool,
-            _pread_exact,
+            self._read_piece,
             slab_bytes=self.chunk_bytes,
             slabs=self.ahead_slabs,
             pinned=self._pinned,
@@ -140,23 +158,65 @@ class StagedReader:
             done += count
         return out.view(dtype).reshape(shape)
 
-    def _fill(self, fd: int, view: memoryview, offset: int, count: int, path) -> None:
+    def _fill(self, fd: int | Path, view: memoryview, offset: int, count: int, path) -> None:
         """``count`` bytes at ``offset`` into ``view[:count]``, split across the threads."""
         step = -(-count // self.threads)
         step = -(-step // 4096) * 4096  # page-aligned pieces
         pieces = [(start, min(step, count - start)) for start in range(0, count, step)]
-        for future in [self._pool.submit(_pread_exact, fd, view, s, n, offset, path) for s, n in pieces]:
+        for future in [self._pool.submit(self._read_piece, fd, view, s, n, offset, path) for s, n in pieces]:
             future.result()
 
 
-def _pread_exact(fd: int, view: memoryview, start: int, count: int, file_offset: int, path) -> None:
+def _ended_early(path, missing: int, at: int) -> OSError:
+    return OSError(f"{path}: the file ended {missing} bytes early at offset {at}")
+
+
+def _preadv_exact(fd: int, view: memoryview, start: int, count: int, file_offset: int, path) -> None:
     """``count`` bytes of the file at ``file_offset + start`` into ``view[start:start + count]``."""
     got = 0
     while got < count:
         n = os.preadv(fd, [view[start + got : start + count]], file_offset + start + got)
         if n <= 0:
-            raise OSError(f"{path}: the file ended {count - got} bytes early at offset {file_offset + start + got}")
+            raise _ended_early(path, count - got, file_offset + start + got)
         got += n
+
+
+class _ThreadFiles:
+    """The reads where ``os.preadv`` is missing (Windows): each thread opens each file once, unbuffered, and
+    reads with ``seek`` then ``readinto`` straight into the staging buffer; no thread moves another's file
+    position. ``close`` closes every thread's files."""
+
+    def __init__(self):
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: list = []
+
+    def handle(self, path: Path):
+        """This thread's file object for ``path``, opened on first use."""
+        handles = self._local.__dict__.setdefault("handles", {})
+        handle = handles.get(path)
+        if handle is None:
+            handle = handles[path] = open(path, "rb", buffering=0)
+            with self._lock:
+                self._open.append(handle)
+        return handle
+
+    def read_exact(self, path: Path, view: memoryview, start: int, count: int, file_offset: int, name) -> None:
+        """As ``_preadv_exact``, ``path`` in place of a descriptor."""
+        handle = self.handle(path)
+        handle.seek(file_offset + start)
+        got = 0
+        while got < count:
+            n = handle.readinto(view[start + got : start + count])
+            if not n:
+                raise _ended_early(name, count - got, file_offset + start + got)
+            got += n
+
+    def close(self) -> None:
+        with self._lock:
+            handles, self._open = self._open, []
+        for handle in handles:
+            handle.close()
 
 
 def reader_for(device):

@@ -53,7 +53,8 @@ def fails_to_open_elsewhere(names: Iterable[str], width: int, height: int, fps: 
     names = list(names)
     command = [sys.executable, str(Path(__file__).resolve()), str(fps), str(width), str(height), *names]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        # its output decoded as UTF-8 whatever the locale's code page (Windows), undecodable bytes replaced
+        done = subprocess.run(command, capture_output=True, encoding="utf-8", errors="replace", timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return dict.fromkeys(names, f"the probe's process did not answer within {CHILD_TIMEOUT_S} s")
     except OSError as exc:

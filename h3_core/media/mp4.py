@@ -285,10 +285,19 @@ class Mp4Writer:
             self.abort()
 
 
+def _threads_have_nice_values() -> bool:
+    """Whether ``os.setpriority`` takes a thread's id and changes that thread alone: it must exist (none on
+    Windows, whose threads also take no priority from the thread that starts them), and the kernel must be
+    Linux's, where a thread id is a scheduling entity of its own. No call can tell the latter: on macOS and the
+    BSDs ``setpriority`` takes process ids, and a thread's id there might name another process."""
+    return hasattr(os, "setpriority") and hasattr(os, "getpriority") and sys.platform.startswith("linux")
+
+
 def lower_this_threads_priority(niceness: int) -> int | None:
     """Add ``niceness`` to the calling thread's nice value where threads have their own (Linux: the threads it
-    starts afterwards inherit it); returns the new value, or None where nothing changed."""
-    if niceness == 0 or not sys.platform.startswith("linux"):
+    starts afterwards inherit it); returns the new value, or None where nothing changed (elsewhere the encoder
+    runs at the process's priority)."""
+    if niceness == 0 or not _threads_have_nice_values():
         return None
     thread = threading.get_native_id()
     try:

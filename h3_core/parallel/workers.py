@@ -16,6 +16,7 @@ reaches every rank through ``shared_cancel``: the check each rank calls between 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import queue
 import sys
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import H3InputError
+from ..errors import H3BackendUnavailable, H3InputError
 
 __all__ = ["RankWorkers", "RanksCancelled", "shared_cancel", "HeldRaise"]
 
@@ -148,7 +149,7 @@ class RankWorkers:
         if dist.is_initialized():
             raise H3InputError("this process is already in a process group: close the RankWorkers that made it first")
         self.devices = [torch.device(d) for d in devices]
-        self.backend = "nccl" if self.devices[0].type == "cuda" else "gloo"
+        self.backend = _backend(self.devices[0])
         handle, store = tempfile.mkstemp(prefix="h3_ranks_")
         os.close(handle)
         os.unlink(store)  # the group's file store creates it
@@ -284,10 +285,34 @@ class RankWorkers:
         self.close()
 
 
+def _backend(device: torch.device) -> str:
+    """The process group's backend for ranks on ``device``'s type: NCCL on CUDA, gloo on the CPU; an error saying
+    what is missing where this PyTorch build lacks it (its Windows and macOS builds have no NCCL)."""
+    wanted = "nccl" if device.type == "cuda" else "gloo"
+    if dist.is_available() and (dist.is_nccl_available() if wanted == "nccl" else dist.is_gloo_available()):
+        return wanted
+    missing = ("NCCL" if wanted == "nccl" else "gloo") if dist.is_available() else "torch.distributed"
+    why = " (PyTorch's builds for Windows and macOS come without it)" if missing == "NCCL" else ""
+    raise H3BackendUnavailable(
+        f"H3 Multi-GPU needs {missing} for ranks on {device.type.upper()}, which this PyTorch build lacks{why}; "
+        "remove the H3 Multi-GPU node to sample on one device"
+    )
+
+
+def _parent_gone(parent: int) -> bool:
+    """Whether the process that started this worker (``parent``, its id) has ended. A POSIX orphan is adopted by
+    another process, so ``os.getppid()`` changes; on Windows it never does, and the parent's sentinel that
+    multiprocessing keeps in a worker it spawned (the parent's process handle there) tells instead."""
+    if os.getppid() != parent:
+        return True
+    process = multiprocessing.parent_process()
+    return process is not None and not process.is_alive()
+
+
 def _watch_parent(parent: int) -> None:
     """Exit this worker once the process that started it is gone."""
     while True:
-        if os.getppid() != parent:
+        if _parent_gone(parent):
             os._exit(3)
         time.sleep(0.5)
 

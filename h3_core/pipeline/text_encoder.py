@@ -385,7 +385,7 @@ def _folder_settings(folder: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        settings = json.loads(path.read_text())
+        settings = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise H3InputError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(settings, dict):

@@ -227,7 +227,8 @@ def _text_encoder_folder(models: Path) -> Path:
     )
     torch.manual_seed(3)
     transformers.Qwen3VLForConditionalGeneration(cfg).save_pretrained(root / "text_encoder")
-    (root / SETTINGS_FILE).write_text(json.dumps({"conditioning_layer": _TEXT_LAYERS, NOTE_KEY: NOTE}, indent=1) + "\n")
+    settings = json.dumps({"conditioning_layer": _TEXT_LAYERS, NOTE_KEY: NOTE}, indent=1) + "\n"
+    (root / SETTINGS_FILE).write_text(settings, encoding="utf-8")
     return root
 
 
