@@ -2,11 +2,12 @@
 
 ``decide_placement`` turns the user's choices (``placement``: auto / resident / stream blocks; ``memory``:
 auto / off) and the device's free memory into a ``MemoryPlan`` for the request's packed sequence: with
-``memory="auto"`` the memory model predicts the run's peak and gives things up in its order (head groups
-and a chunked FFN, the AdaLN projections in host memory, more groups, then streaming blocks) until the
-prediction fits; ``"off"`` runs the plain path. ``place_for_run`` applies the plan and returns what it
-did in words. On CUDA with Triton the blocks run fused (``models.block_fused``, compiled), faster and in less
-memory than the plain blocks (``bench/results/dit_block.md``), and the plan is made for that — unless the
+``memory="auto"`` the memory model predicts the run's peak for each way of giving things up (head groups and
+a chunked FFN, the AdaLN projections in host memory, streamed blocks) and the quickest that fits, by the time
+predicted on the card (``predict.plan_for_memory``, ``speed``), is taken; ``"off"`` runs the plain path.
+``place_for_run`` applies the plan and returns what it did in words. On CUDA with Triton the blocks run fused
+(``models.block_fused``, compiled), faster and in less memory than the plain blocks
+(``bench/results/dit_block.md``), and the plan is made for that — unless the
 user's ``compile`` is ``"off"`` (``COMPILE_MODES``) or the model's compiled path failed earlier in this
 process (``block_fused.evaluate``), which run the plain path. On a device without CUDA nothing is planned:
 the model simply runs there, on the plain path.
@@ -26,6 +27,7 @@ from ..triton_forms import COMPILE_MODES, check_compile
 from .apply import FittedModel, apply_plan, plan_lines
 from .predict import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
 from .ranks import RankShare, rank_peaks
+from .speed import H100, CardSpeed, card_speed
 
 __all__ = [
     "PLACEMENTS",
@@ -110,8 +112,10 @@ def decide_placement(
     steps: int,
     share: RankShare | None = None,
     attention_precision: str = "bf16",
+    speed: CardSpeed = H100,
 ) -> MemoryPlan:
-    """The plan for running ``model`` (an ``H3DiT``) on ``packed`` within ``free_bytes`` of device memory; with
+    """The plan for running ``model`` (an ``H3DiT``) on ``packed`` within ``free_bytes`` of device memory on a card
+    of ``speed`` (``plan_for_memory`` chooses by predicted time); with
     ``share``, one rank's share of each evaluation across several GPUs (``ranks.rank_peaks``): the whole model
     resident and nothing given up when the rank's peak fits, else the plan for the whole sequence (which fits the
     rank's share with room to spare: the per-rank model covers one head group, resident, only).
@@ -149,7 +153,7 @@ def decide_placement(
             )
             return MemoryPlan(LowMemory(), False, None, predicted, budget, said, "nothing given up")
     if memory == "auto":
-        plan = plan_for_memory(cfg, shape, budget, **kind)
+        plan = plan_for_memory(cfg, shape, budget, speed=speed, streaming=placement != "resident", **kind)
     else:
         plan = MemoryPlan(LowMemory(), False, None, evaluation_peak(cfg, shape, **kind), budget, (), "none")
     if placement == "resident" and plan.resident_blocks is not None:
@@ -210,6 +214,7 @@ def place_for_run(
         steps=steps,
         share=share,
         attention_precision=attention_precision,
+        speed=card_speed(device),
     )
     if current is not None and current.layout == (plan.options, plan.adaln_on_host, plan.resident_blocks):
         fitted = FittedModel(model, plan, current.offload, plan_lines(plan))

@@ -33,12 +33,15 @@ release length, one head group (``bench/results/dit_block.md``).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..models.dit import MODALITIES
+from ..models.hybrid import RELEASE_WINDOW
 from ..models.low_memory import LowMemory
+from .speed import H100, CardSpeed, block_operations
 
 __all__ = [
     "BlockShape",
@@ -92,21 +95,31 @@ class BlockShape:
     branch_rows: int
     element: int = 2
     branch_frames: int = 0
+    video_rows: int = 0  # the target video's rows (0: not known, every row counted as one)
+    attended_rows: int = 0  # the rows a video row's softmax sees (0: all)
 
     @classmethod
     def of(cls, cfg, packed, dtype: torch.dtype = torch.bfloat16) -> "BlockShape":
         """From a ``DiTConfig`` and a ``PackedSequence``; the branch reads the video rows of every frame but
-        the two anchor frames (the released window)."""
+        the two anchor frames, and a video row's softmax sees its window's frames, the anchors and the other
+        streams' rows (the released window) — VDN-H3's; plain H3's sees every row."""
         layout = packed.layout
+        rows = int(packed.positions.shape[0])
         branch_frames = max(0, layout.num_frames - 2)
+        video = layout.video.length
+        window = RELEASE_WINDOW
+        window_frames = min(layout.num_frames, (2 * window.radius + 1) * max(window.chunk, 1) + 2)
+        attended = min(rows, window_frames * layout.tokens_per_frame + rows - video) if cfg.hybrid else rows
         return cls(
-            rows=int(packed.positions.shape[0]),
+            rows=rows,
             hidden=cfg.hidden,
             inner=cfg.inner,
             ffn=cfg.ffn,
             branch_rows=branch_frames * layout.tokens_per_frame,
             element=torch.empty((), dtype=dtype).element_size(),
             branch_frames=branch_frames,
+            video_rows=video,
+            attended_rows=attended,
         )
 
 
@@ -245,22 +258,39 @@ def evaluation_peak(
     return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))
 
 
-# Extra time of each lower-memory choice, as a fraction of a hybrid block's time at the release length
+# Extra time of each head-group level, as a fraction of a hybrid block's time at the release length
 # (bench/results/dit_block.md).
 HEAD_GROUP_COST = {1: 0.0, 2: 0.0, 4: 0.08, 8: 0.19}
 # With fused blocks, as a fraction of a whole evaluation (bench/results/dit_step.md): 2 groups with a
-# 32,768-row FFN; 8 groups with a 16,384-row FFN and 14 of 50 blocks streamed (the groups' share not separated).
+# 32,768-row FFN; 8 groups with a 16,384-row FFN and 14 of 50 blocks streamed (the groups' share not separated, so
+# an overestimate of the groups' own).
 FUSED_HEAD_GROUP_COST = {1: 0.0, 2: 0.02, 8: 0.91}
-# Host-to-device copy rate assumed for streamed blocks when no measurement overrides it (pinned memory, PCIe 5).
-HOST_COPY_BYTES_PER_S = 25e9
+# A streamed block's copy, even where the compute hides it, slows the evaluation by this share of the copy's time
+# (the copy and the compute share the card's memory); assumed until measured beside the resident run.
+STREAM_CONTENTION = 0.25
 
-# The order a card short of memory gives things up in: the cheapest first.
-LOW_MEMORY_STEPS = (
-    ("2 head groups, FFN in 32768-row chunks", LowMemory(ffn_chunk_rows=32768, head_groups=2), False),
-    ("AdaLN projections in host memory", LowMemory(ffn_chunk_rows=32768, head_groups=2), True),
-    ("4 head groups, FFN in 16384-row chunks", LowMemory(ffn_chunk_rows=16384, head_groups=4), True),
-    ("8 head groups, FFN in 16384-row chunks", LowMemory(ffn_chunk_rows=16384, head_groups=8), True),
+# The head-group levels a card short of memory may take, with the FFN chunk each comes with.
+HEAD_GROUP_LEVELS = (
+    (None, LowMemory()),
+    ("2 head groups, FFN in 32768-row chunks", LowMemory(ffn_chunk_rows=32768, head_groups=2)),
+    ("4 head groups, FFN in 16384-row chunks", LowMemory(ffn_chunk_rows=16384, head_groups=4)),
+    ("8 head groups, FFN in 16384-row chunks", LowMemory(ffn_chunk_rows=16384, head_groups=8)),
 )
+ADALN_ON_HOST = "AdaLN projections in host memory"
+
+
+def head_group_cost(groups: int, fused: bool) -> float:
+    """The extra share of an evaluation's time ``groups`` head groups cost: the measured figure, or between the two
+    measured levels around it (linear in log₂ groups)."""
+    table = FUSED_HEAD_GROUP_COST if fused else HEAD_GROUP_COST
+    if groups in table:
+        return table[groups]
+    below = max(g for g in table if g < groups)
+    above = min((g for g in table if g > groups), default=None)
+    if above is None:
+        return table[below]
+    share = (math.log2(groups) - math.log2(below)) / (math.log2(above) - math.log2(below))
+    return table[below] + share * (table[above] - table[below])
 
 
 @dataclass(frozen=True)
@@ -280,6 +310,16 @@ class MemoryPlan:
         return self.predicted["total"] <= self.budget
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    name: str | None
+    options: LowMemory
+    adaln_on_host: bool
+    resident: int | None
+    predicted: dict
+    seconds: float
+
+
 def plan_for_memory(
     cfg,
     shape: BlockShape,
@@ -292,11 +332,13 @@ def plan_for_memory(
     prefetch: int = 1,
     fused: bool = False,
     attention_precision: str = "bf16",
+    speed: CardSpeed = H100,
+    streaming: bool = True,
 ) -> MemoryPlan:
-    """The cheapest way to run within ``budget`` bytes of device memory (e.g. the free memory less a margin):
-    nothing, then the ``LOW_MEMORY_STEPS`` in order, then streaming blocks from host memory with as many as
-    fit resident. A plan that still does not fit comes back with ``fits`` False and every step taken."""
-    taken: list[str] = []
+    """The quickest way to run within ``budget`` bytes of device memory (e.g. the free memory less a margin), by
+    predicted time on ``speed`` (``predicted_seconds``), among every head-group level with the AdaLN projections on
+    the device or in host memory, all blocks resident or (``streaming``) as many as fit, the rest streamed from
+    host memory. A plan that still does not fit comes back with ``fits`` False and the most given up."""
 
     def peak(options, adaln_on_host, resident=None):
         return evaluation_peak(
@@ -314,39 +356,93 @@ def plan_for_memory(
             attention_precision=attention_precision,
         )
 
-    def plan(options, adaln_on_host, resident, predicted, extra):
-        return MemoryPlan(options, adaln_on_host, resident, predicted, budget, tuple(taken), extra)
+    def seconds(options, adaln_on_host, resident):
+        return predicted_seconds(
+            cfg, shape, speed, options, adaln_on_host, resident, linears=linears, dtype=dtype, fused=fused,
+            steps=steps, prefetch=prefetch,
+        )  # fmt: skip
 
-    options, adaln_on_host = LowMemory(), False
-    predicted = peak(options, adaln_on_host)
-    if predicted["total"] <= budget:
-        return plan(options, adaln_on_host, None, predicted, "none")
-    for name, step_options, step_adaln in LOW_MEMORY_STEPS:
-        if step_options.head_groups > cfg.heads:
-            continue  # a model with fewer heads stops at one head per group
-        options, adaln_on_host = step_options, step_adaln
-        taken.append(name)
-        predicted = peak(options, adaln_on_host)
-        if predicted["total"] <= budget:
-            return plan(options, adaln_on_host, None, predicted, _group_cost(options, fused))
-    weights = weight_bytes(cfg, dtype, linears=linears)
-    per_block = weights.per_block - weights.adaln
-    for resident in range(cfg.layers - 1, -1, -1):
+    def candidate(name, options, adaln_on_host, resident):
         predicted = peak(options, adaln_on_host, resident)
-        if predicted["total"] <= budget:
-            break
-    streamed = cfg.layers - resident
-    taken.append(f"{streamed} of {cfg.layers} blocks streamed from host memory")
-    copy_s = streamed * per_block / HOST_COPY_BYTES_PER_S
-    extra = (
-        f"{_group_cost(options, fused)}; up to {copy_s:.1f} s per evaluation of block copies not hidden behind compute"
+        return _Candidate(name, options, adaln_on_host, resident, predicted, seconds(options, adaln_on_host, resident))
+
+    fitting: list[_Candidate] = []
+    most_given_up = None
+    for name, options in HEAD_GROUP_LEVELS:
+        if options.head_groups > cfg.heads:
+            continue  # a model with fewer heads stops at one head per group
+        for adaln_on_host in (False, True):
+            most_given_up = (name, options, adaln_on_host)
+            if peak(options, adaln_on_host)["total"] <= budget:
+                fitting.append(candidate(name, options, adaln_on_host, None))
+            elif streaming:
+                resident = _most_resident(cfg.layers, lambda r: peak(options, adaln_on_host, r)["total"] <= budget)
+                if resident is not None:
+                    fitting.append(candidate(name, options, adaln_on_host, resident))
+    if fitting:
+        best = min(fitting, key=lambda c: c.seconds)  # the first of equals: the least given up
+    else:
+        best = candidate(*most_given_up, 0 if streaming else None)
+    taken = tuple(
+        step
+        for step in (
+            best.name,
+            ADALN_ON_HOST if best.adaln_on_host else None,
+            None
+            if best.resident is None
+            else f"{cfg.layers - best.resident} of {cfg.layers} blocks streamed from host memory",
+        )
+        if step is not None
     )
-    return plan(options, adaln_on_host, resident, predicted, extra)
+    base = seconds(LowMemory(), False, None)
+    extra = "none" if not taken else (
+        f"predicted {best.seconds:.2f} s per evaluation against {base:.2f} s with nothing given up, on "
+        f"{speed.describe()}"
+    )  # fmt: skip
+    return MemoryPlan(best.options, best.adaln_on_host, best.resident, best.predicted, budget, taken, extra)
 
 
-def _group_cost(options: LowMemory, fused: bool = False) -> str:
-    if fused:
-        cost = FUSED_HEAD_GROUP_COST.get(options.head_groups)
-        return "more time: unmeasured" if cost is None else f"about {round(100 * cost)} % more time per evaluation"
-    cost = HEAD_GROUP_COST.get(options.head_groups)
-    return "unmeasured" if cost is None else f"about {round(100 * cost)} % more time per hybrid block"
+def _most_resident(layers: int, fits) -> int | None:
+    """The most blocks that may stay resident (fewer than ``layers``) with the rest streamed, or None if not even
+    none may: the peak grows with every resident block, so a bisection finds it."""
+    if not fits(0):
+        return None
+    lo, hi = 0, layers - 1  # fits(lo) holds
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def predicted_seconds(
+    cfg,
+    shape: BlockShape,
+    speed: CardSpeed,
+    options: LowMemory,
+    adaln_on_host: bool,
+    resident: int | None,
+    *,
+    linears: str = "dtype",
+    dtype: torch.dtype = torch.bfloat16,
+    fused: bool = False,
+    steps: int = 50,
+    prefetch: int = 1,
+) -> float:
+    """Predicted seconds of one evaluation on ``speed`` with these choices: the blocks' compute
+    (``speed.seconds`` of ``block_operations``) and its head groups' extra share (``head_group_cost``); each
+    streamed block's copy where the compute of the ``prefetch`` blocks before it does not hide it, and
+    ``STREAM_CONTENTION`` of it where it does; with the AdaLN projections in host memory, their one visit to the
+    device per run, shared by its evaluations (``steps``)."""
+    block = speed.seconds(*block_operations(shape), linears=linears)
+    total = cfg.layers * block * (1 + head_group_cost(options.head_groups, fused))
+    weights = weight_bytes(cfg, dtype, linears=linears)
+    if resident is not None and resident < cfg.layers:
+        copy = speed.copy_seconds(weights.per_block - (weights.adaln if adaln_on_host else 0))
+        hidden = min(copy, prefetch * block)
+        total += (cfg.layers - resident) * (copy - hidden + STREAM_CONTENTION * hidden)
+    if adaln_on_host:
+        total += speed.copy_seconds(weights.adaln * cfg.layers) / max(steps, 1)
+    return total
