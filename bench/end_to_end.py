@@ -412,6 +412,7 @@ def serve(
         ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attn_cute"),
     ):
         os.environ[env] = str(compile_cache / sub)
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")  # FA4 keeps its kernels on disk when asked
     probes = base / "custom_nodes" / "h3_host_probe"
     if not probes.exists():
         probes.parent.mkdir(parents=True, exist_ok=True)

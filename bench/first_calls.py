@@ -87,7 +87,7 @@ def one_process(device: torch.device, tiny: bool, warm_thread: bool = False, sam
 
 
 def _start_thread_work(device: torch.device) -> None:
-    """What a server's start thread does with the libraries (``nodes._host.import_compilers_in_background``)."""
+    """What the pack's warm-up thread does with the libraries (``nodes._host.warm_up``, at the first H3 prompt)."""
     from h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
 
     make_first_calls(device)

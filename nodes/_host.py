@@ -212,119 +212,102 @@ def say(message: str) -> None:
 PROMPT_FOLDER = "h3_prompts"
 
 
-COMPILE_CACHES = {
-    "TORCHINDUCTOR_CACHE_DIR": "inductor",
-    "TRITON_CACHE_DIR": "triton",
-    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "flash_attn_cute",  # FA4's kernels, compiled by the CuTe DSL
-}
-# FA4 keeps its compiled kernels on disk only when asked (read when flash_attn.cute is first imported)
-FA4_CACHE_SWITCH = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+SHAPE_CACHE = ("h3_hybrid", "meta_shapes")  # under the host's user folder: the models' state-dict shapes
 
 
-def keep_compiled_kernels(user_directory: str | Path | None = None) -> dict[str, str]:
-    """Keep what torch.compile, Triton and FA4 build in ``<user directory>/h3_hybrid/compile_cache`` (the host's
-    user folder, which outlives the temporary one their defaults use), so a restarted server finds the kernels
-    its last run compiled; FA4's disk cache is switched on unless the user switched it off. A cache folder the
-    user set (its environment variable) is left as it is. The models' state-dict shapes that the checks build on
-    the meta device are kept beside them (``compile_cache/meta_shapes``, key ``meta_shapes``). Returns the folders
-    in use by variable."""
-    if user_directory is None:
-        import folder_paths
+def warm_up_on_first_h3_prompt(node_ids) -> None:
+    """Have the server start the pack's warm-up (``warm_up``) when the first prompt holding one of ``node_ids`` is
+    posted — before its validation, the first moment the pack knows it will run. Until then the pack has changed
+    nothing in the process. A no-op outside a ComfyUI server."""
+    try:
+        from server import PromptServer
+    except ImportError:
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is None:
+        return
+    ours = frozenset(node_ids)
 
-        user_directory = folder_paths.get_user_directory()
-    root = Path(user_directory) / "h3_hybrid" / "compile_cache"
-    chosen = {}
-    for variable, folder in COMPILE_CACHES.items():
-        if not os.environ.get(variable):
-            (root / folder).mkdir(parents=True, exist_ok=True)
-            os.environ[variable] = str(root / folder)
-        chosen[variable] = os.environ[variable]
-    os.environ.setdefault(FA4_CACHE_SWITCH, "1")
+    def on_prompt(json_data):
+        prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
+        if isinstance(prompt, dict) and any(
+            isinstance(node, dict) and node.get("class_type") in ours for node in prompt.values()
+        ):
+            warm_up()
+        return json_data
+
+    server.add_on_prompt_handler(on_prompt)
+
+
+_warm_up_lock = threading.Lock()
+_warm_up_thread: list = []
+
+
+def warm_up() -> threading.Thread | None:
+    """Once per process, on a thread of its own: the models' shape cache named (``meta_shapes.keep_on_disk``, under
+    the host's user folder) and, where the compiled paths will run (CUDA with Triton), what a first run would
+    meet, in the order it meets it: FA4's interface where installed, the loaders' page-locked staging buffers
+    (allocated and freed: PyTorch keeps them for the first load, which gives them back), Triton's import and one
+    trivial launch (``triton_forms.launch_once``; the loaders' fp8 quantiser is a Triton kernel), the first
+    products and convolutions of the models' runs, the dense-attention kernels' choice
+    (``choose_attention_kernels``) and the hardware video encoders' probe (``mp4.probe_hardware_encoders``). The log
+    says how long they took and what was chosen. Returns the thread (None once started before, or where nothing
+    compiles)."""
+    with _warm_up_lock:
+        if _warm_up_thread:
+            return None
+        _warm_up_thread.append(None)
     from ..h3_core.formats.meta_shapes import keep_on_disk
 
-    keep_on_disk(root / "meta_shapes")
-    chosen["meta_shapes"] = str(root / "meta_shapes")
-    return chosen
+    try:
+        import folder_paths
 
-
-def import_compilers_in_background() -> threading.Thread | None:
-    """Where the compiled paths will run (CUDA with Triton), on a thread of its own while the server starts, do
-    ahead what a first prompt would meet. First FA4's interface where installed: it needs no device and is the
-    thread's longest stretch of Python, so it runs while the server finishes starting rather than beside a first
-    prompt's checks and loaders, which would take turns with it on the interpreter's lock; what it left alive is
-    then set aside from the host's collections if no prompt was queued yet (``set_aside_startup_objects``).
-    Then, in the order a prompt meets them (the calls of ``first_library_calls`` where the host's device is that
-    GPU): the loaders' page-locked staging buffers; Triton's import and one trivial launch
-    (``triton_forms.launch_once``: a process's first launch costs about half a second on an H200, the cache filled;
-    the loaders' fp8 quantiser is a Triton kernel); the first products and convolutions of the models' runs; the
-    dense-attention kernels' choice (``choose_attention_kernels``); and the hardware video encoders' probe
-    (``mp4.probe_hardware_encoders``). The log says how long they took and what was chosen. Last, if still no
-    prompt was queued, what the thread left alive is set aside too. Returns the thread (None where nothing compiles)."""
-    from ..h3_core.media.mp4 import probe_hardware_encoders
-    from ..h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
-    from ..h3_core.triton_forms import FA4_MODULES, TRITON_MODULES, compiles_on, import_compilers, launch_once
+        keep_on_disk(Path(folder_paths.get_user_directory()).joinpath(*SHAPE_CACHE))
+    except ImportError:
+        pass
+    from ..h3_core.triton_forms import compiles_on
 
     if not compiles_on("cuda"):
         return None
-
-    def run():
-        seconds = import_compilers(FA4_MODULES)
-        if any(s is not None for s in seconds.values()):
-            set_aside_startup_objects("once FA4's interface was imported, before any prompt")
-        device = torch_device()
-        on_gpu = device.type == "cuda"
-        made = make_first_calls(device, "loaders") if on_gpu else {}  # the staged reader's page-locked buffers
-        seconds |= import_compilers(TRITON_MODULES)
-        launched = launch_once(device) if on_gpu else None  # the loaders' fp8 quantiser is a Triton kernel
-        if on_gpu:  # the products and convolutions the models' runs make
-            made |= make_first_calls(device, "runs")
-            say(
-                "the libraries' first calls made ahead: "
-                + ", ".join(f"{k} {'failed' if s is None else f'{s:.2f} s'}" for k, s in made.items())
-            )
-        done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
-        total = sum(s for s in seconds.values() if s is not None)
-        first = "" if launched is None else f"; Triton's first launch in {launched:.1f} s"
-        say(f"imported the compilers' modules ({', '.join(done)}) in {total:.1f} s{first}")
-        if on_gpu:
-            chosen = choose_attention_kernels(device)
-            say("dense attention kernels chosen ahead: " + "; ".join(f"{k} {v}" for k, v in chosen.items()))
-        start = time.perf_counter()
-        try:
-            encoders = probe_hardware_encoders()
-        except ImportError:  # no PyAV: the nodes that write mp4 files say so when they run
-            encoders = None
-        if encoders is not None:
-            say(
-                f"hardware video encoders probed in {time.perf_counter() - start:.1f} s: "
-                + "; ".join(f"{name} {'opens' if why is None else 'does not open'}" for name, why in encoders.items())
-            )
-        set_aside_startup_objects("once the start thread's work was done, before any prompt")
-
-    thread = threading.Thread(target=run, name="h3-import-compilers", daemon=True)
+    thread = threading.Thread(target=_warm_up_run, name="h3-warm-up", daemon=True)
+    _warm_up_thread[0] = thread
     thread.start()
     return thread
 
 
-def prompt_queue():
-    """The server's prompt queue (None outside a ComfyUI server)."""
-    try:
-        from server import PromptServer
-    except ImportError:
-        return None
-    return getattr(getattr(PromptServer, "instance", None), "prompt_queue", None)
+def _warm_up_run() -> None:
+    from ..h3_core.media.mp4 import probe_hardware_encoders
+    from ..h3_core.pipeline.first_library_calls import choose_attention_kernels, make_first_calls
+    from ..h3_core.triton_forms import FA4_MODULES, TRITON_MODULES, import_compilers, launch_once
 
-
-def set_aside_startup_objects(stage: str) -> None:
-    """``_gc.set_aside_startup_objects`` on the server's queue, said in the log with ``stage`` (what was imported)."""
-    from ._gc import SWITCH
-    from ._gc import set_aside_startup_objects as freeze
-
-    done = freeze(prompt_queue())
-    if done is not None:
+    seconds = import_compilers(FA4_MODULES)
+    device = torch_device()
+    on_gpu = device.type == "cuda"
+    made = make_first_calls(device, "loaders") if on_gpu else {}  # the staged reader's page-locked buffers
+    seconds |= import_compilers(TRITON_MODULES)
+    launched = launch_once(device) if on_gpu else None  # the loaders' fp8 quantiser is a Triton kernel
+    if on_gpu:  # the products and convolutions the models' runs make
+        made |= make_first_calls(device, "runs")
         say(
-            f"{done[0]} objects alive {stage} set aside from the host's garbage collections in {done[1]:.2f} s "
-            f"({SWITCH}=0 leaves them in)"
+            "the libraries' first calls made ahead: "
+            + ", ".join(f"{k} {'failed' if s is None else f'{s:.2f} s'}" for k, s in made.items())
+        )
+    done = sorted({name.split(".")[0] for name, s in seconds.items() if s is not None})
+    total = sum(s for s in seconds.values() if s is not None)
+    first = "" if launched is None else f"; Triton's first launch in {launched:.1f} s"
+    say(f"imported the compilers' modules ({', '.join(done)}) in {total:.1f} s{first}")
+    if on_gpu:
+        chosen = choose_attention_kernels(device)
+        say("dense attention kernels chosen ahead: " + "; ".join(f"{k} {v}" for k, v in chosen.items()))
+    start = time.perf_counter()
+    try:
+        encoders = probe_hardware_encoders()
+    except ImportError:  # no PyAV: the nodes that write mp4 files say so when they run
+        encoders = None
+    if encoders is not None:
+        say(
+            f"hardware video encoders probed in {time.perf_counter() - start:.1f} s: "
+            + "; ".join(f"{name} {'opens' if why is None else 'does not open'}" for name, why in encoders.items())
         )
 
 

@@ -206,8 +206,8 @@ class ReadAhead:
             self._pieces.pop(position, None)
 
     def stop(self) -> None:
-        """Stop filling, wait for the reads in flight and for every copy out of the slabs (the slabs may be freed
-        afterwards). Stopping again does nothing."""
+        """Stop filling, wait for the reads in flight and for every copy out of the slabs, then let the slabs go.
+        Stopping again does nothing."""
         with self._lock:
             if self._stopped:
                 return
@@ -223,6 +223,8 @@ class ReadAhead:
         for slab in self._slabs:
             for event in slab.copies:
                 event.synchronize()
+        self._slabs = []  # their staging memory goes with the last references: this list's and the free queue's
+        self._free = queue.SimpleQueue()
 
 
 def _split(count: int, piece: int) -> list[tuple[int, int]]:

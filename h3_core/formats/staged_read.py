@@ -27,7 +27,7 @@ import torch
 
 from .read_ahead import ReadAhead
 
-__all__ = ["StagedReader", "pin_staging_buffers", "read_eager", "reader_for"]
+__all__ = ["StagedReader", "pin_staging_buffers", "give_back_pinned", "read_eager", "reader_for"]
 
 CHUNK_BYTES = 64 << 20
 READ_THREADS = 8
@@ -37,10 +37,20 @@ AHEAD_SLABS = 8  # slabs of CHUNK_BYTES the read-ahead may fill before their byt
 def pin_staging_buffers(chunk_bytes: int | None = None) -> None:
     """Allocate, then free, the page-locked buffers a reader for a GPU holds (its two and the read-ahead's slabs,
     ``chunk_bytes`` each). A process's first page-locked allocation of a size asks the driver to lock the pages;
-    freed, PyTorch's host allocator keeps the blocks, so a reader made later in the process gets them at once."""
+    freed, PyTorch's host allocator keeps the blocks, so the next reader gets them at once (and gives them back to
+    the system when it closes)."""
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2 + AHEAD_SLABS)]
     del buffers
+
+
+def give_back_pinned() -> None:
+    """Return the page-locked blocks PyTorch's host allocator keeps after they are freed to the system (those still
+    in use stay)."""
+    accelerator = getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def read_eager(path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape, device) -> torch.Tensor:
@@ -89,6 +99,8 @@ class StagedReader:
         self.close()
 
     def close(self) -> None:
+        """Stop reading ahead, wait for the last copies, close the files and give the staging memory back: pinned
+        buffers go back to the system, not to PyTorch's cache of page-locked blocks (``give_back_pinned``)."""
         if self._ahead is not None:
             self._ahead.stop()
         if self.device.type == "cuda":
@@ -101,6 +113,9 @@ class StagedReader:
         else:
             self._files.close()
         self._fds.clear()
+        self._views, self._buffers = [], []
+        if self._pinned:
+            give_back_pinned()
 
     def _fd(self, path: Path) -> int | Path:
         """What the threads read ``path`` by (opened here either way, so a missing file fails here)."""

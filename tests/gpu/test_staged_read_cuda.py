@@ -1,8 +1,8 @@
 """Reading straight onto a CUDA GPU (h3_core.formats.staged_read; skipped without one): pinned staging buffers,
 asynchronous copies, several reads in flight. Every tensor equals, byte for byte, what the safetensors library
-reads (moved to the GPU); buffers pinned ahead (``pin_staging_buffers``, what a server's start thread does) are
-the ones a later reader gets; a DiT loaded to the GPU (fp8 linears and bf16, with the VDN branch) equals the same
-files loaded into host memory and moved."""
+reads (moved to the GPU); buffers pinned ahead (``pin_staging_buffers``, what the pack's warm-up does) are the ones
+a later reader gets, and a closed reader gives its page-locked memory back to the system; a DiT loaded to the GPU
+(fp8 linears and bf16, with the VDN branch) equals the same files loaded into host memory and moved."""
 
 import pytest
 import torch
@@ -64,6 +64,19 @@ def test_buffers_pinned_ahead_are_the_ones_a_later_reader_gets(tmp_path):
     with safe_open(str(path), framework="pt") as oracle:
         for key, value in got.items():
             assert torch.equal(value.cpu(), oracle.get_tensor(key)), key
+
+
+def test_a_closed_reader_gives_its_pinned_memory_back(tmp_path):
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.randn(1 << 20)}, str(path))
+    reserved = lambda: torch.cuda.host_memory_stats()["allocated_bytes.current"]  # noqa: E731 (active + cached)
+    with StagedReader(DEV, chunk_bytes=5 << 20, threads=2) as reader:
+        files = CheckpointFiles(path, reader)
+        reader.expect(spans_of([(files, "a")]))
+        files.get("a")
+        torch.cuda.synchronize()
+        assert reserved() >= (2 + AHEAD_SLABS) * (5 << 20)
+    assert reserved() < 5 << 20  # back to the system, not kept in PyTorch's cache
 
 
 @pytest.mark.parametrize("linears, dtype", [("fp8", torch.bfloat16), ("dtype", torch.bfloat16)])

@@ -185,26 +185,13 @@ def test_ref2va_with_references_writes_a_playable_mp4(server, refs):
     check_mp4(files[0], 56, 64, 32)
 
 
-def test_compiled_kernels_are_kept_in_the_hosts_user_folder(server):
-    """torch.compile's, Triton's and FA4's caches under the host's user folder (unless the environment names them),
-    so a restarted server finds the kernels compiled before; the models' shapes the checks build are kept there
-    too, once a prompt was checked."""
-    import os
-
-    root = server.base / "user" / "h3_hybrid" / "compile_cache"
-    line = next((l for l in server.log_path.read_text().splitlines() if "compiled kernels are kept in" in l), "")
-    for variable, folder in (
-        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-        ("TRITON_CACHE_DIR", "triton"),
-        ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attn_cute"),
-    ):
-        expected = os.environ.get(variable) or str(root / folder)
-        assert expected in line, line
-        if not os.environ.get(variable):
-            assert (root / folder).is_dir()
-    assert str(root / "meta_shapes") in line, line
-    if not list((root / "meta_shapes").glob("*.json")):  # no prompt was checked yet in this server
+def test_the_models_shapes_are_kept_in_the_hosts_user_folder(server):
+    """The models' state-dict shapes the checks build on the meta device are kept under the host's user folder once
+    an H3 prompt was posted; the compilers' caches stay where the environment (or their defaults) put them."""
+    root = server.base / "user" / "h3_hybrid" / "meta_shapes"
+    if not list(root.glob("*.json")):  # no prompt was checked yet in this server
         entry = server.run(generation(prefix="H3/meta_shapes"))
         assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
-    kept = sorted(path.name.split("-")[0] for path in (root / "meta_shapes").glob("*.json"))
+    kept = sorted(path.name.split("-")[0] for path in root.glob("*.json"))
     assert {"H3DiT", "BranchWeights", "VideoVAE", "AudioVAE"} <= set(kept), kept
+    assert not (server.base / "user" / "h3_hybrid" / "compile_cache").exists()

@@ -1,18 +1,54 @@
-"""What a ComfyUI server on a GPU does for the pack while it starts, on a thread of its own (``nodes._host``):
-the staged reader's page-locked buffers allocated and the libraries' first products and convolutions made, the
-compilers' modules imported and Triton's first launch, the dense-attention kernels chosen and the hardware video
-encoders probed, each said in the log. On the CPU nothing is compiled and the thread does not start. Either way the
-objects alive when the pack is registered are set aside from the host's collections (``nodes._gc``)."""
+"""The pack is a quiet guest in a ComfyUI server (``__init__.comfy_entrypoint``, ``nodes._host``): registering it
+changes nothing in the process — the environment, the garbage collector, the threads, the optional kernel
+libraries imported, CUDA and its page-locked memory are as the server made them — until a prompt holding one of its
+nodes is posted. That prompt starts its warm-up: on a GPU, a thread of its own allocates and frees the staged
+reader's page-locked buffers, makes the libraries' first products and convolutions, imports the compilers' modules
+with Triton's first launch, chooses the dense-attention kernels and probes the hardware video encoders, each said
+in the log; on the CPU nothing is compiled and no thread starts."""
 
 import os
 
 import pytest
+from comfy_host import error_message
 
 ON_GPU = os.environ.get("H3_COMFY_GPU") == "1"
+WARM_UP_LINES = ("imported the compilers' modules", "first calls made ahead", "hardware video encoders probed")
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the start thread runs where the compiled paths run: the server on a GPU")
-def test_the_start_thread_does_its_work_ahead_and_says_so(server):
+def state(server, prompt: dict, tag: str) -> dict:
+    prompt = {**prompt, "99": {"class_type": "H3ProbeProcessState", "inputs": {"tag": tag}}}
+    entry = server.run(prompt)
+    assert entry["status"]["status_str"] == "success", error_message(entry) + server.log_tail()
+    return entry["outputs"]["99"]["state"][0]
+
+
+def test_nothing_changes_until_an_h3_prompt_is_posted(server):
+    said = server.log_path.read_text(errors="replace")
+    assert not any(line in said for line in WARM_UP_LINES), "the pack did work at registration"
+    first = state(server, {}, "no H3 node")
+    again = state(server, {}, "still no H3 node")
+    assert first["environment"] == again["environment"]
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        assert "h3_hybrid" not in first["environment"].get(name, ""), name
+    assert first["gc_frozen"] == 0 and first["gc_enabled"]
+    assert not any(name.startswith("h3-") for name in first["threads"]), first["threads"]
+    assert not {"flash_attn", "flash_attn.cute"} & set(first["kernel_modules"])
+    assert first["pinned_bytes"] == 0
+    canvas = {"1": {"class_type": "H3Canvas", "inputs": {"width": 64, "height": 32, "length": 22}}}
+    after = state(server, canvas, "an H3 node")
+    assert after["environment"] == first["environment"] and after["gc_frozen"] == 0
+    assert after["gc_threshold"] == first["gc_threshold"]
+    if ON_GPU:
+        server.wait_for_log("hardware video encoders probed", 1)
+    else:  # nothing compiles on the CPU: no warm-up thread, nothing said
+        assert not any(name.startswith("h3-") for name in after["threads"]), after["threads"]
+        assert not any(line in server.log_path.read_text(errors="replace") for line in WARM_UP_LINES)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the warm-up thread runs where the compiled paths run: the server on a GPU")
+def test_the_warm_up_does_its_work_ahead_and_says_so(server):
+    canvas = {"1": {"class_type": "H3Canvas", "inputs": {"width": 64, "height": 32, "length": 22}}}
+    state(server, canvas, "an H3 node")
     server.wait_for_log("hardware video encoders probed", 1)
     said = server.log_path.read_text(errors="replace")
     assert "imported the compilers' modules" in said and "dense attention kernels chosen ahead" in said
@@ -27,11 +63,3 @@ def test_the_start_thread_does_its_work_ahead_and_says_so(server):
     ):
         assert f"{kind} " in made and f"{kind} failed" not in made, made
     assert "h264_nvenc " in next(line for line in said.splitlines() if "hardware video encoders probed" in line)
-
-
-@pytest.mark.skipif(ON_GPU, reason="the CPU server")
-def test_on_the_cpu_the_start_thread_does_not_run(server):
-    said = server.log_path.read_text(errors="replace")
-    assert "compiled kernels are kept in" in said  # the pack loaded
-    assert "objects alive at start-up set aside from the host's garbage collections" in said
-    assert "hardware video encoders probed" not in said and "first calls made ahead" not in said

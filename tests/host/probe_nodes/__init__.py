@@ -462,8 +462,51 @@ class H3ProbeNativeEvaluate(_Probe):
         }
 
 
+# What a node pack could change in the server's process: the environment variables compilers read, the garbage
+# collector's settings, threads, the optional kernel libraries imported, CUDA and its page-locked memory.
+WATCHED_ENVIRONMENT = (
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
+OPTIONAL_KERNELS = ("flash_attn", "flash_attn.cute", "triton", "cudnn", "comfy_kitchen.backends.triton")
+
+
+class H3ProbeProcessState(_Probe):
+    """The server process's state that a node pack could change: the whole environment, the garbage collector's
+    frozen objects and thresholds, the threads' names, which optional kernel libraries are imported, whether CUDA
+    is initialised and the page-locked memory PyTorch's host allocator holds."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"tag": ("STRING", {"default": ""})}, **AFTER}
+
+    def probe(self, tag, **_):
+        import gc
+        import os
+        import sys
+        import threading
+
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        state = {
+            "tag": tag,
+            "environment": dict(os.environ),
+            "gc_frozen": gc.get_freeze_count(),
+            "gc_threshold": list(gc.get_threshold()),
+            "gc_enabled": gc.isenabled(),
+            "threads": sorted(t.name for t in threading.enumerate()),
+            "kernel_modules": [name for name in OPTIONAL_KERNELS if name in sys.modules],
+            "cuda_initialized": cuda,
+            "pinned_bytes": torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) if cuda else 0,
+        }
+        return {"ui": {"state": [state]}, "result": (None,)}
+
+
 NODE_CLASS_MAPPINGS = {
     "H3ProbeNativeH3": H3ProbeNativeH3,
+    "H3ProbeProcessState": H3ProbeProcessState,
     "H3ProbeNativeEvaluate": H3ProbeNativeEvaluate,
     "H3ProbeOtherModel": H3ProbeOtherModel,
     "H3ProbeKeep": H3ProbeKeep,
