@@ -73,7 +73,7 @@ def measure(path: Path, cfg: DiTConfig) -> dict:
     size = path.stat().st_size
     return {
         "file_bytes": size,
-        "peak_rise_x_file": {k: (peak[k] - before[k]) / size for k in before},
+        "peak_rise_x_file": {k: (peak[k] - before[k]) / size for k in peak},  # VmRSS: the high-water mark
         "final_rise_x_file": {k: (after[k] - before[k]) / size for k in before},
         "checksum_finite": checksum == checksum,
     }

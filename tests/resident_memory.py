@@ -1,14 +1,13 @@
 """This process's resident memory from ``/proc/self/status`` (VmRSS, RssAnon, RssFile, in bytes), and its peak
-while a call runs (sampled every 2 ms on a thread of its own): what the memory benches and tests measure loads
-with."""
+while a call runs: the kernel's own high-water mark (``VmHWM``), reset before the call through
+``/proc/self/clear_refs`` (where the process may not reset it, the mark since the process started, an upper bound):
+what the memory benches and tests measure loads with."""
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Callable, TypeVar
 
-KEYS = ("VmRSS", "RssAnon", "RssFile")
+KEYS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
 T = TypeVar("T")
 
 
@@ -22,22 +21,19 @@ def resident() -> dict[str, int]:
     return out
 
 
-def peak_while(fn: Callable[[], T]) -> tuple[T, dict[str, int], dict[str, int]]:
-    """``fn()``'s result, the resident memory before it and the peak while it ran."""
-    before = resident()
-    peak, done = dict(before), threading.Event()
-
-    def watch():
-        while not done.is_set():
-            for key, value in resident().items():
-                peak[key] = max(peak[key], value)
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
+def reset_peak() -> bool:
+    """Reset the process's resident high-water mark to its current resident memory; False where not allowed."""
     try:
-        result = fn()
-    finally:
-        done.set()
-        watcher.join()
-    return result, before, peak
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_while(fn: Callable[[], T]) -> tuple[T, dict[str, int], dict[str, int]]:
+    """``fn()``'s result, the resident memory before it and the peak while it ran (``{"VmRSS": VmHWM}``)."""
+    before = resident()
+    reset_peak()
+    result = fn()
+    return result, before, {"VmRSS": resident()["VmHWM"]}
