@@ -75,11 +75,10 @@ class H3DiTLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, dit_name=None, linear_branch=None, weight_dtype=None, offload=None, device=None):
+    def validate_inputs(cls, dit_name=None, linear_branch=None):
+        # Only the files are checked here: the host shows a refusal once per input this method takes, and checks the
+        # other lists' choices itself.
         return verdict(
-            lambda: check_choice("weight_dtype", weight_dtype, WEIGHT_DTYPES),
-            lambda: check_choice("offload", offload, OFFLOAD_POLICIES),
-            lambda: check_device(device),
             lambda: check_model_file("diffusion_models", dit_name, "dit_name", "dit"),
             lambda: (
                 linear_branch in (None, NONE)
@@ -101,6 +100,8 @@ class H3DiTLoader(io.ComfyNode):
     def execute(cls, dit_name, linear_branch, weight_dtype, offload, device=_host.DEFAULT_DEVICE):
         from .patchers import H3DiTPatcher
 
+        check_choice("weight_dtype", weight_dtype, WEIGHT_DTYPES)
+        check_choice("offload", offload, OFFLOAD_POLICIES)
         check_device(device)
         base = _host.model_path("diffusion_models", dit_name, "dit_name")
         branch = None if linear_branch == NONE else _host.model_path("diffusion_models", linear_branch, "linear_branch")
@@ -186,8 +187,8 @@ class _VAELoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, vae_name=None, device=None):
-        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", cls.KIND), lambda: check_device(device))
+    def validate_inputs(cls, vae_name=None):
+        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", cls.KIND))
 
     @classmethod
     def fingerprint_inputs(cls, vae_name, device=_host.DEFAULT_DEVICE):
@@ -281,14 +282,12 @@ class H3TextEncoderLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, text_encoder_name=None, offload=None, device=None):
+    def validate_inputs(cls, text_encoder_name=None):
         return verdict(
-            lambda: check_choice("offload", offload, OFFLOAD_MODES),
-            lambda: check_device(device),
             lambda: (
                 text_encoder_name is None
                 or check_path(_text_encoder_path(text_encoder_name), "text_encoder", "text_encoder_name")
-            ),
+            )
         )
 
     @classmethod
@@ -301,6 +300,7 @@ class H3TextEncoderLoader(io.ComfyNode):
 
         from .patchers import TextEncoderPatcher
 
+        check_choice("offload", offload, OFFLOAD_MODES)
         check_device(device)
         path = _text_encoder_path(text_encoder_name)
         run_device = _host.chosen_device(device, mm.text_encoder_device())

@@ -113,6 +113,18 @@ def test_what_needs_no_model_is_refused_before_anything_loads(bad_files, change,
     refused_at_validation(bad_files, generation(prefix="H3/bad", **change), pattern)
 
 
+def test_a_missing_file_is_said_once_per_file_the_loader_checks(bad_files):
+    """The host lists a node's refusal under every input its check takes: the DiT loader's under its two files
+    (the model and the branch), a VAE loader's under its one, none under the lists the host checks itself."""
+    answer = bad_files.queue(generation(prefix="H3/missing", dit="no_such_model.safetensors"))
+    loader = next(e["errors"] for e in answer["node_errors"].values() if e["class_type"] == "H3DiTLoader")
+    said = [error for error in loader if "no_such_model.safetensors" in json.dumps(error)]
+    assert sorted(error["extra_info"]["input_name"] for error in said) == ["dit_name", "linear_branch"], loader
+    answer = bad_files.queue(generation(prefix="H3/missing", video_vae="no_such_vae.safetensors"))
+    loader = next(e["errors"] for e in answer["node_errors"].values() if e["class_type"] == "H3VideoVAELoader")
+    assert [error["extra_info"]["input_name"] for error in loader] == ["vae_name"], loader
+
+
 def _with_sampler(prompt, **inputs):
     sampler = next(node for node in prompt.values() if node["class_type"] == "H3Sampler")
     sampler["inputs"].update(inputs)
