@@ -2,7 +2,9 @@
 
     h3_fl2va.json  first and last frame → video + stereo audio (the example; memory policy auto)
     h3_t2va.json   prompt → video + stereo audio
-    h3_ref2va.json a reference image and a reference sound → video + stereo audio
+    h3_ref2va.json a reference image and a reference sound → video + stereo audio, on H3's Ref2VA checkpoint
+                   (plain H3: VDN-H3's branch was trained on the FL2VA transformer, and its published reference
+                   mode takes images alone)
     h3_extend.json prompt → a clip, then that clip extended by 34 frames (H3 Extend / Inpaint) → video + audio
 
 Model widgets name the released files (see the README for where each goes); the images are the
@@ -18,7 +20,8 @@ import json
 from pathlib import Path
 
 WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
-DIT = "minimax_h3_fl2va_bf16.safetensors"
+DIT = "minimax_h3_fl2va_bf16.safetensors"  # T2VA and FL2VA
+REF2VA_DIT = "minimax_h3_ref2va_bf16.safetensors"
 BRANCH = "vdn_h3_linear_branch.safetensors"
 VIDEO_VAE = "minimax_h3_video_vae_fp16.safetensors"
 AUDIO_VAE = "minimax_h3_audio_vae_fp32.safetensors"
@@ -98,14 +101,13 @@ def build(mode: str) -> dict:
     extend = mode == "Extend"
     mode = "T2VA" if extend else mode
     g = Graph()
-    dit = g.node(
-        "H3DiTLoader",
-        (0, 0),
-        [DIT, BRANCH, "bf16", "auto"],
-        [("model", "H3_MODEL")],
-        (340, 150),
-        files=[(DIT, COMFY_REPO, "diffusion_models"), (BRANCH, VDN_REPO, "diffusion_models")],
-    )
+    if mode == "Ref2VA":
+        dit_file, branch, files = REF2VA_DIT, "none", [(REF2VA_DIT, COMFY_REPO, "diffusion_models")]
+    else:
+        dit_file, branch = DIT, BRANCH
+        files = [(DIT, COMFY_REPO, "diffusion_models"), (BRANCH, VDN_REPO, "diffusion_models")]
+    dit = g.node("H3DiTLoader", (0, 0), [dit_file, branch, "bf16", "auto"], [("model", "H3_MODEL")], (340, 150),
+                 files=files)  # fmt: skip
     video_vae = g.node(
         "H3VideoVAELoader",
         (0, 200),

@@ -102,7 +102,10 @@ def embedded_default(prompt: dict) -> dict:
     out = {}
     for node_id, node in prompt.items():
         inputs = dict(node["inputs"])
+        plain = inputs.get("linear_branch") == "none"  # a workflow of plain H3 stays plain
         inputs.update(EMBEDDED_FILES.get(node["class_type"], {}))
+        if plain:
+            inputs["linear_branch"] = "none"
         if node["class_type"] in SIZED_NODES:
             inputs.update({k: v for k, v in EMBEDDED_SIZE.items() if k in inputs})
         out[node_id] = {"class_type": node["class_type"], "inputs": inputs}
