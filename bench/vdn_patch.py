@@ -133,7 +133,7 @@ def host_norm_rope():
     """comfy-kitchen's fused q/k norm and split-half rotation as the host's H3 attention calls it, or None."""
     try:
         import comfy_kitchen
-    except ImportError:
+    except (ImportError, OSError):
         return None
 
     def norm_rope(q, k, table, qw, kw, eps, rot_dim):
