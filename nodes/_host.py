@@ -331,3 +331,10 @@ def tell(node_id, lines: list[str]) -> None:
 
     server = PromptServer.instance
     server.send_progress_text("\n".join(lines), str(node_id), getattr(server, "client_id", None))
+
+
+def host_memory_available() -> int:
+    """Host memory the system can give a process now (``psutil``, which ComfyUI installs), in bytes."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)

@@ -58,3 +58,15 @@ def check_model_file(folder: str, name, input_name: str, kind: str) -> str | Non
 def check_path(path, kind: str, input_name: str) -> str:
     """``path`` read as ``kind`` from its header (``h3_core.formats.file_kinds.check_file``)."""
     return check_file(path, kind, input_name)
+
+
+def check_host_room(input_name: str, path, need_bytes: int, available_bytes: int) -> None:
+    """Refuse, before reading, a file whose weights would not fit the host memory available (``psutil``'s
+    ``available``: free memory plus what the system can reclaim), naming the file and both amounts."""
+    if need_bytes > available_bytes:
+        gib = 2**30
+        raise H3InputError(
+            f"{input_name}: {path.name} needs about {need_bytes / gib:.1f} GiB of host memory to load, and "
+            f"{available_bytes / gib:.1f} GiB is available; close other programs, unload other models, or choose "
+            "a smaller form of the file (fp8, int8)"
+        )

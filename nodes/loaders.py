@@ -19,7 +19,7 @@ from ..h3_core.pipeline.clip_on_ranks import DiTSource, VideoVAESource
 from ..h3_core.pipeline.prompt import load_prompt_embedding
 from ..h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
 from . import _host
-from .checks import check_choice, check_model_file, check_path, verdict
+from .checks import check_choice, check_host_room, check_model_file, check_path, verdict
 from .conditioning import to_conditioning
 from .io_types import H3AudioVAE, H3Model, H3TextEncoder, H3VideoVAE
 from .ranks import SOURCE_KEY
@@ -110,6 +110,9 @@ class H3DiTLoader(io.ComfyNode):
         dtype, linears = WEIGHT_DTYPES[weight_dtype]
         run_on = _host.chosen_device(device, mm.get_torch_device())
         first = _first_device(base, branch, dtype, offload, run_on)
+        if first.type == "cpu":
+            need = sum(_host_bytes(p, dtype, linears) for p in (base, branch) if p is not None)
+            check_host_room("dit_name", base, need, _host.host_memory_available())
         # A quantised file's layers stay comfy-kitchen layers when the device the host will run the model on has
         # the library's kernels for them.
         model = load_h3_model(base, branch=branch, device=first, dtype=dtype, linears=linears, run_device=run_on)
@@ -118,6 +121,13 @@ class H3DiTLoader(io.ComfyNode):
         patcher = H3DiTPatcher.wrap(model, offload, first, load_device=run_on)
         patcher.attachments[SOURCE_KEY] = DiTSource(str(base), None if branch is None else str(branch), dtype, linears)
         return io.NodeOutput(patcher)
+
+
+def _host_bytes(path, dtype, linears: str) -> int:
+    """What a file's weights take in host memory once loaded: its values at ``dtype``'s size, one byte each with
+    fp8 linears (an upper bound: the fp32 islands and the norms are a sliver)."""
+    per_value = 1 if linears == "fp8" else torch.empty((), dtype=dtype).element_size()
+    return CheckpointFiles(path).parameters * per_value
 
 
 def _first_device(base, branch, dtype, offload: str, run_on: torch.device):

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import H3InputError
+from ..errors import H3DoesNotFit, H3InputError
 from ..models.branch_fused import compiled_branch_available
 from ..models.low_memory import LowMemory
 from ..models.run_options import apply_low_memory, compile_failed, fuse_blocks
@@ -154,6 +154,13 @@ def decide_placement(
             return MemoryPlan(LowMemory(), False, None, predicted, budget, said, "nothing given up")
     if memory == "auto":
         plan = plan_for_memory(cfg, shape, budget, speed=speed, streaming=placement != "resident", **kind)
+        if placement == "auto" and plan.predicted["total"] > free_bytes:
+            raise H3DoesNotFit(
+                f"this request ({shape.rows} rows a model evaluation) needs about {plan.predicted['total'] / GiB:.1f} "
+                f"GiB of device memory even with everything given up ({'; '.join(plan.steps)}), and "
+                f"{free_bytes / GiB:.1f} GiB is free for it: choose a shorter clip or a smaller canvas, unload other "
+                "models, or use a card with more memory"
+            )
     else:
         plan = MemoryPlan(LowMemory(), False, None, evaluation_peak(cfg, shape, **kind), budget, (), "none")
     if placement == "resident" and plan.resident_blocks is not None:

@@ -5,7 +5,7 @@ import torch
 
 from h3_core.errors import H3InputError
 from h3_core.memory.policy import BUDGET_SHARE, decide_placement, place_for_run
-from h3_core.memory.predict import BlockShape, evaluation_peak
+from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.models.low_memory import LowMemory
 from h3_core.pipeline.packing import pack_sequence
@@ -51,8 +51,10 @@ def test_less_memory_gives_things_up_in_order_until_the_prediction_fits(model, p
     plan = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=free, steps=10)
     assert plan.fits and plan.steps and plan.steps[0].startswith("2 head groups")
     assert plan.predicted["total"] < plain and plan.resident_blocks is None
-    tight = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=int(0.2 * plain), steps=10)
-    assert tight.resident_blocks is not None and "streamed" in tight.steps[-1]
+    everything = plan_for_memory(CFG, BlockShape.of(CFG, packed, torch.bfloat16), 1, hybrid=True, steps=10)
+    room = int(everything.predicted["total"] / BUDGET_SHARE) + 1  # the most given up fits, just
+    tight = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=room, steps=10)
+    assert tight.fits and tight.resident_blocks is not None and "streamed" in tight.steps[-1]
 
 
 def test_the_users_placement_wins(model, packed):
@@ -113,3 +115,14 @@ def test_the_host_is_asked_for_the_runs_activations_of_the_path_it_will_take(pac
     fuse_blocks(fresh, "eager")
     fused = evaluation_peak(CFG, shape, hybrid=True, fused=True)["activations"]
     assert working_bytes(fresh, packed) == int(fused) < plain
+
+
+def test_a_request_no_plan_fits_is_refused_with_what_it_needs(model, packed):
+    from h3_core.errors import H3DoesNotFit
+
+    plain = peak(packed)
+    with pytest.raises(H3DoesNotFit, match=r"needs about [\d.]+ GiB of device memory even with everything given up"):
+        decide_placement(model, packed, placement="auto", memory="auto", free_bytes=int(0.01 * plain), steps=10)
+    # within the whole free memory but not its 90 % budget: planned, and said not to fit (apply_plan's lines)
+    lowest = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=2**40, steps=10)
+    assert lowest.fits
