@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from comfy_api.v0_0_2 import io
 
@@ -18,10 +20,36 @@ from .conditioning import native_keyframes_of, native_references_of, prompt_of, 
 from .images import single_image
 from .io_types import H3Attention, H3AudioVAE, H3Canvas, H3Keyframes, H3Model, H3References, H3Start, H3VideoVAE
 from .latents import LATENT_FORMS, to_latent
-from .ranks import RANKS_KEY, sample_on_ranks
+from .ranks import RANKS_KEY, SOURCE_KEY, sample_on_ranks
 from .references import encoded
 
 MODES = ("T2VA", "FL2VA", "Ref2VA")
+
+
+def checkpoint_mode(file_name: str) -> str | None:
+    """Which of H3's released transformers a DiT file is, by the name it was released under: ``"Ref2VA"`` (its own
+    checkpoint, ``minimax_h3_ref2va_*``), ``"FL2VA"`` (T2VA and FL2VA, ``minimax_h3_fl2va_*``), else None."""
+    name = file_name.lower()
+    return "Ref2VA" if "ref2va" in name else "FL2VA" if "fl2va" in name else None
+
+
+def check_mode_file(mode: str, file_name: str | None, branch: bool) -> None:
+    """The mode against the released transformer the DiT file says it is: H3's Ref2VA runs on its own checkpoint,
+    T2VA and FL2VA on the FL2VA one; VDN-H3 (a branch) was trained on the FL2VA transformer, in every mode."""
+    kind = None if file_name is None else checkpoint_mode(Path(file_name).name)
+    if kind is None:
+        return
+    want = "FL2VA" if branch or mode != "Ref2VA" else "Ref2VA"
+    if kind != want:
+        why = (
+            "VDN-H3's linear branch was trained on H3's FL2VA transformer"
+            if branch
+            else f"mode {mode} of plain H3 runs on H3's {want} checkpoint (minimax_h3_{want.lower()}_*)"
+        )
+        raise H3InputError(
+            f"dit_name: {Path(file_name).name} is H3's {kind} checkpoint, but {why}; load that checkpoint in H3 DiT "
+            "Loader" + ("" if branch or mode == "Ref2VA" else ", or choose mode Ref2VA")
+        )
 
 
 def check_mode(mode, connected) -> None:
@@ -216,6 +244,9 @@ class H3Sampler(io.ComfyNode):
             "audio_vae": audio_vae,
         }
         check_mode(mode, lambda name: given[name] is not None)
+        source = model.attachments.get(SOURCE_KEY)
+        if source is not None:
+            check_mode_file(mode, source.base, source.branch is not None)
         check_reference_audio_t(mode, reference_audio_t)
         check_choice("noise", noise, NOISE_DRAWS)
         check_choice("latent_form", latent_form, LATENT_FORMS)

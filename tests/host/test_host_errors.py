@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from comfy_host import error_message, mp4_files
-from graphs import TINY_AUDIO_VAE, TINY_DIT, generation, with_references
+from graphs import TINY_AUDIO_VAE, TINY_BRANCH, TINY_DIT, generation, with_references
 from safetensors.torch import save_file
 
 
@@ -123,6 +123,42 @@ def test_a_missing_file_is_said_once_per_file_the_loader_checks(bad_files):
     answer = bad_files.queue(generation(prefix="H3/missing", video_vae="no_such_vae.safetensors"))
     loader = next(e["errors"] for e in answer["node_errors"].values() if e["class_type"] == "H3VideoVAELoader")
     assert [error["extra_info"]["input_name"] for error in loader] == ["vae_name"], loader
+
+
+@pytest.mark.parametrize(
+    "file, mode, branch, pattern",
+    [
+        (
+            "minimax_h3_ref2va_tiny.safetensors",
+            "T2VA",
+            "none",
+            r"dit_name: minimax_h3_ref2va_tiny\.safetensors is H3's Ref2VA checkpoint, but mode T2VA of plain H3 runs "
+            r"on H3's FL2VA checkpoint \(minimax_h3_fl2va_\*\); load that checkpoint in H3 DiT Loader, or choose mode "
+            r"Ref2VA",
+        ),
+        (
+            "minimax_h3_ref2va_tiny.safetensors",
+            "T2VA",
+            TINY_BRANCH,
+            r"is H3's Ref2VA checkpoint, but VDN-H3's linear branch was trained on H3's FL2VA transformer",
+        ),
+        (
+            "minimax_h3_fl2va_tiny.safetensors",
+            "Ref2VA",
+            "none",
+            r"is H3's FL2VA checkpoint, but mode Ref2VA of plain H3 runs on H3's Ref2VA checkpoint",
+        ),
+    ],
+    ids=["t2va-on-ref2va", "vdn-on-ref2va", "ref2va-on-fl2va"],
+)
+def test_a_mode_the_checkpoint_was_not_released_for_is_refused(server, file, mode, branch, pattern):
+    folder = server.models / "diffusion_models"
+    if not (folder / file).exists():
+        (folder / file).write_bytes((folder / TINY_DIT).read_bytes())
+    prompt = generation(mode, prefix="H3/mismatch", dit=file, branch=branch)
+    if mode == "Ref2VA":
+        prompt = with_references(prompt, image="first.png")
+    expect_node_error(server, prompt, pattern)
 
 
 def _with_sampler(prompt, **inputs):
