@@ -75,10 +75,11 @@ class H3DiTLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, dit_name=None, linear_branch=None):
-        # Only the files are checked here: the host shows a refusal once per input this method takes, and checks the
-        # other lists' choices itself.
+    def validate_inputs(cls, dit_name=None, linear_branch=None, device=None):
+        # The host lists a refusal under every input this method takes: the files and the device (a workflow from a
+        # machine with other GPUs) are checked here, the other lists' choices when the node runs.
         return verdict(
+            lambda: check_device(device),
             lambda: check_model_file("diffusion_models", dit_name, "dit_name", "dit"),
             lambda: (
                 linear_branch in (None, NONE)
@@ -197,8 +198,8 @@ class _VAELoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, vae_name=None):
-        return verdict(lambda: check_model_file("vae", vae_name, "vae_name", cls.KIND))
+    def validate_inputs(cls, vae_name=None, device=None):
+        return verdict(lambda: check_device(device), lambda: check_model_file("vae", vae_name, "vae_name", cls.KIND))
 
     @classmethod
     def fingerprint_inputs(cls, vae_name, device=_host.DEFAULT_DEVICE):
@@ -292,8 +293,9 @@ class H3TextEncoderLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, text_encoder_name=None):
+    def validate_inputs(cls, text_encoder_name=None, device=None):
         return verdict(
+            lambda: check_device(device),
             lambda: (
                 text_encoder_name is None
                 or check_path(_text_encoder_path(text_encoder_name), "text_encoder", "text_encoder_name")

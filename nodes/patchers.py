@@ -49,6 +49,11 @@ class DiTRun:
     attention_precision: str = "bf16"
 
 
+# After an out-of-memory, what share of the room the last plan counted on the next one may (the memory model's
+# prediction was short of what the card held)
+OUT_OF_MEMORY_SHARE = 0.8
+
+
 @dataclass
 class _Placement:
     """Where the DiT's weights are now; shared by a patcher and its clones (they hold the same model)."""
@@ -59,6 +64,7 @@ class _Placement:
     fitted: object = None  # h3_core.memory.apply.FittedModel of the last load
     said: list[str] = field(default_factory=list)
     last_unload: tuple[int, int] | None = None  # (bytes asked, bytes freed) of the last partial unload
+    room_share: float = 1.0  # of the room the host gives, what plans count on (less after an out-of-memory)
 
 
 def _bytes_on(model: torch.nn.Module, device: torch.device) -> int:
@@ -97,7 +103,8 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             return placement.working
         # This model's weights already on the device count as room, whether or not the host has them on record
         # yet (a model the loader read straight to the GPU is not, before its first run).
-        free_bytes = _host.device_budget(device, keep=(self,)) + self._device_weight_bytes()
+        room = _host.device_budget(device, keep=(self,)) + self._device_weight_bytes()
+        free_bytes = int(room * placement.room_share)
         plan = decide_placement(
             self.model,
             run.packed,
@@ -121,6 +128,22 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             return None
         return rank_shares(self.model.cfg, int(packed.positions.shape[0]), choice.gpus, choice.softmax_ranks)[0]
 
+    def fit_smaller(self) -> bool:
+        """After an evaluation ran out of device memory: plan again for ``OUT_OF_MEMORY_SHARE`` of the room the last
+        plan counted on and place the model so (``run_options.evaluate`` then runs the evaluation again). False,
+        nothing changed, where that plan holds the weights and the activations as the last one did."""
+        placement = self.placement
+        if placement.run is None or placement.fitted is None or self.load_device.type != "cuda":
+            return False
+        before = placement.fitted.layout
+        placement.room_share *= OUT_OF_MEMORY_SHARE
+        torch.cuda.empty_cache()
+        self.load(self.load_device, full_load=True)
+        if placement.fitted.layout == before:
+            return False
+        _host.say("out of device memory: placed again for less — " + "; ".join(placement.said))
+        return True
+
     def said(self) -> list[str]:
         """What the last load did, in the words the user is shown."""
         return list(self.placement.said)
@@ -143,6 +166,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
                 room = _host.free_memory(device) + self._device_weight_bytes()
             else:
                 room = lowvram_model_memory + placement.working
+            room = int(room * placement.room_share)
             # place_for_run counts this model's bytes already on the device as free: they are taken out here.
             fitted = place_for_run(
                 self.model,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -364,7 +366,8 @@ class H3Sampler(io.ComfyNode):
             if ranks is not None:
                 video, audio = sample_on_ranks(model, ranks, prompt, common, reference_latents, settings.memory)
             else:
-                video, audio = generate_clip(model.model, prompt, reference_latents, **common)
+                with _fitting_smaller_on_out_of_memory(model):
+                    video, audio = generate_clip(model.model, prompt, reference_latents, **common)
         except torch.OutOfMemoryError as exc:
             # Raised again as the same kind, so the host still frees its models for the next prompt.
             raise torch.OutOfMemoryError(
@@ -373,6 +376,24 @@ class H3Sampler(io.ComfyNode):
                 f"canvas or length, or free other models. {str(exc).splitlines()[0]}"
             ) from exc
         return io.NodeOutput(to_latent(video, audio, length, latent_form))
+
+
+@contextlib.contextmanager
+def _fitting_smaller_on_out_of_memory(patcher):
+    """An evaluation that runs out of device memory has the DiT placed for less and runs again
+    (``H3DiTPatcher.fit_smaller``, through ``RunOptions.on_out_of_memory``), for this run."""
+    from ..h3_core.models.run_options import apply_run_options, run_options_of
+
+    fit_smaller = getattr(patcher, "fit_smaller", None)
+    model = patcher.model
+    if fit_smaller is None:
+        yield
+        return
+    apply_run_options(model, replace(run_options_of(model), on_out_of_memory=fit_smaller))
+    try:
+        yield
+    finally:
+        apply_run_options(model, replace(run_options_of(model), on_out_of_memory=None))
 
 
 def _keyframes_anywhere(keyframes, canvas, video_vae, audio_vae, settings):

@@ -399,6 +399,7 @@ class H3DiT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.final_layer = FinalLayer(cfg)
         self.check_cancel = None  # called before every block when set: a cancel stops within one evaluation
+        self.on_out_of_memory = None  # ``run_options.evaluate``'s way to a placement for less memory
 
     def forward(
         self,

@@ -11,6 +11,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 from ..errors import H3InputError
@@ -45,7 +46,9 @@ class RunOptions:
     output layer over that many rows at a time; ``branch_stream``: a hybrid block's linear branch on a second
     CUDA stream beside its window softmax (one head group; the same arithmetic, ``hybrid``; off by default: it
     gained 0.4 % of an evaluation for 0.5 GiB more, bench/results/dit_step.md);
-    ``check_cancel``: called before every block (a cancel stops within one evaluation)."""
+    ``check_cancel``: called before every block (a cancel stops within one evaluation); ``on_out_of_memory``:
+    called when an evaluation runs out of device memory (``evaluate``), True once the model was placed for less
+    memory, so the evaluation runs again, False to let the error through."""
 
     blocks_fused: str | None = None
     branches_fused: str | None = None
@@ -56,6 +59,7 @@ class RunOptions:
     final_chunk_rows: int = FinalLayer.chunk_rows
     branch_stream: bool = False
     check_cancel: Callable[[], None] | None = field(default=None, compare=False)
+    on_out_of_memory: Callable[[], bool] | None = field(default=None, compare=False)
 
     @property
     def low_memory(self) -> LowMemory:
@@ -84,8 +88,9 @@ def _check(options: RunOptions, model: nn.Module) -> None:
         )
     if not isinstance(options.branch_stream, bool):
         raise H3InputError(f"branch_stream must be True or False, got {options.branch_stream!r}")
-    if options.check_cancel is not None and not callable(options.check_cancel):
-        raise H3InputError(f"check_cancel must be callable or None, got {options.check_cancel!r}")
+    for name in ("check_cancel", "on_out_of_memory"):
+        if getattr(options, name) is not None and not callable(getattr(options, name)):
+            raise H3InputError(f"{name} must be callable or None, got {getattr(options, name)!r}")
 
 
 def apply_run_options(model: nn.Module, options: RunOptions) -> RunOptions:
@@ -110,6 +115,7 @@ def apply_run_options(model: nn.Module, options: RunOptions) -> RunOptions:
             module.chunk_rows = options.final_chunk_rows
         elif isinstance(module, H3DiT):
             module.check_cancel = options.check_cancel
+            module.on_out_of_memory = options.on_out_of_memory
     return options
 
 
@@ -131,6 +137,7 @@ def run_options_of(model: nn.Module) -> RunOptions:
         final_chunk_rows=FinalLayer.chunk_rows if final is None else final.chunk_rows,
         branch_stream=False if attention is None else attention.branch_stream,
         check_cancel=None if dit is None else dit.check_cancel,
+        on_out_of_memory=None if dit is None else dit.on_out_of_memory,
     )
 
 
@@ -156,6 +163,23 @@ def compile_failed(model) -> bool:
 
 
 def evaluate(model, compile: str, *args, **kwargs):
+    """``_evaluate_once``; where it runs out of device memory and the model's ``on_out_of_memory`` (``RunOptions``)
+    places it for less memory, again from the same inputs, as often as that helps."""
+    while True:
+        try:
+            return _evaluate_once(model, compile, *args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            fit_smaller = getattr(model, "on_out_of_memory", None)
+            if fit_smaller is None:
+                raise
+            cause = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        # out of the except block: the failed attempt's frames, and the memory they held, are gone
+        if not fit_smaller():
+            raise torch.OutOfMemoryError(f"{cause} (and no plan that gives up more memory remains)")
+        log.warning("an evaluation ran out of device memory (%s); it runs again, placed for less memory", cause)
+
+
+def _evaluate_once(model, compile: str, *args, **kwargs):
     """``model(*args, **kwargs)``, one evaluation. With ``compile="off"``, or for a model whose compiled path
     failed before, it runs on the plain path: the blocks unfused and no compiled function or Triton kernel
     anywhere in it (``triton_forms.plain_path``). Where a compiled function or kernel fails to compile or

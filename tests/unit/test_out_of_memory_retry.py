@@ -1,0 +1,73 @@
+"""An evaluation that runs out of device memory runs again once the model was placed for less memory
+(``run_options.evaluate`` and ``RunOptions.on_out_of_memory``): the clip is the one the smaller placement makes
+from the start, the step is not skipped, and where no placement gives up more the error goes through, saying so.
+The shortage is injected where a card runs out: inside a block, while the model holds one head group."""
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from test_compile_fallback import PROMPT
+from tiny_dit import model
+
+from h3_core.models.low_memory import LowMemory
+from h3_core.models.run_options import apply_low_memory, apply_run_options, run_options_of
+from h3_core.pipeline.generate import generate
+
+RUN = dict(frames=22, width=64, height=32, steps=3, seed=5)
+
+
+def short_of_memory_with_one_head_group(m):
+    """Block 1 runs out of memory whenever the model holds one head group."""
+
+    def raise_out_of_memory(block, args):
+        if run_options_of(m).head_groups == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    return m.blocks[1].register_forward_pre_hook(raise_out_of_memory)
+
+
+def generated(m):
+    with torch.no_grad():
+        return generate(m, PROMPT, **RUN)
+
+
+def test_the_evaluation_runs_again_placed_for_less_memory(caplog):
+    want = generated(apply_low_memory_to(model(True), LowMemory(head_groups=2)))
+    m = model(True)
+    calls = []
+
+    def fit_smaller():
+        calls.append(run_options_of(m).head_groups)
+        apply_low_memory(m, LowMemory(head_groups=2))
+        return True
+
+    apply_run_options(m, replace(run_options_of(m), on_out_of_memory=fit_smaller))
+    short_of_memory_with_one_head_group(m)
+    with caplog.at_level(logging.WARNING):
+        got = generated(m)
+    assert calls == [1]  # once: the first evaluation; the others ran placed for less memory
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert any("ran out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+def apply_low_memory_to(m, options):
+    apply_low_memory(m, options)
+    return m
+
+
+def test_with_nothing_more_to_give_up_the_error_goes_through_saying_so():
+    m = model(True)
+    apply_run_options(m, replace(run_options_of(m), on_out_of_memory=lambda: False))
+    short_of_memory_with_one_head_group(m)
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 2\.00 GiB \(and no plan that gives up more"):
+        generated(m)
+
+
+def test_without_a_way_to_fit_smaller_the_error_is_the_devices():
+    m = model(True)
+    short_of_memory_with_one_head_group(m)
+    with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 2\.00 GiB$"):
+        generated(m)
