@@ -299,7 +299,7 @@ class H3TextEncoderLoader(io.ComfyNode):
             lambda: (
                 text_encoder_name is None
                 or check_path(_text_encoder_path(text_encoder_name), "text_encoder", "text_encoder_name")
-            )
+            ),
         )
 
     @classmethod
