@@ -27,6 +27,7 @@ HOST_MODULES = TORCH_FAMILY | {
     "node_helpers",
     "nodes",
     "server",
+    "psutil",  # in ComfyUI's own requirements; the loaders read the host memory available with it
 }
 # Kernel packages used when importable, never installed by the pack (h3_core.triton_forms and
 # h3_core.attention.kernels import them inside try blocks; the pack runs its PyTorch paths without them).
