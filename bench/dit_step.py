@@ -57,10 +57,8 @@ from h3_core.models.low_memory import LowMemory
 from h3_core.models.precision import keeps_fp32
 from h3_core.models.run_options import (
     apply_low_memory,
-    apply_run_options,
     fuse_blocks,
     fuse_branches,
-    run_options_of,
 )
 from h3_core.parallel import SequenceShards
 from h3_core.pipeline.geometry import audio_latents, latent_frames
@@ -219,14 +217,6 @@ def main(argv=None) -> dict:
         help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)",
     )
     parser.add_argument(
-        "--branch-stream",
-        nargs="*",
-        default=["off"],
-        choices=("on", "off"),
-        help="a hybrid block's linear branch on a second CUDA stream beside the window softmax, or serial (the "
-        "default); several: each hybrid variant once per choice",
-    )
-    parser.add_argument(
         "--attention-precision",
         nargs="*",
         default=["bf16"],
@@ -281,26 +271,23 @@ def main(argv=None) -> dict:
     fused = args.fused_blocks is not None  # the memory model knows fused blocks, not the fused branch alone
     quantised = False
     ordered = sorted(set(args.variants), key=VARIANTS.index)  # bf16 before fp8, whatever the order asked
-    streams = list(dict.fromkeys(args.branch_stream))
     simulated = args.fake_ranks > 1
     if simulated and (spread or args.cap_gib is not None):
         parser.error("--fake-ranks runs one process alone: leave out --gpus and --cap-gib")
     precisions = list(dict.fromkeys(args.attention_precision))
     runs_of = [
-        (v, b, p, r)
+        (v, p, r)
         for v in ordered
-        for b in (streams if not v.startswith("dense") else streams[:1])
         for p in (precisions if not v.startswith("dense") else ["bf16"])
         for r in (args.fake_rank if simulated else [None])
     ]
-    for variant, stream, precision, fake_rank in runs_of:
-        key = variant if len(streams) == 1 or variant.startswith("dense") else f"{variant}/branch-stream-{stream}"
+    for variant, precision, fake_rank in runs_of:
+        key = variant
         if precision != "bf16":
             key += f"/attention-{precision}"
         if fake_rank is not None:
             key += f"/rank{fake_rank}-of-{args.fake_ranks}"
             ranks.join_fake(fake_rank, args.fake_ranks)
-        apply_run_options(model, replace(run_options_of(model), branch_stream=stream == "on"))
         hybrid = not variant.startswith("dense")
         linears = "fp8" if variant.startswith("fp8") else "dtype"
         if linears == "fp8" and not quantised:
@@ -355,7 +342,6 @@ def main(argv=None) -> dict:
                     dtype=dtype,
                     linears=linears,
                     fused=fused,
-                    branch_stream=stream == "on",
                     attention_precision=precision,
                 )
             if simulated:

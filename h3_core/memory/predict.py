@@ -50,9 +50,7 @@ __all__ = [
     "BRANCH_BUFFERS",
     "FUSED_ROTATE_TEMPS",
     "FUSED_BRANCH_BUFFERS",
-    "BRANCH_BESIDE_EXTRA",
     "FP8_SOFTMAX_TEMPS",
-    "FP8_BRANCH_BESIDE_EXTRA",
 ]
 
 ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each, plus the result
@@ -71,17 +69,10 @@ FP32_STATISTICS = 6.0
 # about 3 C. The grouped figure predates the last of those changes and is kept, an overestimate.
 FUSED_ROTATE_TEMPS = 0.5
 FUSED_BRANCH_BUFFERS = {1: 3.10, "grouped": 5.71}
-# The linear branch on a second stream beside the window softmax (``RunOptions.branch_stream``, one head group):
-# both phases' buffers alive at once raised an evaluation's peak by this much, in I. Measured once, fused blocks and
-# fp8 linears at the release length on an H200 (bench/results/dit_step.md); applied to plain blocks unmeasured.
-BRANCH_BESIDE_EXTRA = 0.385
 # The fp8 window softmax's buffers beside the attention phase's others, in I/G: 1.5 of e4m3 q, k and v (read off the
-# code) and the staging and output buffers (fitted). With the branch beside it, the peak rises by
-# ``FP8_BRANCH_BESIDE_EXTRA`` I instead of ``BRANCH_BESIDE_EXTRA``. Both measured once, fused blocks, fp8 linears,
-# one head group, at the release length on an H200 (bench/results/dit_step.md); plain blocks and head groups are
-# predicted unmeasured.
+# code) and the staging and output buffers (fitted). Measured once, fused blocks, fp8 linears, one head group, at the
+# release length on an H200 (bench/results/dit_step.md); plain blocks and head groups are predicted unmeasured.
 FP8_SOFTMAX_TEMPS = 1.81
-FP8_BRANCH_BESIDE_EXTRA = 0.75
 
 
 @dataclass(frozen=True)
@@ -130,13 +121,11 @@ def block_peaks(
     hybrid: bool,
     fused: bool = False,
     linears: str = "dtype",
-    branch_stream: bool = False,
     attention_precision: str = "bf16",
 ) -> dict[str, float]:
     """Predicted peak bytes above what is allocated when a block is called: ``attention``, ``ffn`` and the
     whole ``block`` (their maximum). ``fused``: the blocks run ``block_fused``'s kernels; ``linears="fp8"``:
     with head groups the projection's input is quantised once for all groups and held through them;
-    ``branch_stream``: the linear branch beside the window softmax (one head group), ``BRANCH_BESIDE_EXTRA``;
     ``attention_precision="fp8"``: a hybrid block's window softmax in fp8 (``FP8_SOFTMAX_TEMPS``)."""
     e, T = shape.element, shape.rows
     D, I = T * shape.hidden * e, T * shape.inner * e
@@ -153,10 +142,6 @@ def block_peaks(
         if not fused and options.branch_frames is not None and shape.branch_frames > options.branch_frames:
             own -= FP32_STATISTICS * (1 - options.branch_frames / shape.branch_frames)
         attention = max(attention, (3 if grouped else 2) * D + 3 * I / groups + own * C / groups)
-        if branch_stream and not grouped:
-            attention += (FP8_BRANCH_BESIDE_EXTRA if fp8 else BRANCH_BESIDE_EXTRA) * I
-            if linears != "fp8":  # the readout waits for the first stream's to_out_linear, not its output
-                attention += shape.branch_rows * (shape.inner - shape.hidden) * e
     if grouped and linears == "fp8":
         attention += T * (shape.hidden + 4)  # e4m3 codes and an fp32 scale per row (Attention.projection_input)
     chunk = T if options.ffn_chunk_rows is None else min(T, options.ffn_chunk_rows)
@@ -223,11 +208,10 @@ def evaluation_peak(
     steps: int = 50,
     timesteps_per_step: int = 2,
     fused: bool = False,
-    branch_stream: bool = False,
     attention_precision: str = "bf16",
 ) -> dict[str, float]:
-    """Predicted peak device bytes of one model evaluation (``branch_stream`` and ``attention_precision`` as
-    ``block_peaks``): the weights on
+    """Predicted peak device bytes of one model evaluation (``attention_precision`` as ``block_peaks``): the
+    weights on
     the device (all blocks, or ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each;
     without the blocks' AdaLN projections when ``adaln_on_host``, but with their tables for ``steps`` steps of
     ``timesteps_per_step`` distinct timesteps), the hidden state and the RoPE tables that live through the
@@ -251,7 +235,6 @@ def evaluation_peak(
         hybrid=hybrid,
         fused=fused,
         linears=linears,
-        branch_stream=branch_stream,
         attention_precision=attention_precision,
     )
     activations = living + peaks["block"]

@@ -118,7 +118,6 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(cfg.inner, cfg.hidden, bias=False)
         self.head_groups = 1
         self.stacked_qkv = False  # one GEMM for q, k and v (strided views of its output): for comparisons
-        self.branch_stream = False  # the hybrid linear branch on a second CUDA stream (``hybrid``)
         self.fused: str | None = None  # ``block_fused`` mode for the q/k norm and RoPE: None runs the plain ops
 
     def normed_rotated(self, q, k, rope):

@@ -30,7 +30,6 @@ __all__ = [
     "add_hybrid_parts",
     "hybrid_attention_forward",
     "hybrid_attention_ulysses",
-    "branch_stream",
 ]
 
 # The released window: chunk 5 latents, one chunk either side, anchor frames both ways.
@@ -79,11 +78,7 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     """The hybrid forward for an attention module holding ``project`` (raw q, k, v of a head range),
     ``normed_rotated`` (q, k normed and rotated), ``out_proj``, ``softmax_gate``, ``to_out_linear``,
     ``linear_attention`` and ``head_groups``. Heads run a group at a time (``low_memory``).
-
-    With ``attn.branch_stream`` set, on CUDA with one head group, the linear branch (its seed, readout and
-    ``to_out_linear``) runs on a second stream beside the window softmax: it reads only the raw q, k, v and x,
-    and its result joins the output once both are done, so the arithmetic and the order of additions are the
-    serial path's."""
+    """
     d = attn.head_dim
     layout, window = ctx.layout, ctx.window
     bounds = window_bounds(layout.num_frames, window.radius, window.chunk)
@@ -93,18 +88,13 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     t0, t1 = ctx.text
     grid = (layout.frame_h, layout.frame_w)
     gate = attn.softmax_gate(x)  # [T, H]
-    out = beside = None
+    out = None
     source = attn.projection_input(x)
     quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
-    side = branch_stream(x.device) if branch_on and getattr(attn, "branch_stream", False) else None
-    if side is not None and attn.head_groups != 1:
-        side = None  # one group's branch would hold its raw q, k, v beside the next group's
     for heads in head_slices(attn.heads, attn.head_groups):
         q_raw, k_raw, v = attn.project(x, heads, source)
         if heads.stop == attn.heads:
             source = None  # the fp8 rows' last reader: freed before the attention
-        if side is not None:
-            beside = _branch_beside(side, attn, branch, x, q_raw, k_raw, v, heads, ctx, (r0, r1), inner, grid)
         q, k = attn.normed_rotated(q_raw, k_raw, rope)
         # a bf16 out_proj's input is gated by the window softmax as it writes its output; an fp8 one's, in a
         # fused block, as its rows are quantised
@@ -127,20 +117,12 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
         del soft
         out = add_linear_cols(out, attn.out_proj, attended, heads.start * d, heads.stop * d)
         del attended
-        if branch_on and side is None:
+        if branch_on:
             seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
             readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
             del q_raw, k_raw, v
             # accumulated into the output's rows by to_out_linear's GEMM (one rounding, no [rows, hidden] buffer)
             add_linear_cols(out[r0:r1], attn.to_out_linear, readout.to(x.dtype), heads.start * d, heads.stop * d)
-    if beside is not None:
-        main = torch.cuda.current_stream(x.device)
-        main.wait_stream(side)
-        beside.record_stream(main)  # read here, made there
-        if hasattr(attn.to_out_linear, "part"):
-            out[r0:r1].add_(beside)
-        else:
-            add_linear_cols(out[r0:r1], attn.to_out_linear, beside, 0, attn.heads * d)
     return out
 
 
@@ -297,34 +279,3 @@ def _branch_split(attn, x, rope, ctx: HybridContext, shards, branch_rows, inner)
     )
     out = _softmax_output(attn, torch.cat(back[:n], 1), gate)
     return _add_branch_output(attn, out, torch.cat(back[n:], 1), (start, stop), (r0, r1))
-
-
-_side_streams: dict = {}  # one second stream per device, made on first use
-
-
-def branch_stream(device: torch.device):
-    """The second stream the linear branch runs on, for a CUDA ``device``; None elsewhere."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
-
-
-def _branch_beside(side, attn, branch, x, q_raw, k_raw, v, heads, ctx, rows, inner, grid):
-    """The branch's readout launched on ``side`` once the projections are done; its inputs are marked in use
-    there, so their memory is not reused before it has read them. An fp8 ``to_out_linear`` takes it there too
-    (its share is then added to the output as the serial path adds it); a bf16 one is left to the caller, whose
-    GEMM accumulates into the output's rows as the serial path's does: the readout ``[rows, inner]`` is returned."""
-    main = torch.cuda.current_stream(x.device)
-    side.wait_stream(main)
-    (r0, r1), (t0, t1), d = rows, ctx.text, attn.head_dim
-    with torch.cuda.stream(side):
-        seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
-        readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads).to(x.dtype)
-        if hasattr(attn.to_out_linear, "part"):
-            readout = add_linear_cols(None, attn.to_out_linear, readout, heads.start * d, heads.stop * d)
-    for tensor in (x, q_raw, k_raw, v):
-        tensor.record_stream(side)
-    return readout

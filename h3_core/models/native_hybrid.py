@@ -142,7 +142,6 @@ class NativeAttentionSource:
     device (it may hold it elsewhere)."""
 
     fused = None  # the block's own projections run as the host runs them: no pack kernels on them
-    branch_stream = False
     head_groups = 1
 
     def __init__(self, attn: nn.Module, parts: nn.Module, norm_rope: NormRope | None, cast_weight: CastWeight | None):

@@ -42,13 +42,10 @@ class RunOptions:
     the plain ops); ``head_groups``: attention a group of heads at a time; ``stacked_qkv``: q, k and v from one
     GEMM (strided views of its output; for comparisons); ``ffn_chunk_rows``: the FFN over that many rows at a
     time (None: all); ``branch_frames``: the branch's statistics that many frames at a time (None: all);
-    ``final_chunk_rows``: the
-    output layer over that many rows at a time; ``branch_stream``: a hybrid block's linear branch on a second
-    CUDA stream beside its window softmax (one head group; the same arithmetic, ``hybrid``; off by default: it
-    gained 0.4 % of an evaluation for 0.5 GiB more, bench/results/dit_step.md);
-    ``check_cancel``: called before every block (a cancel stops within one evaluation); ``on_out_of_memory``:
-    called when an evaluation runs out of device memory (``evaluate``), True once the model was placed for less
-    memory, so the evaluation runs again, False to let the error through."""
+    ``final_chunk_rows``: the output layer over that many rows at a time; ``check_cancel``: called before every
+    block (a cancel stops within one evaluation); ``on_out_of_memory``: called when an evaluation runs out of
+    device memory (``evaluate``), True once the model was placed for less memory, so the evaluation runs again,
+    False to let the error through."""
 
     blocks_fused: str | None = None
     branches_fused: str | None = None
@@ -57,7 +54,6 @@ class RunOptions:
     ffn_chunk_rows: int | None = None
     branch_frames: int | None = None
     final_chunk_rows: int = FinalLayer.chunk_rows
-    branch_stream: bool = False
     check_cancel: Callable[[], None] | None = field(default=None, compare=False)
     on_out_of_memory: Callable[[], bool] | None = field(default=None, compare=False)
 
@@ -86,8 +82,6 @@ def _check(options: RunOptions, model: nn.Module) -> None:
         raise H3InputError(
             f"head_groups must be between 1 and the model's {min(heads, default=1)} heads, got {options.head_groups!r}"
         )
-    if not isinstance(options.branch_stream, bool):
-        raise H3InputError(f"branch_stream must be True or False, got {options.branch_stream!r}")
     for name in ("check_cancel", "on_out_of_memory"):
         if getattr(options, name) is not None and not callable(getattr(options, name)):
             raise H3InputError(f"{name} must be callable or None, got {getattr(options, name)!r}")
@@ -104,7 +98,6 @@ def apply_run_options(model: nn.Module, options: RunOptions) -> RunOptions:
             module.fused = options.blocks_fused
             module.head_groups = options.head_groups
             module.stacked_qkv = options.stacked_qkv
-            module.branch_stream = options.branch_stream
         elif isinstance(module, SwiGLU):
             module.fused = options.blocks_fused
             module.chunk_rows = options.ffn_chunk_rows
@@ -135,7 +128,6 @@ def run_options_of(model: nn.Module) -> RunOptions:
         ffn_chunk_rows=None if ffn is None else ffn.chunk_rows,
         branch_frames=None if branch is None else branch.statistics_frames,
         final_chunk_rows=FinalLayer.chunk_rows if final is None else final.chunk_rows,
-        branch_stream=False if attention is None else attention.branch_stream,
         check_cancel=None if dit is None else dit.check_cancel,
         on_out_of_memory=None if dit is None else dit.on_out_of_memory,
     )

@@ -490,36 +490,3 @@ def test_full_cover_hybrid_block_in_bf16_is_the_dense_block(case, backend):
         for p in [*hybrid.attn.linear_attention.parameters(), hybrid.attn.to_out_linear.weight]:
             p.mul_(-3.0).add_(0.25)
     assert torch.equal(forward(hybrid, inp, case.context(packed, backend), DEV, torch.bfloat16), out)
-
-
-# ---- the linear branch on a second stream beside the window softmax ---------------------------------------
-
-
-@pytest.mark.parametrize("mode", [None, "compiled"])
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_the_branch_beside_the_window_softmax_gives_the_serial_blocks_bits_run_after_run(case, mode):
-    from dataclasses import replace as set_option
-
-    from h3_core.models.branch_fused import compiled_branch_available
-    from h3_core.models.hybrid import branch_stream
-    from h3_core.models.run_options import fuse_blocks
-
-    if mode == "compiled" and not compiled_branch_available(DEV):
-        pytest.skip("needs Triton")
-    cfg = case.cfg()
-    inp = inputs(case, cfg)
-    ctx = case.context(inp[0], "decomposed")
-    block = on(shared_block(cfg), DEV, torch.bfloat16)
-    if mode:
-        fuse_blocks(block, mode)
-    apply_run_options(block, set_option(run_options_of(block), branch_stream=False))
-    serial = forward(block, inp, ctx, DEV, torch.bfloat16)
-    apply_run_options(block, set_option(run_options_of(block), branch_stream=True))
-    assert branch_stream(DEV) is not None and run_options_of(block).branch_stream
-    beside = [forward(block, inp, ctx, DEV, torch.bfloat16) for _ in range(3)]
-    torch.cuda.synchronize()
-    for out in beside:  # the same kernels on the same inputs, summed in the same order: the same bits
-        assert torch.equal(out, serial)
-    grouped = set_option(run_options_of(block), branch_stream=True, head_groups=2)
-    apply_run_options(block, grouped)  # head groups keep the serial order (memory): still the same block
-    assert update_err(forward(block, inp, ctx, DEV, torch.bfloat16), serial, inp[1]) <= BF16_BACKEND_PAIR

@@ -170,7 +170,7 @@ def test_fused_blocks_are_predicted_within_ten_percent_of_their_measured_peaks()
         assert stats["predicted_gib"]["total"] == pytest.approx(stats["peak_gib"], rel=0.10), name
 
 
-def test_the_branch_beside_the_window_softmax_is_within_ten_percent_of_its_measured_evaluation():
+def test_the_serial_branch_is_within_ten_percent_of_its_measured_evaluation():
     from h3_core.memory.predict import evaluation_peak
 
     runs = json.loads((RESULTS.parent / "dit_step_branch_stream.json").read_text())
@@ -180,14 +180,9 @@ def test_the_branch_beside_the_window_softmax_is_within_ten_percent_of_its_measu
     for precision, linears in (("fp8", "fp8"), ("bf16", "dtype")):
         run = runs[precision]
         assert shape.rows == run["rows"]
-        for stream in ("off", "on"):
-            measured = run["variants"][f"{precision}-decomposed/branch-stream-{stream}"]["peak_gib"]
-            predicted = evaluation_peak(
-                cfg, shape, hybrid=True, linears=linears, fused=True, branch_stream=stream == "on"
-            )
-            assert predicted["total"] / GiB == pytest.approx(measured, rel=0.10), (precision, stream)
-    grouped = block_peaks(shape, LowMemory(head_groups=2), hybrid=True, branch_stream=True)
-    assert grouped == block_peaks(shape, LowMemory(head_groups=2), hybrid=True)  # head groups run the branch serially
+        measured = run["variants"][f"{precision}-decomposed/branch-stream-off"]["peak_gib"]
+        predicted = evaluation_peak(cfg, shape, hybrid=True, linears=linears, fused=True)
+        assert predicted["total"] / GiB == pytest.approx(measured, rel=0.10), precision
 
 
 def test_the_fp8_window_softmax_is_within_ten_percent_of_its_measured_evaluations_and_plans_for_its_buffers():
@@ -201,18 +196,19 @@ def test_the_fp8_window_softmax_is_within_ten_percent_of_its_measured_evaluation
     for run in runs.values():
         assert shape.rows == run["rows"]
         for name, stats in run["variants"].items():
+            if "branch-stream-on" in name:
+                continue  # the branch on a second stream, a path the pack no longer has
             predicted = evaluation_peak(
                 cfg,
                 shape,
                 hybrid=True,
                 linears="fp8" if name.startswith("fp8") else "dtype",
                 fused=True,
-                branch_stream="branch-stream-on" in name,
                 attention_precision=stats["attention_precision"],
             )
             assert predicted["total"] / GiB == pytest.approx(stats["peak_gib"], rel=0.10), name
             checked += 1
-    assert checked == 8
+    assert checked == 5
     # a budget the exact softmax fits and the fp8 one does not: only the fp8 run gives something up
     kind = dict(hybrid=True, linears="fp8", fused=True)
     exact, fp8 = (evaluation_peak(cfg, shape, **kind, attention_precision=p)["total"] for p in ("bf16", "fp8"))
