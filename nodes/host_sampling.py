@@ -41,12 +41,16 @@ def flow_sampling(video_shift: float, audio_shift: float = AUDIO_SHIFT):
 class _Guided:
     """What a host sampler calls as it calls the host's guider: ``(x, σ) → clean estimate``, with the sampling object
     at ``.inner_model.model_sampling`` and ``.model_patcher.get_model_object("model_sampling")``, where the host's
-    samplers read it."""
+    samplers read it; ``.cfg`` (1: H3 runs without guidance) and ``.model_patcher.model``, which 0.38's
+    ``KSAMPLER.sample`` names in its first step's log line (comfy/samplers.py 311c0140)."""
+
+    cfg = 1.0
 
     def __init__(self, denoised, sampling):
         self.denoised, self.model_sampling = denoised, sampling
         self.inner_model = self
         self.model_patcher = self
+        self.model = self
 
     def get_model_object(self, name):
         if name != "model_sampling":
