@@ -338,3 +338,13 @@ def host_memory_available() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def dynamic_vram() -> bool:
+    """Whether the host streams its models with dynamic VRAM (comfy-aimdo, on by default in ComfyUI 0.38:
+    ``comfy.memory_management.aimdo_enabled``, set by its ``main.py`` at 02018c7e); False on hosts without it."""
+    try:
+        import comfy.memory_management
+    except ImportError:
+        return False
+    return bool(getattr(comfy.memory_management, "aimdo_enabled", False))

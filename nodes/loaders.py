@@ -134,7 +134,8 @@ def _host_bytes(path, dtype, linears: str) -> int:
 def _first_device(base, branch, dtype, offload: str, run_on: torch.device):
     """Where the DiT is read to: for the host's own device, by the host's rule for diffusion models
     (``unet_inital_load_device``: straight to the GPU when it has more memory free than the host and the weights
-    fit, else host memory), the weights counted as the host counts them (values × the dtype's size); for another
+    fit, else host memory; the pack applies that rule itself where the host streams its own models with dynamic
+    VRAM and answers host memory), the weights counted as the host counts them (values × the dtype's size); for another
     device chosen on the loader, host memory, from where the host's model management loads it there. With blocks
     streamed always host memory, where they stream from."""
     import comfy.model_management as mm
@@ -142,7 +143,16 @@ def _first_device(base, branch, dtype, offload: str, run_on: torch.device):
     if offload == "stream blocks" or run_on != torch.device(mm.get_torch_device()):
         return torch.device("cpu")
     parameters = sum(CheckpointFiles(p).parameters for p in (base, branch) if p is not None)
-    return torch.device(mm.unet_inital_load_device(parameters, dtype))
+    chosen = torch.device(mm.unet_inital_load_device(parameters, dtype))
+    if chosen.type == "cpu" and _host.dynamic_vram():
+        # With dynamic VRAM (0.38) the host reads its own models to host memory and streams them from there; this
+        # DiT is placed by the pack, so the host's earlier rule stays its rule
+        cpu = torch.device("cpu")
+        size = parameters * torch.empty((), dtype=dtype).element_size()
+        free_device, free_host = mm.get_free_memory(run_on), mm.get_free_memory(cpu)
+        if free_device > free_host and size < free_device:
+            return run_on
+    return chosen
 
 
 def _vae_patcher(model, device):

@@ -30,3 +30,30 @@ def test_the_loader_counts_the_weights_it_will_hold(pack, tmp_path):  # noqa: F8
     save_file({"a": torch.zeros(10, 20, dtype=torch.bfloat16), "b": torch.zeros(5)}, str(path))
     assert loaders._host_bytes(path, torch.bfloat16, "dtype") == 205 * 2
     assert loaders._host_bytes(path, torch.bfloat16, "fp8") == 205
+
+
+@pytest.mark.parametrize("dynamic, free_device, want", [(False, 80, "cpu"), (True, 80, "cuda"), (True, 20, "cpu")])
+def test_the_dit_goes_straight_to_the_gpu_by_the_hosts_earlier_rule_under_dynamic_vram(
+    pack,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    dynamic,
+    free_device,
+    want,  # noqa: F811
+):
+    """ComfyUI 0.38 with dynamic VRAM answers host memory for every diffusion model it loads (it streams its own);
+    the pack, which places its DiT itself, keeps 0.3.75's rule there: the GPU when it has more memory free than the
+    host and the weights fit."""
+    import comfy.model_management as mm
+    import torch
+    from h3_hybrid.nodes import _host, loaders
+    from safetensors.torch import save_file
+
+    path = tmp_path / "dit.safetensors"
+    save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(path))
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(mm, "get_torch_device", lambda: gpu)
+    monkeypatch.setattr(mm, "unet_inital_load_device", lambda parameters, dtype: torch.device("cpu"))
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None: (free_device if dev.type == "cuda" else 30) * GiB)
+    monkeypatch.setattr(_host, "dynamic_vram", lambda: dynamic)
+    assert loaders._first_device(path, None, torch.bfloat16, "auto", gpu).type == want
