@@ -119,7 +119,7 @@ STAGES = (
 
 def paths(base: Path, tiny: bool) -> dict[str, Path]:
     if tiny:
-        from h3_core.pipeline.tiny_checkpoints import TINY_FILES
+        from tiny_checkpoints import TINY_FILES
 
         names = {
             "dit": TINY_FILES["dit"],
@@ -156,18 +156,18 @@ def write_files(base: Path, tiny: bool) -> dict:
     files = paths(base, tiny)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if tiny:
-        from h3_core.pipeline.tiny_checkpoints import TINY_TEXT_WIDTH, write_tiny_checkpoints
+        from tiny_checkpoints import TINY_TEXT_WIDTH, write_tiny_checkpoints
 
         write_tiny_checkpoints(base / "models")
         width = TINY_TEXT_WIDTH
     else:
+        from tiny_checkpoints import _BRANCH_PARTS
         from vae_decode import random_audio_vae, random_video_vae
 
         from h3_core.models.dit import DiTConfig, H3DiT
         from h3_core.models.precision import keeps_fp32
         from h3_core.models.video_vae import VideoVAEConfig
         from h3_core.pipeline.prompt import TEXT_WIDTH
-        from h3_core.pipeline.tiny_checkpoints import _BRANCH_PARTS
 
         files["dit"].parent.mkdir(parents=True, exist_ok=True)
         lora_repatch.write_checkpoint(files["dit"], lora_repatch.release_config())

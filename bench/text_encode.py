@@ -21,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny checkpoints
 import record
 from text_encoder_memory import qwen3vl_config
 
@@ -40,7 +41,7 @@ def random_encoder_model(tiny: bool, device: torch.device):
     from transformers import Qwen3VLForConditionalGeneration
 
     if tiny:
-        from h3_core.pipeline.tiny_checkpoints import tiny_qwen3vl
+        from tiny_checkpoints import tiny_qwen3vl
 
         return tiny_qwen3vl().to(device)
     config = qwen3vl_config(5120, 25600, 64, 8, CONDITIONING_LAYER, TOWER)

@@ -73,9 +73,9 @@ def server(tmp_path_factory):
     import numpy as np
     from comfy_host import ComfyServer
     from PIL import Image
+    from tiny_checkpoints import write_tiny_checkpoints, write_tiny_text_encoder_file
 
     from h3_core.media.mp4 import write_mp4
-    from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints, write_tiny_text_encoder_file
 
     base = tmp_path_factory.mktemp("comfy")
     host = ComfyServer(base)

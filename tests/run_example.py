@@ -1,7 +1,7 @@
 """Run bundled workflows (default: the FL2VA example) through one real ComfyUI server on the embedded default
 and print each mp4's path, one a line, in the order given.
 
-The embedded default is the tiny RANDOM checkpoints of ``h3_core.pipeline.tiny_checkpoints`` (written into the run's
+The embedded default is the tiny RANDOM checkpoints of ``tests/tiny_checkpoints.py`` (written into the run's
 model folders, each file labelled as random) at a small size. Every file a workflow loads from the input
 folder (an image, a clip, a sound) is written there under the name the workflow gives it, as a GENERATED
 test input: a colour pattern, a tone, a short clip of both; not a photograph or a recording. It shows the
@@ -32,10 +32,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 from comfy_host import ComfyServer, PromptRefused, failure_message, mp4_files
+from tiny_checkpoints import write_tiny_checkpoints
 from ui_to_api import WorkflowError, embedded_default, to_api
 
 from h3_core.media.mp4 import write_mp4
-from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints
 
 UPLOAD_KINDS = {"image_upload": "image", "video_upload": "video", "audio_upload": "audio"}
 # Loaders that read a file from the input folder without an upload button.

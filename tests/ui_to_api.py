@@ -15,7 +15,7 @@ size (what the example run and the host tests use).
 
 from __future__ import annotations
 
-from h3_core.pipeline.tiny_checkpoints import TINY_FILES
+from tiny_checkpoints import TINY_FILES
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_NAMES = {"seed", "noise_seed"}
@@ -85,7 +85,7 @@ def to_api(workflow: dict, object_info: dict) -> dict:
 
 
 # What the bundled workflows run on without the real checkpoints: the tiny random files of
-# h3_core.pipeline.tiny_checkpoints, at a size a CPU decodes in seconds.
+# tests/tiny_checkpoints.py, at a size a CPU decodes in seconds.
 EMBEDDED_FILES = {
     "H3DiTLoader": {"dit_name": TINY_FILES["dit"], "linear_branch": TINY_FILES["linear_branch"]},
     "H3VideoVAELoader": {"vae_name": TINY_FILES["video_vae"]},

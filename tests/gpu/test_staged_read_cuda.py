@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tiny_checkpoints import write_tiny_checkpoints
 
 from h3_core.formats.checkpoints import load_h3_model
 from h3_core.formats.files import CheckpointFiles, spans_of
 from h3_core.formats.staged_read import AHEAD_SLABS, StagedReader, pin_staging_buffers
-from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

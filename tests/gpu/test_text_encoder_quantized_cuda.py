@@ -17,10 +17,10 @@ import pytest
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import save_file
+from tiny_checkpoints import quantize_text_encoder_state
 
 from h3_core.formats.kitchen import kitchen_support
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.pipeline.tiny_checkpoints import quantize_text_encoder_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from h3_core.pipeline.tiny_checkpoints import TINY_FILES
+from tiny_checkpoints import TINY_FILES
 
 TINY_DIT, TINY_BRANCH = TINY_FILES["dit"], TINY_FILES["linear_branch"]
 TINY_VIDEO_VAE, TINY_AUDIO_VAE = TINY_FILES["video_vae"], TINY_FILES["audio_vae"]

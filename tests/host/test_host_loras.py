@@ -11,8 +11,7 @@ import torch
 from comfy_host import error_message, mp4_files
 from graphs import generation
 from safetensors.torch import save_file
-
-from h3_core.pipeline.tiny_checkpoints import TINY_DIT
+from tiny_checkpoints import TINY_DIT
 
 
 def write_lora(path, modules, seed):

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from comfy_host import error_message, mp4_files
 from graphs import generation
+from tiny_checkpoints import TINY_DIT
 
 from h3_core.formats.sizes import sizes_metadata
-from h3_core.pipeline.tiny_checkpoints import TINY_DIT
 
 
 def run(server, prompt):

@@ -12,8 +12,7 @@ import torch
 from comfy_host import error_message
 from graphs import TINY_BRANCH, TINY_DIT
 from safetensors.torch import save_file
-
-from h3_core.pipeline.tiny_checkpoints import TINY_DIT as TINY_CFG
+from tiny_checkpoints import TINY_DIT as TINY_CFG
 
 
 def patch_inputs(model, **changes):

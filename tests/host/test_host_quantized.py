@@ -1,6 +1,6 @@
 """ComfyUI's quantised files through the nodes in a real ComfyUI server: an int8_convrot DiT and video VAE and an
 int8_convrot or nvfp4_awq single-file text encoder, each written from the tiny random models by comfy-kitchen's
-own quantiser (``h3_core.pipeline.tiny_checkpoints``). Where comfy-kitchen has no kernels for the host's device (the
+own quantiser (``tests/tiny_checkpoints.py``). Where comfy-kitchen has no kernels for the host's device (the
 CPU)
 every quantised layer is dequantised on load with one line saying so, and the clip is, frame for frame, the one
 the same workflow makes from files holding comfy-kitchen's own dequantisation of those layers. Where it has
@@ -18,8 +18,7 @@ import torch
 from comfy_host import error_message, mp4_files
 from graphs import generation
 from test_host_loras import lora_files, with_loras
-
-from h3_core.pipeline.tiny_checkpoints import (
+from tiny_checkpoints import (
     INT8_CONVROT_FILES,
     TINY_TEXT_ENCODER_FILE,
     write_tiny_quantized_checkpoints,

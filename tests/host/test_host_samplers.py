@@ -16,8 +16,7 @@ from comfy_host import error_message
 from graphs import generation, with_references
 from safetensors.torch import save_file
 from test_host_loras import with_loras
-
-from h3_core.pipeline.tiny_checkpoints import TINY_DIT
+from tiny_checkpoints import TINY_DIT
 
 
 def kept(server, name):

@@ -6,8 +6,7 @@ import json
 
 from comfy_host import error_message, mp4_files
 from graphs import TINY_VIDEO_VAE, generation
-
-from h3_core.pipeline.tiny_checkpoints import TINY_TEXT_ENCODER_FILE
+from tiny_checkpoints import TINY_TEXT_ENCODER_FILE
 
 
 def test_comfyuis_single_text_encoder_file_encodes_the_prompt(server):

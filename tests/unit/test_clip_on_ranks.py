@@ -7,6 +7,7 @@ comfy-kitchen tensors travel as their parts."""
 import pytest
 import torch
 from test_solvers import heun
+from tiny_checkpoints import TINY_DIT, write_tiny_checkpoints
 
 from h3_core.parallel import (
     RankGroup,
@@ -22,7 +23,6 @@ from h3_core.parallel import (
 from h3_core.pipeline.clip_on_ranks import ClipOnRanks, DiTSource
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.prompt import PromptEmbedding
-from h3_core.pipeline.tiny_checkpoints import TINY_DIT, write_tiny_checkpoints
 
 CPU = torch.device("cpu")
 PATCHED = "blocks.0.attn.qkv_proj.weight"

@@ -4,12 +4,12 @@ cancel during the decode leaves no file."""
 
 import pytest
 import torch
+from tiny_checkpoints import TINY_VIDEO_VAE
 
 from h3_core.media.mp4 import Mp4Writer, write_mp4
 from h3_core.media.tiling import decode_video, temporal_plan
 from h3_core.models.video_vae import VideoVAE
 from h3_core.pipeline.decode_to_mp4 import decode_to_mp4
-from h3_core.pipeline.tiny_checkpoints import TINY_VIDEO_VAE
 
 
 @pytest.fixture(scope="module")

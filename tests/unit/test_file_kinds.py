@@ -8,14 +8,14 @@ import re
 import pytest
 import torch
 from safetensors.torch import save_file
-
-from h3_core.errors import H3InputError
-from h3_core.formats.file_kinds import KINDS, check_file
-from h3_core.pipeline.tiny_checkpoints import (
+from tiny_checkpoints import (
     write_tiny_checkpoints,
     write_tiny_quantized_checkpoints,
     write_tiny_quantized_text_encoder_file,
 )
+
+from h3_core.errors import H3InputError
+from h3_core.formats.file_kinds import KINDS, check_file
 
 OWN = {
     "dit": "dit",

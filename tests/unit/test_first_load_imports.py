@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints
+from tiny_checkpoints import write_tiny_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -148,10 +148,10 @@ def test_patches_on_comfy_kitchen_layers_requantise_and_come_off_exactly(pack, t
     on the CPU): the host's patch arithmetic on comfy-kitchen's fp32 dequantisation, quantised afresh by the
     library in the layer's own layout; the base model again puts the file's own weights back."""
     from comfy_kitchen.tensor import QuantizedTensor
+    from tiny_checkpoints import quantize_int8_convrot
 
     from h3_core.formats import kitchen
     from h3_core.formats.checkpoints import load_h3_model
-    from h3_core.pipeline.tiny_checkpoints import quantize_int8_convrot
 
     mm, lora, patchers = pack
     monkeypatch.setattr(kitchen, "kitchen_support", lambda fmt, kind, dtype, device: (True, "eager backend (test)"))
@@ -244,10 +244,10 @@ def test_the_vae_loaders_leave_the_weights_to_the_hosts_first_load(pack, tmp_pat
     """Each VAE loader's model stays on the meta device (its size already the loaded one) until the host first
     loads it; that load reads what a direct load of the file reads."""
     from h3_hybrid.nodes import loaders
+    from tiny_checkpoints import write_tiny_checkpoints
 
     from h3_core.formats.audio_vae import load_audio_vae
     from h3_core.formats.video_vae import load_video_vae
-    from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints
 
     mm, _, patchers = pack
     tiny = write_tiny_checkpoints(tmp_path)

@@ -3,12 +3,12 @@ from their constructors (parameters requiring grad), called with grad enabled, t
 no_grad, as inference tensors."""
 
 import torch
+from tiny_checkpoints import TINY_AUDIO_VAE, TINY_VIDEO_VAE
 
 from h3_core.media.tiling import decode_video, encode_video
 from h3_core.models.audio_vae import AudioVAE
 from h3_core.models.video_vae import VideoVAE
 from h3_core.pipeline.soundtrack import decode_soundtrack
-from h3_core.pipeline.tiny_checkpoints import TINY_AUDIO_VAE, TINY_VIDEO_VAE
 
 
 def both_ways(fn):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tiny_checkpoints import TINY_DIT, write_tiny_checkpoints
 
 from h3_core.formats.dit import layouts
 from h3_core.formats.files import CheckpointFiles
@@ -18,7 +19,6 @@ from h3_core.formats.keymap import load_into
 from h3_core.formats.staged_read import StagedReader, read_eager
 from h3_core.models.dit import H3DiT
 from h3_core.models.precision import keeps_fp32
-from h3_core.pipeline.tiny_checkpoints import TINY_DIT, write_tiny_checkpoints
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

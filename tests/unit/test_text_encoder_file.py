@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_checkpoints import TINY_TEXT_WIDTH, tiny_qwen3vl, write_tiny_text_encoder_file
 
 from h3_core.errors import H3InputError
 from h3_core.formats.files import CheckpointFiles
@@ -29,7 +30,6 @@ from h3_core.formats.qwen3vl_checkpoint import (
 from h3_core.pipeline.presentation import PresentedReference
 from h3_core.pipeline.qwen3vl_tokens import published_processors, qwen3vl_tokenizer
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.pipeline.tiny_checkpoints import TINY_TEXT_WIDTH, tiny_qwen3vl, write_tiny_text_encoder_file
 
 transformers = pytest.importorskip("transformers")
 

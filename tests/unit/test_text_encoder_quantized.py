@@ -32,6 +32,12 @@ import pytest
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
 from safetensors.torch import load_file, save_file
+from tiny_checkpoints import (
+    TINY_TEXT_WIDTH,
+    quantize_text_encoder_state,
+    write_tiny_quantized_text_encoder_file,
+    write_tiny_text_encoder_file,
+)
 
 from h3_core.errors import H3BackendUnavailable, H3InputError
 from h3_core.formats import kitchen
@@ -39,12 +45,6 @@ from h3_core.formats.files import CheckpointFiles
 from h3_core.formats.qwen3vl_checkpoint import describe_text_encoder_file
 from h3_core.formats.qwen3vl_weights import PreScaledLinear
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.pipeline.tiny_checkpoints import (
-    TINY_TEXT_WIDTH,
-    quantize_text_encoder_state,
-    write_tiny_quantized_text_encoder_file,
-    write_tiny_text_encoder_file,
-)
 
 LAYER = 3  # the conditioning layer; the files hold LAYER + 1 decoder layers
 GROUP = 16

@@ -1,4 +1,4 @@
-"""The tiny random checkpoints (h3_core.pipeline.tiny_checkpoints) load through the same loaders as real files, take
+"""The tiny random checkpoints (tests/tiny_checkpoints.py) load through the same loaders as real files, take
 their sizes from their metadata (h3_core.formats.sizes), and run a whole generation to a soundtrack."""
 
 import json
@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_checkpoints import TINY_DIT, TINY_PREFIX, write_tiny_checkpoints
 
 from h3_core.errors import H3InputError
 from h3_core.formats.audio_vae import load_audio_vae
@@ -17,7 +18,6 @@ from h3_core.models.dit import DiTConfig
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.soundtrack import clip_samples, decode_soundtrack
 from h3_core.pipeline.text_encoder import load_text_encoder
-from h3_core.pipeline.tiny_checkpoints import TINY_DIT, TINY_PREFIX, write_tiny_checkpoints
 
 
 @pytest.fixture(scope="module")

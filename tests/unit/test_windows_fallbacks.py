@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_mp4 import tone
 from test_staged_read import _bytes, _loaded, mixed_file  # noqa: F401 (mixed_file: a fixture)
+from tiny_checkpoints import write_tiny_checkpoints
 
 from h3_core.errors import H3BackendUnavailable
 from h3_core.formats.files import CheckpointFiles
@@ -31,7 +32,6 @@ from h3_core.media import host_frames, mp4
 from h3_core.media.mp4 import Mp4Worker, Mp4Writer, write_mp4
 from h3_core.parallel import workers
 from h3_core.pipeline import text_encoder
-from h3_core.pipeline.tiny_checkpoints import write_tiny_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from ..formats.sizes import NOTE_KEY, sizes_metadata
-from ..models.audio_vae import AudioVAE, AudioVAEConfig
-from ..models.dit import DiTConfig, H3DiT
-from ..models.video_vae import VideoVAE, VideoVAEConfig
-from .text_encoder import CONDITIONING_LAYER, SETTINGS_FILE
+from h3_core.formats.sizes import NOTE_KEY, sizes_metadata
+from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig
+from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
+from h3_core.pipeline.text_encoder import CONDITIONING_LAYER, SETTINGS_FILE
 
 __all__ = [
     "TinyCheckpoints",
@@ -238,7 +238,7 @@ def tiny_qwen3vl(layers: int = CONDITIONING_LAYER, *, seed: int = 4):
     ComfyUI file describes itself from its header like the real one."""
     import transformers
 
-    from ..formats.qwen3vl_checkpoint import PUBLISHED
+    from h3_core.formats.qwen3vl_checkpoint import PUBLISHED
 
     cfg = transformers.Qwen3VLConfig(
         text_config=dict(
@@ -275,7 +275,7 @@ def write_tiny_text_encoder_file(models: str | Path, layers: int = CONDITIONING_
 
 
 def _tiny_text_encoder_state(layers: int) -> dict[str, torch.Tensor]:
-    from ..formats.qwen3vl_checkpoint import LAYOUTS
+    from h3_core.formats.qwen3vl_checkpoint import LAYOUTS
 
     return {
         LAYOUTS[0].file_key(k): v
