@@ -51,7 +51,7 @@ from h3_core.formats.vdn import BranchWeights
 from h3_core.memory.policy import fuse_for
 from h3_core.models.dit import DiTConfig
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
-from h3_core.models.native_hybrid import NativeAttentionSource, NativeHybridSettings, NativeVDN
+from h3_core.models.native_hybrid import NativeAttentionSource, NativeHybridSettings, NativeVDN, kitchen_norm_rope
 from h3_core.models.run_options import fuse_blocks, fuse_branches
 from h3_core.pipeline.geometry import audio_latents, latent_frames
 from h3_core.pipeline.noise import row_timesteps
@@ -135,11 +135,7 @@ def host_norm_rope():
         import comfy_kitchen
     except (ImportError, OSError):
         return None
-
-    def norm_rope(q, k, table, qw, kw, eps, rot_dim):
-        return comfy_kitchen.rms_rope_split_half(q, k, table, qw, kw, epsilon=eps, rot_dim=rot_dim)
-
-    return norm_rope
+    return kitchen_norm_rope(comfy_kitchen.rms_rope_split_half)
 
 
 class Captured:

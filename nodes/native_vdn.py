@@ -169,7 +169,7 @@ class H3VDNPatch(io.ComfyNode):
 
         from ..h3_core.formats.checkpoints import load_branch_weights
         from ..h3_core.models.dit import DiTConfig
-        from ..h3_core.models.native_hybrid import NativeBlockPatch, NativeHybridSettings, NativeVDN
+        from ..h3_core.models.native_hybrid import NativeBlockPatch, NativeHybridSettings, NativeVDN, kitchen_norm_rope
 
         diffusion = native_diffusion_model(model)
         already = [key for key, patch in _replacements(model).items() if isinstance(patch, _HostBlockPatch)]
@@ -191,14 +191,11 @@ class H3VDNPatch(io.ComfyNode):
         branch_patcher = make_patcher(branch, load_device=model.load_device, offload_device=model.offload_device)
         kitchen = _host_norm_rope()
 
-        def norm_rope(q, k, table, qw, kw, eps, rot_dim):
-            return kitchen(q, k, table, qw, kw, epsilon=eps, rot_dim=rot_dim)
-
         vdn = NativeVDN(
             diffusion,
             branch,
             NativeHybridSettings(window, window_backend, attention_precision, compile),
-            norm_rope=norm_rope if kitchen is not None else None,
+            norm_rope=None if kitchen is None else kitchen_norm_rope(kitchen),
             cast_weight=lambda weight, device: mm.cast_to(weight, device=device),
         )
         patched = model.clone()

@@ -36,6 +36,7 @@ __all__ = [
     "NativeLayout",
     "published_layout",
     "split_half_norm_rope",
+    "kitchen_norm_rope",
     "NativeAttentionSource",
     "NativeHybridSettings",
     "native_block_attention",
@@ -125,6 +126,16 @@ def split_half_norm_rope(q, k, table, q_weight, k_weight, eps: float, rot_dim: i
         y = torch.cat([first * c - second * s, first * s + second * c, y[..., rot_dim:]], dim=-1)
         out.append(y.to(x.dtype))
     return tuple(out)
+
+
+def kitchen_norm_rope(rms_rope_split_half) -> NormRope:
+    """comfy-kitchen's ``rms_rope_split_half(q, k, freqs_cis, q_scale, k_scale, epsilon=, rot_dim=)`` (as the host's
+    H3 attention calls it) as a ``NormRope``."""
+
+    def norm_rope(q, k, table, q_weight, k_weight, eps, rot_dim):
+        return rms_rope_split_half(q, k, table, q_weight, k_weight, epsilon=eps, rot_dim=rot_dim)
+
+    return norm_rope
 
 
 def _same_device(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
