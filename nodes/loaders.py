@@ -110,10 +110,10 @@ class H3DiTLoader(io.ComfyNode):
 
         dtype, linears = WEIGHT_DTYPES[weight_dtype]
         run_on = _host.chosen_device(device, mm.get_torch_device())
-        first = _first_device(base, branch, dtype, offload, run_on)
+        parameters = sum(CheckpointFiles(p).parameters for p in (base, branch) if p is not None)
+        first = _first_device(parameters, dtype, offload, run_on)
         if first.type == "cpu":
-            need = sum(_host_bytes(p, dtype, linears) for p in (base, branch) if p is not None)
-            check_host_room("dit_name", base, need, _host.host_memory_available())
+            check_host_room("dit_name", base, _host_bytes(parameters, dtype, linears), _host.host_memory_available())
         # A quantised file's layers stay comfy-kitchen layers when the device the host will run the model on has
         # the library's kernels for them.
         model = load_h3_model(base, branch=branch, device=first, dtype=dtype, linears=linears, run_device=run_on)
@@ -124,25 +124,24 @@ class H3DiTLoader(io.ComfyNode):
         return io.NodeOutput(patcher)
 
 
-def _host_bytes(path, dtype, linears: str) -> int:
-    """What a file's weights take in host memory once loaded: its values at ``dtype``'s size, one byte each with
-    fp8 linears (an upper bound: the fp32 islands and the norms are a sliver)."""
+def _host_bytes(parameters: int, dtype, linears: str) -> int:
+    """What ``parameters`` weight values take in host memory once loaded: ``dtype``'s size each, one byte with fp8
+    linears (an upper bound: the fp32 islands and the norms are a sliver)."""
     per_value = 1 if linears == "fp8" else torch.empty((), dtype=dtype).element_size()
-    return CheckpointFiles(path).parameters * per_value
+    return parameters * per_value
 
 
-def _first_device(base, branch, dtype, offload: str, run_on: torch.device):
-    """Where the DiT is read to: for the host's own device, by the host's rule for diffusion models
-    (``unet_inital_load_device``: straight to the GPU when it has more memory free than the host and the weights
-    fit, else host memory; the pack applies that rule itself where the host streams its own models with dynamic
-    VRAM and answers host memory), the weights counted as the host counts them (values × the dtype's size); for another
-    device chosen on the loader, host memory, from where the host's model management loads it there. With blocks
-    streamed always host memory, where they stream from."""
+def _first_device(parameters: int, dtype, offload: str, run_on: torch.device):
+    """Where the DiT (``parameters`` weight values in its files) is read to: for the host's own device, by the
+    host's rule for diffusion models (``unet_inital_load_device``: straight to the GPU when it has more memory free
+    than the host and the weights fit, else host memory; the pack applies that rule itself where the host streams
+    its own models with dynamic VRAM and answers host memory), the weights counted as the host counts them (values
+    × the dtype's size); for another device chosen on the loader, host memory, from where the host's model
+    management loads it there. With blocks streamed always host memory, where they stream from."""
     import comfy.model_management as mm
 
     if offload == "stream blocks" or run_on != torch.device(mm.get_torch_device()):
         return torch.device("cpu")
-    parameters = sum(CheckpointFiles(p).parameters for p in (base, branch) if p is not None)
     chosen = torch.device(mm.unet_inital_load_device(parameters, dtype))
     if chosen.type == "cpu" and _host.dynamic_vram():
         # With dynamic VRAM (0.38) the host reads its own models to host memory and streams them from there; this

@@ -28,8 +28,10 @@ def test_the_loader_counts_the_weights_it_will_hold(pack, tmp_path):  # noqa: F8
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.zeros(10, 20, dtype=torch.bfloat16), "b": torch.zeros(5)}, str(path))
-    assert loaders._host_bytes(path, torch.bfloat16, "dtype") == 205 * 2
-    assert loaders._host_bytes(path, torch.bfloat16, "fp8") == 205
+    parameters = loaders.CheckpointFiles(path).parameters
+    assert parameters == 205
+    assert loaders._host_bytes(parameters, torch.bfloat16, "dtype") == 205 * 2
+    assert loaders._host_bytes(parameters, torch.bfloat16, "fp8") == 205
 
 
 @pytest.mark.parametrize("dynamic, free_device, want", [(False, 80, "cpu"), (True, 80, "cuda"), (True, 20, "cpu")])
@@ -56,4 +58,5 @@ def test_the_dit_goes_straight_to_the_gpu_by_the_hosts_earlier_rule_under_dynami
     monkeypatch.setattr(mm, "unet_inital_load_device", lambda parameters, dtype: torch.device("cpu"))
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None: (free_device if dev.type == "cuda" else 30) * GiB)
     monkeypatch.setattr(_host, "dynamic_vram", lambda: dynamic)
-    assert loaders._first_device(path, None, torch.bfloat16, "auto", gpu).type == want
+    parameters = loaders.CheckpointFiles(path).parameters
+    assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu).type == want
