@@ -240,7 +240,7 @@ def warm_up_on_first_h3_prompt(node_ids) -> None:
 
 
 _warm_up_lock = threading.Lock()
-_warm_up_thread: list = []
+_warm_up_started = False
 
 
 def warm_up() -> threading.Thread | None:
@@ -253,10 +253,11 @@ def warm_up() -> threading.Thread | None:
     (``choose_attention_kernels``) and the hardware video encoders' probe (``mp4.probe_hardware_encoders``). The log
     says how long they took and what was chosen. Returns the thread (None once started before, or where nothing
     compiles)."""
+    global _warm_up_started
     with _warm_up_lock:
-        if _warm_up_thread:
+        if _warm_up_started:
             return None
-        _warm_up_thread.append(None)
+        _warm_up_started = True
     from ..h3_core.formats.meta_shapes import keep_on_disk
 
     try:
@@ -270,7 +271,6 @@ def warm_up() -> threading.Thread | None:
     if not compiles_on("cuda"):
         return None
     thread = threading.Thread(target=_warm_up_run, name="h3-warm-up", daemon=True)
-    _warm_up_thread[0] = thread
     thread.start()
     return thread
 
