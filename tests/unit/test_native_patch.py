@@ -148,10 +148,11 @@ def test_text_tag_runs_follow_the_prompts_tags(models):
     compare(*models, video, audio, text, 0.4, packed, tags=tags)
 
 
-@pytest.mark.parametrize("frames_at", [(0,), (0, 44), (9, 30, 44)], ids=["first", "first-last", "three"])
-def test_fl2va_with_keyframes_at_several_frames(models, frames_at):
-    video, audio, text = latents(12, 2, 4, 7, seed=3)
-    g = torch.Generator().manual_seed(4)
+def fl2va_request(frames_at, seed=3):
+    """FL2VA with keyframes at ``frames_at`` (the second with 2 latent frames and its sound): the native latents,
+    text, payload and the pack's packed sequence, fp64."""
+    video, audio, text = latents(12, 2, 4, 7, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
     keyframes, slots = [], []
     for n, at in enumerate(frames_at):
         vt, rt = (2, 3) if n == 1 else (1, 0)
@@ -166,12 +167,13 @@ def test_fl2va_with_keyframes_at_several_frames(models, frames_at):
         "seed": 5,
     }
     packed = pack_sequence(torch.ones(TEXT, dtype=torch.long), 12, 2, 4, 7, keyframes=tuple(slots))
-    compare(*models, video, audio, text, 0.7, packed, payload)
+    return video, audio, text, payload, packed
 
 
-def test_ref2va_with_image_video_and_audio_references(models):
-    video, audio, text = latents(12, 2, 4, 7, seed=6)
-    g = torch.Generator().manual_seed(7)
+def ref2va_request(seed=6):
+    """Ref2VA with an image, a video-with-sound and a sound reference, as ``fl2va_request`` gives FL2VA."""
+    video, audio, text = latents(12, 2, 4, 7, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
     image = torch.randn(1, 24, 1, 4, 2, generator=g, dtype=torch.float64)
     clip = torch.randn(1, 24, 3, 2, 6, generator=g, dtype=torch.float64)
     clip_sound = torch.randn(1, 32, 2, 5, generator=g, dtype=torch.float64)
@@ -188,6 +190,17 @@ def test_ref2va_with_image_video_and_audio_references(models):
     }
     refs = [Reference("image", 1, 4, 2), Reference("video", 3, 2, 6, 5), Reference("audio", audio_latents=4)]
     packed = pack_ref2va(torch.ones(TEXT, dtype=torch.long), refs, 12, 2, 4, 7)
+    return video, audio, text, payload, packed
+
+
+@pytest.mark.parametrize("frames_at", [(0,), (0, 44), (9, 30, 44)], ids=["first", "first-last", "three"])
+def test_fl2va_with_keyframes_at_several_frames(models, frames_at):
+    video, audio, text, payload, packed = fl2va_request(frames_at)
+    compare(*models, video, audio, text, 0.7, packed, payload)
+
+
+def test_ref2va_with_image_video_and_audio_references(models):
+    video, audio, text, payload, packed = ref2va_request()
     compare(*models, video, audio, text, 0.5, packed, payload)
 
 

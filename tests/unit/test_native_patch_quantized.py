@@ -28,10 +28,10 @@ from native_quantized import (
     layer_inputs,
     relative,
 )
-from test_native_patch import CFG, SHIFTS, TEXT, WINDOW, latents, patched_options
+from test_native_patch import CFG, SHIFTS, TEXT, WINDOW, fl2va_request, latents, patched_options, ref2va_request
 
 from h3_core.models.native_hybrid import NativeAttentionSource
-from h3_core.pipeline.packing import KeyframeSlot, Reference, pack_ref2va, pack_sequence
+from h3_core.pipeline.packing import pack_sequence
 
 FORMATS = ("scaled_fp8", "comfy_quant", "int8_convrot")
 NAMES = block_layer_names(CFG.layers)
@@ -62,48 +62,25 @@ def t2va():
     return Request(video, audio, text, 0.6, pack_sequence(torch.ones(TEXT, dtype=torch.long), 12, 2, 4, 7), {})
 
 
+def fp32(value):
+    """A request's tensors (in dicts and lists) in fp32."""
+    if isinstance(value, dict):
+        return {k: fp32(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [fp32(v) for v in value]
+    return to32(value) if isinstance(value, torch.Tensor) else value
+
+
 def fl2va():
-    """A first and a last keyframe (the last with its sound), as ``test_native_patch``'s first-last FL2VA."""
-    video, audio, text = (to32(t) for t in latents(12, 2, 4, 7, seed=3))
-    g = torch.Generator().manual_seed(4)
-    keyframes, slots = [], []
-    for n, at in enumerate((0, 44)):
-        vt, rt = (2, 3) if n == 1 else (1, 0)
-        kf = {"resolved_frame_index": at, "latent": torch.randn(1, 24, vt, 2, 4, generator=g)}
-        kf["audio_latent"] = torch.randn(1, 32, 2, rt, generator=g) if rt else None
-        keyframes.append(kf)
-        slots.append(KeyframeSlot(at, vt, rt))
-    payload = {
-        "keyframes": keyframes,
-        "cond_video_latents": [k["latent"] for k in keyframes],
-        "cond_audio_latents": [k["audio_latent"] for k in keyframes if k["audio_latent"] is not None],
-        "seed": 5,
-    }
-    packed = pack_sequence(torch.ones(TEXT, dtype=torch.long), 12, 2, 4, 7, keyframes=tuple(slots))
-    return Request(video, audio, text, 0.7, packed, payload)
+    """A first and a last keyframe (the last with its sound): ``test_native_patch``'s first-last FL2VA, in fp32."""
+    video, audio, text, payload, packed = fl2va_request((0, 44))
+    return Request(to32(video), to32(audio), to32(text), 0.7, packed, fp32(payload))
 
 
 def ref2va():
-    """Image, video-with-sound and sound references, as ``test_native_patch``'s Ref2VA."""
-    video, audio, text = (to32(t) for t in latents(12, 2, 4, 7, seed=6))
-    g = torch.Generator().manual_seed(7)
-    image = torch.randn(1, 24, 1, 4, 2, generator=g)
-    clip = torch.randn(1, 24, 3, 2, 6, generator=g)
-    clip_sound = torch.randn(1, 32, 2, 5, generator=g)
-    sound = torch.randn(1, 32, 2, 4, generator=g)
-    payload = {
-        "refs": [
-            {"kind": "image", "latent_h": 4, "latent_w": 2, "latent_t": 1, "ref_audio_t": 0},
-            {"kind": "video_audio", "latent_h": 2, "latent_w": 6, "latent_t": 3, "ref_audio_t": 5},
-            {"kind": "audio", "ref_audio_t": 4},
-        ],
-        "cond_video_latents": [image, clip],
-        "cond_audio_latents": [clip_sound, sound],
-        "visual_cond_noise_aug": 1.0,
-    }
-    refs = [Reference("image", 1, 4, 2), Reference("video", 3, 2, 6, 5), Reference("audio", audio_latents=4)]
-    packed = pack_ref2va(torch.ones(TEXT, dtype=torch.long), refs, 12, 2, 4, 7)
-    return Request(video, audio, text, 0.5, packed, payload)
+    """Image, video-with-sound and sound references: ``test_native_patch``'s Ref2VA, in fp32."""
+    video, audio, text, payload, packed = ref2va_request()
+    return Request(to32(video), to32(audio), to32(text), 0.5, packed, fp32(payload))
 
 
 REQUESTS = {"t2va": t2va, "fl2va": fl2va, "ref2va": ref2va}
