@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -378,22 +376,12 @@ class H3Sampler(io.ComfyNode):
         return io.NodeOutput(to_latent(video, audio, length, latent_form))
 
 
-@contextlib.contextmanager
 def _fitting_smaller_on_out_of_memory(patcher):
     """An evaluation that runs out of device memory has the DiT placed for less and runs again
     (``H3DiTPatcher.fit_smaller``, through ``RunOptions.on_out_of_memory``), for this run."""
-    from ..h3_core.models.run_options import apply_run_options, run_options_of
+    from ..h3_core.models.run_options import options_changed
 
-    fit_smaller = getattr(patcher, "fit_smaller", None)
-    model = patcher.model
-    if fit_smaller is None:
-        yield
-        return
-    apply_run_options(model, replace(run_options_of(model), on_out_of_memory=fit_smaller))
-    try:
-        yield
-    finally:
-        apply_run_options(model, replace(run_options_of(model), on_out_of_memory=None))
+    return options_changed(patcher.model, on_out_of_memory=patcher.fit_smaller)
 
 
 def _keyframes_anywhere(keyframes, canvas, video_vae, audio_vae, settings):

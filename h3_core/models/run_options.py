@@ -6,6 +6,7 @@ compiled path's fallback to the plain one (``evaluate``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ __all__ = [
     "RunOptions",
     "apply_run_options",
     "run_options_of",
+    "options_changed",
     "fuse_blocks",
     "fuse_branches",
     "apply_low_memory",
@@ -131,6 +133,18 @@ def run_options_of(model: nn.Module) -> RunOptions:
         check_cancel=None if dit is None else dit.check_cancel,
         on_out_of_memory=None if dit is None else dit.on_out_of_memory,
     )
+
+
+@contextlib.contextmanager
+def options_changed(model: nn.Module, **changes):
+    """``model``'s run options with ``changes`` for the ``with`` block; after it those fields are what they were
+    before, and the others as the block left them (a compile fallback or a smaller placement stays)."""
+    before = run_options_of(model)
+    apply_run_options(model, replace(before, **changes))
+    try:
+        yield
+    finally:
+        apply_run_options(model, replace(run_options_of(model), **{name: getattr(before, name) for name in changes}))
 
 
 def fuse_blocks(model: nn.Module, mode: str | None = "compiled") -> int:

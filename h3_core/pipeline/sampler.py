@@ -5,14 +5,13 @@ the conditioning and reference rows held where they are (only generated rows are
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from ..errors import H3InputError
 from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
-from ..models.run_options import apply_run_options, evaluate, run_options_of
+from ..models.run_options import evaluate, options_changed
 from ..triton_forms import check_compile
 from .carried_audio import carried_clean, from_carried, to_carried
 from .masks import MaskedStart, masked_euler_step, masked_input, masked_row_timesteps
@@ -201,11 +200,8 @@ def _per_block_cancel(model, check_cancel):
     if not (isinstance(model, torch.nn.Module) and check_cancel is not None):
         yield
         return
-    before = apply_run_options(model, replace(run_options_of(model), check_cancel=check_cancel))
-    try:
+    with options_changed(model, check_cancel=check_cancel):
         yield
-    finally:
-        apply_run_options(model, replace(before, check_cancel=None))
 
 
 # the integrator given from outside: (denoised, x, video sigmas, on_step) -> final x (``denoise``'s ``solver``)

@@ -28,9 +28,9 @@ def short_of_memory_with_one_head_group(m):
     return m.blocks[1].register_forward_pre_hook(raise_out_of_memory)
 
 
-def generated(m):
+def generated(m, **options):
     with torch.no_grad():
-        return generate(m, PROMPT, **RUN)
+        return generate(m, PROMPT, **RUN, **options)
 
 
 def test_the_evaluation_runs_again_placed_for_less_memory(caplog):
@@ -71,3 +71,19 @@ def test_without_a_way_to_fit_smaller_the_error_is_the_devices():
     short_of_memory_with_one_head_group(m)
     with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 2\.00 GiB$"):
         generated(m)
+
+
+def test_the_smaller_placement_outlasts_the_run_and_its_cancel_hook():
+    """The cancel hook the run sets for its blocks is taken off after it; the placement the retry made stays, as
+    the model's owner placed it (its next run starts from there)."""
+    m = model(True)
+
+    def fit_smaller():
+        apply_low_memory(m, LowMemory(head_groups=2))
+        return True
+
+    apply_run_options(m, replace(run_options_of(m), on_out_of_memory=fit_smaller))
+    short_of_memory_with_one_head_group(m)
+    generated(m, check_cancel=lambda: None)
+    after = run_options_of(m)
+    assert after.head_groups == 2 and after.check_cancel is None and after.on_out_of_memory is fit_smaller
