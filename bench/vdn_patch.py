@@ -6,7 +6,9 @@ Variants: ``pack`` (plain), ``pack-branch-fused`` (the linear branch fused, the 
 patch can fuse, since the rest of a native block is the host's), ``pack-fused`` (every fused form, as the pack's own
 sampler runs it, ``policy.fuse_for``) and ``native`` (the patch with ``compile="auto"``, the node's default: the
 branch fused and compiled on CUDA with Triton; the q/k norm and rotation by comfy-kitchen's ``rms_rope_split_half``
-where it imports, as the host calls it, else the plain form).
+where it imports, as the host calls it, else the plain form); with ``--host-compile`` also
+``native-blocks-compiled``: the same with each native block under ``torch.compile``, as a compile node after the patch
+runs it.
 
 Release geometry (345 frames: 102 latent frames of 48x84 latents, 1008 rows a frame, 575 audio latents per
 channel, 300 text rows) with ``--layers`` blocks of the released width (the full 50 do not fit twice, nor once
@@ -60,6 +62,11 @@ from h3_core.pipeline.packing import pack_sequence
 GiB = record.GiB
 VARIANTS = ("pack", "pack-branch-fused", "pack-fused", "native")
 PACK_FORMS = VARIANTS[:3]
+# the patched native model with each block under torch.compile (inductor, dynamic=False), as block-wise compile nodes
+# compile a native model: a way to fuse the parts of the host's blocks the patch leaves alone. (Compiling the whole
+# model, as the host's TorchCompileModel does, stops here in the re-derived model's layout code, which makes its
+# position tables under the device context: dynamo mixes devices there, eager does not.)
+HOST_COMPILED = "native-blocks-compiled"
 # the native model against each form of the pack's; the pack's fused forms against its plain one, as a yardstick of
 # the rounding
 COMPARED = (
@@ -188,6 +195,11 @@ def main(argv=None) -> dict:
         "eager where it sets none)",
     )
     parser.add_argument("--tiny", action="store_true", help="test_native_patch's tiny model on the CPU, fp32")
+    parser.add_argument(
+        "--host-compile",
+        action="store_true",
+        help=f"also time {HOST_COMPILED}: the patched native model with each block under torch.compile",
+    )
     parser.add_argument("--out", type=Path, default=None)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -224,35 +236,49 @@ def main(argv=None) -> dict:
     pack_attention = Captured(pack.blocks[0].attn.forward)
     pack.blocks[0].attn.forward = pack_attention
     options = {"patches_replace": {"dit": {("double_block", i): vdn.block_patch(i) for i in range(layers)}}}
+    variant_names = VARIANTS + ((HOST_COMPILED,) if args.host_compile else ())
+    # as the node builds it: no window log, whose growing list the compiled graph would guard on
+    node_vdn = NativeVDN(native, branch, settings, norm_rope=kitchen)
+    node_options = {"patches_replace": {"dit": {("double_block", i): node_vdn.block_patch(i) for i in range(layers)}}}
+    blocks, compiled_blocks = native.blocks, torch.nn.ModuleList(torch.compile(b) for b in native.blocks)
 
     def run(name):
         if name == "native":
             with torch.device(device):  # the native model makes its tensors on the default device
                 return native(*native_args, options)
+        if name == HOST_COMPILED:
+            native.blocks = compiled_blocks
+            try:
+                with torch.device(device):
+                    return native(*native_args, dict(node_options))  # a fresh dict a call, as the sampler's
+            finally:
+                native.blocks = blocks
         fuse_blocks(pack, mode if name == "pack-fused" else None)
         fuse_branches(pack, mode if name != "pack" else None)
         return pack(*pack_args, hybrid=contexts[name])
 
-    stats = {name: dict(times_s=[], peaks_gib=[]) for name in VARIANTS}
+    stats = {name: dict(times_s=[], peaks_gib=[]) for name in variant_names}
+    compared = COMPARED + (((HOST_COMPILED, "native"), (HOST_COMPILED, "pack-fused")) if args.host_compile else ())
     with torch.inference_mode():
         outs = {}
-        for name in VARIANTS:
+        for name in variant_names:
             outs[name], stats[name]["first_s"], _ = timed(lambda: run(name), cuda)
-        video, audio = outs.pop("native")
-        outs["native"] = to_rows(-video), audio_to_rows(-audio)  # the host's output is the negated velocity
+        for name in ("native", HOST_COMPILED)[: 1 + args.host_compile]:
+            video, audio = outs.pop(name)
+            outs[name] = to_rows(-video), audio_to_rows(-audio)  # the host's output is the negated velocity
         del video, audio
         agreement = {
             f"{got} vs {want}": dict(
                 video=relative(outs[got][0], outs[want][0]), audio=relative(outs[got][1], outs[want][1])
             )
-            for got, want in COMPARED
+            for got, want in compared
         }
         del outs
         if cuda:
             torch.cuda.empty_cache()
         for rep in range(reps):
-            turn = rep % len(VARIANTS)
-            for name in VARIANTS[turn:] + VARIANTS[:turn]:  # each variant first in turn
+            turn = rep % len(variant_names)
+            for name in variant_names[turn:] + variant_names[:turn]:  # each variant first in turn
                 seconds, peak = timed(lambda: run(name), cuda)[1:]  # the output dropped before the next
                 stats[name]["times_s"].append(seconds)
                 stats[name]["peaks_gib"].append(peak)
@@ -262,7 +288,7 @@ def main(argv=None) -> dict:
             forms["native-plain-rope"] = (NativeVDN(native, branch, settings), plain)
         parts = attention_parts(pack, forms, pack_attention.args, native_attention.args, mode, reps, cuda)
     variants = {}
-    for name in VARIANTS:
+    for name in variant_names:
         times, peaks = stats[name]["times_s"], stats[name]["peaks_gib"]
         variants[name] = dict(
             seconds=statistics.median(times),
@@ -270,8 +296,8 @@ def main(argv=None) -> dict:
             times_s=times,
             first_s=stats[name]["first_s"],
             peak_gib=max(peaks) if cuda else None,
-            window_backend=windows[name][-1].backend if windows[name] else None,
-            window_kernel=windows[name][-1].kernel if windows[name] else None,
+            window_backend=windows[name][-1].backend if windows.get(name) else None,
+            window_kernel=windows[name][-1].kernel if windows.get(name) else None,
         )
     result = dict(
         record.header("vdn_patch.py", argv),
@@ -288,7 +314,9 @@ def main(argv=None) -> dict:
         agreement=agreement,
         variants=variants,
         ratio_native_over_pack={
-            f"native / {name}": variants["native"]["seconds"] / variants[name]["seconds"] for name in PACK_FORMS
+            f"{native_form} / {name}": variants[native_form]["seconds"] / variants[name]["seconds"]
+            for native_form in variant_names[len(PACK_FORMS) :]
+            for name in PACK_FORMS
         },
         attention_parts=parts,
     )

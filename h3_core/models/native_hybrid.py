@@ -225,6 +225,10 @@ def native_block_attention(
         settings.precision,
     )
 
+    # Opaque to a compile of the host's block or model (a compile node after the patch): that compile fuses the
+    # block's own parts around a graph break here, and the attention runs the form ``settings.compile`` chose. Traced
+    # into, the branch's compiled form was compiled again inside the block's graph: an illegal memory access on an H100.
+    @torch.compiler.disable
     def attention(h, rope_freqs=None, transformer_options=None):
         if rope_freqs is None:
             raise H3InputError("the native H3 block gave its attention no rotation table; VDN-H3 needs RoPE")

@@ -97,3 +97,31 @@ def test_the_plain_default_off_cuda_sets_no_fused_form(fresh, models):  # noqa: 
     evaluate(native, branch, patch(native, branch, "auto"), seed=2)  # whatever an earlier patch left set
     evaluate(native, branch, patch(native, branch, "auto"))  # the CPU does not compile: the plain ops run
     assert branch_modes(branch) == {None}
+
+
+def test_a_compile_of_the_host_blocks_leaves_the_hybrid_attention_out(models):
+    """A compile node after the patch (the host's TorchCompileModel, block-wise compile nodes) compiles the host's
+    block around a graph break: none of the hybrid attention's operations is in its graphs, and the result is the
+    uncompiled one."""
+    native, branch = models
+    vdn = patch(native, branch, "off")
+    want = evaluate(native, branch, vdn)
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    blocks = native.blocks
+    native.blocks = torch.nn.ModuleList(torch.compile(block, backend=recording_backend) for block in blocks)
+    try:
+        got = evaluate(native, branch, vdn)
+    finally:
+        native.blocks = blocks
+        torch._dynamo.reset()
+    traced = [node.meta.get("stack_trace") or "" for graph in graphs for node in graph.graph.nodes]
+    assert graphs and any("native_h3_protocol" in trace for trace in traced)  # the host's block parts compiled
+    assert not any("h3_core" in trace for trace in traced)
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max() <= 1e-12 * w.abs().max()
