@@ -244,13 +244,15 @@ def evaluation_peak(
 # Extra time of each head-group level, as a fraction of a hybrid block's time at the release length
 # (bench/results/dit_block.md).
 HEAD_GROUP_COST = {1: 0.0, 2: 0.0, 4: 0.08, 8: 0.19}
-# With fused blocks, as a fraction of a whole evaluation (bench/results/dit_step.md): 2 groups with a
-# 32,768-row FFN; 8 groups with a 16,384-row FFN and 14 of 50 blocks streamed (the groups' share not separated, so
-# an overestimate of the groups' own).
-FUSED_HEAD_GROUP_COST = {1: 0.0, 2: 0.02, 8: 0.91}
+# With fused blocks, as a fraction of a whole evaluation: 2 groups with a 32,768-row FFN (bench/results/dit_step.md);
+# 4 groups with a 16,384-row FFN, against 1 group, both with 49 of 50 blocks streamed (bench/results/dit_step_caps.md);
+# 8 groups with a 16,384-row FFN and 14 of 50 blocks streamed (dit_step.md: the groups' share not separated, so an
+# overestimate of the groups' own).
+FUSED_HEAD_GROUP_COST = {1: 0.0, 2: 0.02, 4: 0.11, 8: 0.91}
 # A streamed block's copy, even where the compute hides it, slows the evaluation by this share of the copy's time
-# (the copy and the compute share the card's memory); assumed until measured beside the resident run.
-STREAM_CONTENTION = 0.25
+# (the copy and the compute share the card's memory): fitted to 41 and 49 of 50 fp8 blocks streamed beside the
+# resident run (bench/results/dit_step_caps.md).
+STREAM_CONTENTION = 0.62
 
 # The head-group levels a card short of memory may take, with the FFN chunk each comes with.
 HEAD_GROUP_LEVELS = (

@@ -5,6 +5,7 @@ facts they report (name, compute capability, multiprocessors, clock), for sm80, 
 sm120."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -128,9 +129,9 @@ def test_a_slow_bus_makes_streaming_cost_what_the_compute_does_not_hide(release)
 
 
 def test_head_groups_between_two_measured_levels_cost_between_them():
-    assert head_group_cost(2, True) == 0.02 and head_group_cost(8, True) == 0.91
-    assert head_group_cost(2, True) < head_group_cost(4, True) < head_group_cost(8, True)
-    assert head_group_cost(4, True) == pytest.approx((0.02 + 0.91) / 2)
+    assert head_group_cost(2, True) == 0.02 and head_group_cost(4, True) == 0.11 and head_group_cost(8, True) == 0.91
+    assert head_group_cost(4, True) < head_group_cost(6, True) < head_group_cost(8, True)
+    assert head_group_cost(6, True) == pytest.approx(0.11 + (math.log2(6) - 2) * (0.91 - 0.11))
     assert head_group_cost(4, False) == 0.08
 
 
