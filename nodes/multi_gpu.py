@@ -29,9 +29,10 @@ class H3MultiGPU(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3MultiGPU",
-            display_name="H3 Multi-GPU",
+            display_name="H3 Multi-GPU (experimental)",
             category=_host.CATEGORY,
-            description="Samples with the DiT across several GPUs: the sampler starts one worker process per extra "
+            description="Experimental: no run on several GPUs has been recorded yet (its tests run the ranks on the "
+            "CPU). Samples with the DiT across several GPUs: the sampler starts one worker process per extra "
             "GPU (each loads its own copy of the DiT), and every model evaluation splits the sequence's rows "
             "among them (Ulysses). The result is the one-GPU result. A cancel or an error closes the workers, "
             "as does unloading the model; the next run starts them again. Without CUDA the ranks run on the CPU.",

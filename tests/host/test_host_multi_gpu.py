@@ -193,3 +193,9 @@ def alive(pid: int) -> bool:
         return "zombie" not in status.read_text()
     except OSError:
         return False
+
+
+def test_the_node_is_labelled_experimental_until_a_run_on_several_gpus_is_recorded(server):
+    info = server.object_info()["H3MultiGPU"]
+    assert info["display_name"] == "H3 Multi-GPU (experimental)"
+    assert info["description"].startswith("Experimental: no run on several GPUs has been recorded yet")
