@@ -28,17 +28,17 @@ import copy
 import sys
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 from native_h3_protocol import audio_to_rows, native_for, pad_circular, shifted_sigma, split_pack_state, to_rows
+from qkv_through_layer import qkv_through_layer
 
 from h3_core.formats.vdn import BranchWeights
 from h3_core.models.hybrid import HybridContext
-from h3_core.models.run_options import apply_run_options, run_options_of
 from h3_core.pipeline.noise import row_timesteps
 
 # The linears of a block the released quantised files quantise (``formats.dit_layers``' int8 files, the fp8-scaled
@@ -242,11 +242,10 @@ def kitchen_int8(pack: nn.Module, cfg) -> Quantised:
 
 def stacked(pack: nn.Module) -> nn.Module:
     """The pack's DiT computing q, k and v in one call of ``qkv_proj`` (its forward), as the native block does. Its
-    default reads row slices of ``qkv_proj.weight`` (``low_memory.linear_rows``): a ``scaled_fp8`` layer's raw
+    own form reads row slices of ``qkv_proj.weight`` (``low_memory.linear_rows``): a ``scaled_fp8`` layer's raw
     e4m3 codes (``F.linear`` refuses fp32 × e4m3, and the scale would be left out), and from a comfy-kitchen int8
     weight a dequantised slice, so its q, k and v would skip the int8 matmul the host runs."""
-    apply_run_options(pack, replace(run_options_of(pack), stacked_qkv=True))
-    return pack
+    return qkv_through_layer(pack)
 
 
 # ---- one request through both models ----------------------------------------------------------------------------

@@ -117,7 +117,6 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
         self.out_proj = nn.Linear(cfg.inner, cfg.hidden, bias=False)
         self.head_groups = 1
-        self.stacked_qkv = False  # one GEMM for q, k and v (strided views of its output): for comparisons
         self.fused: str | None = None  # ``block_fused`` mode for the q/k norm and RoPE: None runs the plain ops
 
     def normed_rotated(self, q, k, rope):
@@ -136,7 +135,7 @@ class Attention(nn.Module):
     def projection_input(self, x: torch.Tensor):
         """What the q, k and v projections read: ``x``, or for an fp8 ``qkv_proj`` its rows quantised once (the
         three row slices, and every head group's, would otherwise quantise the same rows again)."""
-        if hasattr(self.qkv_proj, "part") and not (self.stacked_qkv and self.head_groups == 1):
+        if hasattr(self.qkv_proj, "part"):
             return quantize_input(x)
         return x
 
@@ -145,11 +144,8 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw q, k, v ``[T, h, d]`` of the heads in ``heads`` (all by default), each its own dense tensor: three
         row slices of the stacked weight, read from ``source`` (``projection_input``) if given. Dense, the
-        linear branch's convolutions take k and v without a layout copy, and each can be freed on its own;
-        ``stacked_qkv`` runs all heads as one GEMM instead, q, k and v then strided views of its output."""
+        linear branch's convolutions take k and v without a layout copy, and each can be freed on its own."""
         T, d = x.shape[0], self.head_dim
-        if self.stacked_qkv and (heads is None or (heads.start, heads.stop) == (0, self.heads)):
-            return self.qkv_proj(x).view(T, 3, self.heads, d).unbind(1)
         heads = slice(0, self.heads) if heads is None else heads
         inner, a, b = self.heads * d, heads.start * d, heads.stop * d
         source = x if source is None else source

@@ -1,8 +1,8 @@
 """How a DiT runs, as one immutable ``RunOptions`` applied in one place (``apply_run_options``) and read back from
 the modules (``run_options_of``): its blocks and linear branches fused or plain, its attention in head groups,
-q, k and v as one GEMM, its FFN in row chunks, its branch statistics a few frames at a time, the cancel hook
-called before every block. Only this module sets these on the model's modules. Also: one evaluation with the
-compiled path's fallback to the plain one (``evaluate``)."""
+its FFN in row chunks, its branch statistics a few frames at a time, the cancel hook called before every block.
+Only this module sets these on the model's modules. Also: one evaluation with the compiled path's fallback to the
+plain one (``evaluate``)."""
 
 from __future__ import annotations
 
@@ -41,18 +41,16 @@ log = logging.getLogger(__name__)
 class RunOptions:
     """How a DiT (or any part of one) runs. ``blocks_fused`` / ``branches_fused``: ``block_fused`` /
     ``branch_fused`` mode of the blocks' per-element work and of the linear branches (``FUSED_MODES``: None runs
-    the plain ops); ``head_groups``: attention a group of heads at a time; ``stacked_qkv``: q, k and v from one
-    GEMM (strided views of its output; for comparisons); ``ffn_chunk_rows``: the FFN over that many rows at a
-    time (None: all); ``branch_frames``: the branch's statistics that many frames at a time (None: all);
-    ``final_chunk_rows``: the output layer over that many rows at a time; ``check_cancel``: called before every
-    block (a cancel stops within one evaluation); ``on_out_of_memory``: called when an evaluation runs out of
-    device memory (``evaluate``), True once the model was placed for less memory, so the evaluation runs again,
-    False to let the error through."""
+    the plain ops); ``head_groups``: attention a group of heads at a time; ``ffn_chunk_rows``: the FFN over that
+    many rows at a time (None: all); ``branch_frames``: the branch's statistics that many frames at a time (None:
+    all); ``final_chunk_rows``: the output layer over that many rows at a time; ``check_cancel``: called before
+    every block (a cancel stops within one evaluation); ``on_out_of_memory``: called when an evaluation runs out
+    of device memory (``evaluate``), True once the model was placed for less memory, so the evaluation runs
+    again, False to let the error through."""
 
     blocks_fused: str | None = None
     branches_fused: str | None = None
     head_groups: int = 1
-    stacked_qkv: bool = False
     ffn_chunk_rows: int | None = None
     branch_frames: int | None = None
     final_chunk_rows: int = FinalLayer.chunk_rows
@@ -99,7 +97,6 @@ def apply_run_options(model: nn.Module, options: RunOptions) -> RunOptions:
         elif isinstance(module, Attention):
             module.fused = options.blocks_fused
             module.head_groups = options.head_groups
-            module.stacked_qkv = options.stacked_qkv
         elif isinstance(module, SwiGLU):
             module.fused = options.blocks_fused
             module.chunk_rows = options.ffn_chunk_rows
@@ -126,7 +123,6 @@ def run_options_of(model: nn.Module) -> RunOptions:
         blocks_fused=next((m.fused for m in (block, attention, ffn) if m is not None), None),
         branches_fused=None if branch is None else branch.fused,
         head_groups=1 if attention is None else attention.head_groups,
-        stacked_qkv=False if attention is None else attention.stacked_qkv,
         ffn_chunk_rows=None if ffn is None else ffn.chunk_rows,
         branch_frames=None if branch is None else branch.statistics_frames,
         final_chunk_rows=FinalLayer.chunk_rows if final is None else final.chunk_rows,

@@ -1,16 +1,15 @@
 """LoRA merging into the DiT (h3_core.formats.lora): a merged LoRA equals the unmerged forward."""
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
+from qkv_through_layer import qkv_from_weight_rows, qkv_through_layer
 from safetensors.torch import save_file
 
 from h3_core.errors import H3InputError
 from h3_core.formats.lora import merge_lora, read_lora
 from h3_core.models.dit import DiTConfig, H3DiT
-from h3_core.models.run_options import apply_run_options, run_options_of
 
 CFG = DiTConfig(
     hidden=48,
@@ -98,8 +97,7 @@ def unmerged_forward(m, flat, x):
     """The LoRA applied as a side path at run time: out[rows] += scale · (x Aᵀ) Bᵀ for every update."""
     handles = []
     modules = dict(m.named_modules())
-    before = run_options_of(m)  # q, k, v through qkv_proj's own forward, where the hooks sit
-    apply_run_options(m, replace(before, stacked_qkv=True))
+    qkv_through_layer(m)  # q, k, v through qkv_proj's own forward, where the hooks sit
     for name, parts in flat.items():
 
         def hook(mod, args, out, parts=parts):
@@ -115,7 +113,7 @@ def unmerged_forward(m, flat, x):
     finally:
         for h in handles:
             h.remove()
-        apply_run_options(m, before)
+        qkv_from_weight_rows(m)
 
 
 def test_comfy_lora_with_alpha(tmp_path):

@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from qkv_through_layer import qkv_from_weight_rows, qkv_through_layer
 from tiny_dit import fp32_case, model, request
 
 from h3_core.attention import WindowSpec
@@ -144,21 +145,19 @@ def test_final_layer_in_row_chunks_is_the_whole_rows_result():
 @pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_q_k_v_come_dense_and_equal_the_stacked_projection(hybrid, fp8):
-    """q, k and v as three row slices of qkv_proj (the default: dense tensors) give what one stacked GEMM
-    gives, with fp8 linears too (the rows quantised once for all three)."""
+    """q, k and v as three row slices of qkv_proj (dense tensors) give what one call of the layer gives, its
+    output viewed as q, k and v, with fp8 linears too (the rows quantised once for all three)."""
     m, args, ctx = fp32_case(hybrid, fp8)
     attn = m.blocks[0].attn
     x = torch.randn(9, attn.qkv_proj.in_features, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         dense = attn.project(x, source=attn.projection_input(x))
-        apply_run_options(attn, replace(run_options_of(attn), stacked_qkv=True))
-        stacked = attn.project(x, source=attn.projection_input(x))
+        stacked = attn.qkv_proj(x).view(9, 3, attn.heads, attn.head_dim).unbind(1)
     assert all(t.is_contiguous() for t in dense) and not stacked[1].is_contiguous()
     for a, b in zip(dense, stacked):
         assert (a - b).abs().max() <= 1e-6 * b.abs().max()
     with torch.no_grad():
-        stacked_out = m(*args, hybrid=ctx)
-        apply_run_options(m, replace(run_options_of(m), stacked_qkv=False))
-        dense_out = m(*args, hybrid=ctx)
+        stacked_out = qkv_through_layer(m)(*args, hybrid=ctx)
+        dense_out = qkv_from_weight_rows(m)(*args, hybrid=ctx)
     for a, b in zip(dense_out, stacked_out):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()

@@ -15,7 +15,7 @@ from h3_core.models.run_options import RunOptions, apply_run_options, fuse_block
 ROOT = Path(__file__).resolve().parents[2]
 # The modules' attributes that ``apply_run_options`` owns (and ``adaln_tables.keep_adaln_on_host``, also in
 # the models' package).
-SETTINGS = {"fused", "head_groups", "chunk_rows", "stacked_qkv", "statistics_frames", "check_cancel", "adaln_on_host"}
+SETTINGS = {"fused", "head_groups", "chunk_rows", "statistics_frames", "check_cancel", "adaln_on_host"}
 OWNER = ROOT / "h3_core" / "models"
 
 
@@ -67,7 +67,6 @@ def test_applied_options_are_what_the_modules_hold():
         blocks_fused="eager",
         branches_fused="eager",
         head_groups=2,
-        stacked_qkv=True,
         ffn_chunk_rows=7,
         branch_frames=2,
         final_chunk_rows=5,
