@@ -392,6 +392,28 @@ def save_state(path: Path, state: dict) -> None:
     path.write_text(json.dumps(state, indent=1))
 
 
+def process_io(pid: int) -> dict[str, int] | None:
+    """``/proc/<pid>/io``'s counters (Linux): ``rchar`` (bytes read, page cache included) and ``read_bytes``
+    (bytes the process made the kernel fetch from storage), or None where the file is missing."""
+    try:
+        text = Path(f"/proc/{pid}/io").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(": ") for line in text.splitlines() if ": " in line)
+    return {key: int(fields[key]) for key in ("rchar", "read_bytes") if key in fields}
+
+
+def peak_resident_gib(pid: int) -> float | None:
+    """The most host memory the process has held resident so far (``VmHWM``, Linux), in GiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / GiB
+    except OSError:
+        pass
+    return None
+
+
 def serve(
     base: Path,
     compile_cache: Path,
@@ -430,8 +452,14 @@ def serve(
             log_start = server.log_path.stat().st_size
             writer = next(k for k, v in prompt.items() if v["class_type"] in ("H3DecodeAndSave", "H3SaveVideo"))
             prompt["990"] = {"class_type": "H3ProbePeakMemory", "inputs": {"tag": label, "after_images": [writer, 0]}}
+            io_before = process_io(server.process.pid)
             events, queued_at = timed_events(server, prompt, timeout)
+            io_after = process_io(server.process.pid)
             results[label] = stages(events, prompt, size["steps"])
+            if io_before and io_after:
+                results[label]["read_gib"] = (io_after["rchar"] - io_before["rchar"]) / GiB
+                results[label]["storage_read_gib"] = (io_after["read_bytes"] - io_before["read_bytes"]) / GiB
+            results[label]["server_rss_peak_gib"] = peak_resident_gib(server.process.pid)  # since it started
             results[label]["mp4_written_s"] = mp4_written_s(events, writer, server.output, queued_at)
             results[label]["queued_at"] = queued_at  # wall-clock, to line the run up with other records of it
             peak = next(

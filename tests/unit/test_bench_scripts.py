@@ -391,3 +391,34 @@ def test_meta_shapes():
     for row in result["rows"]:
         assert set(row["seconds"]) == {"dit", "branch", "video_vae", "audio_vae"}
         assert all(seconds > 0 for seconds in row["seconds"].values())
+
+
+def test_desktop_envelope(tiny_end_to_end):
+    """``desktop.py``: the whole machine and host memory limited (a cgroup or a ballast process, whichever this
+    machine allows) each through a new real server on the CPU, every record's figures read back (the server's
+    resident peak and reads from /proc), and the desktop cards' estimate from the uncapped run."""
+    folder, _ = tiny_end_to_end
+    base = folder / "base"
+    with open("/proc/meminfo") as info:
+        total_gib = int(info.readline().split()[1]) / 2**20
+    limit = f"{max(int(total_gib) - 2, 8)}"  # room for the server, still a limit
+    result = dry_run(
+        folder, "desktop.py", "--tiny", "--base", str(base), "--configs", "none:0", f"none:{limit}", "--estimate",
+        timeout=900,
+    )  # fmt: skip
+    runs = result["runs"]
+    assert set(runs) == {"card_host", f"card_{limit}gib_host"}
+    for run in runs.values():
+        assert run["completed"], run.get("error")
+        assert run["total_s"] > 0 and run["sampling_s"] > 0 and run["decode_s"] > 0
+        assert run["server_rss_peak_gib"] > 0.1 and run["read_gib"] > 0 and run["storage_read_gib"] >= 0
+    assert runs["card_host"]["host"]["method"] == "none"
+    limited = runs[f"card_{limit}gib_host"]["host"]
+    assert limited["limit_gib"] == float(limit)
+    assert limited["method"].startswith(("cgroup v2", "ballast process")), limited["method"]
+    assert limited["available_gib"] <= float(limit) + 0.5
+    (rtx4090, rtx5090) = result["estimates"]
+    assert "RTX 4090" in rtx4090["card"] and "RTX 5090" in rtx5090["card"]
+    for item in result["estimates"]:
+        assert item["estimated_total_s"] > 0 and "estimate" in item["basis"]
+    assert (folder / "desktop.md").read_text().count("estimate") >= 2

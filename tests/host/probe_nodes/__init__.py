@@ -216,7 +216,25 @@ class H3ProbePeakMemory(_Probe):
                 total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
             )
             torch.cuda.reset_peak_memory_stats()
+        report.update(_dit_placement())
         return {"ui": {"peak": [report]}, "result": (model,)}
+
+
+def _dit_placement() -> dict:
+    """The loaded H3 DiT's placement: what its memory plan said and, with blocks streamed, the bytes copied to
+    the device per evaluation."""
+    for loaded in mm.current_loaded_models:
+        placement = getattr(loaded.model, "placement", None)
+        fitted = getattr(placement, "fitted", None)
+        if placement is None:
+            continue
+        offload = getattr(fitted, "offload", None)
+        return {
+            "placement_said": list(getattr(placement, "said", [])),
+            "streamed_blocks": offload.stats.streamed_blocks if offload else 0,
+            "copied_gib_per_evaluation": offload.stats.copied_bytes / 2**30 if offload else 0.0,
+        }
+    return {}
 
 
 _BALLAST = []
