@@ -303,7 +303,6 @@ def bench_heads(heads, layout, window, variants, reps):
         measure(
             "ours decomposed", f"{dense_kernel}, staged in {q.dtype}".replace("torch.", ""), ours(stage_dtype=q.dtype)
         )
-        measure("ours decomposed", f"{dense_kernel}, merge (zero-copy)", ours(strategy="merge"))
     if cudnn_ok and dense_kernel != "cudnn":
         with force_kernel("cudnn"):
             measure(

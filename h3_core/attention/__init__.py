@@ -11,7 +11,6 @@ from .layout import (
     is_full_cover,
     window_bounds,
 )
-from .merge import merge_partials, merge_partials_reference
 from .vae import VAE_BACKENDS, VAE_COMPONENTS, check_vae_overrides, resolve_vae_attention, vae_attention
 from .window import (
     BACKENDS,
@@ -42,8 +41,6 @@ __all__ = [
     "force_kernel",
     "force_window_backend",
     "is_full_cover",
-    "merge_partials",
-    "merge_partials_reference",
     "probed_kernels",
     "resolve_kernel",
     "resolve_window_backend",

@@ -6,13 +6,10 @@ The kept (query, key) pairs split into dense rectangles:
     which are always at the ends of a window) plus the *extra* keys: all global rows and, with column
     anchors, frames 0 and F-1. The extra set is the same for every such query.
 Window queries form *groups* (runs of consecutive frames sharing one window); consecutive groups of equal
-shape whose windows advance by a constant step form a *batch*. Two strategies compute the batches:
-  * ``staged`` (default): each group in ONE call over a staging buffer ``[extra keys | window slots]``.
-    The slots rotate, so a group loads only the chunk that entered its window; every output is rounded
-    once, and staging in fp16 rounds the probabilities more finely than a bf16 kernel does.
-  * ``merge``: the whole batch in ONE call over overlapping strided views of K and V (batch stride = the
-    step, no copy), a second call against the extra keys, and the two merged by log-sum-exp straight
-    into the output, in slabs bounded by ``slab_bytes``. No copies at all, but two bf16 roundings.
+shape whose windows advance by a constant step form a *batch*. Each group runs in ONE call over a staging
+buffer ``[extra keys | window slots]``. The slots rotate, so a group loads only the chunk that entered its
+window; every output is rounded once, and staging in fp16 rounds the probabilities more finely than a bf16
+kernel does.
 """
 
 from __future__ import annotations
@@ -21,17 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import H3InputError
 from ._lru import BoundedLRU
 from .convert import scale_convert
 from .kernels import dense_attention
 from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, is_full_cover, window_bounds
-from .merge import merge_partials
 
 __all__ = ["DecomposedPlan", "WindowBatch", "plan_decomposed", "window_softmax_decomposed", "plan_cache_info"]
 
 MAX_CACHED_PLANS = 16
-DEFAULT_SLAB_BYTES = 256 * 2**20
 DEFAULT_STAGE_BYTES = 384 * 2**20
 _plans = BoundedLRU(MAX_CACHED_PLANS)
 
@@ -141,17 +135,6 @@ def _rows(x: torch.Tensor, runs) -> torch.Tensor:
     return torch.cat([x[a:b] for a, b in runs])
 
 
-def _groups(x: torch.Tensor, start: int, groups: int, rows: int, step: int) -> torch.Tensor:
-    """``[groups, rows, H, D]`` view of ``x`` ([T, H, D]) whose group g starts at row ``start + g * step``;
-    groups overlap when ``step < rows``."""
-    s_row, s_head, s_dim = x.stride()
-    return x.as_strided(
-        (groups, rows, x.shape[1], x.shape[2]),
-        (step * s_row, s_row, s_head, s_dim),
-        x.storage_offset() + start * s_row,
-    )
-
-
 def _put_rows(out: torch.Tensor, values: torch.Tensor, runs) -> None:
     """``values`` (the rows of ``runs`` one after the other, as ``_rows`` gathers them) written back into ``out``."""
     offset = 0
@@ -164,44 +147,6 @@ def _dense_leg(q, k, v, out, plan, scale):
     if not plan.dense_runs:
         return
     _put_rows(out, dense_attention(_rows(q, plan.dense_runs), k, v, scale=scale).out, plan.dense_runs)
-
-
-def _window_leg_merge(q, k, v, out, plan, scale, slab_bytes):
-    """Zero-copy: strided window views and the extra keys in separate calls, merged by log-sum-exp."""
-    T, H, D = q.shape
-    extra_k = _rows(k, plan.extra_runs) if plan.extra_runs else None
-    extra_v = _rows(v, plan.extra_runs) if plan.extra_runs else None
-    # Per query row in a slab: two partial outputs and two fp32 log-sum-exps.
-    bytes_per_row = 2 * H * (D * q.element_size() + 4)
-    slab_rows = max(1, slab_bytes // bytes_per_row)
-    for batch in plan.batches:
-        groups_per_slab = max(1, slab_rows // batch.q_rows)
-        for g0 in range(0, batch.groups, groups_per_slab):
-            n = min(groups_per_slab, batch.groups - g0)
-            q0 = batch.q_start + g0 * batch.q_rows
-            rows = slice(q0, q0 + n * batch.q_rows)
-            target = out[rows].view(n, batch.q_rows, H, D)
-            if batch.k_rows == 0:
-                out[rows] = dense_attention(q[rows], extra_k, extra_v, scale=scale).out
-                continue
-            k0 = batch.k_start + g0 * batch.k_step
-            win = dense_attention(
-                _groups(q, q0, n, batch.q_rows, batch.q_rows),
-                _groups(k, k0, n, batch.k_rows, batch.k_step),
-                _groups(v, k0, n, batch.k_rows, batch.k_step),
-                scale=scale,
-            )
-            if extra_k is None:
-                target.copy_(win.out)
-                continue
-            extra = dense_attention(q[rows], extra_k, extra_v, scale=scale)
-            merge_partials(
-                win.out,
-                win.lse,
-                extra.out.view(n, batch.q_rows, H, D),
-                extra.lse.view(n, batch.q_rows, H),
-                target,
-            )
 
 
 def _value_scale(v):
@@ -229,7 +174,7 @@ def _stage_slots(batch, g):
 
 
 def stage_walk(plan, heads: int, per_pass: int):
-    """The staged strategy's order of work, shared by the exact and the fp8 window legs, as steps:
+    """The staged windows' order of work, shared by the exact and the fp8 window legs, as steps:
 
     * ``("pass", hs)``: a pass over the heads ``hs`` (``per_pass`` at a time) begins: stage buffers for them;
     * ``("load", dst, src, n)``: ``n`` key (and value) rows from row ``src`` into stage row ``dst``;
@@ -332,9 +277,6 @@ def _window_leg_staged(q, k, v, out, plan, scale, stage_dtype, stage_bytes, gate
     return convert
 
 
-STRATEGIES = ("staged", "merge")
-
-
 def stage_dtype_for(q: torch.Tensor) -> torch.dtype:
     """fp16 window staging for bf16 inputs on CUDA (finer probabilities, same speed); else q's dtype."""
     if q.is_cuda and q.dtype == torch.bfloat16:
@@ -350,33 +292,23 @@ def window_softmax_decomposed(
     window: WindowSpec,
     scale: float,
     *,
-    strategy: str = "staged",
     stage_dtype: torch.dtype | None = None,
     stage_bytes: int = DEFAULT_STAGE_BYTES,
-    slab_bytes: int = DEFAULT_SLAB_BYTES,
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decomposed window softmax (see the module docstring).
 
     Args:
-        strategy: ``"staged"`` — each window group in one call over [extra keys | window] staged in
-            ``stage_dtype`` (one output rounding); ``"merge"`` — zero-copy strided window views and a
-            separate call over the extra keys, merged by log-sum-exp (two roundings per output).
         stage_dtype: dtype of the staged keys and of the window calls. Default: ``stage_dtype_for(q)``.
         stage_bytes: bound on the staging buffers; heads are processed in passes to stay under it.
-        slab_bytes: bound on the partial results of the ``merge`` strategy.
         gate: ``[T, H]`` or None: the output multiplied per row and head, on the staged windows as their
             output is converted back to q's dtype, on the other rows after.
     """
-    if strategy not in STRATEGIES:
-        raise H3InputError(f"decomposed strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
     plan = cached_plan(layout, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _dense_leg(q, k, v, out, plan, scale)
     windows_gated = False
-    if plan.batches and strategy == "merge":
-        _window_leg_merge(q, k, v, out, plan, scale, slab_bytes)
-    elif plan.batches:
+    if plan.batches:
         stage_dtype = stage_dtype or stage_dtype_for(q)
         windows_gated = _window_leg_staged(q, k, v, out, plan, scale, stage_dtype, stage_bytes, gate)
     if gate is not None:

@@ -22,7 +22,6 @@ from h3_core.attention import (
     window_softmax,
 )
 from h3_core.attention.window_decomposed import (
-    STRATEGIES,
     WindowBatch,
     _stage_slots,
     plan_decomposed,
@@ -222,12 +221,11 @@ def test_backend_matches_ref(case, backend):
     assert rel_err(out, ref) <= TOL64
 
 
-@pytest.mark.parametrize("strategy", ["staged", "merge"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_decomposed_strategies_match_ref(case, strategy):
+def test_decomposed_matches_ref(case):
     q, k, v = _inputs(case)
     ref = window_softmax(q, k, v, case.layout, case.window, backend="ref")
-    out = window_softmax_decomposed(q, k, v, case.layout, case.window, case.D**-0.5, strategy=strategy)
+    out = window_softmax_decomposed(q, k, v, case.layout, case.window, case.D**-0.5)
     assert out.shape == q.shape and out.dtype == torch.float64
     assert rel_err(out, ref) <= TOL64
 
@@ -269,7 +267,7 @@ def geometries(draw):
     return layout, window, heads, seed
 
 
-@pytest.mark.parametrize("backend", ["decomposed", "decomposed-merge", "flex"])
+@pytest.mark.parametrize("backend", ["decomposed", "flex"])
 @given(geometry=geometries())
 @example(geometry=(packed(frames=5, frame_h=1, frame_w=2), WindowSpec(1, 0, "none"), 2, 0))
 @example(geometry=(packed(frames=6, frame_h=2, frame_w=1, audio=3), WindowSpec(0, 2, "columns"), 2, 1))
@@ -278,10 +276,7 @@ def test_random_geometries_match_ref(backend, geometry):
     layout, window, heads, seed = geometry
     q, k, v = qkv(layout.seq_len, heads, 8, seed)
     ref = window_softmax(q, k, v, layout, window, backend="ref")
-    if backend == "decomposed-merge":
-        out = window_softmax_decomposed(q, k, v, layout, window, 8**-0.5, strategy="merge", slab_bytes=seed % 4000)
-    else:
-        out = window_softmax(q, k, v, layout, window, backend=backend)
+    out = window_softmax(q, k, v, layout, window, backend=backend)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOL64
 
@@ -421,7 +416,7 @@ def test_scale_is_honoured(backend):
     assert rel_err(default, out) > 1e-3
 
 
-# --- decomposed: merge slabs, staged head passes, fp16 staging -----------------------------------
+# --- decomposed: staged head passes, fp16 staging -----------------------------------------------------
 
 SLAB_CASES = [
     Case("slab-F12-r1-c0-none", packed(frames=12, frame_h=2, frame_w=2, text=5, audio=3), WindowSpec(1, 0, "none")),
@@ -442,25 +437,11 @@ def test_slab_cases_batch_several_groups():
         assert any(b.groups > 1 for b in plan.batches), case.id
 
 
-@pytest.mark.parametrize("slab_bytes", [1, 3000, 20000], ids=lambda b: f"slab{b}")
-@pytest.mark.parametrize("case", SLAB_CASES, ids=[c.id for c in SLAB_CASES])
-def test_decomposed_merge_slabs_match_ref(case, slab_bytes):
-    q, k, v = _inputs(case)
-    out = window_softmax_decomposed(
-        q, k, v, case.layout, case.window, case.D**-0.5, strategy="merge", slab_bytes=slab_bytes
-    )
-    ref = window_softmax(q, k, v, case.layout, case.window, backend="ref")
-    assert torch.isfinite(out).all()
-    assert rel_err(out, ref) <= TOL64
-
-
 @pytest.mark.parametrize("stage_bytes", [1, 4000, 2**30], ids=lambda b: f"stage{b}")
 @pytest.mark.parametrize("case", SLAB_CASES, ids=[c.id for c in SLAB_CASES])
 def test_decomposed_staged_head_passes_match_ref(case, stage_bytes):
     q, k, v = _inputs(case)
-    out = window_softmax_decomposed(
-        q, k, v, case.layout, case.window, case.D**-0.5, strategy="staged", stage_bytes=stage_bytes
-    )
+    out = window_softmax_decomposed(q, k, v, case.layout, case.window, case.D**-0.5, stage_bytes=stage_bytes)
     ref = window_softmax(q, k, v, case.layout, case.window, backend="ref")
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOL64
@@ -474,8 +455,8 @@ def test_decomposed_staged_head_passes_match_ref(case, stage_bytes):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(
     "options",
-    [dict(strategy="staged"), dict(strategy="staged", stage_bytes=1), dict(strategy="merge")],
-    ids=["staged", "staged-head-passes", "merge"],
+    [dict(), dict(stage_bytes=1)],
+    ids=["staged", "staged-head-passes"],
 )
 def test_decomposed_fp16_staging(options, dtype, q_mul, k_mul, v_mul):
     """Window calls staged in fp16 (the CUDA default for bf16), including magnitudes beyond fp16's range."""
@@ -509,8 +490,8 @@ def test_gate_multiplies_each_row_and_head(backend):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(
     "options",
-    [dict(strategy="staged"), dict(strategy="staged", stage_bytes=1), dict(strategy="merge")],
-    ids=["staged", "staged-head-passes", "merge"],
+    [dict(), dict(stage_bytes=1)],
+    ids=["staged", "staged-head-passes"],
 )
 def test_decomposed_gate_on_converted_windows_and_the_other_rows(options, dtype):
     """Staged in fp16 the windows are gated as their output is converted back, the dense rows after: every
@@ -533,16 +514,6 @@ def test_gate_of_the_wrong_shape_is_refused():
     bad = torch.ones(case.layout.seq_len, case.H + 1, dtype=torch.float64)
     with pytest.raises(ValueError, match=re.escape(f"gate must be [T, H] = {[case.layout.seq_len, case.H]}")):
         window_softmax(q, k, v, case.layout, case.window, gate=bad)
-
-
-def test_decomposed_refuses_unknown_strategy():
-    assert STRATEGIES == ("staged", "merge")
-    case = SLAB_CASES[0]
-    q, k, v = _inputs(case)
-    with pytest.raises(
-        ValueError, match=re.escape("decomposed strategy must be one of ['staged', 'merge'], got 'fast'")
-    ):
-        window_softmax_decomposed(q, k, v, case.layout, case.window, 0.3, strategy="fast")
 
 
 @pytest.mark.parametrize(
