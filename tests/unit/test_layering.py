@@ -1,6 +1,7 @@
-"""h3_core's packages keep the README's layering: each module imports only from its own layer or the layers below
-(attention at the bottom, then parallel, models, formats, memory, media, pipeline), and no set of modules imports
-each other in a cycle. Every import counts, at the top of a module or inside a function, read from the source (AST)."""
+"""h3_core's packages keep the layering of docs/architecture.md: each module imports only from its own layer or the
+layers below (attention at the bottom, then parallel, models, formats, memory, media, pipeline), and no set of modules
+imports each other in a cycle. Every import counts, at the top of a module or inside a function, read from the source
+(AST)."""
 
 import ast
 from pathlib import Path
