@@ -97,3 +97,99 @@ def test_the_walk_sees_imports_inside_functions():
         "    if True:\n        from .dit import H3DiT\n"
     )
     assert imports_of(source, "h3_core.models.example", False) == {"h3_core.formats.keymap", "h3_core.models.dit"}
+
+
+# ---- no module sets another module's attributes ------------------------------------------------------------
+
+PRODUCT = {
+    name: path
+    for name, path in {
+        **MODULES,
+        **{module_name(p): p for p in (ROOT / "nodes").rglob("*.py")},
+    }.items()
+}
+
+
+def module_bindings(tree: ast.AST, module: str, is_package: bool) -> dict[str, str]:
+    """The names ``module``'s source binds to the product's modules (``import h3_core.x as y``, ``from . import x``,
+    ``from ..models import dit``), whatever their scope."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in ("h3_core", "nodes"):
+                    bound[alias.asname or alias.name.split(".")[0]] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                source = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                if f"{source}.{alias.name}" in PRODUCT:
+                    bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return bound
+
+
+def attribute_writes(source: str, module: str, is_package: bool) -> list[str]:
+    """Where ``source`` assigns to (or deletes, or ``setattr``s) an attribute of another product module."""
+    tree = ast.parse(source)
+    bound = module_bindings(tree, module, is_package)
+    found = []
+
+    def root_module(target: ast.expr) -> str | None:
+        while isinstance(target, ast.Attribute):
+            target = target.value
+        return bound.get(target.id) if isinstance(target, ast.Name) else None
+
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            if node.args and (owner := root_module(node.args[0])):
+                found.append(f"{module}:{node.lineno} {node.func.id} on {owner}")
+            continue
+        while targets:
+            target = targets.pop(0)
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets.extend(target.elts)
+            elif isinstance(target, ast.Starred):
+                targets.append(target.value)
+            elif isinstance(target, ast.Attribute) and (owner := root_module(target.value)):
+                found.append(f"{module}:{target.lineno} sets {owner} ({ast.unparse(target)})")
+    return found
+
+
+def test_no_module_sets_another_modules_attributes():
+    """Options travel as arguments and objects: no module of h3_core or nodes assigns, deletes or ``setattr``s an
+    attribute of another of their modules."""
+    writes = [
+        write
+        for module, path in sorted(PRODUCT.items())
+        for write in attribute_writes(path.read_text(), module, path.name == "__init__.py")
+    ]
+    assert writes == []
+
+
+def test_the_attribute_check_sees_each_form_of_writing():
+    source = (
+        "from ..models import dit\nimport h3_core.memory.policy as policy\nfrom ..models import run_options\n\n\n"
+        "def f(x):\n    dit.H3DiT.chunk_rows = 4\n    policy.FUSED += 1\n    setattr(run_options, 'x', 1)\n"
+        "    del dit.Block\n    x.fused = 1\n    a, (b, policy.LEVEL) = 1, (2, 3)\n"
+    )
+    writes = attribute_writes(source, "h3_core.pipeline.example", False)
+    assert sorted(w.split(" ", 1)[1] for w in writes) == sorted(
+        [
+            "sets h3_core.models.dit (dit.H3DiT.chunk_rows)",
+            "sets h3_core.memory.policy (policy.FUSED)",
+            "setattr on h3_core.models.run_options",
+            "sets h3_core.models.dit (dit.Block)",
+            "sets h3_core.memory.policy (policy.LEVEL)",
+        ]
+    )
