@@ -8,8 +8,9 @@ and by the Triton pass at several launches, then its temporal conv + SiLU + L2 +
 (plain fp32, also a few frames at a time as ``LowMemory.branch_frames`` runs them; fused: the Gram products of
 √β-scaled features with fp32 sums, and I + A in one pass), the solve (the inverse by halves; in ``compiled`` its
 16-row leaves inverted by the Triton kernel), the scans, the gather, the readout, and the whole branch. On CUDA
-``compiled`` runs the library's Triton kernels and ``torch.compile``'s passes; ``--tiny`` runs the plain and
-``eager`` forms on a small geometry on the CPU.
+``compiled`` runs the library's Triton kernels and ``torch.compile``'s passes; ``eager`` runs the fused functions
+as written (``tests/fused_eager.py``); ``--tiny`` runs the plain and ``eager`` forms on a small geometry on the
+CPU.
 
     python3 bench/branch_stages.py --out results.json
 """
@@ -23,7 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fused functions as written
 import record
+from fused_eager import EAGER, mode_for
 
 from h3_core.attention.layout import window_bounds
 from h3_core.models import branch_fused
@@ -34,6 +37,19 @@ from h3_core.models.run_options import fuse_branches
 RELEASE = dict(frames=100, grid=(24, 42), heads=56, head_dim=128, hidden=5376)
 SPATIAL_LAUNCHES = ((128, 4), (64, 2), (32, 1), (256, 8), (256, 4), (128, 2), (64, 1))  # channels, warps
 TINY = dict(frames=12, grid=(3, 5), heads=2, head_dim=16, hidden=32)
+
+
+def in_mode(mode, fn, *args):
+    """``fn(mode, *args)`` for a mode of ``modes``: the library's, or ``EAGER`` (the fused functions as written)."""
+    library_mode, running = mode_for(mode)
+    with running:
+        return fn(library_mode, *args)
+
+
+def whole_branch(branch, mode, *args):
+    """``branch(*args)`` with its fused functions in ``mode`` (set by ``fuse_branches`` beforehand)."""
+    with mode_for(mode)[1]:
+        return branch(*args)
 
 
 def max_diff(a, b) -> float:
@@ -49,7 +65,7 @@ def main(argv=None) -> dict:
     frames, grid, H, d = size["frames"], size["grid"], size["heads"], size["head_dim"]
     S, C = grid[0] * grid[1], size["heads"] * size["head_dim"]
     time_it = record.timer(cuda, args.reps)
-    modes = ["eager"] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
+    modes = [EAGER] + (["compiled"] if cuda and branch_fused.compiled_branch_available() else [])
     result = dict(record.header("branch_stages.py", argv), size=size, modes=modes, ms={}, max_diff={})
     ms, diff = result["ms"], result["max_diff"]
     g = torch.Generator().manual_seed(0)
@@ -77,8 +93,8 @@ def main(argv=None) -> dict:
             ms[f"spatial conv of k (Triton, {block_c} channels, {warps} warps)"] = time_it(launch)
             diff[f"spatial conv Triton {block_c}x{warps} vs cuDNN"] = max_diff(launch(), spatial)
         for mode in modes:
-            conv_k = lambda mode=mode: branch_fused.run(  # noqa: E731
-                mode, "conv_features", spatial, weights[1], H, True
+            conv_k = lambda mode=mode: in_mode(  # noqa: E731
+                mode, branch_fused.run, "conv_features", spatial, weights[1], H, True
             )
             ms[f"temporal conv + SiLU + L2 of k ({mode})"] = time_it(conv_k)
             diff[f"k features {mode} vs plain"] = max_diff(conv_k().transpose(1, 2), k_plain)
@@ -95,15 +111,15 @@ def main(argv=None) -> dict:
         root = beta.sqrt()[..., None]
         k_scaled, v_scaled = ((t * root).to(dtype).transpose(1, 2).contiguous() for t in (kt, v_plain))
         for mode in modes:
-            fused_statistics = lambda mode=mode: branch_fused.shifted_statistics(mode, k_scaled, v_scaled)  # noqa: E731
+            fused_statistics = lambda mode=mode: in_mode(mode, branch_fused.shifted_statistics, k_scaled, v_scaled)  # noqa: E731
             ms[f"statistics and I + A ({mode}: Gram products, fp32 sums)"] = time_it(fused_statistics)
             diff[f"statistics {mode} vs plain"] = max_diff(fused_statistics(), (shifted, B))
 
         # the solve: T = diag(α)(I + A)⁻¹, J = B (I + A)⁻¹, against the fp64 reference
         alpha = (torch.rand(frames, H, d, generator=g) * 0.5 + 0.5).to(device)
         T_ref, J_ref = lb.solve_reference(alpha.cpu(), A.cpu(), B.cpu())
-        for mode in [None] + [m for m in modes if branch_fused.small_inverse(m) is not None]:
-            leaf = branch_fused.small_inverse(mode)
+        for mode in [None] + [m for m in modes if in_mode(m, branch_fused.small_inverse) is not None]:
+            leaf = in_mode(mode, branch_fused.small_inverse)
             solve = lambda leaf=leaf: lb.solve_shifted(alpha, shifted, B, leaf)  # noqa: E731
             ms[f"solve ({mode or 'plain'})"] = time_it(solve)
             diff[f"solve {mode or 'plain'} vs fp64 reference"] = max_diff([t.cpu() for t in solve()], (T_ref, J_ref))
@@ -114,12 +130,12 @@ def main(argv=None) -> dict:
         ms["scans, prefix + suffix (plain)"] = time_it(lambda: lb.scan(T, J, seed))
         P, Q = lb.scan(T, J, seed)
         for mode in modes:
-            ms[f"scans ({mode})"] = time_it(lambda mode=mode: branch_fused.scan(mode, T, J, seed))
-            diff[f"scans {mode} vs plain"] = max_diff(branch_fused.scan(mode, T, J, seed), (P, Q))
+            ms[f"scans ({mode})"] = time_it(lambda mode=mode: in_mode(mode, branch_fused.scan, T, J, seed))
+            diff[f"scans {mode} vs plain"] = max_diff(in_mode(mode, branch_fused.scan, T, J, seed), (P, Q))
         ms["gather (plain)"] = time_it(lambda: lb.gather(P, Q, alpha, bounds, seed))
         state = lb.gather(P, Q, alpha, bounds, seed)
         for mode in modes:
-            gather = lambda mode=mode: branch_fused.gather(mode, P, Q, alpha, bounds, seed)  # noqa: E731
+            gather = lambda mode=mode: in_mode(mode, branch_fused.gather, P, Q, alpha, bounds, seed)  # noqa: E731
             ms[f"gather ({mode})"] = time_it(gather)
             diff[f"gather {mode} vs plain"] = max_diff(gather(), state)
 
@@ -128,23 +144,27 @@ def main(argv=None) -> dict:
             lambda: torch.einsum("fhvk,fshk->fshv", state.to(dtype), q_plain)
         )
         logits = torch.randn(frames * S, C, generator=g).to(device, dtype)
-        readout = lambda mode: branch_fused.run(  # noqa: E731
-            mode, "readout", q.view(shape), state, branch.norm.weight, logits
+        readout = lambda mode: in_mode(  # noqa: E731
+            mode, branch_fused.run, "readout", q.view(shape), state, branch.norm.weight, logits
         )
         for mode in modes:
             ms[f"readout ({mode}: q̃, state product, norm, gate)"] = time_it(lambda mode=mode: readout(mode))
-            if mode != "eager":
-                diff[f"readout {mode} vs eager"] = max_diff(readout(mode), readout("eager"))
+            if mode != EAGER:
+                diff[f"readout {mode} vs eager"] = max_diff(readout(mode), readout(EAGER))
 
         # the whole branch
         for mode in [None] + modes:
-            fuse_branches(branch, mode)
-            ms[f"whole branch ({mode or 'plain'})"] = time_it(lambda: branch(x, q, k, v, grid, bounds))
+            fuse_branches(branch, mode_for(mode)[0])
+            ms[f"whole branch ({mode or 'plain'})"] = time_it(
+                lambda mode=mode: whole_branch(branch, mode, x, q, k, v, grid, bounds)
+            )
         fuse_branches(branch, None)
         plain = branch(x, q, k, v, grid, bounds)
         for mode in modes:
-            fuse_branches(branch, mode)
-            diff[f"whole branch {mode} vs plain"] = max_diff(branch(x, q, k, v, grid, bounds), plain)
+            fuse_branches(branch, mode_for(mode)[0])
+            diff[f"whole branch {mode} vs plain"] = max_diff(
+                whole_branch(branch, mode, x, q, k, v, grid, bounds), plain
+            )
         fuse_branches(branch, None)
     return record.finish(result, args.out, cuda)
 

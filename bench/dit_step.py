@@ -207,13 +207,13 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--fused-branch",
         default=None,
-        choices=("eager", "compiled"),
+        choices=("compiled",),
         help="the linear branch's per-element work fused (h3_core.models.branch_fused)",
     )
     parser.add_argument(
         "--fused-blocks",
         default=None,
-        choices=("eager", "compiled"),
+        choices=("compiled",),
         help="every block's per-element work fused, the branch's too (h3_core.models.block_fused)",
     )
     parser.add_argument(

@@ -8,7 +8,7 @@ quantisation) — as ``torch.compile``'s passes and as the library's single pass
 (``block_fused.gate_heads_input``); the FFN's SiLU·up and the quantisation of ``fc2``'s input, two passes as
 before and the library's single pass (``block_fused.swiglu_quantized``); for a bf16 ``fc2`` the SiLU·up
 written into ``fc1``'s output, torch.compile's form (before) and the library's Triton pass. ``--tiny`` runs the
-eager forms on a few rows on the CPU.
+eager forms (the fused functions as written, ``tests/fused_eager.py``) on a few rows on the CPU.
 
     python3 bench/fp8_stages.py --out results.json
 """
@@ -22,7 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fused functions as written
 import record
+from fused_eager import EAGER, mode_for
 
 from h3_core.models import block_fused, branch_fused
 from h3_core.models.fp8_linear import quantize_rows, quantize_rows_reference
@@ -46,8 +48,8 @@ def main(argv=None) -> dict:
         return float((a == b).float().mean())
 
     g = torch.Generator().manual_seed(0)
-    mode = "compiled" if cuda else "eager"
-    with torch.no_grad():
+    mode, running = mode_for("compiled" if cuda else EAGER)
+    with torch.no_grad(), running:
         for name, width in widths.items():
             x = torch.randn(rows, width, generator=g).to(device, torch.bfloat16)
             ms[f"quantise {name} [{rows}, {width}] (eager)"] = time_it(lambda: quantize_rows_reference(x))

@@ -23,7 +23,7 @@ inputs the warm-up gave it, ``--reps`` timed calls each: the pack's in its plain
 patch's with the norm/rotation the node uses and with the plain one.
 The native model runs under ``torch.device`` (its tensors are made without a device, as the host's are on its
 own default device). ``--tiny``: the tiny model of ``tests/unit/test_native_patch.py`` on the CPU in fp32 (a dry
-run; the fused forms then run eager, ``fuse_for`` choosing none off CUDA).
+run; the fused forms then run eager, as written, ``tests/fused_eager.py``: ``fuse_for`` chooses none off CUDA).
 
     python3 bench/vdn_patch.py --layers 8 --out vdn_patch.json
 """
@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))  # the tiny model's sizes
 import dit_step
 import record
 import tiny_dit
+from fused_eager import EAGER, mode_for
 from native_h3_protocol import audio_to_rows, native_for, shifted_sigma, split_pack_state, to_rows
 
 from h3_core.formats.vdn import BranchWeights
@@ -161,9 +162,14 @@ def attention_parts(pack, vdn_kinds: dict, pack_inputs, native_inputs, mode, rep
     """Block 0's attention alone on the warm-up's inputs: median seconds of ``reps`` calls (after one) per form.
     ``vdn_kinds``: name -> (a ``NativeVDN``, the attention source it reads, None for the warm-up's)."""
     attn = pack.blocks[0].attn
+
+    def fused_attention(*args, **kwargs):
+        with mode_for(mode)[1]:
+            return attn(*args, **kwargs)
+
     calls = {}
-    for name, fused in (("pack", None), ("pack-branch-fused", mode)):
-        calls[name] = (lambda fused=fused: (fuse_blocks(pack, None), fuse_branches(pack, fused)), attn, pack_inputs)
+    for name, fused, fn in (("pack", None, attn), ("pack-branch-fused", mode_for(mode)[0], fused_attention)):
+        calls[name] = (lambda fused=fused: (fuse_blocks(pack, None), fuse_branches(pack, fused)), fn, pack_inputs)
     (source, *rest), kwargs = native_inputs
     for name, (vdn, own_source) in vdn_kinds.items():
         calls[name] = (lambda: None, vdn.run, ((own_source or source, *rest), kwargs))
@@ -190,9 +196,9 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--fused",
         default=None,
-        choices=("eager", "compiled"),
+        choices=(EAGER, "compiled"),
         help="the fused forms' mode (default: what policy.fuse_for sets for a run: compiled on CUDA with Triton; "
-        "eager where it sets none)",
+        "eager, the fused functions as written, where it sets none)",
     )
     parser.add_argument("--tiny", action="store_true", help="test_native_patch's tiny model on the CPU, fp32")
     parser.add_argument(
@@ -220,7 +226,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)  # the weights (drawn on the device)
     pack = dit_step.random_model(cfg, device, dtype)
     native, branch, shared = native_twin(pack, cfg)
-    mode = args.fused or fuse_for(pack, device) or "eager"
+    mode = args.fused or fuse_for(pack, device) or EAGER
+    library_mode = mode_for(mode)[0]
     weights_gib = torch.cuda.memory_allocated() / GiB if cuda else None
     shifts = (native.sigma_shift_video, native.sigma_shift_audio)
     packed, pack_args, native_args = requests(setup, device, dtype, args.sigma, shifts)
@@ -253,9 +260,10 @@ def main(argv=None) -> dict:
                     return native(*native_args, dict(node_options))  # a fresh dict a call, as the sampler's
             finally:
                 native.blocks = blocks
-        fuse_blocks(pack, mode if name == "pack-fused" else None)
-        fuse_branches(pack, mode if name != "pack" else None)
-        return pack(*pack_args, hybrid=contexts[name])
+        fuse_blocks(pack, library_mode if name == "pack-fused" else None)
+        fuse_branches(pack, library_mode if name != "pack" else None)
+        with mode_for(mode if name != "pack" else None)[1]:
+            return pack(*pack_args, hybrid=contexts[name])
 
     stats = {name: dict(times_s=[], peaks_gib=[]) for name in variant_names}
     compared = COMPARED + (((HOST_COMPILED, "native"), (HOST_COMPILED, "pack-fused")) if args.host_compile else ())

@@ -8,8 +8,8 @@ SiLU and product. Here each of those chains is one function — ``norm_modulate`
 one rounding of the result; the AdaLN rows are looked up per packed row from its table index.
 
 Modes (``fuse_blocks``): ``"compiled"`` runs these functions (and the linear branch's, ``branch_fused``)
-through ``torch.compile``, ``"eager"`` as written (the same arithmetic op by op: for tests), ``None`` the
-plain path.
+through ``torch.compile`` or a hand-written Triton kernel, and inside ``triton_forms.plain_path`` as written (the
+same arithmetic op by op); ``None`` the plain path.
 
 ``evaluate`` runs one model evaluation and is the way out when a compiled function or Triton kernel fails to
 compile or launch: the evaluation — which writes in place only into tensors it made itself, never into its

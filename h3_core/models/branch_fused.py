@@ -10,8 +10,8 @@ in fp32 (fp64 for fp64 inputs) and each result is rounded once, so the numbers a
 the roundings it skips.
 
 Modes (``fuse_branches``): ``"compiled"`` runs these functions through ``torch.compile`` (one generated
-kernel each; needs Triton on CUDA), ``"eager"`` runs them as written (the same arithmetic, op by op: for
-tests and for checking the math), ``None`` the plain path. The compiled functions and the Triton kernels are
+kernel each; needs Triton on CUDA), and inside ``triton_forms.plain_path`` as written (the same arithmetic, op
+by op); ``None`` the plain path. The compiled functions and the Triton kernels are
 ``triton_forms.guarded``: one that fails to compile or launch raises ``CompileFailure``, and the model
 evaluation is run again on the plain path (``block_fused.evaluate``).
 """
@@ -55,7 +55,7 @@ __all__ = [
     "small_inverse",
 ]
 
-FUSED_MODES = (None, "eager", "compiled")
+FUSED_MODES = (None, "compiled")
 EPS = 1e-6
 
 
@@ -263,9 +263,9 @@ def small_inverse(mode: str | None):
 
 
 def call(mode: str, fn, *args, name: str | None = None):
-    """``fn(*args)`` as ``mode`` says: ``"eager"`` as written, ``"compiled"`` through ``torch.compile`` — or, for
-    CUDA rows with a contiguous last dimension, through the Triton kernel registered for ``name`` (which sums
-    in fp32, so fp64 rows keep the compiled form's fp64 sums). Inside ``triton_forms.plain_path`` nothing is
+    """``fn(*args)`` as ``mode`` says: ``"compiled"`` through ``torch.compile`` — or, for CUDA rows with a
+    contiguous last dimension, through the Triton kernel registered for ``name`` (which sums in fp32, so fp64
+    rows keep the compiled form's fp64 sums); otherwise as written. Inside ``triton_forms.plain_path`` nothing is
     compiled: ``"compiled"`` runs as written."""
     if mode == "compiled" and compiling():
         kernel = _rows_kernel(name, mode, args[0]) if name is not None else None

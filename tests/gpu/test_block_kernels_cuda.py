@@ -1,6 +1,7 @@
 """The block's hand-written Triton kernels on a CUDA GPU (skipped without one) against the written functions
 of h3_core.models.block_fused, at the model's head size."""
 
+import fused_eager
 import pytest
 import torch
 from quantized_rows import assert_codes_within_a_step
@@ -33,7 +34,7 @@ def test_triton_qk_norm_rope_matches_the_written_function(dtype, rotary):
             if not per_head
             else qk_norm_rope_triton(x, weight, cos, sin, 1e-6, per_head=True)
         )
-        want = block_fused.run("eager", "qk_norm_rope", x, weight, cos, sin, 1e-6)
+        want = fused_eager.written(block_fused.run, "qk_norm_rope", x, weight, cos, sin, 1e-6)
         assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
         if dtype == torch.float32:
             assert (got - want).abs().max() <= 1e-5 * want.abs().max()
@@ -63,21 +64,21 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
     gate, shift, scale = (torch.randn(6, hidden, generator=g).to(DEV, dtype) for _ in range(3))
     rows = torch.randint(0, 6, (300,), generator=g).to(DEV)
     step = 2**-7 if dtype == torch.bfloat16 else 2**-10
-    residual = block_fused.run("eager", "gated_residual_", x, y.clone(), gate, rows)
+    residual = fused_eager.written(block_fused.run, "gated_residual_", x, y.clone(), gate, rows)
 
     def close(got, want):
         got, want = got.float(), want.float()
         return ((got - want).abs() <= want.abs() * step + 1e-6 * want.abs().max()).all()
 
     norm = (weight, shift, scale, rows, 1e-6)
-    assert close(block_norm_triton(x, *norm), block_fused.run("eager", "norm_modulate", x, *norm))
+    assert close(block_norm_triton(x, *norm), fused_eager.written(block_fused.run, "norm_modulate", x, *norm))
     assert close(
         block_fused.run("compiled", "norm_modulate", x, *norm),  # the attention input's, by name
-        block_fused.run("eager", "norm_modulate", x, *norm),
+        fused_eager.written(block_fused.run, "norm_modulate", x, *norm),
     )
     assert_codes_within_a_step(
         block_fused.norm_modulate_quantized("compiled", x, *norm),
-        quantize_input(block_fused.run("eager", "norm_modulate", x, *norm)),
+        quantize_input(fused_eager.written(block_fused.run, "norm_modulate", x, *norm)),
         step,
     )
     for quantized in (False, True):
@@ -85,8 +86,8 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
         got_x, got_h = block_fused.residual_norm(
             "compiled", x, written, gate, rows, weight, shift, scale, 1e-6, quantized
         )
-        want_x, want_h = block_fused.residual_norm(
-            "eager", x, y.clone(), gate, rows, weight, shift, scale, 1e-6, quantized
+        want_x, want_h = fused_eager.written(
+            block_fused.residual_norm, x, y.clone(), gate, rows, weight, shift, scale, 1e-6, quantized
         )
         assert got_x.data_ptr() == written.data_ptr() and close(got_x, residual) and close(want_x, residual)
         if quantized:
@@ -106,7 +107,7 @@ def test_triton_swiglu_matches_the_written_function(dtype):
 
     g = torch.Generator().manual_seed(4)
     gate_up = (torch.randn(70_000, 2 * 96, generator=g) * 4).to(DEV, dtype)
-    want = block_fused.run("eager", "swiglu_", gate_up.clone())
+    want = fused_eager.written(block_fused.run, "swiglu_", gate_up.clone())
     step = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-6}[dtype]
     for got_from in (lambda t: block_fused.run("compiled", "swiglu_", t), lambda t: swiglu_triton(t, 1, 128, 4)):
         written = gate_up.clone()
@@ -133,13 +134,13 @@ def test_triton_gated_residual_and_head_gate_match_the_written_functions(dtype):
     def close(got, want):
         return ((got.float() - want.float()).abs() <= want.float().abs() * step + 1e-5).all()
 
-    want = block_fused.run("eager", "gated_residual_", x, y.clone(), gate, table_rows)
+    want = fused_eager.written(block_fused.run, "gated_residual_", x, y.clone(), gate, table_rows)
     written = y.clone()
     got = block_fused.run("compiled", "gated_residual_", x, written, gate, table_rows)
     assert got.data_ptr() == written.data_ptr() and close(got, want)
     soft = torch.randn(rows, 40, 128, generator=g).to(DEV, dtype)
     head_gate = torch.rand(rows, 40, generator=g).to(DEV, dtype)
-    want = block_fused.run("eager", "gate_heads_", soft.clone(), head_gate)
+    want = fused_eager.written(block_fused.run, "gate_heads_", soft.clone(), head_gate)
     written = soft.clone()
     got = block_fused.run("compiled", "gate_heads_", written, head_gate)
     assert got.data_ptr() == written.data_ptr() and close(got, want)
@@ -162,7 +163,7 @@ def test_triton_conv_features_match_the_written_function(normalize, with_beta):
     from h3_core.models.branch_triton import conv_features_triton
 
     args = (y, taps, heads, normalize, beta if with_beta else None)
-    want = branch_fused.run("eager", "conv_features", *args).float()
+    want = fused_eager.written(branch_fused.run, "conv_features", *args).float()
     # the library's launch (five taps walked through the frames), and a program per frame and tile
     for got in (branch_fused.run("compiled", "conv_features", *args), conv_features_triton(*args, rolling=False)):
         assert got.shape == (frames, heads, grid[0] * grid[1], 128) and got.dtype == torch.bfloat16
@@ -184,7 +185,7 @@ def test_triton_spatial_conv_is_one_rounding_of_the_exact_convolution(grid, chan
     weight = (torch.randn(channels, 1, 5, 5, generator=g) / 5).to(DEV, dtype)
     exact = branch_fused.spatial_conv(x.double(), weight.double(), grid)
     got = branch_fused.spatial("compiled", x, weight, grid)
-    cudnn = branch_fused.spatial("eager", x, weight, grid)
+    cudnn = fused_eager.written(branch_fused.spatial, x, weight, grid)
     assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
     step = 2**-8 if dtype == torch.bfloat16 else 2**-20  # one rounding of the exact sum, and fp32 sums' error
     bound = exact.abs() * step + 1e-6 * exact.abs().max()
@@ -205,7 +206,7 @@ def test_triton_readout_matches_the_written_function(dtype):
     weight = torch.randn(128, generator=g).to(DEV, dtype)
     logits = torch.randn(frames * tokens, heads * 128, generator=g).to(DEV, dtype)
     got = branch_fused.run("compiled", "readout", q_raw, state, weight, logits)
-    want = branch_fused.run("eager", "readout", q_raw, state, weight, logits)
+    want = fused_eager.written(branch_fused.run, "readout", q_raw, state, weight, logits)
     assert got.shape == want.shape == (frames * tokens, heads * 128) and got.dtype == dtype
     got, want = got.float(), want.float()
     if dtype == torch.float32:
@@ -291,5 +292,5 @@ def test_triton_shifted_gram_equals_the_written_function():
     A = torch.randn(5, 56, 128, 128, generator=torch.Generator().manual_seed(7)).to(DEV)
     k, v = A[..., :96].contiguous(), A[..., 32:].contiguous()  # [F, h, S, d]: 128 tokens of 96 channels
     got, _ = branch_fused.shifted_statistics("compiled", k, v)
-    want, _ = branch_fused.shifted_statistics("eager", k, v)
+    want, _ = fused_eager.written(branch_fused.shifted_statistics, k, v)
     assert torch.equal(got, want)

@@ -13,6 +13,7 @@ TF32 is switched off for the duration of each test so that the fp32 references a
 import copy
 from dataclasses import dataclass, replace
 
+import fused_eager
 import pytest
 import torch
 
@@ -228,8 +229,10 @@ def test_fused_hybrid_block_in_bf16_is_as_close_to_fp32_as_the_plain_block(case,
     ref = forward(on(base, DEV, torch.float32), inp, case.context(packed, "ref"), DEV, torch.float32)
     fast = on(base, DEV, torch.bfloat16)
     plain = forward(fast, inp, ctx, DEV, torch.bfloat16)
-    fuse_blocks(fast, mode)
-    fused = forward(fast, inp, ctx, DEV, torch.bfloat16)
+    library_mode, running = fused_eager.mode_for(mode)  # "eager": the fused functions as written
+    fuse_blocks(fast, library_mode)
+    with running:
+        fused = forward(fast, inp, ctx, DEV, torch.bfloat16)
     assert fused.dtype == torch.bfloat16 and torch.isfinite(fused).all()
     # one rounding per fused chain instead of one per op: no worse than the plain block
     assert update_err(fused, ref, x) <= 1.1 * update_err(plain, ref, x) + 1e-4
@@ -371,7 +374,7 @@ def test_shifted_statistics_compiled_on_cuda_equal_the_eager_pass():
         for _ in range(2)
     )
     shifted, B = shifted_statistics("compiled", k, v)
-    want, want_B = shifted_statistics("eager", k, v)
+    want, want_B = fused_eager.written(shifted_statistics, k, v)
     assert shifted.dtype == torch.float32 and torch.equal(B, want_B)
     # ½(a + b) + 1 in fp32 either way: the generated kernel may contract it into one fma
     assert (shifted - want).abs().max() <= 1e-6 * want.abs().max()
@@ -389,9 +392,10 @@ def test_fused_branch_on_cuda_is_as_close_to_fp64_as_the_plain_branch(mode):
 
     def run(device, dtype, fused, heads_run=None):
         module = on(branch, device, dtype)
+        fused, running = fused_eager.mode_for(fused)  # "eager": the fused functions as written
         apply_run_options(module, replace(run_options_of(module), branches_fused=fused))
         sl = slice(0, heads) if heads_run is None else heads_run
-        with torch.no_grad():
+        with running, torch.no_grad():
             seed_state = module.text_state(*(t.to(device, dtype) for t in (tx, tk[:, sl], tv[:, sl])), heads_run)
             return module(
                 *(t.to(device, dtype) for t in (x, q[:, sl], k[:, sl], v[:, sl])), grid, bounds, seed_state, heads_run

@@ -4,6 +4,7 @@ the whole model, dense and hybrid."""
 import pytest
 import torch
 import torch.nn.functional as F
+from fused_eager import fused_written, written
 from tiny_dit import CFG, fp32_case, model, request
 
 from h3_core.attention import WindowSpec
@@ -81,17 +82,17 @@ def test_the_compiled_functions_equal_the_written_ones():
         ("qk_norm_rope", (q, qw, angles.float().cos(), angles.float().sin(), 1e-6)),
     )
     for name, args in cases:
-        compiled, written = block_fused.run("compiled", name, *args), block_fused.run("eager", name, *args)
-        assert (compiled - written).abs().max() <= 1e-5 * written.abs().max(), name
+        compiled, as_written = block_fused.run("compiled", name, *args), written(block_fused.run, name, *args)
+        assert (compiled - as_written).abs().max() <= 1e-5 * as_written.abs().max(), name
     heads, gate = rnd(11, 3, 4, seed=14, dtype=torch.float32), rnd(11, 5, seed=15, dtype=torch.float32)[:, 1:4]
-    expected = block_fused.run("eager", "gate_heads_", heads.clone(), gate)
+    expected = written(block_fused.run, "gate_heads_", heads.clone(), gate)
     assert (block_fused.run("compiled", "gate_heads_", heads.clone(), gate) - expected).abs().max() <= 1e-6
     gate_up = rnd(11, 16, seed=11, dtype=torch.float32)
-    expected = block_fused.run("eager", "swiglu_", gate_up.clone())
+    expected = written(block_fused.run, "swiglu_", gate_up.clone())
     assert (
         block_fused.run("compiled", "swiglu_", gate_up.clone()) - expected
     ).abs().max() <= 1e-5 * expected.abs().max()
-    expected = block_fused.run("eager", "gated_residual_", x, y.clone(), shift, ROWS)
+    expected = written(block_fused.run, "gated_residual_", x, y.clone(), shift, ROWS)
     assert (block_fused.run("compiled", "gated_residual_", x, y.clone(), shift, ROWS) - expected).abs().max() <= 1e-5
 
 
@@ -104,12 +105,12 @@ def test_a_fused_model_equals_the_plain_model(hybrid, options):
     apply_low_memory(m, options)
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        assert run_options.fuse_blocks(m, "eager") == CFG.layers
-        assert all(b.fused == b.mlp.fused == "eager" for b in m.blocks)
-        if hybrid:
-            assert all(b.attn.linear_attention.fused == "eager" for b in m.blocks)
-        fused = m(*args, hybrid=ctx)
-        run_options.fuse_blocks(m, None)
+        with fused_written(m):
+            assert all(b.fused == b.mlp.fused == "compiled" for b in m.blocks)
+            if hybrid:
+                assert all(b.attn.linear_attention.fused == "compiled" for b in m.blocks)
+            fused = m(*args, hybrid=ctx)
+        assert run_options.fuse_blocks(m, None) == CFG.layers
         again = m(*args, hybrid=ctx)
     for a, b in zip(fused, plain):
         assert (a - b).abs().max() <= 1e-11 * b.abs().max()
@@ -127,13 +128,13 @@ def test_a_fused_fp8_model_equals_the_plain_fp8_model(hybrid):
     m.blocks[0].mlp.fc2.register_forward_pre_hook(lambda _, inputs: fc2_inputs.append(inputs[0]))
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        run_options.fuse_blocks(m, "eager")
-        fused = m(*args, hybrid=ctx)
+        with fused_written(m):
+            fused = m(*args, hybrid=ctx)
     assert isinstance(fc2_inputs[-1], QuantizedRows) and not isinstance(fc2_inputs[0], QuantizedRows)
     for a, b in zip(fused, plain):  # fp32 sums rounded once: a code may flip where a product sits on a boundary
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.9999
 
 
 def test_a_bad_mode_is_named():
-    with pytest.raises(H3InputError, match=r"block fusion mode must be one of \(None, 'eager', 'compiled'\), got 'on'"):
+    with pytest.raises(H3InputError, match=r"block fusion mode must be one of \(None, 'compiled'\), got 'on'"):
         run_options.fuse_blocks(model(False), "on")

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from fused_eager import fused_written, written
 from tiny_dit import CFG, model, request
 
 from h3_core.attention import WindowSpec
@@ -92,7 +93,7 @@ def test_gram_statistics_of_half_precision_features_sum_in_fp32():
 def test_shifted_statistics_are_identity_plus_the_gram_statistics():
     k, v = rnd(FR, H, S, D, seed=24), rnd(FR, H, S, D, seed=25)
     A, B = branch_fused.gram_statistics(k, v)
-    shifted, B_shifted = branch_fused.shifted_statistics("eager", k, v)
+    shifted, B_shifted = written(branch_fused.shifted_statistics, k, v)
     assert torch.equal(B_shifted, B)
     assert torch.equal(shifted, A + torch.eye(D, dtype=A.dtype))
     # from a product that the GEMM left slightly asymmetric, the one pass symmetrises it first
@@ -135,8 +136,8 @@ def test_the_fused_branch_equals_the_plain_branch(heads, frames_per_chunk):
     apply_run_options(m, replace(run_options_of(m), branch_frames=frames_per_chunk))
     with torch.no_grad():
         plain = m(x, q, k, v, GRID, bounds, seed, heads)
-        apply_run_options(m, replace(run_options_of(m), branches_fused="eager"))
-        fused = m(x, q, k, v, GRID, bounds, seed, heads)
+        with fused_written(m, blocks=False):
+            fused = m(x, q, k, v, GRID, bounds, seed, heads)
     assert fused.shape == plain.shape == (FR * S, n * D)
     assert (fused - plain).abs().max() <= 1e-12 * plain.abs().max()
 
@@ -149,9 +150,10 @@ def test_a_model_with_fused_branches_equals_the_plain_model(options):
     apply_low_memory(m, options)
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        assert run_options.fuse_branches(m, "eager") == CFG.layers
-        fused = m(*args, hybrid=ctx)
-        run_options.fuse_branches(m, None)
+        with fused_written(m, blocks=False):
+            assert all(b.attn.linear_attention.fused == "compiled" for b in m.blocks)
+            fused = m(*args, hybrid=ctx)
+        assert run_options_of(m).branches_fused is None and run_options.fuse_branches(m, None) == CFG.layers
         again = m(*args, hybrid=ctx)
     for a, b in zip(fused, plain):
         assert (a - b).abs().max() <= 1e-12 * b.abs().max()
@@ -172,12 +174,12 @@ def test_the_compiled_functions_equal_the_written_ones():
         ("readout_finish", (o.float(), weight.float(), logits.float())),
     ):
         compiled = branch_fused.run("compiled", name, *args)
-        written = branch_fused.run("eager", name, *args)
-        assert (compiled - written).abs().max() <= 1e-5 * written.abs().max(), name
+        as_written = written(branch_fused.run, name, *args)
+        assert (compiled - as_written).abs().max() <= 1e-5 * as_written.abs().max(), name
 
 
 def test_a_bad_mode_is_named():
-    with pytest.raises(H3InputError, match=r"fusion mode must be one of \(None, 'eager', 'compiled'\), got 'fast'"):
+    with pytest.raises(H3InputError, match=r"fusion mode must be one of \(None, 'compiled'\), got 'fast'"):
         run_options.fuse_branches(model(True), "fast")
 
 

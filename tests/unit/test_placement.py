@@ -112,7 +112,7 @@ def test_the_host_is_asked_for_the_runs_activations_of_the_path_it_will_take(pac
     assert fuse_for(fresh, "cpu") is None  # no CUDA here: the plain path
     plain = evaluation_peak(CFG, shape, hybrid=True)["activations"]
     assert working_bytes(fresh, packed) == int(plain)
-    fuse_blocks(fresh, "eager")
+    fuse_blocks(fresh, "compiled")
     fused = evaluation_peak(CFG, shape, hybrid=True, fused=True)["activations"]
     assert working_bytes(fresh, packed) == int(fused) < plain
 

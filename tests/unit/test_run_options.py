@@ -64,8 +64,8 @@ def test_applied_options_are_what_the_modules_hold():
     m = model(True)
     assert run_options_of(m) == RunOptions()
     wanted = RunOptions(
-        blocks_fused="eager",
-        branches_fused="eager",
+        blocks_fused="compiled",
+        branches_fused="compiled",
         head_groups=2,
         ffn_chunk_rows=7,
         branch_frames=2,
@@ -75,7 +75,7 @@ def test_applied_options_are_what_the_modules_hold():
     assert apply_run_options(m, wanted) is wanted
     held = run_options_of(m)
     assert held == wanted and held.check_cancel is print
-    assert all(b.attn.head_groups == 2 and b.mlp.chunk_rows == 7 and b.fused == "eager" for b in m.blocks)
+    assert all(b.attn.head_groups == 2 and b.mlp.chunk_rows == 7 and b.fused == "compiled" for b in m.blocks)
     fuse_blocks(m, None)  # one setting changed, the others kept
     assert run_options_of(m) == replace(wanted, blocks_fused=None, branches_fused=None)
 

@@ -9,8 +9,8 @@ oracle reads by the parameter names the notes document.
 
 What is compared:
   * ``h3_core.models.linear_branch.LinearBranch`` (forward and ``text_state``) on every path it has on the
-    CPU: the plain ops, the statistics formed a few frames at a time, the fused ``"eager"`` functions,
-    ``"compiled"`` with compilation off (``plain_path``), a head range, and — under Triton's CPU
+    CPU: the plain ops, the statistics formed a few frames at a time, the fused functions as written
+    (``"compiled"`` with compilation off, ``plain_path``), a head range, and — under Triton's CPU
     interpreter, in fp32 — the ``"compiled"`` path's hand-written kernels;
   * ``h3_core.models.dit.HybridAttention`` with a ``HybridContext`` (the softmax gate, ``out_proj``, the
     window softmax as a dense masked softmax and the branch through ``to_out_linear`` on video rows only);
@@ -18,12 +18,14 @@ What is compared:
     ``BranchWeights``, ``h3_core.formats.checkpoints.describe_dit_checkpoint``) against the documented table.
 """
 
+import contextlib
 import json
 import textwrap
 from dataclasses import replace
 
 import pytest
 import torch
+from fused_eager import fused_written
 from safetensors.torch import save_file
 
 from h3_core.attention.layout import SequenceLayout, WindowSpec
@@ -35,7 +37,6 @@ from h3_core.models.dit import DiTConfig, HybridAttention
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch
 from h3_core.models.run_options import apply_run_options, run_options_of
-from h3_core.triton_forms import plain_path
 
 DT = torch.float64
 EPS = 1e-6  # the L2 normalisation's and the readout RMSNorm's epsilon (§2 table, §3)
@@ -401,20 +402,20 @@ def _set_mode(branch, mode):
     """Configure ``branch`` for one of its CPU paths; returns the context to run it in."""
     if mode == "statistics in chunks of 2 frames":
         apply_run_options(branch, replace(run_options_of(branch), branch_frames=2))
-    elif mode in ("eager", "compiled"):
-        apply_run_options(branch, replace(run_options_of(branch), branches_fused=mode))
-    return plain_path() if mode == "compiled" else torch.no_grad()
+    if mode == "fused, as written":
+        return fused_written(branch, blocks=False)
+    return torch.no_grad()
 
 
-MODES = ["plain", "statistics in chunks of 2 frames", "eager", "compiled"]
+MODES = ["plain", "statistics in chunks of 2 frames", "fused, as written"]
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("heads", [None, slice(1, 3)], ids=["all heads", "heads 1-2"])
 def test_every_cpu_path_of_the_branch_matches_the_oracle(mode, heads):
-    """The plain path, the statistics in chunks of frames, the fused functions as written (``"eager"``) and
-    ``"compiled"`` with compilation off, on all heads and on a head range (the low-memory head groups), in
-    fp64, against the oracle's columns of those heads."""
+    """The plain path, the statistics in chunks of frames and the fused functions as written (``"compiled"``
+    with compilation off), on all heads and on a head range (the low-memory head groups), in fp64, against the
+    oracle's columns of those heads."""
     torch.manual_seed(0)
     bounds = BOUNDS["chunk 2 r1"]
     d = 8
@@ -545,23 +546,22 @@ def test_hybrid_block_matches_the_oracle(case):
 
 
 @pytest.mark.parametrize("backend", ["ref", "decomposed"])
-@pytest.mark.parametrize("setup", ["plain", "two head groups", "fused eager"])
+@pytest.mark.parametrize("setup", ["plain", "two head groups", "fused, as written"])
 def test_hybrid_block_paths_match_the_oracle(setup, backend):
     """The release-like window (chunk 2, radius 1, anchors both) through the other CPU paths of the block:
     the decomposed window backend, heads run in two groups (``head_groups``), and the block and branch fused
-    functions as written (``"eager"``)."""
+    functions as written (``"compiled"`` with compilation off)."""
     frames, window = HYBRID_CASES["release rule c2 r1 anchors both"]
     attn, layout, x, cos, sin = hybrid_case(frames, seed=7)
     w = weights(attn)
     w["q_norm.eps"], w["k_norm.eps"] = attn.q_norm.eps, attn.k_norm.eps
     if setup == "two head groups":
         apply_run_options(attn, replace(run_options_of(attn), head_groups=2))
-    elif setup == "fused eager":
-        apply_run_options(attn, replace(run_options_of(attn), blocks_fused="eager", branches_fused="eager"))
     want = oracle_hybrid(
         w, x, cos, sin, heads=HEADS, d=HEAD_DIM, text=TEXT, audio=AUDIO, frames=frames, grid=GRID, window=window
     )
-    with torch.no_grad():
+    fused = fused_written(attn) if setup == "fused, as written" else contextlib.nullcontext()
+    with fused, torch.no_grad():
         got = attn(x, (cos, sin), HybridContext(layout, WindowSpec(*window), backend, (0, TEXT)))
     assert relative_error(got, want) <= TOL
 
