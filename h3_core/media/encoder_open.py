@@ -3,8 +3,8 @@
 ``fails_to_open`` asks in this process. ``fails_to_open_elsewhere`` asks a child process that runs this file as a
 script (it imports nothing but PyAV and the standard library), for the probe made while a server starts: PyAV
 calls FFmpeg's ``avcodec_open2`` without letting go of the interpreter's lock, and for NVENC that call loads the
-driver (0.4-0.5 s on an H200 that has no video encoder), so in-process it stalls every other thread of the server,
-the checks of a first prompt among them.
+driver (on a GPU with no video encoder too: bench/results/end_to_end.md), so in-process it stalls every other
+thread of the server, the checks of a first prompt among them.
 
     python encoder_open.py FPS WIDTH HEIGHT NAME [NAME ...]
 

@@ -46,8 +46,8 @@ VIDEO_CODEC = "libx264"
 HARDWARE_ENCODERS = ("h264_nvenc",)
 ENCODERS = ("auto", VIDEO_CODEC, *HARDWARE_ENCODERS)
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
-# The shortest tail after the decode within 0.5 dB (PSNR) of libx264's own default, medium, at crf 18: a 1.7 times
-# larger file (bench/results/mp4_presets.md)
+# The shortest tail after the decode within 0.5 dB (PSNR) of libx264's own default, medium, at crf 18, for a larger
+# file (bench/results/mp4_presets.md)
 DEFAULT_PRESET = "superfast"
 AUDIO_CODEC = "aac"
 _AUDIO_CHUNK = 1024  # AAC frame size

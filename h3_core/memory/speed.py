@@ -47,7 +47,8 @@ TENSOR_OPS_PER_SM_CLOCK = {
 GEFORCE_HALVED = {(8, 6), (8, 9), (12, 0)}
 # Of the dense rate, what a whole evaluation reaches (its elementwise work, the window softmax's mask and the branch
 # included): fitted to the release-size evaluation with fp8 linears and fused blocks of bench/results/dit_step.md
-# (H200, whose tensor rate is the H100's, at the clock it reports); it predicts that table's bf16 one 12 % slow.
+# (H200, whose tensor rate is the H100's, at the clock it reports); its error on that table's bf16 evaluation:
+# bench/results/dit_step_caps.md.
 ACHIEVED = 0.44
 # Pinned host memory to a card over PCIe 4 x16, where nothing was measured.
 ASSUMED_HOST_COPY = 20e9
