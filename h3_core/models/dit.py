@@ -29,7 +29,7 @@ from . import block_fused
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
 from .fp8_linear import Fp8Linear, quantize_input
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward, hybrid_attention_ulysses
-from .low_memory import add_linear_cols, head_slices, linear_rows
+from .low_memory import add_linear_cols, head_slices, linear_row_blocks
 
 __all__ = [
     "DiTConfig",
@@ -143,13 +143,15 @@ class Attention(nn.Module):
         self, x: torch.Tensor, heads: slice | None = None, source=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw q, k, v ``[T, h, d]`` of the heads in ``heads`` (all by default), each its own dense tensor: three
-        row slices of the stacked weight, read from ``source`` (``projection_input``) if given. Dense, the
+        row slices of the stacked weight (all heads of a quantised-kernel layer: its own forward once,
+        ``linear_row_blocks``), read from ``source`` (``projection_input``) if given. Dense, the
         linear branch's convolutions take k and v without a layout copy, and each can be freed on its own."""
         T, d = x.shape[0], self.head_dim
         heads = slice(0, self.heads) if heads is None else heads
         inner, a, b = self.heads * d, heads.start * d, heads.stop * d
         source = x if source is None else source
-        return tuple(linear_rows(self.qkv_proj, source, i * inner + a, i * inner + b).view(T, -1, d) for i in range(3))
+        ranges = [(i * inner + a, i * inner + b) for i in range(3)]
+        return tuple(t.view(T, -1, d) for t in linear_row_blocks(self.qkv_proj, source, ranges))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, ctx=None) -> torch.Tensor:
         """``ctx``: None, or ``parallel.SequenceShards`` when ``x`` holds this rank's rows of a sequence split among

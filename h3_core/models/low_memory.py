@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["LowMemory", "head_slices", "linear_rows", "add_linear_cols"]
+__all__ = ["LowMemory", "head_slices", "linear_rows", "linear_row_blocks", "slicing_dequantises", "add_linear_cols"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,25 @@ def linear_rows(layer: nn.Module, x: torch.Tensor, start: int, stop: int) -> tor
         return layer.part(x, rows=slice(start, stop))
     bias = None if layer.bias is None else layer.bias[start:stop]
     return F.linear(x, layer.weight[start:stop], bias)
+
+
+def slicing_dequantises(weight: torch.Tensor) -> bool:
+    """Whether a slice of ``weight`` leaves its format: a tensor subclass with its own dispatch (a comfy-kitchen
+    ``QuantizedTensor``) slices into a plain dequantised tensor, so a product over a slice is not its kernel's."""
+    return type(weight).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def linear_row_blocks(layer: nn.Module, x: torch.Tensor, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Output features ``[start, stop)`` of ``layer(x)`` for each range, each its own dense tensor: row slices of
+    the weight (``linear_rows``), except where the ranges cover every output feature of a layer whose weight
+    ``slicing_dequantises``: then the layer's own forward runs once (its quantised kernel) and each range's
+    columns are copied out."""
+    covered = sum(stop - start for start, stop in ranges)
+    weight = getattr(layer, "weight", None)
+    if hasattr(layer, "part") or weight is None or not slicing_dequantises(weight) or covered != weight.shape[0]:
+        return [linear_rows(layer, x, start, stop) for start, stop in ranges]
+    out = layer(x)
+    return [out[..., start:stop].contiguous() for start, stop in ranges]
 
 
 def add_linear_cols(

@@ -373,3 +373,27 @@ def test_a_quantised_vae_read_later_keeps_its_comfy_kitchen_layers(vae_files, al
         assert isinstance(deferred.get_parameter(key), QuantizedTensor), key
     with torch.no_grad():
         assert torch.equal(deferred.decode_tiles(latents()), direct.decode_tiles(latents()))
+
+
+def test_kept_qkv_runs_its_own_kernel_for_all_heads(dit_files, allow_cpu_kernels):
+    """q, k and v of a comfy-kitchen ``qkv_proj``: with all heads, the layer's own int8 kernel once, its columns
+    copied out (a slice of a ``QuantizedTensor`` is a plain dequantised tensor, so slices would multiply by the
+    dequantised weight); a head group's rows still come from slices of the weight."""
+    path, _, _, _ = dit_files["full"]
+    model = load_h3_model(path, cfg=CFG, dtype=torch.float32)
+    attn = model.blocks[0].attn
+    x = torch.randn(5, CFG.hidden, generator=torch.Generator().manual_seed(3))
+    inner = CFG.heads * CFG.head_dim
+    with torch.no_grad():
+        kernel = attn.qkv_proj(x)
+        dequantised = torch.nn.functional.linear(x, attn.qkv_proj.weight.dequantize(), attn.qkv_proj.bias)
+        q, k, v = attn.project(x)
+        for i, got in enumerate((q, k, v)):
+            assert got.is_contiguous() and torch.equal(got.reshape(5, inner), kernel[:, i * inner : (i + 1) * inner])
+        assert not torch.equal(kernel, dequantised)  # the kernel rounds its activations
+        q1, _, v1 = attn.project(x, heads=slice(1, 2))
+        d = CFG.head_dim
+        torch.testing.assert_close(q1.reshape(5, d), dequantised[:, d : 2 * d], rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            v1.reshape(5, d), dequantised[:, 2 * inner + d : 2 * inner + 2 * d], rtol=0, atol=1e-5
+        )
