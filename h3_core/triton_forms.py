@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .errors import H3InputError
+from .errors import H3InputError, is_out_of_memory
 
 __all__ = [
     "COMPILE_MODES",
@@ -96,7 +96,7 @@ def _passes_through(exc: BaseException) -> bool:
     """Out of memory (also as the cause a compiler reports) and bad input are the run's own errors."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, (torch.OutOfMemoryError, MemoryError, H3InputError, CompileFailure)):
+        if isinstance(exc, (MemoryError, H3InputError, CompileFailure)) or is_out_of_memory(exc):
             return True
         seen.add(id(exc))
         exc = getattr(exc, "inner_exception", None) or exc.__cause__

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from comfy_api.v0_0_2 import io
 
-from ..h3_core.errors import H3InputError
+from ..h3_core.errors import H3InputError, is_out_of_memory
 from ..h3_core.pipeline.clip_on_ranks import generate_clip
 from ..h3_core.pipeline.conditioning import encode_keyframes
 from ..h3_core.pipeline.noise import NOISE_DRAWS, REFERENCE_AUDIO_T
@@ -366,8 +366,11 @@ class H3Sampler(io.ComfyNode):
             else:
                 with _fitting_smaller_on_out_of_memory(model):
                     video, audio = generate_clip(model.model, prompt, reference_latents, **common)
-        except torch.OutOfMemoryError as exc:
-            # Raised again as the same kind, so the host still frees its models for the next prompt.
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            # Raised again as torch's own kind, so the host frees its models for the next prompt whatever the
+            # error was raised as.
             raise torch.OutOfMemoryError(
                 f"out of memory while sampling {width}x{height}, {length} frames (memory_mode {settings.memory}): set "
                 "memory_mode auto on H3 Attention & Memory (it plans for the room the card has), choose a smaller "

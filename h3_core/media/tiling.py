@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import H3InputError
+from ..errors import H3InputError, is_out_of_memory
 from ..parallel.spread import spread_in_order
 from ..triton_forms import CompileFailure, check_compile, compiles_on, plain_path
 from .host_frames import empty_frames
@@ -418,7 +418,9 @@ class _DecodeState:
         while True:
             try:
                 return torch.cat([self.decode(part) for part in tiles.split(self.tiles_per_batch)])
-            except torch.OutOfMemoryError:
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
                 if tiles.is_cuda:
                     torch.cuda.empty_cache()
                 if self.tiles_per_batch > 1:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..errors import H3InputError
+from ..errors import H3InputError, is_out_of_memory
 from ..triton_forms import CompileFailure, plain_path
 from .branch_fused import FUSED_MODES
 from .dit import Attention, Block, FinalLayer, H3DiT, SwiGLU
@@ -170,9 +170,9 @@ def evaluate(model, compile: str, *args, **kwargs):
     while True:
         try:
             return _evaluate_once(model, compile, *args, **kwargs)
-        except torch.OutOfMemoryError as exc:
+        except Exception as exc:
             fit_smaller = getattr(model, "on_out_of_memory", None)
-            if fit_smaller is None:
+            if fit_smaller is None or not is_out_of_memory(exc):
                 raise
             cause = str(exc).splitlines()[0] if str(exc) else "out of memory"
         # out of the except block: the failed attempt's frames, and the memory they held, are gone

@@ -11,6 +11,7 @@ import torch
 from test_compile_fallback import PROMPT
 from tiny_dit import model
 
+from h3_core.errors import is_out_of_memory
 from h3_core.models.low_memory import LowMemory
 from h3_core.models.run_options import apply_low_memory, apply_run_options, run_options_of
 from h3_core.pipeline.generate import generate
@@ -18,12 +19,12 @@ from h3_core.pipeline.generate import generate
 RUN = dict(frames=22, width=64, height=32, steps=3, seed=5)
 
 
-def short_of_memory_with_one_head_group(m):
-    """Block 1 runs out of memory whenever the model holds one head group."""
+def short_of_memory_with_one_head_group(m, error=None):
+    """Block 1 runs out of memory whenever the model holds one head group (``error``: what it raises)."""
 
     def raise_out_of_memory(block, args):
         if run_options_of(m).head_groups == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     return m.blocks[1].register_forward_pre_hook(raise_out_of_memory)
 
@@ -87,3 +88,38 @@ def test_the_smaller_placement_outlasts_the_run_and_its_cancel_hook():
     generated(m, check_cancel=lambda: None)
     after = run_options_of(m)
     assert after.head_groups == 2 and after.check_cancel is None and after.on_out_of_memory is fit_smaller
+
+
+def test_an_out_of_memory_raised_as_a_cuda_error_is_retried_too(caplog):
+    """torch 2.9 and later raise some CUDA errors as ``torch.AcceleratorError``: one saying out of memory places
+    the model for less as torch's own kind does; any other CUDA error goes through untouched, nothing retried."""
+    want = generated(apply_low_memory_to(model(True), LowMemory(head_groups=2)))
+    for error, retried in (
+        (torch.AcceleratorError("CUDA error: out of memory"), True),
+        (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), False),
+    ):
+        m = model(True)
+        calls = []
+
+        def fit_smaller(m=m, calls=calls):
+            calls.append(1)
+            apply_low_memory(m, LowMemory(head_groups=2))
+            return True
+
+        apply_run_options(m, replace(run_options_of(m), on_out_of_memory=fit_smaller))
+        short_of_memory_with_one_head_group(m, error)
+        if retried:
+            got = generated(m)
+            assert calls == [1] and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        else:
+            with pytest.raises(torch.AcceleratorError, match="illegal memory access"):
+                generated(m)
+            assert calls == []
+
+
+def test_what_counts_as_out_of_memory():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(torch.AcceleratorError("CUDA error: out of memory"))
+    assert not is_out_of_memory(torch.AcceleratorError("CUDA error: device-side assert triggered"))
+    assert not is_out_of_memory(RuntimeError("out of memory"))  # not a device's error
+    assert not is_out_of_memory(MemoryError())  # the host's

@@ -222,13 +222,18 @@ def test_cancel_stops_before_the_next_batch():
     assert len(decoded) == 2
 
 
-def test_out_of_memory_halves_the_batch_then_offloads_then_says_so():
+@pytest.mark.parametrize(
+    "shortage",
+    [lambda: torch.OutOfMemoryError("fake"), lambda: torch.AcceleratorError("CUDA error: out of memory")],
+    ids=["out-of-memory", "cuda-error-out-of-memory"],
+)
+def test_out_of_memory_halves_the_batch_then_offloads_then_says_so(shortage):
     z = latents(7, 20, 40)
     said, offloaded = [], []
 
     def decode(t):
         if t.shape[0] > 1 and not offloaded:
-            raise torch.OutOfMemoryError("fake")
+            raise shortage()
         return local_decode(t)
 
     out = decode_tiled(decode, z, tiles_per_batch=4, report=said.append)
@@ -239,7 +244,7 @@ def test_out_of_memory_halves_the_batch_then_offloads_then_says_so():
     ]
 
     def always_oom(t):
-        raise torch.OutOfMemoryError("fake")
+        raise shortage()
 
     with pytest.raises(DecodeOutOfMemory, match="1 tile per batch and the weights offloaded"):
         decode_tiled(
