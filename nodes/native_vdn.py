@@ -131,14 +131,6 @@ class H3VDNPatch(io.ComfyNode):
                     tooltip="auto: the linear branch fused and compiled where CUDA and Triton are present, the "
                     "plain path if that fails (one log line says why); off: the plain path always",
                 ),
-                io.Int.Input(
-                    "head_groups",
-                    default=1,
-                    min=1,
-                    max=64,
-                    tooltip="the attention's heads a group at a time: a lower peak of device memory on a card short "
-                    "of it (2, 4 or 8), the same result; 1 runs them all at once",
-                ),
             ],
             outputs=[io.Model.Output(display_name="model")],
         )
@@ -171,7 +163,6 @@ class H3VDNPatch(io.ComfyNode):
         window_backend,
         attention_precision,
         compile="auto",
-        head_groups=1,
     ):
         import comfy.model_management as mm
         import comfy.model_patcher
@@ -193,8 +184,6 @@ class H3VDNPatch(io.ComfyNode):
             hidden=int(diffusion.hidden_size), layers=len(diffusion.blocks), heads=int(attn.heads),
             head_dim=int(attn.head_dim),
         )  # fmt: skip
-        settings = NativeHybridSettings(window, window_backend, attention_precision, compile, head_groups)
-        settings.check_heads(cfg.heads)  # before the branch file is read
         dtype = getattr(model.model, "manual_cast_dtype", None) or model.model_dtype()
         path = _host.model_path("diffusion_models", linear_branch, "linear_branch")
         branch = load_branch_weights(path, cfg, dtype=dtype)
@@ -205,7 +194,7 @@ class H3VDNPatch(io.ComfyNode):
         vdn = NativeVDN(
             diffusion,
             branch,
-            settings,
+            NativeHybridSettings(window, window_backend, attention_precision, compile),
             norm_rope=None if kitchen is None else kitchen_norm_rope(kitchen),
             cast_weight=lambda weight, device: mm.cast_to(weight, device=device),
         )
@@ -217,6 +206,6 @@ class H3VDNPatch(io.ComfyNode):
         _host.say(
             f"VDN-H3 on the native H3 model: {path.name} ({branch.layout}, {dtype}) on {cfg.layers} blocks, window "
             f"radius {window.radius} chunk {window.chunk} anchors {window.anchors}, softmax {window_backend} "
-            f"{attention_precision}, compile {compile}, {head_groups} head group{'s' if head_groups > 1 else ''}"
+            f"{attention_precision}, compile {compile}"
         )
         return io.NodeOutput(patched)

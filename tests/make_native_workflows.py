@@ -22,7 +22,7 @@ def build(mode: str) -> dict:
     g = Graph()
     unet = g.node("UNETLoader", (0, 0), [DIT, "default"], [("MODEL", "MODEL")],
                   files=[(DIT, COMFY_REPO, "diffusion_models")])  # fmt: skip
-    patch = g.node("H3VDNPatch", (360, 0), [BRANCH, 1, 5, "both", "auto", "bf16", "auto", 1], [("model", "MODEL")],
+    patch = g.node("H3VDNPatch", (360, 0), [BRANCH, 1, 5, "both", "auto", "bf16", "auto"], [("model", "MODEL")],
                    (340, 254), files=[(BRANCH, VDN_REPO, "diffusion_models")])  # fmt: skip
     g.link(unet, 0, patch, "model")
     clip = g.node("CLIPLoader", (0, 160), [TEXT_ENCODER, "minimax", "default"], [("CLIP", "CLIP")],

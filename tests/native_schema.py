@@ -75,6 +75,5 @@ PATCH_NODE = (
         ("window_backend", W),
         ("attention_precision", W),
         ("compile", W),
-        ("head_groups", W),
     ],  # fmt: skip
 )

@@ -153,17 +153,10 @@ class NativeAttentionSource:
     device (it may hold it elsewhere)."""
 
     fused = None  # the block's own projections run as the host runs them: no pack kernels on them
+    head_groups = 1
 
-    def __init__(
-        self,
-        attn: nn.Module,
-        parts: nn.Module,
-        norm_rope: NormRope | None,
-        cast_weight: CastWeight | None,
-        head_groups: int = 1,
-    ):
+    def __init__(self, attn: nn.Module, parts: nn.Module, norm_rope: NormRope | None, cast_weight: CastWeight | None):
         self.native = attn
-        self.head_groups = head_groups
         self.heads, self.head_dim = int(attn.heads), int(attn.head_dim)
         self.out_proj = attn.out_proj
         self.softmax_gate = parts.softmax_gate
@@ -194,27 +187,18 @@ class NativeAttentionSource:
 
 @dataclass(frozen=True)
 class NativeHybridSettings:
-    """How the patched attention runs: the window, the window softmax backend and its precision, ``compile``
+    """How the patched attention runs: the window, the window softmax backend and its precision, and ``compile``
     (``triton_forms.COMPILE_MODES``): ``"auto"`` runs the linear branch fused and compiled where CUDA and Triton
-    are present, ``"off"`` the plain path; ``head_groups``: the heads' softmax and branch a group at a time (a
-    lower peak, the same result)."""
+    are present, ``"off"`` the plain path."""
 
     window: WindowSpec = RELEASE_WINDOW
     backend: str = "auto"
     precision: str = "bf16"
     compile: str = "auto"
-    head_groups: int = 1
 
     def __post_init__(self):
         if self.compile not in COMPILE_MODES:
             raise H3InputError(f"compile: got {self.compile!r}; allowed: {list(COMPILE_MODES)}")
-        if not isinstance(self.head_groups, int) or self.head_groups < 1:
-            raise H3InputError(f"head_groups: got {self.head_groups!r}; allowed: a whole number from 1")
-
-    def check_heads(self, heads: int) -> None:
-        """Refuses more head groups than the model has heads."""
-        if self.head_groups > heads:
-            raise H3InputError(f"head_groups: got {self.head_groups}; allowed: 1 to the model's {heads} heads")
 
 
 def native_block_attention(
@@ -231,7 +215,7 @@ def native_block_attention(
     """The ``attention(h, rope_freqs=..., transformer_options=...)`` a native block calls in place of its own:
     the hybrid attention over the block's weights and the branch ``parts``; ``run`` calls
     ``hybrid_attention_forward`` (``NativeVDN.run`` picks its compiled or plain form)."""
-    source = NativeAttentionSource(attn, parts, norm_rope, cast_weight, settings.head_groups)
+    source = NativeAttentionSource(attn, parts, norm_rope, cast_weight)
     ctx = HybridContext(
         native_layout.layout,
         settings.window,
@@ -277,7 +261,6 @@ class NativeVDN:
         blocks, parts = len(model.blocks), len(branch.transformer_blocks)
         if blocks != parts:
             raise H3InputError(f"linear_branch: the branch file has {parts} blocks, the native H3 model {blocks}")
-        settings.check_heads(int(model.blocks[0].attn.heads))
         self.model, self.branch, self.settings = model, branch, settings
         self._norm_rope, self._cast, self._on_run = norm_rope, cast_weight, on_window_run
         self._last: tuple[object, NativeLayout] | None = None

@@ -275,26 +275,3 @@ def test_another_packs_replacement_on_the_same_blocks_keeps_running(models):
     assert len(calls) == CFG.layers and all("attention" not in names and "img" in names for names in calls)
     assert all(torch.equal(a, b) for a, b in zip(passed, alone, strict=True))
     assert (scaled[0] - alone[0]).abs().max() > 1e-3
-
-
-def test_head_groups_give_the_same_velocities(models):
-    """The patched attention a group of heads at a time (the node's ``head_groups``) equals it all at once, in
-    fp64, for every split the tiny model's heads allow; more groups than heads, or none, are refused."""
-    _, native, branch = models
-    video, audio, text = latents(12, 2, 4, 7)
-    timestep = torch.tensor([600.0], dtype=torch.float32)
-
-    def velocities(groups):
-        vdn = NativeVDN(native, branch, NativeHybridSettings(WINDOW, "ref", head_groups=groups))
-        options = {"patches_replace": {"dit": {("double_block", i): vdn.block_patch(i) for i in range(CFG.layers)}}}
-        with torch.no_grad():
-            return native([video, audio], timestep, text, options)
-
-    whole = velocities(1)
-    for groups in range(2, CFG.heads + 1):
-        for got, want in zip(velocities(groups), whole, strict=True):
-            assert (got - want).abs().max() <= 1e-12 * want.abs().max()
-    with pytest.raises(H3InputError, match=rf"head_groups: got {CFG.heads + 1}; allowed: 1 to the model's {CFG.heads}"):
-        NativeVDN(native, branch, NativeHybridSettings(WINDOW, "ref", head_groups=CFG.heads + 1))
-    with pytest.raises(H3InputError, match=r"head_groups: got 0; allowed: a whole number from 1"):
-        NativeHybridSettings(WINDOW, "ref", head_groups=0)
