@@ -39,10 +39,11 @@ class H3AttentionSettings(io.ComfyNode):
             display_name="H3 Attention & Memory",
             category=_host.CATEGORY,
             description="Window softmax backend and precision, VAE attention per component, the memory policy "
-            "(auto: the sampler predicts the run's peak against the memory the host gives it and gives things up "
-            "in order: head groups and a chunked FFN, AdaLN projections in host memory, then streamed blocks, saying "
-            "what it chose) and compilation (auto: compiled and hand-written kernels where CUDA and Triton "
-            "are present, falling back to the plain path if they fail; off: the plain path).",
+            "(auto: the sampler predicts the run's peak against the memory the host gives it and, of head groups "
+            "with a chunked FFN, AdaLN projections in host memory and blocks streamed from host memory, takes what "
+            "fits in the least predicted time, saying what it chose) and compilation (auto: compiled and "
+            "hand-written kernels where CUDA and Triton are present, falling back to the plain path if they fail; "
+            "off: the plain path).",
             inputs=[
                 io.Combo.Input(
                     "window_backend",
