@@ -397,6 +397,7 @@ class H3DiT(nn.Module):
         self.final_layer = FinalLayer(cfg)
         self.check_cancel = None  # called before every block when set: a cancel stops within one evaluation
         self.on_out_of_memory = None  # ``run_options.evaluate``'s way to a placement for less memory
+        self.compiled_path_failed = False  # its compiled path failed once: the plain path from then on (``evaluate``)
 
     def forward(
         self,

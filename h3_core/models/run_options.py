@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -152,16 +151,10 @@ def fuse_blocks(model: nn.Module, mode: str | None = "compiled") -> int:
     return sum(isinstance(m, Block) for m in model.modules())
 
 
-# The models whose compiled path failed in this process: each runs the plain path from then on.
-_failed: weakref.WeakSet = weakref.WeakSet()
-
-
 def compile_failed(model) -> bool:
-    """Whether ``model``'s compiled path failed earlier in this process (``evaluate``)."""
-    try:
-        return model in _failed
-    except TypeError:  # not weakly referable: never recorded
-        return False
+    """Whether ``model``'s compiled path failed earlier (``evaluate``): the model remembers it
+    (``H3DiT.compiled_path_failed``), and runs the plain path from then on."""
+    return bool(getattr(model, "compiled_path_failed", False))
 
 
 def evaluate(model, compile: str, *args, **kwargs):
@@ -192,7 +185,7 @@ def _evaluate_once(model, compile: str, *args, **kwargs):
         try:
             return model(*args, **kwargs)
         except CompileFailure as failure:
-            _failed.add(model)
+            model.compiled_path_failed = True
             log.warning(
                 "the compiled DiT path failed (%s); this model runs the plain path from now on", failure.describe()
             )

@@ -9,7 +9,6 @@ machine without a C compiler raises them: ``torch.compile``'s inductor functions
 import itertools
 import logging
 import textwrap
-import weakref
 
 import pytest
 import torch
@@ -71,7 +70,6 @@ def said_once(caplog, start: str, end: str) -> bool:
 def fresh(monkeypatch):
     """Nothing compiled and nothing failed yet in this process (the state each module keeps for the process)."""
     monkeypatch.setattr(branch_fused, "_compiled", {})
-    monkeypatch.setattr(run_options, "_failed", weakref.WeakSet())
     monkeypatch.setattr(window_flex, "_compiled", None)
     monkeypatch.setattr(window_flex, "_compile_failed", False)
     monkeypatch.setattr(window_flex, "_masks", window_flex.BoundedLRU(window_flex.MAX_CACHED_MASKS))
@@ -152,6 +150,7 @@ def test_another_model_compiles_afresh(fresh, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         sample(failed, "auto")
     assert run_options.compile_failed(failed) and not run_options.compile_failed(other)
+    assert failed.compiled_path_failed and not other.compiled_path_failed  # each model holds its own
     assert placement.fuse_for(other, "cpu") == "compiled" and placement.fuse_for(failed, "cpu") is None
 
 
