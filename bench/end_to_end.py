@@ -405,13 +405,12 @@ def process_io(pid: int) -> dict[str, int] | None:
 
 def peak_resident_gib(pid: int) -> float | None:
     """The most host memory the process has held resident so far (``VmHWM``, Linux), in GiB."""
+    from resident_memory import resident
+
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024 / GiB
+        return resident(pid)["VmHWM"] / GiB
     except OSError:
-        pass
-    return None
+        return None
 
 
 def serve(
