@@ -127,7 +127,7 @@ class H3DiTLoader(io.ComfyNode):
 def _host_bytes(parameters: int, dtype, linears: str) -> int:
     """What ``parameters`` weight values take in host memory once loaded: ``dtype``'s size each, one byte with fp8
     linears (an upper bound: the fp32 islands and the norms are a sliver)."""
-    per_value = 1 if linears == "fp8" else torch.empty((), dtype=dtype).element_size()
+    per_value = 1 if linears == "fp8" else dtype.itemsize
     return parameters * per_value
 
 
@@ -147,7 +147,7 @@ def _first_device(parameters: int, dtype, offload: str, run_on: torch.device):
         # With dynamic VRAM (0.38) the host reads its own models to host memory and streams them from there; this
         # DiT is placed by the pack, so the host's earlier rule stays its rule
         cpu = torch.device("cpu")
-        size = parameters * torch.empty((), dtype=dtype).element_size()
+        size = parameters * dtype.itemsize
         free_device, free_host = mm.get_free_memory(run_on), mm.get_free_memory(cpu)
         if free_device > free_host and size < free_device:
             return run_on
