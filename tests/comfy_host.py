@@ -154,12 +154,27 @@ class ComfyServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def wait_for_log(self, text: str, count: int, stall: float = 120) -> None:
-        """Until ``text`` appears ``count`` times in the server's log: for what the host does between prompts
-        (its worker takes a ``/free`` request's flags when it wakes, which a prompt queued at once can beat)."""
+        """Until ``text`` appears ``count`` times in the server's log: for what the server does beside the
+        prompts (its start thread's work, say)."""
         check = self.stall_check(f"{text!r} not logged {count} times", stall)
         while self.log_path.read_text(errors="replace").count(text) < count:
             check()
             time.sleep(0.1)
+
+    def free(self, said: str, unload_models: bool = True, free_memory: bool = False, stall: float = 120) -> None:
+        """POST ``/free`` and wait until the server's log says ``said`` once more. The host's worker reads the flags
+        only when it wakes, and a ``/free`` posted while it is between reading them and waiting again wakes nobody
+        (it would sleep up to 1000 s): the request is posted again every 5 s until the log says it was done."""
+        count = self.log_path.read_text(errors="replace").count(said) + 1
+        check = self.stall_check(f"{said!r} not logged after /free", stall)
+        while True:
+            self.post("/free", {"unload_models": unload_models, "free_memory": free_memory})
+            posted = time.monotonic()
+            while time.monotonic() - posted < 5:
+                if self.log_path.read_text(errors="replace").count(said) >= count:
+                    return
+                check()
+                time.sleep(0.1)
 
     def request(self, method: str, path: str, body=None, timeout: float = 60):
         """``method`` ``path`` with ``body`` (JSON) if given; the answer's JSON, or None for an empty answer.

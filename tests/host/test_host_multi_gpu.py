@@ -139,9 +139,9 @@ def test_a_cancel_stops_every_rank_and_closes_the_workers_and_the_server_goes_on
     with av.open(str(clip)) as container:
         assert sum(1 for _ in container.decode(video=0)) == LENGTH
     assert len(rank_workers(server)) == 1
-    server.post("/free", {"unload_models": True, "free_memory": True})  # and the node cache: later tests start afresh
+    # and the node cache: later tests start afresh; the workers are said closed after they were joined
+    server.free("closed the 1 rank worker process(es): the host unloaded the DiT", free_memory=True)
     assert wait_until_gone(server) == []
-    server.wait_for_log("closed the 1 rank worker process(es): the host unloaded the DiT", 1)  # said after the join
 
 
 def test_a_choice_the_ranks_cannot_take_is_refused_before_anything_runs(server):
