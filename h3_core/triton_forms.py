@@ -11,7 +11,8 @@ The user's ``compile`` choice (``COMPILE_MODES``): ``"auto"`` compiles where CUD
 returns None, so every caller takes its eager reference) and ``compiling()`` is False, which the modules that
 ``torch.compile`` read. A kernel or compiled function wrapped by ``guarded`` that fails to compile or launch
 (a missing C compiler or ptxas, an inductor or Triton error) raises ``CompileFailure`` with the error as its
-cause, so the caller that owns a whole computation can run it again on the plain path.
+cause, so the caller that owns a whole computation can run it again on the plain path: its ``CompiledForm``
+does that, and remembers the failure for as long as it owns the compiled form.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextvars
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 import time
 
@@ -31,6 +33,7 @@ from .errors import H3InputError, is_out_of_memory
 __all__ = [
     "COMPILE_MODES",
     "CompileFailure",
+    "CompiledForm",
     "check_compile",
     "plain_path",
     "compiling",
@@ -47,6 +50,8 @@ __all__ = [
 
 COMPILE_MODES = ("auto", "off")
 
+log = logging.getLogger(__name__)
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _plain: contextvars.ContextVar[bool] = contextvars.ContextVar("h3_plain_path", default=False)
 
@@ -61,6 +66,29 @@ class CompileFailure(RuntimeError):
         lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
         text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
         return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+
+
+class CompiledForm:
+    """The fallback of one compiled form, kept by whatever owns that form (a model, a patch, a module's compiled
+    function): ``run(compiled, plain)`` returns ``compiled()`` until it raises ``CompileFailure``; that call then
+    runs again as ``plain()`` inside ``plain_path`` (a failed attempt wrote only its own intermediates), one
+    warning says ``failed_said (cause); then_said from now on``, and every later ``run`` is plain."""
+
+    def __init__(self, failed_said: str, then_said: str):
+        self.failed_said, self.then_said = failed_said, then_said
+        self.failed = False
+
+    def run(self, compiled, plain, allowed: bool = True):
+        """``compiled()`` where ``allowed`` and it has not failed before, else (or when it fails now) ``plain()``
+        on the plain path."""
+        if allowed and not self.failed:
+            try:
+                return compiled()
+            except CompileFailure as failure:
+                self.failed = True
+                log.warning("%s (%s); %s from now on", self.failed_said, failure.describe(), self.then_said)
+        with plain_path():
+            return plain()
 
 
 def check_compile(compile: str) -> str:

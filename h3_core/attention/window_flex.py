@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..triton_forms import CompileFailure, compiles_on, compiling, guarded
+from ..triton_forms import CompiledForm, compiles_on, compiling, guarded
 from ._lru import BoundedLRU
 from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
 
@@ -35,7 +35,8 @@ preferred_kernel = "auto"
 _masks = BoundedLRU(MAX_CACHED_MASKS)
 _compiled = None
 _flash_failed = False
-_compile_failed = False
+# the fallback of flex's compiled functions (the kernel and the mask's builder)
+FLEX_COMPILED = CompiledForm("compiling flex attention failed", "running it eagerly")
 # One compiled kernel (and mask) per sequence length: more than dynamo's default 8 geometries.
 RECOMPILE_LIMIT = 64
 # Flex kernels index with int32: one call may hold at most this many elements per q/k/v tensor.
@@ -83,9 +84,8 @@ def _row_tables(layout: SequenceLayout, window: WindowSpec, device):
 
 
 def _compiles(device: torch.device) -> bool:
-    """Whether flex is compiled for ``device``: CUDA with Triton, off the plain path, and compiling has not
-    failed in this process."""
-    return not _compile_failed and compiling() and compiles_on(device)
+    """Whether flex may be compiled for ``device``: CUDA with Triton, off the plain path."""
+    return compiling() and compiles_on(device)
 
 
 def _recompile_limit():
@@ -95,24 +95,18 @@ def _recompile_limit():
     return config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)})
 
 
-def _compile_failing(failure: CompileFailure) -> None:
-    """Eager flex from now on, said once."""
-    global _compile_failed
-    _compile_failed = True
-    log.warning("compiling flex attention failed (%s); running it eagerly from now on", failure.describe())
-
-
 def build_window_block_mask(layout: SequenceLayout, window: WindowSpec, device, block_size=None):
     """The FlexAttention ``BlockMask`` of the window rule for ``layout`` (uncached), built by a compiled
     function where flex is compiled (``_compiles``)."""
     device = torch.device(device)
-    if _compiles(device):
-        try:
-            with _recompile_limit():
-                return _block_mask(layout, window, device, block_size, True)
-        except CompileFailure as failure:
-            _compile_failing(failure)
-    return _block_mask(layout, window, device, block_size, False)
+
+    def compiled():
+        with _recompile_limit():
+            return _block_mask(layout, window, device, block_size, True)
+
+    return FLEX_COMPILED.run(
+        compiled, lambda: _block_mask(layout, window, device, block_size, False), allowed=_compiles(device)
+    )
 
 
 def _block_mask(layout: SequenceLayout, window: WindowSpec, device: torch.device, block_size, compiled: bool):
@@ -168,18 +162,19 @@ def _flash_usable(device) -> bool:
 
 
 def _run(q4, k4, v4, mask, scale, device):
-    global _compiled
-    if _compiles(device):
+    def compiled():
+        global _compiled
         if _compiled is None:
             _compiled = torch.compile(_flex(), dynamic=False)
-        try:
-            with _recompile_limit():
-                return _run_compiled(q4, k4, v4, mask, scale, device)
-        except CompileFailure as failure:
-            _compile_failing(failure)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"
+        with _recompile_limit():
+            return _run_compiled(q4, k4, v4, mask, scale, device)
+
+    def eager():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"
+
+    return FLEX_COMPILED.run(compiled, eager, allowed=_compiles(device))
 
 
 def _run_compiled(q4, k4, v4, mask, scale, device):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..errors import H3InputError, is_out_of_memory
 from ..parallel.spread import spread_in_order
-from ..triton_forms import CompileFailure, check_compile, compiles_on, plain_path
+from ..triton_forms import CompiledForm, check_compile, compiles_on
 from .host_frames import empty_frames
 from .host_sink import HostSink
 
@@ -469,8 +469,8 @@ def decode_video(
         )
 
 
-# The decoder blocks' compiled halves failed in this process (they are shared by every VAE): eager from then on.
-_decoder_compile_failed = False
+# The fallback of the decoder blocks' compiled halves, which every VAE shares (``video_vae.compiled_blocks``).
+DECODER_COMPILED = CompiledForm("compiling the video decoder's blocks failed", "decoding eagerly")
 
 
 def _decoder(vae, overrides, compiled: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -480,17 +480,11 @@ def _decoder(vae, overrides, compiled: bool) -> Callable[[torch.Tensor], torch.T
     outside itself), one line naming the cause is logged, and every later batch and decode runs eagerly."""
 
     def decode(tiles):
-        global _decoder_compile_failed
-        if compiled and not _decoder_compile_failed:
-            try:
-                return vae.decode_tiles(tiles, overrides, compiled=True)
-            except CompileFailure as failure:
-                _decoder_compile_failed = True
-                log.warning(
-                    "compiling the video decoder's blocks failed (%s); decoding eagerly from now on", failure.describe()
-                )
-        with plain_path():
-            return vae.decode_tiles(tiles, overrides)
+        return DECODER_COMPILED.run(
+            lambda: vae.decode_tiles(tiles, overrides, compiled=True),
+            lambda: vae.decode_tiles(tiles, overrides),
+            allowed=compiled,
+        )
 
     return decode
 

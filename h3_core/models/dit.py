@@ -25,6 +25,7 @@ from ..attention.kernels import dense_attention
 from ..errors import H3InputError
 from ..parallel.exchange import gather_kind
 from ..parallel.ulysses import SequenceShards, ulysses_attention
+from ..triton_forms import CompiledForm
 from . import block_fused
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
 from .fp8_linear import Fp8Linear, quantize_input
@@ -397,7 +398,8 @@ class H3DiT(nn.Module):
         self.final_layer = FinalLayer(cfg)
         self.check_cancel = None  # called before every block when set: a cancel stops within one evaluation
         self.on_out_of_memory = None  # ``run_options.evaluate``'s way to a placement for less memory
-        self.compiled_path_failed = False  # its compiled path failed once: the plain path from then on (``evaluate``)
+        # its compiled path's fallback (``run_options.evaluate``): plain from its first failure on
+        self.compiled_form = CompiledForm("the compiled DiT path failed", "this model runs the plain path")
 
     def forward(
         self,

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..attention.layout import SequenceLayout, Span, WindowSpec
 from ..errors import H3InputError
-from ..triton_forms import COMPILE_MODES, CompileFailure, plain_path
+from ..triton_forms import COMPILE_MODES, CompiledForm
 from .branch_fused import compiled_branch_available
 from .hybrid import RELEASE_WINDOW, HybridContext, hybrid_attention_forward
 from .run_options import fuse_branches
@@ -246,7 +246,7 @@ class NativeVDN:
     With ``settings.compile == "auto"`` the branch runs fused and compiled where the rows' device compiles
     (``branch_fused``). The compiled form belongs to this object: where it fails to compile or launch
     (``CompileFailure``), the attention runs again from the same input on the plain path, one line says why, and
-    every later call runs plain (``compile_failed``)."""
+    every later call runs plain (``compiled_form``)."""
 
     def __init__(
         self,
@@ -264,7 +264,9 @@ class NativeVDN:
         self.model, self.branch, self.settings = model, branch, settings
         self._norm_rope, self._cast, self._on_run = norm_rope, cast_weight, on_window_run
         self._last: tuple[object, NativeLayout] | None = None
-        self.compile_failed = False
+        self.compiled_form = CompiledForm(
+            "the compiled VDN-H3 patch failed", "its attention runs the plain path"
+        )  # fmt: skip
         self._branch_mode: object = _UNSET  # whatever the branch's modules hold until the first call sets it
 
     def _branch_in(self, mode: str | None) -> None:
@@ -274,19 +276,16 @@ class NativeVDN:
 
     def run(self, source, h, rope, ctx):
         """``hybrid_attention_forward(source, h, rope, ctx)``: compiled where it may, else plain."""
-        if self.settings.compile == "auto" and not self.compile_failed:
+
+        def compiled():
             self._branch_in("compiled" if compiled_branch_available(h.device) else None)
-            try:
-                return hybrid_attention_forward(source, h, rope, ctx)
-            except CompileFailure as failure:
-                self.compile_failed = True
-                log.warning(
-                    "the compiled VDN-H3 patch failed (%s); its attention runs the plain path from now on",
-                    failure.describe(),
-                )
-        self._branch_in(None)
-        with plain_path():
             return hybrid_attention_forward(source, h, rope, ctx)
+
+        def plain():
+            self._branch_in(None)
+            return hybrid_attention_forward(source, h, rope, ctx)
+
+        return self.compiled_form.run(compiled, plain, allowed=self.settings.compile == "auto")
 
     def layout_for(self, native_layout) -> NativeLayout:
         """The window softmax's layout for the native layout of the running evaluation (read once per layout)."""

@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 
 from ..errors import H3InputError, is_out_of_memory
-from ..triton_forms import CompileFailure, plain_path
 from .branch_fused import FUSED_MODES
 from .dit import Attention, Block, FinalLayer, H3DiT, SwiGLU
 from .linear_branch import LinearBranch
@@ -153,8 +152,9 @@ def fuse_blocks(model: nn.Module, mode: str | None = "compiled") -> int:
 
 def compile_failed(model) -> bool:
     """Whether ``model``'s compiled path failed earlier (``evaluate``): the model remembers it
-    (``H3DiT.compiled_path_failed``), and runs the plain path from then on."""
-    return bool(getattr(model, "compiled_path_failed", False))
+    (``H3DiT.compiled_form``), and runs the plain path from then on."""
+    form = getattr(model, "compiled_form", None)
+    return form is not None and form.failed
 
 
 def evaluate(model, compile: str, *args, **kwargs):
@@ -181,18 +181,13 @@ def _evaluate_once(model, compile: str, *args, **kwargs):
     launch (``CompileFailure``), the model's blocks go plain, one line naming the cause is logged, and the
     evaluation runs again from the same inputs on the plain path: what the failed attempt wrote in place was
     its own intermediates, so the result is the plain path's."""
-    if compile == "auto" and not compile_failed(model):
-        try:
-            return model(*args, **kwargs)
-        except CompileFailure as failure:
-            model.compiled_path_failed = True
-            log.warning(
-                "the compiled DiT path failed (%s); this model runs the plain path from now on", failure.describe()
-            )
-    if isinstance(model, nn.Module) and any(getattr(m, "fused", None) for m in model.modules()):
-        fuse_blocks(model, None)
-    with plain_path():
+
+    def plain():
+        if isinstance(model, nn.Module) and any(getattr(m, "fused", None) for m in model.modules()):
+            fuse_blocks(model, None)
         return model(*args, **kwargs)
+
+    return model.compiled_form.run(lambda: model(*args, **kwargs), plain, allowed=compile == "auto")
 
 
 def fuse_branches(model: nn.Module, mode: str | None = "compiled") -> int:

@@ -71,10 +71,10 @@ def fresh(monkeypatch):
     """Nothing compiled and nothing failed yet in this process (the state each module keeps for the process)."""
     monkeypatch.setattr(branch_fused, "_compiled", {})
     monkeypatch.setattr(window_flex, "_compiled", None)
-    monkeypatch.setattr(window_flex, "_compile_failed", False)
+    monkeypatch.setattr(window_flex.FLEX_COMPILED, "failed", False)
     monkeypatch.setattr(window_flex, "_masks", window_flex.BoundedLRU(window_flex.MAX_CACHED_MASKS))
     monkeypatch.setattr(video_vae, "_compiled_blocks", {})
-    monkeypatch.setattr(tiling, "_decoder_compile_failed", False)
+    monkeypatch.setattr(tiling.DECODER_COMPILED, "failed", False)
     # compiled paths are taken on the CPU as they are on CUDA with Triton
     monkeypatch.setattr(placement, "compiled_branch_available", lambda device: True)
     monkeypatch.setattr(window_flex, "compiles_on", lambda device: True)
@@ -150,7 +150,7 @@ def test_another_model_compiles_afresh(fresh, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         sample(failed, "auto")
     assert run_options.compile_failed(failed) and not run_options.compile_failed(other)
-    assert failed.compiled_path_failed and not other.compiled_path_failed  # each model holds its own
+    assert failed.compiled_form.failed and not other.compiled_form.failed  # each model holds its own
     assert placement.fuse_for(other, "cpu") == "compiled" and placement.fuse_for(failed, "cpu") is None
 
 
@@ -370,5 +370,5 @@ def test_compiled_runs_leave_no_setting_changed(fresh):
     vae = tiny_vae()
     decoded = tiling.decode_video(vae, LATENTS, **DECODE)
     assert (decoded - tiling.decode_video(vae, LATENTS, compile="off", **DECODE)).abs().max() <= 1e-5
-    assert not tiling._decoder_compile_failed
+    assert not tiling.DECODER_COMPILED.failed
     assert configs() == before

@@ -63,7 +63,7 @@ def test_a_failing_compile_falls_back_to_the_plain_path_once(compiles_here, monk
     vdn = patch(native, branch, "auto")
     with caplog.at_level(logging.WARNING):
         first = evaluate(native, branch, vdn)
-    assert toolchain.calls == 1 and vdn.compile_failed and branch_modes(branch) == {None}
+    assert toolchain.calls == 1 and vdn.compiled_form.failed and branch_modes(branch) == {None}
     assert all(torch.equal(a, b) for a, b in zip(first, plain, strict=True))
     assert said_once(
         caplog, f"the compiled VDN-H3 patch failed ({CAUSE}", "); its attention runs the plain path from now on"
@@ -77,7 +77,7 @@ def test_a_failing_compile_falls_back_to_the_plain_path_once(compiles_here, monk
     other = patch(native, branch, "auto")
     with caplog.at_level(logging.WARNING):
         evaluate(native, branch, other)
-    assert other.compile_failed and toolchain.calls == 2
+    assert other.compiled_form.failed and toolchain.calls == 2
 
 
 def test_off_never_compiles(compiles_here, monkeypatch, models):
