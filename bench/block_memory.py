@@ -28,7 +28,7 @@ import record
 from h3_core.memory.predict import BlockShape, block_peaks
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory
+from h3_core.models.run_options import RunOptions, check_run_options
 
 GiB = 2**30
 
@@ -128,8 +128,8 @@ def main(argv=None) -> dict:
                 block(x, temb, rows, rope, ctx)  # warm-up: kernel probes, compiled masks
             for variant in args.variants:
                 options = parse_variant(variant)
-                apply_low_memory(block, options)
-                measured = measure(block, lambda: block(x, temb, rows, rope, ctx), cuda)
+                run_options = check_run_options(RunOptions().with_low_memory(options), block)
+                measured = measure(block, lambda: block(x, temb, rows, rope, ctx, run=run_options), cuda)
                 predicted = block_peaks(shape, options, hybrid=kind == "hybrid")
                 row = dict(
                     frames=frames,
@@ -143,7 +143,6 @@ def main(argv=None) -> dict:
                 )
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-            apply_low_memory(block, LowMemory())
         x = rope = packed = None  # freed before the next size
     record.write(result, args.out)
     return result

@@ -32,7 +32,7 @@ from h3_core.attention.layout import window_bounds
 from h3_core.models import branch_fused
 from h3_core.models import branch_math as lb
 from h3_core.models.linear_branch import LinearBranch
-from h3_core.models.run_options import fuse_branches
+from h3_core.models.run_options import PLAIN, RunOptions
 
 RELEASE = dict(frames=100, grid=(24, 42), heads=56, head_dim=128, hidden=5376)
 SPATIAL_LAUNCHES = ((128, 4), (64, 2), (32, 1), (256, 8), (256, 4), (128, 2), (64, 1))  # channels, warps
@@ -47,9 +47,10 @@ def in_mode(mode, fn, *args):
 
 
 def whole_branch(branch, mode, *args):
-    """``branch(*args)`` with its fused functions in ``mode`` (set by ``fuse_branches`` beforehand)."""
-    with mode_for(mode)[1]:
-        return branch(*args)
+    """``branch(*args)`` with its fused functions in ``mode`` (its ``RunOptions.branches_fused``)."""
+    library_mode, running = mode_for(mode)
+    with running:
+        return branch(*args, run=RunOptions(branches_fused=library_mode))
 
 
 def max_diff(a, b) -> float:
@@ -154,18 +155,14 @@ def main(argv=None) -> dict:
 
         # the whole branch
         for mode in [None] + modes:
-            fuse_branches(branch, mode_for(mode)[0])
             ms[f"whole branch ({mode or 'plain'})"] = time_it(
                 lambda mode=mode: whole_branch(branch, mode, x, q, k, v, grid, bounds)
             )
-        fuse_branches(branch, None)
-        plain = branch(x, q, k, v, grid, bounds)
+        plain = branch(x, q, k, v, grid, bounds, run=PLAIN)
         for mode in modes:
-            fuse_branches(branch, mode_for(mode)[0])
             diff[f"whole branch {mode} vs plain"] = max_diff(
                 whole_branch(branch, mode, x, q, k, v, grid, bounds), plain
             )
-        fuse_branches(branch, None)
     return record.finish(result, args.out, cuda)
 
 

@@ -29,11 +29,7 @@ from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
 from h3_core.models.fp8_linear import quantize_linears
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import (
-    apply_low_memory,
-    fuse_blocks,
-    fuse_branches,
-)
+from h3_core.models.run_options import RunOptions, check_run_options
 from h3_core.pipeline.packing import pack_sequence
 
 GiB = record.GiB
@@ -320,28 +316,31 @@ def main(argv=None) -> dict:
         block = build(replace(setup["cfg"], hybrid=hybrid), device, dtype)
         if args.fp8:
             quantize_linears(block)
-        apply_low_memory(block, LowMemory(args.ffn_chunk_rows, args.head_groups, args.branch_frames))
-        fuse_branches(block, args.fused_branch)
+        low_memory = LowMemory(args.ffn_chunk_rows, args.head_groups, args.branch_frames)
+        options = RunOptions(branches_fused=args.fused_branch).with_low_memory(low_memory)
         if args.fused_blocks:
-            fuse_blocks(block, args.fused_blocks)
+            options = options.fused(args.fused_blocks)  # the blocks and their branches
+        check_run_options(options, block)
         ctx = context if hybrid else None
         with torch.no_grad():
-            out = block(x, temb, rows, rope, ctx)
-            stats = timed(lambda: block(x, temb, rows, rope, ctx), args.reps)
+            out = block(x, temb, rows, rope, ctx, run=options)
+            stats = timed(lambda: block(x, temb, rows, rope, ctx, run=options), args.reps)
         stats["finite"] = bool(torch.isfinite(out).all())
         stats["weights_gib"] = sum(p.numel() * p.element_size() for p in block.parameters()) / GiB
         if hybrid:
             stats["window_backend"] = runs[-1].backend
         if args.profile:
             with torch.no_grad():
-                stats["profile"] = profile_block(block, lambda: block(x, temb, rows, rope, ctx), device.type == "cuda")
+                stats["profile"] = profile_block(
+                    block, lambda: block(x, temb, rows, rope, ctx, run=options), device.type == "cuda"
+                )
         if args.kernels and device.type == "cuda":
             with torch.no_grad():
-                stats["kernels"] = kernel_table(lambda: block(x, temb, rows, rope, ctx), args.kernels)
-                stats["copies"] = copy_table(lambda: block(x, temb, rows, rope, ctx), args.kernels)
+                stats["kernels"] = kernel_table(lambda: block(x, temb, rows, rope, ctx, run=options), args.kernels)
+                stats["copies"] = copy_table(lambda: block(x, temb, rows, rope, ctx, run=options), args.kernels)
         if args.idle and device.type == "cuda":
             with torch.no_grad():
-                stats["idle"] = idle_table(lambda: block(x, temb, rows, rope, ctx), args.idle)
+                stats["idle"] = idle_table(lambda: block(x, temb, rows, rope, ctx, run=options), args.idle)
         result["blocks"][name] = stats
         block = out = None  # freed before the next variant
     text = record.write(result, args.out, indent=2)

@@ -55,11 +55,7 @@ from h3_core.models.fp8_linear import quantize_linears
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.low_memory import LowMemory
 from h3_core.models.precision import keeps_fp32
-from h3_core.models.run_options import (
-    apply_low_memory,
-    fuse_blocks,
-    fuse_branches,
-)
+from h3_core.models.run_options import RunOptions, check_run_options
 from h3_core.parallel import SequenceShards
 from h3_core.pipeline.geometry import audio_latents, latent_frames
 from h3_core.pipeline.noise import row_timesteps
@@ -128,14 +124,15 @@ def request(setup, device):
     return packed, inputs
 
 
-def evaluate(model, inputs, ctx, reps: int, cuda: bool, first_profile: int = 0) -> dict:
-    """Seconds of ``reps`` evaluations after a warm-up (``record.event_times_ms``: median and spread), the
-    warm-up's own wall seconds (the first evaluation of the process: compilation, or loading it from the caches,
-    included; with ``first_profile`` its that many top functions), the device's peak over the timed evaluations
-    (weights included) and whether the warm-up's outputs are finite."""
+def evaluate(model, inputs, ctx, run: RunOptions, reps: int, cuda: bool, first_profile: int = 0) -> dict:
+    """Seconds of ``reps`` evaluations, each given ``run`` (``RunOptions``), after a warm-up
+    (``record.event_times_ms``: median and spread), the warm-up's own wall seconds (the first evaluation of the
+    process: compilation, or loading it from the caches, included; with ``first_profile`` its that many top
+    functions), the device's peak over the timed evaluations (weights included) and whether the warm-up's outputs
+    are finite."""
 
     def warm_up():  # kernel probes, masks, compiled shapes
-        out = model(*inputs, hybrid=ctx)
+        out = model(*inputs, hybrid=ctx, run=run)
         if cuda:
             torch.cuda.synchronize()
         return out
@@ -149,7 +146,7 @@ def evaluate(model, inputs, ctx, reps: int, cuda: bool, first_profile: int = 0) 
             first_s = time.perf_counter() - start
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        times = [ms / 1e3 for ms in record.event_times_ms(lambda: model(*inputs, hybrid=ctx), reps, cuda)]
+        times = [ms / 1e3 for ms in record.event_times_ms(lambda: model(*inputs, hybrid=ctx, run=run), reps, cuda)]
     peak = torch.cuda.max_memory_allocated() / GiB if cuda else None
     stats = dict(
         seconds=statistics.median(times),
@@ -163,9 +160,9 @@ def evaluate(model, inputs, ctx, reps: int, cuda: bool, first_profile: int = 0) 
     return stats
 
 
-def profile(model, inputs, ctx, cuda: bool) -> dict:
-    """Seconds of one evaluation in linears, attention kernels, the linear branch, the AdaLN tables with the
-    blocks' norms and modulation, and the rest."""
+def profile(model, inputs, ctx, run: RunOptions, cuda: bool) -> dict:
+    """Seconds of one evaluation given ``run`` (``RunOptions``) in linears, attention kernels, the linear branch,
+    the AdaLN tables with the blocks' norms and modulation, and the rest."""
     import h3_core.models.dit as dit_module
     import h3_core.models.hybrid as hybrid_module
 
@@ -181,7 +178,7 @@ def profile(model, inputs, ctx, cuda: bool) -> dict:
     clock.function("attention kernel", dit_module, "dense_attention")
     clock.module("whole evaluation", model)
     with torch.no_grad():
-        model(*inputs, hybrid=ctx)
+        model(*inputs, hybrid=ctx, run=run)
     times = clock.close()
     whole = times.pop("whole evaluation")
     times["elementwise and the rest"] = whole - sum(times.values())
@@ -264,10 +261,10 @@ def main(argv=None) -> dict:
         variants={},
     )
     model = random_model(cfg, device, dtype)
-    apply_low_memory(model, options)
-    fuse_branches(model, args.fused_branch)
+    run = RunOptions(branches_fused=args.fused_branch).with_low_memory(options)
     if args.fused_blocks:
-        fuse_blocks(model, args.fused_blocks)
+        run = run.fused(args.fused_blocks)  # the blocks and their branches
+    check_run_options(run, model)
     fused = args.fused_blocks is not None  # the memory model knows fused blocks, not the fused branch alone
     quantised = False
     ordered = sorted(set(args.variants), key=VARIANTS.index)  # bf16 before fp8, whatever the order asked
@@ -315,6 +312,8 @@ def main(argv=None) -> dict:
                 fused=fused,
             )
             fitted = apply_plan(model, plan, device)
+            if plan.options != LowMemory():  # the plan's lower-memory paths in place of --low-memory's
+                run = check_run_options(run.with_low_memory(plan.options), model)
             if plan.adaln_on_host:
                 prepare_adaln_tables(model, [inputs[3]], device)
             result["plan"] = dict(said=fitted.said, steps=list(plan.steps), resident_blocks=plan.resident_blocks)
@@ -324,7 +323,7 @@ def main(argv=None) -> dict:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
         before = torch.cuda.memory_allocated() / GiB if cuda else None  # the weights as placed, and the inputs
         try:
-            stats = evaluate(model, inputs, ctx, args.reps, cuda, args.first_profile)
+            stats = evaluate(model, inputs, ctx, run, args.reps, cuda, args.first_profile)
             stats["allocated_before_gib"] = before
             if hybrid:
                 stats["window_backend"] = runs[-1].backend if runs else None  # a branch rank runs none
@@ -351,13 +350,13 @@ def main(argv=None) -> dict:
             else:
                 exchanged = []
                 with torch.no_grad(), ranks.timed_collectives(cuda, exchanged):
-                    model(*inputs, hybrid=ctx)
+                    model(*inputs, hybrid=ctx, run=run)
                 stats["collectives_s"], stats["collectives"] = sum(exchanged), len(exchanged)
             if args.profile:
-                stats["profile_s"] = profile(model, inputs, ctx, cuda)
+                stats["profile_s"] = profile(model, inputs, ctx, run, cuda)
             if args.idle and cuda:
                 with torch.no_grad():
-                    stats["idle"] = idle_table(lambda: model(*inputs, hybrid=ctx), args.idle)
+                    stats["idle"] = idle_table(lambda: model(*inputs, hybrid=ctx, run=run), args.idle)
         except torch.OutOfMemoryError as exc:
             stats = dict(error=f"out of memory: {str(exc).splitlines()[0]}", allocated_before_gib=before)
         if spread:  # every rank's figures, in rank order, on every rank

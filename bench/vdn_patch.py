@@ -31,6 +31,7 @@ run; the fused forms then run eager, as written, ``tests/fused_eager.py``: ``fus
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -55,7 +56,7 @@ from h3_core.memory.policy import fuse_for
 from h3_core.models.dit import DiTConfig
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.native_hybrid import NativeAttentionSource, NativeHybridSettings, NativeVDN, kitchen_norm_rope
-from h3_core.models.run_options import fuse_blocks, fuse_branches
+from h3_core.models.run_options import PLAIN, RunOptions
 from h3_core.pipeline.geometry import audio_latents, latent_frames
 from h3_core.pipeline.noise import row_timesteps
 from h3_core.pipeline.packing import pack_sequence
@@ -146,6 +147,34 @@ def host_norm_rope():
     return kitchen_norm_rope(comfy_kitchen.rms_rope_split_half)
 
 
+def pack_options(name: str, mode: str | None) -> RunOptions:
+    """The ``RunOptions`` of the pack's form ``name``: ``pack`` plain, ``pack-branch-fused`` its linear branches in
+    the fused ``mode``, ``pack-fused`` its blocks and branches."""
+    return RunOptions(
+        blocks_fused=mode if name == "pack-fused" else None, branches_fused=mode if name != "pack" else None
+    )
+
+
+@contextlib.contextmanager
+def branch_modes(seen: set):
+    """Within the block, the ``branches_fused`` of the ``RunOptions`` the patch's hybrid attention completed with
+    (``NativeVDN.run`` chooses them each call: the branch compiled where it may, else plain), added to ``seen``."""
+    import h3_core.models.native_hybrid as native_module
+
+    real = native_module.hybrid_attention_forward
+
+    def recording(attn, x, rope, ctx, run=PLAIN):
+        out = real(attn, x, rope, ctx, run)
+        seen.add(str(run.branches_fused))
+        return out
+
+    native_module.hybrid_attention_forward = recording
+    try:
+        yield seen
+    finally:
+        native_module.hybrid_attention_forward = real
+
+
 class Captured:
     """The first call's arguments of a function (block 0's attention in an evaluation)."""
 
@@ -167,15 +196,17 @@ def attention_parts(pack, vdn_kinds: dict, pack_inputs, native_inputs, mode, rep
         with mode_for(mode)[1]:
             return attn(*args, **kwargs)
 
+    # the attention's inputs (x, rope, ctx) as the block gave them; the run options each form's own
+    args, kwargs = pack_inputs
+    args, kwargs = args[:3], {key: value for key, value in kwargs.items() if key != "run"}
     calls = {}
-    for name, fused, fn in (("pack", None, attn), ("pack-branch-fused", mode_for(mode)[0], fused_attention)):
-        calls[name] = (lambda fused=fused: (fuse_blocks(pack, None), fuse_branches(pack, fused)), fn, pack_inputs)
+    for name, fn in (("pack", attn), ("pack-branch-fused", fused_attention)):
+        calls[name] = (fn, (args, dict(kwargs, run=pack_options(name, mode_for(mode)[0]))))
     (source, *rest), kwargs = native_inputs
     for name, (vdn, own_source) in vdn_kinds.items():
-        calls[name] = (lambda: None, vdn.run, ((own_source or source, *rest), kwargs))
+        calls[name] = (vdn.run, ((own_source or source, *rest), kwargs))
     parts = {}
-    for name, (prepare, fn, (args, kwargs)) in calls.items():
-        prepare()
+    for name, (fn, (args, kwargs)) in calls.items():
         fn(*args, **kwargs)
         times = [timed(lambda: fn(*args, **kwargs), cuda)[1] for _ in range(reps)]
         parts[name] = dict(seconds=statistics.median(times), times_s=times)
@@ -197,8 +228,8 @@ def main(argv=None) -> dict:
         "--fused",
         default=None,
         choices=(EAGER, "compiled"),
-        help="the fused forms' mode (default: what policy.fuse_for sets for a run: compiled on CUDA with Triton; "
-        "eager, the fused functions as written, where it sets none)",
+        help="the fused forms' mode (default: what policy.fuse_for chooses for a run: compiled on CUDA with Triton; "
+        "eager, the fused functions as written, where it chooses none)",
     )
     parser.add_argument("--tiny", action="store_true", help="test_native_patch's tiny model on the CPU, fp32")
     parser.add_argument(
@@ -228,6 +259,7 @@ def main(argv=None) -> dict:
     native, branch, shared = native_twin(pack, cfg)
     mode = args.fused or fuse_for(pack, device) or EAGER
     library_mode = mode_for(mode)[0]
+    pack_runs = {name: pack_options(name, library_mode) for name in PACK_FORMS}
     weights_gib = torch.cuda.memory_allocated() / GiB if cuda else None
     shifts = (native.sigma_shift_video, native.sigma_shift_audio)
     packed, pack_args, native_args = requests(setup, device, dtype, args.sigma, shifts)
@@ -260,17 +292,17 @@ def main(argv=None) -> dict:
                     return native(*native_args, dict(node_options))  # a fresh dict a call, as the sampler's
             finally:
                 native.blocks = blocks
-        fuse_blocks(pack, library_mode if name == "pack-fused" else None)
-        fuse_branches(pack, library_mode if name != "pack" else None)
         with mode_for(mode if name != "pack" else None)[1]:
-            return pack(*pack_args, hybrid=contexts[name])
+            return pack(*pack_args, hybrid=contexts[name], run=pack_runs[name])
 
     stats = {name: dict(times_s=[], peaks_gib=[]) for name in variant_names}
     compared = COMPARED + (((HOST_COMPILED, "native"), (HOST_COMPILED, "pack-fused")) if args.host_compile else ())
     with torch.inference_mode():
         outs = {}
+        native_modes = set()  # the modes the native variant's branch ran in, over its first evaluation
         for name in variant_names:
-            outs[name], stats[name]["first_s"], _ = timed(lambda: run(name), cuda)
+            with branch_modes(native_modes) if name == "native" else contextlib.nullcontext():
+                outs[name], stats[name]["first_s"], _ = timed(lambda: run(name), cuda)
         for name in ("native", HOST_COMPILED)[: 1 + args.host_compile]:
             video, audio = outs.pop(name)
             outs[name] = to_rows(-video), audio_to_rows(-audio)  # the host's output is the negated velocity
@@ -316,7 +348,7 @@ def main(argv=None) -> dict:
         dtype=str(dtype).removeprefix("torch."),
         fused_mode=mode,
         native_norm_rope="comfy-kitchen rms_rope_split_half" if kitchen is not None else "plain",
-        native_branch_fused=sorted({str(b.attn.linear_attention.fused) for b in branch.transformer_blocks}),
+        native_branch_fused=sorted(native_modes),
         weights_shared=bool(shared),
         weights_gib=weights_gib,
         agreement=agreement,

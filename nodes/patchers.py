@@ -97,9 +97,9 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         placement = self.placement
         placement.run = run
         device = self.load_device
-        fuse_for(self.model, device, run.compile)  # the paths the run will take, so the room asked for is theirs
+        fused = fuse_for(self.model, device, run.compile)  # the paths the run will take: the room asked is theirs
         if device.type != "cuda":
-            placement.working = working_bytes(self.model, run.packed, run.attention_precision)
+            placement.working = working_bytes(self.model, run.packed, run.attention_precision, fused)
             return placement.working
         # This model's weights already on the device count as room, whether or not the host has them on record
         # yet (a model the loader read straight to the GPU is not, before its first run).
@@ -114,6 +114,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             steps=run.steps,
             share=self._rank_share(run.packed),
             attention_precision=run.attention_precision,
+            fused=fused,
         )
         placement.working = int(plan.predicted["activations"])
         return placement.working
@@ -128,21 +129,22 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             return None
         return rank_shares(self.model.cfg, int(packed.positions.shape[0]), choice.gpus, choice.softmax_ranks)[0]
 
-    def fit_smaller(self) -> bool:
+    def fit_smaller(self):
         """After an evaluation ran out of device memory: plan again for ``OUT_OF_MEMORY_SHARE`` of the room the last
-        plan counted on and place the model so (``run_options.evaluate`` then runs the evaluation again). False,
-        nothing changed, where that plan holds the weights and the activations as the last one did."""
+        plan counted on and place the model so; returns the new plan's ``LowMemory`` (``run_options.Evaluations``
+        then runs the evaluation again with it), or None, nothing changed, where that plan holds the weights and the
+        activations as the last one did."""
         placement = self.placement
         if placement.run is None or placement.fitted is None or self.load_device.type != "cuda":
-            return False
+            return None
         before = placement.fitted.layout
         placement.room_share *= OUT_OF_MEMORY_SHARE
         torch.cuda.empty_cache()
         self.load(self.load_device, full_load=True)
         if placement.fitted.layout == before:
-            return False
+            return None
         _host.say("out of device memory: placed again for less — " + "; ".join(placement.said))
-        return True
+        return placement.fitted.plan.options
 
     def said(self) -> list[str]:
         """What the last load did, in the words the user is shown."""

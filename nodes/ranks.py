@@ -7,6 +7,7 @@ died exits by itself."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -114,11 +115,13 @@ def sample_on_ranks(model, choice: RanksChoice, prompt, request: dict, reference
     held = HeldRaise()  # the host's progress hook raises its interrupt where rank 0 alone is
     fit, solver = request["before_sampling"], request["solver"]
 
-    def fit_and_send(packed) -> None:
-        fit(packed)
+    def fit_and_send(packed):
+        options = fit(packed)
         names = weight_names(model.model, set(model.patches) | group.sent)
         send_weights(model.model, names, device)
         group.sent = set(names)
+        # no retry for less memory on one rank alone: the others would wait for it in their exchanges
+        return None if options is None else dataclasses.replace(options, on_out_of_memory=None)
 
     here = dict(
         request,

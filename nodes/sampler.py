@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -333,6 +334,8 @@ class H3Sampler(io.ComfyNode):
             )
             mm.load_models_gpu([model], memory_required=working)
             _host.tell(node_id, model.said())
+            # out of device memory mid-run: the DiT placed for less and the evaluation run again
+            return dataclasses.replace(model.placement.fitted.options, on_out_of_memory=model.fit_smaller)
 
         progress = _host.PreviewProgress(steps, model.load_device)
         common = dict(
@@ -364,8 +367,7 @@ class H3Sampler(io.ComfyNode):
             if ranks is not None:
                 video, audio = sample_on_ranks(model, ranks, prompt, common, reference_latents, settings.memory)
             else:
-                with _fitting_smaller_on_out_of_memory(model):
-                    video, audio = generate_clip(model.model, prompt, reference_latents, **common)
+                video, audio = generate_clip(model.model, prompt, reference_latents, **common)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -377,14 +379,6 @@ class H3Sampler(io.ComfyNode):
                 f"canvas or length, or free other models. {str(exc).splitlines()[0]}"
             ) from exc
         return io.NodeOutput(to_latent(video, audio, length, latent_form))
-
-
-def _fitting_smaller_on_out_of_memory(patcher):
-    """An evaluation that runs out of device memory has the DiT placed for less and runs again
-    (``H3DiTPatcher.fit_smaller``, through ``RunOptions.on_out_of_memory``), for this run."""
-    from ..h3_core.models.run_options import options_changed
-
-    return options_changed(patcher.model, on_out_of_memory=patcher.fit_smaller)
 
 
 def _keyframes_anywhere(keyframes, canvas, video_vae, audio_vae, settings):

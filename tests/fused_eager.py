@@ -6,8 +6,9 @@
 * ``written(fn, *args)``: a library function that takes the fused mode first (``block_fused.run``,
   ``branch_fused.shifted_statistics``, ``block_fused.residual_norm``...) called in ``"compiled"`` mode on the plain
   path;
-* ``fused_written(model)``: a ``with`` block in which ``model``'s blocks and linear branches (with
-  ``blocks=False`` its branches only) are fused and run as written; after it their fusion is what it was;
+* ``fused_written(run)``: a ``with`` block on the plain path that yields ``run`` (``RunOptions``, plain by default)
+  with the blocks and linear branches (with ``blocks=False`` the branches only) fused: a model given those options
+  in the block runs the fused forms as written;
 * ``EAGER``, this form's name where it stands beside the library's modes (a bench's ``--fused``), and ``mode_for``,
   which maps such a name to the library's mode and the context it runs in.
 """
@@ -15,8 +16,9 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
-from h3_core.models.run_options import options_changed
+from h3_core.models.options import PLAIN, RunOptions
 from h3_core.triton_forms import plain_path
 
 __all__ = ["EAGER", "MODE", "written", "fused_written", "mode_for"]
@@ -32,12 +34,12 @@ def written(fn, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def fused_written(model, blocks: bool = True):
-    """``model`` (a DiT, a block, an attention, a linear branch) with its blocks and branches fused (``blocks``
-    False: its branches only), run as written within the block; yields ``model``."""
-    changes = dict(blocks_fused=MODE, branches_fused=MODE) if blocks else dict(branches_fused=MODE)
-    with options_changed(model, **changes), plain_path():
-        yield model
+def fused_written(run: RunOptions = PLAIN, blocks: bool = True):
+    """``run`` with the blocks and branches fused (``blocks`` False: the branches only), yielded within a
+    ``plain_path`` block: what a model given them runs there is the fused forms as written."""
+    fused = run.fused(MODE) if blocks else replace(run, branches_fused=MODE)
+    with plain_path():
+        yield fused
 
 
 def mode_for(name: str | None):

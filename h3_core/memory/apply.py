@@ -1,9 +1,10 @@
 """Putting a ``MemoryPlan`` into effect on a loaded model, and telling the user what it did.
 
-``plan_for_memory`` (``memory_model``) decides; ``apply_plan`` applies, in the plan's order: the lower-memory
-paths on every block, the AdaLN projections moved to host memory (the sampler then makes the run's tables
-once), and block streaming with as many blocks resident as the plan keeps. ``FittedModel.remove`` undoes
-what can be undone between runs (streaming); the other two are exact and cost nothing worth undoing.
+``plan_for_memory`` (``memory_model``) decides; ``apply_plan`` applies, in the plan's order: the AdaLN projections
+moved to host memory (the sampler then makes the run's tables once) and block streaming with as many blocks
+resident as the plan keeps. The lower-memory paths are the plan's ``RunOptions`` (``FittedModel.options``), given
+to every evaluation. ``FittedModel.remove`` undoes what can be undone between runs (streaming); moving the AdaLN
+projections is exact and costs nothing worth undoing.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.adaln_tables import keep_adaln_on_host
-from ..models.low_memory import LowMemory
-from ..models.run_options import apply_low_memory
+from ..models.options import RunOptions
 from .offload import BlockOffload, offload_blocks
 from .predict import MemoryPlan
 
@@ -25,13 +25,19 @@ GiB = 2**30
 
 @dataclass
 class FittedModel:
-    """What ``apply_plan`` did to ``model``: the plan, the offload handle (if blocks stream) and the lines a
-    user is shown."""
+    """What ``apply_plan`` did to ``model``: the plan, the offload handle (if blocks stream), the lines a user is
+    shown and the mode the blocks run in (``policy.fuse_for``)."""
 
     model: torch.nn.Module
     plan: MemoryPlan
     offload: BlockOffload | None = None
     said: list[str] = field(default_factory=list)
+    fused: str | None = None
+
+    @property
+    def options(self) -> RunOptions:
+        """The ``RunOptions`` the model's evaluations take under this placement."""
+        return RunOptions().fused(self.fused).with_low_memory(self.plan.options)
 
     def remove(self, device=None, *, streamed_to=None) -> None:
         """Stop streaming blocks: every block back on the device the model was offloaded to, or as
@@ -69,11 +75,12 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     return lines
 
 
-def apply_plan(model: torch.nn.Module, plan: MemoryPlan, device, *, prefetch: int = 1) -> FittedModel:
-    """Apply ``plan`` to ``model`` (an ``H3DiT`` already on ``device``, or on the host when blocks will stream)."""
-    fitted = FittedModel(model, plan, said=plan_lines(plan))
-    if plan.options != LowMemory():
-        apply_low_memory(model, plan.options)
+def apply_plan(
+    model: torch.nn.Module, plan: MemoryPlan, device, *, prefetch: int = 1, fused: str | None = None
+) -> FittedModel:
+    """Apply ``plan`` to ``model`` (an ``H3DiT`` already on ``device``, or on the host when blocks will stream);
+    ``fused``: the mode its blocks run in."""
+    fitted = FittedModel(model, plan, said=plan_lines(plan), fused=fused)
     if plan.adaln_on_host:
         keep_adaln_on_host(model)
     if plan.resident_blocks is not None:

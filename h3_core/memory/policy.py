@@ -5,11 +5,11 @@ auto / off) and the device's free memory into a ``MemoryPlan`` for the request's
 ``memory="auto"`` the memory model predicts the run's peak for each way of giving things up (head groups and
 a chunked FFN, the AdaLN projections in host memory, streamed blocks) and the quickest that fits, by the time
 predicted on the card (``predict.plan_for_memory``, ``speed``), is taken; ``"off"`` runs the plain path.
-``place_for_run`` applies the plan and returns what it did in words. On CUDA with Triton the blocks run fused
-(``models.block_fused``, compiled), faster and in less memory than the plain blocks
-(``bench/results/dit_block.md``), and the plan is made for that — unless the
-user's ``compile`` is ``"off"`` (``COMPILE_MODES``) or the model's compiled path failed earlier in this
-process (``block_fused.evaluate``), which run the plain path. On a device without CUDA nothing is planned:
+``place_for_run`` applies the plan and returns what it did, in words and as the ``RunOptions`` every evaluation
+is given. On CUDA with Triton the blocks run fused (``models.block_fused``, compiled), faster and in less memory
+than the plain blocks (``bench/results/dit_block.md``), and the plan is made for that — unless the user's
+``compile`` is ``"off"`` (``COMPILE_MODES``) or the model's compiled path failed earlier in this process
+(``run_options.Evaluations``), which run the plain path. On a device without CUDA nothing is planned:
 the model simply runs there, on the plain path.
 """
 
@@ -22,7 +22,7 @@ import torch
 from ..errors import H3DoesNotFit, H3InputError
 from ..models.branch_fused import compiled_branch_available
 from ..models.low_memory import LowMemory
-from ..models.run_options import apply_low_memory, compile_failed, fuse_blocks
+from ..models.run_options import compile_failed
 from ..triton_forms import COMPILE_MODES, check_compile
 from .apply import FittedModel, apply_plan, plan_lines
 from .predict import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
@@ -61,13 +61,11 @@ def _bytes_on(model, device: torch.device) -> int:
 
 
 def fuse_for(model, device, compile: str = "auto") -> str | None:
-    """Run ``model``'s blocks fused (compiled) where CUDA and Triton are present and ``compile`` is ``"auto"``,
-    unless its compiled path failed before; else on the plain path. Returns the mode set."""
+    """The mode ``model``'s blocks and branches run in (``RunOptions.fused``): ``"compiled"`` where CUDA and Triton
+    are present and ``compile`` is ``"auto"``, unless its compiled path failed before; else None, the plain path."""
     check_compile(compile)
     compiled = compile == "auto" and not compile_failed(model) and compiled_branch_available(torch.device(device))
-    fused = "compiled" if compiled else None
-    fuse_blocks(model, fused)
-    return fused
+    return "compiled" if compiled else None
 
 
 def _blocks_said(model, compile: str, fused: str | None) -> str:
@@ -80,14 +78,10 @@ def _blocks_said(model, compile: str, fused: str | None) -> str:
     return "plain blocks (no Triton)"
 
 
-def _fused(model) -> bool:
-    return any(getattr(block, "fused", None) for block in model.blocks)
-
-
-def working_bytes(model, packed, attention_precision: str = "bf16") -> int:
-    """The activations of one evaluation on ``packed`` with nothing given up (the plain or fused path, as
-    ``model`` is set): what the host is asked to make room for beside the weights, so that it frees other
-    models before the plan has to trade time for memory."""
+def working_bytes(model, packed, attention_precision: str = "bf16", fused: str | None = None) -> int:
+    """The activations of one evaluation on ``packed`` with nothing given up (the plain path, or the ``fused``
+    one): what the host is asked to make room for beside the weights, so that it frees other models before the
+    plan has to trade time for memory."""
     dtype, linears = _weights_kind(model)
     shape = BlockShape.of(model.cfg, packed, dtype)
     predicted = evaluation_peak(
@@ -96,7 +90,7 @@ def working_bytes(model, packed, attention_precision: str = "bf16") -> int:
         hybrid=bool(model.cfg.hybrid),
         dtype=dtype,
         linears=linears,
-        fused=_fused(model),
+        fused=bool(fused),
         attention_precision=attention_precision,
     )
     return int(predicted["activations"])
@@ -113,13 +107,15 @@ def decide_placement(
     share: RankShare | None = None,
     attention_precision: str = "bf16",
     speed: CardSpeed = H100,
+    fused: str | None = None,
 ) -> MemoryPlan:
     """The plan for running ``model`` (an ``H3DiT``) on ``packed`` within ``free_bytes`` of device memory on a card
     of ``speed`` (``plan_for_memory`` chooses by predicted time); with
     ``share``, one rank's share of each evaluation across several GPUs (``ranks.rank_peaks``): the whole model
     resident and nothing given up when the rank's peak fits, else the plan for the whole sequence (which fits the
     rank's share with room to spare: the per-rank model covers one head group, resident, only).
-    ``attention_precision``: the window softmax's (``predict.block_peaks``)."""
+    ``attention_precision``: the window softmax's (``predict.block_peaks``); ``fused``: the mode the blocks run in
+    (``fuse_for``)."""
     if placement not in PLACEMENTS:
         raise H3InputError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
     if memory not in MEMORY_MODES:
@@ -133,7 +129,7 @@ def decide_placement(
         dtype=dtype,
         linears=linears,
         steps=steps,
-        fused=_fused(model),
+        fused=bool(fused),
         attention_precision=attention_precision,
     )
     if share is not None and placement != "stream blocks":
@@ -196,7 +192,8 @@ def place_for_run(
     attention_precision: str = "bf16",
 ) -> FittedModel:
     """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says (CUDA), or simply there (any
-    other device), its blocks fused or plain as ``fuse_for`` says for ``compile``. ``current``: the placement
+    other device); the result's ``options`` are the ``RunOptions`` its evaluations take: the plan's choices, the
+    blocks fused or plain as ``fuse_for`` says for ``compile``. ``current``: the placement
     of the model's last run, which this one replaces; when the new plan holds the weights where it did (the
     same blocks streamed, the same AdaLN residency), nothing moves. Otherwise call ``remove()`` on the result
     before placing the model for another request. ``share``: one rank's share of each evaluation and
@@ -208,7 +205,8 @@ def place_for_run(
             current.remove(streamed_to="cpu")
         model.to(device)
         plan = MemoryPlan(LowMemory(), False, None, {"total": 0.0}, float("inf"), (), "none")
-        return FittedModel(model, plan, said=[f"running on the {device.type.upper()}; no memory plan needed"])
+        said = [f"running on the {device.type.upper()}; no memory plan needed"]
+        return FittedModel(model, plan, said=said, fused=fused)
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0]
     free_bytes += _bytes_on(model, device)  # a model left on the device by the last run is counted in the plan
@@ -222,16 +220,16 @@ def place_for_run(
         share=share,
         attention_precision=attention_precision,
         speed=card_speed(device),
+        fused=fused,
     )
     if current is not None and current.layout == (plan.options, plan.adaln_on_host, plan.resident_blocks):
-        fitted = FittedModel(model, plan, current.offload, plan_lines(plan))
+        fitted = FittedModel(model, plan, current.offload, plan_lines(plan), fused=fused)
     else:
         if current is not None:
             current.remove(streamed_to="cpu")  # streamed blocks stay in host memory: the new plan places them
-        apply_low_memory(model, LowMemory())  # the last run's choices give way to this one's
         if plan.resident_blocks is None:
             model.to(device)
-        fitted = apply_plan(model, plan, device)
+        fitted = apply_plan(model, plan, device, fused=fused)
     fitted.said.insert(
         0,
         f"memory policy {memory}, placement {placement}, {free_bytes / GiB:.1f} GiB free, "

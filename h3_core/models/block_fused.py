@@ -1,4 +1,5 @@
-"""A DiT block's per-element work in few passes: the plain block (``Block.fused = None``) is the reference.
+"""A DiT block's per-element work in few passes: the plain block (``RunOptions.blocks_fused`` None) is the
+reference.
 
 The plain block runs every step as its own PyTorch op over ``[T, hidden]`` or ``[T, H, D]`` rows: the RMSNorm,
 then the AdaLN modulation run by run, the per-head q/k RMSNorm, RoPE as slices, a negation, two
@@ -7,13 +8,13 @@ SiLU and product. Here each of those chains is one function — ``norm_modulate`
 ``gated_residual_``, ``gate_heads_``, ``swiglu_`` — with the sums in fp32 (fp64 for fp64 inputs) and
 one rounding of the result; the AdaLN rows are looked up per packed row from its table index.
 
-Modes (``fuse_blocks``): ``"compiled"`` runs these functions (and the linear branch's, ``branch_fused``)
+Modes (``RunOptions.blocks_fused``): ``"compiled"`` runs these functions (and the linear branch's, ``branch_fused``)
 through ``torch.compile`` or a hand-written Triton kernel, and inside ``triton_forms.plain_path`` as written (the
 same arithmetic op by op); ``None`` the plain path.
 
-``evaluate`` runs one model evaluation and is the way out when a compiled function or Triton kernel fails to
-compile or launch: the evaluation — which writes in place only into tensors it made itself, never into its
-inputs — runs again from its inputs on the plain path, and the model stays there for the rest of the process.
+A compiled function or Triton kernel that fails to compile or launch raises ``CompileFailure``; the evaluation —
+which writes in place only into tensors it made itself, never into its inputs — runs again from its inputs on the
+plain path (``run_options.Evaluations``), and the model stays there for the rest of the process.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ state, the RMSNorm, the output gate and the return to token-major rows — is on
 in fp32 (fp64 for fp64 inputs) and each result is rounded once, so the numbers are the plain path's up to
 the roundings it skips.
 
-Modes (``fuse_branches``): ``"compiled"`` runs these functions through ``torch.compile`` (one generated
+Modes (``RunOptions.branches_fused``): ``"compiled"`` runs these functions through ``torch.compile`` (one generated
 kernel each; needs Triton on CUDA), and inside ``triton_forms.plain_path`` as written (the same arithmetic, op
 by op); ``None`` the plain path. The compiled functions and the Triton kernels are
 ``triton_forms.guarded``: one that fails to compile or launch raises ``CompileFailure``, and the model
-evaluation is run again on the plain path (``block_fused.evaluate``).
+evaluation is run again on the plain path (``run_options.Evaluations``).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
 from .fp8_linear import Fp8Linear, quantize_input
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward, hybrid_attention_ulysses
 from .low_memory import add_linear_cols, head_slices, linear_row_blocks
+from .options import FINAL_CHUNK_ROWS, PLAIN, RunOptions
 
 __all__ = [
     "DiTConfig",
@@ -108,7 +109,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class Attention(nn.Module):
     """Fused ``qkv_proj`` (stacked [q; k; v], no bias), per-head RMSNorm on q and k, optional RoPE, full
-    attention, ``out_proj``. ``head_groups`` > 1 runs the heads a group at a time (``low_memory``)."""
+    attention, ``out_proj``. ``run.head_groups`` > 1 runs the heads a group at a time (``low_memory``)."""
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -117,15 +118,14 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
         self.out_proj = nn.Linear(cfg.inner, cfg.hidden, bias=False)
-        self.head_groups = 1
-        self.fused: str | None = None  # ``block_fused`` mode for the q/k norm and RoPE: None runs the plain ops
 
-    def normed_rotated(self, q, k, rope):
-        """q and k RMS-normed per head and, with ``rope`` (cos, sin), rotated."""
-        if self.fused:
+    def normed_rotated(self, q, k, rope, fused: str | None = None):
+        """q and k RMS-normed per head and, with ``rope`` (cos, sin), rotated; in ``block_fused`` mode ``fused``
+        (None runs the plain ops)."""
+        if fused:
             cos, sin = rope if rope is not None else (None, None)
             return tuple(
-                block_fused.run(self.fused, "qk_norm_rope", t, norm.weight, cos, sin, norm.eps)
+                block_fused.run(fused, "qk_norm_rope", t, norm.weight, cos, sin, norm.eps)
                 for t, norm in ((q, self.q_norm), (k, self.k_norm))
             )
         q, k = self.q_norm(q), self.k_norm(k)
@@ -154,19 +154,20 @@ class Attention(nn.Module):
         ranges = [(i * inner + a, i * inner + b) for i in range(3)]
         return tuple(t.view(T, -1, d) for t in linear_row_blocks(self.qkv_proj, source, ranges))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, ctx=None) -> torch.Tensor:
-        """``ctx``: None, or ``parallel.SequenceShards`` when ``x`` holds this rank's rows of a sequence split among
-        ranks (the heads then attend whole sequences rank by rank, ``parallel.ulysses_attention``)."""
+    def forward(self, x: torch.Tensor, rope=None, ctx=None, run: RunOptions = PLAIN) -> torch.Tensor:
+        """``rope``: (cos, sin) or None; ``ctx``: None, or ``parallel.SequenceShards`` when ``x`` holds this rank's
+        rows of a sequence split among ranks (the heads then attend whole sequences rank by rank,
+        ``parallel.ulysses_attention``)."""
         if isinstance(ctx, SequenceShards):
-            return ulysses_attention(self, x, rope, list(ctx.rows), list(ctx.heads), ctx.group)
+            return ulysses_attention(self, x, rope, list(ctx.rows), list(ctx.heads), ctx.group, run)
         T, d = x.shape[0], self.head_dim
         out = None
         source = self.projection_input(x)
-        for heads in head_slices(self.heads, self.head_groups):
+        for heads in head_slices(self.heads, run.head_groups):
             q, k, v = self.project(x, heads, source)
             if heads.stop == self.heads:
                 source = None  # the fp8 rows' last reader: freed before the attention
-            q, k = self.normed_rotated(q, k, rope)
+            q, k = self.normed_rotated(q, k, rope, run.blocks_fused)
             attended = dense_attention(q, k, v).out.reshape(T, -1)
             del q, k, v
             out = add_linear_cols(out, self.out_proj, attended, heads.start * d, heads.stop * d)
@@ -182,48 +183,46 @@ class HybridAttention(Attention):
         super().__init__(cfg)
         add_hybrid_parts(self, cfg)
 
-    def forward(self, x, rope=None, ctx=None):
+    def forward(self, x, rope=None, ctx=None, run: RunOptions = PLAIN):
         if ctx is None:
-            return super().forward(x, rope)
+            return super().forward(x, rope, run=run)
         if isinstance(ctx, SequenceShards):
             if ctx.inner is None:  # dense attention, as without a context on one rank
-                return super().forward(x, rope, ctx)
-            return hybrid_attention_ulysses(self, x, rope, ctx.inner, ctx)
-        return hybrid_attention_forward(self, x, rope, ctx)
+                return super().forward(x, rope, ctx, run)
+            return hybrid_attention_ulysses(self, x, rope, ctx.inner, ctx, run)
+        return hybrid_attention_forward(self, x, rope, ctx, run)
 
 
 class SwiGLU(nn.Module):
-    """``fc2(silu(gate) · up)`` with ``fc1`` giving ``[gate; up]`` (no biases); over ``chunk_rows`` rows at a
-    time when set (``low_memory``)."""
+    """``fc2(silu(gate) · up)`` with ``fc1`` giving ``[gate; up]`` (no biases); over ``run.ffn_chunk_rows`` rows
+    at a time when set (``low_memory``)."""
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         self.fc1 = nn.Linear(cfg.hidden, 2 * cfg.ffn, bias=False)
         self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
-        self.chunk_rows: int | None = None
-        self.fused: str | None = None  # ``block_fused`` mode for the SiLU and product: None runs the plain ops
 
-    def _rows(self, x):
-        if self.fused:
+    def _rows(self, x, fused):
+        if fused:
             gate_up = self.fc1(x)
             if isinstance(self.fc2, Fp8Linear):  # quantised as the product is formed
-                return self.fc2(block_fused.swiglu_quantized(self.fused, gate_up))
-            return self.fc2(block_fused.run(self.fused, "swiglu_", gate_up))
+                return self.fc2(block_fused.swiglu_quantized(fused, gate_up))
+            return self.fc2(block_fused.run(fused, "swiglu_", gate_up))
         gate, up = self.fc1(x).chunk(2, dim=-1)
         return self.fc2(F.silu(gate, inplace=True).mul_(up))  # in fc1's output: no further [T, ffn] buffers
 
-    def reads_quantized_rows(self) -> bool:
+    def reads_quantized_rows(self, run: RunOptions) -> bool:
         """Whether the input may come already quantised (``QuantizedRows``): an fp8 ``fc1`` run whole, not in
         row chunks."""
-        return isinstance(self.fc1, Fp8Linear) and self.chunk_rows is None
+        return isinstance(self.fc1, Fp8Linear) and run.ffn_chunk_rows is None
 
-    def forward(self, x):
-        rows = self.chunk_rows
+    def forward(self, x, run: RunOptions = PLAIN):
+        rows = run.ffn_chunk_rows
         if rows is None or rows >= x.shape[0]:
-            return self._rows(x)
+            return self._rows(x, run.blocks_fused)
         out = x.new_empty(*x.shape[:-1], self.fc2.out_features)
         for start in range(0, x.shape[0], rows):
-            out[start : start + rows] = self._rows(x[start : start + rows])
+            out[start : start + rows] = self._rows(x[start : start + rows], run.blocks_fused)
         return out
 
 
@@ -235,9 +234,9 @@ class RefinerBlock(nn.Module):
         self.norm1, self.attn = nn.RMSNorm(cfg.hidden, eps=cfg.eps), Attention(cfg)
         self.norm2, self.mlp = nn.RMSNorm(cfg.hidden, eps=cfg.eps), SwiGLU(cfg)
 
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x, run: RunOptions = PLAIN):
+        x = x + self.attn(self.norm1(x), run=run)
+        return x + self.mlp(self.norm2(x), run)
 
 
 class TokenRefiner(nn.Module):
@@ -246,9 +245,9 @@ class TokenRefiner(nn.Module):
         self.blocks = nn.ModuleList(RefinerBlock(cfg) for _ in range(cfg.refiner_layers))
         self.final_norm = nn.RMSNorm(cfg.hidden, eps=cfg.eps)
 
-    def forward(self, x):
+    def forward(self, x, run: RunOptions = PLAIN):
         for block in self.blocks:
-            x = block(x)
+            x = block(x, run)
         return self.final_norm(x)
 
 
@@ -280,33 +279,33 @@ class Block(nn.Module):
         self.attn = HybridAttention(cfg) if cfg.hybrid else Attention(cfg)
         self.norm2, self.mlp = nn.RMSNorm(cfg.hidden, eps=cfg.eps), SwiGLU(cfg)
         self.adaln_proj = AdaLNProjection(cfg, 6, per_modality=True)
-        self.fused: str | None = None  # ``block_fused`` mode: None runs the plain ops
 
-    def forward(self, x, temb, rows, rope, ctx=None):
+    def forward(self, x, temb, rows, rope, ctx=None, run: RunOptions = PLAIN):
         """``rows``: each packed row's AdaLN table row, ``t_index · 3 + tag`` (a ``[T]`` tensor, or its
-        ``row_runs``); ``ctx``: the hybrid context. The table rows are applied run by run, in place, so no
+        ``row_runs``); ``ctx``: the hybrid context; ``run.blocks_fused``: the ``block_fused`` mode of the
+        per-element work (None runs the plain ops). The table rows are applied run by run, in place, so no
         ``[T, hidden]`` copy of any of the six modulations is ever made."""
         runs = rows if isinstance(rows, tuple) else row_runs(rows)
         # The pruned form's AdaLN linears are fp32; their rows modulate in the block's dtype.
         shift1, scale1, gate1, shift2, scale2, gate2 = (m.to(x.dtype) for m in self.adaln_proj(temb))
-        if self.fused:
-            index, mode = block_fused.row_index(runs, x.device), self.fused
+        if run.blocks_fused:
+            index, mode = block_fused.row_index(runs, x.device), run.blocks_fused
             h = block_fused.run(mode, "norm_modulate", x, self.norm1.weight, shift1, scale1, index, self.norm1.eps)
             x, h = block_fused.residual_norm(
                 mode,
                 x,
-                self.attn(h, rope, ctx),
+                self.attn(h, rope, ctx, run),
                 gate1,
                 index,
                 self.norm2.weight,
                 shift2,
                 scale2,
                 self.norm2.eps,
-                self.mlp.reads_quantized_rows(),
+                self.mlp.reads_quantized_rows(run),
             )
-            return block_fused.run(mode, "gated_residual_", x, self.mlp(h), gate2, index)
-        x = _gated_add_(self.attn(_modulate_(self.norm1(x), shift1, scale1, runs), rope, ctx), gate1, x, runs)
-        return _gated_add_(self.mlp(_modulate_(self.norm2(x), shift2, scale2, runs)), gate2, x, runs)
+            return block_fused.run(mode, "gated_residual_", x, self.mlp(h, run), gate2, index)
+        x = _gated_add_(self.attn(_modulate_(self.norm1(x), shift1, scale1, runs), rope, ctx, run), gate1, x, runs)
+        return _gated_add_(self.mlp(_modulate_(self.norm2(x), shift2, scale2, runs), run), gate2, x, runs)
 
 
 def row_runs(rows: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
@@ -351,11 +350,9 @@ class Rope(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """Norm, AdaLN shift/scale per timestep and the fp32 output heads, on the video and audio rows only, a
-    chunk of rows at a time (row-wise work: the same numbers as all rows at once, without ``[T, hidden]``
+    """Norm, AdaLN shift/scale per timestep and the fp32 output heads, on the video and audio rows only,
+    ``chunk_rows`` rows at a time (row-wise work: the same numbers as all rows at once, without ``[T, hidden]``
     fp32 copies)."""
-
-    chunk_rows = 16384
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -364,17 +361,17 @@ class FinalLayer(nn.Module):
         self.video_out = nn.Linear(cfg.hidden, cfg.video_row)
         self.audio_out = nn.Linear(cfg.hidden, cfg.audio_channels)
 
-    def forward(self, x, temb, timestep_index, video_index, audio_index):
+    def forward(self, x, temb, timestep_index, video_index, audio_index, chunk_rows: int = FINAL_CHUNK_ROWS):
         shift, scale = self.adaln_proj(temb)
         return tuple(
-            self._head(x, shift, scale, timestep_index, index, head)
+            self._head(x, shift, scale, timestep_index, index, head, chunk_rows)
             for index, head in ((video_index, self.video_out), (audio_index, self.audio_out))
         )
 
-    def _head(self, x, shift, scale, timestep_index, index, head):
+    def _head(self, x, shift, scale, timestep_index, index, head, chunk_rows):
         out = torch.empty(index.numel(), head.out_features, dtype=head.weight.dtype, device=x.device)
-        for start in range(0, index.numel(), self.chunk_rows):
-            rows = index[start : start + self.chunk_rows]
+        for start in range(0, index.numel(), chunk_rows):
+            rows = index[start : start + chunk_rows]
             t = timestep_index.index_select(0, rows)
             h = self.norm(x.index_select(0, rows)) * (1 + scale.index_select(0, t)) + shift.index_select(0, t)
             out[start : start + rows.numel()] = head(h.to(head.weight.dtype))
@@ -396,8 +393,6 @@ class H3DiT(nn.Module):
         self.token_refiner = TokenRefiner(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.final_layer = FinalLayer(cfg)
-        self.check_cancel = None  # called before every block when set: a cancel stops within one evaluation
-        self.on_out_of_memory = None  # ``run_options.evaluate``'s way to a placement for less memory
         # its compiled path's fallback (``run_options.evaluate``): plain from its first failure on
         self.compiled_form = CompiledForm("the compiled DiT path failed", "this model runs the plain path")
 
@@ -414,6 +409,7 @@ class H3DiT(nn.Module):
         audio_index: torch.Tensor,
         text_index: torch.Tensor,
         hybrid: HybridContext | SequenceShards | None = None,
+        run: RunOptions = PLAIN,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One model evaluation over one packed sequence of ``T`` rows.
 
@@ -428,11 +424,13 @@ class H3DiT(nn.Module):
                 text refiner and the AdaLN work replicated, each block on the rank's rows with Ulysses attention
                 (the hybrid attention when the shards carry a ``HybridContext`` as ``inner``), the rows gathered
                 before the final layer, so every rank returns the whole velocity.
+            run: how the evaluation runs (``RunOptions``: fused or plain, in head groups and row chunks, the cancel
+                check before every block), passed down with the call.
         Returns:
             The velocity of the video rows ``[Nv, 96]`` and of the audio rows ``[Na, 32]`` (fp32).
         """
         T = positions.shape[0]
-        text = self.token_refiner(self.condition_proj(text_rows.to(self.condition_proj.weight.dtype)))
+        text = self.token_refiner(self.condition_proj(text_rows.to(self.condition_proj.weight.dtype)), run)
         sharded = isinstance(hybrid, SequenceShards)
         if sharded:
             if hybrid.rows[-1][1] != T:
@@ -462,14 +460,14 @@ class H3DiT(nn.Module):
         tables = adaln_tables_for(self, timesteps)
         rows = row_runs(table_rows)
         for i, block in enumerate(self.blocks):
-            if self.check_cancel is not None:
-                self.check_cancel()
-            x = block(x, temb if tables is None else tables[i], rows, rope, hybrid)
+            if run.check_cancel is not None:
+                run.check_cancel()
+            x = block(x, temb if tables is None else tables[i], rows, rope, hybrid, run)
         if not sharded:
-            return self.final_layer(x, temb, timestep_index, video_index, audio_index)
+            return self.final_layer(x, temb, timestep_index, video_index, audio_index, run.final_chunk_rows)
         # the output heads on this rank's rows; the velocities (not the hidden rows) gathered, every rank the whole
         (_, (video_places, _), (audio_places, _)) = picks
-        local = self.final_layer(x, temb, timestep_index[mine], video_places, audio_places)
+        local = self.final_layer(x, temb, timestep_index[mine], video_places, audio_places, run.final_chunk_rows)
         return tuple(
             gather_kind(part, index, list(hybrid.rows), hybrid.group)
             for part, index in zip(local, (video_index, audio_index))

@@ -23,6 +23,7 @@ from ..parallel.exchange import exchange_blocks, gather_rows, heads_to_rows, row
 from . import block_fused, branch_fused
 from .linear_branch import GivenRowInputs, LinearBranch
 from .low_memory import add_linear_cols, head_slices
+from .options import PLAIN, RunOptions
 
 __all__ = [
     "HybridContext",
@@ -74,10 +75,11 @@ def _branch_rows(ctx: HybridContext, bounds):
     return (layout.video_start, layout.video_stop), list(bounds)
 
 
-def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
+def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, run: RunOptions = PLAIN) -> torch.Tensor:
     """The hybrid forward for an attention module holding ``project`` (raw q, k, v of a head range),
-    ``normed_rotated`` (q, k normed and rotated), ``out_proj``, ``softmax_gate``, ``to_out_linear``,
-    ``linear_attention`` and ``head_groups``. Heads run a group at a time (``low_memory``).
+    ``normed_rotated`` (q, k normed and rotated), ``out_proj``, ``softmax_gate``, ``to_out_linear`` and
+    ``linear_attention``. Heads run ``run.head_groups`` groups at a time (``low_memory``), the per-element work in
+    ``run.blocks_fused`` mode and the branch in ``run.branches_fused``.
     """
     d = attn.head_dim
     layout, window = ctx.layout, ctx.window
@@ -90,12 +92,13 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
     gate = attn.softmax_gate(x)  # [T, H]
     out = None
     source = attn.projection_input(x)
-    quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
-    for heads in head_slices(attn.heads, attn.head_groups):
+    fused = run.blocks_fused
+    quantized = fused is not None and hasattr(attn.out_proj, "part")
+    for heads in head_slices(attn.heads, run.head_groups):
         q_raw, k_raw, v = attn.project(x, heads, source)
         if heads.stop == attn.heads:
             source = None  # the fp8 rows' last reader: freed before the attention
-        q, k = attn.normed_rotated(q_raw, k_raw, rope)
+        q, k = attn.normed_rotated(q_raw, k_raw, rope, fused)
         # a bf16 out_proj's input is gated by the window softmax as it writes its output; an fp8 one's, in a
         # fused block, as its rows are quantised
         soft = window_softmax(
@@ -111,22 +114,22 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext) -> torch.Tensor:
         )
         del q, k
         if quantized:
-            attended = block_fused.gate_heads_input(attn.fused, soft, gate[:, heads], quantized)
+            attended = block_fused.gate_heads_input(fused, soft, gate[:, heads], quantized)
         else:
             attended = soft.reshape(soft.shape[0], -1)
         del soft
         out = add_linear_cols(out, attn.out_proj, attended, heads.start * d, heads.stop * d)
         del attended
         if branch_on:
-            seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads) if t1 > t0 else None
-            readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
+            seed = branch.text_state(x[t0:t1], k_raw[t0:t1], v[t0:t1], heads, run=run) if t1 > t0 else None
+            readout = branch(x[r0:r1], q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads, run)
             del q_raw, k_raw, v
             # accumulated into the output's rows by to_out_linear's GEMM (one rounding, no [rows, hidden] buffer)
             add_linear_cols(out[r0:r1], attn.to_out_linear, readout.to(x.dtype), heads.start * d, heads.stop * d)
     return out
 
 
-def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch.Tensor:
+def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards, run: RunOptions = PLAIN) -> torch.Tensor:
     """``hybrid_attention_forward`` with the sequence's rows split among the ranks of ``shards``
     (``parallel.SequenceShards``): ``x`` and ``rope`` this rank's rows, the result its rows of the output.
 
@@ -135,7 +138,7 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
     and β to every row of the rank's heads (``rows_to_heads``), the bottleneck rows gathered, the frame sums added
     up. Per head, on whole sequences: the window softmax and the linear branch with its text state. Back to the rows
     (``heads_to_rows``): the softmax output, gated and through ``out_proj`` there, and the branch's readout, through
-    ``to_out_linear`` there. All heads at once (``head_groups`` is one rank's low-memory form)."""
+    ``to_out_linear`` there. All heads at once (``run.head_groups`` is one rank's low-memory form)."""
     rows, heads, group = list(shards.rows), list(shards.heads), shards.group
     mine = heads[dist.get_rank(group)]
     start, stop = rows[dist.get_rank(group)]
@@ -145,14 +148,14 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
     branch_on = not is_full_cover(bounds, layout.num_frames) and bool(inner)
     branch: LinearBranch = attn.linear_attention
     if shards.softmax_ranks and branch_on:
-        return _branch_split(attn, x, rope, ctx, shards, (r0, r1), inner)
+        return _branch_split(attn, x, rope, ctx, shards, (r0, r1), inner, run)
 
     def to_heads(t):
         return rows_to_heads(t, rows, heads, group)
 
     gate = attn.softmax_gate(x)  # [t_r, H]
     q_raw, k_raw, v = attn.project(x)
-    q, k = attn.normed_rotated(q_raw, k_raw, rope)
+    q, k = attn.normed_rotated(q_raw, k_raw, rope, run.blocks_fused)
     v = to_heads(v)
     soft = window_softmax(
         to_heads(q),
@@ -165,7 +168,7 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
         precision=ctx.precision,
     )
     del q, k
-    out = _softmax_output(attn, heads_to_rows(soft, rows, heads, group), gate)
+    out = _softmax_output(attn, heads_to_rows(soft, rows, heads, group), gate, run)
     del soft
     if not branch_on:
         return out
@@ -173,32 +176,32 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards) -> torch
     beta = to_heads(torch.nn.functional.linear(x, branch.beta_proj.weight)[..., None])[..., 0]  # [T, h_r]
     down = gather_rows(branch.output_gate.down(x), rows, group)
     sums = _frame_sums(x, (start, stop), (r0, r1), layout.tokens_per_frame, len(inner), group)
-    placed = _readout_on_heads(branch, ctx, mine, (q_raw, k_raw, v), beta, sums, down, (r0, r1), inner, x.dtype)
+    placed = _readout_on_heads(branch, ctx, mine, (q_raw, k_raw, v), beta, sums, down, (r0, r1), inner, x.dtype, run)
     del q_raw, k_raw, v
     return _add_branch_output(attn, out, heads_to_rows(placed, rows, heads, group), (start, stop), (r0, r1))
 
 
-def _readout_on_heads(branch, ctx: HybridContext, heads, qkv_raw, beta, sums, down, branch_rows, inner, dtype):
+def _readout_on_heads(branch, ctx: HybridContext, heads, qkv_raw, beta, sums, down, branch_rows, inner, dtype, run):
     """The linear branch on whole sequences of ``heads``: raw q, k, v ``[T, h, d]`` and β's pre-activations
     ``[T, h]`` of those heads, the frame sums (``_frame_sums``) and every row's output-gate bottleneck ``[T, b]``;
     its readout placed in ``[T, h, d]`` rows of ``dtype`` (zero outside the branch's rows), ready to go back to the
     rows' owners."""
     q_raw, k_raw, v = qkv_raw
     (r0, r1), (t0, t1), layout = branch_rows, ctx.text, ctx.layout
-    seed = branch.text_state(None, k_raw[t0:t1], v[t0:t1], heads, beta[t0:t1]) if t1 > t0 else None
+    seed = branch.text_state(None, k_raw[t0:t1], v[t0:t1], heads, beta[t0:t1], run) if t1 > t0 else None
     given = GivenRowInputs(branch, beta[r0:r1], sums / layout.tokens_per_frame, down[r0:r1])
     grid = (layout.frame_h, layout.frame_w)
-    readout = branch(given, q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads)
+    readout = branch(given, q_raw[r0:r1], k_raw[r0:r1], v[r0:r1], grid, inner, seed, heads, run)
     placed = readout.new_zeros(q_raw.shape[0], heads.stop - heads.start, q_raw.shape[-1], dtype=dtype)
     placed[r0:r1] = readout.view(r1 - r0, -1, q_raw.shape[-1])
     return placed
 
 
-def _softmax_output(attn, soft, gate) -> torch.Tensor:
+def _softmax_output(attn, soft, gate, run: RunOptions) -> torch.Tensor:
     """This rank's rows of the softmax side's output: ``soft`` ``[t_r, H, d]`` back on the rows, gated by ``gate``
     ``[t_r, H]`` and through ``out_proj``, all heads at once."""
-    quantized = attn.fused is not None and hasattr(attn.out_proj, "part")
-    attended = block_fused.gate_heads_input(attn.fused, soft, gate, quantized)
+    quantized = run.blocks_fused is not None and hasattr(attn.out_proj, "part")
+    attended = block_fused.gate_heads_input(run.blocks_fused, soft, gate, quantized)
     return add_linear_cols(None, attn.out_proj, attended, 0, attn.heads * attn.head_dim)
 
 
@@ -225,7 +228,7 @@ def _frame_sums(x, mine, branch_rows, S, frames, group) -> torch.Tensor:
     return sums
 
 
-def _branch_split(attn, x, rope, ctx: HybridContext, shards, branch_rows, inner) -> torch.Tensor:
+def _branch_split(attn, x, rope, ctx: HybridContext, shards, branch_rows, inner, run: RunOptions) -> torch.Tensor:
     """The hybrid attention under VDN-H3's branch split: the first ``shards.softmax_ranks`` ranks run the window
     softmax of their ``softmax_heads``, the others the linear branch of their ``branch_heads``. Every rank owns rows:
     it projects them once and sends, in one uneven all-to-all, q, k (normed, rotated) and v of each softmax rank's
@@ -242,7 +245,7 @@ def _branch_split(attn, x, rope, ctx: HybridContext, shards, branch_rows, inner)
 
     gate = attn.softmax_gate(x)
     q_raw, k_raw, v = attn.project(x)
-    q, k = attn.normed_rotated(q_raw, k_raw, rope)
+    q, k = attn.normed_rotated(q_raw, k_raw, rope, run.blocks_fused)
     beta = torch.nn.functional.linear(x, branch.beta_proj.weight)
     down = branch.output_gate.down(x)
     sums = _frame_sums(x, (start, stop), (r0, r1), layout.tokens_per_frame, len(inner), group)
@@ -272,10 +275,10 @@ def _branch_split(attn, x, rope, ctx: HybridContext, shards, branch_rows, inner)
     else:
         qkv = tuple(got[:, i * count * d : (i + 1) * count * d].reshape(T, count, d) for i in range(3))
         beta_h, down_all = got[:, 3 * count * d : 3 * count * d + count], got[:, 3 * count * d + count :]
-        mine = _readout_on_heads(branch, ctx, h, qkv, beta_h, sums, down_all, (r0, r1), inner, x.dtype)
+        mine = _readout_on_heads(branch, ctx, h, qkv, beta_h, sums, down_all, (r0, r1), inner, x.dtype, run)
     del got
     back = exchange_blocks(
         [mine[a:b].contiguous() for a, b in rows], [(t_me, s.stop - s.start, d) for s in heads_of], group
     )
-    out = _softmax_output(attn, torch.cat(back[:n], 1), gate)
+    out = _softmax_output(attn, torch.cat(back[:n], 1), gate, run)
     return _add_branch_output(attn, out, torch.cat(back[n:], 1), (start, stop), (r0, r1))

@@ -29,7 +29,7 @@ from ..errors import H3InputError
 from ..triton_forms import COMPILE_MODES, CompiledForm
 from .branch_fused import compiled_branch_available
 from .hybrid import RELEASE_WINDOW, HybridContext, hybrid_attention_forward
-from .run_options import fuse_branches
+from .options import PLAIN, RunOptions
 
 __all__ = [
     "NATIVE_SEGMENT_KINDS",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_UNSET = object()
+_BRANCH_COMPILED = RunOptions(branches_fused="compiled")
 
 # The segment kinds the native layout publishes; every kind but the target video is a global row.
 NATIVE_SEGMENT_KINDS = ("text", "cond", "cond_audio", "ref_img", "ref_audio", "audio", "video")
@@ -152,9 +152,6 @@ class NativeAttentionSource:
     dtype, else None for the plain form. ``cast_weight``: how the host brings a layer's weight to the input's
     device (it may hold it elsewhere)."""
 
-    fused = None  # the block's own projections run as the host runs them: no pack kernels on them
-    head_groups = 1
-
     def __init__(self, attn: nn.Module, parts: nn.Module, norm_rope: NormRope | None, cast_weight: CastWeight | None):
         self.native = attn
         self.heads, self.head_dim = int(attn.heads), int(attn.head_dim)
@@ -174,7 +171,7 @@ class NativeAttentionSource:
         a, b = heads.start * d, heads.stop * d
         return tuple(source[:, i * inner + a : i * inner + b].view(T, -1, d) for i in range(3))
 
-    def normed_rotated(self, q_raw, k_raw, table):
+    def normed_rotated(self, q_raw, k_raw, table, fused=None):
         device = q_raw.device
         qw, kw = self._cast(self.native.q_norm.weight, device), self._cast(self.native.k_norm.weight, device)
         eps = float(self.native.q_norm.eps)
@@ -267,25 +264,19 @@ class NativeVDN:
         self.compiled_form = CompiledForm(
             "the compiled VDN-H3 patch failed", "its attention runs the plain path"
         )  # fmt: skip
-        self._branch_mode: object = _UNSET  # whatever the branch's modules hold until the first call sets it
-
-    def _branch_in(self, mode: str | None) -> None:
-        if mode != self._branch_mode:
-            fuse_branches(self.branch, mode)
-            self._branch_mode = mode
 
     def run(self, source, h, rope, ctx):
         """``hybrid_attention_forward(source, h, rope, ctx)``: compiled where it may, else plain."""
 
+        # the block's own projections run as the host runs them (no pack kernels on them); the branch fused
+        fused = _BRANCH_COMPILED if compiled_branch_available(h.device) else PLAIN
+
         def compiled():
-            self._branch_in("compiled" if compiled_branch_available(h.device) else None)
-            return hybrid_attention_forward(source, h, rope, ctx)
+            return hybrid_attention_forward(source, h, rope, ctx, fused)
 
-        def plain():
-            self._branch_in(None)
-            return hybrid_attention_forward(source, h, rope, ctx)
-
-        return self.compiled_form.run(compiled, plain, allowed=self.settings.compile == "auto")
+        return self.compiled_form.run(
+            compiled, lambda: hybrid_attention_forward(source, h, rope, ctx), allowed=self.settings.compile == "auto"
+        )
 
     def layout_for(self, native_layout) -> NativeLayout:
         """The window softmax's layout for the native layout of the running evaluation (read once per layout)."""

@@ -77,14 +77,15 @@ class RankGroup:
         return SequenceShards.of(rows, heads, self.group, inner, split)
 
 
-def ulysses_attention(attn, x: torch.Tensor, rope, rows, heads, group=None) -> torch.Tensor:
+def ulysses_attention(attn, x: torch.Tensor, rope, rows, heads, group=None, run=None) -> torch.Tensor:
     """An H3 ``Attention``'s forward with the sequence's rows split across the ranks of ``group``: this rank's rows
     ``x`` ``[t_r, hidden]`` and their RoPE ``rope`` (cos, sin ``[t_r, n]``, or None) → its rows of the output.
     q, k and v are projected and q and k normed and rotated where the rows are, exchanged to every row of this rank's
     heads (``rows``: ``sharding.row_shards``, ``heads``: ``sharding.head_ranges``), attended, exchanged back, and
-    ``out_proj`` runs on the rows: per row and per head the single process's arithmetic."""
+    ``out_proj`` runs on the rows: per row and per head the single process's arithmetic. ``run``: the evaluation's
+    ``RunOptions`` (its ``blocks_fused`` mode for the q/k norm and RoPE), None for the plain ops."""
     q, k, v = attn.project(x)
-    q, k = attn.normed_rotated(q, k, rope)
+    q, k = attn.normed_rotated(q, k, rope, None if run is None else run.blocks_fused)
     q, k, v = (rows_to_heads(t, rows, heads, group) for t in (q, k, v))
     attended = heads_to_rows(dense_attention(q, k, v).out, rows, heads, group)
     return attn.out_proj(attended.reshape(attended.shape[0], -1))

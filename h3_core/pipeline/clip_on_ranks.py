@@ -100,7 +100,7 @@ class ClipOnRanks:
         model = rank_model(self.source, first, state)
         request = dict(self.request)
 
-        def fit(packed) -> None:
+        def fit(packed):
             ranks = dist.get_world_size()
             shares = rank_shares(model.cfg, int(packed.positions.shape[0]), ranks, self.softmax_ranks)
             state["fitted"] = place_for_run(
@@ -116,6 +116,7 @@ class ClipOnRanks:
                 attention_precision=request.get("attention_precision", "bf16"),
             )
             receive_weights(model, device)
+            return state["fitted"].options
 
         request.update(
             device=device,

@@ -23,6 +23,7 @@ from ..attention.layout import WindowSpec
 from ..attention.window import check_precision
 from ..errors import H3InputError
 from ..models.hybrid import RELEASE_WINDOW, HybridContext
+from ..models.options import PLAIN, RunOptions
 from ..parallel.ulysses import RankGroup
 from ..triton_forms import check_compile
 from .geometry import audio_latents, check_canvas, check_frames, latent_frames
@@ -64,7 +65,7 @@ def generate(
     window: WindowSpec = RELEASE_WINDOW,
     backend: str = "auto",
     attention_precision: str = "bf16",
-    before_sampling: Callable[[PackedSequence], None] | None = None,
+    before_sampling: Callable[[PackedSequence], RunOptions | None] | None = None,
     compile: str = "auto",
     noise: str = "released",
     preview: Callable[[int, int, torch.Tensor], None] | None = None,
@@ -87,11 +88,12 @@ def generate(
     ``ranks``: run every evaluation across the ranks of a ``parallel.RankGroup`` (every rank calls this with the
     same arguments and returns the same latents); None runs it in this process alone.
     ``before_sampling(packed)`` is called once the request is packed, before the first evaluation (e.g. to fit
-    the model to the device for that sequence). ``compile`` (``"auto"`` / ``"off"``): ``"off"`` runs every
-    evaluation on the plain path, no ``torch.compile`` and no Triton kernel (``block_fused.evaluate``); give
-    ``placement.place_for_run`` the same. Runs under inference mode whatever the caller's grad state (a model
-    fresh from its constructor included). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space,
-    fp32."""
+    the model to the device for that sequence): the ``RunOptions`` it returns (a placement's
+    ``FittedModel.options``) are given to every evaluation, None runs them plain. ``compile`` (``"auto"`` /
+    ``"off"``): ``"off"`` runs every evaluation on the plain path, no ``torch.compile`` and no Triton kernel
+    (``run_options.Evaluations``); give ``policy.place_for_run`` the same. Runs under inference mode whatever the
+    caller's grad state (a model fresh from its constructor included). Returns ``(video [24, T, h, w], audio [2,
+    32, Ta])`` in model space, fp32."""
     check_compile(compile)
     check_noise(noise)
     check_precision(attention_precision, backend)
@@ -199,7 +201,7 @@ def generate_ref2va(
     window: WindowSpec = RELEASE_WINDOW,
     backend: str = "auto",
     attention_precision: str = "bf16",
-    before_sampling: Callable[[PackedSequence], None] | None = None,
+    before_sampling: Callable[[PackedSequence], RunOptions | None] | None = None,
     compile: str = "auto",
     reference_audio_t: float = REFERENCE_AUDIO_T,
     noise: str = "released",
@@ -311,8 +313,7 @@ def _sample(
     if ranks is not None:
         hybrid = ranks.shards(packed.positions.shape[0], model.cfg.heads, hybrid)
     reference_audio = sum(int(rows.shape[0]) for rows in audio_refs)
-    if before_sampling is not None:
-        before_sampling(packed)
+    run = before_sampling(packed) if before_sampling is not None else None
     video_rows, audio_rows = denoise(
         model,
         packed,
@@ -333,6 +334,7 @@ def _sample(
         sigmas=sigmas,
         solver=solver,
         video_size=(T, h, w) if padded != (h, w) else None,
+        run=PLAIN if run is None else run,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, *padded)[:, :, :h, :w]

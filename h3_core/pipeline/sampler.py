@@ -4,14 +4,15 @@ the conditioning and reference rows held where they are (only generated rows are
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from ..errors import H3InputError
 from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
-from ..models.run_options import evaluate, options_changed
+from ..models.options import PLAIN, RunOptions
+from ..models.run_options import Evaluations
 from ..triton_forms import check_compile
 from .carried_audio import carried_clean, from_carried, to_carried
 from .masks import MaskedStart, masked_euler_step, masked_input, masked_row_timesteps
@@ -52,6 +53,7 @@ def denoise(
     sigmas: torch.Tensor | None = None,
     solver: Solver | None = None,
     video_size: tuple[int, int, int] | None = None,
+    run: RunOptions = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
 
@@ -61,11 +63,11 @@ def denoise(
         video_rows: conditioning rows (``packed.condition_rows`` of them) then the noisy target rows.
         audio_rows: reference rows (``condition_audio_rows``) then the noisy target rows; the reference rows run
             at ``max(t_audio, condition_audio_t)`` (1 unless the references were mixed with noise).
-        progress: ``progress(step, steps)`` after every step; check_cancel: before every evaluation and, for a
-            model with a ``check_cancel`` slot (``H3DiT``), before every block; it raises to stop.
+        progress: ``progress(step, steps)`` after every step; check_cancel: before every evaluation and, for an
+            ``H3DiT``, before every block (``RunOptions.check_cancel``); it raises to stop.
         hybrid: a ``HybridContext`` passed to the model as ``hybrid=`` (VDN-H3); None passes nothing.
         compile: ``"auto"`` or ``"off"`` (``triton_forms.COMPILE_MODES``): each evaluation runs through
-            ``block_fused.evaluate``, on the plain path when ``"off"`` or once the compiled path has failed.
+            ``run_options.Evaluations``, on the plain path when ``"off"`` or once the compiled path has failed.
         preview: ``preview(step, steps, frame)`` after every step, ``frame`` the step's clean estimate of the
             clip's middle latent frame, ``[24, 1, h, w]`` fp32 (what a live preview shows).
         start: held latents and denoise masks for the generated rows (``masks``); None generates everything.
@@ -81,6 +83,7 @@ def denoise(
         video_size: the target's latent ``(frames, height, width)`` where it is not whole patches: its rows are on
             the padded grid, and the padding is made again from the latent before every evaluation, as native H3
             pads the latent it is given (``packing.repad_rows``); None when it divides.
+        run: the ``RunOptions`` every evaluation of an ``H3DiT`` is given (a placement's, ``FittedModel.options``).
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
     """
@@ -95,17 +98,17 @@ def denoise(
             raise H3InputError(
                 "start: extending or inpainting runs with the released sampler; disconnect the sampler input"
             )
-        run = _Run(model, packed, text_rows, video_rows, audio_rows, condition_audio_rows, compile, hybrid, video_size)
-        with _per_block_cancel(model, check_cancel):
-            return run.solve(
-                solver,
-                video_sigmas,
-                (float(video_shift), float(audio_shift)),
-                condition_audio_t,
-                progress,
-                check_cancel,
-                preview,
-            )
+        evaluations = Evaluations(model, _with_cancel(run, check_cancel), compile)
+        solving = _Run(evaluations, packed, text_rows, video_rows, audio_rows, condition_audio_rows, hybrid, video_size)
+        return solving.solve(
+            solver,
+            video_sigmas,
+            (float(video_shift), float(audio_shift)),
+            condition_audio_t,
+            progress,
+            check_cancel,
+            preview,
+        )
     video_ts, audio_ts = timesteps_of(video_sigmas), timesteps_of(audio_sigmas)
     n = min(len(video_ts), len(audio_ts))  # equal unless a strong shift collapsed grid points
     cv, ca = packed.condition_rows, condition_audio_rows
@@ -140,32 +143,34 @@ def denoise(
     ]
     if getattr(model, "adaln_on_host", False):  # the blocks' AdaLN tables for the whole run, made once
         prepare_adaln_tables(model, [timesteps for timesteps, _ in steps_timesteps], video_rows.device)
-    run = _Run(model, packed, text_rows, video_rows, audio_rows, ca, compile, hybrid)
+    stepping = _Run(
+        Evaluations(model, _with_cancel(run, check_cancel), compile), packed, text_rows, video_rows, audio_rows, ca,
+        hybrid,
+    )  # fmt: skip
     try:
-        with _per_block_cancel(model, check_cancel):
-            for i, (timesteps, index) in enumerate(steps_timesteps):
-                if check_cancel is not None:
-                    check_cancel()
-                if video_size is not None:
-                    video_rows[cv:] = repad_rows(video_rows[cv:], *video_size)
-                video_in, audio_in = video_rows, audio_rows
-                if start is not None:
-                    video_in, audio_in = video_rows.clone(), audio_rows.clone()
-                    video_in[cv:] = masked_input(video_rows[cv:], *held_video)
-                    audio_in[ca:] = masked_input(audio_rows[ca:], *held_audio)
-                v_video, v_audio = run.velocities(video_in, audio_in, timesteps, index)
-                frame = None
-                if preview is not None:
-                    mid = _middle_rows(packed)
-                    frame = _as_frame(
-                        packed, clean_estimate(video_in[cv:][mid].float(), v_video[cv:][mid].float(), video_ts[i])
-                    )
-                video_rows[cv:] = _step(video_rows, video_in, v_video, cv, video_sigmas, video_ts, i, held_video)
-                audio_rows[ca:] = _step(audio_rows, audio_in, v_audio, ca, audio_sigmas, audio_ts, i, held_audio)
-                if progress is not None:
-                    progress(i + 1, n)
-                if preview is not None:
-                    preview(i + 1, n, frame)
+        for i, (timesteps, index) in enumerate(steps_timesteps):
+            if check_cancel is not None:
+                check_cancel()
+            if video_size is not None:
+                video_rows[cv:] = repad_rows(video_rows[cv:], *video_size)
+            video_in, audio_in = video_rows, audio_rows
+            if start is not None:
+                video_in, audio_in = video_rows.clone(), audio_rows.clone()
+                video_in[cv:] = masked_input(video_rows[cv:], *held_video)
+                audio_in[ca:] = masked_input(audio_rows[ca:], *held_audio)
+            v_video, v_audio = stepping.velocities(video_in, audio_in, timesteps, index)
+            frame = None
+            if preview is not None:
+                mid = _middle_rows(packed)
+                frame = _as_frame(
+                    packed, clean_estimate(video_in[cv:][mid].float(), v_video[cv:][mid].float(), video_ts[i])
+                )
+            video_rows[cv:] = _step(video_rows, video_in, v_video, cv, video_sigmas, video_ts, i, held_video)
+            audio_rows[ca:] = _step(audio_rows, audio_in, v_audio, ca, audio_sigmas, audio_ts, i, held_audio)
+            if progress is not None:
+                progress(i + 1, n)
+            if preview is not None:
+                preview(i + 1, n, frame)
     finally:
         if getattr(model, "adaln_on_host", False):
             clear_adaln_tables(model)
@@ -194,14 +199,9 @@ def _as_frame(packed: PackedSequence, clean_rows: torch.Tensor) -> torch.Tensor:
     return unpatchify(clean_rows.float().cpu(), 24, 1, 2 * layout.frame_h, 2 * layout.frame_w)
 
 
-@contextlib.contextmanager
-def _per_block_cancel(model, check_cancel):
-    """``check_cancel`` also before every block, for a model with the slot (``H3DiT``), within the block."""
-    if not (isinstance(model, torch.nn.Module) and check_cancel is not None):
-        yield
-        return
-    with options_changed(model, check_cancel=check_cancel):
-        yield
+def _with_cancel(run: RunOptions, check_cancel) -> RunOptions:
+    """``run`` with ``check_cancel`` also called before every block, within the evaluation."""
+    return run if check_cancel is None else replace(run, check_cancel=check_cancel)
 
 
 # the integrator given from outside: (denoised, x, video sigmas, on_step) -> final x (``denoise``'s ``solver``)
@@ -212,9 +212,9 @@ class _Run:
     """One request's fixed inputs, for evaluations at any σ."""
 
     def __init__(
-        self, model, packed, text_rows, video_rows, audio_rows, condition_audio_rows, compile, hybrid, video_size=None
+        self, evaluations, packed, text_rows, video_rows, audio_rows, condition_audio_rows, hybrid, video_size=None
     ):
-        self.model, self.packed, self.text_rows, self.compile = model, packed, text_rows, compile
+        self.evaluations, self.packed, self.text_rows = evaluations, packed, text_rows
         self.video_size = video_size
         self.video_rows, self.audio_rows, self.ca = video_rows, audio_rows, condition_audio_rows
         self.extra = {} if hybrid is None else {"hybrid": hybrid}
@@ -222,9 +222,7 @@ class _Run:
     def velocities(self, video_in, audio_in, timesteps, index):
         """One model evaluation of the whole sequence: (video velocity, audio velocity)."""
         packed, device = self.packed, video_in.device
-        return evaluate(
-            self.model,
-            self.compile,
+        return self.evaluations(
             video_in,
             audio_in,
             self.text_rows,
@@ -243,7 +241,7 @@ class _Run:
         nv = video.numel()
         first = float(video_sigmas[0])
         state = torch.cat([video.flatten(), to_carried(audio, first, *shifts).flatten()])[None]
-        host_tables = getattr(self.model, "adaln_on_host", False)
+        host_tables = getattr(self.evaluations.model, "adaln_on_host", False)
 
         def denoised(x, sigma):
             if check_cancel is not None:
@@ -261,12 +259,12 @@ class _Run:
                 packed, t_video, t_audio, condition_audio_rows=ca, condition_audio_t=max(t_audio, condition_audio_t)
             )
             if host_tables:  # the σ a solver asks for are not known ahead: this evaluation's tables only
-                prepare_adaln_tables(self.model, [timesteps], video_in.device)
+                prepare_adaln_tables(self.evaluations.model, [timesteps], video_in.device)
             try:
                 v_video, v_audio = self.velocities(video_in, audio_in, timesteps, index)
             finally:
                 if host_tables:
-                    clear_adaln_tables(self.model)
+                    clear_adaln_tables(self.evaluations.model)
             clean_video = clean_estimate(video_in[cv:].float(), v_video[cv:].float(), t_video)
             clean_audio = clean_estimate(audio_in[ca:].float(), v_audio[ca:].float(), t_audio)
             return torch.cat([clean_video.flatten(), carried_clean(clean_audio, *shifts).flatten()])[None].to(x.dtype)

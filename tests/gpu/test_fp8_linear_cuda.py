@@ -287,7 +287,7 @@ def test_one_step_of_a_reduced_dit_against_bf16(hybrid, fused):
     from h3_core.models.branch_fused import compiled_branch_available
     from h3_core.models.dit import DiTConfig, H3DiT
     from h3_core.models.hybrid import HybridContext
-    from h3_core.models.run_options import fuse_blocks
+    from h3_core.models.run_options import RunOptions
     from h3_core.pipeline.packing import pack_sequence
 
     if fused == "compiled" and not compiled_branch_available(DEV):
@@ -315,7 +315,7 @@ def test_one_step_of_a_reduced_dit_against_bf16(hybrid, fused):
     quantised, without = copy.deepcopy(model), copy.deepcopy(model)
     swapped = quantize_linears(quantised)
     assert swapped == 2 * (5 if hybrid else 4) + 4
-    fuse_blocks(quantised, fused)
+    run = RunOptions().fused(fused)  # the quantised model's evaluation only
     for module in quantised.modules():
         if isinstance(module, Fp8Linear):  # every swapped layer takes the _scaled_mm path
             row = torch.zeros(1, module.in_features, device=DEV, dtype=torch.bfloat16)
@@ -325,7 +325,7 @@ def test_one_step_of_a_reduced_dit_against_bf16(hybrid, fused):
             if isinstance(quantised.get_submodule(name), Fp8Linear):
                 module.weight.zero_()
         want = model(**args, hybrid=context)
-        got = quantised(**args, hybrid=context)
+        got = quantised(**args, hybrid=context, run=run)
         baseline = without(**args, hybrid=context)
     for got_part, want_part, baseline_part in zip(got, want, baseline):
         assert torch.isfinite(got_part).all()

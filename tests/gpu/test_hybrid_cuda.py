@@ -39,7 +39,7 @@ from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.linear_branch import LinearBranch
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory, apply_run_options, run_options_of
+from h3_core.models.run_options import PLAIN, RunOptions
 from h3_core.pipeline.packing import pack_sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -153,10 +153,12 @@ def inputs(case: Case, cfg: DiTConfig, seed: int = 0):
     return packed, x, temb, packed.tags.clone(), rope
 
 
-def forward(block, inp, ctx, device, dtype):
+def forward(block, inp, ctx, device, dtype, run=PLAIN):
     _, x, temb, rows, rope = inp
     with torch.no_grad():
-        return block(x.to(device, dtype), temb.to(device), rows.to(device), tuple(r.to(device) for r in rope), ctx)
+        return block(
+            x.to(device, dtype), temb.to(device), rows.to(device), tuple(r.to(device) for r in rope), ctx, run=run
+        )
 
 
 # ---- 1. the hybrid block in bf16 on every window backend against fp32 -----------------------------------
@@ -207,8 +209,8 @@ def test_hybrid_block_bf16_matches_fp32_reference_on_every_backend(case):
     assert torch.equal(outs["auto"], outs[resolved])  # auto ran exactly what it resolved to
     assert update_err(outs["decomposed"], outs["flex"], x) <= BF16_BACKEND_PAIR, errs
     # The lower-memory path (heads in groups, FFN in row chunks) rounds only the sum of the groups' shares.
-    apply_low_memory(fast, LowMemory(ffn_chunk_rows=37, head_groups=2))
-    grouped = forward(fast, inp, case.context(packed, "decomposed"), DEV, torch.bfloat16)
+    low_memory = RunOptions().with_low_memory(LowMemory(ffn_chunk_rows=37, head_groups=2))
+    grouped = forward(fast, inp, case.context(packed, "decomposed"), DEV, torch.bfloat16, low_memory)
     assert update_err(grouped, ref, x) <= BF16_BLOCK
     assert update_err(grouped, outs["decomposed"], x) <= BF16_BACKEND_PAIR
 
@@ -217,7 +219,6 @@ def test_hybrid_block_bf16_matches_fp32_reference_on_every_backend(case):
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_fused_hybrid_block_in_bf16_is_as_close_to_fp32_as_the_plain_block(case, mode):
     from h3_core.models.branch_fused import compiled_branch_available
-    from h3_core.models.run_options import fuse_blocks
 
     if mode == "compiled" and not compiled_branch_available(DEV):
         pytest.skip("needs Triton")
@@ -230,9 +231,8 @@ def test_fused_hybrid_block_in_bf16_is_as_close_to_fp32_as_the_plain_block(case,
     fast = on(base, DEV, torch.bfloat16)
     plain = forward(fast, inp, ctx, DEV, torch.bfloat16)
     library_mode, running = fused_eager.mode_for(mode)  # "eager": the fused functions as written
-    fuse_blocks(fast, library_mode)
     with running:
-        fused = forward(fast, inp, ctx, DEV, torch.bfloat16)
+        fused = forward(fast, inp, ctx, DEV, torch.bfloat16, RunOptions().fused(library_mode))
     assert fused.dtype == torch.bfloat16 and torch.isfinite(fused).all()
     # one rounding per fused chain instead of one per op: no worse than the plain block
     assert update_err(fused, ref, x) <= 1.1 * update_err(plain, ref, x) + 1e-4
@@ -393,13 +393,13 @@ def test_fused_branch_on_cuda_is_as_close_to_fp64_as_the_plain_branch(mode):
     def run(device, dtype, fused, heads_run=None):
         module = on(branch, device, dtype)
         fused, running = fused_eager.mode_for(fused)  # "eager": the fused functions as written
-        apply_run_options(module, replace(run_options_of(module), branches_fused=fused))
+        options = RunOptions(branches_fused=fused)
         sl = slice(0, heads) if heads_run is None else heads_run
         with running, torch.no_grad():
-            seed_state = module.text_state(*(t.to(device, dtype) for t in (tx, tk[:, sl], tv[:, sl])), heads_run)
-            return module(
-                *(t.to(device, dtype) for t in (x, q[:, sl], k[:, sl], v[:, sl])), grid, bounds, seed_state, heads_run
-            )
+            text = (t.to(device, dtype) for t in (tx, tk[:, sl], tv[:, sl]))
+            seed_state = module.text_state(*text, heads_run, run=options)
+            rows = (t.to(device, dtype) for t in (x, q[:, sl], k[:, sl], v[:, sl]))
+            return module(*rows, grid, bounds, seed_state, heads_run, run=options)
 
     gold = run(CPU, torch.float64, None)
     plain = run(DEV, torch.bfloat16, None)

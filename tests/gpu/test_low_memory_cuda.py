@@ -6,7 +6,7 @@ import torch
 from h3_core.models.dit import Block, DiTConfig, rope_cos_sin, rope_inv_freq
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory
+from h3_core.models.run_options import PLAIN, RunOptions
 from h3_core.pipeline.packing import pack_sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -32,12 +32,12 @@ def setup(hybrid):
     return block, (x, temb, packed.tags.to(DEV), rope, ctx)
 
 
-def extra_peak(block, args):
+def extra_peak(block, args, run=PLAIN):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     with torch.no_grad():
-        out = block(*args)
+        out = block(*args, run=run)
     torch.cuda.synchronize()
     return out, torch.cuda.max_memory_allocated() - base
 
@@ -46,8 +46,7 @@ def extra_peak(block, args):
 def test_head_groups_and_ffn_chunks_lower_the_peak_and_keep_the_output(hybrid):
     block, args = setup(hybrid)
     plain, plain_peak = extra_peak(block, args)
-    apply_low_memory(block, LowMemory(ffn_chunk_rows=2048, head_groups=4))
-    low, low_peak = extra_peak(block, args)
+    low, low_peak = extra_peak(block, args, RunOptions().with_low_memory(LowMemory(ffn_chunk_rows=2048, head_groups=4)))
     x = args[0]
     update = (plain.float() - x.float()).norm()
     assert (low.float() - plain.float()).norm() <= 1e-2 * update

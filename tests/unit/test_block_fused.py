@@ -1,6 +1,8 @@
 """The fused block path (h3_core.models.block_fused) equals the plain block, function by function and through
 the whole model, dense and hybrid."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,15 +11,32 @@ from tiny_dit import CFG, fp32_case, model, request
 
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
-from h3_core.models import block_fused, run_options
+from h3_core.models import block_fused
 from h3_core.models.dit import _gated_add_, _modulate_, _rotate, row_runs
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory
+from h3_core.models.run_options import RunOptions, check_run_options
 
 
 def rnd(*shape, seed=0, dtype=torch.float64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+@contextlib.contextmanager
+def runs_given(modules, position):
+    """A list that gets, for each call of one of ``modules`` in the ``with`` block, (the module, the ``RunOptions``
+    it was given: keyword ``run`` or the positional argument at ``position``)."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        seen.append((module, kwargs["run"] if "run" in kwargs else args[position]))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 ROWS = torch.tensor([0, 0, 0, 2, 2, 1, 1, 1, 1, 5, 5])
@@ -102,16 +121,27 @@ def test_a_fused_model_equals_the_plain_model(hybrid, options):
     m = model(hybrid)
     packed, args = request()
     ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
-    apply_low_memory(m, options)
+    run = RunOptions().with_low_memory(options)
+    blocks = list(m.blocks)
+    # Block is called positionally by H3DiT (run 6th), SwiGLU as mlp(h, run), LinearBranch with run 9th
     with torch.no_grad():
-        plain = m(*args, hybrid=ctx)
-        with fused_written(m):
-            assert all(b.fused == b.mlp.fused == "compiled" for b in m.blocks)
-            if hybrid:
-                assert all(b.attn.linear_attention.fused == "compiled" for b in m.blocks)
-            fused = m(*args, hybrid=ctx)
-        assert run_options.fuse_blocks(m, None) == CFG.layers
-        again = m(*args, hybrid=ctx)
+        plain = m(*args, hybrid=ctx, run=run)
+        with (
+            fused_written(run) as fused_run,
+            runs_given(blocks, 5) as block_runs,
+            runs_given([b.mlp for b in blocks], 1) as mlp_runs,
+            runs_given([b.attn.linear_attention for b in blocks if hybrid], 8) as branch_runs,
+        ):
+            fused = m(*args, hybrid=ctx, run=fused_run)
+        # every block and its FFN ran fused (and, hybrid, every linear branch), with the low-memory choices kept
+        assert [b for b, _ in block_runs] == blocks and [f for f, _ in mlp_runs] == [b.mlp for b in blocks]
+        assert all(r.blocks_fused == "compiled" and r.low_memory == options for _, r in block_runs + mlp_runs)
+        if hybrid:
+            assert {b for b, _ in branch_runs} == {b.attn.linear_attention for b in blocks}
+            assert all(r.branches_fused == "compiled" and r.low_memory == options for _, r in branch_runs)
+        with runs_given(blocks, 5) as block_runs:
+            again = m(*args, hybrid=ctx, run=run)
+        assert len(block_runs) == CFG.layers and all(r.blocks_fused is None for _, r in block_runs)
     for a, b in zip(fused, plain):
         assert (a - b).abs().max() <= 1e-11 * b.abs().max()
     for a, b in zip(again, plain):
@@ -128,13 +158,13 @@ def test_a_fused_fp8_model_equals_the_plain_fp8_model(hybrid):
     m.blocks[0].mlp.fc2.register_forward_pre_hook(lambda _, inputs: fc2_inputs.append(inputs[0]))
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        with fused_written(m):
-            fused = m(*args, hybrid=ctx)
+        with fused_written() as fused_run:
+            fused = m(*args, hybrid=ctx, run=fused_run)
     assert isinstance(fc2_inputs[-1], QuantizedRows) and not isinstance(fc2_inputs[0], QuantizedRows)
     for a, b in zip(fused, plain):  # fp32 sums rounded once: a code may flip where a product sits on a boundary
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.9999
 
 
 def test_a_bad_mode_is_named():
-    with pytest.raises(H3InputError, match=r"block fusion mode must be one of \(None, 'compiled'\), got 'on'"):
-        run_options.fuse_blocks(model(False), "on")
+    with pytest.raises(H3InputError, match=r"blocks_fused: got 'on'; allowed: \(None, 'compiled'\)"):
+        check_run_options(RunOptions().fused("on"), model(False))

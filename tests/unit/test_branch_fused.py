@@ -1,6 +1,7 @@
 """The fused linear-branch path (h3_core.models.branch_fused) equals the plain branch, piece by piece and
 through the whole model."""
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -12,16 +13,33 @@ from tiny_dit import CFG, model, request
 from h3_core.attention import WindowSpec
 from h3_core.attention.layout import window_bounds
 from h3_core.errors import H3InputError
-from h3_core.models import branch_fused, run_options
+from h3_core.models import branch_fused
 from h3_core.models.branch_math import featurize, frame_statistics
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import apply_low_memory, apply_run_options, run_options_of
+from h3_core.models.run_options import RunOptions, check_run_options
 
 
 def rnd(*shape, seed=0, dtype=torch.float64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+@contextlib.contextmanager
+def runs_given(modules, position):
+    """A list that gets, for each call of one of ``modules`` in the ``with`` block, (the module, the ``RunOptions``
+    it was given: keyword ``run`` or the positional argument at ``position``)."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        seen.append((module, kwargs["run"] if "run" in kwargs else args[position]))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # An irregular geometry: 7 frames of a 3×5 grid, 3 heads of 4 channels.
@@ -133,11 +151,11 @@ def test_the_fused_branch_equals_the_plain_branch(heads, frames_per_chunk):
     q, k, v = (rnd(FR * S, n, D, seed=s) for s in (8, 9, 10))
     bounds = window_bounds(FR, 1, 2)
     seed = rnd(n, D, D, seed=11) * 0.1
-    apply_run_options(m, replace(run_options_of(m), branch_frames=frames_per_chunk))
+    run = RunOptions(branch_frames=frames_per_chunk)
     with torch.no_grad():
-        plain = m(x, q, k, v, GRID, bounds, seed, heads)
-        with fused_written(m, blocks=False):
-            fused = m(x, q, k, v, GRID, bounds, seed, heads)
+        plain = m(x, q, k, v, GRID, bounds, seed, heads, run=run)
+        with fused_written(run, blocks=False) as fused_run:
+            fused = m(x, q, k, v, GRID, bounds, seed, heads, run=fused_run)
     assert fused.shape == plain.shape == (FR * S, n * D)
     assert (fused - plain).abs().max() <= 1e-12 * plain.abs().max()
 
@@ -147,14 +165,22 @@ def test_a_model_with_fused_branches_equals_the_plain_model(options):
     m = model(True)
     packed, args = request()
     ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4))
-    apply_low_memory(m, options)
+    run = RunOptions().with_low_memory(options)
+    branches = [b.attn.linear_attention for b in m.blocks]
     with torch.no_grad():
-        plain = m(*args, hybrid=ctx)
-        with fused_written(m, blocks=False):
-            assert all(b.attn.linear_attention.fused == "compiled" for b in m.blocks)
-            fused = m(*args, hybrid=ctx)
-        assert run_options_of(m).branches_fused is None and run_options.fuse_branches(m, None) == CFG.layers
-        again = m(*args, hybrid=ctx)
+        plain = m(*args, hybrid=ctx, run=run)
+        # the hybrid attention calls each branch with run 9th
+        with fused_written(run, blocks=False) as fused_run, runs_given(branches, 8) as branch_runs:
+            fused = m(*args, hybrid=ctx, run=fused_run)
+        assert {b for b, _ in branch_runs} == set(branches)
+        assert all(
+            r.branches_fused == "compiled" and r.blocks_fused is None and r.low_memory == options
+            for _, r in branch_runs
+        )
+        with runs_given(branches, 8) as branch_runs:
+            again = m(*args, hybrid=ctx, run=run)
+        assert {b for b, _ in branch_runs} == set(branches) and len(branches) == CFG.layers
+        assert all(r.branches_fused is None for _, r in branch_runs)
     for a, b in zip(fused, plain):
         assert (a - b).abs().max() <= 1e-12 * b.abs().max()
     for a, b in zip(again, plain):
@@ -179,8 +205,8 @@ def test_the_compiled_functions_equal_the_written_ones():
 
 
 def test_a_bad_mode_is_named():
-    with pytest.raises(H3InputError, match=r"fusion mode must be one of \(None, 'compiled'\), got 'fast'"):
-        run_options.fuse_branches(model(True), "fast")
+    with pytest.raises(H3InputError, match=r"branches_fused: got 'fast'; allowed: \(None, 'compiled'\)"):
+        check_run_options(replace(RunOptions(), branches_fused="fast"), model(True))
 
 
 def test_compiled_needs_cuda():

@@ -1,6 +1,6 @@
 """The way out of a broken compiler toolchain (h3_core.triton_forms): ``compile="off"`` runs the plain path, and a
 compiled function or Triton kernel that fails to compile or launch falls back to it once — for the DiT
-(``block_fused.evaluate``, through ``generate``), the flex window softmax and the video decoder — said in one
+(``run_options.Evaluations``, through ``generate``), the flex window softmax and the video decoder — said in one
 log line naming the cause, with the plain path's results and no retry later. The failures are injected as a
 machine without a C compiler raises them: ``torch.compile``'s inductor functions fail with dynamo's
 ``BackendCompilerFailed``; the hand-written kernels, run by Triton's CPU interpreter, with Triton's
@@ -81,6 +81,25 @@ def fresh(monkeypatch):
     monkeypatch.setattr(tiling, "compiles_on", lambda device: True)
 
 
+class BlockModes:
+    """The ``blocks_fused`` mode each evaluation of ``m`` (each call of the model) and each of its blocks ran in, as
+    given with the call (``H3DiT.forward(..., run=)``; a block takes the options as its 6th argument)."""
+
+    def __init__(self, m):
+        self.evaluations, self.blocks = [], []
+        m.register_forward_pre_hook(lambda model, args, kwargs: self.called(kwargs["run"]), with_kwargs=True)
+        for block in m.blocks:
+            block.register_forward_pre_hook(lambda block, args: self.blocks[-1].append(args[5].blocks_fused))
+
+    def called(self, run):
+        self.evaluations.append(run.blocks_fused)
+        self.blocks.append([])
+
+    def clear(self):
+        self.evaluations.clear()
+        self.blocks.clear()
+
+
 def broken_toolchain(monkeypatch, only=None) -> BrokenToolchain:
     toolchain = BrokenToolchain(torch.compile, only)
     monkeypatch.setattr(torch, "compile", toolchain)
@@ -106,13 +125,14 @@ PROMPT = PromptEmbedding(
 
 
 def sample(m, compile, modes=None, **options):
-    """A whole generation of the tiny fp64 DiT, set up for the run as the sampler node does."""
+    """A whole generation of the tiny fp64 DiT, set up for the run as the sampler node does (``modes``: gets the
+    mode the placement runs the blocks in)."""
 
     def fit(packed):
         fitted = placement.place_for_run(m, packed, "cpu", compile=compile)
         if modes is not None:
-            modes.append(m.blocks[0].fused)
-        return fitted
+            modes.append(fitted.options.blocks_fused)
+        return fitted.options
 
     with torch.no_grad():
         return generate(
@@ -127,20 +147,27 @@ def sample(m, compile, modes=None, **options):
 def test_a_failing_compile_falls_back_to_the_plain_path_once(fresh, monkeypatch, caplog, hybrid, only):
     m = model(hybrid)
     toolchain = broken_toolchain(monkeypatch, only)
-    modes = []
+    modes, ran = [], BlockModes(m)
     plain = sample(m, "off", modes)
     assert toolchain.compiled == [] and modes == [None]  # "off" never calls torch.compile
+    assert ran.evaluations == [None] * 3 and all(blocks == [None] * len(m.blocks) for blocks in ran.blocks)
+    ran.clear()
     with caplog.at_level(logging.WARNING):
         first = sample(m, "auto", modes)
     assert modes[-1] == "compiled" and toolchain.calls == 1
     assert equal(first, plain)  # bit for bit: the failed evaluation ran again, whole, on the plain path
     assert said_once(caplog, f"the compiled DiT path failed ({CAUSE}", "); this model runs the plain path from now on")
-    assert run_options.compile_failed(m) and all(b.fused is None for b in m.blocks)
+    assert run_options.compile_failed(m)
+    # the failed attempt compiled; its rerun and every later evaluation ran the blocks plain
+    assert ran.evaluations == ["compiled", None, None, None]
+    assert all(blocks == [None] * len(m.blocks) for blocks in ran.blocks[1:])
+    ran.clear()
     caplog.clear()
     compiled = len(toolchain.compiled)
     with caplog.at_level(logging.WARNING):
         again = sample(m, "auto", modes)
     assert equal(again, plain) and modes[-1] is None  # plain from the start: no retry, nothing said
+    assert ran.evaluations == [None] * 3 and all(blocks == [None] * len(m.blocks) for blocks in ran.blocks)
     assert toolchain.calls == 1 and len(toolchain.compiled) == compiled and warnings_said(caplog) == []
 
 
@@ -251,7 +278,7 @@ CHECK = textwrap.dedent(
     prompt = PromptEmbedding(torch.randn(4, 20, generator=torch.Generator().manual_seed(3)), torch.ones(4).long(),
                              features=20)
     def run(compile):
-        fit = lambda packed: placement.place_for_run(m, packed, "cpu", compile=compile)
+        fit = lambda packed: placement.place_for_run(m, packed, "cpu", compile=compile).options
         with torch.no_grad():
             return generate(m, prompt, frames=22, width=64, height=32, steps=2, seed=5, compile=compile,
                             before_sampling=fit)
@@ -357,8 +384,10 @@ def test_compiled_runs_leave_no_setting_changed(fresh):
     before = configs()
     m = model(False)
     plain = sample(m, "off")
-    fused = sample(m, "auto")
-    assert not run_options.compile_failed(m) and all(b.fused == "compiled" for b in m.blocks)
+    modes, ran = [], BlockModes(m)
+    fused = sample(m, "auto", modes)
+    assert not run_options.compile_failed(m) and modes == ["compiled"]
+    assert ran.evaluations == ["compiled"] * 3 and all(blocks == ["compiled"] * len(m.blocks) for blocks in ran.blocks)
     for a, b in zip(fused, plain, strict=True):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     q, k, v, layout, window = flex_inputs()

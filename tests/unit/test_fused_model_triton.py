@@ -16,9 +16,9 @@ CHECK = textwrap.dedent(
     compiled = []  # what would be handed to torch.compile: nothing, every fused function has its kernel
     torch.compile = lambda fn, **kwargs: compiled.append(fn) or fn
 
-    from h3_core.models import branch_fused, run_options
+    from h3_core.models import branch_fused
     from h3_core.models.low_memory import LowMemory
-    from h3_core.models.run_options import apply_low_memory
+    from h3_core.models.run_options import RunOptions
     from tiny_dit import fp32_case
 
     used = set()
@@ -44,11 +44,10 @@ CHECK = textwrap.dedent(
 
     fp8, groups = {fp8}, {groups}
     m, args, ctx = fp32_case(True, fp8)
-    apply_low_memory(m, LowMemory(head_groups=groups))
+    run = RunOptions().with_low_memory(LowMemory(head_groups=groups))
     with torch.no_grad():
-        plain = m(*args, hybrid=ctx)
-        run_options.fuse_blocks(m, "compiled")
-        fused = m(*args, hybrid=ctx)
+        plain = m(*args, hybrid=ctx, run=run)
+        fused = m(*args, hybrid=ctx, run=run.fused("compiled"))
     kernels = {{"qk_norm_rope", "conv_features", "readout", "scan", "gather", "small_inverse", "norm_modulate",
                "norm", "residual + norm", "gated_residual_", "shifted_gram", "spatial_conv"}}
     # an fp8 fc2 takes its input quantised as SiLU·up is formed, a bf16 one has it written in place; an fp8

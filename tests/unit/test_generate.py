@@ -209,7 +209,7 @@ def test_cancel_is_checked_before_every_block_and_stops_within_an_evaluation(dit
 
     with torch.no_grad(), pytest.raises(Cancelled):
         generate(dit, prompt(), frames=22, width=64, height=32, steps=3, seed=7, check_cancel=check_cancel)
-    assert len(calls) == 3 and dit.check_cancel is None
+    assert len(calls) == 3 and not hasattr(dit, "check_cancel")  # given with the call, never left on the model
 
 
 def test_a_prompt_of_the_wrong_width_is_named(dit):

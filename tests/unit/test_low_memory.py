@@ -1,6 +1,6 @@
 """The exact lower-memory paths (h3_core.models.low_memory) equal the plain path, dense and hybrid."""
 
-from dataclasses import replace
+import inspect
 
 import pytest
 import torch
@@ -11,7 +11,8 @@ from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory, head_slices
-from h3_core.models.run_options import apply_low_memory, apply_run_options, run_options_of
+from h3_core.models.options import PLAIN, RunOptions
+from h3_core.models.run_options import check_run_options
 
 
 def test_head_slices_cover_every_head_once():
@@ -41,10 +42,8 @@ def test_low_memory_paths_equal_the_plain_forward(hybrid, options):
     ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        apply_low_memory(m, options)
-        low = m(*args, hybrid=ctx)
-        apply_low_memory(m, LowMemory())
-        again = m(*args, hybrid=ctx)
+        low = m(*args, hybrid=ctx, run=RunOptions().with_low_memory(options))
+        again = m(*args, hybrid=ctx, run=RunOptions().with_low_memory(LowMemory()))
     for a, b in zip(low, plain):
         assert (a - b).abs().max() <= 1e-12 * b.abs().max()
     for a, b in zip(again, plain):
@@ -56,8 +55,7 @@ def test_low_memory_runs_on_fp8_linears(hybrid):
     m, args, ctx = fp32_case(hybrid)
     with torch.no_grad():
         plain = m(*args, hybrid=ctx)
-        apply_low_memory(m, LowMemory(ffn_chunk_rows=7, head_groups=2))
-        low = m(*args, hybrid=ctx)
+        low = m(*args, hybrid=ctx, run=RunOptions().with_low_memory(LowMemory(ffn_chunk_rows=7, head_groups=2)))
     # Rows of q/k/v and FFN chunks quantise as before; each head group's share of out_proj quantises its own
     # activations per row, so the two agree to fp8's precision, not exactly.
     for a, b in zip(low, plain):
@@ -70,37 +68,65 @@ def test_head_groups_share_one_quantisation_of_the_projection_input(hybrid, monk
     from h3_core.models.fp8_linear import QuantizedRows
 
     m, args, ctx = fp32_case(hybrid)
-    apply_low_memory(m, LowMemory(head_groups=3))
+    run = RunOptions().with_low_memory(LowMemory(head_groups=3))
     made = []
     shared = Attention.projection_input
     monkeypatch.setattr(Attention, "projection_input", lambda self, x: made.append(shared(self, x)) or made[-1])
     with torch.no_grad():
-        once = m(*args, hybrid=ctx)
+        once = m(*args, hybrid=ctx, run=run)
         assert made and all(isinstance(q, QuantizedRows) for q in made)
         monkeypatch.setattr(Attention, "projection_input", lambda self, x: x)  # each slice quantises x itself
-        each = m(*args, hybrid=ctx)
+        each = m(*args, hybrid=ctx, run=run)
     for a, b in zip(once, each):
         assert torch.equal(a, b)
 
 
+def runs_given(m, kind) -> dict:
+    """For each module of ``kind`` in ``m``, the ``run`` it is called with, call by call (a forward pre-hook)."""
+    seen = {}
+
+    def record(module, args, kwargs):
+        seen[module].append(inspect.signature(module.forward).bind(*args, **kwargs).arguments.get("run", PLAIN))
+
+    for module in m.modules():
+        if isinstance(module, kind):
+            seen[module] = []
+            module.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
+
+
 def test_every_block_takes_the_options():
+    from h3_core.models.dit import Attention, SwiGLU
+    from h3_core.models.linear_branch import LinearBranch
+
     m = model(True)
-    apply_low_memory(m, LowMemory(ffn_chunk_rows=128, head_groups=3, branch_frames=5))
-    assert all(b.mlp.chunk_rows == 128 and b.attn.head_groups == 3 for b in m.blocks)
-    assert all(b.attn.linear_attention.statistics_frames == 5 for b in m.blocks)
-    assert all(b.mlp.chunk_rows == 128 and b.attn.head_groups == 3 for b in m.token_refiner.blocks)
+    packed, args = request()
+    ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4))
+    attentions, ffns, branches = (runs_given(m, kind) for kind in (Attention, SwiGLU, LinearBranch))
+    run = RunOptions().with_low_memory(LowMemory(ffn_chunk_rows=128, head_groups=3, branch_frames=5))
+    with torch.no_grad():
+        m(*args, hybrid=ctx, run=run)
+    # every block's and every refiner block's attention and FFN, and every block's linear branch (once a head
+    # group), ran with them
+    blocks = len(m.blocks) + len(m.token_refiner.blocks)
+    assert len(attentions) == len(ffns) == blocks and len(branches) == len(m.blocks)
+    assert all(len(runs) == 1 for runs in [*attentions.values(), *ffns.values()])
+    assert all(len(runs) == 3 for runs in branches.values())
+    assert all(r.ffn_chunk_rows == 128 and r.head_groups == 3 for runs in attentions.values() for r in runs)
+    assert all(r.ffn_chunk_rows == 128 and r.head_groups == 3 for runs in ffns.values() for r in runs)
+    assert all(r.branch_frames == 5 for runs in branches.values() for r in runs)
 
 
 def test_bad_options():
     m = model(False)
     with pytest.raises(H3InputError, match=r"head_groups must be between 1 and the model's 3 heads, got 4"):
-        apply_low_memory(m, LowMemory(head_groups=4))
+        check_run_options(RunOptions().with_low_memory(LowMemory(head_groups=4)), m)
     with pytest.raises(H3InputError, match=r"head_groups must be between 1 and the model's 3 heads, got 0"):
-        apply_low_memory(m, LowMemory(head_groups=0))
+        check_run_options(RunOptions().with_low_memory(LowMemory(head_groups=0)), m)
     with pytest.raises(H3InputError, match=r"ffn_chunk_rows must be a positive number of rows or None, got 0"):
-        apply_low_memory(m, LowMemory(ffn_chunk_rows=0))
+        check_run_options(RunOptions().with_low_memory(LowMemory(ffn_chunk_rows=0)), m)
     with pytest.raises(H3InputError, match=r"branch_frames must be a positive number of frames or None, got -1"):
-        apply_low_memory(m, LowMemory(branch_frames=-1))
+        check_run_options(RunOptions().with_low_memory(LowMemory(branch_frames=-1)), m)
 
 
 def test_modulation_by_runs_is_the_gathered_form_bit_for_bit():
@@ -136,8 +162,7 @@ def test_final_layer_in_row_chunks_is_the_whole_rows_result():
     packed, args = request()
     with torch.no_grad():
         whole = m(*args)
-        apply_run_options(m, replace(run_options_of(m), final_chunk_rows=5))
-        chunked = m(*args)
+        chunked = m(*args, run=RunOptions(final_chunk_rows=5))
     for a, b in zip(chunked, whole):  # the heads' GEMMs may sum in another order for fewer rows
         assert (a - b).abs().max() <= 1e-12 * b.abs().max()
 

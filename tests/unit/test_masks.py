@@ -130,10 +130,14 @@ def seen_timesteps(dit, **kwargs):
     no conditioning or reference rows), as the DiT is given them."""
     seen, real = [], dit.forward
 
-    def recording(video_rows, audio_rows, text_rows, timesteps, index, tags, positions, video_index, audio_index, *a):
+    def recording(
+        video_rows, audio_rows, text_rows, timesteps, index, tags, positions, video_index, audio_index, *a, **kw
+    ):
         per_row = timesteps[index]
         seen.append((per_row[video_index].clone(), per_row[audio_index].clone()))
-        return real(video_rows, audio_rows, text_rows, timesteps, index, tags, positions, video_index, audio_index, *a)
+        return real(
+            video_rows, audio_rows, text_rows, timesteps, index, tags, positions, video_index, audio_index, *a, **kw
+        )
 
     dit.forward = recording
     try:

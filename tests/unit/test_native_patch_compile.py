@@ -4,6 +4,7 @@ within fp64 rounding; a compiled function that fails to compile falls back once,
 path, whose result it then gives bit for bit, and never retries; ``"off"`` never calls ``torch.compile``. The
 failures are injected as in ``test_compile_fallback``: a machine without a C compiler."""
 
+import contextlib
 import logging
 
 import pytest
@@ -35,8 +36,22 @@ def evaluate(native, branch, vdn, seed=1):
         return native([video, audio], torch.tensor([600.0]), text, options)
 
 
-def branch_modes(branch) -> set:
-    return {block.attn.linear_attention.fused for block in branch.transformer_blocks}
+@contextlib.contextmanager
+def branch_modes(branch):
+    """A list that gets the ``branches_fused`` mode of every call of ``branch``'s linear branches in the ``with``
+    block, in order (the hybrid attention gives each its ``RunOptions`` 9th)."""
+    modes = []
+
+    def hook(_, args, kwargs):
+        modes.append((kwargs["run"] if "run" in kwargs else args[8]).branches_fused)
+
+    branches = [block.attn.linear_attention for block in branch.transformer_blocks]
+    handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in branches]
+    try:
+        yield modes
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def patch(native, branch, compile):
@@ -47,10 +62,12 @@ def test_auto_runs_the_fused_branch_equal_to_the_plain_path(compiles_here, monke
     native, branch = models
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(fn) or fn)  # compiling works
-    plain = evaluate(native, branch, patch(native, branch, "off"))
-    assert compiled == [] and branch_modes(branch) == {None}
-    fused = evaluate(native, branch, patch(native, branch, "auto"))
-    assert compiled and branch_modes(branch) == {"compiled"}
+    with branch_modes(branch) as modes:
+        plain = evaluate(native, branch, patch(native, branch, "off"))
+    assert compiled == [] and set(modes) == {None}
+    with branch_modes(branch) as modes:
+        fused = evaluate(native, branch, patch(native, branch, "auto"))
+    assert compiled and set(modes) == {"compiled"}
     for got, want in zip(fused, plain, strict=True):
         assert (got - want).abs().max() <= 1e-12 * want.abs().max()
         assert not torch.equal(got, want)  # the fused form's own order of additions: another path ran
@@ -61,9 +78,11 @@ def test_a_failing_compile_falls_back_to_the_plain_path_once(compiles_here, monk
     toolchain = broken_toolchain(monkeypatch)
     plain = evaluate(native, branch, patch(native, branch, "off"))
     vdn = patch(native, branch, "auto")
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING), branch_modes(branch) as modes:
         first = evaluate(native, branch, vdn)
-    assert toolchain.calls == 1 and vdn.compiled_form.failed and branch_modes(branch) == {None}
+    # from the fallback on, the branches run plain
+    assert toolchain.calls == 1 and vdn.compiled_form.failed and modes[-1] is None
+    assert "compiled" not in modes[modes.index(None) :]
     assert all(torch.equal(a, b) for a, b in zip(first, plain, strict=True))
     assert said_once(
         caplog, f"the compiled VDN-H3 patch failed ({CAUSE}", "); its attention runs the plain path from now on"
@@ -94,9 +113,10 @@ def test_a_bad_compile_mode_is_named():
 
 def test_the_plain_default_off_cuda_sets_no_fused_form(fresh, models):  # noqa: F811
     native, branch = models
-    evaluate(native, branch, patch(native, branch, "auto"), seed=2)  # whatever an earlier patch left set
-    evaluate(native, branch, patch(native, branch, "auto"))  # the CPU does not compile: the plain ops run
-    assert branch_modes(branch) == {None}
+    with branch_modes(branch) as modes:
+        evaluate(native, branch, patch(native, branch, "auto"), seed=2)
+        evaluate(native, branch, patch(native, branch, "auto"))  # the CPU does not compile: the plain ops run
+    assert set(modes) == {None}
 
 
 def test_a_compile_of_the_host_blocks_leaves_the_hybrid_attention_out(models):

@@ -104,17 +104,15 @@ def test_bad_choices_are_named(model, packed, placement, memory, message):
 
 def test_the_host_is_asked_for_the_runs_activations_of_the_path_it_will_take(packed):
     from h3_core.memory.policy import fuse_for, working_bytes
-    from h3_core.models.run_options import fuse_blocks
 
     with torch.device("meta"):
         fresh = H3DiT(CFG).to(torch.bfloat16)
     shape = BlockShape.of(CFG, packed, torch.bfloat16)
     assert fuse_for(fresh, "cpu") is None  # no CUDA here: the plain path
     plain = evaluation_peak(CFG, shape, hybrid=True)["activations"]
-    assert working_bytes(fresh, packed) == int(plain)
-    fuse_blocks(fresh, "compiled")
+    assert working_bytes(fresh, packed, fused=fuse_for(fresh, "cpu")) == int(plain)
     fused = evaluation_peak(CFG, shape, hybrid=True, fused=True)["activations"]
-    assert working_bytes(fresh, packed) == int(fused) < plain
+    assert working_bytes(fresh, packed, fused="compiled") == int(fused) < plain
 
 
 def test_a_request_no_plan_fits_is_refused_with_what_it_needs(model, packed):

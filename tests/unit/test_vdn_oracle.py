@@ -21,7 +21,6 @@ What is compared:
 import contextlib
 import json
 import textwrap
-from dataclasses import replace
 
 import pytest
 import torch
@@ -36,7 +35,7 @@ from h3_core.formats.vdn import BranchWeights, branch_layouts
 from h3_core.models.dit import DiTConfig, HybridAttention
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch
-from h3_core.models.run_options import apply_run_options, run_options_of
+from h3_core.models.run_options import PLAIN, RunOptions
 
 DT = torch.float64
 EPS = 1e-6  # the L2 normalisation's and the readout RMSNorm's epsilon (§2 table, §3)
@@ -398,13 +397,15 @@ def test_branch_without_a_text_state_starts_from_zero():
     assert relative_error(got, want) <= TOL
 
 
-def _set_mode(branch, mode):
-    """Configure ``branch`` for one of its CPU paths; returns the context to run it in."""
-    if mode == "statistics in chunks of 2 frames":
-        apply_run_options(branch, replace(run_options_of(branch), branch_frames=2))
+@contextlib.contextmanager
+def _mode(mode):
+    """The ``RunOptions`` of one of the branch's CPU paths, yielded within the context it runs in."""
     if mode == "fused, as written":
-        return fused_written(branch, blocks=False)
-    return torch.no_grad()
+        with fused_written(blocks=False) as run:
+            yield run
+        return
+    with torch.no_grad():
+        yield RunOptions(branch_frames=2) if mode == "statistics in chunks of 2 frames" else PLAIN
 
 
 MODES = ["plain", "statistics in chunks of 2 frames", "fused, as written"]
@@ -424,11 +425,10 @@ def test_every_cpu_path_of_the_branch_matches_the_oracle(mode, heads):
     want = oracle_linear_branch(w, x, q, k, v, GRID, bounds, oracle_text_state(w, text_x, text_k, text_v))
     cols = slice(0, 4 * d) if heads is None else slice(heads.start * d, heads.stop * d)
     part = slice(None) if heads is None else heads
-    with _set_mode(branch, mode), torch.no_grad():
-        seed = branch.text_state(text_x, text_k[:, part], text_v[:, part], heads)
-        got = branch(
-            x, q[:, part].contiguous(), k[:, part].contiguous(), v[:, part].contiguous(), GRID, bounds, seed, heads
-        )
+    with _mode(mode) as run, torch.no_grad():
+        seed = branch.text_state(text_x, text_k[:, part], text_v[:, part], heads, run=run)
+        qkv = (t[:, part].contiguous() for t in (q, k, v))
+        got = branch(x, *qkv, GRID, bounds, seed, heads, run=run)
     assert relative_error(got, want[:, cols]) <= TOL
 
 
@@ -438,6 +438,7 @@ INTERPRETED = textwrap.dedent(
     torch.compile = lambda fn, **kwargs: fn  # the functions without a Triton form run as written
     from h3_core.models import branch_fused
     from h3_core.models.linear_branch import LinearBranch
+    from h3_core.models.options import RunOptions
 
     used = set()
     kernel_for = branch_fused.triton_kernel
@@ -451,11 +452,11 @@ INTERPRETED = textwrap.dedent(
     heads, d = case["heads"], case["d"]
     branch = LinearBranch(case["hidden"], heads, d, bottleneck=6)
     branch.load_state_dict(case["state"])
-    branch.fused = "compiled"
+    run = RunOptions(branches_fused="compiled")
     x, q, k, v, text_x, text_k, text_v = case["inputs"]
     with torch.no_grad():
-        seed = branch.text_state(text_x, text_k, text_v)
-        out = branch(x, q, k, v, tuple(case["grid"]), case["bounds"], seed)
+        seed = branch.text_state(text_x, text_k, text_v, run=run)
+        out = branch(x, q, k, v, tuple(case["grid"]), case["bounds"], seed, run=run)
     torch.save({{"out": out, "seed": seed, "used": sorted(used)}}, {out!r})
     print("OK")
     """
@@ -555,14 +556,15 @@ def test_hybrid_block_paths_match_the_oracle(setup, backend):
     attn, layout, x, cos, sin = hybrid_case(frames, seed=7)
     w = weights(attn)
     w["q_norm.eps"], w["k_norm.eps"] = attn.q_norm.eps, attn.k_norm.eps
-    if setup == "two head groups":
-        apply_run_options(attn, replace(run_options_of(attn), head_groups=2))
     want = oracle_hybrid(
         w, x, cos, sin, heads=HEADS, d=HEAD_DIM, text=TEXT, audio=AUDIO, frames=frames, grid=GRID, window=window
     )
-    fused = fused_written(attn) if setup == "fused, as written" else contextlib.nullcontext()
-    with fused, torch.no_grad():
-        got = attn(x, (cos, sin), HybridContext(layout, WindowSpec(*window), backend, (0, TEXT)))
+    if setup == "fused, as written":
+        path = fused_written()
+    else:
+        path = contextlib.nullcontext(RunOptions(head_groups=2) if setup == "two head groups" else PLAIN)
+    with path as run, torch.no_grad():
+        got = attn(x, (cos, sin), HybridContext(layout, WindowSpec(*window), backend, (0, TEXT)), run=run)
     assert relative_error(got, want) <= TOL
 
 
