@@ -110,10 +110,12 @@ def chosen_device(choice, host_default):
 
 def free_memory(device) -> int:
     """Device memory free for the pack by the host's rules: what ``get_free_memory`` reports (including memory
-    the host's allocator holds unused) less ``extra_reserved_memory()`` (``--reserve-vram``)."""
+    the host's allocator holds unused) less ``extra_reserved_memory()`` (``--reserve-vram``). Negative where what
+    the device holds already reaches into the reserve (a model read to it before the user's budget was counted):
+    added to that model's own bytes it gives the room the budget leaves it."""
     import comfy.model_management as mm
 
-    return max(int(mm.get_free_memory(device)) - int(mm.extra_reserved_memory()), 0)
+    return int(mm.get_free_memory(device)) - int(mm.extra_reserved_memory())
 
 
 def device_budget(device, keep=()) -> int:

@@ -136,21 +136,24 @@ def _first_device(parameters: int, dtype, offload: str, run_on: torch.device):
     host's rule for diffusion models (``unet_inital_load_device``: straight to the GPU when it has more memory free
     than the host and the weights fit, else host memory; the pack applies that rule itself where the host streams
     its own models with dynamic VRAM and answers host memory), the weights counted as the host counts them (values
-    × the dtype's size); for another device chosen on the loader, host memory, from where the host's model
+    × the dtype's size) and fitting the memory the user left the host (``--reserve-vram`` taken off, which the
+    host's rule does not do); for another device chosen on the loader, host memory, from where the host's model
     management loads it there. With blocks streamed always host memory, where they stream from."""
     import comfy.model_management as mm
 
+    cpu = torch.device("cpu")
     if offload == "stream blocks" or run_on != torch.device(mm.get_torch_device()):
-        return torch.device("cpu")
+        return cpu
+    size = parameters * dtype.itemsize
     chosen = torch.device(mm.unet_inital_load_device(parameters, dtype))
     if chosen.type == "cpu" and _host.dynamic_vram():
         # With dynamic VRAM (0.38) the host reads its own models to host memory and streams them from there; this
         # DiT is placed by the pack, so the host's earlier rule stays its rule
-        cpu = torch.device("cpu")
-        size = parameters * dtype.itemsize
         free_device, free_host = mm.get_free_memory(run_on), mm.get_free_memory(cpu)
         if free_device > free_host and size < free_device:
-            return run_on
+            chosen = run_on
+    if chosen.type != "cpu" and size >= _host.free_memory(run_on):
+        return cpu  # the weights would take the room the user reserved: host memory, and the plan streams them
     return chosen
 
 

@@ -103,7 +103,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             return placement.working
         # This model's weights already on the device count as room, whether or not the host has them on record
         # yet (a model the loader read straight to the GPU is not, before its first run).
-        room = _host.device_budget(device, keep=(self,)) + self._device_weight_bytes()
+        room = max(_host.device_budget(device, keep=(self,)) + self._device_weight_bytes(), 0)
         free_bytes = int(room * placement.room_share)
         plan = decide_placement(
             self.model,
@@ -165,7 +165,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             # The room for the run: with a full load what the device has free (less --reserve-vram) besides this
             # model's own weights; otherwise the weights the host allows plus the activations it reserved.
             if full_load or not lowvram_model_memory:
-                room = _host.free_memory(device) + self._device_weight_bytes()
+                room = max(_host.free_memory(device) + self._device_weight_bytes(), 0)
             else:
                 room = lowvram_model_memory + placement.working
             room = int(room * placement.room_share)

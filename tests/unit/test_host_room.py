@@ -58,5 +58,35 @@ def test_the_dit_goes_straight_to_the_gpu_by_the_hosts_earlier_rule_under_dynami
     monkeypatch.setattr(mm, "unet_inital_load_device", lambda parameters, dtype: torch.device("cpu"))
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None: (free_device if dev.type == "cuda" else 30) * GiB)
     monkeypatch.setattr(_host, "dynamic_vram", lambda: dynamic)
+    monkeypatch.setattr(mm, "extra_reserved_memory", lambda: 0)
     parameters = loaders.CheckpointFiles(path).parameters
     assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu).type == want
+
+
+@pytest.mark.parametrize("reserved_gib, want", [(70, "cuda"), (80 - 1 / 1024, "cpu")])
+def test_the_dit_goes_straight_to_the_gpu_only_within_the_memory_the_user_left(
+    pack,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    reserved_gib,
+    want,
+):
+    """Where the host's rule answers the GPU (it has more memory free than the host), the weights still have to
+    fit what ``--reserve-vram`` leaves: a budget narrowed below them reads them to host memory, from where the plan
+    streams them (the host's rule looks at the free memory alone)."""
+    import comfy.model_management as mm
+    import torch
+    from h3_hybrid.nodes import _host, loaders
+    from safetensors.torch import save_file
+
+    path = tmp_path / "dit.safetensors"
+    save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(path))  # 2 MiB of bf16
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(mm, "get_torch_device", lambda: gpu)
+    monkeypatch.setattr(mm, "unet_inital_load_device", lambda parameters, dtype: gpu)
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None: (80 if dev.type == "cuda" else 30) * GiB)
+    monkeypatch.setattr(mm, "extra_reserved_memory", lambda: int(reserved_gib * GiB))
+    monkeypatch.setattr(_host, "dynamic_vram", lambda: False)
+    parameters = loaders.CheckpointFiles(path).parameters
+    assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu).type == want
+    assert _host.free_memory(gpu) == int(80 * GiB) - int(reserved_gib * GiB)
