@@ -78,8 +78,10 @@ class CardSpeed:
         multiprocessors: int,
         clock_hz: float,
         host_copy_bytes_per_s: float | None = None,
+        copy_measured: bool = False,
     ) -> "CardSpeed":
-        """From the facts a card reports (``torch.cuda.get_device_properties``)."""
+        """From the facts a card reports (``torch.cuda.get_device_properties``); ``host_copy_bytes_per_s`` measured
+        on the card (``copy_measured``) or taken from elsewhere (a published rate), ``ASSUMED_HOST_COPY`` if None."""
         capability = tuple(capability)
         per_clock = TENSOR_OPS_PER_SM_CLOCK.get(capability)
         if per_clock is None:  # a newer card: the closest older capability's rate
@@ -88,7 +90,7 @@ class CardSpeed:
         if capability in GEFORCE_HALVED and "geforce" in name.lower():
             per_clock //= 2
         copy = ASSUMED_HOST_COPY if host_copy_bytes_per_s is None else host_copy_bytes_per_s
-        return cls(name, capability, per_clock * multiprocessors * clock_hz, copy, host_copy_bytes_per_s is not None)
+        return cls(name, capability, per_clock * multiprocessors * clock_hz, copy, copy_measured)
 
     @property
     def fp8(self) -> bool:
@@ -140,7 +142,7 @@ def _card_speed(index: int) -> CardSpeed:
     props = torch.cuda.get_device_properties(index)
     copy = measure_host_copy(torch.device("cuda", index))
     clock = props.clock_rate * 1e3  # kHz
-    return CardSpeed.of(props.name, (props.major, props.minor), props.multi_processor_count, clock, copy)
+    return CardSpeed.of(props.name, (props.major, props.minor), props.multi_processor_count, clock, copy, True)
 
 
 def card_speed(device) -> CardSpeed:

@@ -53,6 +53,10 @@ def test_the_rates_follow_the_published_peaks():
     # a card newer than the table takes the closest older capability's rate
     newer = CardSpeed.of("NVIDIA RTX PRO 7000", (12, 1), 100, 2e9)
     assert newer.bf16_ops_per_s == 1024 * 100 * 2e9 and not newer.copy_measured
+    # a published copy rate is no measurement, and the plan's words say so
+    assert not CARDS["sm89"].copy_measured and CARDS["sm89"].describe().endswith("host copies 22 GB/s assumed)")
+    measured = CardSpeed.of("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98e9, 55e9, copy_measured=True)
+    assert measured.describe().endswith("host copies 55 GB/s measured)")
 
 
 def test_fp8_linears_run_at_the_bf16_rate_without_fp8_tensor_cores(release):
