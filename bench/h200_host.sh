@@ -60,6 +60,10 @@
 #   e2e-text  the release-size text encoder's timing (bench/text_encode.py) into the same state
 #   e2e-small the T2VA run with the host's budget at 24 GiB (--reserve-vram), its total and torch's peak
 #   e2e-quick write, cold (the cold and the warm run) and report in one call, without the evaluation beside
+#   desktop   bench/desktop.py on the files e2e-files wrote: the T2VA workflow through a new server per configuration
+#             (DESKTOP_CONFIGS, default "none:0 24:64 16:32 12:32": the host's budget in GiB narrowed by --reserve-vram,
+#             host memory limited in GiB), results gathered in /root/h3_e2e/desktop_state.json across calls (a copy
+#             in $out)
 #   fa4-a, fa4-b  FA4 (flash-attn-4 and the CUTLASS DSL) carried in two calls: .fa4_a (the small wheels and the
 #             first part of nvidia-cutlass-dsl-libs-cu13), then .fa4_b (its second part): joined and installed with
 #             --target into $FA4 (default /tmp/fa4); with H3_FA4=1 every later part runs with it on PYTHONPATH
@@ -174,6 +178,11 @@ for part in "$@"; do
                 run "first_step${label}_$fill" python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks \
                     compiled --reps 2 --first-profile 40 --out "$out/first_step${label}_$fill.json"
             done ;;
+        desktop)
+            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid benchmark</body></html>" > /tmp/h3_frontend/index.html
+            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run desktop python3 bench/desktop.py \
+                --base /root/h3_e2e --configs ${DESKTOP_CONFIGS:-none:0 24:64 16:32 12:32} --timeout 420
+            cp /root/h3_e2e/desktop_state.json "$out/" ;;
         e2e-seed) mkdir -p /root/h3_e2e && cp .e2e_seed/end_to_end_state.json /root/h3_e2e/ && echo "   state seeded" ;;
         e2e-text) run e2e_text python3 bench/end_to_end.py --base /root/h3_e2e --phase text
             cp /root/h3_e2e/end_to_end_state.json "$out/" ;;
