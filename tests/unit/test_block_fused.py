@@ -1,12 +1,11 @@
 """The fused block path (h3_core.models.block_fused) equals the plain block, function by function and through
 the whole model, dense and hybrid."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from fused_eager import fused_written, written
+from runs_given import runs_given
 from tiny_dit import CFG, fp32_case, model, request
 
 from h3_core.attention import WindowSpec
@@ -20,23 +19,6 @@ from h3_core.models.run_options import RunOptions, check_run_options
 
 def rnd(*shape, seed=0, dtype=torch.float64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
-
-
-@contextlib.contextmanager
-def runs_given(modules, position):
-    """A list that gets, for each call of one of ``modules`` in the ``with`` block, (the module, the ``RunOptions``
-    it was given: keyword ``run`` or the positional argument at ``position``)."""
-    seen = []
-
-    def hook(module, args, kwargs):
-        seen.append((module, kwargs["run"] if "run" in kwargs else args[position]))
-
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
-    try:
-        yield seen
-    finally:
-        for h in handles:
-            h.remove()
 
 
 ROWS = torch.tensor([0, 0, 0, 2, 2, 1, 1, 1, 1, 5, 5])
@@ -123,14 +105,13 @@ def test_a_fused_model_equals_the_plain_model(hybrid, options):
     ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4)) if hybrid else None
     run = RunOptions().with_low_memory(options)
     blocks = list(m.blocks)
-    # Block is called positionally by H3DiT (run 6th), SwiGLU as mlp(h, run), LinearBranch with run 9th
     with torch.no_grad():
         plain = m(*args, hybrid=ctx, run=run)
         with (
             fused_written(run) as fused_run,
-            runs_given(blocks, 5) as block_runs,
-            runs_given([b.mlp for b in blocks], 1) as mlp_runs,
-            runs_given([b.attn.linear_attention for b in blocks if hybrid], 8) as branch_runs,
+            runs_given(blocks) as block_runs,
+            runs_given([b.mlp for b in blocks]) as mlp_runs,
+            runs_given([b.attn.linear_attention for b in blocks if hybrid]) as branch_runs,
         ):
             fused = m(*args, hybrid=ctx, run=fused_run)
         # every block and its FFN ran fused (and, hybrid, every linear branch), with the low-memory choices kept
@@ -139,7 +120,7 @@ def test_a_fused_model_equals_the_plain_model(hybrid, options):
         if hybrid:
             assert {b for b, _ in branch_runs} == {b.attn.linear_attention for b in blocks}
             assert all(r.branches_fused == "compiled" and r.low_memory == options for _, r in branch_runs)
-        with runs_given(blocks, 5) as block_runs:
+        with runs_given(blocks) as block_runs:
             again = m(*args, hybrid=ctx, run=run)
         assert len(block_runs) == CFG.layers and all(r.blocks_fused is None for _, r in block_runs)
     for a, b in zip(fused, plain):

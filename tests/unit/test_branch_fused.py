@@ -1,13 +1,13 @@
 """The fused linear-branch path (h3_core.models.branch_fused) equals the plain branch, piece by piece and
 through the whole model."""
 
-import contextlib
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from fused_eager import fused_written, written
+from runs_given import runs_given
 from tiny_dit import CFG, model, request
 
 from h3_core.attention import WindowSpec
@@ -23,23 +23,6 @@ from h3_core.models.run_options import RunOptions, check_run_options
 
 def rnd(*shape, seed=0, dtype=torch.float64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
-
-
-@contextlib.contextmanager
-def runs_given(modules, position):
-    """A list that gets, for each call of one of ``modules`` in the ``with`` block, (the module, the ``RunOptions``
-    it was given: keyword ``run`` or the positional argument at ``position``)."""
-    seen = []
-
-    def hook(module, args, kwargs):
-        seen.append((module, kwargs["run"] if "run" in kwargs else args[position]))
-
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
-    try:
-        yield seen
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # An irregular geometry: 7 frames of a 3×5 grid, 3 heads of 4 channels.
@@ -169,15 +152,14 @@ def test_a_model_with_fused_branches_equals_the_plain_model(options):
     branches = [b.attn.linear_attention for b in m.blocks]
     with torch.no_grad():
         plain = m(*args, hybrid=ctx, run=run)
-        # the hybrid attention calls each branch with run 9th
-        with fused_written(run, blocks=False) as fused_run, runs_given(branches, 8) as branch_runs:
+        with fused_written(run, blocks=False) as fused_run, runs_given(branches) as branch_runs:
             fused = m(*args, hybrid=ctx, run=fused_run)
         assert {b for b, _ in branch_runs} == set(branches)
         assert all(
             r.branches_fused == "compiled" and r.blocks_fused is None and r.low_memory == options
             for _, r in branch_runs
         )
-        with runs_given(branches, 8) as branch_runs:
+        with runs_given(branches) as branch_runs:
             again = m(*args, hybrid=ctx, run=run)
         assert {b for b, _ in branch_runs} == set(branches) and len(branches) == CFG.layers
         assert all(r.branches_fused is None for _, r in branch_runs)

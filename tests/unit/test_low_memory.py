@@ -1,17 +1,16 @@
 """The exact lower-memory paths (h3_core.models.low_memory) equal the plain path, dense and hybrid."""
 
-import inspect
-
 import pytest
 import torch
 from qkv_through_layer import qkv_from_weight_rows, qkv_through_layer
+from runs_given import by_module, runs_given
 from tiny_dit import fp32_case, model, request
 
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory, head_slices
-from h3_core.models.options import PLAIN, RunOptions
+from h3_core.models.options import RunOptions
 from h3_core.models.run_options import check_run_options
 
 
@@ -81,20 +80,6 @@ def test_head_groups_share_one_quantisation_of_the_projection_input(hybrid, monk
         assert torch.equal(a, b)
 
 
-def runs_given(m, kind) -> dict:
-    """For each module of ``kind`` in ``m``, the ``run`` it is called with, call by call (a forward pre-hook)."""
-    seen = {}
-
-    def record(module, args, kwargs):
-        seen[module].append(inspect.signature(module.forward).bind(*args, **kwargs).arguments.get("run", PLAIN))
-
-    for module in m.modules():
-        if isinstance(module, kind):
-            seen[module] = []
-            module.register_forward_pre_hook(record, with_kwargs=True)
-    return seen
-
-
 def test_every_block_takes_the_options():
     from h3_core.models.dit import Attention, SwiGLU
     from h3_core.models.linear_branch import LinearBranch
@@ -102,10 +87,16 @@ def test_every_block_takes_the_options():
     m = model(True)
     packed, args = request()
     ctx = HybridContext(packed.layout, WindowSpec(1, 3, "both"), "ref", (0, 4))
-    attentions, ffns, branches = (runs_given(m, kind) for kind in (Attention, SwiGLU, LinearBranch))
     run = RunOptions().with_low_memory(LowMemory(ffn_chunk_rows=128, head_groups=3, branch_frames=5))
-    with torch.no_grad():
+    with (
+        torch.no_grad(),
+        runs_given([mod for mod in m.modules() if isinstance(mod, (Attention, SwiGLU, LinearBranch))]) as seen,
+    ):
         m(*args, hybrid=ctx, run=run)
+    attentions, ffns, branches = (
+        {mod: runs for mod, runs in by_module(seen).items() if isinstance(mod, kind)}
+        for kind in (Attention, SwiGLU, LinearBranch)
+    )
     # every block's and every refiner block's attention and FFN, and every block's linear branch (once a head
     # group), ran with them
     blocks = len(m.blocks) + len(m.token_refiner.blocks)

@@ -4,13 +4,13 @@ of it — no code sets these settings on a model's modules, a model holds none o
 is given is what every module runs with."""
 
 import ast
-import inspect
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from fused_eager import fused_written
+from runs_given import by_module, runs_given
 from tiny_dit import model, request
 
 from h3_core.attention import WindowSpec
@@ -19,7 +19,7 @@ from h3_core.models.dit import Attention, Block, FinalLayer, SwiGLU
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.linear_branch import LinearBranch
 from h3_core.models.low_memory import LowMemory
-from h3_core.models.run_options import PLAIN, Evaluations, RunOptions, check_run_options
+from h3_core.models.run_options import Evaluations, RunOptions, check_run_options
 
 ROOT = Path(__file__).resolve().parents[2]
 # The run options the modules held before they were given with each call: no module holds any of them now.
@@ -78,22 +78,6 @@ def test_the_scan_finds_a_setting_set_from_outside(tmp_path):
     assert settings_set(path, root=tmp_path) == ["probe.py:2 .head_groups", "probe.py:3 .fused"]
 
 
-def runs_given(m) -> dict:
-    """For each block, attention, FFN, linear branch and output layer of ``m``, the ``run`` it is called with, call
-    by call (a forward pre-hook; the output layer takes only its ``chunk_rows``)."""
-    seen = {}
-
-    def record(module, args, kwargs):
-        given = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-        seen[module].append(given.get("chunk_rows") if isinstance(module, FinalLayer) else given.get("run", PLAIN))
-
-    for module in m.modules():
-        if isinstance(module, (Block, Attention, SwiGLU, LinearBranch, FinalLayer)):
-            seen[module] = []
-            module.register_forward_pre_hook(record, with_kwargs=True)
-    return seen
-
-
 def hybrid_case():
     m = model(True)
     packed, args = request()
@@ -114,16 +98,19 @@ def test_given_options_are_what_every_module_runs_with():
         check_cancel=lambda: cancels.append(1),
     )
     assert check_run_options(wanted, m) is wanted
-    seen = runs_given(m)
-    with torch.no_grad(), fused_written(wanted) as fused:
+    given = [mod for mod in m.modules() if isinstance(mod, (Block, Attention, SwiGLU, LinearBranch))]
+    finals = [mod for mod in m.modules() if isinstance(mod, FinalLayer)]
+    with (
+        torch.no_grad(),
+        runs_given(given) as seen,
+        runs_given(finals, "chunk_rows") as final_rows,
+        fused_written(wanted) as fused,
+    ):
         assert fused == wanted  # already fused: the same options
         m(*args, hybrid=ctx, run=wanted)
-    assert all(seen.values())  # every one of them ran
-    for module, runs in seen.items():
-        if isinstance(module, FinalLayer):
-            assert runs == [5]  # its heads over five rows at a time
-        else:
-            assert all(r is wanted for r in runs), type(module).__name__
+    assert set(by_module(seen)) == set(given)  # every one of them ran
+    assert all(r is wanted for _, r in seen)
+    assert [rows for _, rows in final_rows] == [5]  # the output heads over five rows at a time
     assert len(cancels) == len(m.blocks)  # before every block
     assert run_option_attributes(m) == []
     # one setting changed, the others kept
