@@ -59,7 +59,8 @@ def denoise(
 
     Args:
         model: called as ``model(video_rows, audio_rows, text_rows, timesteps, timestep_index, tags, positions,
-            video_index, audio_index, text_index)`` → (video velocity, audio velocity), like ``H3DiT``.
+            video_index, audio_index, text_index)`` → (video velocity, audio velocity), like ``H3DiT`` (which is
+            given ``run=`` as well: a model with a ``compiled_form``).
         video_rows: conditioning rows (``packed.condition_rows`` of them) then the noisy target rows.
         audio_rows: reference rows (``condition_audio_rows``) then the noisy target rows; the reference rows run
             at ``max(t_audio, condition_audio_t)`` (1 unless the references were mixed with noise).
