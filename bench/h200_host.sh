@@ -62,8 +62,8 @@
 #   e2e-quick write, cold (the cold and the warm run) and report in one call, without the evaluation beside
 #   desktop   bench/desktop.py on the files e2e-files wrote: the T2VA workflow through a new server per configuration
 #             (DESKTOP_CONFIGS, default "none:0 24:64 16:32 12:32": the host's budget in GiB narrowed by --reserve-vram,
-#             host memory limited in GiB), results gathered in /root/h3_e2e/desktop_state.json across calls (a copy
-#             in $out)
+#             host memory limited in GiB; an empty compile cache filled first by a server not recorded), results
+#             gathered in /root/h3_e2e/desktop_state.json across calls (a copy in $out)
 #   fa4-a, fa4-b  FA4 (flash-attn-4 and the CUTLASS DSL) carried in two calls: .fa4_a (the small wheels and the
 #             first part of nvidia-cutlass-dsl-libs-cu13), then .fa4_b (its second part): joined and installed with
 #             --target into $FA4 (default /tmp/fa4); with H3_FA4=1 every later part runs with it on PYTHONPATH
@@ -181,7 +181,7 @@ for part in "$@"; do
         desktop)
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid benchmark</body></html>" > /tmp/h3_frontend/index.html
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run desktop python3 bench/desktop.py \
-                --base /root/h3_e2e --configs ${DESKTOP_CONFIGS:-none:0 24:64 16:32 12:32} --timeout 420
+                --base /root/h3_e2e --configs ${DESKTOP_CONFIGS:-none:0 24:64 16:32 12:32} --timeout 420 --warm-up
             cp /root/h3_e2e/desktop_state.json "$out/" ;;
         e2e-seed) mkdir -p /root/h3_e2e && cp .e2e_seed/end_to_end_state.json /root/h3_e2e/ && echo "   state seeded" ;;
         e2e-text) run e2e_text python3 bench/end_to_end.py --base /root/h3_e2e --phase text

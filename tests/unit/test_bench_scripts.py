@@ -404,9 +404,12 @@ def test_desktop_envelope(tiny_end_to_end):
     limit = f"{max(int(total_gib) - 2, 8)}"  # room for the server, still a limit
     result = dry_run(
         folder, "desktop.py", "--tiny", "--base", str(base), "--configs", "none:0", f"none:{limit}", "--estimate",
-        timeout=900,
+        "--warm-up", timeout=900,
     )  # fmt: skip
     runs = result["runs"]
+    # nothing compiles on the CPU: the cache stays empty, the warm-up ran first and was kept apart
+    assert result["warm_up"]["completed"] and result["warm_up"]["compile_cache_empty"]
+    assert all(run["compile_cache_empty"] for run in runs.values())
     assert set(runs) == {"card_host", f"card_{limit}gib_host"}
     for run in runs.values():
         assert run["completed"], run.get("error")
