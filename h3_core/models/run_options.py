@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import H3InputError, is_out_of_memory
+from ..triton_forms import plain_path
 from .branch_fused import FUSED_MODES
 from .dit import Attention
 from .options import PLAIN, RunOptions
@@ -90,7 +91,8 @@ class Evaluations:
         model, run = self.model, self.run
         form = getattr(model, "compiled_form", None)
         if form is None:  # a callable of the model's inputs: nothing of its own to fuse or fall back from
-            return model(*args, **kwargs)
+            with plain_path(self.compile != "auto"):
+                return model(*args, **kwargs)
         return form.run(
             lambda: model(*args, run=run, **kwargs),
             lambda: model(*args, run=run.fused(None), **kwargs),

@@ -170,3 +170,15 @@ def test_bad_options_are_refused_before_anything_runs(change, message):
     with pytest.raises(H3InputError, match=message):
         Evaluations(m, bad)  # the run's evaluations are refused before the first
     assert calls == [] and run_option_attributes(m) == []
+
+
+def test_a_callable_model_runs_on_the_plain_path_when_compile_is_off():
+    """A model that is only a callable of the inputs (no compiled form of its own) is given no options, and with
+    ``compile="off"`` nothing it calls may compile either."""
+    from h3_core.triton_forms import compiling
+
+    def model(*inputs, **kw):
+        return compiling(), inputs, kw
+
+    assert Evaluations(model, compile="off")(1, 2) == (False, (1, 2), {})
+    assert Evaluations(model, compile="auto")(1, hybrid=None) == (True, (1,), {"hybrid": None})
