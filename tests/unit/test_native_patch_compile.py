@@ -4,12 +4,12 @@ within fp64 rounding; a compiled function that fails to compile falls back once,
 path, whose result it then gives bit for bit, and never retries; ``"off"`` never calls ``torch.compile``. The
 failures are injected as in ``test_compile_fallback``: a machine without a C compiler."""
 
-import contextlib
 import logging
 
 import pytest
 import tiny_dit
 import torch
+from runs_given import runs_given
 from test_compile_fallback import CAUSE, broken_toolchain, fresh, said_once, warnings_said  # noqa: F401
 from test_native_patch import CFG, WINDOW, latents, native_pair
 
@@ -36,22 +36,14 @@ def evaluate(native, branch, vdn, seed=1):
         return native([video, audio], torch.tensor([600.0]), text, options)
 
 
-@contextlib.contextmanager
-def branch_modes(branch):
-    """A list that gets the ``branches_fused`` mode of every call of ``branch``'s linear branches in the ``with``
-    block, in order (the hybrid attention gives each its ``RunOptions`` 9th)."""
-    modes = []
+def branch_runs(branch):
+    """``runs_given`` over ``branch``'s linear branches: each call's ``RunOptions``, in order."""
+    return runs_given([block.attn.linear_attention for block in branch.transformer_blocks])
 
-    def hook(_, args, kwargs):
-        modes.append((kwargs["run"] if "run" in kwargs else args[8]).branches_fused)
 
-    branches = [block.attn.linear_attention for block in branch.transformer_blocks]
-    handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in branches]
-    try:
-        yield modes
-    finally:
-        for h in handles:
-            h.remove()
+def modes(seen) -> list:
+    """The ``branches_fused`` mode of each call ``branch_runs`` saw."""
+    return [run.branches_fused for _, run in seen]
 
 
 def patch(native, branch, compile):
@@ -62,12 +54,12 @@ def test_auto_runs_the_fused_branch_equal_to_the_plain_path(compiles_here, monke
     native, branch = models
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(fn) or fn)  # compiling works
-    with branch_modes(branch) as modes:
+    with branch_runs(branch) as seen:
         plain = evaluate(native, branch, patch(native, branch, "off"))
-    assert compiled == [] and set(modes) == {None}
-    with branch_modes(branch) as modes:
+    assert compiled == [] and set(modes(seen)) == {None}
+    with branch_runs(branch) as seen:
         fused = evaluate(native, branch, patch(native, branch, "auto"))
-    assert compiled and set(modes) == {"compiled"}
+    assert compiled and set(modes(seen)) == {"compiled"}
     for got, want in zip(fused, plain, strict=True):
         assert (got - want).abs().max() <= 1e-12 * want.abs().max()
         assert not torch.equal(got, want)  # the fused form's own order of additions: another path ran
@@ -78,11 +70,12 @@ def test_a_failing_compile_falls_back_to_the_plain_path_once(compiles_here, monk
     toolchain = broken_toolchain(monkeypatch)
     plain = evaluate(native, branch, patch(native, branch, "off"))
     vdn = patch(native, branch, "auto")
-    with caplog.at_level(logging.WARNING), branch_modes(branch) as modes:
+    with caplog.at_level(logging.WARNING), branch_runs(branch) as seen:
         first = evaluate(native, branch, vdn)
     # from the fallback on, the branches run plain
-    assert toolchain.calls == 1 and vdn.compiled_form.failed and modes[-1] is None
-    assert "compiled" not in modes[modes.index(None) :]
+    said = modes(seen)
+    assert toolchain.calls == 1 and vdn.compiled_form.failed and said[-1] is None
+    assert "compiled" not in said[said.index(None) :]
     assert all(torch.equal(a, b) for a, b in zip(first, plain, strict=True))
     assert said_once(
         caplog, f"the compiled VDN-H3 patch failed ({CAUSE}", "); its attention runs the plain path from now on"
@@ -113,10 +106,10 @@ def test_a_bad_compile_mode_is_named():
 
 def test_the_plain_default_off_cuda_sets_no_fused_form(fresh, models):  # noqa: F811
     native, branch = models
-    with branch_modes(branch) as modes:
+    with branch_runs(branch) as seen:
         evaluate(native, branch, patch(native, branch, "auto"), seed=2)
         evaluate(native, branch, patch(native, branch, "auto"))  # the CPU does not compile: the plain ops run
-    assert set(modes) == {None}
+    assert set(modes(seen)) == {None}
 
 
 def test_a_compile_of_the_host_blocks_leaves_the_hybrid_attention_out(models):
