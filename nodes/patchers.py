@@ -103,7 +103,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             return placement.working
         # This model's weights already on the device count as room, whether or not the host has them on record
         # yet (a model the loader read straight to the GPU is not, before its first run).
-        room = max(_host.device_budget(device, keep=(self,)) + self._device_weight_bytes(), 0)
+        room = self._room_with_own_weights(_host.device_budget(device, keep=(self,)))
         free_bytes = int(room * placement.room_share)
         plan = decide_placement(
             self.model,
@@ -165,7 +165,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             # The room for the run: with a full load what the device has free (less --reserve-vram) besides this
             # model's own weights; otherwise the weights the host allows plus the activations it reserved.
             if full_load or not lowvram_model_memory:
-                room = max(_host.free_memory(device) + self._device_weight_bytes(), 0)
+                room = self._room_with_own_weights(_host.free_memory(device))
             else:
                 room = lowvram_model_memory + placement.working
             room = int(room * placement.room_share)
@@ -187,6 +187,11 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
             self.model.device = device
             self.model.model_loaded_weight_memory = self._device_weight_bytes()
             self.model.current_weight_patches_uuid = self.patches_uuid
+
+    def _room_with_own_weights(self, available: int) -> int:
+        """``available`` (the host's free memory less the reserve; below zero where this model's weights already
+        reach into the reserve) plus the weights this model holds on the device: the room its plan may fill."""
+        return max(available + self._device_weight_bytes(), 0)
 
     def _device_weight_bytes(self) -> int:
         """Bytes of this model's weights the device holds now (with streaming: the resident part and the slot

@@ -268,10 +268,9 @@ class NativeVDN:
     def run(self, source, h, rope, ctx):
         """``hybrid_attention_forward(source, h, rope, ctx)``: compiled where it may, else plain."""
 
-        # the block's own projections run as the host runs them (no pack kernels on them); the branch fused
-        fused = _BRANCH_COMPILED if compiled_branch_available(h.device) else PLAIN
-
         def compiled():
+            # the block's own projections run as the host runs them (no pack kernels on them); the branch fused
+            fused = _BRANCH_COMPILED if compiled_branch_available(h.device) else PLAIN
             return hybrid_attention_forward(source, h, rope, ctx, fused)
 
         return self.compiled_form.run(

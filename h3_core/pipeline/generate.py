@@ -313,7 +313,7 @@ def _sample(
     if ranks is not None:
         hybrid = ranks.shards(packed.positions.shape[0], model.cfg.heads, hybrid)
     reference_audio = sum(int(rows.shape[0]) for rows in audio_refs)
-    run = before_sampling(packed) if before_sampling is not None else None
+    run = (before_sampling(packed) if before_sampling is not None else None) or PLAIN
     video_rows, audio_rows = denoise(
         model,
         packed,
@@ -334,7 +334,7 @@ def _sample(
         sigmas=sigmas,
         solver=solver,
         video_size=(T, h, w) if padded != (h, w) else None,
-        run=PLAIN if run is None else run,
+        run=run,
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, *padded)[:, :, :h, :w]

@@ -94,12 +94,12 @@ def denoise(
     else:
         video_sigmas = check_sigmas(sigmas)
         audio_sigmas = time_shift_sigma(video_sigmas, float(video_shift), float(audio_shift))
+    evaluations = Evaluations(model, run if check_cancel is None else replace(run, check_cancel=check_cancel), compile)
     if solver is not None:
         if start is not None:
             raise H3InputError(
                 "start: extending or inpainting runs with the released sampler; disconnect the sampler input"
             )
-        evaluations = Evaluations(model, _with_cancel(run, check_cancel), compile)
         solving = _Run(evaluations, packed, text_rows, video_rows, audio_rows, condition_audio_rows, hybrid, video_size)
         return solving.solve(
             solver,
@@ -144,10 +144,7 @@ def denoise(
     ]
     if getattr(model, "adaln_on_host", False):  # the blocks' AdaLN tables for the whole run, made once
         prepare_adaln_tables(model, [timesteps for timesteps, _ in steps_timesteps], video_rows.device)
-    stepping = _Run(
-        Evaluations(model, _with_cancel(run, check_cancel), compile), packed, text_rows, video_rows, audio_rows, ca,
-        hybrid,
-    )  # fmt: skip
+    stepping = _Run(evaluations, packed, text_rows, video_rows, audio_rows, ca, hybrid)
     try:
         for i, (timesteps, index) in enumerate(steps_timesteps):
             if check_cancel is not None:
@@ -198,11 +195,6 @@ def _as_frame(packed: PackedSequence, clean_rows: torch.Tensor) -> torch.Tensor:
     """The middle frame's clean rows as a latent frame ``[24, 1, h, w]`` fp32 on the CPU."""
     layout = packed.layout
     return unpatchify(clean_rows.float().cpu(), 24, 1, 2 * layout.frame_h, 2 * layout.frame_w)
-
-
-def _with_cancel(run: RunOptions, check_cancel) -> RunOptions:
-    """``run`` with ``check_cancel`` also called before every block, within the evaluation."""
-    return run if check_cancel is None else replace(run, check_cancel=check_cancel)
 
 
 # the integrator given from outside: (denoised, x, video sigmas, on_step) -> final x (``denoise``'s ``solver``)
