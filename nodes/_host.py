@@ -214,9 +214,6 @@ def say(message: str) -> None:
 PROMPT_FOLDER = "h3_prompts"
 
 
-SHAPE_CACHE = ("h3_hybrid", "meta_shapes")  # under the host's user folder: the models' state-dict shapes
-
-
 def warm_up_on_first_h3_prompt(node_ids) -> None:
     """Have the server start the pack's warm-up (``warm_up``) when the first prompt holding one of ``node_ids`` is
     posted — before its validation, the first moment the pack knows it will run. Until then the pack has changed
@@ -246,9 +243,8 @@ _warm_up_started = False
 
 
 def warm_up() -> threading.Thread | None:
-    """Once per process, on a thread of its own: the models' shape cache named (``meta_shapes.keep_on_disk``, under
-    the host's user folder) and, where the compiled paths will run (CUDA with Triton), what a first run would
-    meet, in the order it meets it: FA4's interface where installed, the loaders' page-locked staging buffers
+    """Once per process, on a thread of its own, where the compiled paths will run (CUDA with Triton): what a first
+    run would meet, in the order it meets it: FA4's interface where installed, the loaders' page-locked staging buffers
     (allocated and freed: PyTorch keeps them for the first load, which gives them back), Triton's import and one
     trivial launch (``triton_forms.launch_once``; the loaders' fp8 quantiser is a Triton kernel), the first
     products and convolutions of the models' runs, the dense-attention kernels' choice
@@ -260,14 +256,6 @@ def warm_up() -> threading.Thread | None:
         if _warm_up_started:
             return None
         _warm_up_started = True
-    from ..h3_core.formats.meta_shapes import keep_on_disk
-
-    try:
-        import folder_paths
-
-        keep_on_disk(Path(folder_paths.get_user_directory()).joinpath(*SHAPE_CACHE))
-    except ImportError:
-        pass
     from ..h3_core.triton_forms import compiles_on
 
     if not compiles_on("cuda"):

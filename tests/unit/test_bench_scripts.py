@@ -380,19 +380,6 @@ def test_host_frames(tmp_path):
     assert all(row["write_s"] > 0 and row["free_s"] >= 0 for row in result["rows"])
 
 
-def test_meta_shapes():
-    """``meta_shapes.py`` once: every model's shapes built in one new process and read back in the next."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        result = dry_run(Path(folder), "meta_shapes.py", "--reps", "1")
-    assert HEADER <= set(result)
-    assert [row["variant"] for row in result["rows"]] == ["built (nothing kept)", "read (kept by the process before)"]
-    for row in result["rows"]:
-        assert set(row["seconds"]) == {"dit", "branch", "video_vae", "audio_vae"}
-        assert all(seconds > 0 for seconds in row["seconds"].values())
-
-
 def test_desktop_envelope(tiny_end_to_end):
     """``desktop.py``: the whole machine and host memory limited (a cgroup or a ballast process, whichever this
     machine allows) each through a new real server on the CPU, every record's figures read back (the server's
