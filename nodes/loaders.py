@@ -1,22 +1,26 @@
 """Loader nodes: the DiT (with the optional VDN linear branch), both VAEs, the text encoder and prompt-embedding
 files, from the host's model folders. Each file is checked from its header at validation, before any loader
-runs; the DiT and the text encoder are read into host memory (the DiT straight to the GPU where the host's rule
-for diffusion models puts it there), the VAEs where the host first loads them, and each is handed to the host's
-model management, which moves it to the device when the node that runs it asks."""
+runs; the DiT and the text encoder are read into host memory (the DiT straight to the GPU where it will run there
+as it is, or where the host's rule for diffusion models puts it there), the VAEs where the host first loads them,
+and each is handed to the host's model management, which moves it to the device when the node that runs it asks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from comfy_api.v0_0_2 import io
 
 from ..h3_core.formats.audio_vae import load_audio_vae
-from ..h3_core.formats.checkpoints import load_h3_model
+from ..h3_core.formats.checkpoints import describe_dit_checkpoint, load_h3_model
 from ..h3_core.formats.files import CheckpointFiles
 from ..h3_core.formats.video_vae import load_video_vae
+from ..h3_core.memory.policy import BUDGET_SHARE
 from ..h3_core.pipeline.clip_on_ranks import DiTSource, VideoVAESource
 from ..h3_core.pipeline.prompt import load_prompt_embedding
+from ..h3_core.pipeline.release_clip import release_activations
 from ..h3_core.pipeline.text_encoder import OFFLOAD_MODES, load_text_encoder
 from . import _host
 from .checks import check_choice, check_host_room, check_model_file, check_path, verdict
@@ -111,7 +115,12 @@ class H3DiTLoader(io.ComfyNode):
         dtype, linears = WEIGHT_DTYPES[weight_dtype]
         run_on = _host.chosen_device(device, mm.get_torch_device())
         parameters = sum(CheckpointFiles(p).parameters for p in (base, branch) if p is not None)
-        first = _first_device(parameters, dtype, offload, run_on)
+
+        def runs_as_is() -> int:  # the weights as loaded and one evaluation of the released clip
+            cfg = replace(describe_dit_checkpoint(base).cfg, hybrid=branch is not None)
+            return _host_bytes(parameters, dtype, linears) + release_activations(cfg, dtype, linears)
+
+        first = _first_device(parameters, dtype, offload, run_on, runs_as_is)
         if first.type == "cpu":
             check_host_room("dit_name", base, _host_bytes(parameters, dtype, linears), _host.host_memory_available())
         # A quantised file's layers stay comfy-kitchen layers when the device the host will run the model on has
@@ -131,29 +140,34 @@ def _host_bytes(parameters: int, dtype, linears: str) -> int:
     return parameters * per_value
 
 
-def _first_device(parameters: int, dtype, offload: str, run_on: torch.device):
-    """Where the DiT (``parameters`` weight values in its files) is read to: for the host's own device, by the
-    host's rule for diffusion models (``unet_inital_load_device``: straight to the GPU when it has more memory free
-    than the host and the weights fit, else host memory; the pack applies that rule itself where the host streams
-    its own models with dynamic VRAM and answers host memory), the weights counted as the host counts them (values
-    × the dtype's size) and fitting the memory the user left the host (``--reserve-vram`` taken off, which the
-    host's rule does not do); for another device chosen on the loader, host memory, from where the host's model
-    management loads it there. With blocks streamed always host memory, where they stream from."""
+def _first_device(parameters: int, dtype, offload: str, run_on: torch.device, runs_as_is: Callable[[], int]):
+    """Where the DiT (``parameters`` weight values in its files) is read to. For the host's own device: straight to
+    it where ``runs_as_is()`` (the weights and one evaluation of the released clip, in bytes) fits the share of
+    the memory the user left the host (free less ``--reserve-vram``) that a plan may fill — the sampler keeps it
+    there, so nothing is moved later; otherwise by the host's rule for diffusion models
+    (``unet_inital_load_device``: straight to the GPU when it has more memory free than the host and the weights
+    fit, else host memory; the pack applies that rule itself where the host streams its own models with dynamic
+    VRAM and answers host memory), and to the GPU only where the weights, counted as the host counts them (values
+    × the dtype's size), fit the memory the user left, which the host's rule does not take off. For another device
+    chosen on the loader, host memory, from where the host's model management loads it there. With blocks
+    streamed always host memory, where they stream from."""
     import comfy.model_management as mm
 
     cpu = torch.device("cpu")
     if offload == "stream blocks" or run_on != torch.device(mm.get_torch_device()):
         return cpu
-    size = parameters * dtype.itemsize
+    room = _host.free_memory(run_on)
+    if parameters * dtype.itemsize >= room:
+        return cpu  # the weights would take the room the user reserved: host memory, and the plan streams them
+    if run_on.type != "cpu" and runs_as_is() <= BUDGET_SHARE * room:
+        return run_on
     chosen = torch.device(mm.unet_inital_load_device(parameters, dtype))
     if chosen.type == "cpu" and _host.dynamic_vram():
         # With dynamic VRAM (0.38) the host reads its own models to host memory and streams them from there; this
         # DiT is placed by the pack, so the host's earlier rule stays its rule
         free_device, free_host = mm.get_free_memory(run_on), mm.get_free_memory(cpu)
-        if free_device > free_host and size < free_device:
+        if free_device > free_host and parameters * dtype.itemsize < free_device:
             chosen = run_on
-    if chosen.type != "cpu" and size >= _host.free_memory(run_on):
-        return cpu  # the weights would take the room the user reserved: host memory, and the plan streams them
     return chosen
 
 

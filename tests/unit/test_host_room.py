@@ -60,7 +60,7 @@ def test_the_dit_goes_straight_to_the_gpu_by_the_hosts_earlier_rule_under_dynami
     monkeypatch.setattr(_host, "dynamic_vram", lambda: dynamic)
     monkeypatch.setattr(mm, "extra_reserved_memory", lambda: 0)
     parameters = loaders.CheckpointFiles(path).parameters
-    assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu).type == want
+    assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu, lambda: 100 * GiB).type == want
 
 
 @pytest.mark.parametrize("reserved_gib, want", [(70, "cuda"), (80 - 1 / 1024, "cpu")])
@@ -88,5 +88,50 @@ def test_the_dit_goes_straight_to_the_gpu_only_within_the_memory_the_user_left(
     monkeypatch.setattr(mm, "extra_reserved_memory", lambda: int(reserved_gib * GiB))
     monkeypatch.setattr(_host, "dynamic_vram", lambda: False)
     parameters = loaders.CheckpointFiles(path).parameters
-    assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu).type == want
+    assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu, lambda: 20 * GiB).type == want
     assert _host.free_memory(gpu) == int(80 * GiB) - int(reserved_gib * GiB)
+
+
+@pytest.mark.parametrize(
+    "free_gpu_gib, reserved_gib, runs_as_is_gib, want",
+    [(78, 0, 32.6, "cuda"), (78, 54.8, 32.6, "cpu"), (78, 0, 78, "cpu"), (24, 0, 32.6, "cpu")],
+)
+def test_a_dit_that_will_run_as_it_is_goes_straight_to_the_gpu_whatever_the_host_has_free(
+    pack,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    free_gpu_gib,
+    reserved_gib,
+    runs_as_is_gib,
+    want,
+):
+    """On a machine with more host memory free than the card (an 80 GB card beside 125 GB) the host's rule reads
+    a diffusion model to host memory, and the sampler then moves it; where the weights and one evaluation of the
+    released clip fit the share of the budget a plan fills, the plan keeps the model resident, so it is read
+    straight to the card. Where they do not (a budget narrowed to 24 GiB, a card of 24 GB), the host's rule
+    stands."""
+    import comfy.model_management as mm
+    import torch
+    from h3_hybrid.nodes import _host, loaders
+    from safetensors.torch import save_file
+
+    path = tmp_path / "dit.safetensors"
+    save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(path))
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(mm, "get_torch_device", lambda: gpu)
+    monkeypatch.setattr(mm, "unet_inital_load_device", lambda parameters, dtype: torch.device("cpu"))
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None: (free_gpu_gib if dev.type == "cuda" else 125) * GiB)
+    monkeypatch.setattr(mm, "extra_reserved_memory", lambda: int(reserved_gib * GiB))
+    monkeypatch.setattr(_host, "dynamic_vram", lambda: False)
+    parameters = loaders.CheckpointFiles(path).parameters
+    asked = []
+
+    def runs_as_is():
+        asked.append(True)
+        return int(runs_as_is_gib * GiB)
+
+    assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu, runs_as_is).type == want
+    assert asked  # asked for the host's own device
+    asked.clear()
+    assert loaders._first_device(parameters, torch.bfloat16, "stream blocks", gpu, runs_as_is).type == "cpu"
+    assert not asked  # streamed blocks live in host memory: nothing to predict
