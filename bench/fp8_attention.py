@@ -43,6 +43,7 @@ from h3_core.models.fp8_linear import Fp8Linear, quantize_linears
 from h3_core.models.hybrid import RELEASE_WINDOW, HybridContext
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.prompt import from_conditioning
+from h3_core.pipeline.request import ClipRequest, Runner
 
 TINY_LAYOUT = dict(frames=12, frame_h=4, frame_w=6, text=6, audio=10)
 
@@ -191,12 +192,8 @@ def bench_model(setup, device, dtype, steps) -> dict:
                 finals[p] = generate(
                     model,
                     prompt,
-                    **size,
-                    steps=steps,
-                    seed=0,
-                    device=device,
-                    backend="decomposed",
-                    attention_precision=p,
+                    ClipRequest(**size, steps=steps, seed=0, backend="decomposed", attention_precision=p),
+                    Runner(device=device),
                 )
             if device.type == "cuda":
                 torch.cuda.synchronize()

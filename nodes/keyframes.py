@@ -35,7 +35,7 @@ def check_sources(input_types) -> None:
 
 
 def encoded(keyframes, frames: int, width: int, height: int, video_vae, audio_vae, check_cancel, overrides=None):
-    """``Keyframe``s for ``generate(keyframes=...)``, each named by its place in the chain in errors."""
+    """``Keyframe``s for ``ClipRequest(keyframes=...)``, each named by its place in the chain in errors."""
     out = []
     for i, raw in enumerate(keyframes, start=1):
         if raw.pixels is not None and video_vae is None:

@@ -95,13 +95,13 @@ def close_group_of(source, reason: str) -> None:
             _close_locked(reason)
 
 
-def sample_on_ranks(model, choice: RanksChoice, prompt, request: dict, references=None, memory: str = "auto"):
+def sample_on_ranks(model, choice: RanksChoice, prompt, request, runner, references=None, memory: str = "auto"):
     """The sampler's ``generate`` (or Ref2VA's, with ``references``) across ``choice.gpus`` ranks: this process is
-    rank 0 with the host's model and runs what ``request`` says (its progress, previews, cancel check, the host's
-    load before the first evaluation, a host sampler); each worker runs the same request on its own copy of the
-    DiT. Whatever stops the run (an error anywhere, a cancel) closes the workers."""
+    rank 0 with the host's model and runs ``request`` as ``runner`` says (its progress, previews, cancel check, the
+    host's load before the first evaluation, a host sampler); each worker runs the same request on its own copy of
+    the DiT. Whatever stops the run (an error anywhere, a cancel) closes the workers."""
     from ..h3_core.parallel import HeldRaise, RankGroup, leading_solver, send_weights, shared_cancel, weight_names
-    from ..h3_core.pipeline.clip_on_ranks import RANK_ZERO_ONLY, ClipOnRanks, generate_clip, on_cpu
+    from ..h3_core.pipeline.clip_on_ranks import ClipOnRanks, generate_clip, on_cpu
 
     source = model.attachments.get(SOURCE_KEY)
     if source is None:
@@ -113,7 +113,7 @@ def sample_on_ranks(model, choice: RanksChoice, prompt, request: dict, reference
     if group.source != source:
         group.source, group.sent = source, set()
     held = HeldRaise()  # the host's progress hook raises its interrupt where rank 0 alone is
-    fit, solver = request["before_sampling"], request["solver"]
+    fit, solver = runner.before_sampling, runner.solver
 
     def fit_and_send(packed):
         options = fit(packed)
@@ -123,26 +123,28 @@ def sample_on_ranks(model, choice: RanksChoice, prompt, request: dict, reference
         # no retry for less memory on one rank alone: the others would wait for it in their exchanges
         return None if options is None else dataclasses.replace(options, on_out_of_memory=None)
 
-    here = dict(
-        request,
-        progress=held.wrap(request["progress"]),
-        preview=held.wrap(request["preview"]),
-        check_cancel=shared_cancel(held.check(request["check_cancel"]), device=device),
+    here = dataclasses.replace(
+        runner,
+        progress=held.wrap(runner.progress),
+        preview=held.wrap(runner.preview),
+        check_cancel=shared_cancel(held.check(runner.check_cancel), device=device),
         before_sampling=fit_and_send,
         solver=None if solver is None else leading_solver(solver, device),
         ranks=RankGroup(softmax_ranks=choice.softmax_ranks),
     )
-    shared = {name: value for name, value in request.items() if name not in RANK_ZERO_ONLY}
     job = ClipOnRanks(
         source,
-        request=on_cpu(dict(shared, prompt=prompt)),
+        prompt=on_cpu(prompt),
+        request=on_cpu(request),
         references=None if references is None else on_cpu(tuple(references)),
         placement=model.placement.offload,
         memory=memory,
         softmax_ranks=choice.softmax_ranks,
         follow=solver is not None,
     )
-    return _run_everywhere(group, job, lambda: generate_clip(model.model, prompt, references, **here), held, "sampling")
+    return _run_everywhere(
+        group, job, lambda: generate_clip(model.model, prompt, request, here, references), held, "sampling"
+    )
 
 
 def decode_on_ranks(patcher, choice: RanksChoice, latents, options: dict, decode):

@@ -13,6 +13,7 @@ from ..h3_core.errors import H3InputError, is_out_of_memory
 from ..h3_core.pipeline.clip_on_ranks import generate_clip
 from ..h3_core.pipeline.conditioning import encode_keyframes
 from ..h3_core.pipeline.noise import NOISE_DRAWS, REFERENCE_AUDIO_T
+from ..h3_core.pipeline.request import ClipRequest, Runner
 from ..h3_core.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT, check_sigmas
 from . import _host
 from .attention import DEFAULT
@@ -338,36 +339,39 @@ class H3Sampler(io.ComfyNode):
             return dataclasses.replace(model.placement.fitted.options, on_out_of_memory=model.fit_smaller)
 
         progress = _host.PreviewProgress(steps, model.load_device)
-        common = dict(
+        request = ClipRequest(
             frames=length,
             width=width,
             height=height,
             steps=steps,
             seed=seed,
+            keyframes=placed if reference_latents is None else (),
+            start=start if reference_latents is None else None,  # Ref2VA's clip starts from noise
             video_shift=video_shift,
             audio_shift=audio_shift,
-            device=model.load_device,
-            progress=progress,
-            check_cancel=_host.check_cancel,
+            sigmas=sigmas,
+            noise=noise,
             backend=settings.window_backend,
             attention_precision=settings.attention_precision,
-            before_sampling=fit,
             compile=settings.compile,
-            noise=noise,
+            reference_audio_t=reference_audio_t,
+        )
+        runner = Runner(
+            device=model.load_device,
+            progress=progress,
             preview=progress.on_step,
-            sigmas=sigmas,
+            check_cancel=_host.check_cancel,
+            before_sampling=fit,
             solver=solver,
         )
-        if reference_latents is not None:
-            common["reference_audio_t"] = reference_audio_t
-        else:
-            common.update(keyframes=placed, start=start)
         ranks = model.attachments.get(RANKS_KEY)
         try:
             if ranks is not None:
-                video, audio = sample_on_ranks(model, ranks, prompt, common, reference_latents, settings.memory)
+                video, audio = sample_on_ranks(
+                    model, ranks, prompt, request, runner, reference_latents, settings.memory
+                )
             else:
-                video, audio = generate_clip(model.model, prompt, reference_latents, **common)
+                video, audio = generate_clip(model.model, prompt, request, runner, reference_latents)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

@@ -22,6 +22,8 @@ from ..parallel.ulysses import RankGroup
 from ..parallel.weights import receive_weights
 from ..parallel.workers import shared_cancel
 from .generate import generate, generate_ref2va
+from .prompt import PromptEmbedding
+from .request import ClipRequest, Runner
 
 __all__ = [
     "DiTSource",
@@ -31,19 +33,14 @@ __all__ = [
     "RankReport",
     "on_cpu",
     "generate_clip",
-    "RANK_ZERO_ONLY",
 ]
 
-# generate's arguments only rank 0 has (its device, its progress and previews, its cancel, its placement and
-# its own solver); a job's request holds the others
-RANK_ZERO_ONLY = ("device", "progress", "check_cancel", "before_sampling", "preview", "solver", "ranks")
 
-
-def generate_clip(model, prompt, references=None, **request):
+def generate_clip(model, prompt, request: ClipRequest, runner: Runner = Runner(), references=None):
     """``generate_ref2va`` with ``references``, else ``generate``."""
     if references is not None:
-        return generate_ref2va(model, prompt, list(references), **request)
-    return generate(model, prompt, **request)
+        return generate_ref2va(model, prompt, list(references), request, runner)
+    return generate(model, prompt, request, runner)
 
 
 @dataclass(frozen=True)
@@ -83,12 +80,13 @@ def _reporting(device: torch.device, work) -> RankReport:
 
 @dataclass(frozen=True)
 class ClipOnRanks:
-    """One clip sampled on a rank beside rank 0 (a ``RankWorkers`` job): ``request`` is ``generate``'s keyword
-    arguments (``generate_ref2va``'s with ``references``) as rank 0 passes them, less what only rank 0 does (its
-    progress, previews, cancel check and placement); ``follow``: rank 0 integrates with a solver of its own."""
+    """One clip sampled on a rank beside rank 0 (a ``RankWorkers`` job): rank 0's ``prompt`` and ``request``
+    (with ``references`` for Ref2VA); the rank runs it with a ``Runner`` of its own (its device, the shared cancel,
+    its placement, the ranks); ``follow``: rank 0 integrates with a solver of its own."""
 
     source: DiTSource
-    request: dict = field(default_factory=dict)
+    prompt: PromptEmbedding
+    request: ClipRequest
     references: tuple | None = None
     placement: str = "auto"  # the loader's offload choice
     memory: str = "auto"
@@ -98,7 +96,7 @@ class ClipOnRanks:
     def __call__(self, rank: int, device: torch.device, state: dict) -> RankReport:
         first = torch.device("cpu") if self.placement == "stream blocks" else device
         model = rank_model(self.source, first, state)
-        request = dict(self.request)
+        request = self.request
 
         def fit(packed):
             ranks = dist.get_world_size()
@@ -109,23 +107,23 @@ class ClipOnRanks:
                 device,
                 placement=self.placement,
                 memory=self.memory,
-                steps=request.get("steps", 50),
-                compile=request.get("compile", "auto"),
+                steps=request.steps,
+                compile=request.compile,
                 current=state.get("fitted"),
                 share=shares[rank],
-                attention_precision=request.get("attention_precision", "bf16"),
+                attention_precision=request.attention_precision,
             )
             receive_weights(model, device)
             return state["fitted"].options
 
-        request.update(
+        runner = Runner(
             device=device,
             check_cancel=shared_cancel(None, device=device),
             before_sampling=fit,
             solver=following_solver(device) if self.follow else None,
             ranks=RankGroup(softmax_ranks=self.softmax_ranks),
         )
-        return _reporting(device, lambda: generate_clip(model, request.pop("prompt"), self.references, **request))
+        return _reporting(device, lambda: generate_clip(model, self.prompt, request, runner, self.references))
 
 
 @dataclass(frozen=True)

@@ -353,7 +353,7 @@ def encode_keyframes(
     vae, keyframes: Sequence[tuple[str, torch.Tensor]], width: int, height: int, **options
 ) -> tuple[tuple[str, torch.Tensor], ...]:
     """``(anchor, image)`` pairs in packed order → ``(anchor, latent [24, 1, h, w])`` pairs for
-    ``generate(keyframes=...)``, on the CPU in fp32.
+    ``ClipRequest(keyframes=...)``, on the CPU in fp32.
 
     As the released FL2VA step: the first keyframe given is stretched onto the ``width`` × ``height`` canvas,
     a second one cover-cropped (``fit_keyframes``); each is encoded as a single frame by the tiled spatial

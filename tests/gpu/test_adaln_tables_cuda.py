@@ -8,6 +8,7 @@ from h3_core.models.adaln_tables import keep_adaln_on_host
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.prompt import from_conditioning
+from h3_core.pipeline.request import ClipRequest, Runner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -27,10 +28,10 @@ def model():
 
 def test_projections_leave_the_device_and_the_run_is_unchanged():
     prompt = from_conditioning(torch.randn(1, 8, CFG.text_dim, generator=torch.Generator().manual_seed(1)))
-    run = dict(frames=39, width=256, height=128, steps=3, seed=2, device="cuda")
+    request, on_gpu = ClipRequest(frames=39, width=256, height=128, steps=3, seed=2), Runner(device="cuda")
     plain = model()
     with torch.no_grad():
-        want = generate(plain, prompt, **run)
+        want = generate(plain, prompt, request, on_gpu)
     del plain
     hosted = model()
     before = torch.cuda.memory_allocated()
@@ -40,7 +41,7 @@ def test_projections_leave_the_device_and_the_run_is_unchanged():
     assert moved == expected and before - torch.cuda.memory_allocated() >= expected
     assert all(p.device.type == "cpu" and p.is_pinned() for b in hosted.blocks for p in b.adaln_proj.parameters())
     with torch.no_grad():
-        got = generate(hosted, prompt, **run)
+        got = generate(hosted, prompt, request, on_gpu)
     # each projection visited the device to make the run's tables and went back to the host
     torch.cuda.synchronize()
     assert all(p.device.type == "cpu" and p.is_pinned() for b in hosted.blocks for p in b.adaln_proj.parameters())

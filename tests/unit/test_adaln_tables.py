@@ -8,6 +8,7 @@ from h3_core.models.adaln_tables import clear_adaln_tables, keep_adaln_on_host, 
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.prompt import from_conditioning
+from h3_core.pipeline.request import ClipRequest
 
 CFG = DiTConfig(
     hidden=48,
@@ -38,11 +39,11 @@ def test_a_run_with_the_projections_on_the_host_is_the_plain_run(hybrid):
     run = dict(frames=22, width=64, height=32, steps=3, seed=5)
     plain = model(hybrid)
     with torch.no_grad():
-        want = generate(plain, prompt, **run)
+        want = generate(plain, prompt, ClipRequest(**run))
     hosted = model(hybrid)
     assert keep_adaln_on_host(hosted) == 0 and hosted.adaln_on_host  # already in host memory on the CPU
     with torch.no_grad():
-        got = generate(hosted, prompt, **run)
+        got = generate(hosted, prompt, ClipRequest(**run))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert hosted.adaln_tables == {}  # dropped after the run

@@ -23,6 +23,7 @@ from h3_core.parallel import (
 from h3_core.pipeline.clip_on_ranks import ClipOnRanks, DiTSource
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.prompt import PromptEmbedding
+from h3_core.pipeline.request import ClipRequest, Runner
 
 CPU = torch.device("cpu")
 PATCHED = "blocks.0.attn.qkv_proj.weight"
@@ -44,18 +45,21 @@ def test_workers_with_their_own_copies_and_rank_zeros_patch_give_the_one_process
         model.get_parameter(PATCHED).add_(0.05 * torch.randn(model.get_parameter(PATCHED).shape))
     asked = request()
     prompt = asked.pop("prompt")
-    alone = generate(model, prompt, solver=heun, **asked)
+    alone = generate(model, prompt, ClipRequest(**asked), Runner(solver=heun))
 
     def here():
         def send(packed):
             send_weights(model, weight_names(model, [PATCHED]), CPU)
 
-        return generate(
-            model, prompt, solver=leading_solver(heun, CPU), ranks=RankGroup(softmax_ranks=1),
-            check_cancel=shared_cancel(None), before_sampling=send, **asked,
-        )  # fmt: skip
+        runner = Runner(
+            solver=leading_solver(heun, CPU),
+            ranks=RankGroup(softmax_ranks=1),
+            check_cancel=shared_cancel(None),
+            before_sampling=send,
+        )
+        return generate(model, prompt, ClipRequest(**asked), runner)
 
-    job = ClipOnRanks(source, dict(asked, prompt=prompt), softmax_ranks=1, follow=True)
+    job = ClipOnRanks(source, prompt, ClipRequest(**asked), softmax_ranks=1, follow=True)
     with RankWorkers(1) as workers:
         shared = workers.run(job, here=here)
     for a, b in zip(shared, alone):

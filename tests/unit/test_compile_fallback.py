@@ -26,6 +26,7 @@ from h3_core.models import branch_fused, run_options, video_vae
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.prompt import PromptEmbedding
+from h3_core.pipeline.request import ClipRequest, Runner
 from h3_core.triton_forms import COMPILE_MODES
 
 
@@ -124,7 +125,7 @@ PROMPT = PromptEmbedding(
 )
 
 
-def sample(m, compile, modes=None, **options):
+def sample(m, compile, modes=None, check_cancel=None):
     """A whole generation of the tiny fp64 DiT, set up for the run as the sampler node does (``modes``: gets the
     mode the placement runs the blocks in)."""
 
@@ -136,7 +137,10 @@ def sample(m, compile, modes=None, **options):
 
     with torch.no_grad():
         return generate(
-            m, PROMPT, frames=22, width=64, height=32, steps=3, seed=5, compile=compile, before_sampling=fit, **options
+            m,
+            PROMPT,
+            ClipRequest(frames=22, width=64, height=32, steps=3, seed=5, compile=compile),
+            Runner(before_sampling=fit, check_cancel=check_cancel),
         )
 
 
@@ -232,7 +236,7 @@ def test_a_bad_compile_mode_is_named():
     with pytest.raises(H3InputError, match=message):
         placement.place_for_run(m, packed, "cpu", compile="fast")
     with pytest.raises(H3InputError, match=message):
-        generate(m, PROMPT, frames=22, width=64, height=32, steps=2, seed=5, compile="fast")
+        generate(m, PROMPT, ClipRequest(frames=22, width=64, height=32, steps=2, seed=5, compile="fast"))
     with pytest.raises(H3InputError, match=message):
         tiling.decode_video(VideoVAE(VideoVAEConfig(**TINY_VAE)), torch.zeros(24, 2, 2, 2), compile="fast")
 
@@ -253,6 +257,7 @@ CHECK = textwrap.dedent(
     import h3_core.models.branch_triton as branch_kernels
     from h3_core.memory import policy as placement
     from h3_core.pipeline.generate import generate
+    from h3_core.pipeline.request import ClipRequest, Runner
     from h3_core.pipeline.prompt import PromptEmbedding
     from tiny_dit import fp32_case
 
@@ -280,8 +285,8 @@ CHECK = textwrap.dedent(
     def run(compile):
         fit = lambda packed: placement.place_for_run(m, packed, "cpu", compile=compile).options
         with torch.no_grad():
-            return generate(m, prompt, frames=22, width=64, height=32, steps=2, seed=5, compile=compile,
-                            before_sampling=fit)
+            return generate(m, prompt, ClipRequest(frames=22, width=64, height=32, steps=2, seed=5, compile=compile),
+                            Runner(before_sampling=fit))
 
     plain = run("off")
     assert launched == [] and compiled == [] and said == [], (launched, compiled, said)

@@ -8,6 +8,7 @@ from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.packing import pack_sequence
 from h3_core.pipeline.prompt import from_conditioning
+from h3_core.pipeline.request import ClipRequest
 
 CFG = DiTConfig(
     hidden=64,
@@ -42,7 +43,7 @@ def shape():
 def test_each_kind_of_plan_generates_what_the_plain_model_does():
     prompt = from_conditioning(torch.randn(1, 6, 5120, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
     with torch.no_grad():
-        want = generate(model(), prompt, **RUN)
+        want = generate(model(), prompt, ClipRequest(**RUN))
     full = evaluation_peak(CFG, shape(), hybrid=True, dtype=torch.float64)["total"]
     budgets = {"roomy": full * 2, "grouped": full * 0.999, "streamed": full * 0.2}
     seen = {}
@@ -51,7 +52,7 @@ def test_each_kind_of_plan_generates_what_the_plain_model_does():
         m = model()
         fitted = apply_plan(m, plan, "cpu")
         with torch.no_grad():
-            got = generate(m, prompt, **RUN)
+            got = generate(m, prompt, ClipRequest(**RUN))
         fitted.remove()
         seen[name] = plan
         for a, b in zip(got, want):

@@ -7,6 +7,7 @@ from h3_core.errors import H3InputError
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.generate import generate, generate_ref2va
 from h3_core.pipeline.prompt import from_conditioning
+from h3_core.pipeline.request import ClipRequest, Runner
 
 
 def tiny_dit(hybrid: bool = False) -> H3DiT:
@@ -44,9 +45,9 @@ def prompt():
 
 def test_t2va_shapes_and_seed(dit):
     with torch.no_grad():
-        video, audio = generate(dit, prompt(), frames=22, width=64, height=32, steps=3, seed=7)
-        again, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=3, seed=7)
-        other, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=3, seed=8)
+        video, audio = generate(dit, prompt(), ClipRequest(frames=22, width=64, height=32, steps=3, seed=7))
+        again, _ = generate(dit, prompt(), ClipRequest(frames=22, width=64, height=32, steps=3, seed=7))
+        other, _ = generate(dit, prompt(), ClipRequest(frames=22, width=64, height=32, steps=3, seed=8))
     assert video.shape == (24, 7, 2, 4) and audio.shape == (2, 32, 37)  # 22 frames at 24 fps = 36.7 audio latents
     assert torch.equal(video, again) and not torch.equal(video, other)
     assert torch.isfinite(video).all() and torch.isfinite(audio).all()
@@ -59,34 +60,66 @@ def test_fl2va_takes_both_keyframes(dit):
         video, _ = generate(
             dit,
             prompt(),
-            frames=22,
-            width=64,
-            height=32,
-            steps=2,
-            seed=1,
-            keyframes=(("first", first), ("last", last)),
-            progress=lambda i, n: steps.append(i),
+            ClipRequest(frames=22, width=64, height=32, steps=2, seed=1, keyframes=(("first", first), ("last", last))),
+            Runner(progress=lambda i, n: steps.append(i)),
         )
-        plain, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=1)
+        plain, _ = generate(dit, prompt(), ClipRequest(frames=22, width=64, height=32, steps=2, seed=1))
     assert steps == [1, 2] and video.shape == plain.shape and not torch.equal(video, plain)
 
 
 def test_bad_requests(dit):
     with pytest.raises(H3InputError, match="length must be 17k"):
-        generate(dit, prompt(), frames=20, width=64, height=32, steps=2, seed=0)
+        generate(dit, prompt(), ClipRequest(frames=20, width=64, height=32, steps=2, seed=0))
     with pytest.raises(H3InputError, match="width must be a multiple of 16"):
-        generate(dit, prompt(), frames=22, width=60, height=32, steps=2, seed=0)
+        generate(dit, prompt(), ClipRequest(frames=22, width=60, height=32, steps=2, seed=0))
     with pytest.raises(H3InputError, match=r"the first keyframe latent must be \[24, 1, 2, 4\].*got \(24, 1, 4, 4\)"):
         generate(
             dit,
             prompt(),
-            frames=22,
-            width=64,
-            height=32,
-            steps=2,
-            seed=0,
-            keyframes=(("first", torch.zeros(24, 1, 4, 4)),),
+            ClipRequest(
+                frames=22, width=64, height=32, steps=2, seed=0, keyframes=(("first", torch.zeros(24, 1, 4, 4)),)
+            ),
         )
+
+
+def test_a_request_is_checked_as_it_is_made_naming_the_choice():
+    """Every choice of a ``ClipRequest`` is checked when it is made, before any model runs, each error naming the
+    input, what was given and what is allowed."""
+    clip = dict(frames=22, width=64, height=32, steps=2, seed=0)
+    ClipRequest(**clip, compile="off", noise="comfyui", backend="decomposed", attention_precision="fp8")
+    for choice, match in (
+        (dict(compile="fast"), r"compile must be one of \['auto', 'off'\], got 'fast'"),
+        (dict(noise="gaussian"), r"noise must be one of .*got 'gaussian'"),
+        (dict(attention_precision="fp4"), r"fp4"),
+        (dict(reference_audio_t=1.5), r"reference_audio_t must be in \(0, 1\].*got 1.5"),
+        (dict(frames=20), r"length must be 17k \+ 5 frames"),
+        (dict(height=40), r"height must be a multiple of 16"),
+    ):
+        with pytest.raises(H3InputError, match=match):
+            ClipRequest(**{**clip, **choice})
+
+
+def test_a_ref2va_request_takes_no_keyframes_or_masked_start(dit):
+    latent = torch.zeros(24, 1, 2, 4)
+    request = ClipRequest(frames=22, width=64, height=32, steps=1, seed=0, keyframes=(("first", latent),))
+    with pytest.raises(H3InputError, match="a Ref2VA request takes no keyframes and no masked start"):
+        generate_ref2va(dit, prompt(), references(), request)
+
+
+def test_a_runner_changes_where_and_how_not_what(dit):
+    """The same request run with and without a runner's hooks gives the same latents; the hooks see every step."""
+    request = ClipRequest(frames=22, width=64, height=32, steps=2, seed=3)
+    steps, packed_rows = [], []
+
+    def before_sampling(packed):
+        packed_rows.append(int(packed.positions.shape[0]))
+
+    runner = Runner(progress=lambda step, total: steps.append((step, total)), before_sampling=before_sampling)
+    with torch.no_grad():
+        plain, plain_audio = generate(dit, prompt(), request)
+        hooked, hooked_audio = generate(dit, prompt(), request, runner)
+    assert torch.equal(plain, hooked) and torch.equal(plain_audio, hooked_audio)
+    assert steps == [(1, 2), (2, 2)] and len(packed_rows) == 1 and packed_rows[0] > 0
 
 
 def references(g=None):
@@ -106,8 +139,8 @@ def test_ref2va_without_references_is_t2va(dit):
     from h3_core.pipeline.generate import generate_ref2va
 
     with torch.no_grad():
-        plain = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=4)
-        ref = generate_ref2va(dit, prompt(), [], frames=22, width=64, height=32, steps=2, seed=4)
+        plain = generate(dit, prompt(), ClipRequest(frames=22, width=64, height=32, steps=2, seed=4))
+        ref = generate_ref2va(dit, prompt(), [], ClipRequest(frames=22, width=64, height=32, steps=2, seed=4))
     assert torch.equal(plain[0], ref[0]) and torch.equal(plain[1], ref[1])
 
 
@@ -118,10 +151,16 @@ def test_ref2va_references_condition_the_clip(dit):
     steps = []
     with torch.no_grad():
         video, audio = generate_ref2va(
-            dit, prompt(), refs, frames=22, width=64, height=32, steps=2, seed=4, progress=lambda i, n: steps.append(i)
+            dit,
+            prompt(),
+            refs,
+            ClipRequest(frames=22, width=64, height=32, steps=2, seed=4),
+            Runner(progress=lambda i, n: steps.append(i)),
         )
-        again = generate_ref2va(dit, prompt(), refs, frames=22, width=64, height=32, steps=2, seed=4)
-        no_audio_ref = generate_ref2va(dit, prompt(), refs[:2], frames=22, width=64, height=32, steps=2, seed=4)
+        again = generate_ref2va(dit, prompt(), refs, ClipRequest(frames=22, width=64, height=32, steps=2, seed=4))
+        no_audio_ref = generate_ref2va(
+            dit, prompt(), refs[:2], ClipRequest(frames=22, width=64, height=32, steps=2, seed=4)
+        )
     assert steps == [1, 2] and video.shape == (24, 7, 2, 4) and audio.shape == (2, 32, 37)
     assert torch.equal(video, again[0]) and torch.equal(audio, again[1])
     # the audio reference is a clean conditioning block: it draws no noise, so only its influence differs
@@ -159,9 +198,9 @@ def test_reference_audio_is_held_clean_unless_mixed_as_native_does(dit):
     n_ref = sum(2 * a.shape[-1] for a in audio_refs)
     clean_calls, mixed_calls = [], []
     with torch.no_grad():
-        default = generate_ref2va(dit, prompt(), refs, **run)
-        clean = generate_ref2va(recorded(dit, clean_calls), prompt(), refs, reference_audio_t=1.0, **run)
-        mixed = generate_ref2va(recorded(dit, mixed_calls), prompt(), refs, reference_audio_t=0.97, **run)
+        default = generate_ref2va(dit, prompt(), refs, ClipRequest(**run))
+        clean = generate_ref2va(recorded(dit, clean_calls), prompt(), refs, ClipRequest(reference_audio_t=1.0, **run))
+        mixed = generate_ref2va(recorded(dit, mixed_calls), prompt(), refs, ClipRequest(reference_audio_t=0.97, **run))
     assert torch.equal(default[0], clean[0]) and torch.equal(default[1], clean[1])
     want_clean = torch.cat([native_audio_condition_rows(a, 1.0, 4) for a in audio_refs])
     want_mixed = torch.cat([native_audio_condition_rows(a, 0.97, 4) for a in audio_refs])
@@ -172,7 +211,7 @@ def test_reference_audio_is_held_clean_unless_mixed_as_native_does(dit):
         assert (mixed_t[:n_ref] == torch.clamp(target_t[:1], min=0.97)).all()
     assert len(mixed_calls) == 2 and not torch.equal(mixed[1], clean[1])
     with pytest.raises(H3InputError, match=r"reference_audio_t must be in \(0, 1\] .*got 1\.5"):
-        generate_ref2va(dit, prompt(), refs, reference_audio_t=1.5, **run)
+        generate_ref2va(dit, prompt(), refs, ClipRequest(reference_audio_t=1.5, **run))
 
 
 def test_ref2va_bad_references_name_the_reference(dit):
@@ -180,9 +219,9 @@ def test_ref2va_bad_references_name_the_reference(dit):
 
     run = dict(frames=22, width=64, height=32, steps=1, seed=0)
     with pytest.raises(H3InputError, match=r"reference 0 \(image\): an image latent has 1 frame, got 2"):
-        generate_ref2va(dit, prompt(), [ReferenceLatents("image", video=torch.zeros(24, 2, 2, 2))], **run)
+        generate_ref2va(dit, prompt(), [ReferenceLatents("image", video=torch.zeros(24, 2, 2, 2))], ClipRequest(**run))
     with pytest.raises(H3InputError, match=r"reference 1 \(audio\): an audio reference needs its audio latent"):
-        generate_ref2va(dit, prompt(), [references()[0], ReferenceLatents("audio")], **run)
+        generate_ref2va(dit, prompt(), [references()[0], ReferenceLatents("audio")], ClipRequest(**run))
     with pytest.raises(
         H3InputError, match=r"reference 0 \(video\): the audio latent must be \[2, 32, Ta\], got \(1, 32, 4\)"
     ):
@@ -190,10 +229,10 @@ def test_ref2va_bad_references_name_the_reference(dit):
             dit,
             prompt(),
             [ReferenceLatents("video", video=torch.zeros(24, 1, 2, 2), audio=torch.zeros(1, 32, 4))],
-            **run,
+            ClipRequest(**run),
         )
     with pytest.raises(H3InputError, match=r"reference 0: kind must be 'image', 'video' or 'audio', got 'text'"):
-        generate_ref2va(dit, prompt(), [ReferenceLatents("text")], **run)
+        generate_ref2va(dit, prompt(), [ReferenceLatents("text")], ClipRequest(**run))
 
 
 def test_cancel_is_checked_before_every_block_and_stops_within_an_evaluation(dit):
@@ -208,7 +247,12 @@ def test_cancel_is_checked_before_every_block_and_stops_within_an_evaluation(dit
             raise Cancelled
 
     with torch.no_grad(), pytest.raises(Cancelled):
-        generate(dit, prompt(), frames=22, width=64, height=32, steps=3, seed=7, check_cancel=check_cancel)
+        generate(
+            dit,
+            prompt(),
+            ClipRequest(frames=22, width=64, height=32, steps=3, seed=7),
+            Runner(check_cancel=check_cancel),
+        )
     assert len(calls) == 3 and not hasattr(dit, "check_cancel")  # given with the call, never left on the model
 
 
@@ -217,7 +261,7 @@ def test_a_prompt_of_the_wrong_width_is_named(dit):
 
     narrow = PromptEmbedding(torch.randn(4, 32), torch.ones(4, dtype=torch.long), features=32)
     with pytest.raises(H3InputError, match="the prompt embedding is 32 wide but this DiT reads 5120-wide text states"):
-        generate(dit, narrow, frames=22, width=64, height=32, steps=1, seed=0)
+        generate(dit, narrow, ClipRequest(frames=22, width=64, height=32, steps=1, seed=0))
 
 
 def test_generation_runs_whatever_the_callers_grad_state(dit):
@@ -225,10 +269,12 @@ def test_generation_runs_whatever_the_callers_grad_state(dit):
     under inference mode itself and gives the same clip as under no_grad, tracking nothing."""
     assert all(p.requires_grad for p in dit.parameters())
     with torch.enable_grad():
-        video, audio = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=7)
-        ref_video, _ = generate_ref2va(dit, prompt(), references(), frames=22, width=64, height=32, steps=2, seed=7)
+        video, audio = generate(dit, prompt(), ClipRequest(frames=22, width=64, height=32, steps=2, seed=7))
+        ref_video, _ = generate_ref2va(
+            dit, prompt(), references(), ClipRequest(frames=22, width=64, height=32, steps=2, seed=7)
+        )
     with torch.no_grad():
-        want, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=2, seed=7)
+        want, _ = generate(dit, prompt(), ClipRequest(frames=22, width=64, height=32, steps=2, seed=7))
     assert torch.equal(video, want) and not video.requires_grad and not audio.requires_grad
     assert not ref_video.requires_grad
 
@@ -241,14 +287,10 @@ def test_previews_are_the_middle_frames_clean_estimate(dit):
         video, _ = generate(
             dit,
             prompt(),
-            frames=22,
-            width=64,
-            height=32,
-            steps=3,
-            seed=2,
-            preview=lambda step, total, frame: frames.append((step, total, frame)),
+            ClipRequest(frames=22, width=64, height=32, steps=3, seed=2),
+            Runner(preview=lambda step, total, frame: frames.append((step, total, frame))),
         )
-        again, _ = generate(dit, prompt(), frames=22, width=64, height=32, steps=3, seed=2)
+        again, _ = generate(dit, prompt(), ClipRequest(frames=22, width=64, height=32, steps=3, seed=2))
     assert [(s, t) for s, t, _ in frames] == [(1, 3), (2, 3), (3, 3)]
     assert all(f.shape == (24, 1, 2, 4) and f.dtype == torch.float32 for _, _, f in frames)
     assert torch.equal(frames[-1][2], video[:, 3:4]) and torch.equal(video, again)

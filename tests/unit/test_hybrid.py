@@ -114,15 +114,16 @@ def test_generate_runs_the_hybrid_window_a_user_picks():
     from test_generate import tiny_dit
 
     from h3_core.pipeline.generate import generate
+    from h3_core.pipeline.request import ClipRequest
 
     m = tiny_dit(hybrid=True)
     prompt = tiny_prompt()
     narrow = WindowSpec(1, 2, "both")  # 7 latent frames: the window leaves pairs out, the branch runs
     run = dict(frames=22, width=64, height=32, steps=2, seed=5)
     with torch.no_grad():
-        ref, ref_audio = generate(m, prompt, **run, window=narrow, backend="ref")
-        fast, fast_audio = generate(m, prompt, **run, window=narrow, backend="decomposed")
-        released, _ = generate(m, prompt, **run)  # chunk 5: every frame sees every frame
+        ref, ref_audio = generate(m, prompt, ClipRequest(**run, window=narrow, backend="ref"))
+        fast, fast_audio = generate(m, prompt, ClipRequest(**run, window=narrow, backend="decomposed"))
+        released, _ = generate(m, prompt, ClipRequest(**run))  # chunk 5: every frame sees every frame
     assert (fast - ref).abs().max() <= 1e-4 * ref.abs().max()
     assert (fast_audio - ref_audio).abs().max() <= 1e-4 * ref_audio.abs().max()
     assert not torch.allclose(ref, released, atol=1e-5)

@@ -13,6 +13,7 @@ from h3_core.pipeline.generate import generate
 from h3_core.pipeline.keyframes import Keyframe, guide_audio_latents, guide_frames, latent_span, resolve_frame_index
 from h3_core.pipeline.noise import row_timesteps
 from h3_core.pipeline.packing import KeyframeSlot, pack_sequence
+from h3_core.pipeline.request import ClipRequest
 
 # ---- the native convention, re-derived ------------------------------------------------------------------------
 
@@ -183,8 +184,8 @@ def dit():
 def test_a_keyframe_at_frame_0_is_the_released_first_keyframe(dit):
     latent = torch.randn(24, 1, 2, 4, generator=torch.Generator().manual_seed(5))
     common = dict(frames=22, width=64, height=32, steps=2, seed=4)
-    released = generate(dit, prompt(), keyframes=(("first", latent),), **common)
-    anywhere = generate(dit, prompt(), keyframes=(Keyframe(0, video=latent),), **common)
+    released = generate(dit, prompt(), ClipRequest(keyframes=(("first", latent),), **common))
+    anywhere = generate(dit, prompt(), ClipRequest(keyframes=(Keyframe(0, video=latent),), **common))
     assert torch.equal(released[0], anywhere[0]) and torch.equal(released[1], anywhere[1])
 
 
@@ -193,12 +194,16 @@ def test_keyframes_anywhere_with_audio_change_the_clip(dit):
     still, clip = torch.randn(24, 1, 2, 4, generator=gen), torch.randn(24, 2, 2, 4, generator=gen)
     sound = torch.randn(2, 32, 9, generator=gen)
     common = dict(frames=22, width=64, height=32, steps=2, seed=4)
-    plain = generate(dit, prompt(), **common)
+    plain = generate(dit, prompt(), ClipRequest(**common))
     guided = generate(
-        dit, prompt(), keyframes=(Keyframe(9, video=still, audio=sound), Keyframe(17, video=clip)), **common
+        dit,
+        prompt(),
+        ClipRequest(keyframes=(Keyframe(9, video=still, audio=sound), Keyframe(17, video=clip)), **common),
     )
     moved = generate(
-        dit, prompt(), keyframes=(Keyframe(10, video=still, audio=sound), Keyframe(17, video=clip)), **common
+        dit,
+        prompt(),
+        ClipRequest(keyframes=(Keyframe(10, video=still, audio=sound), Keyframe(17, video=clip)), **common),
     )
     assert guided[0].shape == plain[0].shape == (24, 7, 2, 4) and guided[1].shape == (2, 32, 37)
     assert torch.isfinite(guided[0]).all() and torch.isfinite(guided[1]).all()
@@ -219,4 +224,4 @@ def test_keyframes_anywhere_with_audio_change_the_clip(dit):
 )
 def test_bad_keyframes_are_named(dit, keyframe, message):
     with pytest.raises(H3InputError, match=message):
-        generate(dit, prompt(), keyframes=(keyframe,), frames=22, width=64, height=32, steps=1, seed=0)
+        generate(dit, prompt(), ClipRequest(keyframes=(keyframe,), frames=22, width=64, height=32, steps=1, seed=0))

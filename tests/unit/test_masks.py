@@ -18,6 +18,7 @@ from h3_core.pipeline.masks import (
     region_mask,
     span_mask,
 )
+from h3_core.pipeline.request import ClipRequest
 
 
 def native_mask_row_values(mask, latent_t, lat_h, lat_w):
@@ -45,27 +46,29 @@ COMMON = dict(width=64, height=32, steps=3, seed=4)
 
 
 def test_an_all_ones_mask_is_the_unmasked_run(dit):
-    plain = generate(dit, prompt(), frames=22, **COMMON)
+    plain = generate(dit, prompt(), ClipRequest(frames=22, **COMMON))
     start = MaskedStart(torch.randn(24, 7, 2, 4), torch.randn(2, 32, 37), torch.ones(7, 2, 4), torch.ones(2, 37))
-    masked = generate(dit, prompt(), frames=22, start=start, **COMMON)
+    masked = generate(dit, prompt(), ClipRequest(frames=22, start=start, **COMMON))
     assert torch.equal(plain[0], masked[0]) and torch.equal(plain[1], masked[1])
 
 
 def test_extending_holds_the_clip_bit_for_bit(dit):
-    video, audio = generate(dit, prompt(), frames=22, **COMMON)
+    video, audio = generate(dit, prompt(), ClipRequest(frames=22, **COMMON))
     start = extend_start(video, audio, 12, 65)  # 22 frames (7 latents) extended to 39 (12)
-    longer, longer_audio = generate(dit, prompt(), frames=39, start=start, **dict(COMMON, seed=5))
+    longer, longer_audio = generate(dit, prompt(), ClipRequest(frames=39, start=start, **dict(COMMON, seed=5)))
     assert longer.shape == (24, 12, 2, 4) and longer_audio.shape == (2, 32, 65)
     assert torch.equal(longer[:, :7], video) and torch.equal(longer_audio[..., :37], audio)
     assert torch.isfinite(longer).all() and not torch.equal(longer[:, 7:], torch.zeros_like(longer[:, 7:]))
 
 
 def test_a_held_region_stays_and_the_rest_is_generated(dit):
-    video, audio = generate(dit, prompt(), frames=22, **COMMON)
+    video, audio = generate(dit, prompt(), ClipRequest(frames=22, **COMMON))
     mask = torch.zeros(7, 2, 4)
     mask[:, :, 2:] = 1  # regenerate the right half of every frame
     again, again_audio = generate(
-        dit, prompt(), frames=22, start=MaskedStart(video, audio, mask, torch.zeros(2, 37)), **dict(COMMON, seed=9)
+        dit,
+        prompt(),
+        ClipRequest(frames=22, start=MaskedStart(video, audio, mask, torch.zeros(2, 37)), **dict(COMMON, seed=9)),
     )
     assert torch.equal(again[..., :2], video[..., :2]) and torch.equal(again_audio, audio)
     assert not torch.equal(again[..., 2:], video[..., 2:])
@@ -97,9 +100,9 @@ def test_a_pixel_region_marks_every_latent_cell_it_touches():
 def test_a_start_that_does_not_fit_the_clip_is_named(dit):
     start = MaskedStart(torch.zeros(24, 7, 2, 4), torch.zeros(2, 32, 37), torch.ones(7, 2, 4) * 2, torch.ones(2, 37))
     with pytest.raises(H3InputError, match=r"video_mask must lie in \[0, 1\]"):
-        generate(dit, prompt(), frames=22, start=start, **COMMON)
+        generate(dit, prompt(), ClipRequest(frames=22, start=start, **COMMON))
     with pytest.raises(H3InputError, match=r"start: its video is \[24, 7, 2, 4\] but the clip being generated needs"):
-        generate(dit, prompt(), frames=39, start=start, **COMMON)
+        generate(dit, prompt(), ClipRequest(frames=39, start=start, **COMMON))
     with pytest.raises(H3InputError, match="must be longer than the 22 it extends"):
         extend_start(torch.zeros(24, 7, 2, 4), torch.zeros(2, 32, 37), 7, 37)
 
@@ -141,7 +144,7 @@ def seen_timesteps(dit, **kwargs):
 
     dit.forward = recording
     try:
-        generate(dit, prompt(), **kwargs)
+        generate(dit, prompt(), ClipRequest(**kwargs))
     finally:
         del dit.forward
     return seen

@@ -9,6 +9,7 @@ from test_generate import prompt, tiny_dit
 
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.packing import pad_to_patch, padded_size, patchify, repad_rows, unpatchify
+from h3_core.pipeline.request import ClipRequest
 
 COMMON = dict(steps=3, seed=4)
 
@@ -45,7 +46,7 @@ def test_an_odd_canvas_runs_with_the_padding_made_from_the_state_at_every_evalua
 
     dit.forward = watching
     try:
-        video, audio = generate(dit, prompt(), frames=22, width=48, height=48, **COMMON)  # 3 x 3 latents
+        video, audio = generate(dit, prompt(), ClipRequest(frames=22, width=48, height=48, **COMMON))  # 3 x 3 latents
     finally:
         del dit.forward
     assert video.shape == (24, 7, 3, 3) and torch.isfinite(video).all() and torch.isfinite(audio).all()

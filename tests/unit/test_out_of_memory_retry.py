@@ -17,6 +17,7 @@ from h3_core.models.low_memory import LowMemory
 from h3_core.models.options import RunOptions
 from h3_core.models.run_options import Evaluations
 from h3_core.pipeline.generate import generate
+from h3_core.pipeline.request import ClipRequest, Runner
 
 RUN = dict(frames=22, width=64, height=32, steps=3, seed=5)
 SMALLER = LowMemory(head_groups=2)
@@ -36,10 +37,12 @@ def short_of_memory_with_one_head_group(m, error=None) -> list:
     return given
 
 
-def generated(m, run: RunOptions | None = None, **options):
+def generated(m, run: RunOptions | None = None, check_cancel=None):
     """A generation whose every evaluation is given ``run`` (as a placement's options are)."""
     with torch.no_grad():
-        return generate(m, PROMPT, **RUN, **options, before_sampling=lambda packed: run)
+        return generate(
+            m, PROMPT, ClipRequest(**RUN), Runner(before_sampling=lambda packed: run, check_cancel=check_cancel)
+        )
 
 
 def test_the_evaluation_runs_again_placed_for_less_memory(caplog):

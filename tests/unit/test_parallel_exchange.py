@@ -162,9 +162,9 @@ def _model_check(rank, world, heads_total, hybrid=False, softmax_ranks=0, dtype=
 
 
 def _generate_check(rank, world):
-    """The whole sampler loop with every evaluation across the ranks (``generate(..., ranks=RankGroup())``, VDN-H3
-    with the branch on, in fp32) gives every rank the single process's latents, to rounding; so does the branch
-    split."""
+    """The whole sampler loop with every evaluation across the ranks (``generate(..., Runner(ranks=RankGroup()))``,
+    VDN-H3 with the branch on, in fp32) gives every rank the single process's latents, to rounding; so does the
+    branch split."""
     from tiny_dit import ranks_clip, ranks_model
 
     from h3_core.parallel import RankGroup

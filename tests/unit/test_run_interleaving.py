@@ -12,6 +12,7 @@ from h3_core.attention import WindowSpec
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.options import PLAIN, RunOptions
 from h3_core.pipeline.generate import generate
+from h3_core.pipeline.request import ClipRequest, Runner
 from h3_core.triton_forms import plain_path
 
 CANVAS = dict(frames=22, width=64, height=32, steps=2)
@@ -23,7 +24,7 @@ LOW_MEMORY = RunOptions(head_groups=2, ffn_chunk_rows=16)
 def run(m, options: dict, run_options: RunOptions | None = None):
     """A generation with ``options``, every evaluation given ``run_options`` (as a placement gives its own)."""
     with torch.no_grad():
-        return generate(m, PROMPT, **CANVAS, **options, before_sampling=lambda packed: run_options)
+        return generate(m, PROMPT, ClipRequest(**CANVAS, **options), Runner(before_sampling=lambda packed: run_options))
 
 
 def same(got, want) -> bool:

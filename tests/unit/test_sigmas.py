@@ -9,6 +9,7 @@ from test_masks import COMMON
 
 from h3_core.errors import H3InputError
 from h3_core.pipeline.generate import generate
+from h3_core.pipeline.request import ClipRequest
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +31,11 @@ def test_the_audio_sigmas_follow_the_video_ones_as_native_derives_them():
 def test_a_schedule_from_outside_runs_and_the_released_one_is_what_steps_gives(dit):
     from h3_core.pipeline.schedule import sigma_grid
 
-    released = generate(dit, prompt(), frames=22, **COMMON)
-    given = generate(dit, prompt(), frames=22, sigmas=sigma_grid(3, 12.0), **COMMON)
+    released = generate(dit, prompt(), ClipRequest(frames=22, **COMMON))
+    given = generate(dit, prompt(), ClipRequest(frames=22, sigmas=sigma_grid(3, 12.0), **COMMON))
     torch.testing.assert_close(given[0], released[0], rtol=0, atol=1e-4)
     torch.testing.assert_close(given[1], released[1], rtol=0, atol=1e-4)
-    other = generate(dit, prompt(), frames=22, sigmas=torch.tensor([1.0, 0.9, 0.5, 0.2, 0.0]), **COMMON)
+    other = generate(dit, prompt(), ClipRequest(frames=22, sigmas=torch.tensor([1.0, 0.9, 0.5, 0.2, 0.0]), **COMMON))
     assert not torch.equal(other[0], released[0])
 
 
@@ -49,4 +50,4 @@ def test_a_schedule_from_outside_runs_and_the_released_one_is_what_steps_gives(d
 )
 def test_a_schedule_that_is_not_a_flow_one_is_named(dit, sigmas, message):
     with pytest.raises(H3InputError, match=message):
-        generate(dit, prompt(), frames=22, sigmas=sigmas, **COMMON)
+        generate(dit, prompt(), ClipRequest(frames=22, sigmas=sigmas, **COMMON))

@@ -12,6 +12,7 @@ from test_masks import COMMON
 from h3_core.errors import H3InputError
 from h3_core.pipeline.carried_audio import carry_factor, from_carried, to_carried
 from h3_core.pipeline.generate import generate
+from h3_core.pipeline.request import ClipRequest, Runner
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +66,17 @@ def heun(denoised, x, sigmas, on_step):
 
 
 def test_the_hosts_euler_over_the_released_grid_gives_the_released_clip(dit):
-    released = generate(dit, prompt(), frames=22, **COMMON)
+    released = generate(dit, prompt(), ClipRequest(frames=22, **COMMON))
     steps, previews = [], []
     solved = generate(
         dit,
         prompt(),
-        frames=22,
-        solver=k_euler,
-        progress=lambda i, n: steps.append((i, n)),
-        preview=lambda i, n, frame: previews.append(frame.shape),
-        **COMMON,
+        ClipRequest(frames=22, **COMMON),
+        Runner(
+            solver=k_euler,
+            progress=lambda i, n: steps.append((i, n)),
+            preview=lambda i, n, frame: previews.append(frame.shape),
+        ),
     )
     torch.testing.assert_close(solved[0], released[0], rtol=0, atol=1e-4)
     torch.testing.assert_close(solved[1], released[1], rtol=0, atol=1e-4)
@@ -92,11 +94,11 @@ def test_a_second_order_solver_evaluates_between_the_schedules_points(dit):
 
     dit.forward = counting
     try:
-        video, audio = generate(dit, prompt(), frames=22, solver=heun, **COMMON)
+        video, audio = generate(dit, prompt(), ClipRequest(frames=22, **COMMON), Runner(solver=heun))
     finally:
         del dit.forward
     assert len(calls) == 2 * COMMON["steps"] - 1 and torch.isfinite(video).all() and torch.isfinite(audio).all()
-    released = generate(dit, prompt(), frames=22, **COMMON)
+    released = generate(dit, prompt(), ClipRequest(frames=22, **COMMON))
     assert not torch.equal(video, released[0])
 
 
@@ -106,7 +108,7 @@ def test_a_solver_does_not_take_a_start_clip(dit):
     # 22 frames at 64x32: 7 latent frames of 2x4, 37 audio latents
     start = MaskedStart(torch.randn(24, 7, 2, 4), torch.randn(2, 32, 37), torch.ones(7, 2, 4), torch.ones(2, 37))
     with pytest.raises(H3InputError, match="start: extending or inpainting runs with the released sampler"):
-        generate(dit, prompt(), frames=22, solver=k_euler, start=start, **COMMON)
+        generate(dit, prompt(), ClipRequest(frames=22, start=start, **COMMON), Runner(solver=k_euler))
 
 
 def test_a_solver_on_a_model_whose_adaln_stays_in_host_memory_gives_the_same_clip():
@@ -115,7 +117,7 @@ def test_a_solver_on_a_model_whose_adaln_stays_in_host_memory_gives_the_same_cli
     resident, hosted = tiny_dit(), tiny_dit()
     hosted.load_state_dict(resident.state_dict())
     keep_adaln_on_host(hosted)  # tables made per evaluation: a solver's σ are not known ahead
-    want = generate(resident, prompt(), frames=22, solver=heun, **COMMON)
-    got = generate(hosted, prompt(), frames=22, solver=heun, **COMMON)
+    want = generate(resident, prompt(), ClipRequest(frames=22, **COMMON), Runner(solver=heun))
+    got = generate(hosted, prompt(), ClipRequest(frames=22, **COMMON), Runner(solver=heun))
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)

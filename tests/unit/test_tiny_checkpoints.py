@@ -16,6 +16,7 @@ from h3_core.formats.video_vae import load_video_vae
 from h3_core.media.tiling import decode_video
 from h3_core.models.dit import DiTConfig
 from h3_core.pipeline.generate import generate
+from h3_core.pipeline.request import ClipRequest
 from h3_core.pipeline.soundtrack import clip_samples, decode_soundtrack
 from h3_core.pipeline.text_encoder import load_text_encoder
 
@@ -50,7 +51,7 @@ def test_a_whole_generation_on_the_tiny_checkpoints(tiny):
     video_vae = load_video_vae(tiny.video_vae, dtype=torch.float32)
     audio_vae = load_audio_vae(tiny.audio_vae)
     with torch.no_grad():
-        video, audio = generate(model, prompt, frames=56, width=64, height=32, steps=2, seed=1)
+        video, audio = generate(model, prompt, ClipRequest(frames=56, width=64, height=32, steps=2, seed=1))
     frames = decode_video(video_vae, video)
     waveform = decode_soundtrack(audio_vae, audio, frames=56)
     assert frames.shape == (56, 32, 64, 3) and 0 <= frames.min() and frames.max() <= 1

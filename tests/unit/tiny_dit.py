@@ -85,10 +85,11 @@ def ranks_clip(model=None, steps=2, **options):
     ``generate`` with ``options`` (``ranks``, ``check_cancel``)."""
     from h3_core.pipeline.generate import generate
     from h3_core.pipeline.prompt import PromptEmbedding
+    from h3_core.pipeline.request import ClipRequest, Runner
 
     g = torch.Generator().manual_seed(10)
     prompt = PromptEmbedding(torch.randn(4, 20, generator=g), torch.ones(4, dtype=torch.long), features=20)
-    return generate(
-        ranks_model() if model is None else model, prompt, frames=22, width=64, height=32, steps=steps, seed=3,
-        window=WindowSpec(1, 1, "both"), compile="off", **options,
-    )  # fmt: skip
+    request = ClipRequest(
+        frames=22, width=64, height=32, steps=steps, seed=3, window=WindowSpec(1, 1, "both"), compile="off"
+    )
+    return generate(ranks_model() if model is None else model, prompt, request, Runner(**options))
