@@ -61,6 +61,7 @@ class ClipRequest:
     reference_audio_t: float = REFERENCE_AUDIO_T
 
     def __post_init__(self):
+        object.__setattr__(self, "keyframes", tuple(self.keyframes))  # a list given stays the caller's
         check_compile(self.compile)
         check_noise(self.noise)
         check_precision(self.attention_precision, self.backend)
