@@ -214,6 +214,7 @@ def run_config(config: Config, base: Path, compile_cache: Path, size: dict, time
         pcie_gib_per_step=peak.get("copied_gib_per_evaluation"),  # one evaluation a step
         stages=run,
         server_start_s=served.get("server_start_s"),
+        pack_lines=served.get("pack_lines"),
     )
 
 

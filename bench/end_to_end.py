@@ -478,6 +478,8 @@ def serve(
     finally:
         server.stop()
     results["server_log_tail"] = server.log_tail(40)
+    log = server.log_path.read_text(encoding="utf-8", errors="replace") if server.log_path.exists() else ""
+    results["pack_lines"] = [line for line in log.splitlines() if "[H3 Hybrid]" in line]  # where it read, its plans
     return results
 
 

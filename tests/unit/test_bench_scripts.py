@@ -401,6 +401,7 @@ def test_desktop_envelope(tiny_end_to_end):
     for run in runs.values():
         assert run["completed"], run.get("error")
         assert run["total_s"] > 0 and run["sampling_s"] > 0 and run["decode_s"] > 0
+        assert any("[H3 Hybrid] loaded" in line for line in run["pack_lines"]), run["pack_lines"]
         assert run["server_rss_peak_gib"] > 0.1 and run["read_gib"] > 0 and run["storage_read_gib"] >= 0
     assert runs["card_host"]["host"]["method"] == "none"
     limited = runs[f"card_{limit}gib_host"]["host"]
