@@ -42,7 +42,9 @@ __all__ = ["generate", "generate_ref2va", "ReferenceLatents"]
 
 
 @torch.inference_mode()
-def generate(model, prompt: PromptEmbedding, request: ClipRequest, runner: Runner = Runner()):
+def generate(
+    model, prompt: PromptEmbedding, request: ClipRequest, runner: Runner = Runner()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one clip's latents as ``request`` says (``request.ClipRequest``), run as ``runner`` says
     (``request.Runner``). Runs under inference mode whatever the caller's grad state (a model fresh from its
     constructor included). Returns ``(video [24, T, h, w], audio [2, 32, Ta])`` in model space, fp32."""
@@ -114,7 +116,7 @@ def generate_ref2va(
     references: Sequence[ReferenceLatents],
     request: ClipRequest,
     runner: Runner = Runner(),
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate one Ref2VA clip's latents from ``references`` in packed order (the order the prompt names
     them), as ``generate``; ``request.reference_audio_t`` below 1 mixes the audio references with noise to that
     ``t`` as ComfyUI's native H3 does when asked (``noise.noised_reference_audio``). A Ref2VA request takes no
