@@ -1,8 +1,8 @@
-"""The user's documents hold together: every relative Markdown link (and image) in README.md, CONTRIBUTING.md and
-docs/*.md names a file or folder inside the repository, and a link to a heading of a Markdown file names a heading
-that file has; the repository paths quoted in backticks (``bench/results/...``, ``tests/...``, ...) exist; the
-README stays a page for users (at most 200 lines) and keeps its two commands word for word, which the test scripts,
-``.ci/run`` and tests/host/test_readme_commands.py run."""
+"""The user's documents hold together: every relative Markdown link (and image) in README.md, CONTRIBUTING.md,
+docs/*.md and bench/results/README.md names a file or folder inside the repository, and a link to a heading of a
+Markdown file names a heading that file has; the repository paths quoted in backticks (``bench/results/...``,
+``tests/...``, ...) exist; the README stays a page for users (at most 200 lines) and keeps its two commands word for
+word, which the test scripts, ``.ci/run`` and tests/host/test_readme_commands.py run."""
 
 import re
 from pathlib import Path
@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "bench" / "results" / "README.md",
+]
 README_LINES = 200
 COMMANDS = [
     "    bash tests/run_example.sh         # set up, run the FL2VA example in a real ComfyUI server, print the mp4",
@@ -124,3 +129,19 @@ def test_the_link_reader_finds_what_it_should():
     )
     found = [m["target"] for m in LINK.finditer(without_code(text))]
     assert found == ["docs/a.md#b", "docs/images/x.png", "c.md", "https://e.org"]
+
+
+def test_the_results_index_names_every_result():
+    """Every file under bench/results is named in its index, by a link or a backticked name or pattern, and every
+    name there matches a file: a new result is listed where a newcomer looks for it."""
+    results = ROOT / "bench" / "results"
+    index = (results / "README.md").read_text(encoding="utf-8")
+    named = {m["target"] for m in LINK.finditer(index)} | {m["code"] for m in CODE_SPAN.finditer(index)}
+    patterns = [name for name in named if re.fullmatch(r"[\w*-]+\.(json|md)", name)]
+    covered = set()
+    for pattern in patterns:
+        matched = {path.name for path in results.glob(pattern)}
+        assert matched, f"bench/results/README.md names {pattern!r}, which matches no file there"
+        covered |= matched
+    missing = sorted(path.name for path in results.iterdir() if path.name != "README.md" and path.name not in covered)
+    assert not missing, f"bench/results/README.md does not name {missing}"
