@@ -156,8 +156,8 @@ def _first_device(parameters: int, dtype, offload: str, run_on: torch.device, ru
     cpu = torch.device("cpu")
     if offload == "stream blocks" or run_on != torch.device(mm.get_torch_device()):
         return cpu
-    room = _host.free_memory(run_on)
-    if parameters * dtype.itemsize >= room:
+    size, room = parameters * dtype.itemsize, _host.free_memory(run_on)
+    if size >= room:
         return cpu  # the weights would take the room the user reserved: host memory, and the plan streams them
     if run_on.type != "cpu" and runs_as_is() <= BUDGET_SHARE * room:
         return run_on
@@ -166,7 +166,7 @@ def _first_device(parameters: int, dtype, offload: str, run_on: torch.device, ru
         # With dynamic VRAM (0.38) the host reads its own models to host memory and streams them from there; this
         # DiT is placed by the pack, so the host's earlier rule stays its rule
         free_device, free_host = mm.get_free_memory(run_on), mm.get_free_memory(cpu)
-        if free_device > free_host and parameters * dtype.itemsize < free_device:
+        if free_device > free_host and size < free_device:
             chosen = run_on
     return chosen
 

@@ -38,6 +38,7 @@ __all__ = [
     "place_for_run",
     "fuse_for",
     "working_bytes",
+    "activation_bytes",
 ]
 
 PLACEMENTS = ("auto", "resident", "stream blocks")
@@ -83,14 +84,22 @@ def working_bytes(model, packed, attention_precision: str = "bf16", fused: str |
     one): what the host is asked to make room for beside the weights, so that it frees other models before the
     plan has to trade time for memory."""
     dtype, linears = _weights_kind(model)
-    shape = BlockShape.of(model.cfg, packed, dtype)
+    return activation_bytes(model.cfg, packed, dtype, linears, bool(fused), attention_precision)
+
+
+def activation_bytes(
+    cfg, packed, dtype: torch.dtype, linears: str, fused: bool, attention_precision: str = "bf16"
+) -> int:
+    """The activations of one evaluation of a DiT of ``cfg`` (weights of ``dtype``, ``linears`` "fp8" or "dtype")
+    on ``packed`` with nothing given up, on the fused path or the plain one (``predict.evaluation_peak``)."""
+    shape = BlockShape.of(cfg, packed, dtype)
     predicted = evaluation_peak(
-        model.cfg,
+        cfg,
         shape,
-        hybrid=bool(model.cfg.hybrid),
+        hybrid=bool(cfg.hybrid),
         dtype=dtype,
         linears=linears,
-        fused=bool(fused),
+        fused=fused,
         attention_precision=attention_precision,
     )
     return int(predicted["activations"])
