@@ -34,6 +34,29 @@ def test_the_loader_counts_the_weights_it_will_hold(pack, tmp_path):  # noqa: F8
     assert loaders._host_bytes(parameters, torch.bfloat16, "fp8") == 205
 
 
+def host_with(monkeypatch, tmp_path, *, host_rule, free_gpu_gib, free_host_gib, reserved_gib=0, dynamic=False):
+    """The host's model management as a machine with these amounts free (GiB) would answer, its rule for diffusion
+    models answering ``host_rule`` ("cuda" or "cpu"), and a 2 MiB bf16 DiT file; returns the loaders module, the
+    GPU and the file's weight count."""
+    import comfy.model_management as mm
+    import torch
+    from h3_hybrid.nodes import _host, loaders
+    from safetensors.torch import save_file
+
+    path = tmp_path / "dit.safetensors"
+    save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(path))  # 2 MiB of bf16
+    gpu = torch.device("cuda", 0)
+    rule = gpu if host_rule == "cuda" else torch.device("cpu")
+    monkeypatch.setattr(mm, "get_torch_device", lambda: gpu)
+    monkeypatch.setattr(mm, "unet_inital_load_device", lambda parameters, dtype: rule)
+    monkeypatch.setattr(
+        mm, "get_free_memory", lambda dev=None: (free_gpu_gib if dev.type == "cuda" else free_host_gib) * GiB
+    )
+    monkeypatch.setattr(mm, "extra_reserved_memory", lambda: int(reserved_gib * GiB))
+    monkeypatch.setattr(_host, "dynamic_vram", lambda: dynamic)
+    return loaders, gpu, loaders.CheckpointFiles(path).parameters
+
+
 @pytest.mark.parametrize("dynamic, free_device, want", [(False, 80, "cpu"), (True, 80, "cuda"), (True, 20, "cpu")])
 def test_the_dit_goes_straight_to_the_gpu_by_the_hosts_earlier_rule_under_dynamic_vram(
     pack,  # noqa: F811
@@ -46,20 +69,11 @@ def test_the_dit_goes_straight_to_the_gpu_by_the_hosts_earlier_rule_under_dynami
     """ComfyUI 0.38 with dynamic VRAM answers host memory for every diffusion model it loads (it streams its own);
     the pack, which places its DiT itself, keeps 0.3.75's rule there: the GPU when it has more memory free than the
     host and the weights fit."""
-    import comfy.model_management as mm
     import torch
-    from h3_hybrid.nodes import _host, loaders
-    from safetensors.torch import save_file
 
-    path = tmp_path / "dit.safetensors"
-    save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(path))
-    gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(mm, "get_torch_device", lambda: gpu)
-    monkeypatch.setattr(mm, "unet_inital_load_device", lambda parameters, dtype: torch.device("cpu"))
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None: (free_device if dev.type == "cuda" else 30) * GiB)
-    monkeypatch.setattr(_host, "dynamic_vram", lambda: dynamic)
-    monkeypatch.setattr(mm, "extra_reserved_memory", lambda: 0)
-    parameters = loaders.CheckpointFiles(path).parameters
+    loaders, gpu, parameters = host_with(
+        monkeypatch, tmp_path, host_rule="cpu", free_gpu_gib=free_device, free_host_gib=30, dynamic=dynamic
+    )
     assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu, lambda: 100 * GiB).type == want
 
 
@@ -74,20 +88,12 @@ def test_the_dit_goes_straight_to_the_gpu_only_within_the_memory_the_user_left(
     """Where the host's rule answers the GPU (it has more memory free than the host), the weights still have to
     fit what ``--reserve-vram`` leaves: a budget narrowed below them reads them to host memory, from where the plan
     streams them (the host's rule looks at the free memory alone)."""
-    import comfy.model_management as mm
     import torch
-    from h3_hybrid.nodes import _host, loaders
-    from safetensors.torch import save_file
+    from h3_hybrid.nodes import _host
 
-    path = tmp_path / "dit.safetensors"
-    save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(path))  # 2 MiB of bf16
-    gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(mm, "get_torch_device", lambda: gpu)
-    monkeypatch.setattr(mm, "unet_inital_load_device", lambda parameters, dtype: gpu)
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None: (80 if dev.type == "cuda" else 30) * GiB)
-    monkeypatch.setattr(mm, "extra_reserved_memory", lambda: int(reserved_gib * GiB))
-    monkeypatch.setattr(_host, "dynamic_vram", lambda: False)
-    parameters = loaders.CheckpointFiles(path).parameters
+    loaders, gpu, parameters = host_with(
+        monkeypatch, tmp_path, host_rule="cuda", free_gpu_gib=80, free_host_gib=30, reserved_gib=reserved_gib
+    )
     assert loaders._first_device(parameters, torch.bfloat16, "auto", gpu, lambda: 20 * GiB).type == want
     assert _host.free_memory(gpu) == int(80 * GiB) - int(reserved_gib * GiB)
 
@@ -110,20 +116,11 @@ def test_a_dit_that_will_run_as_it_is_goes_straight_to_the_gpu_whatever_the_host
     released clip fit the share of the budget a plan fills, the plan keeps the model resident, so it is read
     straight to the card. Where they do not (a budget narrowed to 24 GiB, a card of 24 GB), the host's rule
     stands."""
-    import comfy.model_management as mm
     import torch
-    from h3_hybrid.nodes import _host, loaders
-    from safetensors.torch import save_file
 
-    path = tmp_path / "dit.safetensors"
-    save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(path))
-    gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(mm, "get_torch_device", lambda: gpu)
-    monkeypatch.setattr(mm, "unet_inital_load_device", lambda parameters, dtype: torch.device("cpu"))
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None: (free_gpu_gib if dev.type == "cuda" else 125) * GiB)
-    monkeypatch.setattr(mm, "extra_reserved_memory", lambda: int(reserved_gib * GiB))
-    monkeypatch.setattr(_host, "dynamic_vram", lambda: False)
-    parameters = loaders.CheckpointFiles(path).parameters
+    loaders, gpu, parameters = host_with(
+        monkeypatch, tmp_path, host_rule="cpu", free_gpu_gib=free_gpu_gib, free_host_gib=125, reserved_gib=reserved_gib
+    )
     asked = []
 
     def runs_as_is():
