@@ -345,7 +345,7 @@ class H3Sampler(io.ComfyNode):
             height=height,
             steps=steps,
             seed=seed,
-            keyframes=placed if reference_latents is None else (),
+            keyframes=placed,  # none where there are references (refused above)
             start=start if reference_latents is None else None,  # Ref2VA's clip starts from noise
             video_shift=video_shift,
             audio_shift=audio_shift,
