@@ -64,9 +64,11 @@
 #             (DESKTOP_CONFIGS, default "none:0 24:64 16:32 12:32": the host's budget in GiB narrowed by --reserve-vram,
 #             host memory limited in GiB; an empty compile cache filled first by a server not recorded), results
 #             gathered in /root/h3_e2e/desktop_state.json across calls (a copy in $out)
-#   fa4-a, fa4-b  FA4 (flash-attn-4 and the CUTLASS DSL) carried in two calls: .fa4_a (the small wheels and the
-#             first part of nvidia-cutlass-dsl-libs-cu13), then .fa4_b (its second part): joined and installed with
-#             --target into $FA4 (default /tmp/fa4); with H3_FA4=1 every later part runs with it on PYTHONPATH
+#   fa4-a, fa4-b  FA4 (flash-attn-4 and the CUTLASS DSL) carried in two calls: .fa4_a (the small wheels, among them
+#             nvidia-cutlass-dsl-libs-core, which holds the DSL's Python sources, and protobuf, and the first part of
+#             nvidia-cutlass-dsl-libs-cu13), then .fa4_b (its second part): joined and installed with --target into
+#             $FA4 (default /tmp/fa4) in one pip call (the DSL's wheels share a folder); with H3_FA4=1 every later part
+#             runs with it on PYTHONPATH
 # Usage: bash bench/h200_host.sh install [checks] [quant] [lora] [mp4] [host] [e2e-write] [load] [e2e-text] [e2e-cold]
 #        [e2e-restart] [e2e-small] [e2e-quick]
 set -uo pipefail
