@@ -139,14 +139,14 @@ MODULATION = "AdaLN table, norm and modulation"
 
 def time_modulation(clock: SectionClock, blocks) -> None:
     """The AdaLN table, the pre-norms and the modulation of ``blocks`` as one section: the plain path's norm
-    modules and ``_modulate_``, or the fused ``norm_modulate``."""
+    modules and ``modulate_``, or the fused ``norm_modulate``."""
     import h3_core.models.block_fused as fused_module
-    import h3_core.models.dit as dit_module
+    import h3_core.models.block_ops as ops_module
 
     for block in blocks:
         for module in (block.adaln_proj, block.norm1, block.norm2):
             clock.module(MODULATION, module)
-    clock.function(MODULATION, dit_module, "_modulate_")
+    clock.function(MODULATION, ops_module, "modulate_")
     clock.function(MODULATION, fused_module, "run", when=lambda mode, name, *args: name == "norm_modulate")
 
 

@@ -26,8 +26,8 @@ from ..errors import H3InputError
 from ..parallel.exchange import gather_kind
 from ..parallel.ulysses import SequenceShards, ulysses_attention
 from ..triton_forms import CompiledForm
-from . import block_fused
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
+from .block_ops import PLAIN_OPS, BlockOps
 from .fp8_linear import Fp8Linear, quantize_input
 from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward, hybrid_attention_ulysses
 from .low_memory import add_linear_cols, head_slices, linear_row_blocks
@@ -97,16 +97,6 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return angles.cos(), angles.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first ``cos.shape[-1]`` channels of ``x`` ``[T, H, D]``."""
-    n = cos.shape[-1]
-    half = n // 2
-    rot, rest = x[..., :n], x[..., n:]
-    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-    turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + turned * sin, rest], dim=-1)
-
-
 class Attention(nn.Module):
     """Fused ``qkv_proj`` (stacked [q; k; v], no bias), per-head RMSNorm on q and k, optional RoPE, full
     attention, ``out_proj``. ``run.head_groups`` > 1 runs the heads a group at a time (``low_memory``)."""
@@ -119,19 +109,9 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.eps)
         self.out_proj = nn.Linear(cfg.inner, cfg.hidden, bias=False)
 
-    def normed_rotated(self, q, k, rope, fused: str | None = None):
-        """q and k RMS-normed per head and, with ``rope`` (cos, sin), rotated; in ``block_fused`` mode ``fused``
-        (None runs the plain ops)."""
-        if fused:
-            cos, sin = rope if rope is not None else (None, None)
-            return tuple(
-                block_fused.run(fused, "qk_norm_rope", t, norm.weight, cos, sin, norm.eps)
-                for t, norm in ((q, self.q_norm), (k, self.k_norm))
-            )
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
-        return q, k
+    def normed_rotated(self, q, k, rope, ops: BlockOps = PLAIN_OPS):
+        """q and k RMS-normed per head and, with ``rope`` (cos, sin), rotated."""
+        return ops.qk_norm_rope(q, self.q_norm, rope), ops.qk_norm_rope(k, self.k_norm, rope)
 
     def projection_input(self, x: torch.Tensor):
         """What the q, k and v projections read: ``x``, or for an fp8 ``qkv_proj`` its rows quantised once (the
@@ -167,7 +147,7 @@ class Attention(nn.Module):
             q, k, v = self.project(x, heads, source)
             if heads.stop == self.heads:
                 source = None  # the fp8 rows' last reader: freed before the attention
-            q, k = self.normed_rotated(q, k, rope, run.blocks_fused)
+            q, k = self.normed_rotated(q, k, rope, run.block_ops)
             attended = dense_attention(q, k, v).out.reshape(T, -1)
             del q, k, v
             out = add_linear_cols(out, self.out_proj, attended, heads.start * d, heads.stop * d)
@@ -202,14 +182,8 @@ class SwiGLU(nn.Module):
         self.fc1 = nn.Linear(cfg.hidden, 2 * cfg.ffn, bias=False)
         self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
 
-    def _rows(self, x, fused):
-        if fused:
-            gate_up = self.fc1(x)
-            if isinstance(self.fc2, Fp8Linear):  # quantised as the product is formed
-                return self.fc2(block_fused.swiglu_quantized(fused, gate_up))
-            return self.fc2(block_fused.run(fused, "swiglu_", gate_up))
-        gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate, inplace=True).mul_(up))  # in fc1's output: no further [T, ffn] buffers
+    def _rows(self, x, ops: BlockOps):
+        return self.fc2(ops.swiglu(self.fc1(x), isinstance(self.fc2, Fp8Linear)))
 
     def reads_quantized_rows(self, run: RunOptions) -> bool:
         """Whether the input may come already quantised (``QuantizedRows``): an fp8 ``fc1`` run whole, not in
@@ -219,10 +193,10 @@ class SwiGLU(nn.Module):
     def forward(self, x, run: RunOptions = PLAIN):
         rows = run.ffn_chunk_rows
         if rows is None or rows >= x.shape[0]:
-            return self._rows(x, run.blocks_fused)
+            return self._rows(x, run.block_ops)
         out = x.new_empty(*x.shape[:-1], self.fc2.out_features)
         for start in range(0, x.shape[0], rows):
-            out[start : start + rows] = self._rows(x[start : start + rows], run.blocks_fused)
+            out[start : start + rows] = self._rows(x[start : start + rows], run.block_ops)
         return out
 
 
@@ -282,30 +256,18 @@ class Block(nn.Module):
 
     def forward(self, x, temb, rows, rope, ctx=None, run: RunOptions = PLAIN):
         """``rows``: each packed row's AdaLN table row, ``t_index · 3 + tag`` (a ``[T]`` tensor, or its
-        ``row_runs``); ``ctx``: the hybrid context; ``run.blocks_fused``: the ``block_fused`` mode of the
-        per-element work (None runs the plain ops). The table rows are applied run by run, in place, so no
-        ``[T, hidden]`` copy of any of the six modulations is ever made."""
-        runs = rows if isinstance(rows, tuple) else row_runs(rows)
+        ``row_runs``); ``ctx``: the hybrid context; ``run.block_ops``: the per-element work (``block_ops``). The
+        plain ops apply the table rows run by run, in place, so no ``[T, hidden]`` copy of any of the six
+        modulations is ever made."""
+        ops = run.block_ops
+        rows = ops.table_rows(rows if isinstance(rows, tuple) else row_runs(rows), x.device)
         # The pruned form's AdaLN linears are fp32; their rows modulate in the block's dtype.
         shift1, scale1, gate1, shift2, scale2, gate2 = (m.to(x.dtype) for m in self.adaln_proj(temb))
-        if run.blocks_fused:
-            index, mode = block_fused.row_index(runs, x.device), run.blocks_fused
-            h = block_fused.run(mode, "norm_modulate", x, self.norm1.weight, shift1, scale1, index, self.norm1.eps)
-            x, h = block_fused.residual_norm(
-                mode,
-                x,
-                self.attn(h, rope, ctx, run),
-                gate1,
-                index,
-                self.norm2.weight,
-                shift2,
-                scale2,
-                self.norm2.eps,
-                self.mlp.reads_quantized_rows(run),
-            )
-            return block_fused.run(mode, "gated_residual_", x, self.mlp(h, run), gate2, index)
-        x = _gated_add_(self.attn(_modulate_(self.norm1(x), shift1, scale1, runs), rope, ctx, run), gate1, x, runs)
-        return _gated_add_(self.mlp(_modulate_(self.norm2(x), shift2, scale2, runs), run), gate2, x, runs)
+        # the attention's input is gone before the residual's norm makes the FFN's
+        attended = self.attn(ops.norm_modulate(x, self.norm1, shift1, scale1, rows), rope, ctx, run)
+        quantized = self.mlp.reads_quantized_rows(run)
+        x, h = ops.residual_norm(x, attended, gate1, rows, self.norm2, shift2, scale2, quantized)
+        return ops.gated_residual_(x, self.mlp(h, run), gate2, rows)
 
 
 def row_runs(rows: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
@@ -314,20 +276,6 @@ def row_runs(rows: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
     values, counts = torch.unique_consecutive(rows, return_counts=True)
     stops = counts.cumsum(0).tolist()
     return tuple((stop - count, stop, value) for value, count, stop in zip(values.tolist(), counts.tolist(), stops))
-
-
-def _modulate_(h, shift, scale, runs):
-    """``h · (1 + scale[row]) + shift[row]`` in place, row by row of the table."""
-    for start, stop, row in runs:
-        h[start:stop].mul_(1 + scale[row]).add_(shift[row])
-    return h
-
-
-def _gated_add_(y, gate, x, runs):
-    """``x + gate[row] · y`` into ``y``'s storage (the same two roundings as the out-of-place form)."""
-    for start, stop, row in runs:
-        y[start:stop].mul_(gate[row])
-    return y.add_(x)
 
 
 class TimeEmbedder(nn.Module):

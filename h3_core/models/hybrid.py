@@ -20,7 +20,7 @@ import torch.nn as nn
 from ..attention.layout import SequenceLayout, WindowSpec, is_full_cover, window_bounds
 from ..attention.window import WindowRun, window_softmax
 from ..parallel.exchange import exchange_blocks, gather_rows, heads_to_rows, rows_to_heads
-from . import block_fused, branch_fused
+from . import branch_fused
 from .linear_branch import GivenRowInputs, LinearBranch
 from .low_memory import add_linear_cols, head_slices
 from .options import PLAIN, RunOptions
@@ -78,8 +78,8 @@ def _branch_rows(ctx: HybridContext, bounds):
 def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, run: RunOptions = PLAIN) -> torch.Tensor:
     """The hybrid forward for an attention module holding ``project`` (raw q, k, v of a head range),
     ``normed_rotated`` (q, k normed and rotated), ``out_proj``, ``softmax_gate``, ``to_out_linear`` and
-    ``linear_attention``. Heads run ``run.head_groups`` groups at a time (``low_memory``), the per-element work in
-    ``run.blocks_fused`` mode and the branch in ``run.branches_fused``.
+    ``linear_attention``. Heads run ``run.head_groups`` groups at a time (``low_memory``), the per-element work by
+    ``run.block_ops`` and the branch in ``run.branches_fused`` mode.
     """
     d = attn.head_dim
     layout, window = ctx.layout, ctx.window
@@ -92,15 +92,15 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, run: RunOptions 
     gate = attn.softmax_gate(x)  # [T, H]
     out = None
     source = attn.projection_input(x)
-    fused = run.blocks_fused
-    quantized = fused is not None and hasattr(attn.out_proj, "part")
+    ops = run.block_ops
+    quantized = ops.gates_while_quantizing(attn.out_proj)
     for heads in head_slices(attn.heads, run.head_groups):
         q_raw, k_raw, v = attn.project(x, heads, source)
         if heads.stop == attn.heads:
             source = None  # the fp8 rows' last reader: freed before the attention
-        q, k = attn.normed_rotated(q_raw, k_raw, rope, fused)
-        # a bf16 out_proj's input is gated by the window softmax as it writes its output; an fp8 one's, in a
-        # fused block, as its rows are quantised
+        q, k = attn.normed_rotated(q_raw, k_raw, rope, ops)
+        # the softmax gate is applied by the window softmax as it writes its output, or (an fp8 out_proj in the
+        # fused form) as out_proj's input rows are quantised
         soft = window_softmax(
             q,
             k,
@@ -114,7 +114,7 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, run: RunOptions 
         )
         del q, k
         if quantized:
-            attended = block_fused.gate_heads_input(fused, soft, gate[:, heads], quantized)
+            attended = ops.gate_heads_input(soft, gate[:, heads], quantized)
         else:
             attended = soft.reshape(soft.shape[0], -1)
         del soft
@@ -155,7 +155,7 @@ def hybrid_attention_ulysses(attn, x, rope, ctx: HybridContext, shards, run: Run
 
     gate = attn.softmax_gate(x)  # [t_r, H]
     q_raw, k_raw, v = attn.project(x)
-    q, k = attn.normed_rotated(q_raw, k_raw, rope, run.blocks_fused)
+    q, k = attn.normed_rotated(q_raw, k_raw, rope, run.block_ops)
     v = to_heads(v)
     soft = window_softmax(
         to_heads(q),
@@ -200,8 +200,8 @@ def _readout_on_heads(branch, ctx: HybridContext, heads, qkv_raw, beta, sums, do
 def _softmax_output(attn, soft, gate, run: RunOptions) -> torch.Tensor:
     """This rank's rows of the softmax side's output: ``soft`` ``[t_r, H, d]`` back on the rows, gated by ``gate``
     ``[t_r, H]`` and through ``out_proj``, all heads at once."""
-    quantized = run.blocks_fused is not None and hasattr(attn.out_proj, "part")
-    attended = block_fused.gate_heads_input(run.blocks_fused, soft, gate, quantized)
+    ops = run.block_ops
+    attended = ops.gate_heads_input(soft, gate, ops.gates_while_quantizing(attn.out_proj))
     return add_linear_cols(None, attn.out_proj, attended, 0, attn.heads * attn.head_dim)
 
 
@@ -245,7 +245,7 @@ def _branch_split(attn, x, rope, ctx: HybridContext, shards, branch_rows, inner,
 
     gate = attn.softmax_gate(x)
     q_raw, k_raw, v = attn.project(x)
-    q, k = attn.normed_rotated(q_raw, k_raw, rope, run.blocks_fused)
+    q, k = attn.normed_rotated(q_raw, k_raw, rope, run.block_ops)
     beta = torch.nn.functional.linear(x, branch.beta_proj.weight)
     down = branch.output_gate.down(x)
     sums = _frame_sums(x, (start, stop), (r0, r1), layout.tokens_per_frame, len(inner), group)

@@ -132,7 +132,7 @@ class LinearBranch(nn.Module):
     def text_state(self, text_x, k_raw, v_raw, heads: slice | None = None, beta_logits=None, run: RunOptions = PLAIN):
         """0.5 · B_txt (I + A_txt)⁻¹ over all text rows ``[L, ...]`` (no convs), fp32 ``[h, d, d]``, for the
         ``heads`` whose raw k, v are given (all by default); ``beta_logits`` ``[L, h]`` in place of ``text_x``'s;
-        the inverse in ``run.branches_fused`` mode."""
+        the inverse in ``run.branch_ops`` mode."""
         heads = self._heads(heads)
         _, k, v = featurize(k_raw[None], k_raw[None], v_raw[None], None)
         if beta_logits is None:
@@ -140,7 +140,7 @@ class LinearBranch(nn.Module):
         beta = torch.sigmoid(beta_logits)[None]
         A, B = frame_statistics(k, v, beta)
         ones = torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device)
-        _, J = solve(ones, A, B, branch_fused.small_inverse(run.branches_fused))
+        _, J = solve(ones, A, B, branch_fused.small_inverse(run.branch_ops.mode))
         return TEXT_STATE_SCALE * J[0]
 
     def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None, heads: slice | None = None, run=PLAIN):
@@ -148,9 +148,9 @@ class LinearBranch(nn.Module):
         ``heads`` (all by default) over ``F`` frames on a ``grid`` (gh, gw), with per-frame window ``bounds``
         in these frames' coordinates; ``seed`` is the text state of those heads (zero when None). ``x`` may be a
         ``RowInputs`` (what the branch reads from the rows, made elsewhere) instead. ``run``: the ``RunOptions``
-        (``branches_fused``: the ``branch_fused`` mode, None the plain ops below; ``branch_frames``: the plain
-        statistics that many frames at a time)."""
-        fused = run.branches_fused
+        (``branch_ops``: the statistics and the readout, plain or fused; ``branch_frames``: the plain statistics
+        that many frames at a time)."""
+        ops = run.branch_ops
         rows = x if isinstance(x, RowInputs) else RowInputs(self, x, len(bounds))
         dtype = rows.dtype
         heads = self._heads(heads)
@@ -166,36 +166,15 @@ class LinearBranch(nn.Module):
             conv.v_tm.weight[channels],
         )
         beta = torch.sigmoid(rows.beta_logits(heads)).view(frames, S, -1)
-        if fused:
-            # √β·k̃ and √β·ṽ come head-major [F, h, S, d]: the statistics are their Gram products.
-            k = _fused_features(fused, k_raw.view(frames, S, -1), weights[0], weights[1], grid, beta, True)
-            v = _fused_features(fused, v_raw.view(frames, S, -1), weights[2], weights[3], grid, beta, False)
-            shifted, B = branch_fused.shifted_statistics(fused, k, v)  # I + A in one pass
-        else:
-            q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid, weights)
-            A, B = frame_statistics(k, v, beta, run.branch_frames)
-            shifted = A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-            del A
-        del k, v, beta
+        shifted, B, q = ops.statistics(q_raw, k_raw, v_raw, shape, grid, weights, beta, run.branch_frames)
+        del beta
         alpha = self.alpha(rows.frame_mean(), heads)
-        T, J = solve_shifted(alpha.to(B.dtype), shifted, B, branch_fused.small_inverse(fused))
+        T, J = solve_shifted(alpha.to(B.dtype), shifted, B, branch_fused.small_inverse(ops.mode))
         del shifted, B  # each [F, h, d, d] fp32: freed as soon as read, so none is held through the readout
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
-        P, Q = branch_fused.scan(fused, T, J, seed)
+        P, Q = branch_fused.scan(ops.mode, T, J, seed)
         del T, J
-        # [F, h, d_v, d_k]; the fused readout rounds it to the rows' dtype anyway, so it is gathered in it
-        state = branch_fused.gather(fused, P, Q, alpha, bounds, seed, q_raw.dtype if fused else None)
+        # [F, h, d_v, d_k]
+        state = branch_fused.gather(ops.mode, P, Q, alpha, bounds, seed, ops.state_dtype(q_raw.dtype))
         del P, Q
-        if fused:
-            logits = rows.gate_logits(channels)
-            return branch_fused.run(fused, "readout", q_raw.view(shape), state, self.norm.weight, logits)
-        out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)
-        del q
-        acc = branch_fused.accumulation(dtype)
-        out = F.rms_norm(out.to(acc), (self.head_dim,), self.norm.weight.to(acc), EPS).to(dtype)
-        return (out * torch.sigmoid(rows.gate_logits(channels)).view(shape)).reshape(frames * S, -1)
-
-
-def _fused_features(mode, raw, spatial, temporal, grid, beta, normalize: bool):
-    y = branch_fused.spatial(mode, raw, spatial, grid)
-    return branch_fused.run(mode, "conv_features", y, temporal, beta.shape[-1], normalize, beta)
+        return ops.readout(q_raw, q, state, self.norm.weight, lambda: rows.gate_logits(channels), shape, dtype)

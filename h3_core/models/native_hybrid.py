@@ -171,7 +171,7 @@ class NativeAttentionSource:
         a, b = heads.start * d, heads.stop * d
         return tuple(source[:, i * inner + a : i * inner + b].view(T, -1, d) for i in range(3))
 
-    def normed_rotated(self, q_raw, k_raw, table, fused=None):
+    def normed_rotated(self, q_raw, k_raw, table, ops=None):
         device = q_raw.device
         qw, kw = self._cast(self.native.q_norm.weight, device), self._cast(self.native.k_norm.weight, device)
         eps = float(self.native.q_norm.eps)

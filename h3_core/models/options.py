@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from .block_ops import BlockOps, block_ops_for
+from .branch_ops import BranchOps, branch_ops_for
 from .low_memory import LowMemory
 
 __all__ = ["RunOptions", "PLAIN", "FINAL_CHUNK_ROWS"]
@@ -35,6 +37,16 @@ class RunOptions:
     final_chunk_rows: int = FINAL_CHUNK_ROWS
     check_cancel: Callable[[], None] | None = field(default=None, compare=False)
     on_out_of_memory: Callable[[], LowMemory | None] | None = field(default=None, compare=False)
+
+    @property
+    def block_ops(self) -> BlockOps:
+        """The blocks' per-element work in ``blocks_fused`` mode (``block_ops``)."""
+        return block_ops_for(self.blocks_fused)
+
+    @property
+    def branch_ops(self) -> BranchOps:
+        """The linear branches' statistics and readout in ``branches_fused`` mode (``branch_ops``)."""
+        return branch_ops_for(self.branches_fused)
 
     @property
     def low_memory(self) -> LowMemory:

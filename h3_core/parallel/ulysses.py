@@ -83,9 +83,9 @@ def ulysses_attention(attn, x: torch.Tensor, rope, rows, heads, group=None, run=
     q, k and v are projected and q and k normed and rotated where the rows are, exchanged to every row of this rank's
     heads (``rows``: ``sharding.row_shards``, ``heads``: ``sharding.head_ranges``), attended, exchanged back, and
     ``out_proj`` runs on the rows: per row and per head the single process's arithmetic. ``run``: the evaluation's
-    ``RunOptions`` (its ``blocks_fused`` mode for the q/k norm and RoPE), None for the plain ops."""
+    ``RunOptions`` (its ``block_ops`` for the q/k norm and RoPE), None for the plain ops."""
     q, k, v = attn.project(x)
-    q, k = attn.normed_rotated(q, k, rope, None if run is None else run.blocks_fused)
+    q, k = attn.normed_rotated(q, k, rope) if run is None else attn.normed_rotated(q, k, rope, run.block_ops)
     q, k, v = (rows_to_heads(t, rows, heads, group) for t in (q, k, v))
     attended = heads_to_rows(dense_attention(q, k, v).out, rows, heads, group)
     return attn.out_proj(attended.reshape(attended.shape[0], -1))

@@ -11,7 +11,8 @@ from tiny_dit import CFG, fp32_case, model, request
 from h3_core.attention import WindowSpec
 from h3_core.errors import H3InputError
 from h3_core.models import block_fused
-from h3_core.models.dit import _gated_add_, _modulate_, _rotate, row_runs
+from h3_core.models.block_ops import gated_add_, modulate_, rotate_half
+from h3_core.models.dit import row_runs
 from h3_core.models.hybrid import HybridContext
 from h3_core.models.low_memory import LowMemory
 from h3_core.models.run_options import RunOptions, check_run_options
@@ -31,7 +32,7 @@ def test_row_index_undoes_the_runs():
 
 def test_norm_modulate_equals_norm_then_modulate():
     x, weight, shift, scale = rnd(11, 8), rnd(8, seed=1), rnd(6, 8, seed=2), rnd(6, 8, seed=3)
-    plain = _modulate_(F.rms_norm(x, (8,), weight, 1e-6), shift, scale, RUNS)
+    plain = modulate_(F.rms_norm(x, (8,), weight, 1e-6), shift, scale, RUNS)
     fused = block_fused.norm_modulate(x, weight, shift, scale, ROWS, 1e-6)
     assert (fused - plain).abs().max() <= 1e-12
 
@@ -43,13 +44,13 @@ def test_qk_norm_rope_equals_norm_then_rotate(rope):
     cos, sin = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rope else (None, None)
     plain = F.rms_norm(x, (16,), weight, 1e-6)
     if rope:
-        plain = _rotate(plain, cos, sin)
+        plain = rotate_half(plain, cos, sin)
     assert (block_fused.qk_norm_rope(x, weight, cos, sin, 1e-6) - plain).abs().max() <= 1e-12
 
 
 def test_gated_residual_writes_into_the_update():
     x, y, gate = rnd(11, 8, seed=7), rnd(11, 8, seed=8), rnd(6, 8, seed=9)
-    plain = _gated_add_(y.clone(), gate, x, RUNS)
+    plain = gated_add_(y.clone(), gate, x, RUNS)
     out = block_fused.gated_residual_(x, y, gate, ROWS)
     assert out.data_ptr() == y.data_ptr() and (out - plain).abs().max() <= 1e-12
 

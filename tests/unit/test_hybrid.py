@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from h3_core.attention import WindowSpec, dense_attention
-from h3_core.models.dit import DiTConfig, H3DiT, _rotate, rope_cos_sin
+from h3_core.models.block_ops import rotate_half
+from h3_core.models.dit import DiTConfig, H3DiT, rope_cos_sin
 from h3_core.models.hybrid import HybridContext
 from h3_core.pipeline.packing import pack_sequence
 
@@ -55,7 +56,7 @@ def test_full_cover_is_dense_attention_gated_and_without_the_branch():
         got = attn(x, rope, ctx)
         T = x.shape[0]
         q, k, v = attn.qkv_proj(x).view(T, 3, 2, 16).unbind(1)
-        q, k = _rotate(attn.q_norm(q), *rope), _rotate(attn.k_norm(k), *rope)
+        q, k = rotate_half(attn.q_norm(q), *rope), rotate_half(attn.k_norm(k), *rope)
         dense = dense_attention(q, k, v).out * attn.softmax_gate(x)[..., None]
         want = attn.out_proj(dense.reshape(T, -1))
     assert (got - want).abs().max() <= 1e-12

@@ -225,7 +225,7 @@ def test_an_odd_latent_grid_under_a_mask(models):
 
 def test_the_norm_and_rotation_match_the_packs_own():
     """The split-half form (native) against the pack's RMSNorm + rotate-half on the same angles, fp64."""
-    from h3_core.models.dit import _rotate
+    from h3_core.models.block_ops import rotate_half
 
     g = torch.Generator().manual_seed(11)
     q, k = (torch.randn(7, 3, 16, generator=g, dtype=torch.float64) for _ in range(2))
@@ -238,7 +238,7 @@ def test_the_norm_and_rotation_match_the_packs_own():
     got_q, got_k = split_half_norm_rope(q, k, table, qw, kw, 1e-5, 12)
     for got, x, w in ((got_q, q, qw), (got_k, k, kw)):
         normed = torch.nn.functional.rms_norm(x, (16,), w, 1e-5)
-        want = _rotate(normed, full.cos().double(), full.sin().double())
+        want = rotate_half(normed, full.cos().double(), full.sin().double())
         assert (got - want).abs().max() <= 1e-13
 
 
