@@ -36,7 +36,7 @@ from .packing import (
 )
 from .prompt import PromptEmbedding
 from .request import ClipRequest, Runner
-from .sampler import denoise
+from .sampler import SequenceRows, denoise
 
 __all__ = ["generate", "generate_ref2va", "ReferenceLatents"]
 
@@ -166,27 +166,9 @@ def _sample(model, prompt, packed: PackedSequence, conditions, audio_refs, shape
         hybrid = runner.ranks.shards(packed.positions.shape[0], model.cfg.heads, hybrid)
     reference_audio = sum(int(rows.shape[0]) for rows in audio_refs)
     run = (runner.before_sampling(packed) if runner.before_sampling is not None else None) or PLAIN
+    rows = SequenceRows(prompt.embeds.to(device), video_rows, audio_rows, reference_audio, audio_t)
     video_rows, audio_rows = denoise(
-        model,
-        packed,
-        prompt.embeds.to(device),
-        video_rows,
-        audio_rows,
-        request.steps,
-        video_shift=request.video_shift,
-        audio_shift=request.audio_shift,
-        condition_audio_rows=reference_audio,
-        condition_audio_t=audio_t,
-        progress=runner.progress,
-        check_cancel=runner.check_cancel,
-        hybrid=hybrid,
-        compile=request.compile,
-        preview=runner.preview,
-        start=request.start,
-        sigmas=request.sigmas,
-        solver=runner.solver,
-        video_size=(T, h, w) if padded != (h, w) else None,
-        run=run,
+        model, packed, rows, request, runner, hybrid=hybrid, run=run, video_size=(T, h, w) if padded != (h, w) else None
     )
     target = video_rows[packed.condition_rows :].float().cpu()
     video_latents = unpatchify(target, 24, T, *padded)[:, :, :h, :w]

@@ -4,7 +4,7 @@ the conditioning and reference rows held where they are (only generated rows are
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -13,14 +13,12 @@ from ..errors import H3InputError
 from ..models.adaln_tables import clear_adaln_tables, prepare_adaln_tables
 from ..models.options import PLAIN, RunOptions
 from ..models.run_options import Evaluations
-from ..triton_forms import check_compile
 from .carried_audio import carried_clean, from_carried, to_carried
-from .masks import MaskedStart, masked_euler_step, masked_input, masked_row_timesteps
+from .masks import masked_euler_step, masked_input, masked_row_timesteps
 from .noise import CONDITION_T, REFERENCE_AUDIO_T, row_timesteps
 from .packing import PackedSequence, repad_rows, unpatchify
+from .request import ClipRequest, Runner
 from .schedule import (
-    AUDIO_SHIFT,
-    VIDEO_SHIFT,
     check_sigmas,
     clean_estimate,
     euler_step,
@@ -29,72 +27,76 @@ from .schedule import (
     timesteps_of,
 )
 
-__all__ = ["denoise"]
+__all__ = ["denoise", "SequenceRows"]
+
+
+@dataclass(frozen=True)
+class SequenceRows:
+    """The packed sequence's rows by kind, in the order of its indices: ``text`` ``[L, text_dim]``; ``video``: the
+    conditioning rows (``packed.condition_rows`` of them) then the noisy target rows; ``audio``: ``reference_audio``
+    reference rows then the noisy target rows, the reference rows run at ``max(t_audio, reference_audio_t)`` (1
+    unless they were mixed with noise)."""
+
+    text: torch.Tensor
+    video: torch.Tensor
+    audio: torch.Tensor
+    reference_audio: int = 0
+    reference_audio_t: float = REFERENCE_AUDIO_T
 
 
 def denoise(
     model: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     packed: PackedSequence,
-    text_rows: torch.Tensor,
-    video_rows: torch.Tensor,
-    audio_rows: torch.Tensor,
-    steps: int,
+    rows: SequenceRows,
+    request: ClipRequest,
+    runner: Runner = Runner(),
     *,
-    video_shift: float = VIDEO_SHIFT,
-    audio_shift: float = AUDIO_SHIFT,
-    condition_audio_rows: int = 0,
-    condition_audio_t: float = REFERENCE_AUDIO_T,
-    progress: Callable[[int, int], None] | None = None,
-    check_cancel: Callable[[], None] | None = None,
     hybrid=None,
-    compile: str = "auto",
-    preview: Callable[[int, int, torch.Tensor], None] | None = None,
-    start: MaskedStart | None = None,
-    sigmas: torch.Tensor | None = None,
-    solver: Solver | None = None,
-    video_size: tuple[int, int, int] | None = None,
     run: RunOptions = PLAIN,
+    video_size: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``steps`` model evaluations (the σ grids have ``steps + 1`` points).
+    """Run ``request.steps`` model evaluations (the σ grids have ``steps + 1`` points) over ``rows``.
 
     Args:
         model: called as ``model(video_rows, audio_rows, text_rows, timesteps, timestep_index, tags, positions,
             video_index, audio_index, text_index)`` → (video velocity, audio velocity), like ``H3DiT`` (which is
             given ``run=`` as well: a model with a ``compiled_form``).
-        video_rows: conditioning rows (``packed.condition_rows`` of them) then the noisy target rows.
-        audio_rows: reference rows (``condition_audio_rows``) then the noisy target rows; the reference rows run
-            at ``max(t_audio, condition_audio_t)`` (1 unless the references were mixed with noise).
-        progress: ``progress(step, steps)`` after every step; check_cancel: before every evaluation and, for an
-            ``H3DiT``, before every block (``RunOptions.check_cancel``); it raises to stop.
+        request: its schedule (``steps``, ``video_shift`` / ``audio_shift``, or ``sigmas``: a video σ schedule from
+            outside, ComfyUI's SIGMAS, ``steps`` then its length less one, the audio σ derived from it as native H3
+            derives it, ``schedule.time_shift_sigma``), ``start`` (held latents and denoise masks for the generated
+            rows, ``masks``; None generates everything) and ``compile`` (each evaluation runs through
+            ``run_options.Evaluations``, on the plain path when ``"off"`` or once the compiled path has failed).
+            Its geometry is what ``packed`` was made from.
+        runner: ``progress(step, steps)`` after every step; ``check_cancel()`` before every evaluation and, for an
+            ``H3DiT``, before every block (``RunOptions.check_cancel``), raising to stop; ``preview(step, steps,
+            frame)`` after every step, ``frame`` the step's clean estimate of the clip's middle latent frame, ``[24,
+            1, h, w]`` fp32 (what a live preview shows); ``solver`` integrates in place of the released Euler loop
+            (e.g. one of ComfyUI's samplers), as ``solver(denoised, x, sigmas, on_step)`` → the final ``x``: ``x``
+            ``[1, N]`` fp32 holds the generated video rows then the generated audio rows carried on the video
+            schedule (``carried_audio``), ``denoised(x, σ)`` is one model evaluation's clean estimate of it at video
+            σ (``σ`` a 0-d or 1-element tensor), and ``on_step(i, n, denoised)`` reports step ``i`` of ``n``
+            (progress and preview); not with ``start``.
         hybrid: a ``HybridContext`` passed to the model as ``hybrid=`` (VDN-H3); None passes nothing.
-        compile: ``"auto"`` or ``"off"`` (``triton_forms.COMPILE_MODES``): each evaluation runs through
-            ``run_options.Evaluations``, on the plain path when ``"off"`` or once the compiled path has failed.
-        preview: ``preview(step, steps, frame)`` after every step, ``frame`` the step's clean estimate of the
-            clip's middle latent frame, ``[24, 1, h, w]`` fp32 (what a live preview shows).
-        start: held latents and denoise masks for the generated rows (``masks``); None generates everything.
-        sigmas: a video σ schedule from outside (ComfyUI's SIGMAS; ``steps`` is then its length less one), the
-            audio σ derived from it as native H3 derives it (``schedule.time_shift_sigma``); None: the released
-            grids for ``steps``.
-        solver: integrates in place of the released Euler loop (e.g. one of ComfyUI's samplers), as
-            ``solver(denoised, x, sigmas, on_step)`` → the final ``x``: ``x`` ``[1, N]`` fp32 holds the generated
-            video rows then the generated audio rows carried on the video schedule (``carried_audio``),
-            ``denoised(x, σ)`` is one model evaluation's clean estimate of it at video σ (``σ`` a 0-d or 1-element
-            tensor), and ``on_step(i, n, denoised)`` reports step ``i`` of ``n`` (progress and preview). The
-            video σ schedule is ``sigmas`` or the released grid; not with ``start``.
+        run: the ``RunOptions`` every evaluation of an ``H3DiT`` is given (a placement's, ``FittedModel.options``).
         video_size: the target's latent ``(frames, height, width)`` where it is not whole patches: its rows are on
             the padded grid, and the padding is made again from the latent before every evaluation, as native H3
             pads the latent it is given (``packing.repad_rows``); None when it divides.
-        run: the ``RunOptions`` every evaluation of an ``H3DiT`` is given (a placement's, ``FittedModel.options``).
     Returns:
         The video and audio rows after the last step (conditioning rows unchanged).
     """
-    check_compile(compile)
+    steps, sigmas, start, solver = request.steps, request.sigmas, request.start, runner.solver
+    video_shift, audio_shift = request.video_shift, request.audio_shift
+    progress, check_cancel, preview = runner.progress, runner.check_cancel, runner.preview
+    text_rows, video_rows, audio_rows = rows.text, rows.video, rows.audio
+    condition_audio_rows, condition_audio_t = rows.reference_audio, rows.reference_audio_t
     if sigmas is None:
         video_sigmas, audio_sigmas = sigma_grid(steps, video_shift), sigma_grid(steps, audio_shift)
     else:
         video_sigmas = check_sigmas(sigmas)
         audio_sigmas = time_shift_sigma(video_sigmas, float(video_shift), float(audio_shift))
-    evaluations = Evaluations(model, run if check_cancel is None else replace(run, check_cancel=check_cancel), compile)
+    evaluations = Evaluations(
+        model, run if check_cancel is None else replace(run, check_cancel=check_cancel), request.compile
+    )
     if solver is not None:
         if start is not None:
             raise H3InputError(

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from h3_core.pipeline.packing import pack_sequence
-from h3_core.pipeline.sampler import denoise
+from h3_core.pipeline.request import ClipRequest, Runner
+from h3_core.pipeline.sampler import SequenceRows, denoise
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -16,6 +17,11 @@ def setup(keyframes=("first",)):
     video = torch.randn(packed.video_index.numel(), 96, generator=g)
     audio = torch.randn(packed.audio_index.numel(), 32, generator=g)
     return packed, video, audio
+
+
+def clip(steps):
+    """A request of ``steps`` steps (its geometry is not what the loop reads: the packed sequence is)."""
+    return ClipRequest(frames=124, width=64, height=64, steps=steps, seed=0)
 
 
 def test_exact_velocity_lands_on_the_targets_and_keeps_the_anchor():
@@ -30,7 +36,8 @@ def test_exact_velocity_lands_on_the_targets_and_keeps_the_anchor():
         seen.append(sorted(set(timesteps.tolist())))
         return (video_target - v) / (1 - t_video).clamp(min=1e-6), (audio_target - a) / (1 - t_audio)
 
-    out_video, out_audio = denoise(model, packed, torch.zeros(4, 40), video.double(), audio.double(), 8)
+    rows = SequenceRows(torch.zeros(4, 40), video.double(), audio.double())
+    out_video, out_audio = denoise(model, packed, rows, clip(8))
     cond = packed.condition_rows
     assert torch.equal(out_video[:cond], video[:cond].double())  # the keyframe rows never move
     assert torch.allclose(out_video[cond:], video_target[cond:].double(), atol=1e-5)
@@ -47,7 +54,7 @@ def test_steps_match_the_released_loop():
         calls.append(len(calls))
         return velocities[len(calls) - 1]
 
-    ours = denoise(model, packed, torch.zeros(4, 40), video, audio, 6)
+    ours = denoise(model, packed, SequenceRows(torch.zeros(4, 40), video, audio), clip(6))
     sv, sa = diffusers.MiniMaxH3Scheduler(12.0), diffusers.MiniMaxH3Scheduler(3.0)
     sv.set_timesteps(7), sa.set_timesteps(7)
     v, a = video.clone(), audio.clone()
@@ -62,7 +69,8 @@ def test_progress_and_cancel():
     packed, video, audio = setup(())
     zero = lambda v, a, *rest: (torch.zeros_like(v), torch.zeros_like(a))  # noqa: E731
     steps = []
-    denoise(zero, packed, torch.zeros(4, 40), video, audio, 4, progress=lambda i, n: steps.append((i, n)))
+    rows = SequenceRows(torch.zeros(4, 40), video, audio)
+    denoise(zero, packed, rows, clip(4), Runner(progress=lambda i, n: steps.append((i, n))))
     assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
     count = []
 
@@ -75,5 +83,5 @@ def test_progress_and_cancel():
         return zero(v, a)
 
     with pytest.raises(KeyboardInterrupt):
-        denoise(counting, packed, torch.zeros(4, 40), video, audio, 4, check_cancel=cancel)
+        denoise(counting, packed, rows, clip(4), Runner(check_cancel=cancel))
     assert len(count) == 2
