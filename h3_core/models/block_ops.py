@@ -9,13 +9,13 @@ kernels on CUDA). The blocks, the attention and the FFN call the same methods wh
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import H3InputError
 from . import block_fused
+from .branch_fused import FUSED_MODES
 
 __all__ = ["BlockOps", "FusedBlockOps", "PLAIN_OPS", "block_ops_for", "rotate_half", "modulate_", "gated_add_"]
 
@@ -122,9 +122,11 @@ class FusedBlockOps(BlockOps):
 
 
 PLAIN_OPS = BlockOps()
+_BY_MODE = {mode: PLAIN_OPS if mode is None else FusedBlockOps(mode) for mode in FUSED_MODES}
 
 
-@functools.lru_cache(maxsize=None)
 def block_ops_for(mode: str | None) -> BlockOps:
     """The ops of ``block_fused`` mode ``mode`` (None: the plain ops)."""
-    return PLAIN_OPS if mode is None else FusedBlockOps(mode)
+    if mode not in _BY_MODE:
+        raise H3InputError(f"blocks_fused: got {mode!r}; allowed: {FUSED_MODES}")
+    return _BY_MODE[mode]

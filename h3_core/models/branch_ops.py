@@ -7,12 +7,12 @@ given; the solve, the scan and the gather take ``mode`` (None: plain) themselves
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import H3InputError
 from . import branch_fused
 from .branch_math import EPS, featurize, frame_statistics
 
@@ -73,9 +73,11 @@ class FusedBranchOps(BranchOps):
 
 
 PLAIN_BRANCH_OPS = BranchOps()
+_BY_MODE = {mode: PLAIN_BRANCH_OPS if mode is None else FusedBranchOps(mode) for mode in branch_fused.FUSED_MODES}
 
 
-@functools.lru_cache(maxsize=None)
 def branch_ops_for(mode: str | None) -> BranchOps:
     """The ops of ``branch_fused`` mode ``mode`` (None: the plain ops)."""
-    return PLAIN_BRANCH_OPS if mode is None else FusedBranchOps(mode)
+    if mode not in _BY_MODE:
+        raise H3InputError(f"branches_fused: got {mode!r}; allowed: {branch_fused.FUSED_MODES}")
+    return _BY_MODE[mode]

@@ -5,11 +5,13 @@ them, and the model files never ask which form they run in."""
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 from fused_eager import MODE
 from tiny_dit import CFG
 
+from h3_core.errors import H3InputError
 from h3_core.models.block_ops import PLAIN_OPS, BlockOps, FusedBlockOps, block_ops_for
 from h3_core.models.branch_ops import BranchOps, FusedBranchOps, branch_ops_for
 from h3_core.models.dit import row_runs
@@ -38,6 +40,10 @@ def test_the_options_pick_the_ops_of_their_mode():
     assert isinstance(fused.branch_ops, FusedBranchOps) and fused.branch_ops.mode == "compiled"
     assert block_ops_for("compiled") is block_ops_for("compiled")  # one object per mode
     assert branch_ops_for(None).mode is None
+    with pytest.raises(H3InputError, match=r"blocks_fused: got 'fast'; allowed: \(None, 'compiled'\)"):
+        RunOptions(blocks_fused="fast").block_ops
+    with pytest.raises(H3InputError, match="branches_fused: got 'fast'"):
+        RunOptions(branches_fused="fast").branch_ops
 
 
 def test_fused_block_ops_equal_the_plain_ones_method_by_method():
