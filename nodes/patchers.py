@@ -119,6 +119,13 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         placement.working = int(plan.predicted["activations"])
         return placement.working
 
+    def fit(self, run: DiTRun):
+        """Plan ``run`` (``prepare``), have the host load the model with the activations it needs, and return the
+        ``RunOptions`` every evaluation of the run is given: the placement's, with ``fit_smaller`` to call when an
+        evaluation runs out of device memory anyway."""
+        mm.load_models_gpu([self], memory_required=self.prepare(run))
+        return replace(self.placement.fitted.options, on_out_of_memory=self.fit_smaller)
+
     def _rank_share(self, packed):
         """This process's share of each evaluation when H3 Multi-GPU spreads them over several GPUs (rank 0's)."""
         from ..h3_core.memory.ranks import rank_shares

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -328,15 +327,9 @@ class H3Sampler(io.ComfyNode):
         node_id = cls.hidden.unique_id
 
         def fit(packed):
-            import comfy.model_management as mm
-
-            working = model.prepare(
-                DiTRun(packed, settings.memory, steps, settings.compile, settings.attention_precision)
-            )
-            mm.load_models_gpu([model], memory_required=working)
+            options = model.fit(DiTRun(packed, settings.memory, steps, settings.compile, settings.attention_precision))
             _host.tell(node_id, model.said())
-            # out of device memory mid-run: the DiT placed for less and the evaluation run again
-            return dataclasses.replace(model.placement.fitted.options, on_out_of_memory=model.fit_smaller)
+            return options
 
         progress = _host.PreviewProgress(steps, model.load_device)
         request = ClipRequest(
