@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from ..attention.kernels import dense_attention
 from ..errors import H3InputError
 from ..parallel.exchange import gather_kind
-from ..parallel.ulysses import SequenceShards, ulysses_attention
+from ..parallel.ulysses import SequenceShards
 from ..triton_forms import CompiledForm
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
 from .block_ops import PLAIN_OPS, BlockOps
 from .fp8_linear import Fp8Linear, quantize_input
-from .hybrid import HybridContext, add_hybrid_parts, hybrid_attention_forward, hybrid_attention_ulysses
+from .hybrid import HybridContext, add_hybrid_parts
 from .low_memory import add_linear_cols, head_slices, linear_row_blocks
 from .options import FINAL_CHUNK_ROWS, PLAIN, RunOptions
 
@@ -135,11 +135,11 @@ class Attention(nn.Module):
         return tuple(t.view(T, -1, d) for t in linear_row_blocks(self.qkv_proj, source, ranges))
 
     def forward(self, x: torch.Tensor, rope=None, ctx=None, run: RunOptions = PLAIN) -> torch.Tensor:
-        """``rope``: (cos, sin) or None; ``ctx``: None, or ``parallel.SequenceShards`` when ``x`` holds this rank's
-        rows of a sequence split among ranks (the heads then attend whole sequences rank by rank,
-        ``parallel.ulysses_attention``)."""
-        if isinstance(ctx, SequenceShards):
-            return ulysses_attention(self, x, rope, list(ctx.rows), list(ctx.heads), ctx.group, run)
+        """``rope``: (cos, sin) or None; ``ctx``: None for full attention over ``x``, or the run's attention
+        context, which runs it (``ctx.attend``): VDN-H3's ``HybridContext`` (the hybrid attention) or
+        ``parallel.SequenceShards`` when ``x`` holds this rank's rows of a sequence split among ranks."""
+        if ctx is not None:
+            return ctx.attend(self, x, rope, run)
         T, d = x.shape[0], self.head_dim
         out = None
         source = self.projection_input(x)
@@ -162,15 +162,6 @@ class HybridAttention(Attention):
     def __init__(self, cfg: DiTConfig):
         super().__init__(cfg)
         add_hybrid_parts(self, cfg)
-
-    def forward(self, x, rope=None, ctx=None, run: RunOptions = PLAIN):
-        if ctx is None:
-            return super().forward(x, rope, run=run)
-        if isinstance(ctx, SequenceShards):
-            if ctx.inner is None:  # dense attention, as without a context on one rank
-                return super().forward(x, rope, ctx, run)
-            return hybrid_attention_ulysses(self, x, rope, ctx.inner, ctx, run)
-        return hybrid_attention_forward(self, x, rope, ctx, run)
 
 
 class SwiGLU(nn.Module):

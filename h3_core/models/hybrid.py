@@ -48,6 +48,15 @@ class HybridContext:
     on_window_run: Callable[[WindowRun], None] | None = None  # told what each window softmax ran
     precision: str = "bf16"  # the window softmax's (attention.window.PRECISIONS)
 
+    def attend(self, attn, x, rope, run: RunOptions = PLAIN) -> torch.Tensor:
+        """``attn``'s hybrid attention over the whole sequence ``x`` (``hybrid_attention_forward``)."""
+        return hybrid_attention_forward(attn, x, rope, self, run)
+
+    def attend_sharded(self, attn, x, rope, shards, run: RunOptions = PLAIN) -> torch.Tensor:
+        """The same on this rank's rows of a sequence split among the ranks of ``shards``
+        (``hybrid_attention_ulysses``)."""
+        return hybrid_attention_ulysses(attn, x, rope, self, shards, run)
+
 
 class SoftmaxGate(nn.Module):
     def __init__(self, hidden: int, heads: int):

@@ -54,6 +54,13 @@ class SequenceShards:
             tuple(row_shards(rows, ranks)), tuple(head_ranges(balanced_splits(heads, ranks))), group, inner, **split
         )
 
+    def attend(self, attn, x: torch.Tensor, rope, run=None) -> torch.Tensor:
+        """``attn`` on this rank's rows ``x``: Ulysses dense attention (``ulysses_attention``), or with an ``inner``
+        context that context's attention across the ranks (its ``attend_sharded``)."""
+        if self.inner is None:
+            return ulysses_attention(attn, x, rope, list(self.rows), list(self.heads), self.group, run)
+        return self.inner.attend_sharded(attn, x, rope, self, run)
+
     @property
     def mine(self) -> slice:
         """This rank's rows."""
