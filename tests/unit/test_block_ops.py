@@ -115,8 +115,18 @@ def test_fused_branch_ops_equal_the_plain_ones():
 
 def test_the_model_files_never_ask_which_form_they_run_in():
     """The blocks, the attention, the FFN, the hybrid attention and the linear branch reach the fused forms only
-    through the ops given with the call: none reads the fused modes themselves."""
+    through the ops given with the call, and the attention reaches the hybrid and sequence-parallel forms through the
+    context given with it: none reads the fused modes, and no block, attention or FFN asks a context's kind."""
     for name in ("dit.py", "hybrid.py", "linear_branch.py"):
         tree = ast.parse((ROOT / "h3_core" / "models" / name).read_text())
         read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
         assert not read & {"blocks_fused", "branches_fused"}, name
+    tree = ast.parse((ROOT / "h3_core" / "models" / "dit.py").read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    for name in ("Attention", "HybridAttention", "SwiGLU", "Block"):
+        asked = {
+            ast.unparse(node.args[1])
+            for node in ast.walk(classes[name])
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+        }
+        assert not asked & {"SequenceShards", "HybridContext"}, name
