@@ -186,10 +186,14 @@ def profile_block(block, run, cuda: bool) -> dict:
     parts = SectionClock(cuda)  # inside the branch, on its own clock: these nest in "linear branch"
     if hasattr(attn, "linear_attention"):
         import h3_core.models.branch_fused as fused_module
+        import h3_core.models.branch_ops as ops_module
         import h3_core.models.linear_branch as branch_module
 
-        for name in ("featurize", "frame_statistics"):
-            parts.function(name, branch_module, name)
+        # the plain features and statistics: the text state's (the branch module's) and the frames' (its ops')
+        for module in (branch_module, ops_module):
+            parts.function("featurize", module, "featurize_keys_values")
+            parts.function("frame_statistics", module, "frame_statistics")
+        parts.function("featurize", ops_module, "featurize_queries")
         parts.function("solve", branch_module, "solve_shifted")
         for name in ("scan", "gather"):  # the branch calls both through branch_fused, plain or fused
             parts.function(name, fused_module, name)

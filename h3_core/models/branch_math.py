@@ -12,6 +12,8 @@ from ..triton_forms import runs_here
 __all__ = [
     "accumulation",
     "featurize",
+    "featurize_queries",
+    "featurize_keys_values",
     "frame_statistics",
     "solve",
     "solve_shifted",
@@ -42,14 +44,23 @@ def _short_conv(x, spatial, temporal, grid):
 
 def featurize(q, k, v, grid, conv=None):
     """q̃, k̃, ṽ ``[F, S, H, d]`` from raw ``[F, S, H, d]``; ``conv`` = (k_sp, k_tm, v_sp, v_tm) or None (text)."""
+    return (featurize_queries(q), *featurize_keys_values(k, v, grid, conv))
+
+
+def featurize_queries(q):
+    """q̃ = L2-normalised SiLU(q) over the head dimension (no convolution)."""
+    return F.normalize(F.silu(q), dim=-1, eps=EPS)
+
+
+def featurize_keys_values(k, v, grid, conv=None):
+    """k̃, ṽ ``[F, S, H, d]``: each through its short convolution (``conv``, None for the text rows), then k
+    L2-normalised after SiLU and v through SiLU."""
     shape = k.shape
     if conv is not None:
         k_sp, k_tm, v_sp, v_tm = conv
         k = _short_conv(k.reshape(shape[0], shape[1], -1), k_sp, k_tm, grid).reshape(shape)
         v = _short_conv(v.reshape(shape[0], shape[1], -1), v_sp, v_tm, grid).reshape(shape)
-    q = F.normalize(F.silu(q), dim=-1, eps=EPS)
-    k = F.normalize(F.silu(k), dim=-1, eps=EPS)
-    return q, k, F.silu(v)
+    return F.normalize(F.silu(k), dim=-1, eps=EPS), F.silu(v)
 
 
 def frame_statistics(k, v, beta, frames_per_chunk: int | None = None):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..errors import H3InputError
 from . import branch_fused
-from .branch_math import EPS, featurize, frame_statistics
+from .branch_math import EPS, featurize_keys_values, featurize_queries, frame_statistics
 
 __all__ = ["BranchOps", "FusedBranchOps", "branch_ops_for"]
 
@@ -24,22 +24,23 @@ class BranchOps:
 
     mode: str | None = None
 
-    def statistics(self, q_raw, k_raw, v_raw, shape, grid, conv_weights, beta, frames_at_a_time):
-        """``(I + A, B, q)`` of the frames: the shifted and the plain statistics ``[F, h, d, d]`` of the featurised
-        k and v weighted by ``beta``, and the featurised queries the readout reads (None where it reads the raw
-        ones). ``frames_at_a_time``: the statistics that many frames at a time (None: all)."""
-        q, k, v = featurize(q_raw.reshape(shape), k_raw.reshape(shape), v_raw.reshape(shape), grid, conv_weights)
+    def statistics(self, k_raw, v_raw, shape, grid, conv_weights, beta, frames_at_a_time):
+        """``(I + A, B)`` of the frames: the shifted and the plain statistics ``[F, h, d, d]`` of the featurised k
+        and v weighted by ``beta``. ``frames_at_a_time``: the statistics that many frames at a time (None: all)."""
+        k, v = featurize_keys_values(k_raw.reshape(shape), v_raw.reshape(shape), grid, conv_weights)
         A, B = frame_statistics(k, v, beta, frames_at_a_time)
         del k, v
-        return A.add_(torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)), B, q
+        return A.add_(torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)), B
 
     def state_dtype(self, rows_dtype: torch.dtype) -> torch.dtype | None:
         """The dtype the state is gathered in (None: as the scan leaves it)."""
         return None
 
-    def readout(self, q_raw, q, state, norm_weight, gate_logits: Callable[[], torch.Tensor], shape, dtype):
-        """``RMSNorm(state · q̃) × σ(gate_logits())`` ``[F·S, h·d]`` in ``dtype``; the gate's logits (as large as
-        the readout) made only once the readout no longer needs ``q``."""
+    def readout(self, q_raw, state, norm_weight, gate_logits: Callable[[], torch.Tensor], shape, dtype):
+        """``RMSNorm(state · q̃) × σ(gate_logits())`` ``[F·S, h·d]`` in ``dtype``, q̃ featurised from ``q_raw`` here
+        (so it is not held through the solve and the scans); the gate's logits (as large as the readout) made only
+        once q̃ is gone."""
+        q = featurize_queries(q_raw.reshape(shape))
         out = torch.einsum("fhvk,fshk->fshv", state.to(q.dtype), q)
         del q
         acc = branch_fused.accumulation(dtype)
@@ -54,12 +55,11 @@ class FusedBranchOps(BranchOps):
     def __init__(self, mode: str):
         self.mode = mode
 
-    def statistics(self, q_raw, k_raw, v_raw, shape, grid, conv_weights, beta, frames_at_a_time):
+    def statistics(self, k_raw, v_raw, shape, grid, conv_weights, beta, frames_at_a_time):
         frames, S = shape[0], shape[1]
         k = self._features(k_raw.view(frames, S, -1), conv_weights[0], conv_weights[1], grid, beta, True)
         v = self._features(v_raw.view(frames, S, -1), conv_weights[2], conv_weights[3], grid, beta, False)
-        shifted, B = branch_fused.shifted_statistics(self.mode, k, v)
-        return shifted, B, None
+        return branch_fused.shifted_statistics(self.mode, k, v)
 
     def _features(self, raw, spatial, temporal, grid, beta, normalize: bool):
         y = branch_fused.spatial(self.mode, raw, spatial, grid)
@@ -68,7 +68,7 @@ class FusedBranchOps(BranchOps):
     def state_dtype(self, rows_dtype):
         return rows_dtype  # the fused readout rounds the state to the rows' dtype anyway
 
-    def readout(self, q_raw, q, state, norm_weight, gate_logits, shape, dtype):
+    def readout(self, q_raw, state, norm_weight, gate_logits, shape, dtype):
         return branch_fused.run(self.mode, "readout", q_raw.view(shape), state, norm_weight, gate_logits())
 
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import branch_fused
-from .branch_math import EPS, featurize, frame_statistics, solve, solve_shifted
+from .branch_math import EPS, featurize_keys_values, frame_statistics, solve, solve_shifted
 from .options import PLAIN, RunOptions
 
 __all__ = ["LinearBranch", "TEXT_STATE_SCALE", "RowInputs", "GivenRowInputs"]
@@ -134,7 +134,7 @@ class LinearBranch(nn.Module):
         ``heads`` whose raw k, v are given (all by default); ``beta_logits`` ``[L, h]`` in place of ``text_x``'s;
         the inverse in ``run.branch_ops`` mode."""
         heads = self._heads(heads)
-        _, k, v = featurize(k_raw[None], k_raw[None], v_raw[None], None)
+        k, v = featurize_keys_values(k_raw[None], v_raw[None], None)
         if beta_logits is None:
             beta_logits = F.linear(text_x, self.beta_proj.weight[heads])
         beta = torch.sigmoid(beta_logits)[None]
@@ -166,7 +166,7 @@ class LinearBranch(nn.Module):
             conv.v_tm.weight[channels],
         )
         beta = torch.sigmoid(rows.beta_logits(heads)).view(frames, S, -1)
-        shifted, B, q = ops.statistics(q_raw, k_raw, v_raw, shape, grid, weights, beta, run.branch_frames)
+        shifted, B = ops.statistics(k_raw, v_raw, shape, grid, weights, beta, run.branch_frames)
         del beta
         alpha = self.alpha(rows.frame_mean(), heads)
         T, J = solve_shifted(alpha.to(B.dtype), shifted, B, branch_fused.small_inverse(ops.mode))
@@ -177,4 +177,4 @@ class LinearBranch(nn.Module):
         # [F, h, d_v, d_k]
         state = branch_fused.gather(ops.mode, P, Q, alpha, bounds, seed, ops.state_dtype(q_raw.dtype))
         del P, Q
-        return ops.readout(q_raw, q, state, self.norm.weight, lambda: rows.gate_logits(channels), shape, dtype)
+        return ops.readout(q_raw, state, self.norm.weight, lambda: rows.gate_logits(channels), shape, dtype)

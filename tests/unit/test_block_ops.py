@@ -100,15 +100,14 @@ def test_fused_branch_ops_equal_the_plain_ones():
     q_raw, k_raw, v_raw = (rnd(frames * S, heads, d, seed=20 + i) for i in range(3))
     beta = torch.sigmoid(rnd(frames, S, heads, seed=30))
     with plain_path():
-        p_shifted, p_B, q = BranchOps().statistics(q_raw, k_raw, v_raw, shape, grid, weights, beta, None)
-        f_shifted, f_B, f_q = FusedBranchOps(MODE).statistics(q_raw, k_raw, v_raw, shape, grid, weights, beta, None)
-        assert f_q is None and q is not None
+        p_shifted, p_B = BranchOps().statistics(k_raw, v_raw, shape, grid, weights, beta, None)
+        f_shifted, f_B = FusedBranchOps(MODE).statistics(k_raw, v_raw, shape, grid, weights, beta, None)
         for want, got in ((p_shifted, f_shifted), (p_B, f_B)):
             assert (got - want).abs().max() <= 1e-12 * want.abs().max()
         state = rnd(frames, heads, d, d, seed=40)
         logits = rnd(frames * S, heads * d, seed=41)
-        want = BranchOps().readout(q_raw, q, state, branch.norm.weight, lambda: logits, shape, q_raw.dtype)
-        got = FusedBranchOps(MODE).readout(q_raw, None, state, branch.norm.weight, lambda: logits, shape, q_raw.dtype)
+        want = BranchOps().readout(q_raw, state, branch.norm.weight, lambda: logits, shape, q_raw.dtype)
+        got = FusedBranchOps(MODE).readout(q_raw, state, branch.norm.weight, lambda: logits, shape, q_raw.dtype)
     assert got.shape == want.shape == (frames * S, heads * d)
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
 
