@@ -56,8 +56,9 @@ __all__ = [
 ROTATE_TEMPS = 3.0  # rotated half, the two products and their sum, ~0.75 I each, plus the result
 # The linear branch's own buffers at its peak, in C / G: q̃, k̃, ṽ (3) and fp32 k̃, ṽ, β·k̃ (6) account for 9;
 # the rest are layout copies around the depthwise convolutions and the feature normalisation. Measured
-# (bench/results/block_memory.md) when one group's raw q, k, v were strided views of the stacked projection;
-# they now come dense, so the plain path's peak may sit below these figures.
+# (bench/results/block_memory.md) when one group's raw q, k, v were strided views of the stacked projection and
+# q̃ was made with k̃ and ṽ; they now come dense and q̃ is made at the readout, so the plain path's peak may sit
+# below these figures.
 BRANCH_BUFFERS = {1: 13.77, "grouped": 14.67}
 # Of those, the fp32 copies of k̃, ṽ and β·k̃ for every frame (read off the code): with ``branch_frames`` they
 # exist for that many frames only. This reduction is derived, not yet measured, so ``plan_for_memory`` does
