@@ -162,7 +162,7 @@ def main(argv=None) -> dict:
     def load(patcher) -> float:
         synchronize()
         t0 = time.perf_counter()
-        mm.load_models_gpu([patcher], memory_required=patcher.prepare(run))
+        patcher.fit(run)
         synchronize()
         return time.perf_counter() - t0
 

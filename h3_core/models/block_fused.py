@@ -163,17 +163,17 @@ def _block_norm(mode: str, x: torch.Tensor):
     return None
 
 
-def gate_heads_input(mode: str | None, soft: torch.Tensor, gate: torch.Tensor, quantized: bool):
+def gate_heads_input(mode: str, soft: torch.Tensor, gate: torch.Tensor, quantized: bool):
     """``out_proj``'s input ``[T, h·d]`` from the window softmax's output ``soft`` ``[T, h, d]`` and its per-head
     ``gate`` ``[T, h]``: ``gate_heads_`` (in place), or its rows quantised when ``quantized`` (an fp8
     ``out_proj``), on CUDA in ``"compiled"`` mode in one Triton pass (``_fp8_triton.gate_heads_quantize_triton``)
-    that never writes the gated rows. ``mode`` None: the plain ops."""
+    that never writes the gated rows (the plain ops: ``block_ops.BlockOps.gate_heads_input``)."""
     T = soft.shape[0]
     kernel = _quantiser(mode, soft, "gate_heads_quantize_triton") if quantized else None
     if kernel is not None and soft.stride(-1) == 1 and soft.stride(-2) == soft.shape[-1]:
         codes, row_scale = kernel(soft, gate, _SMALLEST_SCALE)
         return QuantizedRows(codes, row_scale, (T,))
-    gated = run(mode, "gate_heads_", soft, gate) if mode else soft.mul_(gate[..., None])
+    gated = run(mode, "gate_heads_", soft, gate)
     return quantize_input(gated.reshape(T, -1)) if quantized else gated.reshape(T, -1)
 
 

@@ -128,8 +128,8 @@ def generate_ref2va(
     packed = pack_ref2va(prompt.tags, geometry, T, *padded_size(h, w), Ta)
     conditions = [ref.video for ref in references if ref.kind in ("image", "video")]
     audio_refs = [rows for rows in (ref.audio_rows() for ref in references) if rows is not None]
-    audio_refs = noised_reference_audio(audio_refs, float(request.reference_audio_t), request.seed)
     audio_t = float(request.reference_audio_t)
+    audio_refs = noised_reference_audio(audio_refs, audio_t, request.seed)
     return _sample(model, prompt, packed, conditions, audio_refs, (T, h, w, Ta), request, runner, audio_t)
 
 
