@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
         dense_k = k.view(frames, S, C)
         ms["spatial conv of k (fused: cuDNN)"] = time_it(lambda: branch_fused.spatial_conv(dense_k, weights[0], grid))
         spatial = branch_fused.spatial_conv(dense_k, weights[0], grid)
-        kernel = branch_fused.triton_kernel("spatial_conv") if cuda else None
+        kernel = branch_fused.triton_kernel("spatial_conv", "cuda") if cuda else None
         for block_c, warps in SPATIAL_LAUNCHES if kernel is not None else ():
             launch = lambda b=block_c, w=warps: kernel(dense_k, weights[0], grid, b, w)  # noqa: E731
             ms[f"spatial conv of k (Triton, {block_c} channels, {warps} warps)"] = time_it(launch)

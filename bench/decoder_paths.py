@@ -61,7 +61,7 @@ def paths(names):
         elif name in ("compiled", "compiled-graph"):
             made[name] = compiled_decoder_blocks()
         elif name == "triton":
-            made[name] = triton_decoder_blocks()
+            made[name] = triton_decoder_blocks(torch.device("cuda"))
         elif name == "autotune":
             made[name] = {
                 k: torch.compile(fn, dynamic=False, mode="max-autotune-no-cudagraphs") for k, fn in EAGER_BLOCKS.items()

@@ -146,6 +146,7 @@ for part in "$@"; do
             rm -f /tmp/fa4_parts/cu13.part.aa
             run fa4_install python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
                 --target "$fa4" /tmp/fa4_parts/*.whl ;;
+        launches) run kernel_launches python3 bench/kernel_launches.py --out "$out/kernel_launches.json" ;;
         gpu) run gpu_tests python3 -m pytest -q -p no:warnings -rs tests/gpu tests/unit/test_text_encoder_file.py ;;
         checks) run gpu_checks python3 -m pytest -q -p no:warnings tests/gpu/test_hybrid_cuda.py \
                 tests/gpu/test_offload_cuda.py tests/gpu/test_vae_cuda.py ;;

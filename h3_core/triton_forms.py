@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from . import launch_table
 from .errors import H3InputError, is_out_of_memory
 
 __all__ = [
@@ -153,15 +154,27 @@ def runs_here(t: torch.Tensor) -> bool:
     return t.is_cuda or _INTERPRETED
 
 
-def triton_form(module, attribute: str):
+def triton_form(module, attribute: str, device: torch.device | str):
     """``attribute`` of ``module`` (a module of hand-written kernels, None where it could not be imported),
-    ``guarded``; None inside ``plain_path``."""
-    return None if _plain.get() or module is None else _guarded(module, attribute)
+    ``guarded`` and launched as ``launch_table`` says for ``device``'s architecture; None inside ``plain_path``
+    and where that table does not run the kernel."""
+    if _plain.get() or module is None:
+        return None
+    return _launched(module, attribute, _capability(torch.device(device)))
 
 
 @functools.cache
-def _guarded(module, attribute: str):
-    return guarded(getattr(module, attribute))
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
+@functools.cache
+def _launched(module, attribute: str, capability: tuple[int, int] | None):
+    arguments = launch_table.launch(attribute, capability)
+    if arguments is None:
+        return None
+    kernel = guarded(getattr(module, attribute))
+    return functools.partial(kernel, **arguments) if arguments else kernel
 
 
 # What the default compiled paths import on a process's first run: Triton's JIT (every fused function of the DiT

@@ -37,7 +37,7 @@ def scale_convert_reference(src, dst, scale=None, saturate=False, gate=None) -> 
 
 def scale_convert(src, dst, scale=None, saturate=False, gate=None) -> torch.Tensor:
     if dst.is_cuda and dst.dim() == 3 and src.shape == dst.shape and dst.numel():
-        fused = triton_form(convert_triton, "scale_convert_triton")
+        fused = triton_form(convert_triton, "scale_convert_triton", dst.device)
         if fused is not None:
             return fused(src, dst, scale, saturate, gate)
     return scale_convert_reference(src, dst, scale, saturate, gate)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats.staged_read import give_back_pinned
+from ..models.fp8_linear import linear_form
 
 __all__ = [
     "CardSpeed",
@@ -56,7 +57,7 @@ ASSUMED_HOST_COPY = 20e9
 
 def has_fp8_matmul(capability: tuple[int, int]) -> bool:
     """Whether a card of ``capability`` multiplies e4m3 matrices on its tensor cores (``torch._scaled_mm``)."""
-    return tuple(capability) >= (8, 9)
+    return linear_form(capability) == "fp8"
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ def _kernel(mode: str | None, rows: torch.Tensor, module, name: str):
     """The hand-written Triton kernel ``name`` of ``module`` where ``mode`` runs it on ``rows`` (``"compiled"``,
     CUDA, a half or fp32 dtype); None where the written or compiled steps run instead."""
     if mode == "compiled" and runs_here(rows) and rows.dtype in _COMPUTE_DTYPES:
-        return triton_form(module, name)
+        return triton_form(module, name, rows.device)
     return None
 
 

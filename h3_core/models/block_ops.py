@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..errors import H3InputError
 from . import block_fused
 from .branch_fused import FUSED_MODES
+from .fp8_linear import reads_quantized_rows
 
 __all__ = ["BlockOps", "FusedBlockOps", "PLAIN_OPS", "block_ops_for", "rotate_half", "modulate_", "gated_add_"]
 
@@ -74,7 +75,7 @@ class BlockOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate, inplace=True).mul_(up)
 
-    def gates_while_quantizing(self, out_proj) -> bool:
+    def gates_while_quantizing(self, out_proj, device) -> bool:
         """Whether the softmax gate is applied as ``out_proj``'s input is quantised (``gate_heads_input``) rather
         than by the window softmax as it writes its output."""
         return False
@@ -114,8 +115,8 @@ class FusedBlockOps(BlockOps):
             return block_fused.swiglu_quantized(self.mode, gate_up)
         return block_fused.run(self.mode, "swiglu_", gate_up)
 
-    def gates_while_quantizing(self, out_proj):
-        return hasattr(out_proj, "part")  # an fp8 out_proj
+    def gates_while_quantizing(self, out_proj, device):
+        return reads_quantized_rows(out_proj, device)
 
     def gate_heads_input(self, soft, gate, quantized):
         return block_fused.gate_heads_input(self.mode, soft, gate, quantized)

@@ -171,7 +171,7 @@ def _state_kernel(name: str, mode: str | None, states: torch.Tensor):
     kernel takes their size (d a power of two of at least 16); None otherwise."""
     d = states.shape[-1]
     if mode == "compiled" and runs_here(states) and states.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
-        return triton_kernel(name)
+        return triton_kernel(name, states.device)
     return None
 
 
@@ -235,16 +235,17 @@ _TRITON = {
 }
 
 
-def triton_kernel(name: str):
-    """The hand-written Triton form of the fused function ``name``; None if it has none or Triton is missing."""
-    return triton_form(*_TRITON[name]) if name in _TRITON else None
+def triton_kernel(name: str, device: torch.device):
+    """The hand-written Triton form of the fused function ``name`` on ``device``; None if it has none, Triton is
+    missing or the launch table does not run it there."""
+    return triton_form(*_TRITON[name], device) if name in _TRITON else None
 
 
 def _rows_kernel(name: str, mode: str | None, rows: torch.Tensor):
     """The Triton kernel ``name`` in ``"compiled"`` mode (outside ``triton_forms.plain_path``) for CUDA rows with a
     contiguous last dimension that are not fp64 (the kernels sum in fp32); None otherwise."""
     if mode == "compiled" and compiling() and runs_here(rows) and rows.dtype != torch.float64 and rows.stride(-1) == 1:
-        return triton_kernel(name)
+        return triton_kernel(name, rows.device)
     return None
 
 
@@ -255,11 +256,11 @@ def spatial(mode: str | None, x: torch.Tensor, weight: torch.Tensor, grid) -> to
     return kernel(x, weight, grid) if kernel is not None else spatial_conv(x, weight, grid)
 
 
-def small_inverse(mode: str | None):
+def small_inverse(mode: str | None, device: torch.device):
     """The solve's leaf inverse (``branch_math.spd_inverse``'s ``leaf``) in ``mode``: in ``"compiled"`` the
     Triton pass over all the small blocks at once, where the library's batched inverse launches an LU
     factorisation, two triangular solves and row swaps per call; None (the library's) otherwise."""
-    return triton_kernel("small_inverse") if mode == "compiled" else None
+    return triton_kernel("small_inverse", device) if mode == "compiled" else None
 
 
 def call(mode: str, fn, *args, name: str | None = None):

@@ -28,7 +28,7 @@ from ..parallel.ulysses import SequenceShards
 from ..triton_forms import CompiledForm
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
 from .block_ops import PLAIN_OPS, BlockOps
-from .fp8_linear import Fp8Linear, quantize_input
+from .fp8_linear import quantize_input, reads_quantized_rows
 from .hybrid import HybridContext, add_hybrid_parts
 from .low_memory import add_linear_cols, head_slices, linear_row_blocks
 from .options import FINAL_CHUNK_ROWS, PLAIN, RunOptions
@@ -116,7 +116,7 @@ class Attention(nn.Module):
     def projection_input(self, x: torch.Tensor):
         """What the q, k and v projections read: ``x``, or for an fp8 ``qkv_proj`` its rows quantised once (the
         three row slices, and every head group's, would otherwise quantise the same rows again)."""
-        if hasattr(self.qkv_proj, "part"):
+        if reads_quantized_rows(self.qkv_proj, x.device):
             return quantize_input(x)
         return x
 
@@ -174,12 +174,12 @@ class SwiGLU(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
 
     def _rows(self, x, ops: BlockOps):
-        return self.fc2(ops.swiglu(self.fc1(x), isinstance(self.fc2, Fp8Linear)))
+        return self.fc2(ops.swiglu(self.fc1(x), reads_quantized_rows(self.fc2, x.device)))
 
-    def reads_quantized_rows(self, run: RunOptions) -> bool:
+    def reads_quantized_rows(self, run: RunOptions, device: torch.device) -> bool:
         """Whether the input may come already quantised (``QuantizedRows``): an fp8 ``fc1`` run whole, not in
         row chunks."""
-        return isinstance(self.fc1, Fp8Linear) and run.ffn_chunk_rows is None
+        return reads_quantized_rows(self.fc1, device) and run.ffn_chunk_rows is None
 
     def forward(self, x, run: RunOptions = PLAIN):
         rows = run.ffn_chunk_rows
@@ -256,7 +256,7 @@ class Block(nn.Module):
         shift1, scale1, gate1, shift2, scale2, gate2 = (m.to(x.dtype) for m in self.adaln_proj(temb))
         # the attention's input is gone before the residual's norm makes the FFN's
         attended = self.attn(ops.norm_modulate(x, self.norm1, shift1, scale1, rows), rope, ctx, run)
-        quantized = self.mlp.reads_quantized_rows(run)
+        quantized = self.mlp.reads_quantized_rows(run, x.device)
         x, h = ops.residual_norm(x, attended, gate1, rows, self.norm2, shift2, scale2, quantized)
         return ops.gated_residual_(x, self.mlp(h, run), gate2, rows)
 

@@ -10,8 +10,11 @@ Forward, for activations ``x`` ``[..., in]`` (any leading shape, flattened to ro
   x_q = e4m3(x / s_a)         (the row's largest magnitude lands on ±448: nothing overflows)
   y   = (x_q · s_a) @ (w_q · s_w)ᵀ + bias, returned in the compute dtype.
 On a CUDA device that runs fp8 matmuls (sm89+) this is one ``torch._scaled_mm`` with row-wise scales on both
-sides; anywhere else (CPU, older GPUs, shapes or dtypes the kernel refuses) it is computed literally in fp32
-by dequantising both operands: ``fp8_linear_reference``, the eager reference the fast path is tested against.
+sides. A CUDA card without fp8 tensor cores (sm80, sm86) keeps the weight's codes and multiplies in the compute
+dtype: the weight dequantised into it (``fp8_linear_weights_only``), the activations as they come, as a bf16
+layer would. Anywhere else (CPU, shapes or dtypes the kernel refuses) it is computed literally in fp32 by
+dequantising both operands: ``fp8_linear_reference``, the eager reference the fast paths are tested against.
+``linear_form`` names the form per compute capability.
 
 Which layers (``FP8_LAYERS``): the published VDN-H3 fp8 path (reference/vdn_h3.md §6, ``ops/fp8_linear.py``)
 quantises the Linears with both sides ≥ 4096 — q, k, v, to_out, the FFN pair and to_out_linear — with a
@@ -33,6 +36,7 @@ from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..errors import H3InputError
 from ..triton_forms import runs_here, triton_form
@@ -51,6 +55,10 @@ __all__ = [
     "quantization_targets",
     "fp8_linear_reference",
     "fp8_linear_scaled_mm",
+    "fp8_linear_weights_only",
+    "FP8_MATMUL_CAPABILITY",
+    "linear_form",
+    "reads_quantized_rows",
     "quantize_linears",
     "quantize_rows",
     "quantize_rows_reference",
@@ -67,6 +75,8 @@ _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SCALED_MM_OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 FP8_LAYERS = ("qkv_proj", "out_proj", "fc1", "fc2", "to_out_linear")
+# The first compute capability with fp8 tensor cores (Ada); older cards multiply an fp8 layer in its compute dtype.
+FP8_MATMUL_CAPABILITY = (8, 9)
 
 _log = logging.getLogger(__name__)
 _fallbacks_reported: set[str] = set()
@@ -77,7 +87,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     its fp32 scale ``[M, 1]`` (contiguous), ``x ≈ codes · scale``: ``quantize_rows_reference``'s numbers, in
     one Triton pass per row on CUDA (``_fp8_triton``) when the rows' last dimension is contiguous."""
     if runs_here(x) and x.dim() == 2 and x.dtype in _COMPUTE_DTYPES and x.stride(-1) == 1:
-        fused = triton_form(fp8_triton, "quantize_rows_triton")
+        fused = triton_form(fp8_triton, "quantize_rows_triton", x.device)
         if fused is not None:
             return fused(x, _SMALLEST_SCALE)
     return quantize_rows_reference(x)
@@ -174,6 +184,50 @@ def fp8_linear_scaled_mm(
         use_fast_accum=fast_accum,
     )
     return y.reshape(*rows.lead, weight.shape[0])
+
+
+def fp8_linear_weights_only(
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """A card without fp8 matmuls: ``x @ (w_q · s_w)ᵀ (+ bias)`` in ``out_dtype``, the weight dequantised into one
+    ``[out, in]`` buffer of ``out_dtype`` (e4m3 codes are exact in bf16 and fp16; the product with the fp32 scale
+    is rounded once) and ``x`` taken as it is (rows that come quantised are dequantised first)."""
+    if isinstance(x, QuantizedRows):
+        x = torch.mul(x.codes.to(out_dtype), x.scale, out=torch.empty(x.codes.shape, dtype=out_dtype, device=x.device))
+        lead = None
+    else:
+        lead, x = tuple(x.shape[:-1]), x.reshape(-1, x.shape[-1]).to(out_dtype)
+    dense = weight.to(out_dtype)
+    torch.mul(dense, weight_scale.float()[:, None], out=dense)
+    y = F.linear(x, dense, None if bias is None else bias.to(out_dtype))
+    return y if lead is None else y.reshape(*lead, weight.shape[0])
+
+
+def linear_form(capability: tuple[int, int] | None) -> str:
+    """How an ``Fp8Linear`` multiplies on a device of ``capability`` (None: not a CUDA device): ``"fp8"`` (one
+    ``torch._scaled_mm``, the activations quantised per row), ``"weights only"`` (``fp8_linear_weights_only``:
+    a card without fp8 tensor cores) or ``"reference"`` (``fp8_linear_reference``, fp32, off CUDA)."""
+    if capability is None:
+        return "reference"
+    return "fp8" if tuple(capability) >= FP8_MATMUL_CAPABILITY else "weights only"
+
+
+@functools.cache
+def _device_form(device: torch.device) -> str:
+    if device.type != "cuda":
+        return linear_form(None)
+    return linear_form(torch.cuda.get_device_capability(device))
+
+
+def reads_quantized_rows(layer: nn.Module, device: torch.device) -> bool:
+    """Whether ``layer`` takes its input quantised per row (``QuantizedRows``) on ``device``: an ``Fp8Linear``,
+    except on a card that multiplies it in its compute dtype (``linear_form`` "weights only"), whose
+    activations are never quantised."""
+    return isinstance(layer, Fp8Linear) and _device_form(torch.device(device)) != "weights only"
 
 
 @functools.cache
@@ -396,6 +450,8 @@ class Fp8Linear(nn.Module):
         usable, reason = scaled_mm_supports(x, weight, self.compute_dtype)
         if usable:
             return fp8_linear_scaled_mm(x, weight, scale, bias, self.compute_dtype, self.fast_accum)
+        if _device_form(x.device) == "weights only":
+            return fp8_linear_weights_only(x, weight, scale, bias, self.compute_dtype)
         if x.device.type == "cuda":
             _report_fallback_once(reason)
         return fp8_linear_reference(x, weight, scale, bias, self.compute_dtype)

@@ -102,7 +102,7 @@ def hybrid_attention_forward(attn, x, rope, ctx: HybridContext, run: RunOptions 
     out = None
     source = attn.projection_input(x)
     ops = run.block_ops
-    quantized = ops.gates_while_quantizing(attn.out_proj)
+    quantized = ops.gates_while_quantizing(attn.out_proj, x.device)
     for heads in head_slices(attn.heads, run.head_groups):
         q_raw, k_raw, v = attn.project(x, heads, source)
         if heads.stop == attn.heads:
@@ -210,7 +210,7 @@ def _softmax_output(attn, soft, gate, run: RunOptions) -> torch.Tensor:
     """This rank's rows of the softmax side's output: ``soft`` ``[t_r, H, d]`` back on the rows, gated by ``gate``
     ``[t_r, H]`` and through ``out_proj``, all heads at once."""
     ops = run.block_ops
-    attended = ops.gate_heads_input(soft, gate, ops.gates_while_quantizing(attn.out_proj))
+    attended = ops.gate_heads_input(soft, gate, ops.gates_while_quantizing(attn.out_proj, soft.device))
     return add_linear_cols(None, attn.out_proj, attended, 0, attn.heads * attn.head_dim)
 
 

@@ -140,7 +140,7 @@ class LinearBranch(nn.Module):
         beta = torch.sigmoid(beta_logits)[None]
         A, B = frame_statistics(k, v, beta)
         ones = torch.ones(A.shape[:-1], dtype=A.dtype, device=A.device)
-        _, J = solve(ones, A, B, branch_fused.small_inverse(run.branch_ops.mode))
+        _, J = solve(ones, A, B, branch_fused.small_inverse(run.branch_ops.mode, A.device))
         return TEXT_STATE_SCALE * J[0]
 
     def forward(self, x, q_raw, k_raw, v_raw, grid, bounds, seed=None, heads: slice | None = None, run=PLAIN):
@@ -169,7 +169,7 @@ class LinearBranch(nn.Module):
         shifted, B = ops.statistics(k_raw, v_raw, shape, grid, weights, beta, run.branch_frames)
         del beta
         alpha = self.alpha(rows.frame_mean(), heads)
-        T, J = solve_shifted(alpha.to(B.dtype), shifted, B, branch_fused.small_inverse(ops.mode))
+        T, J = solve_shifted(alpha.to(B.dtype), shifted, B, branch_fused.small_inverse(ops.mode, B.device))
         del shifted, B  # each [F, h, d, d] fp32: freed as soon as read, so none is held through the readout
         seed = torch.zeros(J.shape[1:], dtype=J.dtype, device=J.device) if seed is None else seed
         P, Q = branch_fused.scan(ops.mode, T, J, seed)

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.vae import vae_attention
-from ..triton_forms import guarded, runs_here
+from ..triton_forms import guarded, runs_here, triton_form
 from .latent_stats import LatentStats
 
 __all__ = [
@@ -296,20 +296,16 @@ EAGER_BLOCKS = {"attention_inputs": block_attention_inputs, "finish": block_fini
 _compiled_blocks: dict = {}  # the compiled halves, made on first use and ``guarded``
 
 
-_triton_blocks: dict = {}
-
-
-def triton_decoder_blocks() -> dict | None:
-    """The decoder blocks' halves with their per-element work as hand-written Triton passes (``decoder_triton``),
-    each ``guarded``; None where Triton cannot be imported. No tracing in a new process, unlike
-    ``compiled_decoder_blocks``."""
-    if not _triton_blocks:
-        try:
-            from . import decoder_triton
-        except ImportError:
-            return None
-        _triton_blocks.update({name: guarded(getattr(decoder_triton, name)) for name in EAGER_BLOCKS})
-    return _triton_blocks
+def triton_decoder_blocks(device: torch.device) -> dict | None:
+    """The decoder blocks' halves with their per-element work as hand-written Triton passes (``decoder_triton``) on
+    ``device``, each ``guarded``; None where Triton cannot be imported or the launch table does not run both
+    there. No tracing in a new process, unlike ``compiled_decoder_blocks``."""
+    try:
+        from . import decoder_triton
+    except ImportError:
+        return None
+    blocks = {name: triton_form(decoder_triton, name, device) for name in EAGER_BLOCKS}
+    return None if None in blocks.values() else blocks
 
 
 def compiled_decoder_blocks() -> dict:
@@ -467,7 +463,7 @@ class VideoVAE(LatentStats, nn.Module):
         z = F.conv3d(z.float(), self.post_quant_conv.weight.float(), self.post_quant_conv.bias.float())
         blocks = EAGER_BLOCKS
         if compiled:
-            blocks = (triton_decoder_blocks() if runs_here(z) else None) or compiled_decoder_blocks()
+            blocks = (triton_decoder_blocks(z.device) if runs_here(z) else None) or compiled_decoder_blocks()
         return self.decoder(z, overrides, blocks)
 
 

@@ -17,7 +17,7 @@ DEV = torch.device("cuda")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary", [96, None])
 def test_triton_qk_norm_rope_matches_the_written_function(dtype, rotary):
-    if triton_kernel("qk_norm_rope") is None:
+    if triton_kernel("qk_norm_rope", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(1)
     qkv = (torch.randn(1500, 3, 8, 128, generator=g) * 3).to(DEV, dtype)
@@ -55,7 +55,7 @@ def test_triton_block_norm_matches_the_written_functions(hidden, dtype):
     from h3_core.models.fp8_linear import quantize_input
     from h3_core.triton_forms import triton_form
 
-    if triton_form(block_triton, "block_norm_triton") is None:
+    if triton_form(block_triton, "block_norm_triton", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(300, hidden, generator=g) * torch.logspace(-3, 3, 300)[:, None]).to(DEV, dtype)
@@ -101,7 +101,7 @@ def test_triton_swiglu_matches_the_written_function(dtype):
     """SiLU·up written into fc1's output by the Triton pass (the bf16 FFN's, by name) against the written
     function: one fp32 product rounded once by both, the up half untouched; more rows than one grid axis of
     a launch with a row a program holds (65,535)."""
-    if triton_kernel("swiglu_") is None:
+    if triton_kernel("swiglu_", "cuda") is None:
         pytest.skip("needs Triton")
     from h3_core.models.block_triton import swiglu_triton
 
@@ -122,7 +122,7 @@ def test_triton_gated_residual_and_head_gate_match_the_written_functions(dtype):
     """The block's last residual and the softmax's head gate, as ``"compiled"`` runs them on CUDA (by name:
     the Triton passes, no dynamo) against the written functions: one fp32 result rounded once by both, at the
     model's width and head size, over more rows than one grid axis holds."""
-    if triton_kernel("gated_residual_") is None or triton_kernel("gate_heads_") is None:
+    if triton_kernel("gated_residual_", "cuda") is None or triton_kernel("gate_heads_", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(6)
     rows, hidden = 70_000, 5120
@@ -150,7 +150,7 @@ def test_triton_gated_residual_and_head_gate_match_the_written_functions(dtype):
 def test_triton_conv_features_match_the_written_function(normalize, with_beta):
     from h3_core.models import branch_fused
 
-    if triton_kernel("conv_features") is None:
+    if triton_kernel("conv_features", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(2)
     frames, grid, heads = 9, (6, 8), 4
@@ -176,7 +176,7 @@ def test_triton_conv_features_match_the_written_function(normalize, with_beta):
 def test_triton_spatial_conv_is_one_rounding_of_the_exact_convolution(grid, channels, dtype):
     from h3_core.models import branch_fused
 
-    if triton_kernel("spatial_conv") is None:
+    if triton_kernel("spatial_conv", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(5)
     frames = 3
@@ -197,7 +197,7 @@ def test_triton_spatial_conv_is_one_rounding_of_the_exact_convolution(grid, chan
 def test_triton_readout_matches_the_written_function(dtype):
     from h3_core.models import branch_fused
 
-    if triton_kernel("readout") is None:
+    if triton_kernel("readout", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(3)
     frames, tokens, heads = 5, 150, 4  # tokens not a multiple of the tile
@@ -220,7 +220,7 @@ def test_triton_scan_matches_the_fp64_reference(frames):
     from h3_core.models import branch_fused
     from h3_core.models.branch_math import frame_statistics, scan, scan_reference, solve
 
-    if triton_kernel("scan") is None:
+    if triton_kernel("scan", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(5)
     heads, d = 6, 128
@@ -244,7 +244,7 @@ def test_triton_gather_matches_the_fp64_reference():
     from h3_core.models import branch_fused
     from h3_core.models.branch_math import gather_reference
 
-    if triton_kernel("gather") is None:
+    if triton_kernel("gather", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(6)
     frames, heads, d = 100, 4, 128
@@ -266,7 +266,7 @@ def test_triton_leaf_inverse_solves_as_the_library_does():
     from h3_core.models import branch_fused
     from h3_core.models.branch_math import frame_statistics, solve, solve_reference
 
-    leaf = branch_fused.small_inverse("compiled")
+    leaf = branch_fused.small_inverse("compiled", "cuda")
     if leaf is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(8)
@@ -285,7 +285,7 @@ def test_triton_leaf_inverse_solves_as_the_library_does():
 def test_triton_shifted_gram_equals_the_written_function():
     """I + ½(A + Aᵀ) for the release size's Gram products (56 heads of 128 channels, a few frames) as
     ``"compiled"`` runs it on CUDA, bit for bit the written function's."""
-    if triton_kernel("shifted_gram") is None:
+    if triton_kernel("shifted_gram", "cuda") is None:
         pytest.skip("needs Triton")
     from h3_core.models import branch_fused
 

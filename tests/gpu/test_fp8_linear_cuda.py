@@ -153,7 +153,7 @@ def test_the_triton_quantiser_gives_the_reference_codes(width, dtype, strided):
     from h3_core.models.fp8_linear import fp8_triton, quantize_rows_reference
     from h3_core.triton_forms import triton_form
 
-    if triton_form(fp8_triton, "quantize_rows_triton") is None:
+    if triton_form(fp8_triton, "quantize_rows_triton", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(6)
     full = torch.randn(257, 2 * width if strided else width, generator=g) * torch.logspace(-4, 4, 257)[:, None]
@@ -175,7 +175,7 @@ def test_the_fused_swiglu_quantiser_gives_the_two_step_codes(ffn, dtype):
     from h3_core.models.fp8_linear import fp8_triton, quantize_input
     from h3_core.triton_forms import triton_form
 
-    if triton_form(fp8_triton, "swiglu_quantize_triton") is None:
+    if triton_form(fp8_triton, "swiglu_quantize_triton", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(7)
     # rows from 1e-3 to 30 in size: products up to ≈ 2·10⁴, inside fp16's range
@@ -203,7 +203,7 @@ def test_the_fused_gate_quantiser_gives_the_two_step_codes(heads, head_dim, dtyp
     from h3_core.models.fp8_linear import fp8_triton, quantize_input
     from h3_core.triton_forms import triton_form
 
-    if triton_form(fp8_triton, "gate_heads_quantize_triton") is None:
+    if triton_form(fp8_triton, "gate_heads_quantize_triton", "cuda") is None:
         pytest.skip("needs Triton")
     g = torch.Generator().manual_seed(8)
     soft = (torch.randn(300, heads, head_dim, generator=g) * torch.logspace(-3, 2, 300)[:, None, None]).to(DEV, dtype)

@@ -117,9 +117,25 @@ def test_fp8_stages(tmp_path):
 def test_kernel_launches_under_the_triton_interpreter(tmp_path):
     pytest.importorskip("triton")
     result = dry_run(
-        tmp_path, "kernel_launches.py", "--tiny", "--reps", "1", "--only", "readout", env={"TRITON_INTERPRET": "1"}
+        tmp_path,
+        "kernel_launches.py",
+        "--tiny",
+        "--reps",
+        "1",
+        "--only",
+        "readout",
+        "solve",
+        env={"TRITON_INTERPRET": "1"},
     )
-    assert HEADER <= set(result) and {"ms", "max_diff"} <= set(result)
+    assert HEADER <= set(result) and {"ms", "max_diff", "row", "table_row"} <= set(result)
+    assert set(result["row"]) == {"readout_triton", "shifted_gram_triton", "small_inverse_triton"}
+    assert all(d == 0 or d < 0.05 for d in result["max_diff"].values())
+    # the row the launch table takes: every kernel that lost to its plain form dropped, launches it accepts
+    from h3_core.launch_table import Architecture
+
+    table_row = result["table_row"]
+    Architecture(measured_on=("dry run",), dropped=frozenset(table_row["dropped"]), launches=table_row["launches"])
+    assert set(table_row["dropped"]) == {k for k, e in result["row"].items() if not e["kept"]}
 
 
 def test_checkpoint_memory(tmp_path):

@@ -15,6 +15,7 @@ from h3_core.errors import H3InputError
 from h3_core.models.block_ops import PLAIN_OPS, BlockOps, FusedBlockOps, block_ops_for
 from h3_core.models.branch_ops import BranchOps, FusedBranchOps, branch_ops_for
 from h3_core.models.dit import row_runs
+from h3_core.models.fp8_linear import Fp8Linear
 from h3_core.models.linear_branch import LinearBranch
 from h3_core.models.options import PLAIN, RunOptions
 from h3_core.triton_forms import plain_path
@@ -79,13 +80,10 @@ def test_fused_block_ops_equal_the_plain_ones_method_by_method():
 
 
 def test_only_the_fused_ops_gate_an_fp8_out_projs_input_while_quantising():
-    class Fp8Like(nn.Linear):
-        part = "codes"
-
-    fp8, plain_linear = Fp8Like(4, 4), nn.Linear(4, 4)
-    assert not BlockOps().gates_while_quantizing(fp8)
-    assert FusedBlockOps(MODE).gates_while_quantizing(fp8)
-    assert not FusedBlockOps(MODE).gates_while_quantizing(plain_linear)
+    fp8, plain_linear = Fp8Linear(16, 16), nn.Linear(16, 16)
+    assert not BlockOps().gates_while_quantizing(fp8, "cpu")
+    assert FusedBlockOps(MODE).gates_while_quantizing(fp8, "cpu")
+    assert not FusedBlockOps(MODE).gates_while_quantizing(plain_linear, "cpu")
 
 
 def test_fused_branch_ops_equal_the_plain_ones():

@@ -177,7 +177,7 @@ SMALL_INVERSE_CHECK = textwrap.dedent(
     # the solve with its leaves inverted by the kernel, against the fp64 reference and the library's leaves
     A = spd(6, 2, n=64).float() - torch.eye(64)
     B, alpha = torch.randn(6, 2, 64, 64, generator=g), torch.rand(6, 2, 64, generator=g) * 0.5 + 0.5
-    leaf = branch_fused.small_inverse("compiled")
+    leaf = branch_fused.small_inverse("compiled", "cpu")
     plain, want = solve(alpha, A, B), solve_reference(alpha, A, B)
     for base in (16, 32):
         for a, b, c in zip(solve(alpha, A, B, leaf, base), plain, want):
@@ -185,8 +185,8 @@ SMALL_INVERSE_CHECK = textwrap.dedent(
             assert (a - b).abs().max() <= 1e-4 * b.abs().max(), base
     from h3_core.triton_forms import plain_path
     with plain_path():  # "compiled" with nothing compiled: the library's leaves
-        assert branch_fused.small_inverse("compiled") is None
-    assert branch_fused.small_inverse(None) is None
+        assert branch_fused.small_inverse("compiled", "cpu") is None
+    assert branch_fused.small_inverse(None, "cpu") is None
     print("OK")
     """
 )
