@@ -165,8 +165,8 @@ class HybridAttention(Attention):
 
 
 class SwiGLU(nn.Module):
-    """``fc2(silu(gate) · up)`` with ``fc1`` giving ``[gate; up]`` (no biases); over ``run.ffn_chunk_rows`` rows
-    at a time when set (``low_memory``)."""
+    """``fc2(silu(gate) · up)`` with ``fc1`` giving ``[gate; up]`` (no biases), on its rows as ``run.ffn_rows`` runs
+    them: all at once or in row chunks (``low_memory``)."""
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -182,13 +182,8 @@ class SwiGLU(nn.Module):
         return isinstance(self.fc1, Fp8Linear) and run.ffn_chunk_rows is None
 
     def forward(self, x, run: RunOptions = PLAIN):
-        rows = run.ffn_chunk_rows
-        if rows is None or rows >= x.shape[0]:
-            return self._rows(x, run.block_ops)
-        out = x.new_empty(*x.shape[:-1], self.fc2.out_features)
-        for start in range(0, x.shape[0], rows):
-            out[start : start + rows] = self._rows(x[start : start + rows], run.block_ops)
-        return out
+        ops = run.block_ops
+        return run.ffn_rows.apply(lambda rows: self._rows(rows, ops), x, self.fc2.out_features)
 
 
 class RefinerBlock(nn.Module):

@@ -129,3 +129,26 @@ def test_the_model_files_never_ask_which_form_they_run_in():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
         }
         assert not asked & {"SequenceShards", "HybridContext"}, name
+
+
+def test_the_ffn_in_row_chunks_is_the_whole_rows_result():
+    """Chunk by chunk the FFN gives exactly its rows' function of each chunk; against all rows at once only the
+    GEMMs' order of summation may differ (a CPU BLAS sums fewer rows another way)."""
+    from h3_core.models.dit import SwiGLU
+    from h3_core.models.low_memory import WHOLE_ROWS, RowChunks
+
+    torch.manual_seed(3)
+    mlp = SwiGLU(CFG).double()
+    x = rnd(11, CFG.hidden, seed=4)
+    assert PLAIN.ffn_rows is WHOLE_ROWS and RunOptions(ffn_chunk_rows=4).ffn_rows == RowChunks(4)
+    with torch.no_grad():
+        whole = mlp(x)
+        assert torch.equal(whole, mlp._rows(x, PLAIN_OPS))
+        for rows in (1, 3, 4, 11, 50):
+            chunked = mlp(x, RunOptions(ffn_chunk_rows=rows))
+            each = torch.cat([mlp._rows(part, PLAIN_OPS) for part in x.split(rows)])
+            assert torch.equal(chunked, each), rows
+            assert (chunked - whole).abs().max() <= 1e-12 * whole.abs().max(), rows
+    seen = []
+    RowChunks(4).apply(lambda part: seen.append(part.shape[0]) or part, x, CFG.hidden)
+    assert seen == [4, 4, 3]
