@@ -14,6 +14,7 @@ and the output heads in fp32, everything else in the compute dtype (bf16).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -22,8 +23,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.kernels import dense_attention
-from ..errors import H3InputError
-from ..parallel.exchange import gather_kind
 from ..parallel.ulysses import SequenceShards
 from ..triton_forms import CompiledForm
 from .adaln_tables import PrecomputedTable, adaln_tables_for, curve_embedding
@@ -32,6 +31,7 @@ from .fp8_linear import quantize_input, reads_quantized_rows
 from .hybrid import HybridContext, add_hybrid_parts
 from .low_memory import add_linear_cols, head_slices, linear_row_blocks
 from .options import FINAL_CHUNK_ROWS, PLAIN, RunOptions
+from .whole_sequence import WHOLE_SEQUENCE
 
 __all__ = [
     "DiTConfig",
@@ -165,8 +165,8 @@ class HybridAttention(Attention):
 
 
 class SwiGLU(nn.Module):
-    """``fc2(silu(gate) · up)`` with ``fc1`` giving ``[gate; up]`` (no biases); over ``run.ffn_chunk_rows`` rows
-    at a time when set (``low_memory``)."""
+    """``fc2(silu(gate) · up)`` with ``fc1`` giving ``[gate; up]`` (no biases), on its rows as ``run.ffn_rows`` runs
+    them: all at once or in row chunks (``low_memory``)."""
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -182,13 +182,8 @@ class SwiGLU(nn.Module):
         return reads_quantized_rows(self.fc1, device) and run.ffn_chunk_rows is None
 
     def forward(self, x, run: RunOptions = PLAIN):
-        rows = run.ffn_chunk_rows
-        if rows is None or rows >= x.shape[0]:
-            return self._rows(x, run.block_ops)
-        out = x.new_empty(*x.shape[:-1], self.fc2.out_features)
-        for start in range(0, x.shape[0], rows):
-            out[start : start + rows] = self._rows(x[start : start + rows], run.block_ops)
-        return out
+        ops = run.block_ops
+        return run.ffn_rows.apply(lambda rows: self._rows(rows, ops), x, self.fc2.out_features)
 
 
 class RefinerBlock(nn.Module):
@@ -370,25 +365,17 @@ class H3DiT(nn.Module):
         """
         T = positions.shape[0]
         text = self.token_refiner(self.condition_proj(text_rows.to(self.condition_proj.weight.dtype)), run)
-        sharded = isinstance(hybrid, SequenceShards)
-        if sharded:
-            if hybrid.rows[-1][1] != T:
-                raise H3InputError(f"the sequence shards cover {hybrid.rows[-1][1]} rows; the sequence has {T}")
-            mine = hybrid.mine
-            # this rank's rows of each kind: their places among its rows, and which of the kind's rows they are
-            picks = [_rows_within(index, mine) for index in (text_index, video_index, audio_index)]
-        else:
-            mine, picks = slice(0, T), [(index, None) for index in (text_index, video_index, audio_index)]
+        sequence = WHOLE_SEQUENCE if hybrid is None else hybrid
+        kinds = (text_index, video_index, audio_index)
+        # the rows run here and of each kind's rows, their places among them and which of the kind's rows they are
+        mine, picks = sequence.local_rows(T, kinds)
         x = text.new_zeros(mine.stop - mine.start, self.cfg.hidden)
         for (places, which), rows, proj in zip(
             picks,
-            (text_rows, video_rows, audio_rows),
+            (text, video_rows, audio_rows),
             (None, self.video_patch_proj, self.audio_patch_proj),
         ):
-            if which is not None:
-                rows = rows[which] if proj is not None else text[which]
-            elif proj is None:
-                rows = text
+            rows = rows[which]
             x.index_copy_(0, places, rows if proj is None else proj(rows.to(proj.weight.dtype)).to(text.dtype))
         if self.cfg.adaln_curve_grid > 0:
             temb = curve_embedding(self.adaln_t_table, timesteps)
@@ -402,22 +389,8 @@ class H3DiT(nn.Module):
             if run.check_cancel is not None:
                 run.check_cancel()
             x = block(x, temb if tables is None else tables[i], rows, rope, hybrid, run)
-        if not sharded:
-            return self.final_layer(x, temb, timestep_index, video_index, audio_index, run.final_chunk_rows)
-        # the output heads on this rank's rows; the velocities (not the hidden rows) gathered, every rank the whole
-        (_, (video_places, _), (audio_places, _)) = picks
-        local = self.final_layer(x, temb, timestep_index[mine], video_places, audio_places, run.final_chunk_rows)
-        return tuple(
-            gather_kind(part, index, list(hybrid.rows), hybrid.group)
-            for part, index in zip(local, (video_index, audio_index))
-        )
-
-
-def _rows_within(index: torch.Tensor, mine: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Of one kind's rows (``index``: their places in the sequence), those in ``mine``: their places among the
-    rank's rows and which of the kind's rows they are."""
-    which = ((index >= mine.start) & (index < mine.stop)).nonzero().flatten()
-    return index[which] - mine.start, which
+        heads = functools.partial(self.final_layer, x, temb, chunk_rows=run.final_chunk_rows)
+        return sequence.velocities(heads, timestep_index, kinds[1:], picks[1:])
 
 
 # ---- precision and positions ------------------------------------------------------------------

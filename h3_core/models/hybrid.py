@@ -24,6 +24,7 @@ from . import branch_fused
 from .linear_branch import GivenRowInputs, LinearBranch
 from .low_memory import add_linear_cols, head_slices
 from .options import PLAIN, RunOptions
+from .whole_sequence import WholeSequence
 
 __all__ = [
     "HybridContext",
@@ -38,8 +39,9 @@ RELEASE_WINDOW = WindowSpec(radius=1, chunk=5, anchors="both")
 
 
 @dataclass(frozen=True)
-class HybridContext:
-    """What the hybrid attention needs to know about the packed sequence."""
+class HybridContext(WholeSequence):
+    """What the hybrid attention needs to know about the packed sequence; its rows are all run in this process
+    (``WholeSequence``)."""
 
     layout: SequenceLayout
     window: WindowSpec = RELEASE_WINDOW

@@ -1,7 +1,7 @@
 """Exact lower-memory ways to run a DiT block: the same arithmetic on smaller pieces at a time.
 
-* ``ffn_chunk_rows``: the SwiGLU FFN over row chunks, so its ``[T, 2·ffn]`` intermediate exists for one chunk
-  only. Rows are independent, so the result is the plain one.
+* ``ffn_chunk_rows``: the SwiGLU FFN over row chunks (``RowChunks``, the run's ``ffn_rows``), so its ``[T, 2·ffn]``
+  intermediate exists for one chunk only. Rows are independent, so the result is the plain one.
 * ``head_groups``: attention — and in VDN-H3 the linear branch — computed a group of heads at a time: q, k,
   v, the attention output and the branch's features exist for one group only, and each group's share of
   ``out_proj`` (and ``to_out_linear``) is added into the block output. Heads are independent, so only the
@@ -21,7 +21,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["LowMemory", "head_slices", "linear_rows", "linear_row_blocks", "slicing_dequantises", "add_linear_cols"]
+__all__ = [
+    "LowMemory",
+    "WholeRows",
+    "RowChunks",
+    "WHOLE_ROWS",
+    "rows_form",
+    "head_slices",
+    "linear_rows",
+    "linear_row_blocks",
+    "slicing_dequantises",
+    "add_linear_cols",
+]
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,38 @@ class LowMemory:
     ffn_chunk_rows: int | None = None  # None: all rows at once
     head_groups: int = 1  # 1: all heads at once
     branch_frames: int | None = None  # None: the branch's statistics over all frames at once
+
+
+class WholeRows:
+    """A row-wise function run on all rows at once."""
+
+    def apply(self, fn, x: torch.Tensor, width: int) -> torch.Tensor:
+        """``fn(x)``; ``width``: its output's last dimension (what ``RowChunks`` allocates)."""
+        return fn(x)
+
+
+@dataclass(frozen=True)
+class RowChunks:
+    """A row-wise function run on ``rows`` rows at a time, each chunk's result written into one output of ``x``'s
+    dtype: the function's intermediates exist for one chunk only, and row by row its arithmetic is the whole form's."""
+
+    rows: int
+
+    def apply(self, fn, x: torch.Tensor, width: int) -> torch.Tensor:
+        if self.rows >= x.shape[0]:
+            return fn(x)
+        out = x.new_empty(*x.shape[:-1], width)
+        for start in range(0, x.shape[0], self.rows):
+            out[start : start + self.rows] = fn(x[start : start + self.rows])
+        return out
+
+
+WHOLE_ROWS = WholeRows()
+
+
+def rows_form(rows: int | None) -> WholeRows | RowChunks:
+    """All rows at once (``rows`` None) or ``rows`` at a time."""
+    return WHOLE_ROWS if rows is None else RowChunks(rows)
 
 
 def head_slices(heads: int, groups: int) -> list[slice]:

@@ -9,7 +9,7 @@ from typing import Callable
 
 from .block_ops import BlockOps, block_ops_for
 from .branch_ops import BranchOps, branch_ops_for
-from .low_memory import LowMemory
+from .low_memory import LowMemory, RowChunks, WholeRows, rows_form
 
 __all__ = ["RunOptions", "PLAIN", "FINAL_CHUNK_ROWS"]
 
@@ -47,6 +47,11 @@ class RunOptions:
     def branch_ops(self) -> BranchOps:
         """The linear branches' statistics and readout in ``branches_fused`` mode (``branch_ops``)."""
         return branch_ops_for(self.branches_fused)
+
+    @property
+    def ffn_rows(self) -> WholeRows | RowChunks:
+        """How the FFN runs on its rows: all at once, or ``ffn_chunk_rows`` at a time (``low_memory``)."""
+        return rows_form(self.ffn_chunk_rows)
 
     @property
     def low_memory(self) -> LowMemory:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ..attention import dense_attention
 from ..errors import H3InputError
-from .exchange import heads_to_rows, rows_to_heads
+from .exchange import gather_kind, heads_to_rows, rows_to_heads
 from .sharding import balanced_splits, head_ranges, row_shards
 
 __all__ = ["SequenceShards", "RankGroup", "ulysses_attention"]
@@ -20,7 +20,8 @@ __all__ = ["SequenceShards", "RankGroup", "ulysses_attention"]
 class SequenceShards:
     """Where a sequence's rows and an attention's heads live among the ranks of ``group``: ``rows`` each rank's
     ``[start, stop)``, ``heads`` each rank's heads. Given as a block's attention context, the attention runs on
-    this rank's rows (``ulysses_attention``)."""
+    this rank's rows (``ulysses_attention``); given to a DiT's evaluation, its blocks do (``local_rows``) and the
+    velocities are gathered (``velocities``)."""
 
     rows: tuple[tuple[int, int], ...]
     heads: tuple[slice, ...]
@@ -66,6 +67,29 @@ class SequenceShards:
         """This rank's rows."""
         start, stop = self.rows[dist.get_rank(self.group)]
         return slice(start, stop)
+
+    def local_rows(self, rows: int, kinds) -> tuple[slice, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """This rank's rows of a sequence of ``rows`` rows, and for each kind of row (``kinds``: each kind's places in
+        the sequence) those among them: their places among the rank's rows and which of the kind's rows they are
+        (``models.whole_sequence`` the same for one process)."""
+        if self.rows[-1][1] != rows:
+            raise H3InputError(f"the sequence shards cover {self.rows[-1][1]} rows; the sequence has {rows}")
+        mine = self.mine
+        return mine, [_rows_within(index, mine) for index in kinds]
+
+    def velocities(self, heads, timestep_index, kinds, picks) -> tuple[torch.Tensor, ...]:
+        """The output heads on this rank's video and audio rows (``heads(timestep_index, video_places,
+        audio_places)``, ``picks`` from ``local_rows``), then the velocities (not the hidden rows) gathered: every rank
+        returns the whole of each kind (``kinds``: their places in the sequence)."""
+        local = heads(timestep_index[self.mine], *(places for places, _ in picks))
+        return tuple(gather_kind(part, index, list(self.rows), self.group) for part, index in zip(local, kinds))
+
+
+def _rows_within(index: torch.Tensor, mine: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of one kind's rows (``index``: their places in the sequence), those in ``mine``: their places among the
+    rank's rows and which of the kind's rows they are."""
+    which = ((index >= mine.start) & (index < mine.stop)).nonzero().flatten()
+    return index[which] - mine.start, which
 
 
 @dataclass(frozen=True)

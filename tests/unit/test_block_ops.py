@@ -127,3 +127,60 @@ def test_the_model_files_never_ask_which_form_they_run_in():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
         }
         assert not asked & {"SequenceShards", "HybridContext"}, name
+
+
+def test_the_ffn_and_the_evaluation_take_their_row_forms_from_outside():
+    """The FFN's row chunks are the run's ``ffn_rows`` and a rank's rows of the sequence its context's (``local_rows``,
+    ``velocities``): neither ``SwiGLU.forward`` nor ``H3DiT.forward`` asks which form it runs in."""
+    tree = ast.parse((ROOT / "h3_core" / "models" / "dit.py").read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    for owner in ("SwiGLU", "H3DiT"):
+        (forward,) = (node for node in classes[owner].body if getattr(node, "name", None) == "forward")
+        body = forward.body[1:] if ast.get_docstring(forward) else forward.body  # the code, not its description
+        read = {
+            node.id if isinstance(node, ast.Name) else node.attr
+            for statement in body
+            for node in ast.walk(statement)
+            if isinstance(node, (ast.Name, ast.Attribute))
+        }
+        assert not read & {"isinstance", "ffn_chunk_rows", "SequenceShards", "HybridContext"}, owner
+
+
+def test_the_ffn_in_row_chunks_is_the_whole_rows_result():
+    """Chunk by chunk the FFN gives exactly its rows' function of each chunk; against all rows at once only the
+    GEMMs' order of summation may differ (a CPU BLAS sums fewer rows another way)."""
+    from h3_core.models.dit import SwiGLU
+    from h3_core.models.low_memory import WHOLE_ROWS, RowChunks
+
+    torch.manual_seed(3)
+    mlp = SwiGLU(CFG).double()
+    x = rnd(11, CFG.hidden, seed=4)
+    assert PLAIN.ffn_rows is WHOLE_ROWS and RunOptions(ffn_chunk_rows=4).ffn_rows == RowChunks(4)
+    with torch.no_grad():
+        whole = mlp(x)
+        assert torch.equal(whole, mlp._rows(x, PLAIN_OPS))
+        for rows in (1, 3, 4, 11, 50):
+            chunked = mlp(x, RunOptions(ffn_chunk_rows=rows))
+            each = torch.cat([mlp._rows(part, PLAIN_OPS) for part in x.split(rows)])
+            assert torch.equal(chunked, each), rows
+            assert (chunked - whole).abs().max() <= 1e-12 * whole.abs().max(), rows
+    seen = []
+    RowChunks(4).apply(lambda part: seen.append(part.shape[0]) or part, x, CFG.hidden)
+    assert seen == [4, 4, 3]
+
+
+def test_one_process_runs_every_row_and_shards_must_cover_the_sequence():
+    from h3_core.models.hybrid import HybridContext
+    from h3_core.models.whole_sequence import WHOLE_SEQUENCE
+    from h3_core.parallel import SequenceShards
+
+    kinds = (torch.tensor([0, 1]), torch.tensor([2, 3, 4]), torch.tensor([5]))
+    mine, picks = WHOLE_SEQUENCE.local_rows(6, kinds)
+    assert mine == slice(0, 6) and all(places is index for (places, _), index in zip(picks, kinds))
+    assert all(torch.equal(index[which], index) for (_, which), index in zip(picks, kinds))
+    heads = lambda t, video, audio: (t, video, audio)  # noqa: E731
+    assert WHOLE_SEQUENCE.velocities(heads, "t", kinds[1:], picks[1:]) == ("t", kinds[1], kinds[2])
+    assert issubclass(HybridContext, type(WHOLE_SEQUENCE))
+    shards = SequenceShards(rows=((0, 3), (3, 5)), heads=(slice(0, 1), slice(1, 2)))
+    with pytest.raises(H3InputError, match=r"the sequence shards cover 5 rows; the sequence has 6"):
+        shards.local_rows(6, kinds)
