@@ -85,6 +85,8 @@ def main(argv=None) -> dict:
         row[kernel] = dict(
             launch=best, ms=best_ms, plain_ms=plain_ms, kept=plain_ms is None or best_ms < plain_ms, label=label
         )
+        if args.out is not None:  # what is measured so far survives a run stopped before its end
+            record.write(dict(result, table_row=table_row(row)), args.out)
 
     def randn(*shape, dtype=torch.bfloat16, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
