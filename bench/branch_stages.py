@@ -119,8 +119,8 @@ def main(argv=None) -> dict:
         # the solve: T = diag(α)(I + A)⁻¹, J = B (I + A)⁻¹, against the fp64 reference
         alpha = (torch.rand(frames, H, d, generator=g) * 0.5 + 0.5).to(device)
         T_ref, J_ref = lb.solve_reference(alpha.cpu(), A.cpu(), B.cpu())
-        for mode in [None] + [m for m in modes if in_mode(m, branch_fused.small_inverse) is not None]:
-            leaf = in_mode(mode, branch_fused.small_inverse)
+        for mode in [None] + [m for m in modes if in_mode(m, branch_fused.small_inverse, device) is not None]:
+            leaf = in_mode(mode, branch_fused.small_inverse, device)
             solve = lambda leaf=leaf: lb.solve_shifted(alpha, shifted, B, leaf)  # noqa: E731
             ms[f"solve ({mode or 'plain'})"] = time_it(solve)
             diff[f"solve {mode or 'plain'} vs fp64 reference"] = max_diff([t.cpu() for t in solve()], (T_ref, J_ref))

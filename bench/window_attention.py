@@ -231,7 +231,7 @@ def bench_heads(heads, layout, window, variants, reps):
     rows = sample_rows(layout, window)
     ref = reference_rows(q, k, v, layout, window, rows, scale)
     kept, all_pairs = kept_pairs(layout, window), T * T
-    fa4 = window_flex._flash_usable(device) and window_flex.preferred_kernel == "auto"
+    fa4 = window_flex.FLEX.flash_usable(device)
     results = []
 
     def measure(name, kernel, fn, pairs=kept, check=True):
@@ -276,15 +276,18 @@ def bench_heads(heads, layout, window, variants, reps):
                 pairs=all_pairs,
                 check=False,
             )
-    saved = window_flex.preferred_kernel
-    try:
-        window_flex.preferred_kernel = "triton"
-        measure("flex block mask", "triton", lambda: window_softmax(q, k, v, layout, window, backend="flex"))
-        if fa4:
-            window_flex.preferred_kernel = "flash"
-            measure("flex block mask", "FLASH (FA4)", lambda: window_softmax(q, k, v, layout, window, backend="flex"))
-    finally:
-        window_flex.preferred_kernel = saved
+    pinned = {"triton": window_flex.FlexKernel("triton"), "flash": window_flex.FlexKernel("flash")}
+    measure(
+        "flex block mask",
+        "triton",
+        lambda: window_flex.window_softmax_flex(q, k, v, layout, window, scale, pinned["triton"]),
+    )
+    if fa4:
+        measure(
+            "flex block mask",
+            "FLASH (FA4)",
+            lambda: window_flex.window_softmax_flex(q, k, v, layout, window, scale, pinned["flash"]),
+        )
     run_pub, pub_kernel = published_decomposed(layout, window, device)
     if cudnn_ok:
         measure("published decomposed", f"cudnn + {pub_kernel}", lambda: run_pub(q, k, v, scale))

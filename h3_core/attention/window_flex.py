@@ -24,19 +24,20 @@ from ..triton_forms import CompiledForm, compiles_on, compiling, guarded
 from ._lru import BoundedLRU
 from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
 
-__all__ = ["window_softmax_flex", "build_window_block_mask", "block_mask_cache_info", "MAX_CACHED_MASKS"]
+__all__ = [
+    "FlexKernel",
+    "FLEX",
+    "window_softmax_flex",
+    "build_window_block_mask",
+    "block_mask_cache_info",
+    "MAX_CACHED_MASKS",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_CACHED_MASKS = 16
 FLEX_KERNELS = ("auto", "triton", "flash")
-# "auto": FLASH (FA4) where usable, else Triton. Benchmarks pin one of the others.
-preferred_kernel = "auto"
 _masks = BoundedLRU(MAX_CACHED_MASKS)
-_compiled = None
-_flash_failed = False
-# the fallback of flex's compiled functions (the kernel and the mask's builder)
-FLEX_COMPILED = CompiledForm("compiling flex attention failed", "running it eagerly")
 # One compiled kernel (and mask) per sequence length: more than dynamo's default 8 geometries.
 RECOMPILE_LIMIT = 64
 # Flex kernels index with int32: one call may hold at most this many elements per q/k/v tensor.
@@ -95,16 +96,17 @@ def _recompile_limit():
     return config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)})
 
 
-def build_window_block_mask(layout: SequenceLayout, window: WindowSpec, device, block_size=None):
+def build_window_block_mask(layout: SequenceLayout, window: WindowSpec, device, block_size=None, kernel=None):
     """The FlexAttention ``BlockMask`` of the window rule for ``layout`` (uncached), built by a compiled
-    function where flex is compiled (``_compiles``)."""
+    function where flex is compiled (``_compiles``) and ``kernel`` (the process's ``FLEX`` by default) has not
+    failed to compile."""
     device = torch.device(device)
 
     def compiled():
         with _recompile_limit():
             return _block_mask(layout, window, device, block_size, True)
 
-    return FLEX_COMPILED.run(
+    return (kernel or FLEX).compiled_form.run(
         compiled, lambda: _block_mask(layout, window, device, block_size, False), allowed=_compiles(device)
     )
 
@@ -137,80 +139,100 @@ def _block_mask(layout: SequenceLayout, window: WindowSpec, device: torch.device
         )
 
 
-def cached_block_mask(layout: SequenceLayout, window: WindowSpec, device):
+def cached_block_mask(layout: SequenceLayout, window: WindowSpec, device, kernel=None):
     device = torch.device(device)
     block = block_size_for(device)
     key = (layout, window, str(device), block)
-    return _masks.get_or_build(key, lambda: build_window_block_mask(layout, window, device, block))
+    return _masks.get_or_build(key, lambda: build_window_block_mask(layout, window, device, block, kernel))
 
 
 def block_mask_cache_info() -> dict:
     return _masks.info()
 
 
-def _flash_usable(device) -> bool:
-    if preferred_kernel == "flash":
-        return True
-    return (
-        preferred_kernel == "auto"
-        and not _flash_failed
-        and device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] >= 9
-        and importlib.util.find_spec("flash_attn") is not None
-        and importlib.util.find_spec("flash_attn.cute") is not None
-    )
+class FlexKernel:
+    """Flex attention's compiled kernel and what it has learnt: ``preferred`` ``"auto"`` runs FLASH (FA4) where
+    usable, else Triton (benchmarks pin ``"triton"`` or ``"flash"``); a FLASH failure moves this kernel to Triton,
+    a compile failure to eager flex (its ``compiled_form``), each for as long as it is used."""
+
+    def __init__(self, preferred: str = "auto"):
+        if preferred not in FLEX_KERNELS:
+            raise ValueError(f"flex kernel: got {preferred!r}; allowed: {list(FLEX_KERNELS)}")
+        self.preferred = preferred
+        self.flash_failed = False
+        self.compiled_form = CompiledForm("compiling flex attention failed", "running it eagerly")
+        self._compiled = None
+
+    def flash_usable(self, device) -> bool:
+        if self.preferred == "flash":
+            return True
+        return (
+            self.preferred == "auto"
+            and not self.flash_failed
+            and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9
+            and importlib.util.find_spec("flash_attn") is not None
+            and importlib.util.find_spec("flash_attn.cute") is not None
+        )
+
+    def run(self, q4, k4, v4, mask, scale, device):
+        """``(output, which kernel ran it)``."""
+
+        def compiled():
+            if self._compiled is None:
+                self._compiled = torch.compile(_flex(), dynamic=False)
+            with _recompile_limit():
+                return self._run_compiled(q4, k4, v4, mask, scale, device)
+
+        def eager():
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+                return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"
+
+        return self.compiled_form.run(compiled, eager, allowed=_compiles(device))
+
+    def _run_compiled(self, q4, k4, v4, mask, scale, device):
+        if self.flash_usable(device):
+            try:
+                flash = self._compiled(q4, k4, v4, block_mask=mask, scale=scale, kernel_options={"BACKEND": "FLASH"})
+                return flash, "flash"
+            except Exception as exc:  # FLASH lowering or FA4 failed: use Triton from now on
+                if self.preferred == "flash":
+                    raise
+                self.flash_failed = True
+                log.warning("flex FLASH backend failed (%s); using the Triton backend from now on", exc)
+        return guarded(self._compiled)(q4, k4, v4, block_mask=mask, scale=scale), "triton"
 
 
-def _run(q4, k4, v4, mask, scale, device):
-    def compiled():
-        global _compiled
-        if _compiled is None:
-            _compiled = torch.compile(_flex(), dynamic=False)
-        with _recompile_limit():
-            return _run_compiled(q4, k4, v4, mask, scale, device)
-
-    def eager():
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"
-
-    return FLEX_COMPILED.run(compiled, eager, allowed=_compiles(device))
-
-
-def _run_compiled(q4, k4, v4, mask, scale, device):
-    global _flash_failed
-    if _flash_usable(device):
-        try:
-            return _compiled(q4, k4, v4, block_mask=mask, scale=scale, kernel_options={"BACKEND": "FLASH"}), "flash"
-        except Exception as exc:  # FLASH lowering or FA4 failed: use Triton from now on
-            if preferred_kernel == "flash":
-                raise
-            _flash_failed = True
-            log.warning("flex FLASH backend failed (%s); using the Triton backend from now on", exc)
-    return guarded(_compiled)(q4, k4, v4, block_mask=mask, scale=scale), "triton"
+# The process's flex kernel: the compiled flex function is one per process, and so is what it has learnt.
+FLEX = FlexKernel()
 
 
 def window_softmax_flex_run(
-    q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float
+    q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float, kernel: FlexKernel | None = None
 ) -> tuple[torch.Tensor, str]:
-    """``window_softmax_flex`` and the kernel that ran it (``triton``, ``flash`` or ``eager``)."""
+    """``window_softmax_flex`` and the kernel that ran it (``triton``, ``flash`` or ``eager``), through
+    ``kernel`` (the process's ``FLEX`` by default)."""
+    kernel = kernel or FLEX
     T, H, D = q.shape
-    mask = cached_block_mask(layout, window, q.device)
+    mask = cached_block_mask(layout, window, q.device, kernel)
     # Heads are split only when one call would overflow int32 indexing.
     heads_per_call = max(1, min(H, _MAX_ELEMENTS // max(1, T * D)))
     if heads_per_call == H:
         q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        res, kernel = _run(q4, k4, v4, mask, scale, q.device)
-        return res[0].transpose(0, 1), kernel
+        res, ran = kernel.run(q4, k4, v4, mask, scale, q.device)
+        return res[0].transpose(0, 1), ran
     out = torch.empty_like(q)
     for h0 in range(0, H, heads_per_call):
         h1 = min(H, h0 + heads_per_call)
         q4, k4, v4 = (x[:, h0:h1].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        res, kernel = _run(q4, k4, v4, mask, scale, q.device)
+        res, ran = kernel.run(q4, k4, v4, mask, scale, q.device)
         out[:, h0:h1] = res[0].transpose(0, 1)
-    return out, kernel
+    return out, ran
 
 
-def window_softmax_flex(q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float) -> torch.Tensor:
-    """Window softmax through FlexAttention with the window rule's block mask."""
-    return window_softmax_flex_run(q, k, v, layout, window, scale)[0]
+def window_softmax_flex(
+    q, k, v, layout: SequenceLayout, window: WindowSpec, scale: float, kernel: FlexKernel | None = None
+) -> torch.Tensor:
+    """Window softmax through FlexAttention with the window rule's block mask, through ``kernel``."""
+    return window_softmax_flex_run(q, k, v, layout, window, scale, kernel)[0]

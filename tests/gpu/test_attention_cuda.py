@@ -125,7 +125,7 @@ def test_decomposed_fp32_inputs_and_every_kernel():
 
 
 def test_flex_flash_when_fa4_present():
-    if not window_flex._flash_usable(DEV):
+    if not window_flex.FLEX.flash_usable(DEV):
         pytest.skip("flash-attn-4 not importable")
     layout, window = LAYOUTS["t2va"], WINDOWS["c5r1-both"]
     g = torch.Generator(device=DEV).manual_seed(7)

@@ -71,8 +71,7 @@ def said_once(caplog, start: str, end: str) -> bool:
 def fresh(monkeypatch):
     """Nothing compiled and nothing failed yet in this process (the state each module keeps for the process)."""
     monkeypatch.setattr(branch_fused, "_compiled", {})
-    monkeypatch.setattr(window_flex, "_compiled", None)
-    monkeypatch.setattr(window_flex.FLEX_COMPILED, "failed", False)
+    monkeypatch.setattr(window_flex, "FLEX", window_flex.FlexKernel())
     monkeypatch.setattr(window_flex, "_masks", window_flex.BoundedLRU(window_flex.MAX_CACHED_MASKS))
     monkeypatch.setattr(video_vae, "_compiled_blocks", {})
     monkeypatch.setattr(tiling.DECODER_COMPILED, "failed", False)
