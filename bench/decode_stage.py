@@ -32,7 +32,7 @@ import record
 from vae_decode import random_video_vae
 
 from h3_core.media.mp4 import Mp4Writer
-from h3_core.media.tiling import decode_video
+from h3_core.media.tiling import DecodeHooks, decode_video
 from h3_core.models.video_vae import VideoVAEConfig
 from h3_core.pipeline.decode_to_mp4 import decode_to_mp4
 from h3_core.pipeline.geometry import latent_frames
@@ -79,11 +79,12 @@ def decode_once(kind: str, vae, latents, waveform, folder: Path) -> dict:
     start = time.perf_counter()
     tail = None
     if kind == "bench":
-        decode_video(vae, latents, progress=progress)
+        decode_video(vae, latents, hooks=DecodeHooks(progress=progress))
     else:
         height, width = (side * vae.cfg.spatial_ratio for side in latents.shape[-2:])
         writer = Mp4Writer(folder / f"{kind}_{start:.0f}.mp4", width, height, fps=24, waveform=waveform)
-        clip = decode_to_mp4(vae, latents, writer, progress=progress, check_cancel=lambda: None, report=print)
+        hooks = DecodeHooks(progress=progress, check_cancel=lambda: None, report=print)
+        clip = decode_to_mp4(vae, latents, writer, hooks=hooks)
         tail = clip.tail_s
     if cuda:
         torch.cuda.synchronize()

@@ -23,7 +23,7 @@ import record
 from vae_decode import random_video_vae
 
 from h3_core.media.mp4 import Mp4Worker, Mp4Writer
-from h3_core.media.tiling import decode_video
+from h3_core.media.tiling import DecodeHooks, decode_video
 
 VARIANTS = ("decode", "mp4-uint8", "mp4-float")
 
@@ -38,7 +38,8 @@ def run(variant: str, vae, z, folder: Path) -> dict:
     height, width = z.shape[-2] * 16, z.shape[-1] * 16
     writer = Mp4Writer(folder / f"{variant}.mp4", width, height, fps=24)
     with Mp4Worker(writer) as worker:
-        decode_video(vae, z, on_frames=lambda start, ready: worker.put(ready), uint8_frames=variant == "mp4-uint8")
+        hooks = DecodeHooks(on_frames=lambda start, ready: worker.put(ready), uint8_frames=variant == "mp4-uint8")
+        decode_video(vae, z, hooks=hooks)
         decoded = time.perf_counter()
         worker.close()
     return dict(decode_s=decoded - started, tail_s=worker.tail_s, frames_behind=worker.frames_behind)

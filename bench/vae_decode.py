@@ -28,7 +28,7 @@ import record
 
 from h3_core.attention.vae import resolve_vae_attention
 from h3_core.media.mp4 import ENCODER_NICENESS, Mp4Writer
-from h3_core.media.tiling import decode_video, temporal_plan
+from h3_core.media.tiling import DecodeHooks, Tiling, decode_video, temporal_plan
 from h3_core.models.audio_vae import AudioVAE, AudioVAEConfig
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32
 from h3_core.pipeline.decode_to_mp4 import decode_to_mp4
@@ -93,7 +93,9 @@ def decode_into_mp4(
     if latents.is_cuda:
         torch.cuda.synchronize()
     started = time.perf_counter()
-    clip = decode_to_mp4(vae, latents, writer, progress=progress, encoder_niceness=niceness, **options)
+    clip = decode_to_mp4(
+        vae, latents, writer, hooks=DecodeHooks(progress=progress), encoder_niceness=niceness, **options
+    )
     finished = time.perf_counter()
     return dict(
         threads=threads,
@@ -175,11 +177,13 @@ def main(argv=None) -> dict:
             for memory in args.output_memory:
                 overrides = None if backend == "auto" else {"video_vae": backend}
                 out = pinned if memory == "pinned" else None
-                options = dict(overrides=overrides, tiles_per_batch=tiles_per_batch, compile=args.compile)
+                options = dict(
+                    overrides=overrides, tiling=Tiling(tiles_per_batch=tiles_per_batch), compile=args.compile
+                )
                 try:
                     kernel = resolve_vae_attention("video_vae", device, torch.float16, 64, backend).backend
                     decode_video(vae, z[:, :7, :16, :], **options)  # warm-up
-                    frames, seconds, peak = timed(lambda: decode_video(vae, z, out=out, **options))
+                    frames, seconds, peak = timed(lambda: decode_video(vae, z, hooks=DecodeHooks(out=out), **options))
                     _, _, peak_two = timed(lambda: decode_video(vae, z[:, :12], **options))
                     ok = bool(torch.isfinite(frames).all())
                     row = dict(
@@ -237,10 +241,10 @@ def main(argv=None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     window_out = torch.empty(temporal_plan(7).num_frames, 768, 1344, 3, pin_memory=True)
-    decode_video(vae, window, out=window_out, compile=args.compile)
+    decode_video(vae, window, hooks=DecodeHooks(out=window_out), compile=args.compile)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        decode_video(vae, window, out=window_out, compile=args.compile)
+        decode_video(vae, window, hooks=DecodeHooks(out=window_out), compile=args.compile)
         torch.cuda.synchronize()
         report["window_wall_ms"] = (time.perf_counter() - t0) * 1e3
     buckets = {"attention": 0.0, "linear (gemm)": 0.0, "other": 0.0}
@@ -266,7 +270,7 @@ def main(argv=None) -> dict:
         two = z[:, :12]
         for tiles_per_batch in (1, 4):
             _, seconds, peak = timed(
-                lambda: decode_video(vae, two, tiles_per_batch=tiles_per_batch, compile=args.compile)
+                lambda: decode_video(vae, two, tiling=Tiling(tiles_per_batch=tiles_per_batch), compile=args.compile)
             )
             row = dict(
                 tiles_per_batch=tiles_per_batch,

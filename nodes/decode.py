@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..h3_core.media.tiling import TRAINED_OVERLAP_PX, TRAINED_TILE_PX, UNTRAINED_TILES_NOTE, decode_video
+from ..h3_core.media.tiling import (
+    TRAINED_OVERLAP_PX,
+    TRAINED_TILE_PX,
+    UNTRAINED_TILES_NOTE,
+    DecodeHooks,
+    Tiling,
+    decode_video,
+)
 from ..h3_core.memory.decode import decode_working_bytes
 from ..h3_core.pipeline.conditioning import AUDIO_SAMPLE_RATE
 from ..h3_core.pipeline.soundtrack import decode_soundtrack
@@ -88,25 +95,22 @@ def prepare_video_decode(video_vae, latent, tile_size, overlap, tiles_per_batch,
 
     settings = attention or DEFAULT
     video, _, _ = from_latent(latent)
+    tiling = Tiling(tile_px=tile_size, overlap_px=overlap, tiles_per_batch=tiles_per_batch)
     cfg = video_vae.model.cfg
     blocks = video_vae.model.decoder.transformer_blocks
     working = decode_working_bytes(
         cfg,
         video.shape[-1] * cfg.spatial_ratio,
-        tile_px=tile_size,
-        tiles_per_batch=tiles_per_batch,
+        tile_px=tiling.tile_px,
+        tiles_per_batch=tiling.tiles_per_batch,
         dtype=blocks[0].ff.w1.weight.dtype if len(blocks) else video.dtype,
     )
     vae = load_vae(video_vae, working)
     options = dict(
         overrides=settings.overrides,
         compile=settings.compile,
-        tile_px=tile_size,
-        overlap_px=overlap,
-        tiles_per_batch=tiles_per_batch,
-        progress=_host.Progress(),
-        check_cancel=_host.check_cancel,
-        report=_host.say,
+        tiling=tiling,
+        hooks=DecodeHooks(progress=_host.Progress(), check_cancel=_host.check_cancel, report=_host.say),
     )
     return vae, video.to(video_vae.load_device), options
 

@@ -165,13 +165,17 @@ def decode_on_ranks(patcher, choice: RanksChoice, latents, options: dict, decode
     device = torch.device(patcher.load_device)
     group = group_for(choice.gpus, device, any_devices=True)
     held = HeldRaise()
+    hooks = options["hooks"]
     here = dict(
         options,
-        progress=held.wrap(options.get("progress")),
-        check_cancel=shared_cancel(held.check(options.get("check_cancel")), device=device),
+        hooks=dataclasses.replace(
+            hooks,
+            progress=held.wrap(hooks.progress),
+            check_cancel=shared_cancel(held.check(hooks.check_cancel), device=device),
+        ),
         group=dist.group.WORLD,
     )
-    shared = {name: options[name] for name in ("overrides", "compile", "tile_px", "overlap_px", "tiles_per_batch")}
+    shared = {name: options[name] for name in ("overrides", "compile", "tiling")}
     job = DecodeOnRanks(source, latents.cpu(), shared)
     return _run_everywhere(group, job, lambda: decode(here), held, "decoding")
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 def decode_check(device, dtype=torch.float32) -> None:
     """A tiny random video VAE's decode with each window's tile batches shared among the ranks: rank 0's frames are
     the one-rank decode's, bit for bit; the other ranks return None."""
-    from h3_core.media.tiling import decode_video
+    from h3_core.media.tiling import Tiling, decode_video
     from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
 
     cfg = VideoVAEConfig(
@@ -22,7 +22,7 @@ def decode_check(device, dtype=torch.float32) -> None:
     vae = vae.to(device=device, dtype=dtype)
     # 2 windows, 2 x 3 tiles of 64 px
     z = torch.randn(24, 12, 6, 10, generator=torch.Generator().manual_seed(5)).to(device)
-    options = dict(tile_px=64, overlap_px=32, tiles_per_batch=2, compile="off")
+    options = dict(tiling=Tiling(tile_px=64, overlap_px=32, tiles_per_batch=2), compile="off")
     shared = decode_video(vae, z, group=dist.group.WORLD, **options)
     if dist.get_rank() != 0:
         assert shared is None

@@ -18,6 +18,7 @@ device memory does not grow with the clip.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -39,6 +40,9 @@ __all__ = [
     "UNTRAINED_TILES_NOTE",
     "TileGrid",
     "TemporalPlan",
+    "VAEGeometry",
+    "Tiling",
+    "DecodeHooks",
     "split_tiles",
     "ramp_weights",
     "temporal_plan",
@@ -73,8 +77,7 @@ def split_tiles(
     """Lay ``tile``-wide tiles over ``length`` pixels as the released VAE does: the fewest tiles whose
     overlaps are all at least ``min_overlap``, the slack spread round-robin over the overlaps in whole
     ``unit`` steps (one latent), first overlaps first. A length within one tile is one tile."""
-    if tile <= 0 or min_overlap < 0 or min_overlap >= tile:
-        raise H3InputError(f"tile size {tile} and overlap {min_overlap} must satisfy 0 <= overlap < tile")
+    _check_tile(tile, min_overlap)
     if tile >= length:
         return TileGrid(length, (0,), (length,), ())
     count = math.ceil(length / tile)
@@ -87,6 +90,11 @@ def split_tiles(
     for overlap in overlaps:
         starts.append(starts[-1] + tile - overlap)
     return TileGrid(length, tuple(starts), (tile,) * count, tuple(overlaps))
+
+
+def _check_tile(tile: int, overlap: int) -> None:
+    if tile <= 0 or overlap < 0 or overlap >= tile:
+        raise H3InputError(f"tile size {tile} and overlap {overlap} must satisfy 0 <= overlap < tile")
 
 
 def ramp_weights(grid: TileGrid) -> list[torch.Tensor]:
@@ -184,25 +192,77 @@ class DecodeOutOfMemory(RuntimeError):
     """Decoding ran out of device memory even at the lowest-memory setting."""
 
 
+@dataclass(frozen=True)
+class VAEGeometry:
+    """The VAE's geometry (module docstring): pixels per latent across, frames per latent, frames per encoded clip
+    and latents dropped from each clip. Default: H3's."""
+
+    spatial_ratio: int = 16
+    temporal_ratio: int = 4
+    clip_length: int = 17
+    token_drop: int = 3
+
+    @classmethod
+    def of(cls, cfg) -> VAEGeometry:
+        """The geometry of a VAE's config (a ``VideoVAEConfig``, or anything with these attributes)."""
+        return cls(cfg.spatial_ratio, cfg.temporal_ratio, cfg.clip_length, cfg.token_drop)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The spatial tiles: ``tile_px`` wide with at least ``overlap_px`` shared, ``tiles_per_batch`` per ``decode`` call
+    (a tile row at most). Default: the trained 256 / 64; other sizes leave the regime the decoder was trained in
+    (seams and a 16 px lattice appear)."""
+
+    tile_px: int = TRAINED_TILE_PX
+    overlap_px: int = TRAINED_OVERLAP_PX
+    tiles_per_batch: int = 4
+
+    def __post_init__(self):
+        _check_tile(self.tile_px, self.overlap_px)
+        if self.tiles_per_batch < 1:
+            raise H3InputError(f"tiles_per_batch must be >= 1, got {self.tiles_per_batch}")
+
+    @property
+    def trained(self) -> bool:
+        """Whether these are the tile and overlap the decoder was trained on."""
+        return (self.tile_px, self.overlap_px) == (TRAINED_TILE_PX, TRAINED_OVERLAP_PX)
+
+
+@dataclass(frozen=True)
+class DecodeHooks:
+    """The caller's side of a decode: what it is told and asked while the decode runs, and where the frames go.
+
+    ``progress``: called with (tiles done, tiles total) after every tile.
+    ``check_cancel``: called before every batch of tiles (every tile, with one tile per batch); it raises to stop,
+    and nothing more is decoded. With a ``group``: before every window, on every rank.
+    ``offload``: called once if a single tile still runs out of memory, to move weights off the device; returns what
+    it did. Without it, or if it fails to help, ``DecodeOutOfMemory`` is raised.
+    ``report``: receives a sentence whenever the decode changes its settings to fit.
+    ``on_frames``: called after each window with ``(start, frames)``: ``frames`` is ``out[start:stop]``, final (copied
+    off the device) and never written again; the calls cover every frame once, in order.
+    ``uint8_frames``: ``on_frames`` receives those frames as the mp4's 8-bit values (``mp4.pixels_uint8``, computed on
+    the decoder's device before the copy out, a quarter of the bytes) instead.
+    ``out``: where to store the video, ``[F, H, W, 3]``. Default: a new fp32 CPU tensor (``host_frames``: on huge
+    pages where the kernel offers them)."""
+
+    progress: Callable[[int, int], None] | None = None
+    check_cancel: Callable[[], None] | None = None
+    offload: Callable[[], str] | None = None
+    report: Callable[[str], None] | None = None
+    on_frames: Callable[[int, torch.Tensor], None] | None = None
+    uint8_frames: bool = False
+    out: torch.Tensor | None = None
+
+
 def decode_tiled(
     decode: Callable[[torch.Tensor], torch.Tensor],
     latents: torch.Tensor,
     *,
-    spatial_ratio: int = 16,
-    temporal_ratio: int = 4,
-    clip_length: int = 17,
-    token_drop: int = 3,
-    tile_px: int = TRAINED_TILE_PX,
-    overlap_px: int = TRAINED_OVERLAP_PX,
-    tiles_per_batch: int = 4,
+    geometry: VAEGeometry = VAEGeometry(),
+    tiling: Tiling = Tiling(),
+    hooks: DecodeHooks = DecodeHooks(),
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    out: torch.Tensor | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    check_cancel: Callable[[], None] | None = None,
-    offload: Callable[[], str] | None = None,
-    report: Callable[[str], None] | None = None,
-    on_frames: Callable[[int, torch.Tensor], None] | None = None,
-    uint8_frames: bool = False,
     group=None,
 ) -> torch.Tensor | None:
     """Decode ``latents`` ``[C, T, h, w]`` window by window and tile by tile.
@@ -211,53 +271,43 @@ def decode_tiled(
         decode: latent tiles ``[N, C, t, th, tw]`` → pixels ``[N, 3, t·temporal_ratio, th·r, tw·r]``, the
             decoder's own output space (composition is linear, so it happens there).
         latents: one latent video on the decoder's device.
-        spatial_ratio, temporal_ratio, clip_length, token_drop: the VAE's geometry (module docstring).
-        tile_px, overlap_px: spatial tile and minimum overlap in pixels. Default: the trained 256 / 64;
-            other sizes leave the regime the decoder was trained in (seams and a 16 px lattice appear).
-        tiles_per_batch: tiles per ``decode`` call (a tile row at most).
+        geometry: the VAE's (``VAEGeometry``).
+        tiling: the spatial tiles and tiles per batch (``Tiling``).
+        hooks: progress, cancel, offload, reports and where the frames go (``DecodeHooks``).
         finish: applied to finished pixels ``[3, f, rows, W]`` (fp32) before they are stored, e.g. the
             de-normalisation and clamp. Default: none.
-        out: where to store the video, ``[F, H, W, 3]``. Default: a new fp32 CPU tensor (``host_frames``: on huge
-            pages where the kernel offers them).
-        progress: called with (tiles done, tiles total) after every tile.
-        check_cancel: called before every batch of tiles (every tile, with ``tiles_per_batch=1``); it
-            raises to stop, and nothing more is decoded. With ``group``: before every window, on every rank.
-        offload: called once if a single tile still runs out of memory, to move weights off the device;
-            returns what it did. Without it, or if it fails to help, ``DecodeOutOfMemory`` is raised.
-        report: receives a sentence whenever the decode changes its settings to fit.
-        on_frames: called after each window with ``(start, frames)``: ``frames`` is ``out[start:stop]``, final
-            (copied off the device) and never written again; the calls cover every frame once, in order.
-        uint8_frames: ``on_frames`` receives those frames as the mp4's 8-bit values (``mp4.pixels_uint8``,
-            computed on the decoder's device before the copy out, a quarter of the bytes) instead.
         group: a ``torch.distributed`` group whose ranks share each window's tile batches (every rank calls this
             with the same latents; each decodes every P-th batch whole, ``parallel.spread_in_order``); rank 0 blends
             and writes the frames exactly as one rank would, the others return None. Default: this process alone.
     Returns:
-        ``out``: ``[F, H, W, 3]`` with F from ``temporal_plan`` (None on a rank other than 0 of ``group``).
+        The frames ``[F, H, W, 3]`` (in ``hooks.out`` where given), F from ``temporal_plan``; None on a rank other
+        than 0 of ``group``.
     """
     if latents.dim() != 4:
         raise H3InputError(f"latents must be [C, T, h, w], got shape {tuple(latents.shape)}")
     C, T, h, w = latents.shape
-    plan = temporal_plan(T, clip_length, temporal_ratio, token_drop)
+    spatial_ratio, temporal_ratio = geometry.spatial_ratio, geometry.temporal_ratio
+    plan = temporal_plan(T, geometry.clip_length, temporal_ratio, geometry.token_drop)
     H, W = h * spatial_ratio, w * spatial_ratio
-    grid_y = split_tiles(H, tile_px, overlap_px, spatial_ratio)
-    grid_x = split_tiles(W, tile_px, overlap_px, spatial_ratio)
+    grid_y = split_tiles(H, tiling.tile_px, tiling.overlap_px, spatial_ratio)
+    grid_x = split_tiles(W, tiling.tile_px, tiling.overlap_px, spatial_ratio)
     wy, wx = ramp_weights(grid_y), ramp_weights(grid_x)
     receiving = group is None or dist.get_rank(group) == 0  # the rank that blends and writes the frames
+    out, on_frames, check_cancel, progress = hooks.out, hooks.on_frames, hooks.check_cancel, hooks.progress
     if out is None and receiving:
         out = empty_frames((plan.num_frames, H, W, 3), torch.float32)
     elif out is not None and tuple(out.shape) != (plan.num_frames, H, W, 3):
         raise H3InputError(f"out must have shape {(plan.num_frames, H, W, 3)}, got {tuple(out.shape)}")
     if plan.pad:
         latents = torch.cat([latents, latents[:, -1:].expand(C, plan.pad, h, w)], dim=1)
-    state = _DecodeState(decode, tiles_per_batch, offload, report)
-    if (tile_px, overlap_px) != (TRAINED_TILE_PX, TRAINED_OVERLAP_PX):
-        state.say(f"decoding with {tile_px} px tiles and {overlap_px} px overlap. {UNTRAINED_TILES_NOTE}")
+    state = _DecodeState(decode, tiling.tiles_per_batch, hooks.offload, hooks.report)
+    if not tiling.trained:
+        state.say(f"decoding with {tiling.tile_px} px tiles and {tiling.overlap_px} px overlap. {UNTRAINED_TILES_NOTE}")
     device = latents.device
     sink = None
     if receiving:
         pixels = None
-        if on_frames is not None and uint8_frames:
+        if on_frames is not None and hooks.uint8_frames:
             if out.device.type == "cpu" and out.is_pinned():
                 pixels = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)
             else:
@@ -404,8 +454,6 @@ class _DecodeState:
     """Runs tile batches, stepping down to fewer tiles per batch and then to offloaded weights on OOM."""
 
     def __init__(self, decode, tiles_per_batch, offload, report):
-        if tiles_per_batch < 1:
-            raise H3InputError(f"tiles_per_batch must be >= 1, got {tiles_per_batch}")
         self.decode, self.tiles_per_batch, self.offload, self.report = decode, tiles_per_batch, offload, report
         self.offloaded = False
 
@@ -438,34 +486,41 @@ class _DecodeState:
 
 
 def decode_video(
-    vae, latents: torch.Tensor, *, normalized: bool = True, overrides=None, compile: str = "auto", **options
+    vae,
+    latents: torch.Tensor,
+    *,
+    normalized: bool = True,
+    overrides=None,
+    compile: str = "auto",
+    tiling: Tiling = Tiling(),
+    hooks: DecodeHooks = DecodeHooks(),
+    group=None,
 ) -> torch.Tensor:
     """Latents of one video ``[24, T, h, w]`` → RGB frames ``[F, H, W, 3]`` in [0, 1] on the CPU.
 
     ``vae`` is a ``h3_core.models.video_vae.VideoVAE``; ``normalized`` latents are in model space (the
     sampler's output). ``overrides`` picks the decoder's attention backend (``h3_core.attention.vae``);
     ``compile`` (``"auto"`` / ``"off"``) whether the decoder blocks run compiled where CUDA and Triton are
-    present (``compiled_decoder_blocks``; see ``_decoder``); ``options`` go to ``decode_tiled`` (tile size, tiles per
-    batch, progress, cancel, report, ...). If a single tile runs out of memory, the decoder's blocks are
-    streamed from host memory (unless ``offload`` is given)."""
+    present (``compiled_decoder_blocks``; see ``_decoder``); ``tiling``, ``hooks`` and ``group`` as ``decode_tiled``
+    takes them. If a single tile runs out of memory, the decoder's blocks are streamed from host memory (unless
+    ``hooks.offload`` is given)."""
     from ..models.video_vae import IMAGENET_MEAN, IMAGENET_STD
 
     check_compile(compile)
     z = vae.denormalize_latents(latents) if normalized else latents
     mean = torch.tensor(IMAGENET_MEAN, device=z.device).view(3, 1, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=z.device).view(3, 1, 1, 1)
-    cfg = vae.cfg
-    options.setdefault("offload", vae.offload_decoder_blocks)
+    if hooks.offload is None:
+        hooks = dataclasses.replace(hooks, offload=vae.offload_decoder_blocks)
     with torch.inference_mode():
         return decode_tiled(
             _decoder(vae, overrides, compile == "auto" and compiles_on(z.device)),
             z,
-            spatial_ratio=cfg.spatial_ratio,
-            temporal_ratio=cfg.temporal_ratio,
-            clip_length=cfg.clip_length,
-            token_drop=cfg.token_drop,
+            geometry=VAEGeometry.of(vae.cfg),
+            tiling=tiling,
+            hooks=hooks,
             finish=lambda pixels: (pixels * std + mean).clamp(0, 1),
-            **options,
+            group=group,
         )
 
 

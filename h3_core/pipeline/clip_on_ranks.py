@@ -142,18 +142,19 @@ class VideoVAESource:
 @dataclass(frozen=True)
 class DecodeOnRanks:
     """One clip's video decoded on a rank beside rank 0 (a ``RankWorkers`` job): ``latents`` and
-    ``decode_video``'s ``options`` as rank 0 passes them, less its progress, cancel check and reports; each window's
-    tile batches are shared among the ranks (``media.tiling.decode_tiled``'s ``group``)."""
+    ``decode_video``'s ``options`` as rank 0 passes them, less its ``hooks``; each window's tile batches are shared
+    among the ranks (``media.tiling.decode_tiled``'s ``group``)."""
 
     source: VideoVAESource
     latents: torch.Tensor
     options: dict = field(default_factory=dict)
 
     def __call__(self, rank: int, device: torch.device, state: dict) -> RankReport:
-        from ..media.tiling import decode_video
+        from ..media.tiling import DecodeHooks, decode_video
 
         vae = _kept(state, "video_vae", self.source, device)
-        options = dict(self.options, check_cancel=shared_cancel(None, device=device), group=dist.group.WORLD)
+        hooks = DecodeHooks(check_cancel=shared_cancel(None, device=device))
+        options = dict(self.options, hooks=hooks, group=dist.group.WORLD)
         return _reporting(device, lambda: decode_video(vae, self.latents.to(device), **options))
 
 

@@ -6,13 +6,14 @@ first window decodes) are left to write once the decode ends. The file is the on
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from ..media.mp4 import ENCODER_NICENESS, Mp4Worker, Mp4Writer
-from ..media.tiling import decode_video
+from ..media.tiling import DecodeHooks, decode_video
 
 __all__ = ["decode_to_mp4", "DecodedClip"]
 
@@ -29,17 +30,18 @@ def decode_to_mp4(
     latents: torch.Tensor,
     writer: Mp4Writer,
     *,
+    hooks: DecodeHooks = DecodeHooks(),
     tail_cancel=None,
     encoder_niceness: int = ENCODER_NICENESS,
     **decode_options,
 ) -> DecodedClip:
-    """Decode ``latents`` (``decode_video``'s arguments in ``decode_options``) into ``writer``, its encoder's threads
-    ``encoder_niceness`` below the process (``Mp4Worker``). Any failure or cancel (``check_cancel`` raising, or
-    ``tail_cancel`` while the encoder finishes after the decode: default ``check_cancel``; a check the ranks of a
-    decode share is no check for this process alone) removes the partial file."""
+    """Decode ``latents`` (``decode_video``'s ``hooks``, less their ``on_frames``, and its other arguments in
+    ``decode_options``) into ``writer``, its encoder's threads ``encoder_niceness`` below the process (``Mp4Worker``).
+    Any failure or cancel (``hooks.check_cancel`` raising, or ``tail_cancel`` while the encoder finishes after the
+    decode: default ``hooks.check_cancel``; a check the ranks of a decode share is no check for this process alone)
+    removes the partial file."""
     with Mp4Worker(writer, encoder_niceness) as worker:
-        frames = decode_video(
-            vae, latents, on_frames=lambda start, ready: worker.put(ready), uint8_frames=True, **decode_options
-        )
-        path = worker.close(tail_cancel if tail_cancel is not None else decode_options.get("check_cancel"))
+        into_mp4 = dataclasses.replace(hooks, on_frames=lambda start, ready: worker.put(ready), uint8_frames=True)
+        frames = decode_video(vae, latents, hooks=into_mp4, **decode_options)
+        path = worker.close(tail_cancel if tail_cancel is not None else hooks.check_cancel)
     return DecodedClip(path, frames, worker.tail_s, worker.frames_behind)

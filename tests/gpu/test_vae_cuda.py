@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from h3_core.media.mp4 import pixels_uint8
-from h3_core.media.tiling import decode_video
+from h3_core.media.tiling import DecodeHooks, Tiling, decode_video
 from h3_core.models.video_vae import VideoVAE, VideoVAEConfig, keeps_fp32
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -35,7 +35,7 @@ def z():
 
 @pytest.fixture(scope="module")
 def expected(vae_cpu, z):
-    return decode_video(vae_cpu, z, tiles_per_batch=3)
+    return decode_video(vae_cpu, z, tiling=Tiling(tiles_per_batch=3))
 
 
 def cuda_copy(vae_cpu):
@@ -52,7 +52,7 @@ def test_frames_copied_off_the_device_in_every_way_are_the_cpu_frames(vae_cpu, z
         "pinned": torch.empty(expected.shape, pin_memory=True),
         "device": torch.empty(expected.shape, device="cuda"),
     }[where]
-    frames = decode_video(vae, z.cuda(), tiles_per_batch=3, out=out)
+    frames = decode_video(vae, z.cuda(), tiling=Tiling(tiles_per_batch=3), hooks=DecodeHooks(out=out))
     assert frames.device.type == ("cuda" if where == "device" else "cpu")
     torch.testing.assert_close(frames.cpu(), expected, atol=2e-4, rtol=0)
     # the frames handed over as the mp4's 8-bit values, made on the GPU: those of the frames returned, each
@@ -67,11 +67,8 @@ def test_frames_copied_off_the_device_in_every_way_are_the_cpu_frames(vae_cpu, z
     frames = decode_video(
         vae,
         z.cuda(),
-        tiles_per_batch=3,
-        out=out,
-        on_frames=on_frames,
-        uint8_frames=True,
-        progress=lambda d, t: ticks.append(d),
+        tiling=Tiling(tiles_per_batch=3),
+        hooks=DecodeHooks(out=out, on_frames=on_frames, uint8_frames=True, progress=lambda d, t: ticks.append(d)),
     )
     assert torch.equal(torch.cat(announced), pixels_uint8(frames).cpu())
     assert len(announced) == 2 and seen_at[0] < len(ticks) == seen_at[1]
@@ -87,14 +84,14 @@ def test_a_cancelled_decode_into_pageable_memory_stops_its_copier(vae_cpu, z):
             raise InterruptedError("cancelled")
 
     with pytest.raises(InterruptedError):
-        decode_video(vae, z.cuda(), tiles_per_batch=1, check_cancel=check_cancel)
+        decode_video(vae, z.cuda(), tiling=Tiling(tiles_per_batch=1), hooks=DecodeHooks(check_cancel=check_cancel))
     assert not [t for t in threading.enumerate() if t.name == "h3-decode-copy-out"]
 
 
 def test_compiled_blocks_give_the_eager_frames(vae_cpu, z, expected):
     vae = cuda_copy(vae_cpu)
-    frames = decode_video(vae, z.cuda(), tiles_per_batch=4, compile="auto")
-    plain = decode_video(vae, z.cuda(), tiles_per_batch=4, compile="off")
+    frames = decode_video(vae, z.cuda(), tiling=Tiling(tiles_per_batch=4), compile="auto")
+    plain = decode_video(vae, z.cuda(), tiling=Tiling(tiles_per_batch=4), compile="off")
     torch.testing.assert_close(frames, expected, atol=2e-4, rtol=0)
     torch.testing.assert_close(plain, expected, atol=2e-4, rtol=0)
 
@@ -105,7 +102,7 @@ def test_streamed_decoder_blocks_give_the_resident_frames(vae_cpu, z, expected):
     assert "host memory" in said
     block = vae.decoder.transformer_blocks[0]
     assert all(p.device.type == "cpu" and p.is_pinned() for p in block.parameters())
-    frames = decode_video(vae, z.cuda(), tiles_per_batch=2)
+    frames = decode_video(vae, z.cuda(), tiling=Tiling(tiles_per_batch=2))
     assert all(p.device.type == "cpu" for p in block.parameters())
     torch.testing.assert_close(frames, expected, atol=2e-4, rtol=0)
 
@@ -116,6 +113,6 @@ def test_half_precision_decode_stays_close(vae_cpu, z, expected):
         for name, p in vae.named_parameters():
             if name.startswith("decoder.transformer_blocks.") and not keeps_fp32(name):
                 p.data = p.data.half()
-    frames = decode_video(vae, z.cuda(), tiles_per_batch=4)
+    frames = decode_video(vae, z.cuda(), tiling=Tiling(tiles_per_batch=4))
     assert torch.isfinite(frames).all()
     assert (frames - expected).abs().max() < 2e-2

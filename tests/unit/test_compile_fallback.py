@@ -354,7 +354,7 @@ def tiny_vae():
 
 
 # two windows of 4 tiles, two tiles a batch: four decodes
-DECODE = dict(tile_px=64, overlap_px=32, tiles_per_batch=2)
+DECODE = dict(tiling=tiling.Tiling(tile_px=64, overlap_px=32, tiles_per_batch=2))
 LATENTS = torch.randn(24, 12, 6, 6, generator=torch.Generator().manual_seed(6))
 
 

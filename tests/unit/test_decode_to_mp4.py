@@ -7,7 +7,7 @@ import torch
 from tiny_checkpoints import TINY_VIDEO_VAE
 
 from h3_core.media.mp4 import Mp4Writer, write_mp4
-from h3_core.media.tiling import decode_video, temporal_plan
+from h3_core.media.tiling import DecodeHooks, Tiling, decode_video, temporal_plan
 from h3_core.models.video_vae import VideoVAE
 from h3_core.pipeline.decode_to_mp4 import decode_to_mp4
 
@@ -46,5 +46,12 @@ def test_a_cancel_during_the_decode_leaves_no_file(vae, tmp_path):
 
     writer = Mp4Writer(tmp_path / "cancelled.mp4", 48, 32)
     with pytest.raises(InterruptedError):
-        decode_to_mp4(vae, latents(), writer, compile="off", tiles_per_batch=1, check_cancel=cancel)
+        decode_to_mp4(
+            vae,
+            latents(),
+            writer,
+            compile="off",
+            tiling=Tiling(tiles_per_batch=1),
+            hooks=DecodeHooks(check_cancel=cancel),
+        )
     assert list(tmp_path.iterdir()) == []

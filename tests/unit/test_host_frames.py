@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from h3_core.media.host_frames import HUGE_PAGE_BYTES, empty_frames
-from h3_core.media.tiling import decode_tiled
+from h3_core.media.tiling import DecodeHooks, decode_tiled
 
 
 def _mapping_flags(address: int) -> dict[str, str]:
@@ -72,5 +72,5 @@ def test_the_decode_writes_its_frames_into_such_a_tensor_and_they_equal_a_given_
     mapped = decode_tiled(decode, latents)
     assert not mapped.untyped_storage().resizable()  # the mapping, not torch.empty's storage
     given = torch.empty(mapped.shape)
-    decode_tiled(decode, latents, out=given)
+    decode_tiled(decode, latents, hooks=DecodeHooks(out=given))
     torch.testing.assert_close(mapped, given, rtol=0, atol=0)

@@ -8,7 +8,9 @@ import torch
 
 from h3_core.errors import H3InputError
 from h3_core.media.tiling import (
+    DecodeHooks,
     DecodeOutOfMemory,
+    Tiling,
     decode_tiled,
     ramp_weights,
     split_tiles,
@@ -98,7 +100,7 @@ def test_temporal_plan_frame_counts(vae, T):
 @pytest.mark.parametrize("T, h, w", [(7, 2, 40), (12, 3, 3), (3, 2, 20), (17, 20, 2), (8, 1, 23)], ids=lambda v: str(v))
 def test_one_row_or_column_of_tiles_equals_the_released_decode(vae, T, h, w):
     z = latents(T, h, w, seed=T)
-    ours = decode_tiled(decoder_of(vae), z, tiles_per_batch=3)
+    ours = decode_tiled(decoder_of(vae), z, tiling=Tiling(tiles_per_batch=3))
     ref = reference_decode(vae, z)
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max() <= 1e-5
@@ -147,8 +149,8 @@ def local_decode(z):
 
 def test_a_context_free_decoder_tiles_seamlessly():
     z = latents(12, 37, 45, seed=4)
-    ours = decode_tiled(local_decode, z, tiles_per_batch=5)
-    whole = decode_tiled(local_decode, z, tile_px=37 * 16 + 16, overlap_px=64)  # one tile
+    ours = decode_tiled(local_decode, z, tiling=Tiling(tiles_per_batch=5))
+    whole = decode_tiled(local_decode, z, tiling=Tiling(tile_px=37 * 16 + 16, overlap_px=64))  # one tile
     assert (ours - whole).abs().max() <= 1e-5
 
 
@@ -160,8 +162,7 @@ def test_constant_tiles_compose_to_an_exactly_constant_canvas(h, w, tile, overla
     out = decode_tiled(
         lambda t: torch.full((t.shape[0], 3, t.shape[2] * 4, t.shape[3] * 16, t.shape[4] * 16), value),
         z,
-        tile_px=tile,
-        overlap_px=overlap,
+        tiling=Tiling(tile_px=tile, overlap_px=overlap),
     )
     assert torch.equal(out, torch.full_like(out, value))
 
@@ -184,10 +185,9 @@ def test_finish_progress_and_output_buffer():
     got = decode_tiled(
         local_decode,
         z,
-        tiles_per_batch=2,
-        out=out,
+        tiling=Tiling(tiles_per_batch=2),
+        hooks=DecodeHooks(out=out, progress=lambda done, total: calls.append((done, total))),
         finish=lambda p: p.clamp(0, 0.5),
-        progress=lambda done, total: calls.append((done, total)),
     )
     assert got is out and not out.isnan().any()
     assert out.min() >= 0 and out.max() <= 0.5
@@ -198,10 +198,10 @@ def test_finish_progress_and_output_buffer():
 def test_untrained_tile_sizes_are_allowed_and_said():
     z = latents(7, 20, 33)
     said = []
-    decode_tiled(local_decode, z, tile_px=192, overlap_px=48, report=said.append)
+    decode_tiled(local_decode, z, tiling=Tiling(tile_px=192, overlap_px=48), hooks=DecodeHooks(report=said.append))
     assert len(said) == 1 and "192 px tiles and 48 px overlap" in said[0] and "trained regime" in said[0]
     said.clear()
-    decode_tiled(local_decode, z, report=said.append)
+    decode_tiled(local_decode, z, hooks=DecodeHooks(report=said.append))
     assert said == []
 
 
@@ -218,7 +218,7 @@ def test_cancel_stops_before_the_next_batch():
             raise KeyboardInterrupt("cancelled")
 
     with pytest.raises(KeyboardInterrupt):
-        decode_tiled(decode, z, tiles_per_batch=1, check_cancel=cancel)
+        decode_tiled(decode, z, tiling=Tiling(tiles_per_batch=1), hooks=DecodeHooks(check_cancel=cancel))
     assert len(decoded) == 2
 
 
@@ -236,7 +236,7 @@ def test_out_of_memory_halves_the_batch_then_offloads_then_says_so(shortage):
             raise shortage()
         return local_decode(t)
 
-    out = decode_tiled(decode, z, tiles_per_batch=4, report=said.append)
+    out = decode_tiled(decode, z, tiling=Tiling(tiles_per_batch=4), hooks=DecodeHooks(report=said.append))
     assert (out - decode_tiled(local_decode, z)).abs().max() == 0
     assert said == [
         "video decode ran out of memory; retrying with 2 tile(s) per batch",
@@ -250,9 +250,8 @@ def test_out_of_memory_halves_the_batch_then_offloads_then_says_so(shortage):
         decode_tiled(
             always_oom,
             z,
-            tiles_per_batch=1,
-            offload=lambda: offloaded.append(1) or "weights moved to CPU",
-            report=said.append,
+            tiling=Tiling(tiles_per_batch=1),
+            hooks=DecodeHooks(offload=lambda: offloaded.append(1) or "weights moved to CPU", report=said.append),
         )
     assert offloaded == [1] and said[-1].endswith("weights moved to CPU")
 
@@ -261,9 +260,7 @@ def test_bad_inputs():
     with pytest.raises(H3InputError, match=r"latents must be \[C, T, h, w\]"):
         decode_tiled(local_decode, torch.zeros(1, 24, 7, 2, 2))
     with pytest.raises(H3InputError, match=r"out must have shape \(22, 32, 32, 3\)"):
-        decode_tiled(local_decode, latents(7, 2, 2), out=torch.zeros(21, 32, 32, 3))
-    with pytest.raises(H3InputError, match="tiles_per_batch must be >= 1"):
-        decode_tiled(local_decode, latents(7, 2, 2), tiles_per_batch=0)
+        decode_tiled(local_decode, latents(7, 2, 2), hooks=DecodeHooks(out=torch.zeros(21, 32, 32, 3)))
 
 
 @pytest.mark.parametrize("T", [7, 12])
@@ -281,7 +278,7 @@ def test_a_canvas_of_one_tile_decodes_exactly_as_the_direct_decode(vae, T):
 MEMORY_PROBE = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
-from h3_core.media.tiling import decode_tiled
+from h3_core.media.tiling import Tiling, decode_tiled
 
 def decode(z):
     weight = torch.linspace(-1, 1, 24 * 3).view(3, 24)
@@ -296,7 +293,7 @@ torch.set_num_threads(1)
 decode_tiled(decode, torch.randn(24, 7, 2, 2))  # load everything once
 latents = torch.randn(24, {T}, 32, 64)
 before = rss_kib()
-out = decode_tiled(decode, latents, tiles_per_batch=2)
+out = decode_tiled(decode, latents, tiling=Tiling(tiles_per_batch=2))
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print("WORKING_KIB", peak - before - out.numel() * out.element_size() // 1024)
 """
@@ -331,7 +328,8 @@ def test_frames_are_announced_once_in_order_and_final_when_announced(vae, T):
     returns (the released decode's frames): nothing written after it was announced."""
     z = latents(T, 2, 3, seed=T)
     announced = []
-    got = decode_tiled(decoder_of(vae), z, on_frames=lambda start, frames: announced.append((start, frames.clone())))
+    hooks = DecodeHooks(on_frames=lambda start, frames: announced.append((start, frames.clone())))
+    got = decode_tiled(decoder_of(vae), z, hooks=hooks)
     starts = [start for start, _ in announced]
     assert starts[0] == 0 and torch.equal(torch.cat([f for _, f in announced]), got)
     assert all(b == a + len(f) for (a, f), b in zip(announced, starts[1:]))
@@ -349,9 +347,8 @@ def test_frames_announced_as_8_bit_values_are_the_mp4s_values_of_the_frames(vae)
     z = latents(12, 2, 3, seed=5)
     plain = decode_tiled(decoder_of(vae), z)
     announced = []
-    got = decode_tiled(
-        decoder_of(vae), z, on_frames=lambda start, frames: announced.append((start, frames.clone())), uint8_frames=True
-    )
+    hooks = DecodeHooks(on_frames=lambda start, frames: announced.append((start, frames.clone())), uint8_frames=True)
+    got = decode_tiled(decoder_of(vae), z, hooks=hooks)
     assert torch.equal(got, plain) and len(announced) > 1
     assert all(frames.dtype == torch.uint8 for _, frames in announced)
     assert torch.equal(torch.cat([f for _, f in announced]), pixels_uint8(plain))

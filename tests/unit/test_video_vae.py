@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3InputError
 from h3_core.formats.video_vae import load_video_vae
-from h3_core.media.tiling import decode_video
+from h3_core.media.tiling import DecodeHooks, Tiling, decode_video
 from h3_core.models.video_vae import IMAGENET_MEAN, IMAGENET_STD, VideoVAEConfig, keeps_fp32
 
 diffusers = pytest.importorskip("diffusers")
@@ -101,7 +101,7 @@ def test_half_precision_keeps_the_released_fp32_islands(reference, folder):
 def test_whole_clip_decode_matches_the_released_decoder(reference, folder):
     vae = load_video_vae(folder, dtype=torch.float32, cfg=tiny_cfg())
     latents = randn(24, 7, 2, 20, seed=5)  # model space; one row of 2 tiles
-    frames = decode_video(vae, latents, tiles_per_batch=2)
+    frames = decode_video(vae, latents, tiling=Tiling(tiles_per_batch=2))
     with torch.no_grad():
         raw = vae.denormalize_latents(latents)
         ref = reference._decode(raw[None])[0]
@@ -337,7 +337,7 @@ def test_decode_falls_back_to_streamed_blocks_when_a_tile_does_not_fit(folder, m
 
     monkeypatch.setattr(vae, "decode_tiles", tight)
     said = []
-    frames = decode_video(vae, latents, tiles_per_batch=2, report=said.append)
+    frames = decode_video(vae, latents, tiling=Tiling(tiles_per_batch=2), hooks=DecodeHooks(report=said.append))
     assert torch.equal(frames, expected)
     assert said[-1].startswith("video decode ran out of memory with 1 tile per batch; the decoder's 2 blocks")
 
