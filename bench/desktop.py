@@ -222,7 +222,7 @@ def estimate(uncapped: dict, tiny: bool) -> list[dict]:
     """Desktop cards' runs estimated from the uncapped H100 run (see the module's docstring)."""
     import torch
 
-    from h3_core.memory.predict import BlockShape, plan_for_memory
+    from h3_core.memory.predict import BlockShape, ModelForm, plan_for_memory
     from h3_core.memory.speed import H100, CardSpeed
     from h3_core.models.dit import DiTConfig
     from h3_core.pipeline.geometry import audio_latents, latent_frames
@@ -240,8 +240,8 @@ def estimate(uncapped: dict, tiny: bool) -> list[dict]:
     shape = BlockShape.of(cfg, packed, torch.bfloat16)
 
     def plan(speed, gib):
-        kind = dict(hybrid=True, linears="fp8" if speed.fp8 else "dtype", fused=True, steps=size["steps"])
-        return plan_for_memory(cfg, shape, gib * GiB, speed=speed, **kind)
+        form = ModelForm(cfg, hybrid=True, linears="fp8" if speed.fp8 else "dtype", fused=True)
+        return plan_for_memory(form, shape, gib * GiB, steps=size["steps"], speed=speed)
 
     h100 = _predicted_seconds(plan(H100, 80 - DESKTOP_RESERVED_GIB), H100, cfg, shape, size)
     estimates = []
@@ -267,13 +267,12 @@ def estimate(uncapped: dict, tiny: bool) -> list[dict]:
 
 
 def _predicted_seconds(plan, speed, cfg, shape, size) -> float:
-    from h3_core.memory.predict import predicted_seconds
+    from h3_core.memory.predict import ModelForm, predicted_seconds
 
-    linears = "fp8" if speed.fp8 else "dtype"
+    form = ModelForm(cfg, hybrid=True, linears="fp8" if speed.fp8 else "dtype", fused=True)
     return predicted_seconds(
-        cfg, shape, speed, plan.options, plan.adaln_on_host, plan.resident_blocks, linears=linears, fused=True,
-        steps=size["steps"],
-    )  # fmt: skip
+        form, shape, speed, plan.options, plan.adaln_on_host, plan.resident_blocks, steps=size["steps"]
+    )
 
 
 def markdown(result: dict) -> str:

@@ -48,7 +48,7 @@ from device_idle import idle_table
 from h3_core.attention.window import PRECISIONS
 from h3_core.formats.meta_shapes import cast_as_loaded
 from h3_core.memory.apply import apply_plan
-from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory
+from h3_core.memory.predict import BlockShape, ModelForm, evaluation_peak, plan_for_memory
 from h3_core.models.adaln_tables import prepare_adaln_tables
 from h3_core.models.dit import DiTConfig, H3DiT, rope_inv_freq
 from h3_core.models.fp8_linear import quantize_linears
@@ -301,16 +301,8 @@ def main(argv=None) -> dict:
             ctx = SequenceShards.of(shape.rows, cfg.heads, inner=ctx, softmax_ranks=args.softmax_ranks if hybrid else 0)
         plan = None
         if args.cap_gib is not None:
-            plan = plan_for_memory(
-                cfg,
-                shape,
-                args.cap_gib * GiB * CAP_USABLE,
-                hybrid=hybrid,
-                dtype=dtype,
-                linears=linears,
-                steps=1,
-                fused=fused,
-            )
+            form = ModelForm(cfg, hybrid=hybrid, dtype=dtype, linears=linears, fused=fused)
+            plan = plan_for_memory(form, shape, args.cap_gib * GiB * CAP_USABLE, steps=1)
             fitted = apply_plan(model, plan, device)
             if plan.options != LowMemory():  # the plan's lower-memory paths in place of --low-memory's
                 run = check_run_options(run.with_low_memory(plan.options), model)
@@ -333,16 +325,10 @@ def main(argv=None) -> dict:
             if plan is not None:
                 predicted = plan.predicted
             else:
-                predicted = evaluation_peak(
-                    cfg,
-                    shape,
-                    options,
-                    hybrid=hybrid,
-                    dtype=dtype,
-                    linears=linears,
-                    fused=fused,
-                    attention_precision=precision,
+                form = ModelForm(
+                    cfg, hybrid=hybrid, dtype=dtype, linears=linears, fused=fused, attention_precision=precision
                 )
+                predicted = evaluation_peak(form, shape, options)
             if simulated:
                 stats["rows"] = ctx.mine.stop - ctx.mine.start
             elif not spread:  # the memory model is one process's

@@ -30,7 +30,8 @@ from ..h3_core.errors import H3InputError
 from ..h3_core.formats.kitchen import is_kitchen_tensor, requantize
 from ..h3_core.formats.vae import read_weights
 from ..h3_core.memory.offload import block_image_bytes, offload_blocks
-from ..h3_core.memory.policy import decide_placement, fuse_for, place_for_run, working_bytes
+from ..h3_core.memory.policy import RunChoices, decide_placement, fuse_for, place_for_run, working_bytes
+from ..h3_core.memory.predict import ModelForm
 from . import _host
 
 GiB = 2**30
@@ -106,15 +107,13 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         room = self._room_with_own_weights(_host.device_budget(device, keep=(self,)))
         free_bytes = int(room * placement.room_share)
         plan = decide_placement(
-            self.model,
+            ModelForm.of(self.model, fused, run.attention_precision),
             run.packed,
             placement=placement.offload,
             memory=run.memory,
             free_bytes=free_bytes,
             steps=run.steps,
             share=self._rank_share(run.packed),
-            attention_precision=run.attention_precision,
-            fused=fused,
         )
         placement.working = int(plan.predicted["activations"])
         return placement.working
@@ -181,14 +180,11 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
                 self.model,
                 run.packed,
                 device,
-                placement=placement.offload,
-                memory=run.memory,
+                RunChoices(placement.offload, run.memory, run.compile, run.attention_precision),
                 free_bytes=max(room - _bytes_on(self.model, device), 0),
                 steps=run.steps,
-                compile=run.compile,
                 current=placement.fitted,
                 share=self._rank_share(run.packed),
-                attention_precision=run.attention_precision,
             )
             placement.fitted, placement.said = fitted, list(fitted.said)
             self.model.device = device

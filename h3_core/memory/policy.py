@@ -5,27 +5,28 @@ auto / off) and the device's free memory into a ``MemoryPlan`` for the request's
 ``memory="auto"`` the memory model predicts the run's peak for each way of giving things up (head groups and
 a chunked FFN, the AdaLN projections in host memory, streamed blocks) and the quickest that fits, by the time
 predicted on the card (``predict.plan_for_memory``, ``speed``), is taken; ``"off"`` runs the plain path.
-``place_for_run`` applies the plan and returns what it did, in words and as the ``RunOptions`` every evaluation
-is given. On CUDA with Triton the blocks run fused (``models.block_fused``, compiled), faster and in less memory
-than the plain blocks (``bench/results/dit_block.md``), and the plan is made for that — unless the user's
-``compile`` is ``"off"`` (``COMPILE_MODES``) or the model's compiled path failed earlier in this process
-(``run_options.Evaluations``), which run the plain path. On a device without CUDA nothing is planned:
-the model simply runs there, on the plain path.
+``place_for_run`` applies the plan for the user's ``RunChoices`` and returns what it did, in words and as the
+``RunOptions`` every evaluation is given. On CUDA with Triton the blocks run fused (``models.block_fused``,
+compiled), faster and in less memory than the plain blocks (``bench/results/dit_block.md``), and the plan is made
+for that — unless the user's ``compile`` is ``"off"`` (``COMPILE_MODES``) or the model's compiled path failed
+earlier in this process (``run_options.Evaluations``), which run the plain path. On a device without CUDA nothing
+is planned: the model simply runs there, on the plain path.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..attention.window import check_precision
 from ..errors import H3DoesNotFit, H3InputError
 from ..models.branch_fused import compiled_branch_available
 from ..models.low_memory import LowMemory
 from ..models.run_options import compile_failed
 from ..triton_forms import COMPILE_MODES, check_compile
 from .apply import FittedModel, apply_plan, plan_lines
-from .predict import BlockShape, MemoryPlan, evaluation_peak, plan_for_memory
+from .predict import BlockShape, MemoryPlan, ModelForm, evaluation_peak, plan_for_memory
 from .ranks import RankShare, rank_peaks
 from .speed import H100, CardSpeed, card_speed
 
@@ -34,6 +35,7 @@ __all__ = [
     "MEMORY_MODES",
     "COMPILE_MODES",
     "BUDGET_SHARE",
+    "RunChoices",
     "decide_placement",
     "place_for_run",
     "fuse_for",
@@ -49,11 +51,28 @@ BUDGET_SHARE = 0.9
 GiB = 2**30
 
 
-def _weights_kind(model) -> tuple[torch.dtype, str]:
-    linears = "fp8" if getattr(model, "fp8_layers", None) else "dtype"
-    fc2 = model.blocks[0].mlp.fc2
-    dtype = getattr(fc2, "compute_dtype", None) or fc2.weight.dtype
-    return dtype, linears
+def _check_policy(placement: str, memory: str) -> None:
+    if placement not in PLACEMENTS:
+        raise H3InputError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
+    if memory not in MEMORY_MODES:
+        raise H3InputError(f"memory mode must be one of {list(MEMORY_MODES)}, got {memory!r}")
+
+
+@dataclass(frozen=True)
+class RunChoices:
+    """The user's choices for placing a model for a run: ``placement`` (``PLACEMENTS``), ``memory``
+    (``MEMORY_MODES``), ``compile`` (``COMPILE_MODES``) and the window softmax's ``attention_precision``. Made, they
+    have been checked: one outside what is allowed raises ``H3InputError`` naming it."""
+
+    placement: str = "auto"
+    memory: str = "auto"
+    compile: str = "auto"
+    attention_precision: str = "bf16"
+
+    def __post_init__(self):
+        _check_policy(self.placement, self.memory)
+        check_compile(self.compile)
+        check_precision(self.attention_precision)
 
 
 def _bytes_on(model, device: torch.device) -> int:
@@ -83,30 +102,18 @@ def working_bytes(model, packed, attention_precision: str = "bf16", fused: str |
     """The activations of one evaluation on ``packed`` with nothing given up (the plain path, or the ``fused``
     one): what the host is asked to make room for beside the weights, so that it frees other models before the
     plan has to trade time for memory."""
-    dtype, linears = _weights_kind(model)
-    return activation_bytes(model.cfg, packed, dtype, linears, bool(fused), attention_precision)
+    return activation_bytes(ModelForm.of(model, fused, attention_precision), packed)
 
 
-def activation_bytes(
-    cfg, packed, dtype: torch.dtype, linears: str, fused: bool, attention_precision: str = "bf16"
-) -> int:
-    """The activations of one evaluation of a DiT of ``cfg`` (weights of ``dtype``, ``linears`` "fp8" or "dtype")
-    on ``packed`` with nothing given up, on the fused path or the plain one (``predict.evaluation_peak``)."""
-    shape = BlockShape.of(cfg, packed, dtype)
-    predicted = evaluation_peak(
-        cfg,
-        shape,
-        hybrid=bool(cfg.hybrid),
-        dtype=dtype,
-        linears=linears,
-        fused=fused,
-        attention_precision=attention_precision,
-    )
-    return int(predicted["activations"])
+def activation_bytes(form: ModelForm, packed) -> int:
+    """The activations of one evaluation of the model ``form`` describes on ``packed`` with nothing given up
+    (``predict.evaluation_peak``)."""
+    shape = BlockShape.of(form.cfg, packed, form.dtype)
+    return int(evaluation_peak(form, shape)["activations"])
 
 
 def decide_placement(
-    model,
+    form: ModelForm,
     packed,
     *,
     placement: str,
@@ -114,42 +121,27 @@ def decide_placement(
     free_bytes: int,
     steps: int,
     share: RankShare | None = None,
-    attention_precision: str = "bf16",
     speed: CardSpeed = H100,
-    fused: str | None = None,
 ) -> MemoryPlan:
-    """The plan for running ``model`` (an ``H3DiT``) on ``packed`` within ``free_bytes`` of device memory on a card
-    of ``speed`` (``plan_for_memory`` chooses by predicted time); with
-    ``share``, one rank's share of each evaluation across several GPUs (``ranks.rank_peaks``): the whole model
-    resident and nothing given up when the rank's peak fits, else the plan for the whole sequence (which fits the
-    rank's share with room to spare: the per-rank model covers one head group, resident, only).
-    ``attention_precision``: the window softmax's (``predict.block_peaks``); ``fused``: the mode the blocks run in
-    (``fuse_for``)."""
-    if placement not in PLACEMENTS:
-        raise H3InputError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
-    if memory not in MEMORY_MODES:
-        raise H3InputError(f"memory mode must be one of {list(MEMORY_MODES)}, got {memory!r}")
-    cfg = model.cfg
-    dtype, linears = _weights_kind(model)
-    shape = BlockShape.of(cfg, packed, dtype)
+    """The plan for running the model ``form`` describes (``ModelForm.of`` a loaded ``H3DiT``: its blocks fused or
+    not, its window softmax's precision) on ``packed`` within ``free_bytes`` of device memory on a card of ``speed``
+    (``plan_for_memory`` chooses by predicted time); with ``share``, one rank's share of each evaluation across
+    several GPUs (``ranks.rank_peaks``): the whole model resident and nothing given up when the rank's peak fits,
+    else the plan for the whole sequence (which fits the rank's share with room to spare: the per-rank model covers
+    one head group, resident, only)."""
+    _check_policy(placement, memory)
+    cfg = form.cfg
+    shape = BlockShape.of(cfg, packed, form.dtype)
     budget = free_bytes * BUDGET_SHARE
-    kind = dict(
-        hybrid=bool(cfg.hybrid),
-        dtype=dtype,
-        linears=linears,
-        steps=steps,
-        fused=bool(fused),
-        attention_precision=attention_precision,
-    )
     if share is not None and placement != "stream blocks":
         predicted = rank_peaks(
             cfg,
             shape,
             share,
-            fused=kind["fused"],
-            dtype=dtype,
-            linears=linears,
-            attention_precision=attention_precision,
+            fused=form.fused,
+            dtype=form.dtype,
+            linears=form.linears,
+            attention_precision=form.attention_precision,
         )
         if memory == "off" or predicted["total"] <= budget:
             said = (
@@ -158,7 +150,7 @@ def decide_placement(
             )
             return MemoryPlan(LowMemory(), False, None, predicted, budget, said, "nothing given up")
     if memory == "auto":
-        plan = plan_for_memory(cfg, shape, budget, speed=speed, streaming=placement != "resident", **kind)
+        plan = plan_for_memory(form, shape, budget, steps=steps, speed=speed, streaming=placement != "resident")
         if placement == "auto" and plan.predicted["total"] > free_bytes:
             raise H3DoesNotFit(
                 f"this request ({shape.rows} rows a model evaluation) needs about {plan.predicted['total'] / GiB:.1f} "
@@ -167,15 +159,15 @@ def decide_placement(
                 "models, or use a card with more memory"
             )
     else:
-        plan = MemoryPlan(LowMemory(), False, None, evaluation_peak(cfg, shape, **kind), budget, (), "none")
+        plan = MemoryPlan(LowMemory(), False, None, evaluation_peak(form, shape, steps=steps), budget, (), "none")
     if placement == "resident" and plan.resident_blocks is not None:
-        predicted = evaluation_peak(cfg, shape, plan.options, adaln_on_host=plan.adaln_on_host, **kind)
+        predicted = evaluation_peak(form, shape, plan.options, adaln_on_host=plan.adaln_on_host, steps=steps)
         plan = replace(
             plan, resident_blocks=None, predicted=predicted, steps=tuple(s for s in plan.steps if "streamed" not in s)
         )
     elif placement == "stream blocks" and plan.resident_blocks is None:
         predicted = evaluation_peak(
-            cfg, shape, plan.options, adaln_on_host=plan.adaln_on_host, resident_blocks=0, **kind
+            form, shape, plan.options, adaln_on_host=plan.adaln_on_host, resident_blocks=0, steps=steps
         )
         plan = replace(
             plan,
@@ -190,25 +182,22 @@ def place_for_run(
     model,
     packed,
     device,
+    choices: RunChoices = RunChoices(),
     *,
-    placement: str = "auto",
-    memory: str = "auto",
     free_bytes: int | None = None,
     steps: int = 50,
-    compile: str = "auto",
     current: FittedModel | None = None,
     share: RankShare | None = None,
-    attention_precision: str = "bf16",
 ) -> FittedModel:
-    """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says (CUDA), or simply there (any
-    other device); the result's ``options`` are the ``RunOptions`` its evaluations take: the plan's choices, the
-    blocks fused or plain as ``fuse_for`` says for ``compile``. ``current``: the placement
+    """Put ``model`` on ``device`` for ``packed`` as ``decide_placement`` says for the user's ``choices`` (CUDA), or
+    simply there (any other device); the result's ``options`` are the ``RunOptions`` its evaluations take: the plan's
+    choices, the blocks fused or plain as ``fuse_for`` says for ``choices.compile``. ``current``: the placement
     of the model's last run, which this one replaces; when the new plan holds the weights where it did (the
     same blocks streamed, the same AdaLN residency), nothing moves. Otherwise call ``remove()`` on the result
-    before placing the model for another request. ``share``: one rank's share of each evaluation and
-    ``attention_precision`` the window softmax's (``decide_placement``)."""
+    before placing the model for another request. ``share``: one rank's share of each evaluation
+    (``decide_placement``)."""
     device = torch.device(device)
-    fused = fuse_for(model, device, compile)
+    fused = fuse_for(model, device, choices.compile)
     if device.type != "cuda":
         if current is not None:
             current.remove(streamed_to="cpu")
@@ -220,16 +209,14 @@ def place_for_run(
         free_bytes = torch.cuda.mem_get_info(device)[0]
     free_bytes += _bytes_on(model, device)  # a model left on the device by the last run is counted in the plan
     plan = decide_placement(
-        model,
+        ModelForm.of(model, fused, choices.attention_precision),
         packed,
-        placement=placement,
-        memory=memory,
+        placement=choices.placement,
+        memory=choices.memory,
         free_bytes=free_bytes,
         steps=steps,
         share=share,
-        attention_precision=attention_precision,
         speed=card_speed(device),
-        fused=fused,
     )
     if current is not None and current.layout == (plan.options, plan.adaln_on_host, plan.resident_blocks):
         fitted = FittedModel(model, plan, current.offload, plan_lines(plan), fused=fused)
@@ -241,7 +228,7 @@ def place_for_run(
         fitted = apply_plan(model, plan, device, fused=fused)
     fitted.said.insert(
         0,
-        f"memory policy {memory}, placement {placement}, {free_bytes / GiB:.1f} GiB free, "
-        + _blocks_said(model, compile, fused),
+        f"memory policy {choices.memory}, placement {choices.placement}, {free_bytes / GiB:.1f} GiB free, "
+        + _blocks_said(model, choices.compile, fused),
     )
     return fitted

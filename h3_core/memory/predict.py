@@ -38,12 +38,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.dit import MODALITIES
+from ..attention.window import check_precision
+from ..errors import H3InputError
+from ..formats.checkpoints import LINEARS
+from ..models.dit import MODALITIES, DiTConfig
 from ..models.hybrid import RELEASE_WINDOW
 from ..models.low_memory import LowMemory
 from .speed import H100, CardSpeed, block_operations
 
 __all__ = [
+    "ModelForm",
     "BlockShape",
     "block_peaks",
     "ROTATE_TEMPS",
@@ -74,6 +78,40 @@ FUSED_BRANCH_BUFFERS = {1: 3.10, "grouped": 5.71}
 # code) and the staging and output buffers (fitted). Measured once, fused blocks, fp8 linears, one head group, at the
 # release length on an H200 (bench/results/dit_step.md); plain blocks and head groups are predicted unmeasured.
 FP8_SOFTMAX_TEMPS = 1.81
+
+
+@dataclass(frozen=True)
+class ModelForm:
+    """The model as it will be evaluated: its ``cfg``, whether its blocks are ``hybrid`` (VDN-H3's), its weights'
+    ``dtype``, its ``linears`` (``"dtype"``, or ``"fp8"``: the fp8 layers), whether the blocks run ``fused``
+    (``models.block_fused``) and the window softmax's ``attention_precision``. Made, it has been checked: a
+    ``linears`` or ``attention_precision`` outside what is allowed raises ``H3InputError`` naming it."""
+
+    cfg: DiTConfig
+    hybrid: bool
+    dtype: torch.dtype = torch.bfloat16
+    linears: str = "dtype"
+    fused: bool = False
+    attention_precision: str = "bf16"
+
+    def __post_init__(self):
+        if self.linears not in LINEARS:
+            raise H3InputError(f"linears: must be one of {list(LINEARS)}, got {self.linears!r}")
+        check_precision(self.attention_precision)
+
+    @classmethod
+    def of(cls, model, fused: bool | str | None = False, attention_precision: str = "bf16") -> "ModelForm":
+        """A loaded ``H3DiT`` as it holds its weights (fp8 layers or not, their compute dtype); ``fused``: whether,
+        or the mode in which (``policy.fuse_for``), its blocks run fused."""
+        fc2 = model.blocks[0].mlp.fc2
+        return cls(
+            model.cfg,
+            hybrid=bool(model.cfg.hybrid),
+            dtype=getattr(fc2, "compute_dtype", None) or fc2.weight.dtype,
+            linears="fp8" if getattr(model, "fp8_layers", None) else "dtype",
+            fused=bool(fused),
+            attention_precision=attention_precision,
+        )
 
 
 @dataclass(frozen=True)
@@ -196,32 +234,27 @@ def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dt
 
 
 def evaluation_peak(
-    cfg,
+    form: ModelForm,
     shape: BlockShape,
     options: LowMemory = LowMemory(),
     *,
-    hybrid: bool,
-    dtype: torch.dtype = torch.bfloat16,
-    linears: str = "dtype",
     resident_blocks: int | None = None,
     prefetch: int = 1,
     adaln_on_host: bool = False,
     steps: int = 50,
     timesteps_per_step: int = 2,
-    fused: bool = False,
-    attention_precision: str = "bf16",
 ) -> dict[str, float]:
-    """Predicted peak device bytes of one model evaluation (``attention_precision`` as ``block_peaks``): the
-    weights on
-    the device (all blocks, or ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each;
-    without the blocks' AdaLN projections when ``adaln_on_host``, but with their tables for ``steps`` steps of
-    ``timesteps_per_step`` distinct timesteps), the hidden state and the RoPE tables that live through the
-    whole evaluation, and the largest block's working memory. Returns ``weights``, ``activations`` and
+    """Predicted peak device bytes of one evaluation of the model ``form`` describes: the weights on the device
+    (all blocks, or ``resident_blocks`` of them plus ``prefetch + 1`` streaming slots of one block each; without the
+    blocks' AdaLN projections when ``adaln_on_host``, but with their tables for ``steps`` steps of
+    ``timesteps_per_step`` distinct timesteps), the hidden state and the RoPE tables that live through the whole
+    evaluation, and the largest block's working memory (``block_peaks``). Returns ``weights``, ``activations`` and
     ``total``."""
-    weights = weight_bytes(cfg, dtype, linears=linears)
+    cfg = form.cfg
+    weights = weight_bytes(cfg, form.dtype, linears=form.linears)
     per_block = weights.per_block
     if adaln_on_host:
-        table = timesteps_per_step * 6 * MODALITIES * cfg.hidden * torch.empty((), dtype=dtype).element_size()
+        table = timesteps_per_step * 6 * MODALITIES * cfg.hidden * torch.empty((), dtype=form.dtype).element_size()
         per_block = per_block - weights.adaln + steps * table
     if resident_blocks is None or resident_blocks >= cfg.layers:
         on_device = weights.other + per_block * cfg.layers
@@ -233,10 +266,10 @@ def evaluation_peak(
     peaks = block_peaks(
         shape,
         options,
-        hybrid=hybrid,
-        fused=fused,
-        linears=linears,
-        attention_precision=attention_precision,
+        hybrid=form.hybrid,
+        fused=form.fused,
+        linears=form.linears,
+        attention_precision=form.attention_precision,
     )
     activations = living + peaks["block"]
     return dict(weights=float(on_device), activations=float(activations), total=float(on_device + activations))
@@ -307,46 +340,35 @@ class _Candidate:
 
 
 def plan_for_memory(
-    cfg,
+    form: ModelForm,
     shape: BlockShape,
     budget: float,
     *,
-    hybrid: bool,
-    dtype: torch.dtype = torch.bfloat16,
-    linears: str = "dtype",
     steps: int = 50,
     prefetch: int = 1,
-    fused: bool = False,
-    attention_precision: str = "bf16",
     speed: CardSpeed = H100,
     streaming: bool = True,
 ) -> MemoryPlan:
-    """The quickest way to run within ``budget`` bytes of device memory (e.g. the free memory less a margin), by
-    predicted time on ``speed`` (``predicted_seconds``), among every head-group level with the AdaLN projections on
-    the device or in host memory, all blocks resident or (``streaming``) as many as fit, the rest streamed from
-    host memory. A plan that still does not fit comes back with ``fits`` False and the most given up."""
+    """The quickest way to run the model ``form`` describes within ``budget`` bytes of device memory (e.g. the free
+    memory less a margin), by predicted time on ``speed`` (``predicted_seconds``), among every head-group level with
+    the AdaLN projections on the device or in host memory, all blocks resident or (``streaming``) as many as fit, the
+    rest streamed from host memory. A plan that still does not fit comes back with ``fits`` False and the most given
+    up."""
+    cfg = form.cfg
 
     def peak(options, adaln_on_host, resident=None):
         return evaluation_peak(
-            cfg,
+            form,
             shape,
             options,
-            hybrid=hybrid,
-            dtype=dtype,
-            linears=linears,
             steps=steps,
             adaln_on_host=adaln_on_host,
             resident_blocks=resident,
             prefetch=prefetch,
-            fused=fused,
-            attention_precision=attention_precision,
         )
 
     def seconds(options, adaln_on_host, resident):
-        return predicted_seconds(
-            cfg, shape, speed, options, adaln_on_host, resident, linears=linears, dtype=dtype, fused=fused,
-            steps=steps, prefetch=prefetch,
-        )  # fmt: skip
+        return predicted_seconds(form, shape, speed, options, adaln_on_host, resident, steps=steps, prefetch=prefetch)
 
     def candidate(name, options, adaln_on_host, resident):
         predicted = peak(options, adaln_on_host, resident)
@@ -404,27 +426,25 @@ def _most_resident(layers: int, fits) -> int | None:
 
 
 def predicted_seconds(
-    cfg,
+    form: ModelForm,
     shape: BlockShape,
     speed: CardSpeed,
     options: LowMemory,
     adaln_on_host: bool,
     resident: int | None,
     *,
-    linears: str = "dtype",
-    dtype: torch.dtype = torch.bfloat16,
-    fused: bool = False,
     steps: int = 50,
     prefetch: int = 1,
 ) -> float:
-    """Predicted seconds of one evaluation on ``speed`` with these choices: the blocks' compute
-    (``speed.seconds`` of ``block_operations``) and its head groups' extra share (``head_group_cost``); each
-    streamed block's copy where the compute of the ``prefetch`` blocks before it does not hide it, and
-    ``STREAM_CONTENTION`` of it where it does; with the AdaLN projections in host memory, their one visit to the
-    device per run, shared by its evaluations (``steps``)."""
-    block = speed.seconds(*block_operations(shape), linears=linears)
-    total = cfg.layers * block * (1 + head_group_cost(options.head_groups, fused))
-    weights = weight_bytes(cfg, dtype, linears=linears)
+    """Predicted seconds of one evaluation of the model ``form`` describes on ``speed`` with these choices: the
+    blocks' compute (``speed.seconds`` of ``block_operations``) and its head groups' extra share
+    (``head_group_cost``); each streamed block's copy where the compute of the ``prefetch`` blocks before it does not
+    hide it, and ``STREAM_CONTENTION`` of it where it does; with the AdaLN projections in host memory, their one
+    visit to the device per run, shared by its evaluations (``steps``)."""
+    cfg = form.cfg
+    block = speed.seconds(*block_operations(shape), linears=form.linears)
+    total = cfg.layers * block * (1 + head_group_cost(options.head_groups, form.fused))
+    weights = weight_bytes(cfg, form.dtype, linears=form.linears)
     if resident is not None and resident < cfg.layers:
         copy = speed.copy_seconds(weights.per_block - (weights.adaln if adaln_on_host else 0))
         hidden = min(copy, prefetch * block)

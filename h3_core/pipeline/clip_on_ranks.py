@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..memory.policy import place_for_run
+from ..memory.policy import RunChoices, place_for_run
 from ..memory.ranks import rank_shares
 from ..parallel.follow import following_solver
 from ..parallel.ulysses import RankGroup
@@ -105,13 +105,10 @@ class ClipOnRanks:
                 model,
                 packed,
                 device,
-                placement=self.placement,
-                memory=self.memory,
+                RunChoices(self.placement, self.memory, request.compile, request.attention_precision),
                 steps=request.steps,
-                compile=request.compile,
                 current=state.get("fitted"),
                 share=shares[rank],
-                attention_precision=request.attention_precision,
             )
             receive_weights(model, device)
             return state["fitted"].options

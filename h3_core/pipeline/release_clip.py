@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..memory.policy import activation_bytes
+from ..memory.predict import ModelForm
 from .geometry import LATENT_PX, audio_latents, latent_frames
 from .packing import PackedSequence, pack_sequence
 
@@ -31,4 +32,5 @@ def release_clip() -> PackedSequence:
 def release_activations(cfg, dtype: torch.dtype, linears: str) -> int:
     """Bytes of activations of one evaluation of the released clip by a DiT of ``cfg`` with nothing given up, on
     the fused path (the one CUDA runs): what ``memory.policy.working_bytes`` gives for that clip."""
-    return activation_bytes(cfg, release_clip(), dtype, linears, fused=True)
+    form = ModelForm(cfg, hybrid=bool(cfg.hybrid), dtype=dtype, linears=linears, fused=True)
+    return activation_bytes(form, release_clip())

@@ -129,7 +129,7 @@ def sample(m, compile, modes=None, check_cancel=None):
     mode the placement runs the blocks in)."""
 
     def fit(packed):
-        fitted = placement.place_for_run(m, packed, "cpu", compile=compile)
+        fitted = placement.place_for_run(m, packed, "cpu", placement.RunChoices(compile=compile))
         if modes is not None:
             modes.append(fitted.options.blocks_fused)
         return fitted.options
@@ -233,7 +233,7 @@ def test_a_bad_compile_mode_is_named():
     with pytest.raises(H3InputError, match=message):
         placement.fuse_for(m, "cpu", "fast")
     with pytest.raises(H3InputError, match=message):
-        placement.place_for_run(m, packed, "cpu", compile="fast")
+        placement.place_for_run(m, packed, "cpu", placement.RunChoices(compile="fast"))
     with pytest.raises(H3InputError, match=message):
         generate(m, PROMPT, ClipRequest(frames=22, width=64, height=32, steps=2, seed=5, compile="fast"))
     with pytest.raises(H3InputError, match=message):
@@ -282,7 +282,7 @@ CHECK = textwrap.dedent(
     prompt = PromptEmbedding(torch.randn(4, 20, generator=torch.Generator().manual_seed(3)), torch.ones(4).long(),
                              features=20)
     def run(compile):
-        fit = lambda packed: placement.place_for_run(m, packed, "cpu", compile=compile).options
+        fit = lambda packed: placement.place_for_run(m, packed, "cpu", placement.RunChoices(compile=compile)).options
         with torch.no_grad():
             return generate(m, prompt, ClipRequest(frames=22, width=64, height=32, steps=2, seed=5, compile=compile),
                             Runner(before_sampling=fit))

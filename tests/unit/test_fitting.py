@@ -3,7 +3,7 @@
 import torch
 
 from h3_core.memory.apply import apply_plan
-from h3_core.memory.predict import BlockShape, evaluation_peak, plan_for_memory
+from h3_core.memory.predict import BlockShape, ModelForm, evaluation_peak, plan_for_memory
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.generate import generate
 from h3_core.pipeline.packing import pack_sequence
@@ -24,6 +24,7 @@ CFG = DiTConfig(
     hybrid=True,
 )
 RUN = dict(frames=22, width=64, height=32, steps=2, seed=5)
+FORM = ModelForm(CFG, hybrid=True, dtype=torch.float64)
 
 
 def model():
@@ -44,11 +45,11 @@ def test_each_kind_of_plan_generates_what_the_plain_model_does():
     prompt = from_conditioning(torch.randn(1, 6, 5120, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
     with torch.no_grad():
         want = generate(model(), prompt, ClipRequest(**RUN))
-    full = evaluation_peak(CFG, shape(), hybrid=True, dtype=torch.float64)["total"]
+    full = evaluation_peak(FORM, shape())["total"]
     budgets = {"roomy": full * 2, "grouped": full * 0.999, "streamed": full * 0.2}
     seen = {}
     for name, budget in budgets.items():
-        plan = plan_for_memory(CFG, shape(), budget, hybrid=True, dtype=torch.float64, steps=RUN["steps"])
+        plan = plan_for_memory(FORM, shape(), budget, steps=RUN["steps"])
         m = model()
         fitted = apply_plan(m, plan, "cpu")
         with torch.no_grad():
@@ -63,7 +64,7 @@ def test_each_kind_of_plan_generates_what_the_plain_model_does():
 
 
 def test_a_plan_that_cannot_fit_says_so():
-    plan = plan_for_memory(CFG, shape(), 1, hybrid=True, dtype=torch.float64)
+    plan = plan_for_memory(FORM, shape(), 1)
     fitted = apply_plan(model(), plan, "cpu")
     assert not plan.fits and "above the" in fitted.said[-1] and "larger card" in fitted.said[-1]
     fitted.remove()

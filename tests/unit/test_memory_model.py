@@ -79,12 +79,12 @@ def test_weight_bytes_are_what_a_built_model_holds(hybrid, linears):
 
 
 def test_evaluation_peak_adds_weights_by_residency():
-    from h3_core.memory.predict import evaluation_peak, weight_bytes
+    from h3_core.memory.predict import ModelForm, evaluation_peak, weight_bytes
 
     cfg = DiTConfig(hybrid=True)
-    shape = release_shape()
-    full = evaluation_peak(cfg, shape, hybrid=True)
-    streamed = evaluation_peak(cfg, shape, hybrid=True, resident_blocks=0, prefetch=1)
+    form, shape = ModelForm(cfg, hybrid=True), release_shape()
+    full = evaluation_peak(form, shape)
+    streamed = evaluation_peak(form, shape, resident_blocks=0, prefetch=1)
     weights = weight_bytes(cfg)
     assert full["weights"] == weights.total
     assert streamed["weights"] == weights.other + 2 * weights.per_block
@@ -93,13 +93,13 @@ def test_evaluation_peak_adds_weights_by_residency():
 
 
 def test_adaln_on_host_trades_the_projections_for_the_run_tables():
-    from h3_core.memory.predict import evaluation_peak, weight_bytes
+    from h3_core.memory.predict import ModelForm, evaluation_peak, weight_bytes
 
     cfg = DiTConfig(hybrid=True)
-    shape = release_shape()
+    form, shape = ModelForm(cfg, hybrid=True), release_shape()
     weights = weight_bytes(cfg)
-    full = evaluation_peak(cfg, shape, hybrid=True)
-    hosted = evaluation_peak(cfg, shape, hybrid=True, adaln_on_host=True, steps=50, timesteps_per_step=2)
+    full = evaluation_peak(form, shape)
+    hosted = evaluation_peak(form, shape, adaln_on_host=True, steps=50, timesteps_per_step=2)
     tables = 50 * 2 * 6 * 3 * cfg.hidden * 2 * cfg.layers
     assert weights.adaln == 260_112_384 * 2 + 6 * 3 * cfg.hidden * 2  # [96768, 2688] weight and its bias, bf16
     assert hosted["weights"] == full["weights"] - weights.adaln * cfg.layers + tables
@@ -107,21 +107,22 @@ def test_adaln_on_host_trades_the_projections_for_the_run_tables():
 
 
 def test_the_plan_takes_the_cheapest_steps_that_fit():
-    from h3_core.memory.predict import evaluation_peak, plan_for_memory
+    from h3_core.memory.predict import ModelForm, evaluation_peak, plan_for_memory
 
     cfg, shape = DiTConfig(hybrid=True), release_shape()
-    roomy = plan_for_memory(cfg, shape, 139 * GiB, hybrid=True)
+    form = ModelForm(cfg, hybrid=True)
+    roomy = plan_for_memory(form, shape, 139 * GiB)
     assert roomy.fits and roomy.steps == () and roomy.resident_blocks is None and roomy.extra_time == "none"
-    plain = evaluation_peak(cfg, shape, hybrid=True)["total"]
-    tight = plan_for_memory(cfg, shape, plain - 1 * GiB, hybrid=True)
+    plain = evaluation_peak(form, shape)["total"]
+    tight = plan_for_memory(form, shape, plain - 1 * GiB)
     assert tight.fits and tight.steps == ("2 head groups, FFN in 32768-row chunks",)
     assert tight.options.head_groups == 2 and not tight.adaln_on_host
-    eighty = plan_for_memory(cfg, shape, 78 * GiB, hybrid=True)  # an 80 GB card less a margin
+    eighty = plan_for_memory(form, shape, 78 * GiB)  # an 80 GB card less a margin
     assert eighty.fits and eighty.adaln_on_host and eighty.resident_blocks is None
-    small = plan_for_memory(cfg, shape, 24 * GiB, hybrid=True)
+    small = plan_for_memory(form, shape, 24 * GiB)
     assert small.fits and small.resident_blocks is not None and small.resident_blocks < cfg.layers
     assert small.steps[-1].endswith("blocks streamed from host memory") and small.predicted["total"] <= 24 * GiB
-    hopeless = plan_for_memory(cfg, shape, 4 * GiB, hybrid=True)
+    hopeless = plan_for_memory(form, shape, 4 * GiB)
     assert not hopeless.fits and hopeless.resident_blocks == 0
 
 
@@ -149,7 +150,7 @@ def test_fused_blocks_are_predicted_within_ten_percent_of_their_measured_peaks()
         assert predicted == pytest.approx(measured, rel=0.10), kind
         assert predicted < block_peaks(shape, hybrid=kind == "hybrid")["block"] / GiB
     # the whole evaluation (weights + the largest block) against the peaks of the full-size model
-    from h3_core.memory.predict import evaluation_peak
+    from h3_core.memory.predict import ModelForm, evaluation_peak
 
     # the current H200 runs: PyTorch only and with FA4, bf16 and fp8 linears
     checked = 0
@@ -158,7 +159,8 @@ def test_fused_blocks_are_predicted_within_ten_percent_of_their_measured_peaks()
         assert step["fused_blocks"] == "compiled" and step["rows"] == shape.rows and step["cap_gib"] is None
         for variant, stats in step["variants"].items():
             linears = "fp8" if variant.startswith("fp8") else "dtype"
-            predicted = evaluation_peak(DiTConfig(hybrid=True), shape, hybrid=True, linears=linears, fused=True)
+            form = ModelForm(DiTConfig(hybrid=True), hybrid=True, linears=linears, fused=True)
+            predicted = evaluation_peak(form, shape)
             assert predicted["total"] / GiB == pytest.approx(stats["peak_gib"], rel=0.10), (name, variant)
             checked += 1
     assert checked == 4
@@ -171,7 +173,7 @@ def test_fused_blocks_are_predicted_within_ten_percent_of_their_measured_peaks()
 
 
 def test_the_serial_branch_is_within_ten_percent_of_its_measured_evaluation():
-    from h3_core.memory.predict import evaluation_peak
+    from h3_core.memory.predict import ModelForm, evaluation_peak
 
     runs = json.loads((RESULTS.parent / "dit_step_branch_stream.json").read_text())
     cfg = DiTConfig(hybrid=True)
@@ -181,12 +183,12 @@ def test_the_serial_branch_is_within_ten_percent_of_its_measured_evaluation():
         run = runs[precision]
         assert shape.rows == run["rows"]
         measured = run["variants"][f"{precision}-decomposed/branch-stream-off"]["peak_gib"]
-        predicted = evaluation_peak(cfg, shape, hybrid=True, linears=linears, fused=True)
+        predicted = evaluation_peak(ModelForm(cfg, hybrid=True, linears=linears, fused=True), shape)
         assert predicted["total"] / GiB == pytest.approx(measured, rel=0.10), precision
 
 
 def test_the_fp8_window_softmax_is_within_ten_percent_of_its_measured_evaluations_and_plans_for_its_buffers():
-    from h3_core.memory.predict import evaluation_peak, plan_for_memory
+    from h3_core.memory.predict import ModelForm, evaluation_peak, plan_for_memory
 
     runs = json.loads((RESULTS.parent / "dit_step_fp8_attention.json").read_text())
     cfg = DiTConfig(hybrid=True)
@@ -198,22 +200,22 @@ def test_the_fp8_window_softmax_is_within_ten_percent_of_its_measured_evaluation
         for name, stats in run["variants"].items():
             if "branch-stream-on" in name:
                 continue  # the branch on a second stream, a path the pack no longer has
-            predicted = evaluation_peak(
+            form = ModelForm(
                 cfg,
-                shape,
                 hybrid=True,
                 linears="fp8" if name.startswith("fp8") else "dtype",
                 fused=True,
                 attention_precision=stats["attention_precision"],
             )
+            predicted = evaluation_peak(form, shape)
             assert predicted["total"] / GiB == pytest.approx(stats["peak_gib"], rel=0.10), name
             checked += 1
     assert checked == 5
     # a budget the exact softmax fits and the fp8 one does not: only the fp8 run gives something up
-    kind = dict(hybrid=True, linears="fp8", fused=True)
-    exact, fp8 = (evaluation_peak(cfg, shape, **kind, attention_precision=p)["total"] for p in ("bf16", "fp8"))
+    forms = {p: ModelForm(cfg, hybrid=True, linears="fp8", fused=True, attention_precision=p) for p in ("bf16", "fp8")}
+    exact, fp8 = (evaluation_peak(forms[p], shape)["total"] for p in ("bf16", "fp8"))
     assert fp8 > exact
     budget = (exact + fp8) / 2
-    assert plan_for_memory(cfg, shape, budget, **kind).steps == ()
-    fitted = plan_for_memory(cfg, shape, budget, **kind, attention_precision="fp8")
+    assert plan_for_memory(forms["bf16"], shape, budget).steps == ()
+    fitted = plan_for_memory(forms["fp8"], shape, budget)
     assert fitted.steps and fitted.predicted["total"] <= budget

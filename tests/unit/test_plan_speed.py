@@ -13,6 +13,7 @@ import torch
 from h3_core.memory.predict import (
     HEAD_GROUP_LEVELS,
     BlockShape,
+    ModelForm,
     evaluation_peak,
     head_group_cost,
     plan_for_memory,
@@ -26,6 +27,8 @@ from h3_core.pipeline.packing import pack_sequence
 
 GiB = 2**30
 CFG = DiTConfig(hybrid=True)
+FP8 = ModelForm(CFG, hybrid=True, linears="fp8", fused=True)  # fused blocks, fp8 linears
+STEPS = 8
 # One card of each compute capability, as torch.cuda.get_device_properties reports it (boost clocks), with the
 # host copy rate of its usual bus.
 CARDS = {
@@ -75,17 +78,16 @@ def test_the_ops_of_a_release_block(release):
     assert attention == 4 * inner * (102 * 1008 * release.attended_rows + 1450 * rows)
 
 
-def brute_force(shape, budget, card, **kind):
+def brute_force(shape, budget, card):
     """The quickest fitting choice by trying every one."""
     best = None
     for (_, options), adaln, resident in itertools.product(
         HEAD_GROUP_LEVELS, (False, True), [None, *range(CFG.layers)]
     ):
-        peak = evaluation_peak(CFG, shape, options, hybrid=True, adaln_on_host=adaln, resident_blocks=resident,
-                               linears=kind["linears"], fused=kind["fused"], steps=kind["steps"])  # fmt: skip
+        peak = evaluation_peak(FP8, shape, options, adaln_on_host=adaln, resident_blocks=resident, steps=STEPS)
         if peak["total"] > budget:
             continue
-        seconds = predicted_seconds(CFG, shape, card, options, adaln, resident, **kind)
+        seconds = predicted_seconds(FP8, shape, card, options, adaln, resident, steps=STEPS)
         if best is None or seconds < best[0] - 1e-12:
             best = (seconds, options, adaln, resident)
     return best
@@ -94,40 +96,41 @@ def brute_force(shape, budget, card, **kind):
 @pytest.mark.parametrize("card", list(CARDS))
 @pytest.mark.parametrize("gib", [32, 24, 16, 12])
 def test_the_plan_is_the_quickest_that_fits(release, card, gib):
-    kind = dict(linears="fp8", fused=True, steps=8)
     budget = gib * GiB * 0.9
-    plan = plan_for_memory(CFG, release, budget, hybrid=True, speed=CARDS[card], **kind)
-    want = brute_force(release, budget, CARDS[card], **kind)
+    plan = plan_for_memory(FP8, release, budget, steps=STEPS, speed=CARDS[card])
+    want = brute_force(release, budget, CARDS[card])
     assert plan.fits and want is not None
-    got = predicted_seconds(CFG, release, CARDS[card], plan.options, plan.adaln_on_host, plan.resident_blocks, **kind)
+    got = predicted_seconds(
+        FP8, release, CARDS[card], plan.options, plan.adaln_on_host, plan.resident_blocks, steps=STEPS
+    )
     assert got == pytest.approx(want[0], rel=1e-12)
     assert f"predicted {got:.2f} s per evaluation" in plan.extra_time and CARDS[card].name in plan.extra_time
 
 
 def test_streaming_blocks_is_taken_before_more_head_groups_where_the_compute_hides_the_copies(release):
-    kind = dict(linears="fp8", fused=True, steps=8)
-    uncapped = predicted_seconds(CFG, release, H100, LowMemory(), False, None, **kind)
+    uncapped = predicted_seconds(FP8, release, H100, LowMemory(), False, None, steps=STEPS)
     for gib in (24, 16):
-        plan = plan_for_memory(CFG, release, gib * GiB * 0.9, hybrid=True, speed=H100, **kind)
+        plan = plan_for_memory(FP8, release, gib * GiB * 0.9, steps=STEPS, speed=H100)
         assert plan.options.head_groups <= 2 and plan.resident_blocks is not None, plan.steps
         assert plan.steps[-1].endswith("blocks streamed from host memory")
-        seconds = predicted_seconds(CFG, release, H100, plan.options, plan.adaln_on_host, plan.resident_blocks, **kind)
+        seconds = predicted_seconds(
+            FP8, release, H100, plan.options, plan.adaln_on_host, plan.resident_blocks, steps=STEPS
+        )
         assert seconds <= 1.05 * uncapped
 
 
 def test_a_slow_bus_makes_streaming_cost_what_the_compute_does_not_hide(release):
-    kind = dict(linears="fp8", fused=True, steps=8)
     slow = CardSpeed.of(H100.name, H100.capability, 132, 1.98e9, 1e9)
     options, streamed = LowMemory(ffn_chunk_rows=32768, head_groups=2), 10
-    fast_s = predicted_seconds(CFG, release, H100, options, False, CFG.layers - streamed, **kind)
-    slow_s = predicted_seconds(CFG, release, slow, options, False, CFG.layers - streamed, **kind)
+    fast_s = predicted_seconds(FP8, release, H100, options, False, CFG.layers - streamed, steps=STEPS)
+    slow_s = predicted_seconds(FP8, release, slow, options, False, CFG.layers - streamed, steps=STEPS)
     block = H100.seconds(*block_operations(release), linears="fp8")
     copy = slow.copy_seconds(weight_bytes(CFG, linears="fp8").per_block)
     assert copy > block  # a block's copy at 1 GB/s outlasts its compute
     assert slow_s - fast_s >= streamed * (copy - block)
     # so on the slow bus the plan streams fewer blocks, and gives up more of something else
-    fast = plan_for_memory(CFG, release, 24 * GiB * 0.9, hybrid=True, speed=H100, **kind)
-    slow_plan = plan_for_memory(CFG, release, 24 * GiB * 0.9, hybrid=True, speed=slow, **kind)
+    fast = plan_for_memory(FP8, release, 24 * GiB * 0.9, steps=STEPS, speed=H100)
+    slow_plan = plan_for_memory(FP8, release, 24 * GiB * 0.9, steps=STEPS, speed=slow)
     assert slow_plan.fits and slow_plan.resident_blocks > fast.resident_blocks
     assert (slow_plan.options.head_groups, slow_plan.adaln_on_host) > (fast.options.head_groups, fast.adaln_on_host)
 
@@ -140,5 +143,5 @@ def test_head_groups_between_two_measured_levels_cost_between_them():
 
 
 def test_resident_placement_never_streams(release):
-    plan = plan_for_memory(CFG, release, 40 * GiB, hybrid=True, linears="fp8", fused=True, steps=8, streaming=False)
+    plan = plan_for_memory(FP8, release, 40 * GiB, steps=STEPS, streaming=False)
     assert plan.resident_blocks is None and not any("streamed" in s for s in plan.steps)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from h3_core.memory.policy import decide_placement
-from h3_core.memory.predict import BlockShape, plan_for_memory
+from h3_core.memory.predict import BlockShape, ModelForm, plan_for_memory
 from h3_core.memory.ranks import rank_peaks, rank_shares
 from h3_core.models.dit import DiTConfig, H3DiT
 from h3_core.pipeline.geometry import audio_latents, latent_frames
@@ -76,21 +76,21 @@ def test_a_softmax_rank_holds_the_fp8_buffers_on_its_heads_and_a_branch_rank_non
 
 def test_the_policy_plans_a_ranks_share_where_the_whole_sequence_would_give_things_up():
     with torch.device("meta"):
-        model = H3DiT(CFG).to(torch.bfloat16)
+        form = ModelForm.of(H3DiT(CFG).to(torch.bfloat16))
     packed = release_packed()
     share = rank_shares(CFG, int(packed.positions.shape[0]), 8)[0]
     shape = BlockShape.of(CFG, packed)
     rank_total = rank_peaks(CFG, shape, share, fused=False)["total"]
     free = int(rank_total / 0.9) + GiB  # room for the rank's share, not for the whole sequence's activations
-    whole = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=free, steps=8)
-    ranked = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=free, steps=8, share=share)
+    whole = decide_placement(form, packed, placement="auto", memory="auto", free_bytes=free, steps=8)
+    ranked = decide_placement(form, packed, placement="auto", memory="auto", free_bytes=free, steps=8, share=share)
     assert whole.steps and ranked.fits and ranked.resident_blocks is None and ranked.options.head_groups == 1
     assert "rank 0's share" in ranked.steps[0]
     # room for the most given up, not for the rank's share with nothing given up: the whole sequence's plan
-    least = plan_for_memory(CFG, shape, 1, hybrid=bool(CFG.hybrid), steps=8).predicted["total"]
+    least = plan_for_memory(form, shape, 1, steps=8).predicted["total"]
     room = int(least / 0.9) + GiB
     assert room * 0.9 < rank_total
-    tight = decide_placement(model, packed, placement="auto", memory="auto", free_bytes=room, steps=8, share=share)
+    tight = decide_placement(form, packed, placement="auto", memory="auto", free_bytes=room, steps=8, share=share)
     assert (
-        tight.steps == decide_placement(model, packed, placement="auto", memory="auto", free_bytes=room, steps=8).steps
+        tight.steps == decide_placement(form, packed, placement="auto", memory="auto", free_bytes=room, steps=8).steps
     )
