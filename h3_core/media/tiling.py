@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..errors import H3InputError, is_out_of_memory
 from ..parallel.spread import spread_in_order
-from ..triton_forms import CompiledForm, check_compile, compiles_on
+from ..triton_forms import check_compile, compiles_on
 from .host_frames import empty_frames
 from .host_sink import HostSink
 
@@ -524,18 +524,15 @@ def decode_video(
         )
 
 
-# The fallback of the decoder blocks' compiled halves, which every VAE shares (``video_vae.compiled_blocks``).
-DECODER_COMPILED = CompiledForm("compiling the video decoder's blocks failed", "decoding eagerly")
-
-
 def _decoder(vae, overrides, compiled: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """``decode_tiled``'s ``decode``: ``vae.decode_tiles`` with the blocks compiled when ``compiled`` and they
     have not failed before, else eager with no Triton kernel (``triton_forms.plain_path``). A batch whose
     compiled blocks fail to compile or launch is decoded again eagerly (the decode writes nothing in place
-    outside itself), one line naming the cause is logged, and every later batch and decode runs eagerly."""
+    outside itself), one line naming the cause is logged, and every later batch and decode of ``vae`` runs
+    eagerly (``vae.compiled_form``)."""
 
     def decode(tiles):
-        return DECODER_COMPILED.run(
+        return vae.compiled_form.run(
             lambda: vae.decode_tiles(tiles, overrides, compiled=True),
             lambda: vae.decode_tiles(tiles, overrides),
             allowed=compiled,

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.vae import vae_attention
-from ..triton_forms import guarded, runs_here, triton_form
+from ..triton_forms import CompiledForm, guarded, runs_here, triton_form
 from .latent_stats import LatentStats
 
 __all__ = [
@@ -414,6 +414,8 @@ class VideoVAE(LatentStats, nn.Module):
     def __init__(self, cfg: VideoVAEConfig = VideoVAEConfig()):
         super().__init__()
         self.cfg = cfg
+        # the fallback of this VAE's compiled decoder blocks: a failure sends its later decodes eager
+        self.compiled_form = CompiledForm("compiling the video decoder's blocks failed", "decoding eagerly")
         self.encoder = Encoder3d(cfg)
         self.quant_conv = nn.Conv3d(2 * cfg.latent_channels, 2 * cfg.latent_channels, 1)
         self.post_quant_conv = nn.Conv3d(cfg.latent_channels, cfg.latent_channels, 1)
