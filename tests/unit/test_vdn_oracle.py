@@ -442,8 +442,8 @@ INTERPRETED = textwrap.dedent(
 
     used = set()
     kernel_for = branch_fused.triton_kernel
-    def recorded(name):
-        kernel = kernel_for(name)
+    def recorded(name, device):
+        kernel = kernel_for(name, device)
         if kernel is not None:
             used.add(name)
         return kernel
