@@ -107,7 +107,7 @@ class H3DiTPatcher(comfy.model_patcher.ModelPatcher):
         room = self._room_with_own_weights(_host.device_budget(device, keep=(self,)))
         free_bytes = int(room * placement.room_share)
         plan = decide_placement(
-            ModelForm.of(self.model, fused, run.attention_precision),
+            ModelForm.of(self.model, fused, run.attention_precision, device),
             run.packed,
             placement=placement.offload,
             memory=run.memory,

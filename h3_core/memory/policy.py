@@ -209,7 +209,7 @@ def place_for_run(
         free_bytes = torch.cuda.mem_get_info(device)[0]
     free_bytes += _bytes_on(model, device)  # a model left on the device by the last run is counted in the plan
     plan = decide_placement(
-        ModelForm.of(model, fused, choices.attention_precision),
+        ModelForm.of(model, fused, choices.attention_precision, device),
         packed,
         placement=choices.placement,
         memory=choices.memory,

@@ -42,12 +42,14 @@ from ..attention.window import check_precision
 from ..errors import H3InputError
 from ..formats.checkpoints import LINEARS
 from ..models.dit import MODALITIES, DiTConfig
+from ..models.fp8_linear import device_linear_form
 from ..models.hybrid import RELEASE_WINDOW
 from ..models.low_memory import LowMemory
 from .speed import H100, CardSpeed, block_operations
 
 __all__ = [
     "ModelForm",
+    "WEIGHTS_ONLY",
     "BlockShape",
     "block_peaks",
     "ROTATE_TEMPS",
@@ -80,10 +82,16 @@ FUSED_BRANCH_BUFFERS = {1: 3.10, "grouped": 5.71}
 FP8_SOFTMAX_TEMPS = 1.81
 
 
+# fp8 layers on a card without fp8 tensor cores: one byte a weight held, each layer's weight dequantised into the
+# compute dtype as it runs (``fp8_linear.fp8_linear_weights_only``), the activations never quantised
+WEIGHTS_ONLY = "fp8 weights only"
+
+
 @dataclass(frozen=True)
 class ModelForm:
     """The model as it will be evaluated: its ``cfg``, whether its blocks are ``hybrid`` (VDN-H3's), its weights'
-    ``dtype``, its ``linears`` (``"dtype"``, or ``"fp8"``: the fp8 layers), whether the blocks run ``fused``
+    ``dtype``, its ``linears`` (``"dtype"``; ``"fp8"``: the fp8 layers; ``WEIGHTS_ONLY``: fp8 layers on a card
+    that multiplies them in ``dtype``, ``fp8_linear.linear_form``), whether the blocks run ``fused``
     (``models.block_fused``) and the window softmax's ``attention_precision``. Made, it has been checked: a
     ``linears`` or ``attention_precision`` outside what is allowed raises ``H3InputError`` naming it."""
 
@@ -95,20 +103,24 @@ class ModelForm:
     attention_precision: str = "bf16"
 
     def __post_init__(self):
-        if self.linears not in LINEARS:
-            raise H3InputError(f"linears: must be one of {list(LINEARS)}, got {self.linears!r}")
+        if self.linears not in (*LINEARS, WEIGHTS_ONLY):
+            raise H3InputError(f"linears: must be one of {[*LINEARS, WEIGHTS_ONLY]}, got {self.linears!r}")
         check_precision(self.attention_precision)
 
     @classmethod
-    def of(cls, model, fused: bool | str | None = False, attention_precision: str = "bf16") -> "ModelForm":
-        """A loaded ``H3DiT`` as it holds its weights (fp8 layers or not, their compute dtype); ``fused``: whether,
-        or the mode in which (``policy.fuse_for``), its blocks run fused."""
+    def of(cls, model, fused: bool | str | None = False, attention_precision: str = "bf16", device=None) -> "ModelForm":
+        """A loaded ``H3DiT`` as it holds its weights (fp8 layers or not, their compute dtype) and as it will
+        multiply them on ``device`` (given: its fp8 layers ``WEIGHTS_ONLY`` on a card without fp8 matmuls);
+        ``fused``: whether, or the mode in which (``policy.fuse_for``), its blocks run fused."""
         fc2 = model.blocks[0].mlp.fc2
+        linears = "fp8" if getattr(model, "fp8_layers", None) else "dtype"
+        if linears == "fp8" and device is not None and device_linear_form(device) == "weights only":
+            linears = WEIGHTS_ONLY
         return cls(
             model.cfg,
             hybrid=bool(model.cfg.hybrid),
             dtype=getattr(fc2, "compute_dtype", None) or fc2.weight.dtype,
-            linears="fp8" if getattr(model, "fp8_layers", None) else "dtype",
+            linears=linears,
             fused=bool(fused),
             attention_precision=attention_precision,
         )
@@ -186,6 +198,9 @@ def block_peaks(
     chunk = T if options.ffn_chunk_rows is None else min(T, options.ffn_chunk_rows)
     fc2_out = (chunk * shape.hidden * e + D) if chunk < T else D
     ffn = 2 * D + 2 * chunk * shape.ffn * e + fc2_out
+    if linears == WEIGHTS_ONLY:  # each layer's weight dequantised while it runs: qkv_proj's, fc1's the largest
+        attention += 3 * shape.inner * shape.hidden * e
+        ffn += 2 * shape.ffn * shape.hidden * e
     return dict(attention=attention, ffn=ffn, block=max(attention, ffn))
 
 
@@ -222,7 +237,7 @@ def weight_bytes(cfg, dtype: torch.dtype = torch.bfloat16, *, linears: str = "dt
         parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
         if keeps_fp32(name, curve):
             return tensor.numel() * 4
-        if linears == "fp8" and parent in FP8_LAYERS and name.endswith(".weight") and tensor.dim() == 2:
+        if linears in ("fp8", WEIGHTS_ONLY) and parent in FP8_LAYERS and name.endswith(".weight") and tensor.dim() == 2:
             return tensor.numel() + tensor.shape[0] * 4
         return tensor.numel() * element
 

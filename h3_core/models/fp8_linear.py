@@ -58,6 +58,7 @@ __all__ = [
     "fp8_linear_weights_only",
     "FP8_MATMUL_CAPABILITY",
     "linear_form",
+    "device_linear_form",
     "reads_quantized_rows",
     "quantize_linears",
     "quantize_rows",
@@ -221,6 +222,11 @@ def _device_form(device: torch.device) -> str:
     if device.type != "cuda":
         return linear_form(None)
     return linear_form(torch.cuda.get_device_capability(device))
+
+
+def device_linear_form(device: torch.device | str) -> str:
+    """``linear_form`` of ``device``'s card (``"reference"`` off CUDA)."""
+    return _device_form(torch.device(device))
 
 
 def reads_quantized_rows(layer: nn.Module, device: torch.device) -> bool:

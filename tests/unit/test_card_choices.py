@@ -155,3 +155,31 @@ def test_the_table_refuses_a_kernel_it_does_not_know():
         launch_table.Architecture(dropped=frozenset({"swiglu"}))
     with pytest.raises(ValueError, match="no kernel named"):
         launch_table.launch("swiglu", (9, 0))
+
+
+def test_the_memory_plan_counts_an_fp8_layer_on_a_card_without_fp8_matmuls_as_it_runs_there(monkeypatch):
+    """One byte a weight held, no quantised activations, and each layer's weight dequantised while it runs."""
+    from h3_core.memory.predict import WEIGHTS_ONLY, BlockShape, ModelForm, block_peaks, weight_bytes
+    from h3_core.models.dit import DiTConfig, H3DiT
+    from h3_core.models.low_memory import LowMemory
+    from h3_core.pipeline.packing import pack_sequence
+
+    cfg = DiTConfig(hidden=64, heads=4, head_dim=16, ffn=96, layers=2, refiner_layers=1, hybrid=True)
+    model = H3DiT(cfg)
+    model.fp8_layers = {"blocks.0.mlp.fc1": "quantised here"}
+    cpu = torch.device("cpu")
+    assert ModelForm.of(model).linears == "fp8" and ModelForm.of(model, device=cpu).linears == "fp8"
+    monkeypatch.setattr(fp8_linear, "_device_form", lambda device: "weights only")
+    form = ModelForm.of(model, device=cpu)
+    assert form.linears == WEIGHTS_ONLY and ModelForm.of(model).linears == "fp8"
+    assert weight_bytes(cfg, linears=WEIGHTS_ONLY) == weight_bytes(cfg, linears="fp8")
+    shape = BlockShape.of(cfg, pack_sequence(torch.ones(12, dtype=torch.long), 5, 4, 6, 20))
+    e = shape.element
+    for groups in (1, 2):
+        options = LowMemory(head_groups=groups)
+        fp8 = block_peaks(shape, options, hybrid=True, linears="fp8")
+        plain = block_peaks(shape, options, hybrid=True, linears="dtype")
+        weights_only = block_peaks(shape, options, hybrid=True, linears=WEIGHTS_ONLY)
+        assert weights_only["ffn"] == plain["ffn"] + 2 * shape.ffn * shape.hidden * e
+        assert weights_only["attention"] == plain["attention"] + 3 * shape.inner * shape.hidden * e
+        assert fp8["attention"] >= plain["attention"]  # fp8's own: the quantised projection input with groups

@@ -45,7 +45,7 @@ def test_each_takes_a_handful_of_parameters(function):
 @pytest.mark.parametrize(
     "given, message",
     [
-        (dict(linears="int4"), r"linears: must be one of \['dtype', 'fp8'\], got 'int4'"),
+        (dict(linears="int4"), r"linears: must be one of \['dtype', 'fp8', 'fp8 weights only'\], got 'int4'"),
         (dict(attention_precision="fp16"), r"attention_precision: must be one of \['bf16', 'fp8'\], got 'fp16'"),
     ],
 )
