@@ -5,8 +5,8 @@ row, and whether a key row is an anchor column), so one compiled kernel serves e
 same length. Block masks are cached (bounded LRU) by geometry, block size and device.
 
 On CUDA with Triton the kernel (and the block mask) is compiled once per shape; when flash-attn-4 is
-importable on sm90+ it runs through flex's FLASH backend (FA4), falling back to Triton for the rest of the
-process if FLASH fails, and to eager flex for the rest of the process if compiling fails (one line logged).
+importable on sm90+ it runs through flex's FLASH backend (FA4), falling back to Triton if FLASH fails and to eager
+flex if compiling fails, from then on (one line logged): what the process's ``FlexKernel`` has learnt.
 On other devices, and on the plain path (``triton_forms.plain_path``: the user's ``compile="off"``), flex runs
 eagerly (it materialises the scores: fine for tests, not for long sequences). Dynamo's recompile limit is
 raised only around the compiled calls.

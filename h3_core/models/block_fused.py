@@ -14,7 +14,7 @@ same arithmetic op by op); ``None`` the plain path.
 
 A compiled function or Triton kernel that fails to compile or launch raises ``CompileFailure``; the evaluation —
 which writes in place only into tensors it made itself, never into its inputs — runs again from its inputs on the
-plain path (``run_options.Evaluations``), and the model stays there for the rest of the process.
+plain path (``run_options.Evaluations``), and the model stays there from then on (its ``compiled_form``).
 """
 
 from __future__ import annotations
