@@ -47,6 +47,7 @@ __all__ = [
     "TRITON_MODULES",
     "import_compilers",
     "launch_once",
+    "capability_of",
 ]
 
 COMPILE_MODES = ("auto", "off")
@@ -160,7 +161,12 @@ def triton_form(module, attribute: str, device: torch.device | str):
     and where that table does not run the kernel."""
     if _plain.get() or module is None:
         return None
-    return _launched(module, attribute, _capability(torch.device(device)))
+    return _launched(module, attribute, capability_of(device))
+
+
+def capability_of(device: torch.device | str) -> tuple[int, int] | None:
+    """``device``'s compute capability; None off CUDA."""
+    return _capability(torch.device(device))
 
 
 @functools.cache

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import H3InputError
-from ..triton_forms import runs_here, triton_form
+from ..triton_forms import capability_of, runs_here, triton_form
 
 try:  # Triton is optional: without it the plain forms run
     from . import fp8_triton
@@ -198,14 +198,18 @@ def fp8_linear_weights_only(
     ``[out, in]`` buffer of ``out_dtype`` (e4m3 codes are exact in bf16 and fp16; the product with the fp32 scale
     is rounded once) and ``x`` taken as it is (rows that come quantised are dequantised first)."""
     if isinstance(x, QuantizedRows):
-        x = torch.mul(x.codes.to(out_dtype), x.scale, out=torch.empty(x.codes.shape, dtype=out_dtype, device=x.device))
-        lead = None
+        lead, rows = x.lead, _dequantized(x.codes, x.scale, out_dtype)
     else:
-        lead, x = tuple(x.shape[:-1]), x.reshape(-1, x.shape[-1]).to(out_dtype)
-    dense = weight.to(out_dtype)
-    torch.mul(dense, weight_scale.float()[:, None], out=dense)
-    y = F.linear(x, dense, None if bias is None else bias.to(out_dtype))
-    return y if lead is None else y.reshape(*lead, weight.shape[0])
+        lead, rows = tuple(x.shape[:-1]), x.reshape(-1, x.shape[-1]).to(out_dtype)
+    dense = _dequantized(weight, weight_scale.float()[:, None], out_dtype)
+    y = F.linear(rows, dense, None if bias is None else bias.to(out_dtype))
+    return y.reshape(*lead, weight.shape[0])
+
+
+def _dequantized(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes · scale`` (fp32 scale, broadcast) in ``dtype``, computed in fp32 and rounded once, in one buffer."""
+    dense = codes.to(dtype)
+    return torch.mul(dense, scale, out=dense)
 
 
 def linear_form(capability: tuple[int, int] | None) -> str:
@@ -217,23 +221,20 @@ def linear_form(capability: tuple[int, int] | None) -> str:
     return "fp8" if tuple(capability) >= FP8_MATMUL_CAPABILITY else "weights only"
 
 
-@functools.cache
-def _device_form(device: torch.device) -> str:
-    if device.type != "cuda":
-        return linear_form(None)
-    return linear_form(torch.cuda.get_device_capability(device))
+def _device_form(device: torch.device | str) -> str:
+    return linear_form(capability_of(device))
 
 
 def device_linear_form(device: torch.device | str) -> str:
     """``linear_form`` of ``device``'s card (``"reference"`` off CUDA)."""
-    return _device_form(torch.device(device))
+    return _device_form(device)
 
 
 def reads_quantized_rows(layer: nn.Module, device: torch.device) -> bool:
     """Whether ``layer`` takes its input quantised per row (``QuantizedRows``) on ``device``: an ``Fp8Linear``,
     except on a card that multiplies it in its compute dtype (``linear_form`` "weights only"), whose
     activations are never quantised."""
-    return isinstance(layer, Fp8Linear) and _device_form(torch.device(device)) != "weights only"
+    return isinstance(layer, Fp8Linear) and device_linear_form(device) != "weights only"
 
 
 @functools.cache
