@@ -2,6 +2,7 @@
 sm120): how an fp8 layer multiplies (``fp8_linear.linear_form``: the cards without fp8 tensor cores keep the codes
 and multiply in bf16), and which hand-written kernels run with which launch (``launch_table``)."""
 
+import dataclasses
 import importlib
 import inspect
 import re
@@ -159,12 +160,14 @@ def test_the_table_refuses_a_kernel_it_does_not_know():
 
 def test_the_memory_plan_counts_an_fp8_layer_on_a_card_without_fp8_matmuls_as_it_runs_there(monkeypatch):
     """One byte a weight held, no quantised activations, and each layer's weight dequantised while it runs."""
+    from tiny_dit import CFG
+
     from h3_core.memory.predict import WEIGHTS_ONLY, BlockShape, ModelForm, block_peaks, weight_bytes
-    from h3_core.models.dit import DiTConfig, H3DiT
+    from h3_core.models.dit import H3DiT
     from h3_core.models.low_memory import LowMemory
     from h3_core.pipeline.packing import pack_sequence
 
-    cfg = DiTConfig(hidden=64, heads=4, head_dim=16, ffn=96, layers=2, refiner_layers=1, hybrid=True)
+    cfg = dataclasses.replace(CFG, hybrid=True)
     model = H3DiT(cfg)
     model.fp8_layers = {"blocks.0.mlp.fc1": "quantised here"}
     cpu = torch.device("cpu")

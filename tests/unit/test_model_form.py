@@ -3,29 +3,19 @@ evaluated travels as one ``ModelForm`` (h3_core.memory.predict), the user's choi
 (h3_core.memory.policy); both are checked when made."""
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
+from tiny_dit import CFG as TINY
 
 from h3_core.errors import H3InputError
 from h3_core.memory import policy, predict
 from h3_core.memory.predict import ModelForm
-from h3_core.models.dit import DiTConfig, H3DiT
+from h3_core.models.dit import H3DiT
 from h3_core.models.fp8_linear import quantize_linears
 
-CFG = DiTConfig(
-    hidden=64,
-    layers=2,
-    heads=4,
-    head_dim=16,
-    ffn=96,
-    text_dim=32,
-    freq_dim=16,
-    time_hidden=24,
-    time_embed=20,
-    rope_freqs=2,
-    hybrid=True,
-)
+CFG = replace(TINY, hybrid=True)
 
 
 @pytest.mark.parametrize(
