@@ -72,25 +72,23 @@ class CompileFailure(RuntimeError):
 
 class CompiledForm:
     """The fallback of one compiled form, kept by whatever owns that form (a model, a patch, a module's compiled
-    function): ``run(compiled, plain)`` returns ``compiled()`` until it raises ``CompileFailure``; that call then
-    runs again as ``plain()`` inside ``plain_path`` (a failed attempt wrote only its own intermediates), one
-    warning says ``failed_said (cause); then_said from now on``, and every later ``run`` is plain."""
+    function). The owner runs its compiled form where ``tries(allowed)`` says so; a ``CompileFailure`` it raises is
+    handed to ``fell_back``, which says once ``failed_said (cause); then_said from now on``, and the owner runs the
+    call again as its plain form inside ``plain_path()`` (a failed attempt wrote only its own intermediates); every
+    later call is plain."""
 
     def __init__(self, failed_said: str, then_said: str):
         self.failed_said, self.then_said = failed_said, then_said
         self.failed = False
 
-    def run(self, compiled, plain, allowed: bool = True):
-        """``compiled()`` where ``allowed`` and it has not failed before, else (or when it fails now) ``plain()``
-        on the plain path."""
-        if allowed and not self.failed:
-            try:
-                return compiled()
-            except CompileFailure as failure:
-                self.failed = True
-                log.warning("%s (%s); %s from now on", self.failed_said, failure.describe(), self.then_said)
-        with plain_path():
-            return plain()
+    def tries(self, allowed: bool = True) -> bool:
+        """Whether the compiled form runs now: ``allowed`` and it has not failed before."""
+        return allowed and not self.failed
+
+    def fell_back(self, failure: CompileFailure) -> None:
+        """The compiled form raised ``failure``: remembered, and said once."""
+        self.failed = True
+        log.warning("%s (%s); %s from now on", self.failed_said, failure.describe(), self.then_said)
 
 
 def check_compile(compile: str) -> str:

@@ -175,8 +175,8 @@ def video_latent_format():
 class PreviewProgress(Progress):
     """The progress bar with a live preview per step, made by the host's own previewer for H3's video latent
     (``latent_preview.get_previewer``: none when the user runs with previews off, a TAE where the host has one
-    and the user chose it, else the latent→RGB map). ``steps`` progress and ``preview`` frames come from
-    ``h3_core.pipeline.sampler.denoise``; with a previewer the preview call moves the bar, once per step."""
+    and the user chose it, else the latent→RGB map). ``h3_core.pipeline.sampler.denoise`` reports each step once:
+    through ``on_progress`` without a previewer, through ``on_step`` (the frame with it) with one."""
 
     def __init__(self, total: int, device):
         import latent_preview
@@ -184,13 +184,14 @@ class PreviewProgress(Progress):
         super().__init__(total)
         self.previewer = latent_preview.get_previewer(device, video_latent_format())
 
-    def __call__(self, done: int, total: int) -> None:
-        if self.previewer is None:
-            super().__call__(done, total)
-
     def preview(self, done: int, total: int, frame) -> None:
         image = self.previewer.decode_latent_to_preview_image("JPEG", frame[None])
         self.bar.update_absolute(done, total, image)
+
+    @property
+    def on_progress(self):
+        """The ``progress`` callback for ``generate``: None where ``on_step`` moves the bar."""
+        return self if self.previewer is None else None
 
     @property
     def on_step(self):

@@ -351,7 +351,7 @@ class H3Sampler(io.ComfyNode):
         )
         runner = Runner(
             device=model.load_device,
-            progress=progress,
+            progress=progress.on_progress,
             preview=progress.on_step,
             check_cancel=_host.check_cancel,
             before_sampling=fit,

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..triton_forms import CompiledForm, compiles_on, compiling, guarded
+from ..triton_forms import CompiledForm, CompileFailure, compiles_on, compiling, guarded, plain_path
 from ._lru import BoundedLRU
 from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
 
@@ -101,14 +101,15 @@ def build_window_block_mask(layout: SequenceLayout, window: WindowSpec, device, 
     function where flex is compiled (``_compiles``) and ``kernel`` (the process's ``FLEX`` by default) has not
     failed to compile."""
     device = torch.device(device)
-
-    def compiled():
-        with _recompile_limit():
-            return _block_mask(layout, window, device, block_size, True)
-
-    return (kernel or FLEX).compiled_form.run(
-        compiled, lambda: _block_mask(layout, window, device, block_size, False), allowed=_compiles(device)
-    )
+    form = (kernel or FLEX).compiled_form
+    if form.tries(_compiles(device)):
+        try:
+            with _recompile_limit():
+                return _block_mask(layout, window, device, block_size, True)
+        except CompileFailure as failure:
+            form.fell_back(failure)
+    with plain_path():
+        return _block_mask(layout, window, device, block_size, False)
 
 
 def _block_mask(layout: SequenceLayout, window: WindowSpec, device: torch.device, block_size, compiled: bool):
@@ -177,19 +178,17 @@ class FlexKernel:
 
     def run(self, q4, k4, v4, mask, scale, device):
         """``(output, which kernel ran it)``."""
-
-        def compiled():
-            if self._compiled is None:
-                self._compiled = torch.compile(_flex(), dynamic=False)
-            with _recompile_limit():
-                return self._run_compiled(q4, k4, v4, mask, scale, device)
-
-        def eager():
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-                return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"
-
-        return self.compiled_form.run(compiled, eager, allowed=_compiles(device))
+        if self.compiled_form.tries(_compiles(device)):
+            try:
+                if self._compiled is None:
+                    self._compiled = torch.compile(_flex(), dynamic=False)
+                with _recompile_limit():
+                    return self._run_compiled(q4, k4, v4, mask, scale, device)
+            except CompileFailure as failure:
+                self.compiled_form.fell_back(failure)
+        with plain_path(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"
 
     def _run_compiled(self, q4, k4, v4, mask, scale, device):
         if self.flash_usable(device):

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import H3InputError, is_out_of_memory
-from ..triton_forms import plain_path
+from ..triton_forms import CompileFailure, plain_path
 from .branch_fused import FUSED_MODES
 from .dit import Attention
 from .options import PLAIN, RunOptions
@@ -90,14 +90,18 @@ class Evaluations:
     def _once(self, args, kwargs):
         model, run = self.model, self.run
         form = getattr(model, "compiled_form", None)
-        if form is None:  # a callable of the model's inputs: nothing of its own to fuse or fall back from
+        if form is None:  # a callable of the model's inputs: nothing of its own to fuse, fall back from or cancel
+            if run.check_cancel is not None:
+                run.check_cancel()
             with plain_path(self.compile != "auto"):
                 return model(*args, **kwargs)
-        return form.run(
-            lambda: model(*args, run=run, **kwargs),
-            lambda: model(*args, run=run.fused(None), **kwargs),
-            allowed=self.compile == "auto",
-        )
+        if form.tries(self.compile == "auto"):
+            try:
+                return model(*args, run=run, **kwargs)
+            except CompileFailure as failure:
+                form.fell_back(failure)
+        with plain_path():
+            return model(*args, run=run.fused(None), **kwargs)
 
 
 def evaluate(model, compile: str, *args, run: RunOptions = PLAIN, **kwargs):

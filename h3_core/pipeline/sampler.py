@@ -67,14 +67,14 @@ def denoise(
             rows, ``masks``; None generates everything) and ``compile`` (each evaluation runs through
             ``run_options.Evaluations``, on the plain path when ``"off"`` or once the compiled path has failed).
             Its geometry is what ``packed`` was made from.
-        runner: ``progress(step, steps)`` after every step; ``check_cancel()`` before every evaluation and, for an
-            ``H3DiT``, before every block (``RunOptions.check_cancel``), raising to stop; ``preview(step, steps,
-            frame)`` after every step, ``frame`` the step's clean estimate of the clip's middle latent frame, ``[24,
-            1, h, w]`` fp32 (what a live preview shows); ``solver`` integrates in place of the released Euler loop
-            (e.g. one of ComfyUI's samplers), as ``solver(denoised, x, sigmas, on_step)`` → the final ``x``: ``x``
-            ``[1, N]`` fp32 holds the generated video rows then the generated audio rows carried on the video
-            schedule (``carried_audio``), ``denoised(x, σ)`` is one model evaluation's clean estimate of it at video
-            σ (``σ`` a 0-d or 1-element tensor), and ``on_step(i, n, denoised)`` reports step ``i`` of ``n``
+        runner: ``progress(step, steps)`` after every step; ``check_cancel()`` before every evaluation (given with
+            it as ``RunOptions.check_cancel``: an ``H3DiT`` calls it before each of its blocks), raising to stop;
+            ``preview(step, steps, frame)`` after every step, ``frame`` the step's clean estimate of the clip's middle
+            latent frame, ``[24, 1, h, w]`` fp32 (what a live preview shows); ``solver`` integrates in place of the
+            released Euler loop (e.g. one of ComfyUI's samplers), as ``solver(denoised, x, sigmas, on_step)`` → the
+            final ``x``: ``x`` ``[1, N]`` fp32 holds the generated video rows then the generated audio rows carried on
+            the video schedule (``carried_audio``), ``denoised(x, σ)`` is one model evaluation's clean estimate of it at
+            video σ (``σ`` a 0-d or 1-element tensor), and ``on_step(i, n, denoised)`` reports step ``i`` of ``n``
             (progress and preview); not with ``start``.
         hybrid: a ``HybridContext`` passed to the model as ``hybrid=`` (VDN-H3); None passes nothing.
         run: the ``RunOptions`` every evaluation of an ``H3DiT`` is given (a placement's, ``FittedModel.options``).
@@ -109,7 +109,6 @@ def denoise(
             (float(video_shift), float(audio_shift)),
             condition_audio_t,
             progress,
-            check_cancel,
             preview,
         )
     video_ts, audio_ts = timesteps_of(video_sigmas), timesteps_of(audio_sigmas)
@@ -149,8 +148,6 @@ def denoise(
     stepping = _Run(evaluations, packed, text_rows, video_rows, audio_rows, ca, hybrid)
     try:
         for i, (timesteps, index) in enumerate(steps_timesteps):
-            if check_cancel is not None:
-                check_cancel()
             if video_size is not None:
                 video_rows[cv:] = repad_rows(video_rows[cv:], *video_size)
             video_in, audio_in = video_rows, audio_rows
@@ -227,7 +224,7 @@ class _Run:
             **self.extra,
         )
 
-    def solve(self, solver, video_sigmas, shifts, condition_audio_t, progress, check_cancel, preview):
+    def solve(self, solver, video_sigmas, shifts, condition_audio_t, progress, preview):
         """``denoise`` with ``solver`` integrating: the generated rows packed into one state with the audio carried
         on the video schedule, each ``denoised`` call one evaluation, the final state unpacked."""
         cv, ca, packed = self.packed.condition_rows, self.ca, self.packed
@@ -239,8 +236,6 @@ class _Run:
         host_tables = getattr(self.evaluations.model, "adaln_on_host", False)
 
         def denoised(x, sigma):
-            if check_cancel is not None:
-                check_cancel()
             sigma_v = torch.as_tensor(sigma, dtype=torch.float32).flatten()[:1].cpu()
             sigma_a = time_shift_sigma(sigma_v, *shifts)
             t_video, t_audio = float(1.0 - sigma_v), float(1.0 - sigma_a)

@@ -120,8 +120,8 @@ def test_the_smaller_placement_keeps_the_runs_cancel_hook():
     generated(m, RunOptions(on_out_of_memory=fit_smaller), check_cancel=check_cancel)
     assert [r.head_groups for r in given] == [1, 2, 2, 2]
     assert all(r.check_cancel is check_cancel and r.on_out_of_memory is fit_smaller for r in given)
-    # before each of the 3 steps, and before each block of the 4 evaluations (the failed one up to block 1)
-    assert len(cancels) == 3 + 2 + 3 * len(m.blocks)
+    # before each block of the 4 evaluations (the failed one up to block 1)
+    assert len(cancels) == 2 + 3 * len(m.blocks)
     assert run_option_attributes(m) == []
 
 

@@ -3,6 +3,8 @@ the host ask the loaded DiT for memory as it does when another model needs the r
 memory so that a run meets an out-of-memory. Never shipped. Each probe takes optional inputs of any type, only
 to be placed after the nodes whose outputs it takes, and passes a model through."""
 
+import sys
+
 import comfy.model_management as mm
 import torch
 
@@ -834,4 +836,92 @@ NODE_CLASS_MAPPINGS.update(
         "H3ProbeFloat32DiT": H3ProbeFloat32DiT,
         "H3ProbeKeepStreams": H3ProbeKeepStreams,
     }
+)
+
+
+# ---- the layers the sampler's model crosses (tests/host/test_host_call_layers.py) ------------------------------------
+
+# The pack's layers top down, as docs/architecture.md draws them; h3_core's own top-level modules are the lowest.
+PACK_LAYERS = ("nodes", "pipeline", "media", "memory", "formats", "models", "parallel", "attention", "h3_core")
+_traced = {}
+
+
+def _pack_layer(module: str):
+    """The layer of a module of the pack (loaded as ``<pack>.nodes...`` and ``<pack>.h3_core...``), else None."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[0] + ".h3_core" not in sys.modules:
+        return None
+    if parts[1] == "nodes":
+        return 0
+    if parts[1] == "h3_core":
+        return PACK_LAYERS.index(parts[2]) if parts[2] in PACK_LAYERS[1:-1] else len(PACK_LAYERS) - 1
+    return None
+
+
+def _where(frame) -> str:
+    return f"{frame.f_globals.get('__name__', '?').split('.', 1)[-1]}:{frame.f_code.co_qualname}"
+
+
+def _layer_tracer(frame, event, arg):
+    """While the sampler node's ``execute`` runs: every call of a pack function whose nearest pack caller on the
+    stack (host and torch frames between them skipped) is in a lower layer, kept once per (caller, callee)."""
+    if event != "call":
+        if event == "return" and frame is _traced.get("execute"):
+            _traced["execute"] = None
+        return
+    module = frame.f_globals.get("__name__", "")
+    layer = _pack_layer(module)
+    if layer is None:
+        return
+    if _traced.get("execute") is None:
+        if module.endswith(".nodes.sampler") and frame.f_code.co_name == "execute":
+            _traced["execute"] = frame
+        return
+    caller = frame.f_back
+    while caller is not None and _pack_layer(caller.f_globals.get("__name__", "")) is None:
+        caller = caller.f_back
+    if caller is None:
+        return
+    below = _pack_layer(caller.f_globals["__name__"])
+    if below > layer:
+        key = (_where(caller), _where(frame))
+        _traced["upward"].setdefault(key, [PACK_LAYERS[below], PACK_LAYERS[layer], 0])[2] += 1
+    elif below == 0 and layer > 0 and caller is _traced["execute"]:
+        _traced["descents"].add(_where(frame))
+
+
+class H3ProbeTraceLayersStart(_Probe):
+    """Starts recording, on the thread that runs the prompt, which calls of the pack go back up its layers while
+    the H3 Sampler runs (the sampler takes this node's ``model`` output, so it runs after this)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": (ANY,)}}
+
+    def probe(self, model):
+        _traced.update(execute=None, upward={}, descents=set())
+        sys.setprofile(_layer_tracer)
+        return {"ui": {"started": [True]}, "result": (model,)}
+
+
+class H3ProbeTraceLayersStop(_Probe):
+    """Stops the recording (placed after the sampler's latent) and reports each upward call: the caller, the
+    callee, their layers and how many times it was made; and the pack functions the sampler's ``execute`` called
+    itself."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"after": (ANY,)}}
+
+    def probe(self, after):
+        sys.setprofile(None)
+        upward = [
+            {"caller": caller, "callee": callee, "from": below, "to": above, "calls": calls}
+            for (caller, callee), (below, above, calls) in sorted(_traced.get("upward", {}).items())
+        ]
+        return {"ui": {"upward": upward, "descents": sorted(_traced.get("descents", ()))}, "result": (after,)}
+
+
+NODE_CLASS_MAPPINGS.update(
+    {"H3ProbeTraceLayersStart": H3ProbeTraceLayersStart, "H3ProbeTraceLayersStop": H3ProbeTraceLayersStop}
 )
