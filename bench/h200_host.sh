@@ -18,6 +18,8 @@
 #   mp4       bench/mp4_presets.py: libx264 presets x threads (seconds, MB, PSNR) on a clip built from the photos
 #             carried as .photos (written beforehand by bench/mp4_presets.py --extract .photos)
 #   host      the host tests (tests/host) with the ComfyUI server on the GPU (H3_COMFY_GPU=1)
+#   gpu-and-host  the two side by side (the GPU tests count only their own process's device memory), then alone the
+#             host test that fills the device to meet an out-of-memory
 #   devices   the host test of a device per model with the server on the GPU: the DiT and the video VAE on cuda:0
 #             beside the text encoder and the audio VAE on the CPU
 #   multi-gpu on a machine of several GPUs: the NCCL checks (tests/gpu/test_parallel_cuda.py), one GPU's evaluation
@@ -222,6 +224,15 @@ for part in "$@"; do
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_tests python3 -m pytest -q \
                 -p no:warnings -rs tests/host ;;
+        gpu-and-host)
+            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
+            oom=tests/host/test_host_interruptions.py::test_an_out_of_memory_mid_step_is_a_clear_error_and_the_server_goes_on
+            run gpu_tests python3 -m pytest -q -p no:warnings -rs tests/gpu tests/unit/test_text_encoder_file.py &
+            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_tests python3 -m pytest -q \
+                -p no:warnings -rs tests/host --deselect "$oom"
+            wait
+            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_out_of_memory python3 -m pytest \
+                -q -p no:warnings -rs "$oom" ;;
         devices)
             mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
             H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run devices python3 -m pytest -q \
