@@ -78,6 +78,18 @@ class ComfyServer:
         self.process: subprocess.Popen | None = None
         self.client_id = uuid.uuid4().hex
 
+    @classmethod
+    def beside(cls, other: "ComfyServer", base: Path, extra_args: tuple[str, ...] = ()) -> "ComfyServer":
+        """A new server (not started) on ``other``'s model and input folders, with the node packs installed beside
+        the pack in ``other`` (the test probes)."""
+        for folder in ("models", "input"):
+            (base / folder).symlink_to(getattr(other, folder), target_is_directory=True)
+        server = cls(base, extra_args)
+        for pack in (other.base / "custom_nodes").iterdir():
+            if not (server.base / "custom_nodes" / pack.name).exists():
+                (server.base / "custom_nodes" / pack.name).symlink_to(pack.resolve(), target_is_directory=True)
+        return server
+
     @property
     def models(self) -> Path:
         return self.base / "models"

@@ -318,7 +318,7 @@ class TimeEmbedder(nn.Module):
 
     def forward(self, t):
         half = self.freq_dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         angles = t.float()[:, None] * freqs[None]  # cosines first
         emb = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1).to(self.proj_in.weight.dtype)
         return self.proj_out(F.silu(self.proj_in(emb)))
@@ -366,7 +366,8 @@ class MiniMaxH3Model(nn.Module):
 
     def rope_freqs(self, position_ids):
         """``rope_freqs``: ``[S, 3]`` -> ``[S, 6F]`` fp32 angles, each axis times the same frequencies, repeated."""
-        per_axis = position_ids.float()[:, :, None] * self.rope.inv_freq.float()[None, None]
+        inv_freq = self.rope.inv_freq.float()
+        per_axis = position_ids.float().to(inv_freq.device)[:, :, None] * inv_freq[None, None]
         half = per_axis.flatten(1)
         return torch.cat([half, half], dim=-1)
 
@@ -378,7 +379,7 @@ class MiniMaxH3Model(nn.Module):
             r = to_rows_fn(z)
             if aug < 1.0:
                 noise = torch.randn(r.shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
-                r = aug * r + (1.0 - aug) * noise.to(r.dtype)
+                r = aug * r + (1.0 - aug) * noise.to(r.device, r.dtype)
             rows.append(r)
         return torch.cat(rows) if rows else None
 
@@ -391,7 +392,7 @@ class MiniMaxH3Model(nn.Module):
         video_x, audio_x = x
         orig_t, orig_h, orig_w = video_x.shape[2:]
         video_x = pad_circular(video_x, self.patch_size)
-        dtype = context.dtype
+        dtype, device = context.dtype, video_x.device
         latent_t, lat_h, lat_w = video_x.shape[2:]
         audio_t, text_len = audio_x.shape[-1], context.shape[1]
         layout = PackedLayout(text_len, latent_t, lat_h, lat_w, audio_t, payload.get("keyframes"), payload.get("refs"))
@@ -411,7 +412,8 @@ class MiniMaxH3Model(nn.Module):
         if denoise_mask is not None:
             m = row_mask(denoise_mask[0, 0].float(), latent_t, lat_h, lat_w)
             if m is not None:
-                rows_t = (1.0 - m * torch.tensor(sigma_v, dtype=torch.float32)).clamp(max=max(t_v, COND_T_VIDEO))
+                sigma = torch.tensor(sigma_v, dtype=torch.float32, device=m.device)
+                rows_t = (1.0 - m * sigma).clamp(max=max(t_v, COND_T_VIDEO))
                 if rows_t.unique().numel() == 1:
                     seg_t["video"] = float(rows_t[0])
                 else:
@@ -433,7 +435,7 @@ class MiniMaxH3Model(nn.Module):
 
         def per_row_index(rows_t, tag):
             values = rows_t.unique()
-            base = torch.tensor([t_row[v] * 3 + tag for v in values.tolist()], dtype=torch.long)
+            base = torch.tensor([t_row[v] * 3 + tag for v in values.tolist()], dtype=torch.long, device=rows_t.device)
             return base[torch.searchsorted(values, rows_t)]
 
         tags = payload.get("text_token_tags")
@@ -467,16 +469,18 @@ class MiniMaxH3Model(nn.Module):
         )  # fmt: skip
         all_video, all_audio = video_rows, audio_rows
         if cond_video is not None:
-            all_video = torch.empty(layout.img_update.shape[0], video_rows.shape[1], dtype=wdtype)
-            all_video[~layout.img_update], all_video[layout.img_update] = cond_video, video_rows
+            img_update = layout.img_update.to(device)
+            all_video = torch.empty(img_update.shape[0], video_rows.shape[1], dtype=wdtype, device=device)
+            all_video[~img_update], all_video[img_update] = cond_video.to(device), video_rows
         if cond_audio is not None:
-            all_audio = torch.empty(layout.audio_update.shape[0], audio_rows.shape[1], dtype=wdtype)
-            all_audio[~layout.audio_update], all_audio[layout.audio_update] = cond_audio, audio_rows
+            audio_update = layout.audio_update.to(device)
+            all_audio = torch.empty(audio_update.shape[0], audio_rows.shape[1], dtype=wdtype, device=device)
+            all_audio[~audio_update], all_audio[audio_update] = cond_audio.to(device), audio_rows
         video_embed = self.video_patch_proj(all_video).to(dtype)
         audio_embed = self.audio_patch_proj(all_audio).to(dtype)
         text = self.token_refiner(self.condition_proj(context[0]), transformer_options=transformer_options)
 
-        h = torch.empty(layout.seq_len, self.hidden_size, dtype=dtype)
+        h = torch.empty(layout.seq_len, self.hidden_size, dtype=dtype, device=device)
         v_at = a_at = 0
         for a, b, kind in layout.segments:
             if kind == "text":
@@ -486,7 +490,7 @@ class MiniMaxH3Model(nn.Module):
             else:
                 h[a:b], a_at = audio_embed[a_at : a_at + b - a], a_at + b - a
 
-        t_emb = self.time_embedder(torch.tensor(unique_t, dtype=torch.float32)).to(dtype)
+        t_emb = self.time_embedder(torch.tensor(unique_t, dtype=torch.float32, device=device)).to(dtype)
         rope = rotation_table(self.rope_freqs(layout.position_ids), dtype)
         replace = transformer_options.get("patches_replace", {}).get("dit", {})
         for i, block in enumerate(self.blocks):

@@ -1,6 +1,7 @@
 """The sampler's model followed from the node to the kernels in a real ComfyUI server crosses back up the pack's
 layers (docs/architecture.md) at most 4 times: a crossing is a call of a pack function from one of a lower layer
-(the nearest pack frame below it on the stack; the host's and torch's frames between them skipped), counted once
+(the nearest pack frame below it on the stack; the host's and torch's frames between them skipped, and a decorator's
+wrapper taken as the function it wraps), counted once
 per caller and callee however often it is made. Recorded by the test pack's tracer on the thread that runs the
 prompt, while the H3 Sampler runs T2VA and FL2VA clips, with the host's previews off and on. The crossings left are
 the host's services the node gives with the run (the memory plan made when the sequence is known, progress or
@@ -17,11 +18,7 @@ MOST = 4
 def previewing_server(server, tmp_path_factory):
     """A second server on the same model and input folders, with the test pack, started with previews on."""
     base = tmp_path_factory.mktemp("comfy_layers_previews")
-    for folder in ("models", "input"):
-        (base / folder).symlink_to(getattr(server, folder), target_is_directory=True)
-    host = ComfyServer(base, ("--preview-method", "latent2rgb"))
-    probes = server.base / "custom_nodes" / "h3_host_probe"
-    (host.base / "custom_nodes" / "h3_host_probe").symlink_to(probes.resolve(), target_is_directory=True)
+    host = ComfyServer.beside(server, base, ("--preview-method", "latent2rgb"))
     host.start()
     yield host
     host.stop()

@@ -20,10 +20,7 @@ def previews_of(server, prompt):
 @pytest.fixture(scope="module")
 def previewing_server(server, tmp_path_factory):
     """A second server on the same model and input folders, started with previews on."""
-    base = tmp_path_factory.mktemp("comfy_previews")
-    for folder in ("models", "input"):
-        (base / folder).symlink_to(getattr(server, folder), target_is_directory=True)
-    host = ComfyServer(base, ("--preview-method", "latent2rgb"))
+    host = ComfyServer.beside(server, tmp_path_factory.mktemp("comfy_previews"), ("--preview-method", "latent2rgb"))
     host.start()
     yield host
     host.stop()

@@ -9,10 +9,18 @@ in the log; on the CPU nothing is compiled and no thread starts."""
 import os
 
 import pytest
-from comfy_host import error_message
+from comfy_host import ComfyServer, error_message
 
 ON_GPU = os.environ.get("H3_COMFY_GPU") == "1"
 WARM_UP_LINES = ("imported the compilers' modules", "first calls made ahead", "hardware video encoders probed")
+
+
+@pytest.fixture(scope="module")
+def fresh(server, tmp_path_factory):
+    """A server of its own (the session's has run H3 prompts before), on the session's model and input folders."""
+    host = ComfyServer.beside(server, tmp_path_factory.mktemp("comfy_start")).start()
+    yield host
+    host.stop()
 
 
 def state(server, prompt: dict, tag: str) -> dict:
@@ -22,7 +30,8 @@ def state(server, prompt: dict, tag: str) -> dict:
     return entry["outputs"]["99"]["state"][0]
 
 
-def test_nothing_changes_until_an_h3_prompt_is_posted(server):
+def test_nothing_changes_until_an_h3_prompt_is_posted(fresh):
+    server = fresh
     said = server.log_path.read_text(errors="replace")
     assert not any(line in said for line in WARM_UP_LINES), "the pack did work at registration"
     first = state(server, {}, "no H3 node")
@@ -46,7 +55,8 @@ def test_nothing_changes_until_an_h3_prompt_is_posted(server):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the warm-up thread runs where the compiled paths run: the server on a GPU")
-def test_the_warm_up_does_its_work_ahead_and_says_so(server):
+def test_the_warm_up_does_its_work_ahead_and_says_so(fresh):
+    server = fresh
     canvas = {"1": {"class_type": "H3Canvas", "inputs": {"width": 64, "height": 32, "length": 22}}}
     state(server, canvas, "an H3 node")
     server.wait_for_log("hardware video encoders probed", 1)

@@ -844,6 +844,8 @@ NODE_CLASS_MAPPINGS.update(
 # The pack's layers top down, as docs/architecture.md draws them; h3_core's own top-level modules are the lowest.
 PACK_LAYERS = ("nodes", "pipeline", "media", "memory", "formats", "models", "parallel", "attention", "h3_core")
 _traced = {}
+# a decorator's wrapper is the function it wraps: its frame is skipped, not counted as the caller
+_WRAPPERS = {"h3_core.triton_forms:guarded.<locals>.call"}
 
 
 def _pack_layer(module: str):
@@ -878,7 +880,9 @@ def _layer_tracer(frame, event, arg):
             _traced["execute"] = frame
         return
     caller = frame.f_back
-    while caller is not None and _pack_layer(caller.f_globals.get("__name__", "")) is None:
+    while caller is not None and (
+        _pack_layer(caller.f_globals.get("__name__", "")) is None or _where(caller) in _WRAPPERS
+    ):
         caller = caller.f_back
     if caller is None:
         return
