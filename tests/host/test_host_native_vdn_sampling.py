@@ -27,12 +27,19 @@ are compared exactly. The soundtrack cannot be: AAC encodes waveforms that diffe
 bitstreams (at this length they decode up to 0.03 apart; the same waveform encodes identically). The soundtracks
 are therefore compared as decoded before encoding (H3 Audio Decode), and the mp4s' audio tracks by their layout."""
 
+import os
+
 import av
 import numpy as np
 import torch
 from comfy_host import error_message
 from graphs import TINY_AUDIO_VAE, TINY_BRANCH, TINY_DIT, TINY_TEXT_ENCODER, TINY_VIDEO_VAE
 from test_host_native_vdn import patch_inputs
+
+# The two soundtracks decoded from latents that agree to 1e-6 of their scale: on the CPU within 2e-6 of the
+# waveform's scale; on a GPU the audio decoder's convolutions may run in TF32 (PyTorch's default for cuDNN), and the
+# latents' last-bit differences came through at 1.4e-5 (H100, bench/results/host_gpu.md)
+WAVE_TOLERANCE = 5e-5 if os.environ.get("H3_COMFY_GPU") == "1" else 2e-6
 
 # 12 latent frames: more than the window (chunks of 5, one chunk each side) sees, so the patch's attention is not
 # plain attention
@@ -193,4 +200,4 @@ def test_the_hosts_sampler_on_the_patched_native_model_writes_the_packs_mp4(serv
     assert host_wave["sample_rate"] == pack_wave["sample_rate"] == 32000
     assert host_wave["waveform"].shape == pack_wave["waveform"].shape == (1, 2, LENGTH * 32000 // 24)
     wave_diff = (host_wave["waveform"] - pack_wave["waveform"]).abs().max().item()
-    assert wave_diff <= 2e-6 * max(pack_wave["waveform"].abs().max().item(), 1e-3), wave_diff
+    assert wave_diff <= WAVE_TOLERANCE * max(pack_wave["waveform"].abs().max().item(), 1e-3), wave_diff
