@@ -221,13 +221,9 @@ def linear_form(capability: tuple[int, int] | None) -> str:
     return "fp8" if tuple(capability) >= FP8_MATMUL_CAPABILITY else "weights only"
 
 
-def _device_form(device: torch.device | str) -> str:
-    return linear_form(capability_of(device))
-
-
 def device_linear_form(device: torch.device | str) -> str:
     """``linear_form`` of ``device``'s card (``"reference"`` off CUDA)."""
-    return _device_form(device)
+    return linear_form(capability_of(device))
 
 
 def reads_quantized_rows(layer: nn.Module, device: torch.device) -> bool:
@@ -457,7 +453,7 @@ class Fp8Linear(nn.Module):
         usable, reason = scaled_mm_supports(x, weight, self.compute_dtype)
         if usable:
             return fp8_linear_scaled_mm(x, weight, scale, bias, self.compute_dtype, self.fast_accum)
-        if _device_form(x.device) == "weights only":
+        if device_linear_form(x.device) == "weights only":
             return fp8_linear_weights_only(x, weight, scale, bias, self.compute_dtype)
         if x.device.type == "cuda":
             _report_fallback_once(reason)

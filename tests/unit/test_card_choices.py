@@ -73,7 +73,7 @@ def test_on_a_card_without_fp8_matmuls_an_fp8_layer_reads_its_input_unquantised(
     cpu = torch.device("cpu")
     assert fp8_linear.reads_quantized_rows(layer, cpu) and FusedBlockOps("compiled").gates_while_quantizing(layer, cpu)
     reference = layer(x)  # the fp32 reference, activations quantised
-    monkeypatch.setattr(fp8_linear, "_device_form", lambda device: "weights only")
+    monkeypatch.setattr(fp8_linear, "capability_of", lambda device: (8, 6))  # an sm86 card's choices
     assert not fp8_linear.reads_quantized_rows(layer, cpu)
     assert not FusedBlockOps("compiled").gates_while_quantizing(layer, cpu)
     assert not block_ops.reads_quantized_rows(layer, cpu)
@@ -172,7 +172,7 @@ def test_the_memory_plan_counts_an_fp8_layer_on_a_card_without_fp8_matmuls_as_it
     model.fp8_layers = {"blocks.0.mlp.fc1": "quantised here"}
     cpu = torch.device("cpu")
     assert ModelForm.of(model).linears == "fp8" and ModelForm.of(model, device=cpu).linears == "fp8"
-    monkeypatch.setattr(fp8_linear, "_device_form", lambda device: "weights only")
+    monkeypatch.setattr(fp8_linear, "capability_of", lambda device: (8, 6))  # an sm86 card's choices
     form = ModelForm.of(model, device=cpu)
     assert form.linears == WEIGHTS_ONLY and ModelForm.of(model).linears == "fp8"
     assert weight_bytes(cfg, linears=WEIGHTS_ONLY) == weight_bytes(cfg, linears="fp8")
