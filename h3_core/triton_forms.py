@@ -72,10 +72,10 @@ class CompileFailure(RuntimeError):
 
 class CompiledForm:
     """The fallback of one compiled form, kept by whatever owns that form (a model, a patch, a module's compiled
-    function). The owner runs its compiled form where ``tries(allowed)`` says so; a ``CompileFailure`` it raises is
-    handed to ``fell_back``, which says once ``failed_said (cause); then_said from now on``, and the owner runs the
-    call again as its plain form inside ``plain_path()`` (a failed attempt wrote only its own intermediates); every
-    later call is plain."""
+    function). The owner runs its compiled form where ``tries(allowed)`` says so, inside ``attempt()``: a
+    ``CompileFailure`` it raises there is remembered, said once (``failed_said (cause); then_said from now on``) and
+    swallowed, and the owner goes on to run the call again as its plain form inside ``plain_path()`` (a failed
+    attempt wrote only its own intermediates); every later call is plain."""
 
     def __init__(self, failed_said: str, then_said: str):
         self.failed_said, self.then_said = failed_said, then_said
@@ -85,10 +85,14 @@ class CompiledForm:
         """Whether the compiled form runs now: ``allowed`` and it has not failed before."""
         return allowed and not self.failed
 
-    def fell_back(self, failure: CompileFailure) -> None:
-        """The compiled form raised ``failure``: remembered, and said once."""
-        self.failed = True
-        log.warning("%s (%s); %s from now on", self.failed_said, failure.describe(), self.then_said)
+    @contextlib.contextmanager
+    def attempt(self):
+        """Around the compiled form's call: its ``CompileFailure`` remembered, said once, and not raised."""
+        try:
+            yield
+        except CompileFailure as failure:
+            self.failed = True
+            log.warning("%s (%s); %s from now on", self.failed_said, failure.describe(), self.then_said)
 
 
 def check_compile(compile: str) -> str:

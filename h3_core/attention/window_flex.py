@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..triton_forms import CompiledForm, CompileFailure, compiles_on, compiling, guarded, plain_path
+from ..triton_forms import CompiledForm, compiles_on, compiling, guarded, plain_path
 from ._lru import BoundedLRU
 from .layout import SequenceLayout, WindowSpec, anchor_frames, clamped_window, window_bounds
 
@@ -103,11 +103,8 @@ def build_window_block_mask(layout: SequenceLayout, window: WindowSpec, device, 
     device = torch.device(device)
     form = (kernel or FLEX).compiled_form
     if form.tries(_compiles(device)):
-        try:
-            with _recompile_limit():
-                return _block_mask(layout, window, device, block_size, True)
-        except CompileFailure as failure:
-            form.fell_back(failure)
+        with form.attempt(), _recompile_limit():
+            return _block_mask(layout, window, device, block_size, True)
     with plain_path():
         return _block_mask(layout, window, device, block_size, False)
 
@@ -179,13 +176,11 @@ class FlexKernel:
     def run(self, q4, k4, v4, mask, scale, device):
         """``(output, which kernel ran it)``."""
         if self.compiled_form.tries(_compiles(device)):
-            try:
+            with self.compiled_form.attempt():
                 if self._compiled is None:
                     self._compiled = torch.compile(_flex(), dynamic=False)
                 with _recompile_limit():
                     return self._run_compiled(q4, k4, v4, mask, scale, device)
-            except CompileFailure as failure:
-                self.compiled_form.fell_back(failure)
         with plain_path(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             return _flex()(q4, k4, v4, block_mask=mask, scale=scale), "eager"

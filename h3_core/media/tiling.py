@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..errors import H3InputError, is_out_of_memory
 from ..parallel.spread import spread_in_order
-from ..triton_forms import CompileFailure, check_compile, compiles_on, plain_path
+from ..triton_forms import check_compile, compiles_on, plain_path
 from .host_frames import empty_frames
 from .host_sink import HostSink
 
@@ -533,10 +533,8 @@ def _decoder(vae, overrides, compiled: bool) -> Callable[[torch.Tensor], torch.T
 
     def decode(tiles):
         if vae.compiled_form.tries(compiled):
-            try:
+            with vae.compiled_form.attempt():
                 return vae.decode_tiles(tiles, overrides, compiled=True)
-            except CompileFailure as failure:
-                vae.compiled_form.fell_back(failure)
         with plain_path():
             return vae.decode_tiles(tiles, overrides)
 

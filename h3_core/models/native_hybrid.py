@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..attention.layout import SequenceLayout, Span, WindowSpec
 from ..errors import H3InputError
-from ..triton_forms import COMPILE_MODES, CompiledForm, CompileFailure, plain_path
+from ..triton_forms import COMPILE_MODES, CompiledForm, plain_path
 from .branch_fused import compiled_branch_available
 from .hybrid import RELEASE_WINDOW, HybridContext, hybrid_attention_forward
 from .options import PLAIN, RunOptions
@@ -270,10 +270,8 @@ class NativeVDN:
         if self.compiled_form.tries(self.settings.compile == "auto"):
             # the block's own projections run as the host runs them (no pack kernels on them); the branch fused
             fused = _BRANCH_COMPILED if compiled_branch_available(h.device) else PLAIN
-            try:
+            with self.compiled_form.attempt():
                 return hybrid_attention_forward(source, h, rope, ctx, fused)
-            except CompileFailure as failure:
-                self.compiled_form.fell_back(failure)
         with plain_path():
             return hybrid_attention_forward(source, h, rope, ctx)
 

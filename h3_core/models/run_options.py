@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import H3InputError, is_out_of_memory
-from ..triton_forms import CompileFailure, plain_path
+from ..triton_forms import plain_path
 from .branch_fused import FUSED_MODES
 from .dit import Attention
 from .options import PLAIN, RunOptions
@@ -96,10 +96,8 @@ class Evaluations:
             with plain_path(self.compile != "auto"):
                 return model(*args, **kwargs)
         if form.tries(self.compile == "auto"):
-            try:
+            with form.attempt():
                 return model(*args, run=run, **kwargs)
-            except CompileFailure as failure:
-                form.fell_back(failure)
         with plain_path():
             return model(*args, run=run.fused(None), **kwargs)
 
