@@ -103,3 +103,15 @@ def server(tmp_path_factory):
     host.start()
     yield host
     host.stop()
+
+
+@pytest.fixture(scope="session")
+def previewing_server(server, tmp_path_factory):
+    """A second server on the session server's model and input folders and packs, started with the host's previews
+    on (``--preview-method latent2rgb``)."""
+    from comfy_host import ComfyServer
+
+    host = ComfyServer.beside(server, tmp_path_factory.mktemp("comfy_previews"), ("--preview-method", "latent2rgb"))
+    host.start()
+    yield host
+    host.stop()

@@ -8,20 +8,10 @@ the host's services the node gives with the run (the memory plan made when the s
 previews, cancel); nothing inside h3_core calls back into a layer above its own."""
 
 import pytest
-from comfy_host import ComfyServer, error_message
+from comfy_host import error_message
 from graphs import generation
 
 MOST = 4
-
-
-@pytest.fixture(scope="module")
-def previewing_server(server, tmp_path_factory):
-    """A second server on the same model and input folders, with the test pack, started with previews on."""
-    base = tmp_path_factory.mktemp("comfy_layers_previews")
-    host = ComfyServer.beside(server, base, ("--preview-method", "latent2rgb"))
-    host.start()
-    yield host
-    host.stop()
 
 
 def traced(server, prompt: dict) -> dict:

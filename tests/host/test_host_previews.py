@@ -4,8 +4,7 @@ default) it sends none."""
 
 import io
 
-import pytest
-from comfy_host import ComfyServer, error_message
+from comfy_host import error_message
 from graphs import generation
 from PIL import Image
 
@@ -15,15 +14,6 @@ def previews_of(server, prompt):
     assert events[-1][0] == "execution_success", error_message({"status": {"messages": events}})
     steps = [data for kind, data in events if kind == "progress" and data.get("node") == "7"]
     return [data for kind, data in events if kind == "preview"], steps
-
-
-@pytest.fixture(scope="module")
-def previewing_server(server, tmp_path_factory):
-    """A second server on the same model and input folders, started with previews on."""
-    host = ComfyServer.beside(server, tmp_path_factory.mktemp("comfy_previews"), ("--preview-method", "latent2rgb"))
-    host.start()
-    yield host
-    host.stop()
 
 
 def test_one_preview_per_step_when_the_host_sends_previews(previewing_server):
