@@ -114,6 +114,10 @@ host_log() {  # the host's free and cached memory, huge pages and page-fault and
                   v["thp_fault_fallback"] "," v["pgfault"] "," v["compact_stall"] }' /proc/meminfo /proc/vmstat >> "$1"
     done
 }
+on_gpu_server() {  # command... with ComfyUI's servers on the GPU, their frontend a page of its own (no browser here)
+    mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid on the GPU</body></html>" > /tmp/h3_frontend/index.html
+    H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" "$@"
+}
 run() {  # name, command...
     local name="$1"; shift
     echo "== $name: $*"
@@ -184,8 +188,7 @@ for part in "$@"; do
                     compiled --reps 2 --first-profile 40 --out "$out/first_step${label}_$fill.json"
             done ;;
         desktop)
-            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid benchmark</body></html>" > /tmp/h3_frontend/index.html
-            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run desktop python3 bench/desktop.py \
+            on_gpu_server run desktop python3 bench/desktop.py \
                 --base /root/h3_e2e --configs ${DESKTOP_CONFIGS:-none:0 24:64 16:32 12:32} --timeout 420 --warm-up
             cp /root/h3_e2e/desktop_state.json "$out/" ;;
         e2e-seed) mkdir -p /root/h3_e2e && cp .e2e_seed/end_to_end_state.json /root/h3_e2e/ && echo "   state seeded" ;;
@@ -193,7 +196,6 @@ for part in "$@"; do
             cp /root/h3_e2e/end_to_end_state.json "$out/" ;;
         e2e-quick) run e2e_quick_write python3 bench/end_to_end.py --base /root/h3_e2e --phase write ;&
         e2e-cold|e2e-restart|e2e-restart-t2va|e2e-restart-warm|e2e-small)
-            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid benchmark</body></html>" > /tmp/h3_frontend/index.html
             phases=(cold); [ "$part" = e2e-restart ] && phases=(restart report)
             [ "$part" = e2e-restart-t2va ] && phases=(restart-t2va report)
             [ "$part" = e2e-restart-warm ] && phases=(restart-warm report)
@@ -206,7 +208,7 @@ for part in "$@"; do
             gc_watch=()
             [ "${E2E_GC:-0}" = 1 ] && gc_watch=(env H3_GC_LOG="$(cd "$out" && pwd)/gc_${part}.jsonl" \
                 PYTHONPATH="$PWD/bench/gc_watch:$PYTHONPATH")
-            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run "${part/-/_}" "${gc_watch[@]}" python3 \
+            on_gpu_server run "${part/-/_}" "${gc_watch[@]}" python3 \
                 bench/end_to_end.py --base /root/h3_e2e --phase "${phases[@]}" --repeat "${E2E_REPEAT:-1}" \
                 $([ "${E2E_ADD:-0}" = 1 ] && echo --add-servers) \
                 --out "$out/end_to_end.json"
@@ -221,21 +223,16 @@ for part in "$@"; do
             cp /root/h3_e2e/end_to_end_state.json "$out/"
             cp /root/h3_e2e/server.log "$out/server_${part}.log" 2>/dev/null ;;  # the last server's whole log
         host)
-            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
-            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_tests python3 -m pytest -q \
-                -p no:warnings -rs tests/host ;;
+            on_gpu_server run host_tests python3 -m pytest -q -p no:warnings -rs tests/host ;;
         gpu-and-host)
-            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
             oom=tests/host/test_host_interruptions.py::test_an_out_of_memory_mid_step_is_a_clear_error_and_the_server_goes_on
             run gpu_tests python3 -m pytest -q -p no:warnings -rs tests/gpu tests/unit/test_text_encoder_file.py &
-            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_tests python3 -m pytest -q \
-                -p no:warnings -rs tests/host --deselect "$oom"
-            wait
-            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run host_out_of_memory python3 -m pytest \
-                -q -p no:warnings -rs "$oom" ;;
+            gpu_suite=$!
+            on_gpu_server run host_tests python3 -m pytest -q -p no:warnings -rs tests/host --deselect "$oom"
+            wait "$gpu_suite"
+            on_gpu_server run host_out_of_memory python3 -m pytest -q -p no:warnings -rs "$oom" ;;
         devices)
-            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
-            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run devices python3 -m pytest -q \
+            on_gpu_server run devices python3 -m pytest -q \
                 -p no:warnings -rs "tests/host/test_host_model_management.py::test_each_loader_places_its_model_on_the_device_chosen_and_refuses_one_there_is_not" ;;
         multi-gpu)
             gpus=$(nvidia-smi -L | wc -l)
@@ -248,8 +245,7 @@ for part in "$@"; do
                 run "multi_gpu_${n}_${softmax}" python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks \
                     compiled --reps 3 "${across[@]}" --out "$out/multi_gpu_${n}_${softmax}.json"
             done
-            mkdir -p /tmp/h3_frontend && echo "<html><body>H3 Hybrid GPU host tests</body></html>" > /tmp/h3_frontend/index.html
-            H3_COMFY_GPU=1 H3_COMFY_ARGS="--front-end-root /tmp/h3_frontend" run multi_gpu_host python3 -m pytest -q \
+            on_gpu_server run multi_gpu_host python3 -m pytest -q \
                 -p no:warnings -rs tests/host/test_host_multi_gpu.py ;;
         rank-shares)
             run rank_shares_1_0 python3 bench/dit_step.py --variants fp8-decomposed --fused-blocks compiled --reps 3 \
